@@ -1,0 +1,440 @@
+"""Capture: torch.export (training IR, dynamic batch) -> conveyor's graph IR.
+
+Each ATen call becomes a node with its schema name and overload, its arguments
+normalized against the schema (defaults filled in), which arguments it writes in place
+and which it returns a view of. Parameters and buffers are referenced by their
+fully-qualified names and bound to the model's own tensors, so the user's optimizer
+keeps updating the very tensors the graph runs with.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import operator
+import os
+import re
+import warnings
+from typing import Any
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch.export import Dim, ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+from .errors import CaptureError
+from .graph import Graph
+
+# Python-level size arithmetic that export leaves in the graph, by conveyor::sym overload.
+_SYM_OPS = {
+    operator.add: "add", operator.sub: "sub", operator.mul: "mul", operator.floordiv: "floordiv",
+    operator.truediv: "truediv", operator.mod: "mod", operator.neg: "neg", operator.pow: "pow",
+    operator.eq: "eq", operator.ne: "ne", operator.lt: "lt", operator.le: "le", operator.gt: "gt",
+    operator.ge: "ge", operator.and_: "and", operator.or_: "or", operator.not_: "not",
+    torch.sym_max: "max", torch.sym_min: "min", torch.sym_float: "float", torch.sym_int: "int",
+    torch.sym_not: "not", math.ceil: "ceil", math.floor: "floor", math.sqrt: "sqrt",
+}
+if hasattr(torch, "sym_sqrt"):
+    _SYM_OPS[torch.sym_sqrt] = "sqrt"
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dim(size) -> int | str:
+    """A shape entry: an int, or the symbolic expression as text ("s0", "2*s0")."""
+    if isinstance(size, int):
+        return size
+    concrete = size.node.maybe_as_int() if hasattr(size.node, "maybe_as_int") else None
+    return int(concrete) if concrete is not None else str(size)
+
+
+def _source_of(node: torch.fx.Node) -> str:
+    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
+    if not frames:
+        return ""
+    path, line = frames[-1]
+    return f"{path}:{line}"
+
+
+def _user_frame(text: str) -> str | None:
+    """The innermost source location in `text` that is not inside torch itself."""
+    frames = [(p, l) for p, l in _FRAME.findall(text) if not p.startswith(_TORCH_DIR)]
+    if not frames:
+        return None
+    path, line = frames[-1]
+    code = ""
+    try:
+        with open(path, encoding="utf-8") as f:
+            code = f.readlines()[int(line) - 1].strip()
+    except (OSError, IndexError, ValueError):
+        pass
+    return f"{path}:{line}" + (f": {code}" if code else "")
+
+
+def _capture_failure(model: torch.nn.Module, exc: BaseException) -> CaptureError:
+    text = f"{type(exc).__name__}: {exc}"
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    where = _user_frame(str(exc)) or _user_frame("".join(_traceback_lines(exc)))
+    hint = ""
+    low = text.lower()
+    if "data-dependent" in low or "data dependent" in low or "guard on data" in low:
+        hint = ("the model branches on the value of a tensor (data-dependent control flow); "
+                "conveyor needs a graph that is the same for every input: use torch.where or "
+                "torch.cond instead of a Python if on tensor values")
+    elif "cache" in low and "pytree" in low:
+        hint = ("the model returns a cache object; for training set use_cache=False in the "
+                "model's config (or pass use_cache=False)")
+    elif "higher_order" in low or "higher-order" in low:
+        hint = "the model uses a higher-order operator conveyor cannot run"
+    msg = f"cannot capture {type(model).__name__}: {first}"
+    if where:
+        msg += f"\n  at {where}"
+    if hint:
+        msg += f"\n  hint: {hint}"
+    return CaptureError(msg)
+
+
+def _traceback_lines(exc: BaseException) -> list[str]:
+    import traceback
+    return traceback.format_exception(type(exc), exc, exc.__traceback__)
+
+
+def _batch_dynamic_shapes(model, args, kwargs, batch: int):
+    """dynamic_shapes marking dim 0 of every tensor whose dim 0 equals the batch size."""
+    dim = Dim("batch")
+
+    def spec(x):
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch:
+            return {0: dim}
+        return None
+
+    sig = inspect.signature(model.forward)
+    bound = sig.bind(*args, **kwargs)
+    out = {}
+    for name, value in bound.arguments.items():
+        kind = sig.parameters[name].kind
+        if kind == inspect.Parameter.VAR_POSITIONAL:
+            out[name] = tuple(pytree.tree_map(spec, v) for v in value)
+        elif kind == inspect.Parameter.VAR_KEYWORD:
+            out[name] = {k: pytree.tree_map(spec, v) for k, v in value.items()}
+        else:
+            out[name] = pytree.tree_map(spec, value)
+    return out
+
+
+def _export(model, args, kwargs, dynamic_batch: bool) -> tuple[ExportedProgram, bool]:
+    leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    if not leaves:
+        raise CaptureError(f"cannot capture {type(model).__name__}: it takes no tensor inputs")
+    batch = leaves[0].shape[0] if leaves[0].dim() > 0 else None
+    if dynamic_batch and batch is not None and batch < 2:
+        raise CaptureError(
+            f"cannot capture {type(model).__name__} with a batch of {batch}: capture with an "
+            "example batch of at least 2 so the batch dimension can stay symbolic")
+    if dynamic_batch and batch is not None:
+        try:
+            shapes = _batch_dynamic_shapes(model, args, kwargs, batch)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False), True
+        except Exception as exc:  # noqa: BLE001 - retried below, then reported
+            text = str(exc)
+            specialization = "batch" in text and ("specializ" in text or "constraint" in text.lower()
+                                                  or "Constraints violated" in text)
+            if not specialization:
+                raise _capture_failure(model, exc) from exc
+            warnings.warn(f"conveyor: {type(model).__name__} specializes its batch size; captured "
+                          f"with a fixed batch of {batch} (microbatching will need that size)")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.export.export(model, args, kwargs, strict=False), False
+    except Exception as exc:  # noqa: BLE001
+        raise _capture_failure(model, exc) from exc
+
+
+class _Builder:
+    """Walks an exported FX graph and emits conveyor's IR document."""
+
+    def __init__(self, ep: ExportedProgram, model: torch.nn.Module):
+        self.ep = ep
+        self.model = model
+        self.values: list[dict] = []
+        self.nodes: list[dict] = []
+        self.inputs: list[dict] = []
+        self.bindings: list[dict] = []
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.symbols: dict[str, str] = {}
+        self.env: dict[torch.fx.Node, Any] = {}  # fx node -> value id, or list of them
+
+    # -- values ---------------------------------------------------------------------------
+    def new_value(self, val, name: str) -> int:
+        vid = len(self.values)
+        entry: dict[str, Any] = {"id": vid, "name": name}
+        if isinstance(val, torch.Tensor):
+            entry["kind"] = "tensor"
+            entry["dtype"] = _dtype_name(val.dtype)
+            entry["shape"] = [_dim(d) for d in val.shape]
+            if val.requires_grad:
+                entry["requires_grad"] = True
+        elif isinstance(val, (torch.SymBool, bool)):
+            entry["kind"] = "bool"
+        elif isinstance(val, (torch.SymFloat, float)):
+            entry["kind"] = "float"
+        elif isinstance(val, (torch.SymInt, int)):
+            entry["kind"] = "int"
+        else:
+            raise CaptureError(f"value '{name}' has an unsupported type {type(val).__name__}")
+        self.values.append(entry)
+        return vid
+
+    def where(self, node: torch.fx.Node) -> str:
+        src = _source_of(node)
+        return f" at {src}" if src else ""
+
+    # -- arguments ------------------------------------------------------------------------
+    def encode(self, x, node: torch.fx.Node) -> dict:
+        if isinstance(x, torch.fx.Node):
+            rep = self.env.get(x)
+            if rep is None:
+                raise CaptureError(f"node {node.name} reads {x.name}, which conveyor could not "
+                                   f"translate{self.where(node)}")
+            if isinstance(rep, list):
+                return {"list": [{"value": v} if v is not None else {"none": None} for v in rep]}
+            return {"value": rep}
+        if isinstance(x, (list, tuple)):
+            return {"list": [self.encode(e, node) for e in x]}
+        if isinstance(x, bool):
+            return {"bool": x}
+        if isinstance(x, int):
+            return {"int": x}
+        if isinstance(x, float):
+            if math.isnan(x):
+                return {"float": "nan"}
+            if math.isinf(x):
+                return {"float": "inf" if x > 0 else "-inf"}
+            return {"float": x}
+        if isinstance(x, str):
+            return {"str": x}
+        if x is None:
+            return {"none": None}
+        if isinstance(x, torch.dtype):
+            return {"dtype": _dtype_name(x)}
+        if isinstance(x, torch.device):
+            return {"device": str(x)}
+        if isinstance(x, torch.layout):
+            return {"layout": str(x).removeprefix("torch.")}
+        if isinstance(x, torch.memory_format):
+            return {"memory_format": str(x).removeprefix("torch.")}
+        raise CaptureError(f"node {node.name} ({node.target}) has an argument of unsupported type "
+                           f"{type(x).__name__}: {x!r}{self.where(node)}")
+
+    # -- nodes ----------------------------------------------------------------------------
+    def add_op(self, node: torch.fx.Node, grad_enabled):
+        op = node.target
+        schema = op._schema
+        args = []
+        for i, a in enumerate(schema.arguments):
+            if not a.kwarg_only and i < len(node.args):
+                v = node.args[i]
+            elif a.name in node.kwargs:
+                v = node.kwargs[a.name]
+            elif a.has_default_value():
+                v = a.default_value
+            else:
+                raise CaptureError(f"node {node.name} ({op}) is missing argument '{a.name}'"
+                                   f"{self.where(node)}")
+            args.append(self.encode(v, node))
+        mutates = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+        aliases = []
+        if schema.returns and schema.returns[0].alias_info is not None:
+            ret_sets = set(schema.returns[0].alias_info.before_set)
+            aliases = [i for i, a in enumerate(schema.arguments)
+                       if a.alias_info is not None and set(a.alias_info.before_set) & ret_sets]
+        val = node.meta.get("val")
+        returns = []
+        if len(schema.returns) == 1:
+            rtype = str(schema.returns[0].type)
+            if rtype.endswith("[]"):
+                ids = [self.new_value(v, f"{node.name}_{j}") for j, v in enumerate(val)]
+                returns.append({"list": ids})
+                self.env[node] = ids
+            elif val is None:
+                returns.append({"unused": None})
+                self.env[node] = None
+            else:
+                vid = self.new_value(val, node.name)
+                returns.append({"value": vid})
+                self.env[node] = vid
+        elif len(schema.returns) > 1:
+            ids = []
+            for j, r in enumerate(schema.returns):
+                v = val[j] if val is not None and j < len(val) else None
+                if v is None or str(r.type).endswith("[]"):
+                    returns.append({"unused": None})
+                    ids.append(None)
+                else:
+                    vid = self.new_value(v, f"{node.name}_{j}")
+                    returns.append({"value": vid})
+                    ids.append(vid)
+            self.env[node] = ids
+        entry = {"id": len(self.nodes), "op": schema.name, "overload": schema.overload_name,
+                 "args": args, "returns": returns}
+        if mutates:
+            entry["mutates"] = mutates
+        if aliases:
+            entry["aliases"] = aliases
+        src = _source_of(node)
+        if src:
+            entry["source"] = src
+        if grad_enabled is not None:
+            entry["grad_enabled"] = grad_enabled
+        if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
+            entry["random"] = True
+        self.nodes.append(entry)
+
+    def add_sym(self, node: torch.fx.Node, name: str, grad_enabled):
+        args = [self.encode(a, node) for a in node.args]
+        vid = self.new_value(node.meta.get("val", 0), node.name)
+        self.env[node] = vid
+        entry = {"id": len(self.nodes), "op": "conveyor::sym", "overload": name, "args": args,
+                 "returns": [{"value": vid}]}
+        src = _source_of(node)
+        if src:
+            entry["source"] = src
+        self.nodes.append(entry)
+
+    def walk(self, gm: torch.fx.GraphModule, grad_enabled=None):
+        for node in gm.graph.nodes:
+            if node.op in ("placeholder", "output", "get_attr"):
+                continue
+            if node.op != "call_function":
+                raise CaptureError(f"unsupported FX node kind {node.op} ({node.target}){self.where(node)}")
+            target = node.target
+            if target is operator.getitem:
+                base = self.env.get(node.args[0])
+                if not isinstance(base, list):
+                    raise CaptureError(f"unsupported indexing of {node.args[0].name}{self.where(node)}")
+                self.env[node] = base[node.args[1]]
+            elif isinstance(target, torch._ops.OpOverload):
+                self.add_op(node, grad_enabled)
+            elif target in _SYM_OPS:
+                self.add_sym(node, _SYM_OPS[target], grad_enabled)
+            elif isinstance(target, torch._ops.HigherOrderOperator) and \
+                    target.__name__ == "wrap_with_set_grad_enabled":
+                enabled, sub, *operands = node.args
+                self.inline(gm.get_submodule(sub.target), operands, node, bool(enabled))
+            else:
+                name = getattr(target, "__name__", str(target))
+                raise CaptureError(f"cannot capture {type(self.model).__name__}: unsupported operation "
+                                   f"'{name}' (node {node.name}){self.where(node)}")
+
+    def inline(self, sub: torch.fx.GraphModule, operands, node, grad_enabled):
+        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        for p, operand in zip(placeholders, operands):
+            self.env[p] = self.env[operand]
+        self.walk(sub, grad_enabled)
+        out = next(n for n in sub.graph.nodes if n.op == "output")
+        self.env[node] = [self.env[o] for o in out.args[0]]
+
+    # -- whole program --------------------------------------------------------------------
+    def build(self, dynamic: bool) -> tuple[dict, dict[str, torch.Tensor]]:
+        ep = self.ep
+        sig = ep.graph_signature
+        specs = {s.arg.name: s for s in sig.input_specs}
+        state = dict(self.model.named_parameters(remove_duplicate=False))
+        state.update(dict(self.model.named_buffers(remove_duplicate=False)))
+        user_index = 0
+        for node in ep.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            spec = specs[node.name]
+            val = node.meta.get("val")
+            if spec.kind == InputKind.USER_INPUT:
+                if not isinstance(val, torch.Tensor):
+                    self.env[node] = None
+                    continue
+                vid = self.new_value(val, node.name)
+                self.env[node] = vid
+                self.inputs.append({"value": vid, "name": node.name, "index": user_index})
+                user_index += 1
+            elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+                name = spec.target
+                live = state.get(name)
+                if live is None:
+                    raise CaptureError(f"the exported graph refers to '{name}' which the model does not have")
+                vid = self.new_value(live, name)
+                self.env[node] = vid
+                kind = "parameter" if spec.kind == InputKind.PARAMETER else "buffer"
+                self.bindings.append({"value": vid, "name": name, "kind": kind})
+                self.tensors[name] = live
+            elif spec.kind == InputKind.CONSTANT_TENSOR:
+                name = "constant." + spec.target
+                const = ep.constants[spec.target]
+                vid = self.new_value(const, name)
+                self.env[node] = vid
+                self.bindings.append({"value": vid, "name": name, "kind": "constant"})
+                self.tensors[name] = const
+            else:
+                raise CaptureError(f"unsupported graph input {node.name} of kind {spec.kind.name}")
+        self.walk(ep.graph_module)
+        out_node = next(n for n in ep.graph.nodes if n.op == "output")
+        outputs = []
+        for spec, o in zip(sig.output_specs, out_node.args[0]):
+            if spec.kind not in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT):
+                raise CaptureError(f"unsupported graph output of kind {spec.kind.name} ({spec.target}); "
+                                   "conveyor expects in-place buffer updates in the training IR")
+            if not isinstance(o, torch.fx.Node) or not isinstance(self.env.get(o), int):
+                raise CaptureError(f"output {o!r} of {type(self.model).__name__} is not a tensor "
+                                   "computed by the model; return tensors only")
+            outputs.append(self.env[o])
+        # The batch symbol: dim 0 of the first user input, when dynamic.
+        if dynamic and self.inputs:
+            shape0 = self.values[self.inputs[0]["value"]].get("shape") or []
+            if shape0 and isinstance(shape0[0], str):
+                self.symbols[shape0[0]] = "batch"
+        doc = {
+            "format": "conveyor.graph",
+            "version": 1,
+            "producer": {"conveyor": "0.1.0", "torch": torch.__version__},
+            "symbols": self.symbols,
+            "values": self.values,
+            "inputs": [{"value": i["value"], "name": i["name"]} for i in self.inputs],
+            "bindings": self.bindings,
+            "nodes": self.nodes,
+            "outputs": outputs,
+        }
+        return doc, self.tensors
+
+
+def capture(model: torch.nn.Module, args=(), kwargs=None, *, dynamic_batch: bool = True) -> Graph:
+    """Captures `model` called as `model(*args, **kwargs)` into a conveyor Graph.
+
+    The batch dimension (dim 0 of the inputs) stays symbolic unless `dynamic_batch=False`
+    or the model fixes it. Parameters and buffers are bound to the model's live tensors.
+    Raises CaptureError naming the construct and source line when the model cannot be captured.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise CaptureError(f"capture expects a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(args, tuple):
+        args = tuple(args) if isinstance(args, list) else (args,)
+    kwargs = dict(kwargs or {})
+    ep, dynamic = _export(model, args, kwargs, dynamic_batch)
+    builder = _Builder(ep, model)
+    doc, tensors = builder.build(dynamic)
+    user_positions = _user_leaf_positions(ep, args, kwargs)
+    call = ep.module_call_graph[0].signature
+    return Graph.from_document(doc, tensors, in_spec=call.in_spec if call else None,
+                               out_spec=call.out_spec if call else None,
+                               input_positions=user_positions, dynamic_batch=dynamic)
+
+
+def _user_leaf_positions(ep: ExportedProgram, args, kwargs) -> list[int]:
+    """Which leaves of the flattened (args, kwargs) feed the graph's tensor inputs."""
+    leaves = pytree.tree_leaves((args, kwargs))
+    return [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]

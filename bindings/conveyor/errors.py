@@ -1,0 +1,65 @@
+"""Exception types. Every error conveyor raises is a ConveyorError with a message that
+names what is wrong and what to do about it."""
+
+
+class ConveyorError(RuntimeError):
+    """Base class of conveyor's errors."""
+
+
+class CaptureError(ConveyorError):
+    """The model cannot be captured into conveyor's graph (names the construct and source line)."""
+
+
+class GraphFormatError(ConveyorError):
+    """A graph file or document is malformed."""
+
+
+class GraphVersionError(GraphFormatError):
+    """A graph file comes from a newer conveyor than this one."""
+
+
+class GraphCorruptError(GraphFormatError):
+    """A graph file is truncated or fails its checksum."""
+
+
+class UnknownOpError(ConveyorError):
+    """The graph uses an operator this torch does not have."""
+
+
+class InvalidGraphError(ConveyorError):
+    """The graph breaks a structural rule (undefined values, wrong argument counts, ...)."""
+
+
+class InvalidStageError(ConveyorError):
+    """A stage is not convex, splits an atomic group, or the stages do not partition the graph."""
+
+
+class ExecutionError(ConveyorError):
+    """An operator failed while running the graph."""
+
+
+class ConveyorValueError(ConveyorError, ValueError):
+    """An argument passed to conveyor is malformed."""
+
+
+class UnsupportedError(ConveyorError, NotImplementedError):
+    """Valid input that conveyor does not handle yet."""
+
+
+_BY_CODE = {
+    "invalid_argument": ConveyorValueError,
+    "format": GraphFormatError,
+    "version": GraphVersionError,
+    "corrupt": GraphCorruptError,
+    "unknown_op": UnknownOpError,
+    "invalid_graph": InvalidGraphError,
+    "invalid_stage": InvalidStageError,
+    "execution": ExecutionError,
+    "io": OSError,
+    "unsupported": UnsupportedError,
+}
+
+
+def error_class(code: str) -> type:
+    """The exception class for a C++ error-code name (used by the extension)."""
+    return _BY_CODE.get(code, ConveyorError)

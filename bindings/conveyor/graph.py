@@ -1,0 +1,278 @@
+"""conveyor.Graph: a captured model that runs through conveyor's C++ executor, whole or
+cut into stages."""
+from __future__ import annotations
+
+import json
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+from . import _C
+from .errors import ConveyorValueError, GraphFormatError
+
+
+def _spec_dumps(spec) -> str | None:
+    if spec is None:
+        return None
+    try:
+        return pytree.treespec_dumps(spec)
+    except Exception:  # noqa: BLE001 - some output types cannot be serialized; fall back to flat
+        return None
+
+
+def _spec_loads(text: str | None):
+    if not text:
+        return None
+    try:
+        return pytree.treespec_loads(text)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+class Graph:
+    """A model captured into conveyor's IR and bound to tensors.
+
+    Calling it runs the whole graph in C++ through the ATen dispatcher with autograd:
+    `loss = g(*args, **kwargs); loss.backward()` fills the bound parameters' `.grad`
+    exactly as the eager model would.
+    """
+
+    def __init__(self, ir: "_C.GraphIR", tensors: dict[str, torch.Tensor], *, in_spec=None,
+                 out_spec=None, input_positions: Sequence[int] | None = None,
+                 dynamic_batch: bool = True):
+        self._ir = ir
+        self._tensors = dict(tensors)
+        self._in_spec = in_spec
+        self._out_spec = out_spec
+        self._input_positions = list(input_positions) if input_positions is not None else None
+        self.dynamic_batch = dynamic_batch
+        self._executor = None
+        self._doc = None
+
+    # -- construction ---------------------------------------------------------------------
+    @classmethod
+    def from_document(cls, doc: dict, tensors: dict[str, torch.Tensor], *, in_spec=None,
+                      out_spec=None, input_positions=None, dynamic_batch=True) -> "Graph":
+        doc = dict(doc)
+        doc["extra"] = {
+            "in_spec": _spec_dumps(in_spec),
+            "out_spec": _spec_dumps(out_spec),
+            "input_positions": list(input_positions) if input_positions is not None else None,
+            "dynamic_batch": dynamic_batch,
+        }
+        ir = _C.GraphIR(json.dumps(doc))
+        return cls(ir, tensors, in_spec=in_spec, out_spec=out_spec,
+                   input_positions=input_positions, dynamic_batch=dynamic_batch)
+
+    @classmethod
+    def load(cls, path: str, model: torch.nn.Module | None = None) -> "Graph":
+        """Loads a graph file. With `model`, parameters and buffers bind to the model's live
+        tensors (checked against the graph); without, they come from the file's weights."""
+        ir, stored = _C.load_graph_file(str(path))
+        doc = json.loads(ir.to_json())
+        extra = doc.get("extra") or {}
+        stored = dict(stored)
+        tensors: dict[str, torch.Tensor] = {}
+        live = {}
+        if model is not None:
+            live = dict(model.named_parameters(remove_duplicate=False))
+            live.update(dict(model.named_buffers(remove_duplicate=False)))
+        for b in doc["bindings"]:
+            name = b["name"]
+            if b["kind"] != "constant" and model is not None:
+                if name not in live:
+                    raise ConveyorValueError(
+                        f"the graph in '{path}' needs '{name}' but the model has no such parameter "
+                        "or buffer; pass the model the graph was captured from")
+                tensors[name] = live[name]
+            elif name in stored:
+                t = stored[name]
+                if b["kind"] == "parameter":
+                    t = torch.nn.Parameter(t)
+                tensors[name] = t
+            else:
+                raise GraphFormatError(
+                    f"the graph in '{path}' was saved without weights and needs '{name}'; "
+                    "pass model= to bind it to a model's tensors")
+        return cls(ir, tensors, in_spec=_spec_loads(extra.get("in_spec")),
+                   out_spec=_spec_loads(extra.get("out_spec")),
+                   input_positions=extra.get("input_positions"),
+                   dynamic_batch=bool(extra.get("dynamic_batch", True)))
+
+    def save(self, path: str, *, weights: bool = True) -> None:
+        """Writes the graph (and, by default, its parameters, buffers and constants)."""
+        tensors = [(n, t) for n, t in self._tensors.items()] if weights else []
+        _C.save_graph_file(str(path), self._ir, tensors)
+
+    # -- inspection -----------------------------------------------------------------------
+    @property
+    def document(self) -> dict:
+        """The graph's JSON document (docs/formats.md), parsed."""
+        if self._doc is None:
+            self._doc = json.loads(self._ir.to_json())
+        return self._doc
+
+    @property
+    def nodes(self) -> list[dict]:
+        return self.document["nodes"]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._ir.num_nodes
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Bound tensors by name (the model's own parameters and buffers, and constants)."""
+        return dict(self._tensors)
+
+    @property
+    def ir(self) -> "_C.GraphIR":
+        return self._ir
+
+    def __repr__(self) -> str:
+        doc = self.document
+        ops: dict[str, int] = {}
+        for n in doc["nodes"]:
+            ops[n["op"]] = ops.get(n["op"], 0) + 1
+        top = ", ".join(f"{k.removeprefix('aten::')}x{v}" for k, v in
+                        sorted(ops.items(), key=lambda kv: -kv[1])[:6])
+        return (f"conveyor.Graph({len(doc['nodes'])} nodes, {len(doc['inputs'])} inputs, "
+                f"{len(doc['bindings'])} bound tensors, {len(doc['outputs'])} outputs; {top})")
+
+    # -- execution ------------------------------------------------------------------------
+    @property
+    def executor(self) -> "_C.GraphExecutor":
+        if self._executor is None:
+            self._executor = _C.GraphExecutor(self._ir, self._tensors)
+        return self._executor
+
+    def flatten_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        """The graph's inputs, in order, from a call's positional and keyword arguments."""
+        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        if self._in_spec is not None and spec != self._in_spec:
+            raise ConveyorValueError(
+                "inputs are structured differently from the call the graph was captured with: "
+                f"expected {self._in_spec}, got {spec}")
+        positions = self._input_positions
+        if positions is None:
+            positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        n = len(self.document["inputs"])
+        if len(positions) != n:
+            raise ConveyorValueError(f"the graph takes {n} tensor inputs but the call provides "
+                                     f"{len(positions)}")
+        out = []
+        for p in positions:
+            if p >= len(leaves) or not isinstance(leaves[p], torch.Tensor):
+                raise ConveyorValueError(f"input {p} must be a tensor")
+            out.append(leaves[p])
+        return out
+
+    def unflatten_outputs(self, outputs: list) -> Any:
+        if self._out_spec is not None:
+            return pytree.tree_unflatten(outputs, self._out_spec)
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def __call__(self, *args, **kwargs):
+        return self.unflatten_outputs(self.executor.run(self.flatten_inputs(args, kwargs)))
+
+    # -- stages ---------------------------------------------------------------------------
+    def atomic_groups(self) -> list[list[int]]:
+        """Groups of node ids that must share a stage (in-place writes through views)."""
+        return self._ir.atomic_groups()
+
+    def random_partition(self, num_stages: int, seed: int = 0, *,
+                         keep_node_order: bool = False) -> list[list[int]]:
+        """A random valid cut into `num_stages` stages (node ids per stage, in run order)."""
+        return self._ir.random_partition(num_stages, seed, keep_node_order)
+
+    def split(self, stages: int | Iterable[Iterable[int]], *, seed: int = 0,
+              keep_node_order: bool = False) -> "StagedGraph":
+        """Cuts the graph into stages: a count (random valid cut) or explicit node-id lists."""
+        if isinstance(stages, int):
+            partition = self.random_partition(stages, seed, keep_node_order=keep_node_order)
+        else:
+            partition = [sorted(int(n) for n in s) for s in stages]
+        self._ir.check_partition(partition)
+        return StagedGraph(self, partition)
+
+
+class _StagedRun(torch.autograd.Function):
+    """Runs every stage forward; on backward, every stage backward in reverse order."""
+
+    @staticmethod
+    def forward(ctx, staged: "StagedGraph", num_inputs: int, *tensors):
+        inputs = list(tensors[:num_inputs])
+        with torch.enable_grad():
+            outputs, activations = staged.forward_stages(inputs)
+        ctx.staged = staged
+        ctx.activations = activations
+        ctx.num_inputs = num_inputs
+        ctx.num_rest = len(tensors) - num_inputs
+        results = []
+        for o in outputs:
+            if isinstance(o, torch.Tensor):
+                d = o.detach()
+                if not (d.is_floating_point() or d.is_complex()):
+                    ctx.mark_non_differentiable(d)
+                results.append(d)
+            else:
+                results.append(o)
+        return tuple(results)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        input_grads = ctx.staged.backward_stages(ctx.activations, list(grad_outputs))
+        ctx.activations = None
+        return (None, None, *input_grads, *([None] * ctx.num_rest))
+
+
+class StagedGraph:
+    """A graph cut into stages that run one after another, passing values between them
+    exactly as pipeline stages do (each stage sees detached inputs and returns input grads)."""
+
+    def __init__(self, graph: Graph, partition: list[list[int]]):
+        self.graph = graph
+        self.partition = partition
+        self.stages = [graph.executor.stage(p) for p in partition]
+        doc = graph.document
+        self._input_ids = [i["value"] for i in doc["inputs"]]
+        self._output_ids = list(doc["outputs"])
+        self._params = [t for t in graph.tensors.values() if t.requires_grad]
+
+    def __len__(self) -> int:
+        return len(self.stages)
+
+    def forward_stages(self, inputs: list):
+        values = dict(zip(self._input_ids, inputs))
+        activations = []
+        for stage in self.stages:
+            act = stage.forward([values[v] for v in stage.inputs])
+            for v, out in zip(stage.outputs, act.outputs):
+                values[v] = out
+            activations.append(act)
+        return [values[v] for v in self._output_ids], activations
+
+    def backward_stages(self, activations, grad_outputs: list) -> list:
+        grads: dict[int, torch.Tensor] = {}
+
+        def add(v, g):
+            if g is None:
+                return
+            grads[v] = g if v not in grads else grads[v] + g
+
+        for v, g in zip(self._output_ids, grad_outputs):
+            add(v, g)
+        for stage, act in zip(reversed(self.stages), reversed(activations)):
+            out_grads = [grads.pop(v, None) for v in stage.outputs]
+            for v, g in zip(stage.inputs, stage.backward(act, out_grads)):
+                add(v, g)
+        return [grads.get(v) for v in self._input_ids]
+
+    def __call__(self, *args, **kwargs):
+        inputs = self.graph.flatten_inputs(args, kwargs)
+        if not torch.is_grad_enabled():
+            outputs, _ = self.forward_stages(inputs)
+            return self.graph.unflatten_outputs(outputs)
+        outputs = _StagedRun.apply(self, len(inputs), *inputs, *self._params)
+        return self.graph.unflatten_outputs(list(outputs))

@@ -1,0 +1,205 @@
+// The Python extension `conveyor._C`. The only place a Status becomes a Python exception
+// (the classes live in conveyor/errors.py, looked up by error-code name).
+#include <torch/extension.h>
+
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "graph/executor.h"
+#include "graph/format.h"
+#include "graph/ir.h"
+#include "graph/partition.h"
+
+namespace py = pybind11;
+using namespace conveyor;
+using namespace conveyor::graph;
+
+namespace {
+
+struct StatusError : std::exception {
+  explicit StatusError(Status s) : status(std::move(s)) {}
+  const char* what() const noexcept override { return status.message().c_str(); }
+  Status status;
+};
+
+[[noreturn]] void raise(const Status& st) { throw StatusError(st); }
+void check(const Status& st) {
+  if (!st.is_ok()) raise(st);
+}
+template <typename T>
+T unwrap(Result<T> r) {
+  if (!r.is_ok()) raise(r.status());
+  return std::move(r).value();
+}
+
+c10::IValue to_ivalue(py::handle h) {
+  if (h.is_none()) return {};
+  if (THPVariable_Check(h.ptr())) return THPVariable_Unpack(h.ptr());
+  if (PyBool_Check(h.ptr())) return h.cast<bool>();
+  if (PyLong_Check(h.ptr())) return h.cast<std::int64_t>();
+  if (PyFloat_Check(h.ptr())) return h.cast<double>();
+  throw py::type_error("conveyor: expected a tensor, int, float, bool or None, got " +
+                       std::string(py::str(h.get_type())));
+}
+
+std::vector<c10::IValue> to_ivalues(const py::sequence& seq) {
+  std::vector<c10::IValue> out;
+  out.reserve(seq.size());
+  for (auto item : seq) out.push_back(to_ivalue(item));
+  return out;
+}
+
+py::object to_py(const c10::IValue& v) {
+  if (v.isTensor()) return py::cast(v.toTensor());
+  if (v.isNone()) return py::none();
+  if (v.isBool()) return py::bool_(v.toBool());
+  if (v.isInt()) return py::int_(v.toInt());
+  if (v.isDouble()) return py::float_(v.toDouble());
+  if (v.isList()) {
+    py::list l;
+    for (const auto& item : v.toListRef()) l.append(to_py(item));
+    return l;
+  }
+  throw py::type_error("conveyor: cannot convert value of type " + v.tagKind() + " to Python");
+}
+
+py::list to_py_list(const std::vector<c10::IValue>& values) {
+  py::list l;
+  for (const auto& v : values) l.append(to_py(v));
+  return l;
+}
+
+TensorBlob blob_of(const std::string& name, const at::Tensor& tensor) {
+  at::Tensor t = tensor.detach().to(at::kCPU).contiguous();
+  TensorBlob b;
+  b.name = name;
+  b.dtype = scalar_type_name(t.scalar_type());
+  b.shape.assign(t.sizes().begin(), t.sizes().end());
+  b.bytes.assign(static_cast<const char*>(t.data_ptr()), t.nbytes());
+  return b;
+}
+
+at::Tensor tensor_of(const TensorBlob& b) {
+  auto type = unwrap(scalar_type_from_name(b.dtype));
+  at::Tensor t = at::empty(b.shape, at::TensorOptions().dtype(type));
+  if (t.nbytes() != b.bytes.size()) {
+    raise(Status(ErrorCode::kCorrupt, "tensor '" + b.name + "' has " + std::to_string(b.bytes.size()) +
+                                          " bytes, its shape and dtype need " + std::to_string(t.nbytes())));
+  }
+  std::memcpy(t.data_ptr(), b.bytes.data(), b.bytes.size());
+  return t;
+}
+
+// Torch-free graph structure, for planning and inspection without tensors.
+struct PyGraph {
+  Graph graph;
+};
+
+using Stages = std::vector<std::vector<NodeId>>;
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "conveyor's C++ core: graph IR, file format, executor";
+  m.attr("GRAPH_FORMAT_VERSION") = kGraphFormatVersion;
+  m.attr("CONTAINER_VERSION") = kContainerVersion;
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const StatusError& e) {
+      py::gil_scoped_acquire gil;
+      py::object cls = py::module_::import("conveyor.errors")
+                           .attr("error_class")(std::string(error_code_name(e.status.code())));
+      PyErr_SetString(cls.ptr(), e.status.message().c_str());
+    }
+  });
+
+  py::class_<PyGraph>(m, "GraphIR", "A validated conveyor graph (structure only, no tensors).")
+      .def(py::init([](const std::string& text) { return PyGraph{unwrap(Graph::from_json(text))}; }),
+           py::arg("json"))
+      .def("to_json", [](const PyGraph& g) { return g.graph.to_json(); })
+      .def_property_readonly("num_nodes", [](const PyGraph& g) { return g.graph.nodes.size(); })
+      .def_property_readonly("num_values", [](const PyGraph& g) { return g.graph.values.size(); })
+      .def("atomic_groups", [](const PyGraph& g) { return atomic_groups(g.graph); })
+      .def("check_stage", [](const PyGraph& g, const std::vector<NodeId>& nodes) {
+        check(check_stage(g.graph, nodes));
+      })
+      .def("check_partition", [](const PyGraph& g, const Stages& stages) {
+        check(check_partition(g.graph, stages));
+      })
+      .def("stage_boundary", [](const PyGraph& g, const std::vector<NodeId>& nodes) {
+        auto b = stage_boundary(g.graph, nodes);
+        return py::make_tuple(b.inputs, b.outputs);
+      })
+      .def("random_partition",
+           [](const PyGraph& g, int num_stages, std::uint64_t seed, bool keep_node_order) {
+             return unwrap(random_partition(g.graph, num_stages, seed, keep_node_order));
+           },
+           py::arg("num_stages"), py::arg("seed") = 0, py::arg("keep_node_order") = false);
+
+  m.def("save_graph_file",
+        [](const std::string& path, const PyGraph& g, const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+          std::vector<TensorBlob> blobs;
+          blobs.reserve(tensors.size());
+          for (const auto& [name, t] : tensors) blobs.push_back(blob_of(name, t));
+          py::gil_scoped_release nogil;
+          check(save_graph_file(path, g.graph, blobs));
+        },
+        py::arg("path"), py::arg("graph"), py::arg("tensors"));
+
+  m.def("load_graph_file", [](const std::string& path) {
+    GraphFile file;
+    {
+      py::gil_scoped_release nogil;
+      file = unwrap(load_graph_file(path));
+    }
+    py::list tensors;
+    for (const auto& b : file.tensors) tensors.append(py::make_tuple(b.name, tensor_of(b)));
+    return py::make_tuple(PyGraph{std::move(file.graph)}, tensors);
+  });
+
+  py::class_<StageActivation>(m, "StageActivation", "What a stage keeps from forward for backward.")
+      .def_property_readonly("outputs", [](const StageActivation& a) { return to_py_list(a.outputs); });
+
+  py::class_<StageProgram, std::shared_ptr<StageProgram>>(m, "StageProgram",
+                                                          "A compiled convex set of nodes.")
+      .def_property_readonly("nodes", &StageProgram::nodes)
+      .def_property_readonly("inputs", &StageProgram::inputs)
+      .def_property_readonly("outputs", &StageProgram::outputs)
+      .def("forward", [](const StageProgram& s, const py::sequence& inputs) {
+        auto values = to_ivalues(inputs);
+        py::gil_scoped_release nogil;
+        return unwrap(s.forward(std::move(values)));
+      })
+      .def("backward", [](const StageProgram& s, StageActivation& act, const py::sequence& grads) {
+        auto values = to_ivalues(grads);
+        std::vector<c10::IValue> out;
+        {
+          py::gil_scoped_release nogil;
+          out = unwrap(s.backward(act, std::move(values)));
+        }
+        return to_py_list(out);
+      });
+
+  py::class_<GraphExecutor, std::shared_ptr<GraphExecutor>>(m, "GraphExecutor",
+                                                            "Runs a graph or its stages through the dispatcher.")
+      .def(py::init([](const PyGraph& g, const std::unordered_map<std::string, at::Tensor>& tensors) {
+             TensorMap map(tensors.begin(), tensors.end());
+             return unwrap(GraphExecutor::create(g.graph, std::move(map)));
+           }),
+           py::arg("graph"), py::arg("tensors"))
+      .def("run", [](const GraphExecutor& ex, const py::sequence& inputs) {
+        auto values = to_ivalues(inputs);
+        std::vector<c10::IValue> out;
+        {
+          py::gil_scoped_release nogil;
+          out = unwrap(ex.run(std::move(values)));
+        }
+        return to_py_list(out);
+      })
+      .def("stage", [](const GraphExecutor& ex, std::vector<NodeId> nodes) {
+        return std::const_pointer_cast<StageProgram>(unwrap(ex.stage(std::move(nodes))));
+      });
+}

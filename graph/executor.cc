@@ -1,0 +1,621 @@
+#include "graph/executor.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ScalarOps.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "conveyor_config.h"
+#include <optional>
+
+namespace conveyor::graph {
+
+namespace {
+
+struct DtypeName {
+  std::string_view name;
+  at::ScalarType type;
+};
+constexpr DtypeName kDtypes[] = {
+    {"float32", at::kFloat},     {"float64", at::kDouble},         {"float16", at::kHalf},
+    {"bfloat16", at::kBFloat16}, {"int64", at::kLong},             {"int32", at::kInt},
+    {"int16", at::kShort},       {"int8", at::kChar},              {"uint8", at::kByte},
+    {"bool", at::kBool},         {"complex64", at::kComplexFloat}, {"complex128", at::kComplexDouble},
+    {"uint16", at::kUInt16},     {"uint32", at::kUInt32},          {"uint64", at::kUInt64},
+    {"float8_e4m3fn", at::kFloat8_e4m3fn}, {"float8_e5m2", at::kFloat8_e5m2},
+};
+
+std::string where(const Node& n) {
+  return "node " + std::to_string(n.id) + " (" + n.qualified_name() +
+         (n.source.empty() ? "" : ", from " + n.source) + ")";
+}
+
+Result<c10::Layout> layout_from_name(const std::string& s) {
+  if (s == "strided") return c10::kStrided;
+  if (s == "sparse_coo") return c10::kSparse;
+  if (s == "sparse_csr") return c10::kSparseCsr;
+  if (s == "mkldnn") return c10::kMkldnn;
+  return Status(ErrorCode::kUnsupported, "unknown layout '" + s + "'");
+}
+
+Result<c10::MemoryFormat> memory_format_from_name(const std::string& s) {
+  if (s == "contiguous_format") return c10::MemoryFormat::Contiguous;
+  if (s == "preserve_format") return c10::MemoryFormat::Preserve;
+  if (s == "channels_last") return c10::MemoryFormat::ChannelsLast;
+  if (s == "channels_last_3d") return c10::MemoryFormat::ChannelsLast3d;
+  return Status(ErrorCode::kUnsupported, "unknown memory format '" + s + "'");
+}
+
+at::Tensor wrapped_number(const c10::IValue& v) {
+  at::Tensor t;
+  if (v.isInt()) t = at::scalar_to_tensor(at::Scalar(v.toInt()));
+  else if (v.isDouble()) t = at::scalar_to_tensor(at::Scalar(v.toDouble()));
+  else t = at::scalar_to_tensor(at::Scalar(v.toBool()));
+  t.unsafeGetTensorImpl()->set_wrapped_number(true);
+  return t;
+}
+
+enum class SymOp : std::uint8_t {
+  kNone, kAdd, kSub, kMul, kFloorDiv, kTrueDiv, kMod, kNeg, kPow, kEq, kNe, kLt, kLe, kGt, kGe,
+  kAnd, kOr, kNot, kMax, kMin, kToFloat, kToInt, kCeil, kFloor, kSqrt,
+};
+
+Result<SymOp> sym_op_from_name(const std::string& s) {
+  static const std::pair<std::string_view, SymOp> table[] = {
+      {"add", SymOp::kAdd}, {"sub", SymOp::kSub}, {"mul", SymOp::kMul},
+      {"floordiv", SymOp::kFloorDiv}, {"truediv", SymOp::kTrueDiv}, {"mod", SymOp::kMod},
+      {"neg", SymOp::kNeg}, {"pow", SymOp::kPow}, {"eq", SymOp::kEq}, {"ne", SymOp::kNe},
+      {"lt", SymOp::kLt}, {"le", SymOp::kLe}, {"gt", SymOp::kGt}, {"ge", SymOp::kGe},
+      {"and", SymOp::kAnd}, {"or", SymOp::kOr}, {"not", SymOp::kNot}, {"max", SymOp::kMax},
+      {"min", SymOp::kMin}, {"float", SymOp::kToFloat}, {"int", SymOp::kToInt},
+      {"ceil", SymOp::kCeil}, {"floor", SymOp::kFloor}, {"sqrt", SymOp::kSqrt},
+  };
+  for (const auto& [name, op] : table) {
+    if (name == s) return op;
+  }
+  return Status(ErrorCode::kUnknownOp, "unknown symbolic operation '" + s + "'");
+}
+
+bool is_number(const c10::IValue& v) { return v.isInt() || v.isDouble() || v.isBool(); }
+double as_double(const c10::IValue& v) {
+  return v.isDouble() ? v.toDouble() : v.isInt() ? static_cast<double>(v.toInt()) : v.toBool();
+}
+std::int64_t as_int(const c10::IValue& v) { return v.isInt() ? v.toInt() : static_cast<std::int64_t>(v.toBool()); }
+
+Result<c10::IValue> eval_sym(SymOp op, const std::vector<c10::IValue>& a) {
+  auto need = [&](std::size_t n) { return a.size() == n && std::all_of(a.begin(), a.end(), is_number); };
+  bool all_int = std::all_of(a.begin(), a.end(), [](const c10::IValue& v) { return v.isInt() || v.isBool(); });
+  switch (op) {
+    case SymOp::kNeg: case SymOp::kNot: case SymOp::kToFloat: case SymOp::kToInt:
+    case SymOp::kCeil: case SymOp::kFloor: case SymOp::kSqrt:
+      if (!need(1)) break;
+      switch (op) {
+        case SymOp::kNeg: return all_int ? c10::IValue(-as_int(a[0])) : c10::IValue(-as_double(a[0]));
+        case SymOp::kNot: return c10::IValue(!static_cast<bool>(as_double(a[0])));
+        case SymOp::kToFloat: return c10::IValue(as_double(a[0]));
+        case SymOp::kToInt: return c10::IValue(static_cast<std::int64_t>(as_double(a[0])));
+        case SymOp::kCeil: return c10::IValue(static_cast<std::int64_t>(std::ceil(as_double(a[0]))));
+        case SymOp::kFloor: return c10::IValue(static_cast<std::int64_t>(std::floor(as_double(a[0]))));
+        default: return c10::IValue(std::sqrt(as_double(a[0])));
+      }
+    default:
+      if (!need(2)) break;
+      {
+        double x = as_double(a[0]), y = as_double(a[1]);
+        std::int64_t i = all_int ? as_int(a[0]) : 0, j = all_int ? as_int(a[1]) : 0;
+        switch (op) {
+          case SymOp::kAdd: return all_int ? c10::IValue(i + j) : c10::IValue(x + y);
+          case SymOp::kSub: return all_int ? c10::IValue(i - j) : c10::IValue(x - y);
+          case SymOp::kMul: return all_int ? c10::IValue(i * j) : c10::IValue(x * y);
+          case SymOp::kFloorDiv:
+            if (all_int) {
+              if (j == 0) return Status(ErrorCode::kExecution, "integer division by zero");
+              std::int64_t q = i / j;
+              if ((i % j != 0) && ((i < 0) != (j < 0))) --q;  // Python floors toward -inf
+              return c10::IValue(q);
+            }
+            return c10::IValue(std::floor(x / y));
+          case SymOp::kTrueDiv: return c10::IValue(x / y);
+          case SymOp::kMod:
+            if (all_int) {
+              if (j == 0) return Status(ErrorCode::kExecution, "integer modulo by zero");
+              std::int64_t m = i % j;
+              if (m != 0 && ((m < 0) != (j < 0))) m += j;
+              return c10::IValue(m);
+            }
+            return c10::IValue(x - std::floor(x / y) * y);
+          case SymOp::kPow:
+            if (all_int && j >= 0) {
+              std::int64_t r = 1;
+              for (std::int64_t k = 0; k < j; ++k) r *= i;
+              return c10::IValue(r);
+            }
+            return c10::IValue(std::pow(x, y));
+          case SymOp::kEq: return c10::IValue(x == y);
+          case SymOp::kNe: return c10::IValue(x != y);
+          case SymOp::kLt: return c10::IValue(x < y);
+          case SymOp::kLe: return c10::IValue(x <= y);
+          case SymOp::kGt: return c10::IValue(x > y);
+          case SymOp::kGe: return c10::IValue(x >= y);
+          case SymOp::kAnd: return c10::IValue(static_cast<bool>(x) && static_cast<bool>(y));
+          case SymOp::kOr: return c10::IValue(static_cast<bool>(x) || static_cast<bool>(y));
+          case SymOp::kMax: return all_int ? c10::IValue(std::max(i, j)) : c10::IValue(std::max(x, y));
+          case SymOp::kMin: return all_int ? c10::IValue(std::min(i, j)) : c10::IValue(std::min(x, y));
+          default: break;
+        }
+      }
+  }
+  return Status(ErrorCode::kExecution, "symbolic operation got unexpected operands");
+}
+
+}  // namespace
+
+// How one stack slot of an operator call is filled.
+struct ArgPlan {
+  enum class Kind : std::uint8_t { kConstant, kValue, kList };
+  enum class Convert : std::uint8_t { kNone, kWrapNumber, kToDouble };
+  Kind kind = Kind::kConstant;
+  Convert convert = Convert::kNone;
+  c10::IValue constant;
+  ValueId value = -1;
+  std::vector<ArgPlan> items;
+  c10::TypePtr element_type;
+};
+
+struct GraphExecutor::CompiledNode {
+  const Node* node = nullptr;
+  std::optional<c10::OperatorHandle> op;
+  SymOp sym = SymOp::kNone;
+  std::vector<ArgPlan> args;
+};
+
+Result<at::ScalarType> scalar_type_from_name(std::string_view name) {
+  for (const auto& d : kDtypes) {
+    if (d.name == name) return d.type;
+  }
+  return Status(ErrorCode::kUnsupported, "unknown dtype '" + std::string(name) + "'");
+}
+
+std::string scalar_type_name(at::ScalarType type) {
+  for (const auto& d : kDtypes) {
+    if (d.type == type) return std::string(d.name);
+  }
+  return c10::toString(type);
+}
+
+namespace {
+
+// Strips Optional[...] from a schema type.
+c10::TypePtr unwrap_optional(const c10::TypePtr& t) {
+  if (auto opt = t->cast<c10::OptionalType>()) return opt->getElementType();
+  return t;
+}
+
+class NodeCompiler {
+ public:
+  NodeCompiler(const Graph& g, const std::vector<c10::IValue>& bound) : g_(g), bound_(bound) {}
+
+  // Plans the argument `a` for a schema slot of type `type` (fixed list size `n` when > 0).
+  Result<ArgPlan> plan(const Argument& a, const c10::TypePtr& type, std::optional<int32_t> n) {
+    using K = Argument::Kind;
+    ArgPlan p;
+    c10::TypePtr base = unwrap_optional(type);
+    if (a.kind == K::kNone) {
+      p.constant = c10::IValue();
+      return p;
+    }
+    if (a.kind == K::kValue) {
+      if (!bound_[a.value].isNone()) {  // a parameter, buffer or constant: bind once
+        p.constant = bound_[a.value];
+        return p;
+      }
+      p.kind = ArgPlan::Kind::kValue;
+      p.value = a.value;
+      ValueKind vk = g_.values[a.value].kind;
+      if (base->kind() == c10::TypeKind::TensorType && vk != ValueKind::kTensor) {
+        p.convert = ArgPlan::Convert::kWrapNumber;
+      } else if (base->kind() == c10::TypeKind::FloatType && vk == ValueKind::kInt) {
+        p.convert = ArgPlan::Convert::kToDouble;
+      } else if (base->kind() == c10::TypeKind::ListType && n && *n > 0 && vk == ValueKind::kInt) {
+        // A symbolic int where the schema wants int[N]: repeat it N times.
+        auto list = base->expect<c10::ListType>();
+        p.kind = ArgPlan::Kind::kList;
+        p.element_type = list->getElementType();
+        ArgPlan item;
+        item.kind = ArgPlan::Kind::kValue;
+        item.value = a.value;
+        p.items.assign(static_cast<std::size_t>(*n), item);
+      }
+      return p;
+    }
+    if (a.kind == K::kList) {
+      auto list = base->cast<c10::ListType>();
+      if (!list) return Status(ErrorCode::kInvalidGraph, "a list was given where the schema expects " + type->str());
+      c10::TypePtr elem = list->getElementType();
+      std::vector<ArgPlan> items;
+      bool all_constant = true;
+      for (const auto& item : a.items) {
+        CONVEYOR_ASSIGN_OR_RETURN(ArgPlan ip, plan(item, elem, std::nullopt));
+        all_constant = all_constant && ip.kind == ArgPlan::Kind::kConstant;
+        items.push_back(std::move(ip));
+      }
+      if (all_constant) {
+        c10::impl::GenericList l(list_element_type(elem));
+        for (auto& ip : items) l.push_back(std::move(ip.constant));
+        p.constant = c10::IValue(std::move(l));
+        return p;
+      }
+      p.kind = ArgPlan::Kind::kList;
+      p.element_type = elem;
+      p.items = std::move(items);
+      return p;
+    }
+    // Literal scalars, converted to what the schema slot holds.
+    switch (a.kind) {
+      case K::kInt:
+        if (base->kind() == c10::TypeKind::TensorType) {
+          p.constant = wrapped_number(c10::IValue(a.int_value));
+        } else if (base->kind() == c10::TypeKind::FloatType) {
+          p.constant = c10::IValue(static_cast<double>(a.int_value));
+        } else if (base->kind() == c10::TypeKind::ListType) {
+          auto elem = base->expect<c10::ListType>()->getElementType();
+          c10::impl::GenericList l(list_element_type(elem));
+          for (int32_t i = 0; i < (n && *n > 0 ? *n : 1); ++i) l.push_back(c10::IValue(a.int_value));
+          p.constant = c10::IValue(std::move(l));
+        } else if (base->kind() == c10::TypeKind::BoolType) {
+          p.constant = c10::IValue(a.int_value != 0);
+        } else {
+          p.constant = c10::IValue(a.int_value);
+        }
+        return p;
+      case K::kFloat:
+        if (base->kind() == c10::TypeKind::TensorType) p.constant = wrapped_number(c10::IValue(a.float_value));
+        else p.constant = c10::IValue(a.float_value);
+        return p;
+      case K::kBool:
+        if (base->kind() == c10::TypeKind::TensorType) p.constant = wrapped_number(c10::IValue(a.bool_value));
+        else if (base->kind() == c10::TypeKind::IntType) p.constant = c10::IValue(static_cast<std::int64_t>(a.bool_value));
+        else p.constant = c10::IValue(a.bool_value);
+        return p;
+      case K::kString:
+        p.constant = c10::IValue(a.text);
+        return p;
+      case K::kDtype: {
+        CONVEYOR_ASSIGN_OR_RETURN(auto st, scalar_type_from_name(a.text));
+        p.constant = c10::IValue(st);
+        return p;
+      }
+      case K::kDevice:
+        try {
+          p.constant = c10::IValue(c10::Device(a.text));
+        } catch (const std::exception&) {
+          return Status(ErrorCode::kInvalidGraph, "unknown device '" + a.text + "'");
+        }
+        return p;
+      case K::kLayout: {
+        CONVEYOR_ASSIGN_OR_RETURN(auto l, layout_from_name(a.text));
+        p.constant = c10::IValue(l);
+        return p;
+      }
+      case K::kMemoryFormat: {
+        CONVEYOR_ASSIGN_OR_RETURN(auto m, memory_format_from_name(a.text));
+        p.constant = c10::IValue(m);
+        return p;
+      }
+      default:
+        break;
+    }
+    return Status(ErrorCode::kInternal, "unhandled argument kind");
+  }
+
+  // Lists of symbolic ints are plain int lists at run time.
+  static c10::TypePtr list_element_type(const c10::TypePtr& elem) {
+    if (elem->kind() == c10::TypeKind::SymIntType) return c10::IntType::get();
+    if (elem->kind() == c10::TypeKind::SymFloatType) return c10::FloatType::get();
+    if (elem->kind() == c10::TypeKind::SymBoolType) return c10::BoolType::get();
+    return elem;
+  }
+
+ private:
+  const Graph& g_;
+  const std::vector<c10::IValue>& bound_;
+};
+
+c10::IValue materialize(const ArgPlan& p, const std::vector<c10::IValue>& values) {
+  switch (p.kind) {
+    case ArgPlan::Kind::kConstant:
+      return p.constant;
+    case ArgPlan::Kind::kValue: {
+      const c10::IValue& v = values[p.value];
+      switch (p.convert) {
+        case ArgPlan::Convert::kWrapNumber: return is_number(v) ? c10::IValue(wrapped_number(v)) : v;
+        case ArgPlan::Convert::kToDouble: return v.isInt() ? c10::IValue(static_cast<double>(v.toInt())) : v;
+        case ArgPlan::Convert::kNone: return v;
+      }
+      return v;
+    }
+    case ArgPlan::Kind::kList: {
+      c10::impl::GenericList l(NodeCompiler::list_element_type(p.element_type));
+      l.reserve(p.items.size());
+      for (const auto& item : p.items) l.push_back(materialize(item, values));
+      return c10::IValue(std::move(l));
+    }
+  }
+  return {};
+}
+
+std::string shape_string(const at::Tensor& t) {
+  std::string s = "[";
+  for (std::int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+  return s + "]";
+}
+
+std::string shape_string(const std::vector<Dim>& shape) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    s += (i ? ", " : "") + (shape[i].is_symbolic() ? shape[i].symbol : std::to_string(shape[i].size));
+  }
+  return s + "]";
+}
+
+}  // namespace
+
+GraphExecutor::~GraphExecutor() = default;
+
+Result<std::shared_ptr<GraphExecutor>> GraphExecutor::create(Graph graph, TensorMap tensors) {
+  CONVEYOR_RETURN_IF_ERROR(graph.validate());
+  std::shared_ptr<GraphExecutor> ex(new GraphExecutor());
+  ex->graph_ = std::move(graph);
+  ex->tensors_ = std::move(tensors);
+  const Graph& g = ex->graph_;
+
+  std::vector<c10::IValue> bound(g.values.size());
+  for (const auto& b : g.bindings) {
+    auto it = ex->tensors_.find(b.name);
+    if (it == ex->tensors_.end()) {
+      return Status(ErrorCode::kInvalidArgument,
+                    "the graph needs a tensor named '" + b.name +
+                        "' but none was given; pass the model the graph was captured from");
+    }
+    const at::Tensor& t = it->second;
+    const Value& v = g.values[b.value];
+    bool shape_ok = t.dim() == static_cast<std::int64_t>(v.shape.size());
+    for (std::size_t d = 0; shape_ok && d < v.shape.size(); ++d) {
+      shape_ok = v.shape[d].is_symbolic() || v.shape[d].size == t.size(static_cast<std::int64_t>(d));
+    }
+    if (!shape_ok) {
+      return Status(ErrorCode::kInvalidArgument, "tensor '" + b.name + "' has shape " + shape_string(t) +
+                                                     " but the graph expects " + shape_string(v.shape));
+    }
+    if (scalar_type_name(t.scalar_type()) != v.dtype) {
+      return Status(ErrorCode::kInvalidArgument, "tensor '" + b.name + "' has dtype " +
+                                                     scalar_type_name(t.scalar_type()) +
+                                                     " but the graph expects " + v.dtype);
+    }
+    bound[b.value] = t;
+  }
+
+  NodeCompiler compiler(g, bound);
+  auto& dispatcher = c10::Dispatcher::singleton();
+  for (const Node& n : g.nodes) {
+    auto cn = std::make_unique<CompiledNode>();
+    cn->node = &n;
+    if (n.op == kSymOpName) {
+      auto sym = sym_op_from_name(n.overload);
+      if (!sym) return sym.status().with_context(where(n));
+      cn->sym = sym.value();
+      for (const auto& a : n.args) {
+        CONVEYOR_ASSIGN_OR_RETURN(ArgPlan p, compiler.plan(a, c10::NumberType::get(), std::nullopt));
+        cn->args.push_back(std::move(p));
+      }
+      if (n.returns.size() != 1 || n.returns[0].kind != Return::Kind::kValue) {
+        return Status(ErrorCode::kInvalidGraph, where(n) + " must return exactly one value");
+      }
+      ex->compiled_.push_back(std::move(cn));
+      continue;
+    }
+    auto handle = dispatcher.findSchema({n.op, n.overload});
+    if (!handle) {
+      return Status(ErrorCode::kUnknownOp,
+                    "operator " + n.qualified_name() + " (" + where(n) + ") is unknown to this torch " +
+                        CONVEYOR_TORCH_VERSION_STRING +
+                        (g.producer.count("torch") ? "; the graph was captured with torch " + g.producer.at("torch") : "") +
+                        ". Load it with the torch it was captured with, import the library that "
+                        "defines the operator, or capture the model again");
+    }
+    cn->op = *handle;
+    const auto& schema = handle->schema();
+    const auto& sargs = schema.arguments();
+    if (n.args.size() != sargs.size()) {
+      return Status(ErrorCode::kInvalidGraph, where(n) + " has " + std::to_string(n.args.size()) +
+                                                  " arguments but the schema " + toString(schema) +
+                                                  " takes " + std::to_string(sargs.size()));
+    }
+    for (std::size_t i = 0; i < sargs.size(); ++i) {
+      auto p = compiler.plan(n.args[i], sargs[i].type(), sargs[i].N());
+      if (!p) return p.status().with_context(where(n) + " argument '" + sargs[i].name() + "'");
+      cn->args.push_back(std::move(p).value());
+    }
+    if (n.returns.size() != schema.returns().size()) {
+      return Status(ErrorCode::kInvalidGraph, where(n) + " lists " + std::to_string(n.returns.size()) +
+                                                  " returns but the schema has " +
+                                                  std::to_string(schema.returns().size()));
+    }
+    ex->compiled_.push_back(std::move(cn));
+  }
+  std::vector<NodeId> all(g.nodes.size());
+  for (std::size_t i = 0; i < all.size(); ++i) all[i] = static_cast<NodeId>(i);
+  ex->whole_graph_steps_ = ex->plan_steps(all, g.outputs);
+  return ex;
+}
+
+std::vector<StageProgram::Step> GraphExecutor::plan_steps(const std::vector<NodeId>& nodes,
+                                                          const std::vector<ValueId>& keep) const {
+  std::vector<StageProgram::Step> steps;
+  std::vector<int> last_use(graph_.values.size(), -1);
+  for (std::size_t i = 0; i < nodes.size(); ++i) {
+    const Node& n = graph_.nodes[nodes[i]];
+    for (ValueId v : Graph::node_inputs(n)) last_use[v] = static_cast<int>(i);
+    for (ValueId v : Graph::node_outputs(n)) {
+      if (last_use[v] < static_cast<int>(i)) last_use[v] = static_cast<int>(i);
+    }
+  }
+  for (ValueId v : keep) last_use[v] = -2;  // never released
+  for (const auto& b : graph_.bindings) last_use[b.value] = -2;
+  std::vector<std::vector<ValueId>> release(nodes.size());
+  for (std::size_t v = 0; v < last_use.size(); ++v) {
+    if (last_use[v] >= 0) release[last_use[v]].push_back(static_cast<ValueId>(v));
+  }
+  for (std::size_t i = 0; i < nodes.size(); ++i) {
+    steps.push_back({static_cast<std::size_t>(nodes[i]), std::move(release[i])});
+  }
+  return steps;
+}
+
+Status GraphExecutor::execute(const std::vector<StageProgram::Step>& steps,
+                              std::vector<c10::IValue>& values) const {
+  torch::jit::Stack stack;
+  for (const auto& step : steps) {
+    const CompiledNode& cn = *compiled_[step.compiled];
+    const Node& n = *cn.node;
+    stack.clear();
+    stack.reserve(cn.args.size());
+    for (const auto& a : cn.args) stack.push_back(materialize(a, values));
+    if (cn.sym != SymOp::kNone) {
+      auto r = eval_sym(cn.sym, stack);
+      if (!r) return r.status().with_context(where(n));
+      values[n.returns[0].value] = std::move(r).value();
+    } else {
+      try {
+        std::optional<c10::AutoGradMode> grad_mode;
+        if (n.grad_enabled) grad_mode.emplace(*n.grad_enabled);
+        cn.op->callBoxed(stack);
+      } catch (const c10::Error& e) {
+        return Status(ErrorCode::kExecution, where(n) + " failed: " + e.what_without_backtrace());
+      } catch (const std::exception& e) {
+        return Status(ErrorCode::kExecution, where(n) + " failed: " + e.what());
+      }
+      if (stack.size() != n.returns.size()) {
+        return Status(ErrorCode::kExecution, where(n) + " returned " + std::to_string(stack.size()) +
+                                                 " values, expected " + std::to_string(n.returns.size()));
+      }
+      for (std::size_t r = 0; r < n.returns.size(); ++r) {
+        const Return& ret = n.returns[r];
+        if (ret.kind == Return::Kind::kValue) {
+          values[ret.value] = std::move(stack[r]);
+        } else if (ret.kind == Return::Kind::kList) {
+          auto list = stack[r].toList();
+          if (list.size() != ret.items.size()) {
+            return Status(ErrorCode::kExecution,
+                          where(n) + " returned a list of " + std::to_string(list.size()) +
+                              " tensors but the graph was captured with " +
+                              std::to_string(ret.items.size()) +
+                              "; its length depends on an input size that changed since capture");
+          }
+          for (std::size_t j = 0; j < ret.items.size(); ++j) {
+            if (ret.items[j] >= 0) values[ret.items[j]] = list.get(j);
+          }
+        }
+      }
+    }
+    for (ValueId v : step.release) values[v] = c10::IValue();
+  }
+  return Status::ok();
+}
+
+Result<std::vector<c10::IValue>> GraphExecutor::run(std::vector<c10::IValue> inputs) const {
+  if (inputs.size() != graph_.inputs.size()) {
+    return Status(ErrorCode::kInvalidArgument, "the graph takes " + std::to_string(graph_.inputs.size()) +
+                                                   " inputs but got " + std::to_string(inputs.size()));
+  }
+  std::vector<c10::IValue> values(graph_.values.size());
+  for (std::size_t i = 0; i < inputs.size(); ++i) values[graph_.inputs[i].value] = std::move(inputs[i]);
+  CONVEYOR_RETURN_IF_ERROR(execute(whole_graph_steps_, values));
+  std::vector<c10::IValue> out;
+  out.reserve(graph_.outputs.size());
+  for (ValueId v : graph_.outputs) out.push_back(values[v]);
+  return out;
+}
+
+Result<std::shared_ptr<const StageProgram>> GraphExecutor::stage(std::vector<NodeId> nodes) const {
+  CONVEYOR_RETURN_IF_ERROR(check_stage(graph_, nodes));
+  std::sort(nodes.begin(), nodes.end());
+  auto program = std::shared_ptr<StageProgram>(new StageProgram());
+  program->executor_ = shared_from_this();
+  program->boundary_ = stage_boundary(graph_, nodes);
+  program->steps_ = plan_steps(nodes, program->boundary_.outputs);
+  program->nodes_ = std::move(nodes);
+  return std::shared_ptr<const StageProgram>(std::move(program));
+}
+
+Result<StageActivation> StageProgram::forward(std::vector<c10::IValue> inputs) const {
+  const Graph& g = executor_->graph();
+  if (inputs.size() != boundary_.inputs.size()) {
+    return Status(ErrorCode::kInvalidArgument, "the stage takes " + std::to_string(boundary_.inputs.size()) +
+                                                   " inputs but got " + std::to_string(inputs.size()));
+  }
+  StageActivation act;
+  std::vector<c10::IValue> values(g.values.size());
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    c10::IValue& in = inputs[i];
+    if (in.isTensor()) {
+      const at::Tensor& t = in.toTensor();
+      at::Tensor leaf = t.detach();
+      if (t.requires_grad()) leaf.requires_grad_(true);
+      in = leaf;
+    }
+    values[boundary_.inputs[i]] = in;
+  }
+  act.inputs = std::move(inputs);
+  CONVEYOR_RETURN_IF_ERROR(executor_->execute(steps_, values));
+  act.outputs.reserve(boundary_.outputs.size());
+  for (ValueId v : boundary_.outputs) act.outputs.push_back(std::move(values[v]));
+  return act;
+}
+
+Result<std::vector<c10::IValue>> StageProgram::backward(StageActivation& act,
+                                                        std::vector<c10::IValue> output_grads) const {
+  if (output_grads.size() != act.outputs.size()) {
+    return Status(ErrorCode::kInvalidArgument, "the stage has " + std::to_string(act.outputs.size()) +
+                                                   " outputs but got " + std::to_string(output_grads.size()) +
+                                                   " gradients");
+  }
+  std::vector<at::Tensor> roots, grads;
+  for (std::size_t i = 0; i < act.outputs.size(); ++i) {
+    if (!act.outputs[i].isTensor() || !output_grads[i].isTensor()) continue;
+    const at::Tensor& out = act.outputs[i].toTensor();
+    const at::Tensor& grad = output_grads[i].toTensor();
+    if (!grad.defined() || !out.requires_grad()) continue;
+    if (!grad.sizes().equals(out.sizes())) {
+      return Status(ErrorCode::kInvalidArgument,
+                    "gradient for stage output " + std::to_string(boundary_.outputs[i]) + " has shape " +
+                        shape_string(grad) + " but the output has shape " + shape_string(out));
+    }
+    roots.push_back(out);
+    grads.push_back(grad);
+  }
+  if (!roots.empty()) {
+    try {
+      torch::autograd::backward(roots, grads, /*retain_graph=*/false, /*create_graph=*/false);
+    } catch (const c10::Error& e) {
+      return Status(ErrorCode::kExecution, std::string("stage backward failed: ") + e.what_without_backtrace());
+    }
+  }
+  std::vector<c10::IValue> input_grads;
+  input_grads.reserve(act.inputs.size());
+  for (const auto& in : act.inputs) {
+    if (in.isTensor() && in.toTensor().requires_grad() && in.toTensor().grad().defined()) {
+      input_grads.emplace_back(in.toTensor().grad());
+    } else {
+      input_grads.emplace_back();
+    }
+  }
+  act.inputs.clear();
+  act.outputs.clear();
+  return input_grads;
+}
+
+}  // namespace conveyor::graph

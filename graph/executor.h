@@ -1,0 +1,98 @@
+// Runs a captured graph, or any valid stage of it, through the ATen dispatcher with
+// autograd. Every operator is resolved once when the executor is created.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "common/status.h"
+#include "graph/ir.h"
+#include "graph/partition.h"
+
+namespace conveyor::graph {
+
+/// Tensors bound by fully-qualified name to a graph's parameters, buffers and constants.
+using TensorMap = std::unordered_map<std::string, at::Tensor>;
+
+/// What a stage keeps between its forward and its backward (one per microbatch in flight).
+struct StageActivation {
+  std::vector<c10::IValue> inputs;   ///< as the stage saw them: tensors are detached leaves
+  std::vector<c10::IValue> outputs;  ///< in StageProgram::outputs() order
+};
+
+class GraphExecutor;
+
+/// A compiled stage: a convex set of nodes with explicit inputs and outputs.
+/// Immutable after creation; forward/backward may run on any thread, one call per activation.
+class StageProgram {
+ public:
+  const std::vector<NodeId>& nodes() const { return nodes_; }
+  /// Values the stage needs, ascending: graph inputs or other stages' outputs.
+  const std::vector<ValueId>& inputs() const { return boundary_.inputs; }
+  /// Values the stage produces for others or for the graph's outputs, ascending.
+  const std::vector<ValueId>& outputs() const { return boundary_.outputs; }
+
+  /// Runs the stage. Tensor inputs become fresh autograd leaves (requires_grad kept), so
+  /// backward() can hand their gradients to the stage that produced them.
+  Result<StageActivation> forward(std::vector<c10::IValue> inputs) const;
+
+  /// Backpropagates `output_grads` (None or undefined where an output got no gradient),
+  /// accumulating parameter gradients into their live `.grad`; returns the gradients of
+  /// the inputs (None where an input needs none). Releases the activation's graph.
+  Result<std::vector<c10::IValue>> backward(StageActivation& activation,
+                                            std::vector<c10::IValue> output_grads) const;
+
+ private:
+  friend class GraphExecutor;
+  struct Step {
+    std::size_t compiled;  ///< index into the executor's compiled nodes
+    std::vector<ValueId> release;  ///< values dead after this step
+  };
+  std::shared_ptr<const GraphExecutor> executor_;
+  std::vector<NodeId> nodes_;
+  StageBoundary boundary_;
+  std::vector<Step> steps_;
+};
+
+/// Owns a graph, the tensors bound to it, and every node's resolved operator.
+class GraphExecutor : public std::enable_shared_from_this<GraphExecutor> {
+ public:
+  struct CompiledNode;
+
+  /// Resolves all operators and binds `tensors` by name (shapes and dtypes are checked).
+  static Result<std::shared_ptr<GraphExecutor>> create(Graph graph, TensorMap tensors);
+  ~GraphExecutor();
+
+  const Graph& graph() const { return graph_; }
+
+  /// Runs the whole graph on the user inputs (flattened, in Graph::inputs order) without
+  /// detaching anything: outputs stay connected to parameters and inputs through autograd.
+  Result<std::vector<c10::IValue>> run(std::vector<c10::IValue> inputs) const;
+
+  /// Compiles the stage made of `nodes` (any order; executed in ascending id order).
+  Result<std::shared_ptr<const StageProgram>> stage(std::vector<NodeId> nodes) const;
+
+ private:
+  friend class StageProgram;
+  GraphExecutor() = default;
+  Status execute(const std::vector<StageProgram::Step>& steps, std::vector<c10::IValue>& values) const;
+  std::vector<StageProgram::Step> plan_steps(const std::vector<NodeId>& nodes,
+                                             const std::vector<ValueId>& keep) const;
+
+  Graph graph_;
+  TensorMap tensors_;
+  std::vector<std::unique_ptr<CompiledNode>> compiled_;
+  std::vector<StageProgram::Step> whole_graph_steps_;
+};
+
+/// at::ScalarType for a dtype name ("float32"), or an error naming the unknown dtype.
+Result<at::ScalarType> scalar_type_from_name(std::string_view name);
+/// The dtype name conveyor's IR uses for a scalar type ("float32").
+std::string scalar_type_name(at::ScalarType type);
+
+}  // namespace conveyor::graph

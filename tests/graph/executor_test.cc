@@ -1,0 +1,182 @@
+#include "graph/executor.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "test_graphs.h"
+
+namespace conveyor::graph {
+namespace {
+
+TensorMap mlp_tensors() {
+  torch::manual_seed(0);
+  auto opts = torch::TensorOptions().dtype(torch::kDouble).requires_grad(true);
+  return {{"fc1.weight", torch::randn({8, 4}, opts)}, {"fc1.bias", torch::randn({8}, opts)},
+          {"fc2.weight", torch::randn({3, 8}, opts)}, {"fc2.bias", torch::randn({3}, opts)}};
+}
+
+void zero_grads(TensorMap& t) {
+  for (auto& [name, tensor] : t) {
+    if (tensor.grad().defined()) tensor.mutable_grad().zero_();
+  }
+}
+
+TEST(GraphExecutor, WholeGraphMatchesEagerForwardAndBackward) {
+  TensorMap t = mlp_tensors();
+  auto ex = GraphExecutor::create(testing::mlp_graph(), t);
+  ASSERT_TRUE(ex.is_ok()) << ex.status().to_string();
+  auto x = torch::randn({5, 4}, torch::kDouble);
+  auto out = (*ex)->run({x});
+  ASSERT_TRUE(out.is_ok()) << out.status().to_string();
+  auto loss = out->at(0).toTensor();
+  loss.backward();
+  std::map<std::string, at::Tensor> graph_grads;
+  for (auto& [n, p] : t) graph_grads[n] = p.grad().clone();
+  zero_grads(t);
+
+  auto eager = torch::linear(torch::relu(torch::linear(x, t["fc1.weight"], t["fc1.bias"])), t["fc2.weight"],
+                             t["fc2.bias"]).sum();
+  eager.backward();
+  EXPECT_TRUE(torch::equal(loss, eager));
+  for (auto& [n, p] : t) EXPECT_TRUE(torch::equal(graph_grads[n], p.grad())) << n;
+}
+
+TEST(GraphExecutor, BatchSizeIsFreeAtRunTime) {
+  auto ex = GraphExecutor::create(testing::mlp_graph(), mlp_tensors());
+  ASSERT_TRUE(ex.is_ok());
+  for (int batch : {1, 3, 17}) {
+    auto out = (*ex)->run({torch::randn({batch, 4}, torch::kDouble)});
+    ASSERT_TRUE(out.is_ok()) << out.status().to_string();
+  }
+}
+
+// Runs `stages` in order like a pipeline and returns the loss; backward leaves grads in `t`.
+double run_staged(const std::shared_ptr<GraphExecutor>& ex, const std::vector<std::vector<NodeId>>& parts,
+                  const at::Tensor& x) {
+  const Graph& g = ex->graph();
+  std::map<ValueId, c10::IValue> values = {{g.inputs[0].value, x}};
+  std::vector<std::shared_ptr<const StageProgram>> stages;
+  std::vector<StageActivation> acts;
+  for (const auto& p : parts) {
+    auto s = ex->stage(p);
+    EXPECT_TRUE(s.is_ok()) << s.status().to_string();
+    std::vector<c10::IValue> in;
+    for (ValueId v : (*s)->inputs()) in.push_back(values.at(v));
+    auto act = (*s)->forward(in);
+    EXPECT_TRUE(act.is_ok()) << act.status().to_string();
+    for (std::size_t i = 0; i < (*s)->outputs().size(); ++i) values[(*s)->outputs()[i]] = act->outputs[i];
+    stages.push_back(*s);
+    acts.push_back(std::move(act).value());
+  }
+  at::Tensor loss = values.at(g.outputs[0]).toTensor();
+  double result = loss.item<double>();
+  std::map<ValueId, at::Tensor> grads = {{g.outputs[0], torch::ones_like(loss)}};
+  for (std::size_t i = stages.size(); i-- > 0;) {
+    std::vector<c10::IValue> out_grads;
+    for (ValueId v : stages[i]->outputs()) {
+      auto it = grads.find(v);
+      out_grads.push_back(it == grads.end() ? c10::IValue() : c10::IValue(it->second));
+    }
+    auto in_grads = stages[i]->backward(acts[i], out_grads);
+    EXPECT_TRUE(in_grads.is_ok()) << in_grads.status().to_string();
+    for (std::size_t j = 0; j < stages[i]->inputs().size(); ++j) {
+      if (!in_grads->at(j).isTensor()) continue;
+      ValueId v = stages[i]->inputs()[j];
+      auto grad = in_grads->at(j).toTensor();
+      grads[v] = grads.count(v) ? grads[v] + grad : grad;
+    }
+  }
+  return result;
+}
+
+TEST(StageProgram, RandomCutsGiveTheSameLossAndGradients) {
+  for (const Graph& g : {testing::mlp_graph(), testing::diamond_graph(), testing::inplace_view_graph()}) {
+    TensorMap t;
+    torch::manual_seed(1);
+    for (const auto& b : g.bindings) {
+      std::vector<int64_t> shape;
+      for (const auto& d : g.values[b.value].shape) shape.push_back(d.size);
+      t[b.name] = torch::randn(shape, torch::dtype(torch::kDouble).requires_grad(true));
+    }
+    auto ex = GraphExecutor::create(g, t);
+    ASSERT_TRUE(ex.is_ok()) << ex.status().to_string();
+    auto x = torch::randn({6, 4}, torch::kDouble);
+    auto whole = (*ex)->run({x});
+    ASSERT_TRUE(whole.is_ok()) << whole.status().to_string();
+    whole->at(0).toTensor().backward();
+    std::map<std::string, at::Tensor> expected;
+    for (auto& [n, p] : t) expected[n] = p.grad().clone();
+    for (int k = 2; k <= 3; ++k) {
+      for (std::uint64_t seed = 0; seed < 5; ++seed) {
+        zero_grads(t);
+        auto parts = random_partition(g, k, seed, false);
+        ASSERT_TRUE(parts.is_ok());
+        double loss = run_staged(*ex, *parts, x);
+        EXPECT_DOUBLE_EQ(loss, whole->at(0).toTensor().item<double>());
+        for (auto& [n, p] : t) {
+          EXPECT_TRUE(torch::allclose(expected[n], p.grad(), 1e-12, 1e-12)) << n << " k=" << k << " seed=" << seed;
+        }
+      }
+    }
+  }
+}
+
+TEST(StageProgram, InvalidCutsAreRefused) {
+  auto ex = GraphExecutor::create(testing::diamond_graph(),
+                                  {{"w", torch::randn({4, 4}, torch::kDouble)}});
+  ASSERT_TRUE(ex.is_ok());
+  auto s = (*ex)->stage({0, 3});
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_EQ(s.status().code(), ErrorCode::kInvalidStage);
+}
+
+TEST(GraphExecutor, UnknownOperatorIsNamed) {
+  Graph g = testing::mlp_graph();
+  g.nodes[1].op = "aten::relu_but_fancier";
+  g.producer["torch"] = "9.9.0";
+  auto ex = GraphExecutor::create(g, mlp_tensors());
+  ASSERT_FALSE(ex.is_ok());
+  EXPECT_EQ(ex.status().code(), ErrorCode::kUnknownOp);
+  EXPECT_NE(ex.status().message().find("aten::relu_but_fancier"), std::string::npos);
+  EXPECT_NE(ex.status().message().find("captured with torch 9.9.0"), std::string::npos);
+}
+
+TEST(GraphExecutor, WrongArgumentCountIsReported) {
+  Graph g = testing::mlp_graph();
+  g.nodes[1].args.push_back(Argument::of_int(3));
+  auto ex = GraphExecutor::create(g, mlp_tensors());
+  ASSERT_FALSE(ex.is_ok());
+  EXPECT_EQ(ex.status().code(), ErrorCode::kInvalidGraph);
+  EXPECT_NE(ex.status().message().find("has 2 arguments but the schema"), std::string::npos) << ex.status().message();
+}
+
+TEST(GraphExecutor, MissingOrMismatchedTensorsAreReported) {
+  TensorMap t = mlp_tensors();
+  t.erase("fc2.bias");
+  auto missing = GraphExecutor::create(testing::mlp_graph(), t);
+  EXPECT_NE(missing.status().message().find("'fc2.bias'"), std::string::npos);
+
+  TensorMap u = mlp_tensors();
+  u["fc1.weight"] = torch::randn({8, 5}, torch::kDouble);
+  auto wrong = GraphExecutor::create(testing::mlp_graph(), u);
+  EXPECT_NE(wrong.status().message().find("has shape [8, 5] but the graph expects [8, 4]"), std::string::npos)
+      << wrong.status().message();
+
+  TensorMap w = mlp_tensors();
+  w["fc1.bias"] = torch::randn({8}, torch::kFloat);
+  auto dtype = GraphExecutor::create(testing::mlp_graph(), w);
+  EXPECT_NE(dtype.status().message().find("dtype float32 but the graph expects float64"), std::string::npos);
+}
+
+TEST(GraphExecutor, OperatorFailuresNameTheNodeAndSource) {
+  auto ex = GraphExecutor::create(testing::mlp_graph(), mlp_tensors());
+  ASSERT_TRUE(ex.is_ok());
+  auto out = (*ex)->run({torch::randn({2, 7}, torch::kDouble)});
+  ASSERT_FALSE(out.is_ok());
+  EXPECT_EQ(out.status().code(), ErrorCode::kExecution);
+  EXPECT_NE(out.status().message().find("node 0 (aten::linear, from test_graphs.cc:0) failed"), std::string::npos)
+      << out.status().message();
+}
+
+}  // namespace
+}  // namespace conveyor::graph
