@@ -246,6 +246,12 @@ Graph parse_graph(const json& doc) {
     b.value = static_cast<ValueId>(as_int(field(bindings[i], p, "value"), p + "/value"));
     b.name = as_string(field(bindings[i], p, "name"), p + "/name");
     b.kind = parse_binding_kind(as_string(field(bindings[i], p, "kind"), p + "/kind"), p + "/kind");
+    if (auto it = bindings[i].find("tied"); it != bindings[i].end()) {
+      const auto& arr = as_array(*it, p + "/tied");
+      for (std::size_t t = 0; t < arr.size(); ++t) {
+        b.tied_names.push_back(as_string(arr[t], p + "/tied/" + std::to_string(t)));
+      }
+    }
     g.bindings.push_back(std::move(b));
   }
   const auto& nodes = as_array(field(doc, "", "nodes"), "/nodes");
@@ -354,7 +360,9 @@ std::string Graph::to_json() const {
   doc["inputs"] = std::move(inputs_j);
   json bindings_j = json::array();
   for (const auto& b : bindings) {
-    bindings_j.push_back({{"value", b.value}, {"name", b.name}, {"kind", binding_kind_name(b.kind)}});
+    json jb = {{"value", b.value}, {"name", b.name}, {"kind", binding_kind_name(b.kind)}};
+    if (!b.tied_names.empty()) jb["tied"] = b.tied_names;
+    bindings_j.push_back(std::move(jb));
   }
   doc["bindings"] = std::move(bindings_j);
   json nodes_j = json::array();
@@ -447,6 +455,9 @@ Status Graph::validate() const {
   for (const auto& b : bindings) {
     CONVEYOR_RETURN_IF_ERROR(define(b.value, "binding '" + b.name + "'"));
     if (!binding_names.insert(b.name).second) return bad("binding '" + b.name + "' appears twice");
+    for (const auto& tied : b.tied_names) {
+      if (!binding_names.insert(tied).second) return bad("binding '" + tied + "' appears twice");
+    }
     if (values[b.value].kind != ValueKind::kTensor) {
       return bad("binding '" + b.name + "' must be a tensor value");
     }

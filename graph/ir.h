@@ -97,6 +97,7 @@ struct Binding {
   ValueId value = -1;
   std::string name;  ///< fully-qualified name in the model ("encoder.layer.0.weight")
   Kind kind = Kind::kParameter;
+  std::vector<std::string> tied_names;  ///< other names of the same tensor (tied weights)
 };
 
 /// A user input of the graph, in flattened call order.

@@ -53,17 +53,26 @@ def _dim(size) -> int | str:
     return int(concrete) if concrete is not None else str(size)
 
 
+def _is_list_type(t) -> bool:
+    return isinstance(t, torch._C.ListType)
+
+
 def _source_of(node: torch.fx.Node) -> str:
-    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
+    frames = [(p, l) for p, l in _FRAME.findall(node.meta.get("stack_trace") or "") if _is_user_path(p)]
     if not frames:
         return ""
     path, line = frames[-1]
     return f"{path}:{line}"
 
 
+def _is_user_path(path: str) -> bool:
+    """Frames in torch itself or in generated code say nothing about the user's model."""
+    return not path.startswith(_TORCH_DIR) and not path.startswith("<")
+
+
 def _user_frame(text: str) -> str | None:
     """The innermost source location in `text` that is not inside torch itself."""
-    frames = [(p, l) for p, l in _FRAME.findall(text) if not p.startswith(_TORCH_DIR)]
+    frames = [(p, l) for p, l in _FRAME.findall(text) if _is_user_path(p)]
     if not frames:
         return None
     path, line = frames[-1]
@@ -259,8 +268,7 @@ class _Builder:
         val = node.meta.get("val")
         returns = []
         if len(schema.returns) == 1:
-            rtype = str(schema.returns[0].type)
-            if rtype.endswith("[]"):
+            if _is_list_type(schema.returns[0].type):
                 ids = [self.new_value(v, f"{node.name}_{j}") for j, v in enumerate(val)]
                 returns.append({"list": ids})
                 self.env[node] = ids
@@ -275,7 +283,7 @@ class _Builder:
             ids = []
             for j, r in enumerate(schema.returns):
                 v = val[j] if val is not None and j < len(val) else None
-                if v is None or str(r.type).endswith("[]"):
+                if v is None or _is_list_type(r.type):
                     returns.append({"unused": None})
                     ids.append(None)
                 else:
@@ -331,8 +339,13 @@ class _Builder:
                 self.inline(gm.get_submodule(sub.target), operands, node, bool(enabled))
             else:
                 name = getattr(target, "__name__", str(target))
+                hint = ""
+                if isinstance(target, torch._ops.HigherOrderOperator):
+                    hint = ("\n  hint: conveyor runs plain ATen operators; higher-order operators such as "
+                            "torch.cond, torch.map or while_loop are not supported: compute both branches "
+                            "and select with torch.where")
                 raise CaptureError(f"cannot capture {type(self.model).__name__}: unsupported operation "
-                                   f"'{name}' (node {node.name}){self.where(node)}")
+                                   f"'{name}' (node {node.name}){self.where(node)}{hint}")
 
     def inline(self, sub: torch.fx.GraphModule, operands, node, grad_enabled):
         placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
@@ -350,6 +363,7 @@ class _Builder:
         state = dict(self.model.named_parameters(remove_duplicate=False))
         state.update(dict(self.model.named_buffers(remove_duplicate=False)))
         user_index = 0
+        tied: dict[int, dict] = {}
         for node in ep.graph.nodes:
             if node.op != "placeholder":
                 continue
@@ -368,10 +382,16 @@ class _Builder:
                 live = state.get(name)
                 if live is None:
                     raise CaptureError(f"the exported graph refers to '{name}' which the model does not have")
+                if id(live) in tied:  # one tensor under several names: bind it once
+                    binding = tied[id(live)]
+                    binding.setdefault("tied", []).append(name)
+                    self.env[node] = binding["value"]
+                    continue
                 vid = self.new_value(live, name)
                 self.env[node] = vid
                 kind = "parameter" if spec.kind == InputKind.PARAMETER else "buffer"
                 self.bindings.append({"value": vid, "name": name, "kind": kind})
+                tied[id(live)] = self.bindings[-1]
                 self.tensors[name] = live
             elif spec.kind == InputKind.CONSTANT_TENSOR:
                 name = "constant." + spec.target
