@@ -158,7 +158,7 @@ def resnet18(batch=4, dtype=torch.float64, image=32) -> ZooCase:
 def bert(batch=4, seq=16, dtype=torch.float64, layers=2, hidden=32, dropout=0.0) -> ZooCase:
     tf = _quiet_transformers()
     cfg = tf.BertConfig(vocab_size=96, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
-                        intermediate_size=4 * hidden, max_position_embeddings=64,
+                        intermediate_size=4 * hidden, max_position_embeddings=max(64, seq),
                         hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
     m = tf.BertForMaskedLM(cfg).to(dtype)
     ids = torch.randint(0, 96, (batch, seq))
@@ -168,7 +168,7 @@ def bert(batch=4, seq=16, dtype=torch.float64, layers=2, hidden=32, dropout=0.0)
 
 def gpt2(batch=4, seq=16, dtype=torch.float64, layers=2, hidden=32, vocab=96, dropout=0.0) -> ZooCase:
     tf = _quiet_transformers()
-    cfg = tf.GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=4, n_positions=128,
+    cfg = tf.GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=4, n_positions=max(128, seq),
                         resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, use_cache=False,
                         bos_token_id=0, eos_token_id=0, tie_word_embeddings=True)
     m = tf.GPT2LMHeadModel(cfg).to(dtype)

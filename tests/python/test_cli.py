@@ -1,0 +1,51 @@
+"""The `conveyor` command-line tool on real graph files."""
+import os
+import subprocess
+
+import pytest
+import torch
+
+import conveyor
+from conveyor import zoo
+
+BUILD = os.environ.get("CONVEYOR_BUILD_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "build"))
+TOOL = os.path.join(BUILD, "tools", "conveyor")
+
+pytestmark = pytest.mark.skipif(not os.path.exists(TOOL), reason=f"conveyor tool not built at {TOOL}")
+
+
+def run(*args):
+    return subprocess.run([TOOL, *map(str, args)], capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def resnet_file(tmp_path_factory):
+    torch.manual_seed(0)
+    case = zoo.resnet18()
+    path = tmp_path_factory.mktemp("cli") / "resnet18.cvg"
+    conveyor.capture(case.model, case.args).save(path)
+    return path
+
+
+def test_inspect_summarizes(resnet_file):
+    r = run("inspect", resnet_file)
+    assert r.returncode == 0, r.stderr
+    assert "aten::conv2d" in r.stdout
+    assert "62 parameters" in r.stdout and "60 buffers" in r.stdout
+    assert "= batch" in r.stdout
+
+
+def test_partition_prints_valid_stages(resnet_file):
+    r = run("partition", resnet_file, "--stages", 4, "--seed", 2)
+    assert r.returncode == 0, r.stderr
+    assert len([line for line in r.stdout.splitlines() if line[:1].isdigit()]) == 4
+
+
+def test_bad_files_fail_cleanly(resnet_file, tmp_path):
+    broken = tmp_path / "broken.cvg"
+    broken.write_bytes(resnet_file.read_bytes()[:1000])
+    r = run("validate", broken)
+    assert r.returncode == 1
+    assert "truncated" in r.stderr
+    r = run("partition", resnet_file, "--stages", 0)
+    assert r.returncode != 0
