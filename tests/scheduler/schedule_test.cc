@@ -1,0 +1,90 @@
+#include "scheduler/schedule.h"
+
+#include <gtest/gtest.h>
+
+namespace conveyor::scheduler {
+namespace {
+
+Schedule make(ScheduleKind kind, int p, int m) {
+  auto s = make_schedule({kind, p, m});
+  EXPECT_TRUE(s.is_ok()) << s.status().to_string();
+  return std::move(s).value();
+}
+
+TEST(Schedule, OneFOneBOrderIsWarmupSteadyCooldown) {
+  Schedule s = make(ScheduleKind::kOneFOneB, 2, 3);
+  EXPECT_EQ(s.to_text(),
+            "rank 0: F0 sendA0>1 F1 sendA1>1 recvG0<1 B0 F2 sendA2>1 recvG1<1 B1 recvG2<1 B2\n"
+            "rank 1: recvA0<0 F0 B0 sendG0>0 recvA1<0 F1 B1 sendG1>0 recvA2<0 F2 B2 sendG2>0\n");
+}
+
+TEST(Schedule, GPipeRunsAllForwardsThenAllBackwards) {
+  Schedule s = make(ScheduleKind::kGPipe, 2, 2);
+  EXPECT_EQ(s.to_text(),
+            "rank 0: F0 sendA0>1 F1 sendA1>1 recvG0<1 B0 recvG1<1 B1\n"
+            "rank 1: recvA0<0 F0 recvA1<0 F1 B0 sendG0>0 B1 sendG1>0\n");
+}
+
+TEST(Schedule, EverySizeIsValid) {
+  for (auto kind : {ScheduleKind::kGPipe, ScheduleKind::kOneFOneB}) {
+    for (int p = 1; p <= 8; ++p) {
+      for (int m = 1; m <= 12; ++m) {
+        auto s = make_schedule({kind, p, m});
+        ASSERT_TRUE(s.is_ok()) << schedule_kind_name(kind) << " p=" << p << " m=" << m << ": "
+                               << s.status().message();
+      }
+    }
+  }
+}
+
+// Activations alive on a rank: forwards done whose backward has not run yet.
+int peak_in_flight(const ActionList& list) {
+  int live = 0, peak = 0;
+  for (const auto& a : list) {
+    if (a.kind == ActionKind::kForward) peak = std::max(peak, ++live);
+    if (a.kind == ActionKind::kBackward) --live;
+  }
+  return peak;
+}
+
+TEST(Schedule, OneFOneBBoundsActivationMemoryGPipeDoesNot) {
+  const int p = 4, m = 8;
+  Schedule ofob = make(ScheduleKind::kOneFOneB, p, m);
+  Schedule gpipe = make(ScheduleKind::kGPipe, p, m);
+  for (int r = 0; r < p; ++r) {
+    EXPECT_EQ(peak_in_flight(ofob.ranks[r]), std::min(p - r, m)) << "rank " << r;
+    EXPECT_EQ(peak_in_flight(gpipe.ranks[r]), m) << "rank " << r;
+  }
+}
+
+TEST(ValidateSchedule, FindsDeadlocks) {
+  Schedule s = make(ScheduleKind::kOneFOneB, 2, 2);
+  // Rank 0 waits for a gradient before sending the activation rank 1 needs first.
+  std::swap(s.ranks[0][1], s.ranks[0][4]);  // sendA0>1 <-> recvG0<1
+  Status st = validate_schedule(s);
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_NE(st.message().find("deadlock"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("rank 0 at recvG0<1"), std::string::npos) << st.message();
+}
+
+TEST(ValidateSchedule, FindsUnmatchedSendsAndMissingWork) {
+  Schedule s = make(ScheduleKind::kGPipe, 2, 1);
+  s.ranks[1].erase(s.ranks[1].begin());  // drop recvA0<0
+  EXPECT_NE(validate_schedule(s).message().find("never receives"), std::string::npos);
+
+  Schedule t = make(ScheduleKind::kGPipe, 1, 2);
+  t.ranks[0].pop_back();  // drop B1
+  EXPECT_NE(validate_schedule(t).message().find("backward 0 times"), std::string::npos);
+}
+
+TEST(Schedule, BadSpecsAndNames) {
+  EXPECT_FALSE(make_schedule({ScheduleKind::kGPipe, 0, 4}).is_ok());
+  EXPECT_FALSE(make_schedule({ScheduleKind::kGPipe, 2, 0}).is_ok());
+  EXPECT_EQ(schedule_kind_from_name("1f1b").value(), ScheduleKind::kOneFOneB);
+  auto bad = schedule_kind_from_name("pipedream");
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_NE(bad.status().message().find("expected gpipe or 1f1b"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace conveyor::scheduler

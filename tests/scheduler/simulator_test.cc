@@ -1,0 +1,72 @@
+#include "scheduler/simulator.h"
+
+#include <gtest/gtest.h>
+
+namespace conveyor::scheduler {
+namespace {
+
+TEST(Simulator, BalancedChainsReproduceTheAnalyticalBubble) {
+  for (auto kind : {ScheduleKind::kGPipe, ScheduleKind::kOneFOneB}) {
+    for (int p : {1, 2, 4, 8}) {
+      for (int m : {1, 4, 8, 32}) {
+        auto s = make_schedule({kind, p, m});
+        ASSERT_TRUE(s.is_ok());
+        std::vector<StageCost> costs(static_cast<std::size_t>(p), StageCost{1.0, 2.0, 0, 0});
+        auto r = simulate(*s, costs, {});
+        ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+        double expected = static_cast<double>(p - 1) / (m + p - 1);
+        EXPECT_NEAR(r->bubble_fraction, expected, 0.01) << schedule_kind_name(kind) << " p=" << p << " m=" << m;
+        EXPECT_NEAR(r->step_time_s, (m + p - 1) * 3.0, 1e-9);
+      }
+    }
+  }
+}
+
+TEST(Simulator, TransfersRunOnTheirOwnStreamAndOverlapCompute) {
+  auto s = make_schedule({ScheduleKind::kOneFOneB, 4, 8});
+  ASSERT_TRUE(s.is_ok());
+  std::vector<StageCost> costs(4, StageCost{1.0, 2.0, 1e6, 1e6});
+  LinkCost link{0.01, 2e6};  // 0.51 s per message
+  auto r = simulate(*s, costs, link);
+  ASSERT_TRUE(r.is_ok());
+  auto no_comm = simulate(*s, costs, {});
+  EXPECT_GT(r->step_time_s, no_comm->step_time_s);
+  // Compute spans of a rank never overlap one another; some send overlaps compute.
+  bool overlap = false;
+  for (const auto& a : r->spans) {
+    for (const auto& b : r->spans) {
+      if (&a == &b || a.rank != b.rank) continue;
+      bool intersect = a.start_s < b.end_s && b.start_s < a.end_s;
+      if (a.stream == Span::Stream::kCompute && b.stream == Span::Stream::kCompute) {
+        EXPECT_FALSE(intersect);
+      }
+      if (a.stream == Span::Stream::kSend && b.stream == Span::Stream::kCompute && intersect) overlap = true;
+    }
+  }
+  EXPECT_TRUE(overlap);
+  // Fill and drain each cross the 3 links at least once; no period waits for more than two
+  // transfers (one activation, one gradient).
+  const double tc = 0.51;
+  EXPECT_GE(r->step_time_s, no_comm->step_time_s + 2 * 3 * tc - 1e-9);
+  EXPECT_LE(r->step_time_s, no_comm->step_time_s + (8 + 4 - 1) * 2 * tc + 1e-9);
+}
+
+TEST(Simulator, SlowestStageSetsTheSteadyState) {
+  auto s = make_schedule({ScheduleKind::kOneFOneB, 3, 16});
+  ASSERT_TRUE(s.is_ok());
+  std::vector<StageCost> costs = {{1, 2, 0, 0}, {2, 4, 0, 0}, {1, 2, 0, 0}};
+  auto r = simulate(*s, costs, {});
+  ASSERT_TRUE(r.is_ok());
+  EXPECT_GE(r->step_time_s, 16 * 6.0);  // the middle stage alone is busy 96 s
+  EXPECT_LT(r->step_time_s, 16 * 6.0 + 2 * 6.0 + 1e-9);
+}
+
+TEST(Simulator, RejectsMismatchedCosts) {
+  auto s = make_schedule({ScheduleKind::kGPipe, 2, 2});
+  auto r = simulate(*s, {StageCost{}}, {});
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("1 stage costs for a schedule of 2 ranks"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace conveyor::scheduler
