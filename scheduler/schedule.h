@@ -12,15 +12,17 @@
 
 namespace conveyor::scheduler {
 
-enum class ScheduleKind : std::uint8_t { kGPipe, kOneFOneB };
+enum class ScheduleKind : std::uint8_t { kGPipe, kOneFOneB, kZeroBubbleH1 };
 
-/// Parses "gpipe" or "1f1b".
+/// Parses "gpipe", "1f1b" or "zb-h1".
 Result<ScheduleKind> schedule_kind_from_name(std::string_view name);
 std::string_view schedule_kind_name(ScheduleKind kind);
 
 enum class ActionKind : std::uint8_t {
   kForward,         ///< F: forward of one microbatch
   kBackward,        ///< B: backward of one microbatch (input and weight gradients)
+  kBackwardInput,   ///< B of a split backward: input gradients only (zero-bubble schedules)
+  kBackwardWeight,  ///< W of a split backward: weight gradients, deferred to fill idle time
   kSendActivation,  ///< post the forward output to the next rank (non-blocking)
   kRecvActivation,  ///< wait for the forward input from the previous rank
   kSendGradient,    ///< post the input gradient to the previous rank (non-blocking)
@@ -33,7 +35,10 @@ struct Action {
   int microbatch = 0;
   int peer = -1;  ///< the other rank of a send or receive
 
-  bool is_compute() const { return kind == ActionKind::kForward || kind == ActionKind::kBackward; }
+  bool is_compute() const {
+    return kind == ActionKind::kForward || kind == ActionKind::kBackward ||
+           kind == ActionKind::kBackwardInput || kind == ActionKind::kBackwardWeight;
+  }
   bool operator==(const Action&) const = default;
 };
 
@@ -58,7 +63,8 @@ struct Schedule {
 /// Generates the schedule; errors when the spec is out of range.
 Result<Schedule> make_schedule(const ScheduleSpec& spec);
 
-/// Checks that every rank runs F and B of every microbatch once (F before B), every send
+/// Checks that every rank runs F and the backward of every microbatch once (F before B, a
+/// split backward as B then W), every send
 /// has its matching receive, and the lists cannot deadlock (each receive's send is reached).
 Status validate_schedule(const Schedule& schedule);
 

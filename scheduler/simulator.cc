@@ -30,8 +30,14 @@ Result<SimulationResult> simulate(const Schedule& s, const std::vector<StageCost
         const Action& a = list[pc[r]];
         switch (a.kind) {
           case ActionKind::kForward:
-          case ActionKind::kBackward: {
-            double d = a.kind == ActionKind::kForward ? costs[r].forward_s : costs[r].backward_s;
+          case ActionKind::kBackward:
+          case ActionKind::kBackwardInput:
+          case ActionKind::kBackwardWeight: {
+            const StageCost& c = costs[r];
+            double d = a.kind == ActionKind::kForward          ? c.forward_s
+                       : a.kind == ActionKind::kBackward       ? c.backward_s
+                       : a.kind == ActionKind::kBackwardInput  ? c.backward_s - c.backward_weight_s
+                                                               : c.backward_weight_s;
             Span span{r, Span::Stream::kCompute, a, compute_free[r], compute_free[r] + d};
             compute_free[r] = span.end_s;
             result.busy_s[r] += d;

@@ -15,7 +15,8 @@ namespace conveyor::scheduler {
 /// Cost of one rank's stage for one microbatch.
 struct StageCost {
   double forward_s = 0;
-  double backward_s = 0;
+  double backward_s = 0;         ///< whole backward (input and weight gradients)
+  double backward_weight_s = 0;  ///< the weight-gradient part of backward_s (split schedules)
   double activation_bytes = 0;  ///< sent forward to the next rank per microbatch
   double gradient_bytes = 0;    ///< sent back to the previous rank per microbatch
 };

@@ -26,7 +26,7 @@ TEST(Schedule, GPipeRunsAllForwardsThenAllBackwards) {
 }
 
 TEST(Schedule, EverySizeIsValid) {
-  for (auto kind : {ScheduleKind::kGPipe, ScheduleKind::kOneFOneB}) {
+  for (auto kind : {ScheduleKind::kGPipe, ScheduleKind::kOneFOneB, ScheduleKind::kZeroBubbleH1}) {
     for (int p = 1; p <= 8; ++p) {
       for (int m = 1; m <= 12; ++m) {
         auto s = make_schedule({kind, p, m});
@@ -37,12 +37,13 @@ TEST(Schedule, EverySizeIsValid) {
   }
 }
 
-// Activations alive on a rank: forwards done whose backward has not run yet.
+// Activations alive on a rank: forwards done whose (input-gradient) backward has not run
+// yet. A deferred W keeps only what the weight gradient needs (layer inputs, output grads).
 int peak_in_flight(const ActionList& list) {
   int live = 0, peak = 0;
   for (const auto& a : list) {
     if (a.kind == ActionKind::kForward) peak = std::max(peak, ++live);
-    if (a.kind == ActionKind::kBackward) --live;
+    if (a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardInput) --live;
   }
   return peak;
 }
@@ -51,8 +52,10 @@ TEST(Schedule, OneFOneBBoundsActivationMemoryGPipeDoesNot) {
   const int p = 4, m = 8;
   Schedule ofob = make(ScheduleKind::kOneFOneB, p, m);
   Schedule gpipe = make(ScheduleKind::kGPipe, p, m);
+  Schedule zb = make(ScheduleKind::kZeroBubbleH1, p, m);
   for (int r = 0; r < p; ++r) {
     EXPECT_EQ(peak_in_flight(ofob.ranks[r]), std::min(p - r, m)) << "rank " << r;
+    EXPECT_LE(peak_in_flight(zb.ranks[r]), std::min(p - r, m)) << "rank " << r;  // ZB-H1 keeps 1F1B's memory
     EXPECT_EQ(peak_in_flight(gpipe.ranks[r]), m) << "rank " << r;
   }
 }
@@ -83,7 +86,8 @@ TEST(Schedule, BadSpecsAndNames) {
   EXPECT_EQ(schedule_kind_from_name("1f1b").value(), ScheduleKind::kOneFOneB);
   auto bad = schedule_kind_from_name("pipedream");
   ASSERT_FALSE(bad.is_ok());
-  EXPECT_NE(bad.status().message().find("expected gpipe or 1f1b"), std::string::npos);
+  EXPECT_NE(bad.status().message().find("expected gpipe, 1f1b or zb-h1"), std::string::npos);
+  EXPECT_EQ(schedule_kind_from_name("zb-h1").value(), ScheduleKind::kZeroBubbleH1);
 }
 
 }  // namespace

@@ -11,7 +11,7 @@ TEST(Simulator, BalancedChainsReproduceTheAnalyticalBubble) {
       for (int m : {1, 4, 8, 32}) {
         auto s = make_schedule({kind, p, m});
         ASSERT_TRUE(s.is_ok());
-        std::vector<StageCost> costs(static_cast<std::size_t>(p), StageCost{1.0, 2.0, 0, 0});
+        std::vector<StageCost> costs(static_cast<std::size_t>(p), StageCost{1.0, 2.0, 0, 0, 0});
         auto r = simulate(*s, costs, {});
         ASSERT_TRUE(r.is_ok()) << r.status().to_string();
         double expected = static_cast<double>(p - 1) / (m + p - 1);
@@ -22,10 +22,29 @@ TEST(Simulator, BalancedChainsReproduceTheAnalyticalBubble) {
   }
 }
 
+TEST(Simulator, ZeroBubbleH1CutsTheBubbleToAThirdOfOneFOneB) {
+  // Unit costs: F = B(input) = W = 1, so a whole backward is 2.
+  for (int p : {2, 4, 8}) {
+    for (int m : {8, 16, 32}) {
+      std::vector<StageCost> costs(static_cast<std::size_t>(p), StageCost{1.0, 2.0, 1.0, 0, 0});
+      auto ofob = simulate(*make_schedule({ScheduleKind::kOneFOneB, p, m}), costs, {});
+      auto zb = simulate(*make_schedule({ScheduleKind::kZeroBubbleH1, p, m}), costs, {});
+      ASSERT_TRUE(ofob.is_ok() && zb.is_ok());
+      // The bubble in time units: 1F1B idles (p-1)(F+B+W) per rank, ZB-H1 (p-1)(F+B-W).
+      double ofob_idle = ofob->bubble_fraction * ofob->step_time_s;
+      double zb_idle = zb->bubble_fraction * zb->step_time_s;
+      EXPECT_NEAR(ofob_idle, 3.0 * (p - 1), 1e-9) << "p=" << p << " m=" << m;
+      EXPECT_NEAR(zb_idle, (p - 1) * 1.0, 1e-9) << "p=" << p << " m=" << m;
+      EXPECT_NEAR(zb_idle / ofob_idle, 1.0 / 3.0, 0.01) << "p=" << p << " m=" << m;
+      EXPECT_LT(zb->step_time_s, ofob->step_time_s);
+    }
+  }
+}
+
 TEST(Simulator, TransfersRunOnTheirOwnStreamAndOverlapCompute) {
   auto s = make_schedule({ScheduleKind::kOneFOneB, 4, 8});
   ASSERT_TRUE(s.is_ok());
-  std::vector<StageCost> costs(4, StageCost{1.0, 2.0, 1e6, 1e6});
+  std::vector<StageCost> costs(4, StageCost{1.0, 2.0, 0, 1e6, 1e6});
   LinkCost link{0.01, 2e6};  // 0.51 s per message
   auto r = simulate(*s, costs, link);
   ASSERT_TRUE(r.is_ok());
@@ -54,7 +73,7 @@ TEST(Simulator, TransfersRunOnTheirOwnStreamAndOverlapCompute) {
 TEST(Simulator, SlowestStageSetsTheSteadyState) {
   auto s = make_schedule({ScheduleKind::kOneFOneB, 3, 16});
   ASSERT_TRUE(s.is_ok());
-  std::vector<StageCost> costs = {{1, 2, 0, 0}, {2, 4, 0, 0}, {1, 2, 0, 0}};
+  std::vector<StageCost> costs = {{1, 2, 0, 0, 0}, {2, 4, 0, 0, 0}, {1, 2, 0, 0, 0}};
   auto r = simulate(*s, costs, {});
   ASSERT_TRUE(r.is_ok());
   EXPECT_GE(r->step_time_s, 16 * 6.0);  // the middle stage alone is busy 96 s
