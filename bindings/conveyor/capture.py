@@ -362,7 +362,6 @@ class _Builder:
         specs = {s.arg.name: s for s in sig.input_specs}
         state = dict(self.model.named_parameters(remove_duplicate=False))
         state.update(dict(self.model.named_buffers(remove_duplicate=False)))
-        user_index = 0
         tied: dict[int, dict] = {}
         for node in ep.graph.nodes:
             if node.op != "placeholder":
@@ -375,8 +374,7 @@ class _Builder:
                     continue
                 vid = self.new_value(val, node.name)
                 self.env[node] = vid
-                self.inputs.append({"value": vid, "name": node.name, "index": user_index})
-                user_index += 1
+                self.inputs.append({"value": vid, "name": node.name})
             elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
                 name = spec.target
                 live = state.get(name)
@@ -424,7 +422,7 @@ class _Builder:
             "producer": {"conveyor": "0.1.0", "torch": torch.__version__},
             "symbols": self.symbols,
             "values": self.values,
-            "inputs": [{"value": i["value"], "name": i["name"]} for i in self.inputs],
+            "inputs": self.inputs,
             "bindings": self.bindings,
             "nodes": self.nodes,
             "outputs": outputs,
