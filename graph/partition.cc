@@ -143,7 +143,17 @@ std::vector<int> group_of_nodes(const Graph& g, const std::vector<std::vector<No
   return of;
 }
 
-Status check_stage(const Graph& g, std::span<const NodeId> nodes) {
+namespace {
+
+// What stage checks need from the whole graph, computed once per partition check.
+struct GraphFacts {
+  explicit GraphFacts(const Graph& g) : succ(g.consumers()), groups(atomic_groups(g)), producer(g.producers()) {}
+  std::vector<std::vector<NodeId>> succ;
+  std::vector<std::vector<NodeId>> groups;
+  std::vector<NodeId> producer;
+};
+
+Status check_stage_with(const Graph& g, std::span<const NodeId> nodes, const GraphFacts& facts) {
   const std::size_t num_nodes = g.nodes.size();
   auto bad = [](const std::string& msg) { return Status(ErrorCode::kInvalidStage, msg); };
   if (nodes.empty()) return bad("a stage must contain at least one node");
@@ -157,7 +167,7 @@ Status check_stage(const Graph& g, std::span<const NodeId> nodes) {
     in[n] = 1;
   }
   // Convex: no node outside the stage is both reachable from it and reaches it.
-  const auto succ = g.consumers();
+  const auto& succ = facts.succ;
   std::vector<NodeId> outside_frontier;
   for (NodeId n : nodes) {
     for (NodeId m : succ[n]) {
@@ -186,8 +196,7 @@ Status check_stage(const Graph& g, std::span<const NodeId> nodes) {
       }
     }
   }
-  const auto groups = atomic_groups(g);
-  for (const auto& group : groups) {
+  for (const auto& group : facts.groups) {
     std::size_t count = 0;
     for (NodeId n : group) count += in[n];
     if (count != 0 && count != group.size()) {
@@ -199,7 +208,7 @@ Status check_stage(const Graph& g, std::span<const NodeId> nodes) {
     }
   }
   // A stage never writes in place into a value it receives from another stage.
-  const auto producer = g.producers();
+  const auto& producer = facts.producer;
   for (NodeId n : nodes) {
     const Node& node = g.nodes[n];
     for (int a : node.mutated_args) {
@@ -215,11 +224,18 @@ Status check_stage(const Graph& g, std::span<const NodeId> nodes) {
   return Status::ok();
 }
 
+}  // namespace
+
+Status check_stage(const Graph& g, std::span<const NodeId> nodes) {
+  return check_stage_with(g, nodes, GraphFacts(g));
+}
+
 Status check_partition(const Graph& g, const std::vector<std::vector<NodeId>>& stages) {
   auto bad = [](const std::string& msg) { return Status(ErrorCode::kInvalidStage, msg); };
+  const GraphFacts facts(g);
   std::vector<int> stage_of(g.nodes.size(), -1);
   for (std::size_t s = 0; s < stages.size(); ++s) {
-    CONVEYOR_RETURN_IF_ERROR(check_stage(g, stages[s]).with_context("stage " + std::to_string(s)));
+    CONVEYOR_RETURN_IF_ERROR(check_stage_with(g, stages[s], facts).with_context("stage " + std::to_string(s)));
     for (NodeId n : stages[s]) {
       if (stage_of[n] >= 0) {
         return bad(describe(g, n) + " is in stage " + std::to_string(stage_of[n]) + " and stage " +
@@ -231,7 +247,7 @@ Status check_partition(const Graph& g, const std::vector<std::vector<NodeId>>& s
   for (std::size_t n = 0; n < g.nodes.size(); ++n) {
     if (stage_of[n] < 0) return bad(describe(g, static_cast<NodeId>(n)) + " is in no stage");
   }
-  const auto succ = g.consumers();
+  const auto& succ = facts.succ;
   for (std::size_t n = 0; n < g.nodes.size(); ++n) {
     for (NodeId m : succ[n]) {
       if (stage_of[m] < stage_of[n]) {

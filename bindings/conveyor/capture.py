@@ -306,7 +306,7 @@ class _Builder:
             entry["random"] = True
         self.nodes.append(entry)
 
-    def add_sym(self, node: torch.fx.Node, name: str, grad_enabled):
+    def add_sym(self, node: torch.fx.Node, name: str):
         args = [self.encode(a, node) for a in node.args]
         vid = self.new_value(node.meta.get("val", 0), node.name)
         self.env[node] = vid
@@ -332,7 +332,7 @@ class _Builder:
             elif isinstance(target, torch._ops.OpOverload):
                 self.add_op(node, grad_enabled)
             elif target in _SYM_OPS:
-                self.add_sym(node, _SYM_OPS[target], grad_enabled)
+                self.add_sym(node, _SYM_OPS[target])
             elif isinstance(target, torch._ops.HigherOrderOperator) and \
                     target.__name__ == "wrap_with_set_grad_enabled":
                 enabled, sub, *operands = node.args
@@ -445,14 +445,14 @@ def capture(model: torch.nn.Module, args=(), kwargs=None, *, dynamic_batch: bool
     ep, dynamic = _export(model, args, kwargs, dynamic_batch)
     builder = _Builder(ep, model)
     doc, tensors = builder.build(dynamic)
-    user_positions = _user_leaf_positions(ep, args, kwargs)
+    user_positions = _user_leaf_positions(args, kwargs)
     call = ep.module_call_graph[0].signature
     return Graph.from_document(doc, tensors, in_spec=call.in_spec if call else None,
                                out_spec=call.out_spec if call else None,
                                input_positions=user_positions, dynamic_batch=dynamic)
 
 
-def _user_leaf_positions(ep: ExportedProgram, args, kwargs) -> list[int]:
+def _user_leaf_positions(args, kwargs) -> list[int]:
     """Which leaves of the flattened (args, kwargs) feed the graph's tensor inputs."""
     leaves = pytree.tree_leaves((args, kwargs))
     return [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
