@@ -8,17 +8,43 @@
 namespace conveyor::scheduler {
 namespace {
 
-// Appends F of `mb` on `rank` with the receive before and the send after it.
-void forward(ActionList& list, int rank, int ranks, int mb) {
-  if (rank > 0) list.push_back({ActionKind::kRecvActivation, mb, rank - 1});
-  list.push_back({ActionKind::kForward, mb, -1});
-  if (rank < ranks - 1) list.push_back({ActionKind::kSendActivation, mb, rank + 1});
+// Appends F of `mb` on `stage` with the receive before and the send after it.
+void forward(ActionList& list, const ScheduleSpec& spec, int stage, int mb) {
+  const int last = spec.stages() - 1;
+  if (stage > 0) list.push_back({ActionKind::kRecvActivation, mb, spec.rank_of_stage(stage - 1), stage});
+  list.push_back({ActionKind::kForward, mb, -1, stage});
+  if (stage < last) list.push_back({ActionKind::kSendActivation, mb, spec.rank_of_stage(stage + 1), stage});
 }
 
-void backward(ActionList& list, int rank, int ranks, int mb) {
-  if (rank < ranks - 1) list.push_back({ActionKind::kRecvGradient, mb, rank + 1});
-  list.push_back({ActionKind::kBackward, mb, -1});
-  if (rank > 0) list.push_back({ActionKind::kSendGradient, mb, rank - 1});
+void backward(ActionList& list, const ScheduleSpec& spec, int stage, int mb) {
+  const int last = spec.stages() - 1;
+  if (stage < last) list.push_back({ActionKind::kRecvGradient, mb, spec.rank_of_stage(stage + 1), stage});
+  list.push_back({ActionKind::kBackward, mb, -1, stage});
+  if (stage > 0) list.push_back({ActionKind::kSendGradient, mb, spec.rank_of_stage(stage - 1), stage});
+}
+
+// Interleaved 1F1B (Narayanan et al., 2021): rank r holds stages r, r + p, ... Microbatches
+// advance in groups of p through one chunk, then the next; warmup runs
+// 2 (p - r - 1) + (v - 1) p forwards, then one forward and one backward alternate. Needs
+// m to be a multiple of p so that each group fills every rank.
+void interleaved(ActionList& list, const ScheduleSpec& spec, int r) {
+  const int p = spec.ranks, v = spec.chunks, m = spec.microbatches;
+  const int total = m * v;
+  auto chunk_of = [&](int k, bool fwd) {
+    int c = (k % (p * v)) / p;
+    return fwd ? c : v - 1 - c;
+  };
+  auto mb_of = [&](int k) { return (k / (p * v)) * p + k % p; };
+  const int warmup = std::min(2 * (p - r - 1) + (v - 1) * p, total);
+  int next_f = 0, next_b = 0;
+  for (; next_f < warmup; ++next_f) forward(list, spec, chunk_of(next_f, true) * p + r, mb_of(next_f));
+  while (next_f < total) {
+    forward(list, spec, chunk_of(next_f, true) * p + r, mb_of(next_f));
+    ++next_f;
+    backward(list, spec, chunk_of(next_b, false) * p + r, mb_of(next_b));
+    ++next_b;
+  }
+  for (; next_b < total; ++next_b) backward(list, spec, chunk_of(next_b, false) * p + r, mb_of(next_b));
 }
 
 // ZB-H1: 1F1B's order of forwards and input-gradient backwards with the same in-flight
@@ -70,26 +96,26 @@ void zero_bubble_h1(std::vector<ActionList>& lists, int p, int m) {
     ActionList& list = lists[r];
     if (b_ready(r)) {
       int mb = next_b[r]++;
-      if (r < p - 1) list.push_back({ActionKind::kRecvGradient, mb, r + 1});
-      list.push_back({ActionKind::kBackwardInput, mb, -1});
+      if (r < p - 1) list.push_back({ActionKind::kRecvGradient, mb, r + 1, r});
+      list.push_back({ActionKind::kBackwardInput, mb, -1, r});
       if (r > 0) {
-        list.push_back({ActionKind::kSendGradient, mb, r - 1});
+        list.push_back({ActionKind::kSendGradient, mb, r - 1, r});
         grad_ready[r - 1][mb] = t + 1;
       }
       free_at[r] = t + 1;
     } else if (f_ready(r)) {
       int mb = next_f[r]++;
-      if (r > 0) list.push_back({ActionKind::kRecvActivation, mb, r - 1});
-      list.push_back({ActionKind::kForward, mb, -1});
+      if (r > 0) list.push_back({ActionKind::kRecvActivation, mb, r - 1, r});
+      list.push_back({ActionKind::kForward, mb, -1, r});
       if (r < p - 1) {
-        list.push_back({ActionKind::kSendActivation, mb, r + 1});
+        list.push_back({ActionKind::kSendActivation, mb, r + 1, r});
         act_ready[r + 1][mb] = t + 1;
       } else {
         grad_ready[r][mb] = t + 1;  // the last rank's backward starts from its own loss
       }
       free_at[r] = t + 1;
     } else if (next_w[r] < next_b[r]) {
-      list.push_back({ActionKind::kBackwardWeight, next_w[r]++, -1});
+      list.push_back({ActionKind::kBackwardWeight, next_w[r]++, -1, r});
       free_at[r] = t + 1;
     }
   }
@@ -100,41 +126,47 @@ void zero_bubble_h1(std::vector<ActionList>& lists, int p, int m) {
 Result<ScheduleKind> schedule_kind_from_name(std::string_view name) {
   if (name == "gpipe") return ScheduleKind::kGPipe;
   if (name == "1f1b") return ScheduleKind::kOneFOneB;
+  if (name == "interleaved") return ScheduleKind::kInterleaved;
   if (name == "zb-h1") return ScheduleKind::kZeroBubbleH1;
   return Status(ErrorCode::kInvalidArgument,
-                "unknown schedule '" + std::string(name) + "' (expected gpipe, 1f1b or zb-h1)");
+                "unknown schedule '" + std::string(name) + "' (expected gpipe, 1f1b, interleaved or zb-h1)");
 }
 
 std::string_view schedule_kind_name(ScheduleKind kind) {
   switch (kind) {
     case ScheduleKind::kGPipe: return "gpipe";
     case ScheduleKind::kOneFOneB: return "1f1b";
+    case ScheduleKind::kInterleaved: return "interleaved";
     case ScheduleKind::kZeroBubbleH1: return "zb-h1";
   }
   return "1f1b";
 }
 
-std::string action_text(const Action& a) {
+std::string action_text(const Action& a, bool with_stage) {
   std::string mb = std::to_string(a.microbatch);
   std::string peer = std::to_string(a.peer);
+  std::string at = with_stage ? "@s" + std::to_string(a.stage) : "";
   switch (a.kind) {
-    case ActionKind::kForward: return "F" + mb;
-    case ActionKind::kBackward: return "B" + mb;
-    case ActionKind::kBackwardInput: return "Bi" + mb;
-    case ActionKind::kBackwardWeight: return "W" + mb;
-    case ActionKind::kSendActivation: return "sendA" + mb + ">" + peer;
-    case ActionKind::kRecvActivation: return "recvA" + mb + "<" + peer;
-    case ActionKind::kSendGradient: return "sendG" + mb + ">" + peer;
-    case ActionKind::kRecvGradient: return "recvG" + mb + "<" + peer;
+    case ActionKind::kForward: return "F" + mb + at;
+    case ActionKind::kBackward: return "B" + mb + at;
+    case ActionKind::kBackwardInput: return "Bi" + mb + at;
+    case ActionKind::kBackwardWeight: return "W" + mb + at;
+    case ActionKind::kSendActivation: return "sendA" + mb + at + ">" + peer;
+    case ActionKind::kRecvActivation: return "recvA" + mb + at + "<" + peer;
+    case ActionKind::kSendGradient: return "sendG" + mb + at + ">" + peer;
+    case ActionKind::kRecvGradient: return "recvG" + mb + at + "<" + peer;
+    case ActionKind::kAllReduce: return "allreduce" + std::to_string(a.stage);
+    case ActionKind::kOptimizerStep: return "step";
   }
   return "?";
 }
 
 std::string Schedule::to_text() const {
+  const bool with_stage = spec.chunks > 1;
   std::string out;
   for (std::size_t r = 0; r < ranks.size(); ++r) {
     out += "rank " + std::to_string(r) + ":";
-    for (const auto& a : ranks[r]) out += " " + action_text(a);
+    for (const auto& a : ranks[r]) out += " " + action_text(a, with_stage);
     out += "\n";
   }
   return out;
@@ -145,78 +177,140 @@ Result<Schedule> make_schedule(const ScheduleSpec& spec) {
   if (spec.microbatches < 1) {
     return Status(ErrorCode::kInvalidArgument, "a schedule needs at least one microbatch");
   }
+  if (spec.chunks < 1 || (spec.chunks > 1 && spec.kind != ScheduleKind::kInterleaved)) {
+    return Status(ErrorCode::kInvalidArgument, "only the interleaved schedule holds several stages (chunks) per rank");
+  }
+  if (spec.kind == ScheduleKind::kInterleaved && spec.microbatches % spec.ranks != 0) {
+    return Status(ErrorCode::kInvalidArgument,
+                  "the interleaved schedule needs the microbatch count (" + std::to_string(spec.microbatches) +
+                      ") to be a multiple of the rank count (" + std::to_string(spec.ranks) + ")");
+  }
   Schedule s{spec, std::vector<ActionList>(static_cast<std::size_t>(spec.ranks))};
   const int p = spec.ranks, m = spec.microbatches;
   for (int r = 0; r < p; ++r) {
     ActionList& list = s.ranks[static_cast<std::size_t>(r)];
     switch (spec.kind) {
       case ScheduleKind::kGPipe:
-        for (int mb = 0; mb < m; ++mb) forward(list, r, p, mb);
-        for (int mb = 0; mb < m; ++mb) backward(list, r, p, mb);
+        for (int mb = 0; mb < m; ++mb) forward(list, spec, r, mb);
+        for (int mb = 0; mb < m; ++mb) backward(list, spec, r, mb);
         break;
       case ScheduleKind::kOneFOneB: {
         const int warmup = std::min(p - r - 1, m);
         int next_f = 0, next_b = 0;
-        for (; next_f < warmup; ++next_f) forward(list, r, p, next_f);
+        for (; next_f < warmup; ++next_f) forward(list, spec, r, next_f);
         while (next_f < m) {  // steady state: one forward, one backward
-          forward(list, r, p, next_f++);
-          backward(list, r, p, next_b++);
+          forward(list, spec, r, next_f++);
+          backward(list, spec, r, next_b++);
         }
-        while (next_b < m) backward(list, r, p, next_b++);
+        while (next_b < m) backward(list, spec, r, next_b++);
         break;
       }
+      case ScheduleKind::kInterleaved:
+        interleaved(list, spec, r);
+        break;
       case ScheduleKind::kZeroBubbleH1:
         break;  // all ranks at once, below
     }
   }
   if (spec.kind == ScheduleKind::kZeroBubbleH1) zero_bubble_h1(s.ranks, p, m);
+  // The step's tail: each stage reduces its gradients across replicas (the last stage of a
+  // rank first: its backward finished first), then the rank applies its optimizer.
+  for (int r = 0; r < p; ++r) {
+    for (int c = spec.chunks - 1; c >= 0; --c) {
+      s.ranks[r].push_back({ActionKind::kAllReduce, -1, -1, c * p + r});
+    }
+    s.ranks[r].push_back({ActionKind::kOptimizerStep, -1, -1, r});
+  }
   CONVEYOR_RETURN_IF_ERROR(validate_schedule(s));
   return s;
 }
+
+namespace {
+// The key under which a send is posted and its receive looks for it.
+using MessageKey = std::tuple<bool, int, int>;  // is_gradient, microbatch, sending stage
+
+MessageKey send_key(const Action& a) { return {a.kind == ActionKind::kSendGradient, a.microbatch, a.stage}; }
+MessageKey recv_key(const Action& a) {
+  bool grad = a.kind == ActionKind::kRecvGradient;
+  return {grad, a.microbatch, grad ? a.stage + 1 : a.stage - 1};
+}
+}  // namespace
 
 Status validate_schedule(const Schedule& s) {
   auto bad = [](const std::string& msg) { return Status(ErrorCode::kInvalidArgument, "invalid schedule: " + msg); };
   const int p = static_cast<int>(s.ranks.size());
   const int m = s.spec.microbatches;
-  // Coverage: F and B of every microbatch exactly once per rank, F first.
+  const int stages = s.spec.stages();
+  if (p != s.spec.ranks) return bad(std::to_string(p) + " lists for " + std::to_string(s.spec.ranks) + " ranks");
+  const bool with_stage = s.spec.chunks > 1;
+  auto txt = [&](const Action& a) { return action_text(a, with_stage); };
+  // Coverage: F and B of every (stage, microbatch) exactly once on the stage's rank, F first.
   for (int r = 0; r < p; ++r) {
-    std::vector<int> f(static_cast<std::size_t>(m), 0), b(static_cast<std::size_t>(m), 0);
-    std::vector<int> input(static_cast<std::size_t>(m), 0), weight(static_cast<std::size_t>(m), 0);
+    const auto idx = [&](int stage, int mb) { return static_cast<std::size_t>(stage * m + mb); };
+    const std::size_t n = static_cast<std::size_t>(stages * m);
+    std::vector<int> f(n, 0), b(n, 0), input(n, 0), weight(n, 0), reduced(static_cast<std::size_t>(stages), 0);
+    int steps = 0;
+    bool reduced_any = false;
     for (const auto& a : s.ranks[r]) {
+      if (a.stage < 0 || a.stage >= stages || s.spec.rank_of_stage(a.stage) != r) {
+        return bad("rank " + std::to_string(r) + " runs " + txt(a) + " of stage " + std::to_string(a.stage) +
+                   ", which is not one of its stages");
+      }
+      if (a.kind == ActionKind::kAllReduce) {
+        ++reduced[a.stage];
+        reduced_any = true;
+        continue;
+      }
+      if (a.kind == ActionKind::kOptimizerStep) {
+        ++steps;
+        continue;
+      }
+      if (steps > 0 || reduced_any) {
+        return bad("rank " + std::to_string(r) + " runs " + txt(a) + " after its allreduce or optimizer step");
+      }
       if (a.microbatch < 0 || a.microbatch >= m) {
-        return bad("rank " + std::to_string(r) + " has " + action_text(a) + " outside microbatches 0.." +
+        return bad("rank " + std::to_string(r) + " has " + txt(a) + " outside microbatches 0.." +
                    std::to_string(m - 1));
       }
-      if (a.kind == ActionKind::kForward) ++f[a.microbatch];
+      const std::size_t i = idx(a.stage, a.microbatch);
+      if (a.kind == ActionKind::kForward) ++f[i];
       if (a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardInput) {
-        if (f[a.microbatch] == 0) return bad("rank " + std::to_string(r) + " runs " + action_text(a) + " before its forward");
-        ++(a.kind == ActionKind::kBackward ? b : input)[a.microbatch];
+        if (f[i] == 0) return bad("rank " + std::to_string(r) + " runs " + txt(a) + " before its forward");
+        ++(a.kind == ActionKind::kBackward ? b : input)[i];
       }
       if (a.kind == ActionKind::kBackwardWeight) {
-        if (input[a.microbatch] == 0) {
-          return bad("rank " + std::to_string(r) + " runs " + action_text(a) + " before its input-gradient pass");
+        if (input[i] == 0) {
+          return bad("rank " + std::to_string(r) + " runs " + txt(a) + " before its input-gradient pass");
         }
-        ++weight[a.microbatch];
+        ++weight[i];
       }
     }
-    for (int mb = 0; mb < m; ++mb) {
-      if (input[mb] != weight[mb] || input[mb] > 1) {
-        return bad("rank " + std::to_string(r) + " splits the backward of microbatch " + std::to_string(mb) +
-                   " unevenly (" + std::to_string(input[mb]) + " input and " + std::to_string(weight[mb]) +
-                   " weight passes)");
+    for (int stage = r; stage < stages; stage += p) {
+      for (int mb = 0; mb < m; ++mb) {
+        const std::size_t i = idx(stage, mb);
+        if (input[i] != weight[i] || input[i] > 1) {
+          return bad("rank " + std::to_string(r) + " splits the backward of microbatch " + std::to_string(mb) +
+                     " unevenly (" + std::to_string(input[i]) + " input and " + std::to_string(weight[i]) +
+                     " weight passes)");
+        }
+        if (f[i] != 1 || b[i] + input[i] != 1) {
+          return bad("rank " + std::to_string(r) + " runs microbatch " + std::to_string(mb) +
+                     (with_stage ? " of stage " + std::to_string(stage) : "") + " forward " + std::to_string(f[i]) +
+                     " and backward " + std::to_string(b[i] + input[i]) + " times (expected once)");
+        }
       }
-      b[mb] += input[mb];
+      if (reduced[stage] != 1) {
+        return bad("rank " + std::to_string(r) + " reduces the gradients of stage " + std::to_string(stage) + " " +
+                   std::to_string(reduced[stage]) + " times (expected once)");
+      }
     }
-    for (int mb = 0; mb < m; ++mb) {
-      if (f[mb] != 1 || b[mb] != 1) {
-        return bad("rank " + std::to_string(r) + " runs microbatch " + std::to_string(mb) + " forward " +
-                   std::to_string(f[mb]) + " and backward " + std::to_string(b[mb]) + " times (expected once)");
-      }
+    if (steps != 1) {
+      return bad("rank " + std::to_string(r) + " runs the optimizer step " + std::to_string(steps) +
+                 " times (expected once, last)");
     }
   }
   // Matching and progress: replay the lists; a receive proceeds once its send was posted.
-  using Key = std::tuple<int, int, bool, int>;  // from, to, is_gradient, microbatch
-  std::set<Key> posted;
+  std::set<MessageKey> posted;
   std::vector<std::size_t> pc(static_cast<std::size_t>(p), 0);
   bool progress = true;
   while (progress) {
@@ -226,14 +320,18 @@ Status validate_schedule(const Schedule& s) {
       while (pc[r] < list.size()) {
         const Action& a = list[pc[r]];
         if (a.kind == ActionKind::kSendActivation || a.kind == ActionKind::kSendGradient) {
-          if (a.peer < 0 || a.peer >= p) return bad("rank " + std::to_string(r) + " sends to missing rank " + std::to_string(a.peer));
-          if (!posted.insert({r, a.peer, a.kind == ActionKind::kSendGradient, a.microbatch}).second) {
-            return bad("rank " + std::to_string(r) + " posts " + action_text(a) + " twice");
+          const int to = a.kind == ActionKind::kSendGradient ? a.stage - 1 : a.stage + 1;
+          if (to < 0 || to >= stages || a.peer != s.spec.rank_of_stage(to)) {
+            return bad("rank " + std::to_string(r) + " sends " + txt(a) + " to rank " + std::to_string(a.peer) +
+                       ", which does not hold stage " + std::to_string(to));
+          }
+          if (!posted.insert(send_key(a)).second) {
+            return bad("rank " + std::to_string(r) + " posts " + txt(a) + " twice");
           }
         } else if (a.kind == ActionKind::kRecvActivation || a.kind == ActionKind::kRecvGradient) {
-          Key k{a.peer, r, a.kind == ActionKind::kRecvGradient, a.microbatch};
-          if (!posted.count(k)) break;
-          posted.erase(k);
+          auto it = posted.find(recv_key(a));
+          if (it == posted.end()) break;
+          posted.erase(it);
         }
         ++pc[r];
         progress = true;
@@ -244,15 +342,17 @@ Status validate_schedule(const Schedule& s) {
     if (pc[r] < s.ranks[r].size()) {
       std::string stuck;
       for (int q = 0; q < p; ++q) {
-        if (pc[q] < s.ranks[q].size()) stuck += " rank " + std::to_string(q) + " at " + action_text(s.ranks[q][pc[q]]) + ";";
+        if (pc[q] < s.ranks[q].size()) stuck += " rank " + std::to_string(q) + " at " + txt(s.ranks[q][pc[q]]) + ";";
       }
       return bad("the lists deadlock:" + stuck + " each waits for a send that is never reached");
     }
   }
   if (!posted.empty()) {
-    auto [from, to, grad, mb] = *posted.begin();
-    return bad("rank " + std::to_string(from) + " sends " + (grad ? "gradient" : "activation") + " of microbatch " +
-               std::to_string(mb) + " to rank " + std::to_string(to) + " which never receives it");
+    auto [grad, mb, from] = *posted.begin();
+    const int to = grad ? from - 1 : from + 1;
+    return bad("rank " + std::to_string(s.spec.rank_of_stage(from)) + " sends " + (grad ? "gradient" : "activation") +
+               " of microbatch " + std::to_string(mb) + " to rank " + std::to_string(s.spec.rank_of_stage(to)) +
+               " which never receives it");
   }
   return Status::ok();
 }

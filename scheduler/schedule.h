@@ -1,6 +1,10 @@
 // Pipeline schedules as per-rank action lists. The simulator and the runtime consume the
 // same lists, so a plan's predicted trace and its measured trace line up action by action.
 // Torch-free.
+//
+// A rank is one pipeline position: a stage replica group runs the list of its rank, every
+// replica the same list on its share of each microbatch. A rank holds one stage, or with the
+// interleaved schedule `chunks` stages (rank r holds stages r, r + ranks, r + 2 ranks, ...).
 #pragma once
 
 #include <cstdint>
@@ -12,9 +16,9 @@
 
 namespace conveyor::scheduler {
 
-enum class ScheduleKind : std::uint8_t { kGPipe, kOneFOneB, kZeroBubbleH1 };
+enum class ScheduleKind : std::uint8_t { kGPipe, kOneFOneB, kInterleaved, kZeroBubbleH1 };
 
-/// Parses "gpipe", "1f1b" or "zb-h1".
+/// Parses "gpipe", "1f1b", "interleaved" or "zb-h1".
 Result<ScheduleKind> schedule_kind_from_name(std::string_view name);
 std::string_view schedule_kind_name(ScheduleKind kind);
 
@@ -23,17 +27,20 @@ enum class ActionKind : std::uint8_t {
   kBackward,        ///< B: backward of one microbatch (input and weight gradients)
   kBackwardInput,   ///< B of a split backward: input gradients only (zero-bubble schedules)
   kBackwardWeight,  ///< W of a split backward: weight gradients, deferred to fill idle time
-  kSendActivation,  ///< post the forward output to the next rank (non-blocking)
-  kRecvActivation,  ///< wait for the forward input from the previous rank
-  kSendGradient,    ///< post the input gradient to the previous rank (non-blocking)
-  kRecvGradient,    ///< wait for the output gradient from the next rank
+  kSendActivation,  ///< post the forward output to the next stage's rank (non-blocking)
+  kRecvActivation,  ///< wait for the forward input from the previous stage's rank
+  kSendGradient,    ///< post the input gradient to the previous stage's rank (non-blocking)
+  kRecvGradient,    ///< wait for the output gradient from the next stage's rank
+  kAllReduce,       ///< reduce the stage's gradients across its replicas (collective stream)
+  kOptimizerStep,   ///< apply the optimizer to the rank's parameters once reductions finished
 };
 
 /// One step of a rank's list.
 struct Action {
   ActionKind kind;
-  int microbatch = 0;
-  int peer = -1;  ///< the other rank of a send or receive
+  int microbatch = 0;  ///< -1 for the step's tail (allreduce, optimizer step)
+  int peer = -1;       ///< the other rank of a send or receive
+  int stage = 0;       ///< the stage this action belongs to (== rank unless interleaved)
 
   bool is_compute() const {
     return kind == ActionKind::kForward || kind == ActionKind::kBackward ||
@@ -44,11 +51,16 @@ struct Action {
 
 using ActionList = std::vector<Action>;
 
-/// What to generate: `ranks` pipeline positions (one stage each), `microbatches` per step.
+/// What to generate: `ranks` pipeline positions, `microbatches` per step, and for the
+/// interleaved schedule `chunks` stages per rank (stages = ranks * chunks).
 struct ScheduleSpec {
   ScheduleKind kind = ScheduleKind::kOneFOneB;
   int ranks = 1;
   int microbatches = 1;
+  int chunks = 1;
+
+  int stages() const { return ranks * chunks; }
+  int rank_of_stage(int stage) const { return stage % ranks; }
 };
 
 /// Per-rank action lists of one training step.
@@ -56,18 +68,20 @@ struct Schedule {
   ScheduleSpec spec;
   std::vector<ActionList> ranks;
 
-  /// "F3", "B0", "sendA3>1", "recvG2<2" ... one line per rank.
+  /// "F3", "B0", "sendA3>1", "recvG2<2", "allreduce0", "step" ... one line per rank;
+  /// interleaved lists name the stage: "F3@s5".
   std::string to_text() const;
 };
 
 /// Generates the schedule; errors when the spec is out of range.
 Result<Schedule> make_schedule(const ScheduleSpec& spec);
 
-/// Checks that every rank runs F and the backward of every microbatch once (F before B, a
-/// split backward as B then W), every send
-/// has its matching receive, and the lists cannot deadlock (each receive's send is reached).
+/// Checks that every stage runs F and the backward of every microbatch once on its rank (F
+/// before B, a split backward as B then W), then one allreduce per stage and one optimizer
+/// step per rank; every send has its matching receive, and the lists cannot deadlock (each
+/// receive's send is reached).
 Status validate_schedule(const Schedule& schedule);
 
-std::string action_text(const Action& a);
+std::string action_text(const Action& a, bool with_stage = false);
 
 }  // namespace conveyor::scheduler

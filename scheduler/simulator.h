@@ -1,7 +1,7 @@
 // Event-by-event execution of a Schedule's action lists under a cost model: compute on one
-// stream per rank, each send on its link's stream, receives waiting for arrival. The same
-// lists drive the runtime, so predicted and measured traces compare action by action.
-// Torch-free.
+// stream per rank, each send on its link's stream, receives waiting for arrival, gradient
+// reductions on a collective stream per rank. The same lists drive the runtime, so predicted
+// and measured traces compare action by action. Torch-free.
 #pragma once
 
 #include <string>
@@ -12,13 +12,17 @@
 
 namespace conveyor::scheduler {
 
-/// Cost of one rank's stage for one microbatch.
+/// Cost of one stage on one of its replicas, per microbatch unless said otherwise.
 struct StageCost {
   double forward_s = 0;
   double backward_s = 0;         ///< whole backward (input and weight gradients)
   double backward_weight_s = 0;  ///< the weight-gradient part of backward_s (split schedules)
-  double activation_bytes = 0;  ///< sent forward to the next rank per microbatch
-  double gradient_bytes = 0;    ///< sent back to the previous rank per microbatch
+  double activation_bytes = 0;   ///< sent forward to the next stage per microbatch
+  double gradient_bytes = 0;     ///< sent back to the previous stage per microbatch
+  double allreduce_s = 0;        ///< per step: gradient reduction across the stage's replicas
+  double optimizer_s = 0;        ///< per step: the optimizer update of the stage's parameters
+  double static_bytes = 0;       ///< per device: parameters, gradients, optimizer state, buffers
+  double saved_bytes = 0;        ///< per device and microbatch: activations kept from F to B/W
 };
 
 /// A point-to-point link: time = latency + bytes / bandwidth (bandwidth 0 means free).
@@ -32,7 +36,7 @@ struct LinkCost {
 
 /// One slice of the simulated timeline.
 struct Span {
-  enum class Stream : std::uint8_t { kCompute, kSend };
+  enum class Stream : std::uint8_t { kCompute, kSend, kCollective };
   int rank = 0;
   Stream stream = Stream::kCompute;
   Action action{ActionKind::kForward};
@@ -41,13 +45,21 @@ struct Span {
 
 struct SimulationResult {
   double step_time_s = 0;
-  double bubble_fraction = 0;        ///< idle share of ranks x step time
-  std::vector<double> busy_s;        ///< compute time per rank
-  std::vector<Span> spans;           ///< compute and send spans in start order per rank
+  double bubble_fraction = 0;        ///< idle share of ranks x time until the last backward ends
+  std::vector<double> busy_s;        ///< F/B/W compute time per rank
+  std::vector<double> peak_bytes;    ///< per rank: static bytes + the most activations alive at once
+  std::vector<Span> spans;           ///< compute, send and collective spans in start order per rank
 };
 
-/// Runs `schedule` with `costs[rank]` per rank and one link model between neighbours.
+/// Runs `schedule` with `costs[stage]` per stage and `links[k]` between stages k and k + 1
+/// (one link for all boundaries when `links` has one entry, free transfers when empty).
 Result<SimulationResult> simulate(const Schedule& schedule, const std::vector<StageCost>& costs,
-                                  const LinkCost& link);
+                                  const std::vector<LinkCost>& links);
+
+/// Same, one link model for every boundary.
+inline Result<SimulationResult> simulate(const Schedule& schedule, const std::vector<StageCost>& costs,
+                                         const LinkCost& link) {
+  return simulate(schedule, costs, std::vector<LinkCost>{link});
+}
 
 }  // namespace conveyor::scheduler

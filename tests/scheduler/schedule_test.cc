@@ -14,15 +14,15 @@ Schedule make(ScheduleKind kind, int p, int m) {
 TEST(Schedule, OneFOneBOrderIsWarmupSteadyCooldown) {
   Schedule s = make(ScheduleKind::kOneFOneB, 2, 3);
   EXPECT_EQ(s.to_text(),
-            "rank 0: F0 sendA0>1 F1 sendA1>1 recvG0<1 B0 F2 sendA2>1 recvG1<1 B1 recvG2<1 B2\n"
-            "rank 1: recvA0<0 F0 B0 sendG0>0 recvA1<0 F1 B1 sendG1>0 recvA2<0 F2 B2 sendG2>0\n");
+            "rank 0: F0 sendA0>1 F1 sendA1>1 recvG0<1 B0 F2 sendA2>1 recvG1<1 B1 recvG2<1 B2 allreduce0 step\n"
+            "rank 1: recvA0<0 F0 B0 sendG0>0 recvA1<0 F1 B1 sendG1>0 recvA2<0 F2 B2 sendG2>0 allreduce1 step\n");
 }
 
 TEST(Schedule, GPipeRunsAllForwardsThenAllBackwards) {
   Schedule s = make(ScheduleKind::kGPipe, 2, 2);
   EXPECT_EQ(s.to_text(),
-            "rank 0: F0 sendA0>1 F1 sendA1>1 recvG0<1 B0 recvG1<1 B1\n"
-            "rank 1: recvA0<0 F0 recvA1<0 F1 B0 sendG0>0 B1 sendG1>0\n");
+            "rank 0: F0 sendA0>1 F1 sendA1>1 recvG0<1 B0 recvG1<1 B1 allreduce0 step\n"
+            "rank 1: recvA0<0 F0 recvA1<0 F1 B0 sendG0>0 B1 sendG1>0 allreduce1 step\n");
 }
 
 TEST(Schedule, EverySizeIsValid) {
@@ -76,8 +76,29 @@ TEST(ValidateSchedule, FindsUnmatchedSendsAndMissingWork) {
   EXPECT_NE(validate_schedule(s).message().find("never receives"), std::string::npos);
 
   Schedule t = make(ScheduleKind::kGPipe, 1, 2);
-  t.ranks[0].pop_back();  // drop B1
+  t.ranks[0].erase(t.ranks[0].end() - 3);  // drop B1 (before allreduce0 step)
   EXPECT_NE(validate_schedule(t).message().find("backward 0 times"), std::string::npos);
+}
+
+TEST(Schedule, InterleavedHoldsSeveralStagesPerRank) {
+  for (int p = 1; p <= 6; ++p) {
+    for (int v = 1; v <= 4; ++v) {
+      for (int m = p; m <= 4 * p; m += p) {
+        auto s = make_schedule({ScheduleKind::kInterleaved, p, m, v});
+        ASSERT_TRUE(s.is_ok()) << "p=" << p << " v=" << v << " m=" << m << ": " << s.status().message();
+      }
+    }
+  }
+  Schedule s = make(ScheduleKind::kInterleaved, 2, 2);
+  auto t = make_schedule({ScheduleKind::kInterleaved, 2, 2, 2});
+  ASSERT_TRUE(t.is_ok());
+  // Rank 0 holds stages 0 and 2; the activation of stage 1 (rank 1) comes back to rank 0.
+  EXPECT_NE(t->to_text().find("recvA0@s2<1"), std::string::npos) << t->to_text();
+  EXPECT_NE(t->to_text().find("allreduce2 allreduce0 step"), std::string::npos) << t->to_text();
+  auto odd = make_schedule({ScheduleKind::kInterleaved, 4, 6, 2});
+  ASSERT_FALSE(odd.is_ok());
+  EXPECT_NE(odd.status().message().find("multiple of the rank count"), std::string::npos);
+  EXPECT_FALSE(make_schedule({ScheduleKind::kOneFOneB, 2, 2, 2}).is_ok());
 }
 
 TEST(Schedule, BadSpecsAndNames) {
@@ -86,7 +107,7 @@ TEST(Schedule, BadSpecsAndNames) {
   EXPECT_EQ(schedule_kind_from_name("1f1b").value(), ScheduleKind::kOneFOneB);
   auto bad = schedule_kind_from_name("pipedream");
   ASSERT_FALSE(bad.is_ok());
-  EXPECT_NE(bad.status().message().find("expected gpipe, 1f1b or zb-h1"), std::string::npos);
+  EXPECT_NE(bad.status().message().find("expected gpipe, 1f1b, interleaved or zb-h1"), std::string::npos);
   EXPECT_EQ(schedule_kind_from_name("zb-h1").value(), ScheduleKind::kZeroBubbleH1);
 }
 
