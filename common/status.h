@@ -23,6 +23,7 @@ enum class ErrorCode : std::uint8_t {
   kExecution,        ///< an operator failed while running
   kIo,               ///< the file system said no
   kUnsupported,      ///< valid input that conveyor does not handle yet
+  kDoesNotFit,       ///< no plan fits the cluster's memory
   kInternal,
 };
 

@@ -1,5 +1,7 @@
 #include "graph/ir.h"
 
+#include "common/json_reader.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -13,38 +15,11 @@ namespace {
 using nlohmann::json;
 
 // Parsing errors name the JSON path ("/nodes/3/args/1") and what was expected there.
-class ParseError {
- public:
-  ParseError(std::string path, std::string what) : path_(std::move(path)), what_(std::move(what)) {}
-  Status status() const {
-    return Status(ErrorCode::kFormat, "graph document at " + path_ + ": " + what_);
-  }
-
- private:
-  std::string path_, what_;
-};
-
-const json& field(const json& obj, const std::string& path, const char* key) {
-  if (!obj.is_object()) throw ParseError(path, "expected an object");
-  auto it = obj.find(key);
-  if (it == obj.end()) throw ParseError(path, std::string("missing field '") + key + "'");
-  return *it;
-}
-
-std::int64_t as_int(const json& j, const std::string& path) {
-  if (!j.is_number_integer()) throw ParseError(path, "expected an integer, got " + j.dump());
-  return j.get<std::int64_t>();
-}
-
-std::string as_string(const json& j, const std::string& path) {
-  if (!j.is_string()) throw ParseError(path, "expected a string, got " + j.dump());
-  return j.get<std::string>();
-}
-
-const json& as_array(const json& j, const std::string& path) {
-  if (!j.is_array()) throw ParseError(path, "expected an array");
-  return j;
-}
+using ParseError = json_reader::JsonError;
+using json_reader::as_array;
+using json_reader::as_int;
+using json_reader::as_string;
+using json_reader::field;
 
 ValueKind parse_value_kind(const std::string& s, const std::string& path) {
   if (s == "tensor") return ValueKind::kTensor;
@@ -158,14 +133,7 @@ json return_to_json(const Return& r) {
 }
 
 std::vector<int> parse_int_list(const json& obj, const std::string& path, const char* key) {
-  std::vector<int> out;
-  auto it = obj.find(key);
-  if (it == obj.end()) return out;
-  const auto& arr = as_array(*it, path + "/" + key);
-  for (std::size_t i = 0; i < arr.size(); ++i) {
-    out.push_back(static_cast<int>(as_int(arr[i], path + "/" + key + "/" + std::to_string(i))));
-  }
-  return out;
+  return json_reader::int_list(obj, path, key);
 }
 
 Binding::Kind parse_binding_kind(const std::string& s, const std::string& path) {
@@ -318,7 +286,7 @@ Result<Graph> Graph::from_json(std::string_view text) {
   try {
     g = parse_graph(doc);
   } catch (const ParseError& e) {
-    return e.status();
+    return e.status("graph document");
   } catch (const json::exception& e) {
     return Status(ErrorCode::kFormat, std::string("graph document: ") + e.what());
   }

@@ -46,7 +46,12 @@ class UnsupportedError(ConveyorError, NotImplementedError):
     """Valid input that conveyor does not handle yet."""
 
 
+class DoesNotFitError(ConveyorError, MemoryError):
+    """No plan fits the cluster's memory; the message states the smallest memory per device that would."""
+
+
 _BY_CODE = {
+    "does_not_fit": DoesNotFitError,
     "invalid_argument": ConveyorValueError,
     "format": GraphFormatError,
     "version": GraphVersionError,

@@ -1,0 +1,363 @@
+#include "partitioner/cost_graph.h"
+
+#include <cmath>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "common/json_reader.h"
+#include "graph/partition.h"
+
+namespace conveyor::partitioner {
+namespace {
+
+using json_reader::JsonError;
+using nlohmann::json;
+using namespace json_reader;
+
+constexpr int kOpGraphVersion = 1;
+constexpr int kProfileVersion = 1;
+
+Result<std::string> read_text(const std::string& path, const char* what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status(ErrorCode::kIo, std::string("cannot open ") + what + " '" + path + "'");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::uint64_t fnv1a(std::string_view text) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : text) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+bool finite_nonneg(double v) { return std::isfinite(v) && v >= 0; }
+
+}  // namespace
+
+Status CostGraph::validate() const {
+  auto bad = [&](const std::string& msg) { return Status(ErrorCode::kInvalidGraph, "cost graph '" + name + "': " + msg); };
+  if (microbatch < 1) return bad("microbatch must be at least 1");
+  if (ops.empty()) return bad("it has no operators");
+  for (std::size_t v = 0; v < values.size(); ++v) {
+    const auto& val = values[v];
+    if (val.producer < -1 || val.producer >= static_cast<int>(ops.size())) {
+      return bad("value " + std::to_string(v) + " names producer " + std::to_string(val.producer) +
+                 ", which is not an operator");
+    }
+    if (!finite_nonneg(val.bytes)) return bad("value " + std::to_string(v) + " has a negative or non-finite size");
+  }
+  for (std::size_t p = 0; p < params.size(); ++p) {
+    if (!finite_nonneg(params[p].bytes)) return bad("parameter '" + params[p].name + "' has a negative or non-finite size");
+  }
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    const auto& op = ops[i];
+    const std::string who = "operator " + std::to_string(i) + (op.name.empty() ? "" : " ('" + op.name + "')");
+    for (double c : {op.forward_s, op.backward_s, op.backward_weight_s, op.saved_bytes, op.work_bytes}) {
+      if (!finite_nonneg(c)) return bad(who + " has a negative or non-finite cost");
+    }
+    if (op.backward_weight_s > op.backward_s) {
+      return bad(who + " has a weight-gradient time larger than its whole backward time");
+    }
+    for (int v : op.inputs) {
+      if (v < 0 || v >= static_cast<int>(values.size())) return bad(who + " reads missing value " + std::to_string(v));
+      if (values[v].producer >= static_cast<int>(i)) {
+        return bad(who + " reads value " + std::to_string(v) + " of operator " + std::to_string(values[v].producer) +
+                   ", which does not come before it (operators must be in a topological order)");
+      }
+    }
+    for (int p : op.params) {
+      if (p < 0 || p >= static_cast<int>(params.size())) return bad(who + " reads missing parameter " + std::to_string(p));
+    }
+  }
+  return Status::ok();
+}
+
+std::vector<std::vector<int>> CostGraph::readers() const {
+  std::vector<std::vector<int>> out(values.size());
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    for (int v : ops[i].inputs) {
+      if (out[v].empty() || out[v].back() != static_cast<int>(i)) out[v].push_back(static_cast<int>(i));
+    }
+  }
+  return out;
+}
+
+// The op-graph document: each op produces the values listed in "output_bytes" (a number:
+// one value); an input is an op index (its first output) or [op, output].
+Result<CostGraph> CostGraph::from_json(std::string_view text) {
+  try {
+    json doc = json::parse(text);
+    check_header(doc, "conveyor.op-graph", kOpGraphVersion);
+    CostGraph g;
+    if (doc.contains("name")) g.name = as_string(doc["name"], "/name");
+    if (doc.contains("device")) g.device = as_string(doc["device"], "/device");
+    if (doc.contains("microbatch")) {
+      g.microbatch = static_cast<int>(as_int(doc["microbatch"], "/microbatch"));
+      if (g.microbatch < 1) throw JsonError("/microbatch", "expected at least 1");
+    }
+    if (doc.contains("params")) {
+      const auto& ps = as_array(doc["params"], "/params");
+      for (std::size_t i = 0; i < ps.size(); ++i) {
+        const std::string path = "/params/" + std::to_string(i);
+        CostParam p;
+        if (ps[i].contains("name")) p.name = as_string(ps[i]["name"], path + "/name");
+        p.bytes = as_amount(field(ps[i], path, "bytes"), path + "/bytes");
+        g.params.push_back(std::move(p));
+      }
+    }
+    const auto& ops = as_array(field(doc, "", "ops"), "/ops");
+    std::vector<std::vector<int>> outputs_of;  // op -> its value ids
+    for (std::size_t i = 0; i < ops.size(); ++i) {
+      const std::string path = "/ops/" + std::to_string(i);
+      const json& o = ops[i];
+      if (!o.is_object()) throw JsonError(path, "expected an operator object");
+      CostOp op;
+      if (o.contains("name")) op.name = as_string(o["name"], path + "/name");
+      op.forward_s = as_amount(field(o, path, "forward_s"), path + "/forward_s");
+      op.backward_s = as_amount(field(o, path, "backward_s"), path + "/backward_s");
+      op.backward_weight_s = amount_or(o, path, "backward_weight_s", 0);
+      if (op.backward_weight_s > op.backward_s) {
+        throw JsonError(path + "/backward_weight_s", "the weight-gradient part cannot exceed backward_s");
+      }
+      op.saved_bytes = amount_or(o, path, "saved_bytes", 0);
+      op.work_bytes = amount_or(o, path, "work_bytes", 0);
+      if (o.contains("group")) op.group = static_cast<int>(as_int(o["group"], path + "/group"));
+      op.params = int_list(o, path, "params");
+      for (std::size_t k = 0; k < op.params.size(); ++k) {
+        if (op.params[k] < 0 || op.params[k] >= static_cast<int>(g.params.size())) {
+          throw JsonError(path + "/params/" + std::to_string(k), "no parameter " + std::to_string(op.params[k]) +
+                                                                      " (the document lists " +
+                                                                      std::to_string(g.params.size()) + ")");
+        }
+      }
+      if (o.contains("inputs")) {
+        const auto& ins = as_array(o["inputs"], path + "/inputs");
+        for (std::size_t k = 0; k < ins.size(); ++k) {
+          const std::string ipath = path + "/inputs/" + std::to_string(k);
+          int from = 0, out = 0;
+          if (ins[k].is_array()) {
+            if (ins[k].size() != 2) throw JsonError(ipath, "expected an op index or [op, output]");
+            from = static_cast<int>(as_int(ins[k][0], ipath + "/0"));
+            out = static_cast<int>(as_int(ins[k][1], ipath + "/1"));
+          } else {
+            from = static_cast<int>(as_int(ins[k], ipath));
+          }
+          if (from < 0 || from >= static_cast<int>(i)) {
+            throw JsonError(ipath, "operator " + std::to_string(from) +
+                                       " is not an earlier operator (list operators in a topological order)");
+          }
+          if (out < 0 || out >= static_cast<int>(outputs_of[from].size())) {
+            throw JsonError(ipath, "operator " + std::to_string(from) + " has no output " + std::to_string(out));
+          }
+          op.inputs.push_back(outputs_of[from][out]);
+        }
+      }
+      std::vector<double> out_bytes;
+      if (o.contains("output_bytes")) {
+        const json& ob = o["output_bytes"];
+        if (ob.is_array()) {
+          for (std::size_t k = 0; k < ob.size(); ++k) out_bytes.push_back(as_amount(ob[k], path + "/output_bytes/" + std::to_string(k)));
+        } else {
+          out_bytes.push_back(as_amount(ob, path + "/output_bytes"));
+        }
+      } else {
+        out_bytes.push_back(0);
+      }
+      outputs_of.emplace_back();
+      for (double b : out_bytes) {
+        outputs_of.back().push_back(static_cast<int>(g.values.size()));
+        g.values.push_back({static_cast<int>(i), b});
+      }
+      g.ops.push_back(std::move(op));
+    }
+    CONVEYOR_RETURN_IF_ERROR(g.validate());
+    return g;
+  } catch (const json::parse_error& e) {
+    return Status(ErrorCode::kFormat, std::string("op-graph document is not valid JSON: ") + e.what());
+  } catch (const JsonError& e) {
+    return e.status("op-graph document");
+  } catch (const json::exception& e) {
+    return Status(ErrorCode::kFormat, std::string("op-graph document: ") + e.what());
+  }
+}
+
+std::string CostGraph::to_json() const {
+  // Values are listed per producer in order; graph inputs (producer -1) are free and omitted.
+  std::vector<std::vector<int>> outputs_of(ops.size());
+  for (std::size_t v = 0; v < values.size(); ++v) {
+    if (values[v].producer >= 0) outputs_of[values[v].producer].push_back(static_cast<int>(v));
+  }
+  json doc;
+  doc["format"] = "conveyor.op-graph";
+  doc["version"] = kOpGraphVersion;
+  doc["name"] = name;
+  if (!device.empty()) doc["device"] = device;
+  doc["microbatch"] = microbatch;
+  json ps = json::array();
+  for (const auto& p : params) ps.push_back({{"name", p.name}, {"bytes", p.bytes}});
+  doc["params"] = std::move(ps);
+  json os = json::array();
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    const CostOp& op = ops[i];
+    json o = {{"name", op.name}, {"forward_s", op.forward_s}, {"backward_s", op.backward_s}};
+    if (op.backward_weight_s > 0) o["backward_weight_s"] = op.backward_weight_s;
+    if (op.saved_bytes > 0) o["saved_bytes"] = op.saved_bytes;
+    if (op.work_bytes > 0) o["work_bytes"] = op.work_bytes;
+    if (op.group >= 0) o["group"] = op.group;
+    if (!op.params.empty()) o["params"] = op.params;
+    json ins = json::array();
+    for (int v : op.inputs) {
+      int from = values[v].producer;
+      if (from < 0) continue;
+      const auto& outs = outputs_of[from];
+      int k = static_cast<int>(std::find(outs.begin(), outs.end(), v) - outs.begin());
+      if (k == 0) ins.push_back(from); else ins.push_back(json::array({from, k}));
+    }
+    if (!ins.empty()) o["inputs"] = std::move(ins);
+    if (outputs_of[i].size() == 1) {
+      o["output_bytes"] = values[outputs_of[i][0]].bytes;
+    } else {
+      json ob = json::array();
+      for (int v : outputs_of[i]) ob.push_back(values[v].bytes);
+      o["output_bytes"] = std::move(ob);
+    }
+    os.push_back(std::move(o));
+  }
+  doc["ops"] = std::move(os);
+  return doc.dump();
+}
+
+Result<CostGraph> load_cost_graph(const std::string& path) {
+  CONVEYOR_ASSIGN_OR_RETURN(std::string text, read_text(path, "op-graph file"));
+  auto g = CostGraph::from_json(text);
+  if (!g) return g.status().with_context(path);
+  return g;
+}
+
+Result<Profile> Profile::from_json(std::string_view text) {
+  try {
+    json doc = json::parse(text);
+    check_header(doc, "conveyor.profile", kProfileVersion);
+    Profile p;
+    p.graph_hash = as_string(field(doc, "", "graph_hash"), "/graph_hash");
+    p.device = as_string(field(doc, "", "device"), "/device");
+    p.microbatch = static_cast<int>(as_int(field(doc, "", "microbatch"), "/microbatch"));
+    if (p.microbatch < 1) throw JsonError("/microbatch", "expected at least 1");
+    if (doc.contains("torch")) p.torch_version = as_string(doc["torch"], "/torch");
+    const auto& nodes = as_array(field(doc, "", "nodes"), "/nodes");
+    for (std::size_t i = 0; i < nodes.size(); ++i) {
+      const std::string path = "/nodes/" + std::to_string(i);
+      NodeProfile n;
+      n.forward_s = as_amount(field(nodes[i], path, "forward_s"), path + "/forward_s");
+      n.backward_s = as_amount(field(nodes[i], path, "backward_s"), path + "/backward_s");
+      n.backward_weight_s = amount_or(nodes[i], path, "backward_weight_s", 0);
+      n.saved_bytes = amount_or(nodes[i], path, "saved_bytes", 0);
+      n.work_bytes = amount_or(nodes[i], path, "work_bytes", 0);
+      if (n.backward_weight_s > n.backward_s) {
+        throw JsonError(path + "/backward_weight_s", "the weight-gradient part cannot exceed backward_s");
+      }
+      p.nodes.push_back(n);
+    }
+    const auto& vb = as_array(field(doc, "", "value_bytes"), "/value_bytes");
+    for (std::size_t i = 0; i < vb.size(); ++i) p.value_bytes.push_back(as_amount(vb[i], "/value_bytes/" + std::to_string(i)));
+    return p;
+  } catch (const json::parse_error& e) {
+    return Status(ErrorCode::kFormat, std::string("profile document is not valid JSON: ") + e.what());
+  } catch (const JsonError& e) {
+    return e.status("profile document");
+  } catch (const json::exception& e) {
+    return Status(ErrorCode::kFormat, std::string("profile document: ") + e.what());
+  }
+}
+
+std::string Profile::to_json() const {
+  json doc;
+  doc["format"] = "conveyor.profile";
+  doc["version"] = kProfileVersion;
+  doc["graph_hash"] = graph_hash;
+  doc["device"] = device;
+  doc["microbatch"] = microbatch;
+  if (!torch_version.empty()) doc["torch"] = torch_version;
+  json nodes_j = json::array();
+  for (const auto& n : nodes) {
+    nodes_j.push_back({{"forward_s", n.forward_s},
+                       {"backward_s", n.backward_s},
+                       {"backward_weight_s", n.backward_weight_s},
+                       {"saved_bytes", n.saved_bytes},
+                       {"work_bytes", n.work_bytes}});
+  }
+  doc["nodes"] = std::move(nodes_j);
+  doc["value_bytes"] = value_bytes;
+  return doc.dump();
+}
+
+std::string graph_hash(const graph::Graph& graph) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(fnv1a(graph.to_json())));
+  return buf;
+}
+
+Result<CostGraph> cost_graph_from_profile(const graph::Graph& g, const Profile& profile) {
+  const std::string hash = graph_hash(g);
+  if (profile.graph_hash != hash) {
+    return Status(ErrorCode::kInvalidArgument,
+                  "the profile was measured on another graph (profile graph hash " + profile.graph_hash +
+                      ", this graph " + hash + "); profile this graph again");
+  }
+  if (profile.nodes.size() != g.nodes.size() || profile.value_bytes.size() != g.values.size()) {
+    return Status(ErrorCode::kInvalidArgument, "the profile lists " + std::to_string(profile.nodes.size()) +
+                                                   " nodes and " + std::to_string(profile.value_bytes.size()) +
+                                                   " values; the graph has " + std::to_string(g.nodes.size()) +
+                                                   " and " + std::to_string(g.values.size()));
+  }
+  CostGraph c;
+  c.device = profile.device;
+  c.microbatch = profile.microbatch;
+  c.name = g.producer.count("model") ? g.producer.at("model") : "graph";
+  // Parameters and buffers: one entry per binding (tied names share it).
+  std::vector<int> param_of_value(g.values.size(), -1);
+  for (const auto& b : g.bindings) {
+    if (b.kind == graph::Binding::Kind::kConstant) continue;
+    param_of_value[b.value] = static_cast<int>(c.params.size());
+    c.params.push_back({b.name, profile.value_bytes[b.value]});
+  }
+  // Values: every tensor a node produces; graph inputs are free.
+  std::vector<int> cost_value(g.values.size(), -1);
+  const auto producers = g.producers();
+  for (std::size_t v = 0; v < g.values.size(); ++v) {
+    if (producers[v] < 0) continue;
+    cost_value[v] = static_cast<int>(c.values.size());
+    c.values.push_back({producers[v], profile.value_bytes[v]});
+  }
+  const auto groups = graph::atomic_groups(g);
+  const auto group_of = graph::group_of_nodes(g, groups);
+  for (std::size_t i = 0; i < g.nodes.size(); ++i) {
+    const auto& node = g.nodes[i];
+    const NodeProfile& np = profile.nodes[i];
+    CostOp op;
+    op.name = node.qualified_name();
+    op.forward_s = np.forward_s;
+    op.backward_s = np.backward_s;
+    op.backward_weight_s = np.backward_weight_s;
+    op.saved_bytes = np.saved_bytes;
+    op.work_bytes = np.work_bytes;
+    op.group = group_of[i];
+    std::set<int> ins, ps;
+    for (graph::ValueId v : graph::Graph::node_inputs(node)) {
+      if (cost_value[v] >= 0) ins.insert(cost_value[v]);
+      if (param_of_value[v] >= 0) ps.insert(param_of_value[v]);
+    }
+    op.inputs.assign(ins.begin(), ins.end());
+    op.params.assign(ps.begin(), ps.end());
+    c.ops.push_back(std::move(op));
+  }
+  CONVEYOR_RETURN_IF_ERROR(c.validate());
+  return c;
+}
+
+}  // namespace conveyor::partitioner

@@ -1,0 +1,87 @@
+// The cost graph the planner works on: operators with measured costs, the tensors between
+// them and the parameters they read. Built from a captured graph plus its profile, or read
+// from a plain op-graph JSON document (docs/formats.md). Torch-free.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+#include "graph/ir.h"
+
+namespace conveyor::partitioner {
+
+/// One operator. Times are for `CostGraph::microbatch` samples on a device of speed 1 (the
+/// device the profile was measured on); byte counts are for the same microbatch.
+struct CostOp {
+  std::string name;
+  double forward_s = 0;
+  double backward_s = 0;         ///< whole backward
+  double backward_weight_s = 0;  ///< its weight-gradient part (split-backward schedules)
+  double saved_bytes = 0;        ///< activations kept from forward to backward
+  double work_bytes = 0;         ///< transient memory while the operator runs
+  std::vector<int> inputs;       ///< values read (CostGraph::values)
+  std::vector<int> params;       ///< parameters read (CostGraph::params)
+  int group = -1;                ///< operators sharing a group >= 0 are never put in different stages
+};
+
+/// A tensor flowing between operators. Graph inputs (producer -1) are free: the data loader
+/// places each input where it is read.
+struct CostValue {
+  int producer = -1;
+  double bytes = 0;  ///< per microbatch
+};
+
+struct CostParam {
+  std::string name;
+  double bytes = 0;
+};
+
+struct CostGraph {
+  std::string name;
+  std::string device;   ///< where the costs were measured
+  int microbatch = 1;   ///< samples per microbatch the costs were measured at
+  std::vector<CostOp> ops;  ///< in a topological order: an op reads only values of earlier ops
+  std::vector<CostValue> values;
+  std::vector<CostParam> params;
+
+  /// Indices in range, producers before readers, no negative or non-finite costs.
+  Status validate() const;
+  /// For each value, the ops reading it (ascending, unique).
+  std::vector<std::vector<int>> readers() const;
+
+  /// Parses an op-graph document ("format": "conveyor-op-graph"); errors name the JSON path.
+  static Result<CostGraph> from_json(std::string_view text);
+  std::string to_json() const;
+};
+
+/// Reads an op-graph JSON file.
+Result<CostGraph> load_cost_graph(const std::string& path);
+
+/// A profile: measured costs of every node of one captured graph at one microbatch size.
+struct NodeProfile {
+  double forward_s = 0, backward_s = 0, backward_weight_s = 0;
+  double saved_bytes = 0, work_bytes = 0;
+};
+struct Profile {
+  std::string graph_hash;  ///< graph_hash() of the graph it was measured on
+  std::string device;
+  int microbatch = 1;
+  std::vector<NodeProfile> nodes;               ///< indexed by node id
+  std::vector<double> value_bytes;              ///< indexed by value id; 0 for non-tensors
+  std::string torch_version;
+
+  static Result<Profile> from_json(std::string_view text);
+  std::string to_json() const;
+};
+
+/// A stable hash of a graph's structure (its JSON document): profiles are keyed by it.
+std::string graph_hash(const graph::Graph& graph);
+
+/// Joins a captured graph and its profile. Atomic groups (in-place writes through views)
+/// become cost groups; parameters and buffers become params with the profiled sizes.
+Result<CostGraph> cost_graph_from_profile(const graph::Graph& graph, const Profile& profile);
+
+}  // namespace conveyor::partitioner

@@ -1,0 +1,207 @@
+// Plan documents (docs/formats.md) and the table `conveyor plan` prints.
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "common/json_reader.h"
+#include "partitioner/planner.h"
+
+namespace conveyor::partitioner {
+namespace {
+
+using json_reader::JsonError;
+using nlohmann::json;
+using namespace json_reader;
+
+constexpr int kPlanVersion = 1;
+
+json link_json(const Link& l) { return {{"bandwidth_bytes_per_s", l.bandwidth_bytes_per_s}, {"latency_s", l.latency_s}}; }
+
+Link parse_link(const json& j, const std::string& path) {
+  return {as_amount(field(j, path, "bandwidth_bytes_per_s"), path + "/bandwidth_bytes_per_s"),
+          as_amount(field(j, path, "latency_s"), path + "/latency_s")};
+}
+
+}  // namespace
+
+std::string Plan::to_json() const {
+  json doc;
+  doc["format"] = "conveyor.plan";
+  doc["version"] = kPlanVersion;
+  doc["graph"] = graph_name;
+  doc["cluster"] = cluster_name;
+  doc["batch"] = batch;
+  doc["microbatches"] = microbatches;
+  doc["schedule"] = std::string(scheduler::schedule_kind_name(schedule));
+  doc["chunks"] = chunks;
+  doc["objective_s"] = objective_s;
+  doc["predicted_step_s"] = predicted_step_s;
+  doc["bubble_fraction"] = bubble_fraction;
+  doc["search"] = search;
+  doc["search_seconds"] = search_seconds;
+  json devs = json::array();
+  for (const auto& d : devices) {
+    devs.push_back({{"node", d.node}, {"local", d.local}, {"memory_bytes", d.memory_bytes}, {"speed", d.speed}});
+  }
+  doc["devices"] = std::move(devs);
+  json st = json::array();
+  for (const auto& s : stages) {
+    st.push_back({{"ops", s.ops},
+                  {"first_device", s.first_device},
+                  {"replicas", s.replicas},
+                  {"shares", s.shares},
+                  {"forward_s", s.forward_s},
+                  {"backward_s", s.backward_s},
+                  {"backward_weight_s", s.backward_weight_s},
+                  {"send_bytes", s.send_bytes},
+                  {"recv_bytes", s.recv_bytes},
+                  {"allreduce_s", s.allreduce_s},
+                  {"param_bytes", s.param_bytes},
+                  {"static_bytes", s.static_bytes},
+                  {"saved_bytes", s.saved_bytes},
+                  {"memory_bytes", s.memory_bytes},
+                  {"in_flight", s.in_flight}});
+  }
+  doc["stages"] = std::move(st);
+  json ls = json::array();
+  for (const auto& l : links) ls.push_back(link_json(l));
+  doc["links"] = std::move(ls);
+  return doc.dump(1);
+}
+
+Result<Plan> Plan::from_json(std::string_view text) {
+  try {
+    json doc = json::parse(text);
+    check_header(doc, "conveyor.plan", kPlanVersion);
+    Plan p;
+    p.graph_name = as_string(field(doc, "", "graph"), "/graph");
+    p.cluster_name = as_string(field(doc, "", "cluster"), "/cluster");
+    p.batch = static_cast<int>(as_int(field(doc, "", "batch"), "/batch"));
+    p.microbatches = static_cast<int>(as_int(field(doc, "", "microbatches"), "/microbatches"));
+    if (p.batch < 1 || p.microbatches < 1 || p.microbatches > p.batch) {
+      throw JsonError("/microbatches", "expected 1 <= microbatches <= batch");
+    }
+    auto kind = scheduler::schedule_kind_from_name(as_string(field(doc, "", "schedule"), "/schedule"));
+    if (!kind) throw JsonError("/schedule", kind.status().message());
+    p.schedule = *kind;
+    p.chunks = static_cast<int>(as_int(field(doc, "", "chunks"), "/chunks"));
+    p.objective_s = amount_or(doc, "", "objective_s", 0);
+    p.predicted_step_s = amount_or(doc, "", "predicted_step_s", 0);
+    p.bubble_fraction = amount_or(doc, "", "bubble_fraction", 0);
+    if (doc.contains("search")) p.search = as_string(doc["search"], "/search");
+    p.search_seconds = amount_or(doc, "", "search_seconds", 0);
+    const auto& devs = as_array(field(doc, "", "devices"), "/devices");
+    for (std::size_t i = 0; i < devs.size(); ++i) {
+      const std::string path = "/devices/" + std::to_string(i);
+      Device d;
+      d.node = static_cast<int>(as_int(field(devs[i], path, "node"), path + "/node"));
+      d.local = static_cast<int>(as_int(field(devs[i], path, "local"), path + "/local"));
+      d.memory_bytes = as_amount(field(devs[i], path, "memory_bytes"), path + "/memory_bytes");
+      d.speed = as_amount(field(devs[i], path, "speed"), path + "/speed");
+      if (d.speed <= 0) throw JsonError(path + "/speed", "expected a speed > 0");
+      p.devices.push_back(d);
+    }
+    const auto& st = as_array(field(doc, "", "stages"), "/stages");
+    if (st.empty()) throw JsonError("/stages", "a plan needs at least one stage");
+    for (std::size_t i = 0; i < st.size(); ++i) {
+      const std::string path = "/stages/" + std::to_string(i);
+      const json& j = st[i];
+      StagePlan s;
+      s.ops = int_list(j, path, "ops");
+      s.first_device = static_cast<int>(as_int(field(j, path, "first_device"), path + "/first_device"));
+      s.replicas = static_cast<int>(as_int(field(j, path, "replicas"), path + "/replicas"));
+      if (s.replicas < 1 || s.first_device < 0 || s.first_device + s.replicas > static_cast<int>(p.devices.size())) {
+        throw JsonError(path, "devices " + std::to_string(s.first_device) + ".." +
+                                  std::to_string(s.first_device + s.replicas - 1) + " are not in the plan's " +
+                                  std::to_string(p.devices.size()) + " devices");
+      }
+      for (const char* key : {"forward_s", "backward_s", "backward_weight_s", "send_bytes", "recv_bytes", "allreduce_s",
+                              "param_bytes", "static_bytes", "saved_bytes", "memory_bytes"}) {
+        as_amount(field(j, path, key), path + "/" + key);
+      }
+      s.forward_s = j["forward_s"].get<double>();
+      s.backward_s = j["backward_s"].get<double>();
+      s.backward_weight_s = j["backward_weight_s"].get<double>();
+      if (s.backward_weight_s > s.backward_s) throw JsonError(path + "/backward_weight_s", "exceeds backward_s");
+      s.send_bytes = j["send_bytes"].get<double>();
+      s.recv_bytes = j["recv_bytes"].get<double>();
+      s.allreduce_s = j["allreduce_s"].get<double>();
+      s.param_bytes = j["param_bytes"].get<double>();
+      s.static_bytes = j["static_bytes"].get<double>();
+      s.saved_bytes = j["saved_bytes"].get<double>();
+      s.memory_bytes = j["memory_bytes"].get<double>();
+      if (j.contains("in_flight")) s.in_flight = static_cast<int>(as_int(j["in_flight"], path + "/in_flight"));
+      if (j.contains("shares")) {
+        const auto& sh = as_array(j["shares"], path + "/shares");
+        for (std::size_t k = 0; k < sh.size(); ++k) s.shares.push_back(as_amount(sh[k], path + "/shares/" + std::to_string(k)));
+      }
+      p.stages.push_back(std::move(s));
+    }
+    if (p.chunks < 1 || p.stages.size() % static_cast<std::size_t>(p.chunks) != 0) {
+      throw JsonError("/chunks", "expected a divisor of the stage count " + std::to_string(p.stages.size()));
+    }
+    const auto& ls = as_array(field(doc, "", "links"), "/links");
+    if (ls.size() + 1 != p.stages.size()) {
+      throw JsonError("/links", "expected " + std::to_string(p.stages.size() - 1) + " links (one per stage boundary)");
+    }
+    for (std::size_t i = 0; i < ls.size(); ++i) p.links.push_back(parse_link(ls[i], "/links/" + std::to_string(i)));
+    return p;
+  } catch (const json::parse_error& e) {
+    return Status(ErrorCode::kFormat, std::string("plan document is not valid JSON: ") + e.what());
+  } catch (const JsonError& e) {
+    return e.status("plan document");
+  } catch (const json::exception& e) {
+    return Status(ErrorCode::kFormat, std::string("plan document: ") + e.what());
+  }
+}
+
+Result<Plan> load_plan(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status(ErrorCode::kIo, "cannot open plan file '" + path + "'");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  auto p = Plan::from_json(ss.str());
+  if (!p) return p.status().with_context(path);
+  return p;
+}
+
+std::string Plan::table() const {
+  std::string out;
+  char line[512];
+  auto device_range = [&](const StagePlan& s) {
+    const Device& a = devices[s.first_device];
+    const Device& b = devices[s.first_device + s.replicas - 1];
+    char buf[64];
+    if (s.replicas == 1) std::snprintf(buf, sizeof buf, "n%d:d%d", a.node, a.local);
+    else if (a.node == b.node) std::snprintf(buf, sizeof buf, "n%d:d%d-%d", a.node, a.local, b.local);
+    else std::snprintf(buf, sizeof buf, "n%d:d%d-n%d:d%d", a.node, a.local, b.node, b.local);
+    return std::string(buf);
+  };
+  std::snprintf(line, sizeof line, "%-5s %6s  %-18s %8s %11s %11s %11s %11s %11s\n", "stage", "ops", "devices",
+                "replicas", "fwd/mb", "bwd/mb", "memory/dev", "send/mb", "allreduce");
+  out += line;
+  for (std::size_t s = 0; s < stages.size(); ++s) {
+    const StagePlan& st = stages[s];
+    std::snprintf(line, sizeof line, "%-5zu %6zu  %-18s %8d %11s %11s %11s %11s %11s\n", s, st.ops.size(),
+                  device_range(st).c_str(), st.replicas, human_seconds(st.forward_s).c_str(),
+                  human_seconds(st.backward_s).c_str(), human_bytes(st.memory_bytes).c_str(),
+                  human_bytes(st.send_bytes).c_str(), st.replicas > 1 ? human_seconds(st.allreduce_s).c_str() : "-");
+    out += line;
+  }
+  int used = 0;
+  for (const auto& st : stages) used += st.replicas;
+  if (chunks > 1) used /= chunks;
+  std::snprintf(line, sizeof line,
+                "schedule %s%s, %d microbatches of %.4g samples (batch %d), %d of %zu devices\n"
+                "predicted step %s (%.1f samples/s), bubble %.1f%%, analytic bound %s\n"
+                "search: %s, %.3f s\n",
+                std::string(scheduler::schedule_kind_name(schedule)).c_str(),
+                chunks > 1 ? (" x" + std::to_string(chunks) + " chunks").c_str() : "", microbatches,
+                static_cast<double>(batch) / microbatches, batch, used, devices.size(),
+                human_seconds(predicted_step_s).c_str(), predicted_step_s > 0 ? batch / predicted_step_s : 0.0,
+                100 * bubble_fraction, human_seconds(objective_s).c_str(), search.c_str(), search_seconds);
+  out += line;
+  return out;
+}
+
+}  // namespace conveyor::partitioner

@@ -1,0 +1,102 @@
+// The planner: from a cost graph and a cluster to a pipeline plan (stages, replicas per
+// stage, placement, microbatches, schedule) that fits memory and minimizes the step time.
+// Torch-free. The search and the cost model are described in docs/planner.md.
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+#include "partitioner/cluster.h"
+#include "partitioner/cost_graph.h"
+#include "scheduler/schedule.h"
+#include "scheduler/simulator.h"
+
+namespace conveyor::partitioner {
+
+enum class SearchMode : std::uint8_t {
+  kAuto,        ///< exact when its work fits `exact_budget`, else bottleneck
+  kExact,       ///< Pareto DP over all convex stages (downsets, or block prefixes when too many)
+  kBottleneck,  ///< bisection on the slowest stage over block prefixes (large problems)
+};
+
+struct PlanOptions {
+  int batch = 0;           ///< samples per training step (required)
+  int microbatches = 0;    ///< 0: the planner chooses
+  int max_microbatches = 64;
+  /// Schedules to consider; empty: gpipe, 1f1b, interleaved and zb-h1.
+  std::vector<scheduler::ScheduleKind> schedules;
+  /// Optimizer state per parameter byte (Adam keeps two moments: 2; SGD with momentum: 1).
+  double optimizer_bytes_per_param_byte = 2;
+  SearchMode search = SearchMode::kAuto;
+  int max_downsets = 1500;   ///< more convex cut states than this: stages cut a linear order of blocks
+  int max_blocks = 192;      ///< blocks of that linear order
+  double exact_budget = 3e7; ///< transitions the exact search may take before bottleneck search is used
+};
+
+/// One stage of a plan: its operators and the consecutive devices its replicas run on.
+struct StagePlan {
+  std::vector<int> ops;            ///< cost-graph operator ids (captured graphs: node ids)
+  int first_device = 0;
+  int replicas = 1;
+  std::vector<double> shares;      ///< share of each microbatch per replica (proportional to speed)
+  // Per microbatch, replicas working in parallel on their shares:
+  double forward_s = 0, backward_s = 0, backward_weight_s = 0;
+  double send_bytes = 0;           ///< activations to the next stage (whole microbatch)
+  double recv_bytes = 0;           ///< activations from the previous stage (whole microbatch)
+  double allreduce_s = 0;          ///< per step, gradient reduction across replicas
+  double param_bytes = 0;
+  double static_bytes = 0;         ///< per device: parameters, gradients, optimizer state
+  double saved_bytes = 0;          ///< per device and microbatch in flight
+  double memory_bytes = 0;         ///< predicted peak per device
+  int in_flight = 0;               ///< microbatches whose activations are alive at once
+};
+
+struct Plan {
+  std::string graph_name, cluster_name;
+  int batch = 0, microbatches = 1;
+  scheduler::ScheduleKind schedule = scheduler::ScheduleKind::kOneFOneB;
+  int chunks = 1;                  ///< interleaved: stages per device group
+  std::vector<Device> devices;     ///< the cluster's devices, so a plan file stands alone
+  std::vector<StagePlan> stages;
+  std::vector<Link> links;         ///< between stage k and k + 1
+  double objective_s = 0;          ///< the analytic step time the search minimized
+  double predicted_step_s = 0;     ///< the simulated step time of the schedule
+  double bubble_fraction = 0;
+  std::string search;              ///< how the plan was found
+  double search_seconds = 0;
+
+  /// Device groups (pipeline ranks): stages, or stages / chunks when interleaved.
+  int ranks() const { return static_cast<int>(stages.size()) / chunks; }
+  scheduler::ScheduleSpec schedule_spec() const;
+  std::vector<scheduler::StageCost> stage_costs() const;
+  std::vector<scheduler::LinkCost> link_costs() const;
+  Result<scheduler::SimulationResult> simulate() const;
+  /// The readable table `conveyor plan` prints.
+  std::string table() const;
+  std::string to_json() const;
+  static Result<Plan> from_json(std::string_view text);
+};
+
+Result<Plan> load_plan(const std::string& path);
+
+/// Plans `graph` on `cluster`. Errors: kInvalidArgument for bad options, kDoesNotFit when no
+/// plan fits memory (the message gives the smallest memory per device that would work).
+Result<Plan> make_plan(const CostGraph& graph, const Cluster& cluster, const PlanOptions& options);
+
+/// A plan to score with the analytic model: ordered stages of operator ids on consecutive
+/// devices ending at the cluster's last device, `replicas[s]` devices for stage s.
+struct Candidate {
+  std::vector<std::vector<int>> stages;
+  std::vector<int> replicas;
+  int microbatches = 1;
+  scheduler::ScheduleKind schedule = scheduler::ScheduleKind::kOneFOneB;
+};
+
+/// The analytic step time the search minimizes (docs/planner.md). Errors when the candidate
+/// is not a valid partition or does not fit memory. Used by tests against the search.
+Result<double> candidate_objective(const CostGraph& graph, const Cluster& cluster, const PlanOptions& options,
+                                   const Candidate& candidate);
+
+}  // namespace conveyor::partitioner
