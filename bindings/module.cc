@@ -10,6 +10,7 @@
 #include "graph/format.h"
 #include "graph/ir.h"
 #include "graph/partition.h"
+#include "partitioner/planner.h"
 
 namespace py = pybind11;
 using namespace conveyor;
@@ -202,4 +203,30 @@ PYBIND11_MODULE(_C, m) {
       .def("stage", [](const GraphExecutor& ex, std::vector<NodeId> nodes) {
         return std::const_pointer_cast<StageProgram>(unwrap(ex.stage(std::move(nodes))));
       });
+
+  // Planning (torch-free C++ behind it): documents in, documents out.
+  m.def("graph_hash", [](const PyGraph& g) { return partitioner::graph_hash(g.graph); },
+        "The hash profiles are keyed by.");
+  m.def(
+      "plan",
+      [](const PyGraph& g, const std::string& profile_json, const std::string& cluster_toml, int batch,
+         int microbatches, const std::vector<std::string>& schedules, double optimizer_state) {
+        auto profile = unwrap(partitioner::Profile::from_json(profile_json));
+        auto costs = unwrap(partitioner::cost_graph_from_profile(g.graph, profile));
+        auto cluster = unwrap(partitioner::Cluster::from_toml(cluster_toml, "cluster"));
+        partitioner::PlanOptions o;
+        o.batch = batch;
+        o.microbatches = microbatches;
+        o.optimizer_bytes_per_param_byte = optimizer_state;
+        for (const auto& name : schedules) o.schedules.push_back(unwrap(scheduler::schedule_kind_from_name(name)));
+        partitioner::Plan plan;
+        {
+          py::gil_scoped_release nogil;
+          plan = unwrap(partitioner::make_plan(costs, cluster, o));
+        }
+        return py::make_tuple(plan.to_json(), plan.table());
+      },
+      py::arg("graph"), py::arg("profile"), py::arg("cluster"), py::arg("batch"), py::arg("microbatches") = 0,
+      py::arg("schedules") = std::vector<std::string>{}, py::arg("optimizer_state") = 2.0,
+      "Plans a captured graph from its profile on a cluster (TOML text); returns (plan JSON, table).");
 }

@@ -631,23 +631,45 @@ class BottleneckSearch {
     const int last = n - used;  // devices [last - r, last)
     const int max_r = last;
     const double work = (ss.fwd + ss.bwd) * model_.scale();
-    // Binary search the fewest replicas whose speed meets `work / t`.
-    int lo = 1, hi = max_r;
+    // The fewest replicas whose speed meets `work / t` (speed grows with r).
+    int lo = 1;
     if (std::isfinite(t)) {
       if (model_.speed(0, last) * t < work) return -1;
+      int hi = max_r;
       while (lo < hi) {
         int mid = (lo + hi) / 2;
         if (model_.speed(last - mid, mid) * t >= work) hi = mid; else lo = mid + 1;
       }
     }
-    for (int r = lo; r <= max_r; ++r) {
+    auto ok = [&](int r) {
       const StageEval e = model_.eval(ss, last - r, r, stages_after, used > 0);
-      if (e.compute <= t && e.comm <= t && e.fits()) return r;
-      if (e.compute <= t && e.comm <= t && r > lo + 64) break;  // memory will not come
+      return e.compute <= t && e.comm <= t && e.allreduce <= ar_limit_ * t && e.fits();
+    };
+    if (ok(lo)) return lo;
+    // More replicas shrink each one's activations and transfers: the fewest that fit, by
+    // bisection (exact when memory per device is uniform), then checked.
+    int hi = max_r;
+    if (!ok(hi)) {
+      // Not monotone (mixed memory sizes, or allreduce growing with r): scan a little.
+      for (int r = lo + 1; r <= std::min(max_r, lo + 256); ++r) {
+        if (ok(r)) return r;
+      }
+      return -1;
     }
-    return -1;
+    int a = lo;  // !ok(a), ok(hi)
+    while (hi - a > 1) {
+      int mid = (a + hi) / 2;
+      if (ok(mid)) hi = mid; else a = mid;
+    }
+    return hi;
   }
 
+ public:
+  /// Each stage's allreduce must stay under `factor` times T (infinity: no limit).
+  void limit_allreduce(double factor) { ar_limit_ = factor; }
+
+ private:
+  double ar_limit_ = kInf;
   struct Parent {
     int outer, j, r;
   };
@@ -659,31 +681,44 @@ class BottleneckSearch {
   std::vector<Parent> parent_;
 };
 
+// Bisection on T for a given allreduce limit (a multiple of T); the plan with the smallest
+// objective over a few limits wins, since the allreduce tail is not part of T.
 Solution bottleneck_search(const Units& u, const CutStates& cs, const Model& model) {
-  BottleneckSearch search(u, cs, model);
-  Solution sol;
-  if (!search.feasible(kInf, &sol)) return {};
-  double hi = 0;
-  {
+  Solution overall;
+  for (double ar_factor : {kInf, 4.0 * model.microbatches(), 1.0 * model.microbatches(), 0.25 * model.microbatches()}) {
+    BottleneckSearch search(u, cs, model);
+    search.limit_allreduce(ar_factor);
+    Solution sol;
+    if (!search.feasible(kInf, &sol)) continue;
     std::vector<StageEval> evals;
-    (void)score(u, cs, model, sol, &evals);
+    if (!score(u, cs, model, sol, &evals)) continue;
+    double hi = 0;
     for (const auto& e : evals) hi = std::max({hi, e.compute, e.comm});
-  }
-  double lo = 0;
-  Solution best = sol;
-  for (int it = 0; it < 60 && hi - lo > 1e-6 * hi; ++it) {
-    double mid = (lo + hi) / 2;
-    Solution trial;
-    if (search.feasible(mid, &trial)) {
-      hi = mid;
-      best = std::move(trial);
+    if (!std::isfinite(ar_factor)) {
+      // hi from an unconstrained T; for limited allreduce, start where the limit holds.
     } else {
-      lo = mid;
+      double worst_ar = 0;
+      for (const auto& e : evals) worst_ar = std::max(worst_ar, e.allreduce);
+      hi = std::max(hi, worst_ar / ar_factor);
+      if (!search.feasible(hi, &sol)) continue;
     }
+    double lo = 0;
+    Solution best = sol;
+    for (int it = 0; it < 40 && hi - lo > 2e-3 * hi; ++it) {
+      double mid = (lo + hi) / 2;
+      Solution trial;
+      if (search.feasible(mid, &trial)) {
+        hi = mid;
+        best = std::move(trial);
+      } else {
+        lo = mid;
+      }
+    }
+    auto obj = score(u, cs, model, best);
+    best.objective = obj ? *obj : kInf;
+    if (best.objective < overall.objective) overall = std::move(best);
   }
-  auto obj = score(u, cs, model, best);
-  best.objective = obj ? *obj : kInf;
-  return best;
+  return overall;
 }
 
 // The same solution with its cut states looked up in another state list (block prefixes
@@ -704,7 +739,7 @@ Solution translate(const Solution& sol, const CutStates& from, const CutStates& 
 std::vector<int> microbatch_candidates(const PlanOptions& o) {
   if (o.microbatches > 0) return {o.microbatches};
   std::vector<int> out;
-  for (int m : {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256}) {
+  for (int m : {1, 2, 4, 8, 16, 32, 64, 128, 256}) {
     if (m <= o.batch && m <= o.max_microbatches) out.push_back(m);
   }
   return out;

@@ -1,16 +1,22 @@
-// The `conveyor` command-line tool. Subcommands grow with the project: today it inspects,
-// validates and cuts graph files; planning, simulation, tracing and launch join later.
+// The `conveyor` command-line tool: inspect, validate and cut graph files; plan a graph on a
+// cluster; simulate a plan; check traces. Launch joins with the multi-process runtime.
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <map>
+#include <sstream>
 #include <string>
 
 #include "common/status.h"
 #include "conveyor_config.h"
 #include "graph/format.h"
 #include "graph/partition.h"
+#include "common/env.h"
+#include "partitioner/planner.h"
+#include "trace/simulation_trace.h"
 
 namespace {
 
@@ -22,17 +28,8 @@ int fail(const Status& st) {
   return 1;
 }
 
-std::string human_bytes(double b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  while (b >= 1024 && u < 4) {
-    b /= 1024;
-    ++u;
-  }
-  char buf[32];
-  std::snprintf(buf, sizeof buf, u ? "%.1f %s" : "%.0f %s", b, units[u]);
-  return buf;
-}
+using partitioner::human_bytes;
+using partitioner::human_seconds;
 
 int inspect(const std::string& path, int top) {
   auto file = load_graph_file(path);
@@ -98,6 +95,133 @@ int partition(const std::string& path, int stages, std::uint64_t seed, bool keep
   return 0;
 }
 
+// A graph to plan: an op-graph JSON document, or a captured graph file with its profile
+// (given, or found in the profile cache under the graph's hash).
+Result<partitioner::CostGraph> load_planning_graph(const std::string& path, const std::string& profile_path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status(ErrorCode::kIo, "cannot open graph '" + path + "'");
+  char head[8] = {};
+  in.read(head, sizeof head);
+  if (std::string_view(head, static_cast<std::size_t>(in.gcount())) != kContainerMagic) {
+    return partitioner::load_cost_graph(path);
+  }
+  CONVEYOR_ASSIGN_OR_RETURN(GraphFile file, load_graph_file(path));
+  std::string chosen = profile_path;
+  const std::string hash = partitioner::graph_hash(file.graph);
+  if (chosen.empty()) {
+    namespace fs = std::filesystem;
+    const fs::path dir = fs::path(env::cache_dir()) / "profiles";
+    std::error_code ec;
+    auto newest = fs::file_time_type::min();
+    for (const auto& entry : fs::directory_iterator(dir, ec)) {
+      const std::string name = entry.path().filename().string();
+      if (name.rfind(hash + "-", 0) == 0 && entry.last_write_time(ec) >= newest) {
+        newest = entry.last_write_time(ec);
+        chosen = entry.path().string();
+      }
+    }
+    if (chosen.empty()) {
+      return Status(ErrorCode::kInvalidArgument,
+                    "no profile for graph " + hash + " in " + dir.string() +
+                        "; profile it first (conveyor.profile(model, example) in Python) or pass --profile FILE");
+    }
+  }
+  std::ifstream pin(chosen, std::ios::binary);
+  if (!pin) return Status(ErrorCode::kIo, "cannot open profile '" + chosen + "'");
+  std::stringstream ss;
+  ss << pin.rdbuf();
+  auto profile = partitioner::Profile::from_json(ss.str());
+  if (!profile) return profile.status().with_context(chosen);
+  auto g = partitioner::cost_graph_from_profile(file.graph, *profile);
+  if (g) g->name = std::filesystem::path(path).stem().string();
+  return g;
+}
+
+Status write_text(const std::string& path, const std::string& text) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  if (!f) return Status(ErrorCode::kIo, "cannot write '" + path + "'");
+  f << text;
+  return f ? Status::ok() : Status(ErrorCode::kIo, "writing '" + path + "' failed");
+}
+
+Status write_simulation_trace(const partitioner::Plan& plan, const std::string& path) {
+  CONVEYOR_ASSIGN_OR_RETURN(auto schedule, scheduler::make_schedule(plan.schedule_spec()));
+  CONVEYOR_ASSIGN_OR_RETURN(auto sim, plan.simulate());
+  trace::PerfettoTrace t;
+  trace::add_simulation(t, schedule, sim);
+  return t.write(path);
+}
+
+struct PlanArgs {
+  std::string graph, cluster, profile, out, trace, schedule;
+  int batch = 0, microbatches = 0;
+  double optimizer_state = 2;
+};
+
+int plan_command(const PlanArgs& a) {
+  auto g = load_planning_graph(a.graph, a.profile);
+  if (!g) return fail(g.status());
+  auto cluster = partitioner::load_cluster(a.cluster);
+  if (!cluster) return fail(cluster.status());
+  partitioner::PlanOptions o;
+  o.batch = a.batch;
+  o.microbatches = a.microbatches;
+  o.optimizer_bytes_per_param_byte = a.optimizer_state;
+  if (!a.schedule.empty() && a.schedule != "auto") {
+    auto k = scheduler::schedule_kind_from_name(a.schedule);
+    if (!k) return fail(k.status());
+    o.schedules = {*k};
+  }
+  auto plan = partitioner::make_plan(*g, *cluster, o);
+  if (!plan) return fail(plan.status());
+  std::printf("graph %s: %zu operators (profiled at microbatch %d%s%s)\ncluster %s\n\n", g->name.c_str(),
+              g->ops.size(), g->microbatch, g->device.empty() ? "" : " on ", g->device.c_str(),
+              cluster->summary().c_str());
+  std::printf("%s", plan->table().c_str());
+  if (!a.out.empty()) {
+    Status st = write_text(a.out, plan->to_json());
+    if (!st) return fail(st);
+    std::printf("plan written to %s\n", a.out.c_str());
+  }
+  if (!a.trace.empty()) {
+    Status st = write_simulation_trace(*plan, a.trace);
+    if (!st) return fail(st);
+    std::printf("simulated trace written to %s\n", a.trace.c_str());
+  }
+  return 0;
+}
+
+int simulate_command(const std::string& path, const std::string& trace_path) {
+  auto plan = partitioner::load_plan(path);
+  if (!plan) return fail(plan.status());
+  auto sim = plan->simulate();
+  if (!sim) return fail(sim.status());
+  std::printf("plan %s: %zu stages, schedule %s, %d microbatches\n", path.c_str(), plan->stages.size(),
+              std::string(scheduler::schedule_kind_name(plan->schedule)).c_str(), plan->microbatches);
+  std::printf("step time     %s (%.1f samples/s)\n", human_seconds(sim->step_time_s).c_str(),
+              plan->batch / sim->step_time_s);
+  std::printf("bubble        %.2f%%\n", 100 * sim->bubble_fraction);
+  for (std::size_t r = 0; r < sim->busy_s.size(); ++r) {
+    std::printf("rank %-3zu      busy %s, peak memory %s\n", r, human_seconds(sim->busy_s[r]).c_str(),
+                human_bytes(sim->peak_bytes[r]).c_str());
+  }
+  if (!trace_path.empty()) {
+    Status st = write_simulation_trace(*plan, trace_path);
+    if (!st) return fail(st);
+    std::printf("trace written to %s\n", trace_path.c_str());
+  }
+  return 0;
+}
+
+int trace_check_command(const std::string& path) {
+  auto s = trace::check_trace_file(path);
+  if (!s) return fail(s.status());
+  std::printf("%s: valid Perfetto trace: %zu tracks, %zu slices, %zu instants, %zu flows\n", path.c_str(), s->tracks,
+              s->slices, s->instants, s->flows);
+  for (const auto& [name, count] : s->slices_by_name) std::printf("  %-12s %zu slices\n", name.empty() ? "(other)" : name.c_str(), count);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -123,7 +247,33 @@ int main(int argc, char** argv) {
   partition_cmd->add_option("--seed", seed, "random seed");
   partition_cmd->add_flag("--keep-node-order", keep_order, "stages are contiguous in capture order");
 
+  PlanArgs plan_args;
+  auto* plan_cmd = app.add_subcommand("plan", "plan a graph on a cluster: stages, replicas, schedule, microbatches");
+  plan_cmd->add_option("--graph", plan_args.graph, "op-graph JSON, or a graph file (with its profile)")->required();
+  plan_cmd->add_option("--cluster", plan_args.cluster, "cluster TOML (docs/formats.md)")->required();
+  plan_cmd->add_option("--batch", plan_args.batch, "samples per training step")->required()->check(CLI::PositiveNumber);
+  plan_cmd->add_option("--profile", plan_args.profile, "profile JSON of a graph file (default: the profile cache)");
+  plan_cmd->add_option("--microbatches", plan_args.microbatches, "fix the microbatch count (default: choose)");
+  plan_cmd->add_option("--schedule", plan_args.schedule, "auto, gpipe, 1f1b, interleaved or zb-h1");
+  plan_cmd->add_option("--optimizer-state", plan_args.optimizer_state,
+                       "optimizer state bytes per parameter byte (Adam 2, SGD+momentum 1)");
+  plan_cmd->add_option("--out", plan_args.out, "write the plan JSON here");
+  plan_cmd->add_option("--trace", plan_args.trace, "write the simulated step as a Perfetto trace");
+
+  std::string plan_path, trace_path;
+  auto* simulate_cmd = app.add_subcommand("simulate", "simulate a plan's step event by event");
+  simulate_cmd->add_option("--plan", plan_path, "plan JSON written by conveyor plan")->required();
+  simulate_cmd->add_option("--trace", trace_path, "write a Perfetto trace of the simulated step");
+
+  auto* trace_cmd = app.add_subcommand("trace", "work with Perfetto traces");
+  trace_cmd->require_subcommand(1);
+  auto* trace_check_cmd = trace_cmd->add_subcommand("check", "decode a trace and check its structure");
+  trace_check_cmd->add_option("file", trace_path, "a .pftrace file")->required();
+
   CLI11_PARSE(app, argc, argv);
+  if (*plan_cmd) return plan_command(plan_args);
+  if (*simulate_cmd) return simulate_command(plan_path, trace_path);
+  if (*trace_check_cmd) return trace_check_command(trace_path);
   if (*inspect_cmd) return inspect(path, top);
   if (*validate_cmd) {
     auto file = load_graph_file(path);

@@ -18,6 +18,7 @@ from .errors import (  # noqa: E402
     CaptureError,
     ConveyorError,
     ConveyorValueError,
+    DoesNotFitError,
     ExecutionError,
     GraphCorruptError,
     GraphFormatError,
@@ -29,11 +30,12 @@ from .errors import (  # noqa: E402
 )
 from .graph import Graph, StagedGraph  # noqa: E402
 from .capture import capture  # noqa: E402
+from .planning import Plan, plan, profile  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "capture", "Graph", "StagedGraph",
+    "capture", "Graph", "StagedGraph", "profile", "plan", "Plan", "DoesNotFitError",
     "ConveyorError", "CaptureError", "ConveyorValueError", "ExecutionError", "GraphCorruptError",
     "GraphFormatError", "GraphVersionError", "InvalidGraphError", "InvalidStageError",
     "UnknownOpError", "UnsupportedError",

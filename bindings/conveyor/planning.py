@@ -1,0 +1,256 @@
+"""Profiling captured graphs and planning them on a cluster.
+
+    g = conveyor.capture(model, (x,))
+    prof = conveyor.profile(g, (x,))               # measured once, cached by graph hash
+    plan = conveyor.plan(g, prof, cluster_toml, batch=64)
+    print(plan)                                    # the table `conveyor plan` prints
+    g.split(plan.stage_nodes)                      # the planned stages, runnable
+
+The profile measures every node (an atomic group as one unit) on the device its tensors
+live on: forward and backward time at the example's batch size, the bytes of every value,
+the activations autograd saves for backward, and the working memory. See docs/formats.md.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import _C
+from .errors import ConveyorValueError
+from .graph import Graph
+
+__all__ = ["profile", "plan", "Plan", "profile_cache_dir"]
+
+
+def profile_cache_dir() -> Path:
+    """Where profiles are cached: $CONVEYOR_CACHE_DIR/profiles (default ~/.cache/conveyor)."""
+    base = os.environ.get("CONVEYOR_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "conveyor")
+    return Path(base) / "profiles"
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu {platform.machine()} x{torch.get_num_threads()} threads"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _nbytes(v) -> int:
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+def _units(graph: Graph) -> list[list[int]]:
+    """Nodes in execution order, an atomic group as one unit (it is never split)."""
+    groups = graph.atomic_groups()
+    group_of = {n: i for i, grp in enumerate(groups) for n in grp}
+    units, seen = [], set()
+    for n in range(graph.num_nodes):
+        if n in group_of:
+            g = group_of[n]
+            if g not in seen:
+                seen.add(g)
+                units.append(sorted(groups[g]))
+        else:
+            units.append([n])
+    return units
+
+
+def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: int = 3, warmup: int = 1,
+            cache: bool = True) -> dict:
+    """Measures `graph` on `args` (one microbatch: its batch size is the profile's) and returns
+    the profile document. With `cache`, a profile of the same graph, device and batch size is
+    read from and written to profile_cache_dir(). Parameter gradients are left as they were."""
+    if not isinstance(graph, Graph):
+        raise ConveyorValueError("conveyor.profile expects a captured conveyor.Graph; capture the model first "
+                                 "with conveyor.capture(model, args)")
+    if repeats < 1:
+        raise ConveyorValueError("repeats must be at least 1")
+    kwargs = kwargs or {}
+    inputs = graph.flatten_inputs(args, kwargs)
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    microbatch = tensors[0].shape[0] if tensors and tensors[0].dim() > 0 else 1
+    ghash = _C.graph_hash(graph.ir)
+    name = _device_name(device)
+    key = "".join(c if c.isalnum() else "_" for c in name)
+    path = profile_cache_dir() / f"{ghash}-{key}-mb{microbatch}.json"
+    if cache and path.exists():
+        try:
+            doc = json.loads(path.read_text())
+            if doc.get("graph_hash") == ghash and len(doc.get("nodes", [])) == graph.num_nodes:
+                return doc
+        except (OSError, ValueError):
+            pass  # unreadable cache entry: measure again
+
+    bound = graph.tensors
+    saved_grads = {n: (t.grad.clone() if t.grad is not None else None) for n, t in bound.items() if t.requires_grad}
+    param_storages = {t.untyped_storage().data_ptr() for t in bound.values()}
+    executor = graph.executor
+    doc_in = graph.document
+    values: dict[int, Any] = dict(zip([i["value"] for i in doc_in["inputs"]], inputs))
+    value_bytes = [0] * graph.ir.num_values
+    for b in doc_in["bindings"]:
+        value_bytes[b["value"]] = _nbytes(bound[b["name"]])
+    for v, t in values.items():
+        value_bytes[v] = _nbytes(t)
+    nodes = [dict(forward_s=0.0, backward_s=0.0, backward_weight_s=0.0, saved_bytes=0.0, work_bytes=0.0)
+             for _ in range(graph.num_nodes)]
+    reads_param = set()
+    bound_ids = {b["value"] for b in doc_in["bindings"] if b["kind"] != "constant"}
+    for i, node in enumerate(graph.nodes):
+        if any(v in bound_ids for v in _node_value_inputs(node)):
+            reads_param.add(i)
+    try:
+        # Units in a topological order: the first (by node id) whose inputs all exist.
+        pending = [(unit, executor.stage(unit)) for unit in _units(graph)]
+        order = []
+        while pending:
+            for k, (unit, stage) in enumerate(pending):
+                if all(v in values for v in stage.inputs):
+                    break
+            else:
+                raise ConveyorValueError("profile: the graph's units have no topological order (a bug)")
+            unit, stage = pending.pop(k)
+            for v in stage.outputs:
+                values.setdefault(v, None)  # marks availability; filled below
+            order.append((unit, stage))
+        values = dict(zip([i["value"] for i in doc_in["inputs"]], inputs))
+        for unit, stage in order:
+            stage_inputs = [values[v] for v in stage.inputs]
+            # Forward: the saved activations are counted once, then the time is measured.
+            saved: dict[int, int] = {}
+
+            def pack(t):
+                try:
+                    ptr = t.untyped_storage().data_ptr()
+                    if ptr not in param_storages:
+                        saved[ptr] = max(saved.get(ptr, 0), t.untyped_storage().nbytes())
+                except (RuntimeError, NotImplementedError):
+                    pass
+                return t
+
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                act = stage.forward(stage_inputs)
+            outputs = act.outputs
+            for v, out in zip(stage.outputs, outputs):
+                values[v] = out
+                value_bytes[v] = _nbytes(out)
+            grads = [torch.ones_like(o) if isinstance(o, torch.Tensor) and o.requires_grad else None
+                     for o in outputs]
+            differentiable = any(g is not None for g in grads)
+            if differentiable:
+                stage.backward(act, grads)
+            if device.type == "cuda":
+                work = torch.cuda.max_memory_allocated(device) - base
+            else:
+                work = sum(saved.values()) + sum(_nbytes(o) for o in outputs)
+            fwd, bwd = [], []
+            for rep in range(warmup + repeats):
+                _sync(device)
+                t0 = time.perf_counter()
+                a = stage.forward(stage_inputs)
+                _sync(device)
+                t1 = time.perf_counter()
+                if differentiable:
+                    stage.backward(a, [None if g is None else g for g in grads])
+                    _sync(device)
+                t2 = time.perf_counter()
+                if rep >= warmup:
+                    fwd.append(t1 - t0)
+                    bwd.append(t2 - t1)
+            first = unit[0]
+            nodes[first]["forward_s"] = statistics.median(fwd)
+            nodes[first]["backward_s"] = statistics.median(bwd) if differentiable else 0.0
+            # The weight-gradient part of a split backward: about half for nodes that read
+            # parameters (dW costs what dX costs for matmuls and convolutions), else none.
+            if any(n in reads_param for n in unit):
+                nodes[first]["backward_weight_s"] = nodes[first]["backward_s"] / 2
+            nodes[first]["saved_bytes"] = float(sum(saved.values()))
+            nodes[first]["work_bytes"] = float(max(work, 0))
+    finally:
+        for n, t in bound.items():
+            if n in saved_grads:
+                t.grad = saved_grads[n]
+    doc = {
+        "format": "conveyor.profile", "version": 1, "graph_hash": ghash, "device": name,
+        "microbatch": int(microbatch), "torch": torch.__version__, "nodes": nodes,
+        "value_bytes": [float(b) for b in value_bytes],
+    }
+    if cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, path)  # atomic: a concurrent reader never sees half a profile
+    return doc
+
+
+def _node_value_inputs(node: dict) -> list[int]:
+    out = []
+
+    def walk(arg):
+        if "value" in arg:
+            out.append(arg["value"])
+        for item in arg.get("list", []):
+            walk(item)
+
+    for a in node["args"]:
+        walk(a)
+    return out
+
+
+class Plan:
+    """A plan document with its table; `stage_nodes` runs with Graph.split."""
+
+    def __init__(self, document: str, table: str):
+        self.document = json.loads(document)
+        self.table = table
+
+    @property
+    def stage_nodes(self) -> list[list[int]]:
+        return [list(s["ops"]) for s in self.document["stages"]]
+
+    @property
+    def schedule(self) -> str:
+        return self.document["schedule"]
+
+    @property
+    def microbatches(self) -> int:
+        return self.document["microbatches"]
+
+    @property
+    def predicted_step_s(self) -> float:
+        return self.document["predicted_step_s"]
+
+    def save(self, path) -> None:
+        Path(path).write_text(json.dumps(self.document, indent=1))
+
+    def __str__(self) -> str:
+        return self.table
+
+    __repr__ = __str__
+
+
+def plan(graph: Graph, profile_doc: dict, cluster: str | os.PathLike, *, batch: int, microbatches: int = 0,
+         schedules: list[str] | None = None, optimizer_state: float = 2.0) -> Plan:
+    """Plans `graph` on `cluster` (a TOML file path or TOML text) for `batch` samples a step."""
+    text = str(cluster)
+    if "\n" not in text and os.path.exists(text):
+        text = Path(text).read_text()
+    doc, table = _C.plan(graph.ir, json.dumps(profile_doc), text, batch, microbatches, schedules or [],
+                         optimizer_state)
+    return Plan(doc, table)

@@ -1,0 +1,14 @@
+#include "common/env.h"
+
+#include <cstdlib>
+
+namespace conveyor::env {
+
+std::string cache_dir() {
+  if (const char* d = std::getenv("CONVEYOR_CACHE_DIR"); d && *d) return d;
+  if (const char* x = std::getenv("XDG_CACHE_HOME"); x && *x) return std::string(x) + "/conveyor";
+  if (const char* h = std::getenv("HOME"); h && *h) return std::string(h) + "/.cache/conveyor";
+  return ".conveyor-cache";
+}
+
+}  // namespace conveyor::env

@@ -1,0 +1,17 @@
+// A simulated step as a Perfetto trace: a track per rank with its compute, send and
+// collective streams, a slice per action, flows from each send to the compute consuming it.
+#pragma once
+
+#include "scheduler/simulator.h"
+#include "trace/perfetto.h"
+
+namespace conveyor::trace {
+
+/// Adds the spans of `result` (simulated from `schedule`) to `trace`; `name` titles the tracks.
+void add_simulation(PerfettoTrace& trace, const scheduler::Schedule& schedule,
+                    const scheduler::SimulationResult& result, const std::string& name = "simulated");
+
+/// The flow id joining a transfer to the computation that consumes it.
+std::uint64_t transfer_flow_id(bool gradient, int microbatch, int sending_stage);
+
+}  // namespace conveyor::trace
