@@ -803,45 +803,84 @@ Plan build_plan(const CostGraph& g, const Cluster& cluster, const PlanOptions& o
   return plan;
 }
 
-// Interleaved candidates: the best plain plan's stages are regrouped so that each device
-// group holds `chunks` stages (group g runs stages g, g + G, ...). Only plans whose stages
-// have equal replica counts regroup; memory per device then sums its stages.
-void consider_interleaved(const Plan& base, const Cluster& cluster, std::vector<Plan>& out) {
-  const int s = static_cast<int>(base.stages.size());
-  if (s < 4) return;
+// Interleaved candidates: keep a plain plan's device groups (its stages' devices) and cut
+// the model, along its block order, into v pieces per group, piece k running on group
+// k mod G with a share of the work proportional to the group's speed. Memory per device
+// is checked with the simulated peak (each group holds v pieces' weights and their
+// activations in flight) plus the largest piece's working memory and buffers.
+void interleaved_candidates(const Cluster& cluster, const Units& u, const CutStates& lin, const Model& model,
+                            const Plan& base, std::vector<Plan>& out) {
+  const int groups = static_cast<int>(base.stages.size());
+  const int m = model.microbatches();
+  const int k_blocks = static_cast<int>(lin.sets.size()) - 1;
+  if (groups < 2 || m % groups != 0) return;
+  double speed_total = 0;
+  std::vector<double> group_speed;
   for (const auto& st : base.stages) {
-    if (st.replicas != base.stages[0].replicas) return;
+    group_speed.push_back(model.speed(st.first_device, st.replicas));
+    speed_total += group_speed.back();
   }
+  const double total = lin.fwd[k_blocks] + lin.bwd[k_blocks];
   for (int v : {2, 3, 4}) {
-    if (s % v != 0) continue;
-    const int groups = s / v;
-    if (groups < 2 || base.microbatches % groups != 0) continue;
+    const int pieces = v * groups;
+    if (pieces > k_blocks) break;
+    std::vector<int> cut{0};
+    double target = 0;
+    for (int k = 0; k + 1 < pieces; ++k) {
+      target += total * group_speed[k % groups] / (v * speed_total);
+      int b = cut.back() + 1;
+      while (b < k_blocks - (pieces - k - 1) && lin.fwd[b] + lin.bwd[b] < target) ++b;
+      cut.push_back(b);
+    }
+    cut.push_back(k_blocks);
     Plan p = base;
     p.schedule = ScheduleKind::kInterleaved;
     p.chunks = v;
-    // Stage k runs on group k % G: the first G stages keep their devices, later ones join them.
-    const int r = base.stages[0].replicas;
-    for (int k = 0; k < s; ++k) {
-      const int g = k % groups;
-      p.stages[k].first_device = base.stages[g].first_device;
+    p.stages.clear();
+    p.links.clear();
+    std::vector<double> extra(static_cast<std::size_t>(groups), 0);  // work and buffers per group
+    for (int k = 0; k < pieces; ++k) {
+      const StagePlan& grp = base.stages[k % groups];
+      const StageSums ss = stage_sums(u, lin, cut[k + 1], cut[k]);
+      const StageEval e = model.eval(ss, grp.first_device, grp.replicas, pieces - 1 - k, k + 1 < pieces);
+      StagePlan sp;
+      for (int b = cut[k]; b < cut[k + 1]; ++b) {
+        for (int x : lin.blocks[b]) sp.ops.insert(sp.ops.end(), u.units[x].ops.begin(), u.units[x].ops.end());
+      }
+      std::sort(sp.ops.begin(), sp.ops.end());
+      sp.first_device = grp.first_device;
+      sp.replicas = grp.replicas;
+      sp.shares = grp.shares;
+      sp.forward_s = ss.fwd * model.scale() / e.speed;
+      sp.backward_s = ss.bwd * model.scale() / e.speed;
+      sp.backward_weight_s = ss.bwd_w * model.scale() / e.speed;
+      sp.send_bytes = k + 1 < pieces ? ss.out_bytes * model.scale() : 0;
+      sp.recv_bytes = k > 0 ? ss.in_bytes * model.scale() : 0;
+      sp.allreduce_s = e.allreduce;
+      sp.param_bytes = ss.params;
+      sp.static_bytes = e.need - (e.in_flight * ss.saved + ss.work + 2 * (ss.in_bytes + ss.out_bytes)) * model.scale() * e.max_share;
+      sp.saved_bytes = ss.saved * model.scale() * e.max_share;
+      extra[k % groups] = std::max(extra[k % groups], (ss.work + 2 * (ss.in_bytes + ss.out_bytes)) * model.scale() * e.max_share);
+      p.stages.push_back(std::move(sp));
+      if (k + 1 < pieces) {
+        const StagePlan& next = base.stages[(k + 1) % groups];
+        p.links.push_back(cluster.link(grp.first_device + grp.replicas - 1, next.first_device));
+      }
     }
+    auto sim = p.simulate();
+    if (!sim) continue;
     bool fits = true;
-    for (int g = 0; g < groups && fits; ++g) {
-      double mem = 0;
-      for (int k = g; k < s; k += groups) mem += p.stages[k].memory_bytes;
+    for (int gi = 0; gi < groups && fits; ++gi) {
+      const StagePlan& grp = base.stages[gi];
       double cap = kInf;
-      for (int d = p.stages[g].first_device; d < p.stages[g].first_device + r; ++d) {
+      for (int d = grp.first_device; d < grp.first_device + grp.replicas; ++d) {
         cap = std::min(cap, cluster.devices[d].memory_bytes);
       }
-      fits = mem <= cap;
+      const double need = sim->peak_bytes[gi] + extra[gi];
+      fits = need <= cap;
+      for (int k = gi; k < pieces; k += groups) p.stages[k].memory_bytes = need;
     }
-    if (!fits) continue;
-    p.links.clear();
-    for (int k = 0; k + 1 < s; ++k) {
-      const int a = p.stages[k].first_device + r - 1, b = p.stages[k + 1].first_device;
-      p.links.push_back(a == b ? Link{} : cluster.link(a, b));
-    }
-    out.push_back(std::move(p));
+    if (fits) out.push_back(std::move(p));
   }
 }
 
@@ -912,6 +951,7 @@ Result<Plan> make_plan(const CostGraph& g, const Cluster& cluster, const PlanOpt
   std::vector<Plan> candidates;
   std::string search_used;
   StagePairs exact_pairs, linear_pairs;
+  bool any_fit = false;
   const int n = static_cast<int>(cluster.devices.size());
   std::vector<ScheduleKind> memory_kinds;
   for (auto k : schedule_candidates(options)) {
@@ -950,6 +990,7 @@ Result<Plan> make_plan(const CostGraph& g, const Cluster& cluster, const PlanOpt
       search_used = exact ? (states->linear ? "exact over " + std::to_string(states->sets.size() - 1) + " blocks in order"
                                             : "exact over " + std::to_string(states->sets.size()) + " convex cut states")
                           : "bottleneck bisection over " + std::to_string(states->sets.size() - 1) + " blocks";
+      any_fit = true;
       Plan base = build_plan(g, cluster, options, units, *states, model, sol, mk);
       base.search = search_used;
       for (ScheduleKind k : wanted) {
@@ -959,8 +1000,17 @@ Result<Plan> make_plan(const CostGraph& g, const Cluster& cluster, const PlanOpt
         p.schedule = k;
         candidates.push_back(std::move(p));
       }
-      if (mk == ScheduleKind::kOneFOneB && want(ScheduleKind::kInterleaved)) consider_interleaved(base, cluster, candidates);
+      if (mk == ScheduleKind::kOneFOneB && want(ScheduleKind::kInterleaved)) {
+        interleaved_candidates(cluster, units, linear, model, base, candidates);
+      }
     }
+  }
+  if (candidates.empty() && any_fit) {
+    return Status(ErrorCode::kUnsupported,
+                  "plans fit, but none can run the requested schedule: the interleaved schedule needs at least two "
+                  "device groups, a microbatch count divisible by their number, and memory for two or more model "
+                  "pieces per group; "
+                  "allow other schedules (schedule \"auto\") or fix the microbatch count");
   }
   if (candidates.empty()) {
     // Find the smallest uniform memory per device for which a plan exists.

@@ -283,6 +283,37 @@ TEST(Planner, RejectsBadOptions) {
   EXPECT_NE(nc.status().message().find("not convex"), std::string::npos) << nc.status().message();
 }
 
+TEST(Planner, InterleavedPlansRegroupStagesOntoDeviceGroups) {
+  // 16 layers of 1 GB (4 GB with gradients and Adam) on 8 devices of 20 GB: no replica
+  // holds the model, so the plan has several device groups to interleave over.
+  CostGraph g = uniform_chain(16, 1e-3, 2e-3, 1e9, 1e5);
+  Cluster cluster = Cluster::uniform(1, 8, 20e9, 1.0, fast_link(), fast_link());
+  PlanOptions o;
+  o.batch = 32;
+  o.microbatches = 16;
+  o.schedules = {ScheduleKind::kInterleaved};
+  auto plan = make_plan(g, cluster, o);
+  ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
+  EXPECT_EQ(plan->schedule, ScheduleKind::kInterleaved);
+  ASSERT_GT(plan->chunks, 1);
+  const int groups = plan->ranks();
+  for (std::size_t k = 0; k < plan->stages.size(); ++k) {
+    EXPECT_EQ(plan->stages[k].first_device, plan->stages[k % groups].first_device);
+    EXPECT_LE(plan->stages[k].memory_bytes, 20e9);
+  }
+  auto sim = plan->simulate();
+  ASSERT_TRUE(sim.is_ok()) << sim.status().to_string();
+  EXPECT_NEAR(sim->step_time_s, plan->predicted_step_s, 1e-12);
+  auto back = Plan::from_json(plan->to_json());
+  ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+  EXPECT_EQ(back->chunks, plan->chunks);
+  // A plan that cannot be interleaved says so rather than blaming memory.
+  Cluster roomy = Cluster::uniform(1, 1, 1e12, 1.0, fast_link(), fast_link());  // one device: one group
+  auto none = make_plan(g, roomy, o);
+  ASSERT_FALSE(none.is_ok());
+  EXPECT_EQ(none.status().code(), ErrorCode::kUnsupported) << none.status().to_string();
+}
+
 TEST(Planner, PrefersPipelinesWhenReplicasCannotHoldTheModel) {
   // 8 layers of 1 GB weights on 4 devices of 10 GB: a replica holds at most 2 layers.
   CostGraph g = uniform_chain(8, 1e-3, 2e-3, 1e9, 1e5);
