@@ -898,9 +898,13 @@ std::vector<scheduler::StageCost> Plan::stage_costs() const {
     c.forward_s = st.forward_s;
     c.backward_s = st.backward_s;
     c.backward_weight_s = st.backward_weight_s;
-    // Each replica sends its share over its own link, in parallel.
-    c.activation_bytes = st.send_bytes / st.replicas;
-    c.gradient_bytes = st.recv_bytes / st.replicas;
+    // Replicas send their shares over their own links in parallel; between stages with
+    // different replica counts the shares are redistributed, and the side with fewer
+    // replicas carries the most per link.
+    const int next = s + 1 < stages.size() ? stages[s + 1].replicas : st.replicas;
+    const int prev = s > 0 ? stages[s - 1].replicas : st.replicas;
+    c.activation_bytes = st.send_bytes / std::min(st.replicas, next);
+    c.gradient_bytes = st.recv_bytes / std::min(st.replicas, prev);
     c.allreduce_s = st.allreduce_s;
     c.static_bytes = st.static_bytes;
     c.saved_bytes = st.saved_bytes;

@@ -148,3 +148,24 @@ def test_cli_without_a_profile_says_how_to_make_one(tmp_path):
                        text=True, timeout=60)
     assert r.returncode != 0
     assert "no profile" in r.stderr and "conveyor.profile" in r.stderr
+
+
+@pytest.mark.skipif(not os.path.exists(TOOL), reason=f"conveyor tool not built at {TOOL}")
+def test_cli_plans_a_plain_op_graph(tmp_path):
+    ops = [{"name": f"layer{i}", "forward_s": 1e-3, "backward_s": 2e-3, "output_bytes": 1e5,
+            "saved_bytes": 1e5, "params": [i], **({"inputs": [i - 1]} if i else {})} for i in range(12)]
+    doc = {"format": "conveyor.op-graph", "version": 1, "name": "chain", "microbatch": 1,
+           "params": [{"name": f"w{i}", "bytes": 1e9} for i in range(12)], "ops": ops}
+    (tmp_path / "chain.json").write_text(json.dumps(doc))
+    (tmp_path / "c.toml").write_text(cluster_toml(16 * 1024**3, devices=4, nodes=2))
+    r = subprocess.run([TOOL, "plan", "--graph", str(tmp_path / "chain.json"), "--cluster", str(tmp_path / "c.toml"),
+                        "--batch", "32", "--out", str(tmp_path / "p.json")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    plan = json.loads((tmp_path / "p.json").read_text())
+    assert len(plan["stages"]) >= 3  # 48 GB of weights and state cannot share a 16 GiB device
+    assert all(s["memory_bytes"] <= 16 * 1024**3 for s in plan["stages"])
+    doc["ops"][3]["inputs"] = [7]  # not a topological order
+    (tmp_path / "bad.json").write_text(json.dumps(doc))
+    r = subprocess.run([TOOL, "plan", "--graph", str(tmp_path / "bad.json"), "--cluster", str(tmp_path / "c.toml"),
+                        "--batch", "32"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "/ops/3/inputs/0" in r.stderr and "topological order" in r.stderr, r.stderr
