@@ -1,0 +1,172 @@
+#include "scheduler/runner.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <future>
+#include <mutex>
+#include <set>
+#include <vector>
+
+#include "trace/simulation_trace.h"
+
+namespace conveyor::scheduler {
+namespace {
+
+// Records what each stage has done and checks, inside the hooks, that every action's data
+// dependencies were met before it ran (on whichever thread it ran).
+struct Recorder {
+  explicit Recorder(const ScheduleSpec& spec) : spec(spec) {
+    const std::size_t n = static_cast<std::size_t>(spec.stages() * spec.microbatches);
+    f = std::vector<std::atomic<int>>(n);
+    b = std::vector<std::atomic<int>>(n);
+    w = std::vector<std::atomic<int>>(n);
+    sent = std::vector<std::atomic<int>>(2 * n);
+  }
+  std::size_t at(int stage, int mb) const { return static_cast<std::size_t>(stage * spec.microbatches + mb); }
+
+  Status compute(int rank, const Action& a) {
+    auto bad = [&](const std::string& why) { return Status(ErrorCode::kInternal, action_text(a, true) + ": " + why); };
+    const int s = a.stage, mb = a.microbatch;
+    // A little real work so threads interleave.
+    volatile double x = 0;
+    for (int i = 0; i < 2000; ++i) x = x + i * 0.5;
+    switch (a.kind) {
+      case ActionKind::kForward:
+        if (s > 0 && !sent[at(s - 1, mb)]) return bad("ran before its activation arrived");
+        ++f[at(s, mb)];
+        break;
+      case ActionKind::kBackward:
+      case ActionKind::kBackwardInput:
+        if (!f[at(s, mb)]) return bad("ran before its forward");
+        if (s + 1 < spec.stages() && !sent[f.size() + at(s + 1, mb)]) return bad("ran before its gradient arrived");
+        ++b[at(s, mb)];
+        break;
+      case ActionKind::kBackwardWeight:
+        if (!b[at(s, mb)]) return bad("ran before its input-gradient pass");
+        ++w[at(s, mb)];
+        break;
+      case ActionKind::kOptimizerStep:
+        for (int st = rank; st < spec.stages(); st += spec.ranks) {
+          for (int m = 0; m < spec.microbatches; ++m) {
+            if (!b[at(st, m)]) return bad("ran before every backward of its stages");
+          }
+          std::lock_guard<std::mutex> lock(mu);
+          if (!reduced.count(st)) return bad("ran before the allreduce of stage " + std::to_string(st));
+        }
+        ++steps;
+        break;
+      default:
+        return bad("not a compute action");
+    }
+    return Status::ok();
+  }
+
+  Status transfer(int, const Action& a) {
+    const bool grad = a.kind == ActionKind::kSendGradient;
+    // The data exists: the forward (or backward) that produced it has run.
+    if (!(grad ? b[at(a.stage, a.microbatch)] : f[at(a.stage, a.microbatch)])) {
+      return Status(ErrorCode::kInternal, action_text(a, true) + " sent before it was computed");
+    }
+    ++sent[(grad ? f.size() : 0) + at(a.stage, a.microbatch)];
+    return Status::ok();
+  }
+
+  Status allreduce(int, const Action& a) {
+    std::lock_guard<std::mutex> lock(mu);
+    reduced.insert(a.stage);
+    return Status::ok();
+  }
+
+  RunnerHooks hooks() {
+    return {[this](int r, const Action& a) { return compute(r, a); },
+            [this](int r, const Action& a) { return transfer(r, a); },
+            [this](int r, const Action& a) { return allreduce(r, a); }};
+  }
+
+  ScheduleSpec spec;
+  std::vector<std::atomic<int>> f, b, w, sent;
+  std::mutex mu;
+  std::set<int> reduced;
+  std::atomic<int> steps{0};
+};
+
+TEST(Runner, EveryScheduleRunsInDependencyOrderOnRealThreads) {
+  for (auto spec : {ScheduleSpec{ScheduleKind::kGPipe, 4, 8}, ScheduleSpec{ScheduleKind::kOneFOneB, 4, 8},
+                    ScheduleSpec{ScheduleKind::kZeroBubbleH1, 4, 8}, ScheduleSpec{ScheduleKind::kInterleaved, 3, 6, 2},
+                    ScheduleSpec{ScheduleKind::kOneFOneB, 1, 3}}) {
+    auto schedule = make_schedule(spec);
+    ASSERT_TRUE(schedule.is_ok());
+    for (int repeat = 0; repeat < 5; ++repeat) {
+      Recorder rec(spec);
+      Runner runner(*schedule, rec.hooks());
+      auto result = runner.run_step(std::chrono::seconds(60));
+      ASSERT_TRUE(result.is_ok()) << schedule_kind_name(spec.kind) << ": " << result.status().to_string();
+      for (std::size_t i = 0; i < rec.f.size(); ++i) {
+        EXPECT_EQ(rec.f[i], 1);
+        EXPECT_EQ(rec.b[i], 1);
+      }
+      EXPECT_EQ(rec.steps, spec.ranks);
+      // Every action was measured: compute, sends, allreduces.
+      std::size_t actions = 0;
+      for (const auto& list : schedule->ranks) {
+        for (const auto& a : list) actions += a.kind != ActionKind::kRecvActivation && a.kind != ActionKind::kRecvGradient;
+      }
+      EXPECT_EQ(result->spans.size(), actions);
+      // The measured step decodes as a valid trace with a flow per transfer.
+      trace::PerfettoTrace t;
+      SimulationResult as_sim;
+      as_sim.spans = result->spans;
+      trace::add_simulation(t, *schedule, as_sim, "measured");
+      auto summary = trace::check_trace(t.serialize());
+      ASSERT_TRUE(summary.is_ok()) << summary.status().to_string();
+      EXPECT_EQ(summary->flows, static_cast<std::size_t>(2 * (spec.stages() - 1) * spec.microbatches));
+    }
+  }
+}
+
+TEST(Runner, AFailingHookStopsEveryRankAndNamesItself) {
+  auto schedule = make_schedule({ScheduleKind::kOneFOneB, 4, 8});
+  ASSERT_TRUE(schedule.is_ok());
+  Recorder rec(schedule->spec);
+  RunnerHooks hooks = rec.hooks();
+  auto inner = hooks.compute;
+  hooks.compute = [inner](int r, const Action& a) {
+    if (r == 2 && a.kind == ActionKind::kBackward && a.microbatch == 3) {
+      return Status(ErrorCode::kExecution, "out of memory in the test");
+    }
+    return inner(r, a);
+  };
+  Runner runner(*schedule, hooks);
+  auto result = runner.run_step(std::chrono::seconds(60));
+  ASSERT_FALSE(result.is_ok());
+  EXPECT_NE(result.status().message().find("rank 2 at B3"), std::string::npos) << result.status().message();
+  EXPECT_NE(result.status().message().find("out of memory in the test"), std::string::npos);
+}
+
+TEST(Runner, AHookThatNeverReturnsTimesOutNamingWhereRanksWait) {
+  auto schedule = make_schedule({ScheduleKind::kOneFOneB, 3, 4});
+  ASSERT_TRUE(schedule.is_ok());
+  // The stuck hook outlives the step: what it touches is owned by the hook.
+  auto rec = std::make_shared<Recorder>(schedule->spec);
+  auto release = std::make_shared<std::promise<void>>();
+  std::shared_future<void> gate = release->get_future().share();
+  RunnerHooks hooks = rec->hooks();
+  auto inner = hooks.compute;
+  hooks.compute = [rec, inner, gate](int r, const Action& a) {
+    if (r == 1 && a.kind == ActionKind::kForward && a.microbatch == 1) gate.wait();  // a lost peer, say
+    return inner(r, a);
+  };
+  hooks.transfer = [rec](int r, const Action& a) { return rec->transfer(r, a); };
+  hooks.allreduce = [rec](int r, const Action& a) { return rec->allreduce(r, a); };
+  Runner runner(*schedule, hooks);
+  auto result = runner.run_step(std::chrono::milliseconds(300));
+  release->set_value();  // let the stuck thread finish
+  ASSERT_FALSE(result.is_ok());
+  EXPECT_EQ(result.status().code(), ErrorCode::kExecution);
+  EXPECT_NE(result.status().message().find("did not finish within 300 ms"), std::string::npos);
+  EXPECT_NE(result.status().message().find("rank 1 at F1"), std::string::npos) << result.status().message();
+}
+
+}  // namespace
+}  // namespace conveyor::scheduler
