@@ -41,7 +41,7 @@ c10::IValue to_ivalue(py::handle h) {
   if (PyLong_Check(h.ptr())) return h.cast<std::int64_t>();
   if (PyFloat_Check(h.ptr())) return h.cast<double>();
   throw py::type_error("conveyor: expected a tensor, int, float, bool or None, got " +
-                       std::string(py::str(h.get_type())));
+                       std::string(py::str(py::type::handle_of(h))));
 }
 
 std::vector<c10::IValue> to_ivalues(const py::sequence& seq) {
