@@ -11,6 +11,7 @@
 #include "graph/ir.h"
 #include "graph/partition.h"
 #include "partitioner/planner.h"
+#include "runtime/pipeline_step.h"
 
 namespace py = pybind11;
 using namespace conveyor;
@@ -203,6 +204,34 @@ PYBIND11_MODULE(_C, m) {
       .def("stage", [](const GraphExecutor& ex, std::vector<NodeId> nodes) {
         return std::const_pointer_cast<StageProgram>(unwrap(ex.stage(std::move(nodes))));
       });
+
+  py::class_<runtime::PipelineStep>(m, "PipelineStep",
+                                    "One pipelined training step over stages of a graph, in this process.")
+      .def(py::init([](const std::shared_ptr<GraphExecutor>& ex, std::vector<std::vector<NodeId>> stages,
+                       const std::string& schedule, int microbatches, int chunks) {
+             scheduler::ScheduleSpec spec;
+             spec.kind = unwrap(scheduler::schedule_kind_from_name(schedule));
+             spec.chunks = chunks;
+             spec.ranks = static_cast<int>(stages.size()) / std::max(chunks, 1);
+             spec.microbatches = microbatches;
+             return unwrap(runtime::PipelineStep::create(ex, std::move(stages), spec));
+           }),
+           py::arg("executor"), py::arg("stages"), py::arg("schedule") = "1f1b", py::arg("microbatches") = 1,
+           py::arg("chunks") = 1)
+      .def(
+          "run",
+          [](runtime::PipelineStep& step, const py::sequence& inputs, double grad_scale) {
+            std::vector<c10::IValue> values;
+            for (auto h : inputs) values.push_back(to_ivalue(h));
+            runtime::StepResult r;
+            {
+              py::gil_scoped_release nogil;
+              r = unwrap(step.run(values, grad_scale));
+            }
+            return py::make_tuple(r.loss, r.measured.step_time_s, r.measured.spans.size());
+          },
+          py::arg("inputs"), py::arg("grad_scale") = 1.0,
+          "Runs every microbatch forward and backward; returns (loss, measured seconds, actions timed).");
 
   // Planning (torch-free C++ behind it): documents in, documents out.
   m.def("graph_hash", [](const PyGraph& g) { return partitioner::graph_hash(g.graph); },

@@ -1,0 +1,52 @@
+// One pipelined training step in one process: a captured graph cut into stages, its batch
+// sliced into microbatches, the schedule's action lists run by scheduler::Runner with each
+// F and B bound to the stage's program. Activations and gradients pass between stages in
+// memory (zero-copy: producer and consumer share the device). Parameter gradients
+// accumulate into the model's own .grad, each microbatch's loss weighted by its share of
+// the batch, so a step equals eager training with gradient accumulation over the same
+// microbatches.
+//
+// Not yet here (issue 4 continues): replicas per stage, split backward (ZB-H1), CAF
+// actors, device placement.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+
+#include <memory>
+#include <vector>
+
+#include "common/status.h"
+#include "graph/executor.h"
+#include "scheduler/runner.h"
+
+namespace conveyor::runtime {
+
+struct StepResult {
+  at::Tensor loss;                  ///< the batch's loss: microbatch losses weighted by size, detached
+  scheduler::RunResult measured;    ///< every action's measured span
+};
+
+class PipelineStep {
+ public:
+  /// `stages`: node lists in pipeline order (a valid partition); `spec`: the schedule
+  /// (ranks = stages, or stages / chunks when interleaved).
+  static Result<std::unique_ptr<PipelineStep>> create(std::shared_ptr<const graph::GraphExecutor> executor,
+                                                      std::vector<std::vector<graph::NodeId>> stages,
+                                                      scheduler::ScheduleSpec spec);
+
+  /// Runs forward and backward of every microbatch. `inputs` are the whole batch (the
+  /// graph's flattened inputs); tensors whose first dimension is the batch are split.
+  /// Gradients reach the parameters scaled by `grad_scale` (the incoming loss gradient).
+  Result<StepResult> run(const std::vector<c10::IValue>& inputs, double grad_scale = 1.0);
+
+ private:
+  struct Impl;
+  explicit PipelineStep(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+
+ public:
+  ~PipelineStep();
+};
+
+}  // namespace conveyor::runtime
