@@ -239,7 +239,8 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "plan",
       [](const PyGraph& g, const std::string& profile_json, const std::string& cluster_toml, int batch,
-         int microbatches, const std::vector<std::string>& schedules, double optimizer_state) {
+         int microbatches, const std::vector<std::string>& schedules, double optimizer_state, int max_replicas,
+         int max_microbatches) {
         auto profile = unwrap(partitioner::Profile::from_json(profile_json));
         auto costs = unwrap(partitioner::cost_graph_from_profile(g.graph, profile));
         auto cluster = unwrap(partitioner::Cluster::from_toml(cluster_toml, "cluster"));
@@ -247,6 +248,8 @@ PYBIND11_MODULE(_C, m) {
         o.batch = batch;
         o.microbatches = microbatches;
         o.optimizer_bytes_per_param_byte = optimizer_state;
+        o.max_replicas = max_replicas;
+        if (max_microbatches > 0) o.max_microbatches = max_microbatches;
         for (const auto& name : schedules) o.schedules.push_back(unwrap(scheduler::schedule_kind_from_name(name)));
         partitioner::Plan plan;
         {
@@ -256,6 +259,7 @@ PYBIND11_MODULE(_C, m) {
         return py::make_tuple(plan.to_json(), plan.table());
       },
       py::arg("graph"), py::arg("profile"), py::arg("cluster"), py::arg("batch"), py::arg("microbatches") = 0,
-      py::arg("schedules") = std::vector<std::string>{}, py::arg("optimizer_state") = 2.0,
+      py::arg("schedules") = std::vector<std::string>{}, py::arg("optimizer_state") = 2.0, py::arg("max_replicas") = 0,
+      py::arg("max_microbatches") = 0,
       "Plans a captured graph from its profile on a cluster (TOML text); returns (plan JSON, table).");
 }

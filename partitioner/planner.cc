@@ -337,6 +337,7 @@ class Model {
   }
 
   int devices() const { return n_; }
+  int max_replicas() const { return options_.max_replicas > 0 ? options_.max_replicas : n_; }
   int microbatches() const { return m_; }
   ScheduleKind kind() const { return kind_; }
   double scale() const { return scale_; }
@@ -526,7 +527,7 @@ Solution exact_search(const CutStates& cs, const StagePairs& pairs, const Model&
         const auto& front = fronts[idx(outer, used, j)];
         if (front.empty()) continue;
         const int jn = std::min(j + 1, j_states - 1);
-        for (int r = 1; r <= n - used; ++r) {
+        for (int r = 1; r <= std::min(n - used, model.max_replicas()); ++r) {
           const int left = n - used - r;  // devices for the stages before this one
           const double rest_work = (cs.fwd[inner] + cs.bwd[inner]) * model.scale();
           if (rest_work > 0 && left == 0) continue;
@@ -629,12 +630,13 @@ class BottleneckSearch {
   int fewest_replicas(const StageSums& ss, int used, int stages_after, double t) const {
     const int n = model_.devices();
     const int last = n - used;  // devices [last - r, last)
-    const int max_r = last;
+    const int max_r = std::min(last, model_.max_replicas());
+    if (max_r < 1) return -1;
     const double work = (ss.fwd + ss.bwd) * model_.scale();
     // The fewest replicas whose speed meets `work / t` (speed grows with r).
     int lo = 1;
     if (std::isfinite(t)) {
-      if (model_.speed(0, last) * t < work) return -1;
+      if (model_.speed(last - max_r, max_r) * t < work) return -1;
       int hi = max_r;
       while (lo < hi) {
         int mid = (lo + hi) / 2;

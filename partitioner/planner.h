@@ -25,6 +25,7 @@ struct PlanOptions {
   int batch = 0;           ///< samples per training step (required)
   int microbatches = 0;    ///< 0: the planner chooses
   int max_microbatches = 64;
+  int max_replicas = 0;    ///< replicas per stage at most (0: no limit)
   /// Schedules to consider; empty: gpipe, 1f1b, interleaved and zb-h1.
   std::vector<scheduler::ScheduleKind> schedules;
   /// Optimizer state per parameter byte (Adam keeps two moments: 2; SGD with momentum: 1).

@@ -31,11 +31,12 @@ from .errors import (  # noqa: E402
 from .graph import Graph, StagedGraph  # noqa: E402
 from .capture import capture  # noqa: E402
 from .planning import Plan, plan, profile  # noqa: E402
+from .module import Module  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "capture", "Graph", "StagedGraph", "profile", "plan", "Plan", "DoesNotFitError",
+    "capture", "Graph", "StagedGraph", "profile", "plan", "Plan", "Module", "DoesNotFitError",
     "ConveyorError", "CaptureError", "ConveyorValueError", "ExecutionError", "GraphCorruptError",
     "GraphFormatError", "GraphVersionError", "InvalidGraphError", "InvalidStageError",
     "UnknownOpError", "UnsupportedError",

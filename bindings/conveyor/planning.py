@@ -71,7 +71,8 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
             cache: bool = True) -> dict:
     """Measures `graph` on `args` (one microbatch: its batch size is the profile's) and returns
     the profile document. With `cache`, a profile of the same graph, device and batch size is
-    read from and written to profile_cache_dir(). Parameter gradients are left as they were."""
+    read from and written to profile_cache_dir(). Parameter gradients and buffers (BatchNorm
+    statistics) are left as they were."""
     if not isinstance(graph, Graph):
         raise ConveyorValueError("conveyor.profile expects a captured conveyor.Graph; capture the model first "
                                  "with conveyor.capture(model, args)")
@@ -96,6 +97,8 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
 
     bound = graph.tensors
     saved_grads = {n: (t.grad.clone() if t.grad is not None else None) for n, t in bound.items() if t.requires_grad}
+    # Running the nodes updates buffers in place (BatchNorm statistics): put them back after.
+    saved_buffers = {n: t.detach().clone() for n, t in bound.items() if not t.requires_grad}
     param_storages = {t.untyped_storage().data_ptr() for t in bound.values()}
     executor = graph.executor
     doc_in = graph.document
@@ -186,6 +189,9 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
         for n, t in bound.items():
             if n in saved_grads:
                 t.grad = saved_grads[n]
+        with torch.no_grad():
+            for n, v in saved_buffers.items():
+                bound[n].copy_(v)
     doc = {
         "format": "conveyor.profile", "version": 1, "graph_hash": ghash, "device": name,
         "microbatch": int(microbatch), "torch": torch.__version__, "nodes": nodes,
@@ -246,11 +252,13 @@ class Plan:
 
 
 def plan(graph: Graph, profile_doc: dict, cluster: str | os.PathLike, *, batch: int, microbatches: int = 0,
-         schedules: list[str] | None = None, optimizer_state: float = 2.0) -> Plan:
-    """Plans `graph` on `cluster` (a TOML file path or TOML text) for `batch` samples a step."""
+         schedules: list[str] | None = None, optimizer_state: float = 2.0, max_replicas: int = 0,
+         max_microbatches: int = 0) -> Plan:
+    """Plans `graph` on `cluster` (a TOML file path or TOML text) for `batch` samples a step;
+    `max_replicas` caps the replicas per stage (0: no cap)."""
     text = str(cluster)
     if "\n" not in text and os.path.exists(text):
         text = Path(text).read_text()
     doc, table = _C.plan(graph.ir, json.dumps(profile_doc), text, batch, microbatches, schedules or [],
-                         optimizer_state)
+                         optimizer_state, max_replicas, max_microbatches)
     return Plan(doc, table)

@@ -1,0 +1,84 @@
+"""conveyor.Module: one line, the automatic plan on this machine, results equal to eager
+training with gradient accumulation over the plan's microbatches."""
+import copy
+
+import pytest
+import torch
+
+import conveyor
+from conveyor import zoo
+
+
+def split(args, kwargs, m, batch):
+    def parts(x):
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch:
+            return list(x.tensor_split(m))
+        return [x] * m
+    a = [parts(x) for x in args]
+    k = {n: parts(x) for n, x in kwargs.items()}
+    return [(tuple(p[i] for p in a), {n: v[i] for n, v in k.items()}) for i in range(m)]
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("name,batch", [("gpt2", 8), ("resnet18", 8), ("t5", 8)])
+def test_automatic_plan_trains_like_eager_accumulation(name, batch):
+    torch.manual_seed(0)
+    case = zoo.CASES[name](batch=batch)
+    ref = copy.deepcopy(case.model)
+    opt = torch.optim.SGD(case.model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    model = conveyor.Module(case.model, opt)
+    for step in range(3):
+        loss = model.train_step(*case.args, **case.kwargs)
+        stages, schedule, m, chunks = model._layout
+        ref_opt.zero_grad(set_to_none=True)
+        ref_loss = 0
+        for a, k in split(case.args, case.kwargs, m, batch):
+            n = next(t.shape[0] for t in list(a) + list(k.values()) if isinstance(t, torch.Tensor) and t.dim() > 0)
+            part = case.loss(ref(*a, **k)) * (n / batch)
+            part.backward()
+            ref_loss = ref_loss + part.detach()
+        ref_opt.step()
+        assert abs(loss.item() - ref_loss.item()) <= 1e-9 * abs(ref_loss.item()), (step, loss, ref_loss)
+    assert model.plan is not None and "predicted step" in str(model.plan)
+    assert stages >= 1
+    for (n, p), (_, q) in zip(case.model.named_parameters(), ref.named_parameters()):
+        err = (p - q).abs().max().item() / max(q.abs().max().item(), 1e-6)
+        assert err <= 1e-9, f"{name}: {n} differs by {err:.2e} ({model})"
+    for (n, b), (_, c) in zip(case.model.named_buffers(), ref.named_buffers()):
+        assert torch.equal(b, c) or (b - c).abs().max() <= 1e-9 * max(c.abs().max().item(), 1e-6), n
+
+
+def test_backward_scales_gradients_and_state_stays_the_models():
+    torch.manual_seed(0)
+    case = zoo.mlp(batch=8)
+    model = conveyor.Module(case.model, stages=2, microbatches=4)
+    loss = model(*case.args)
+    (loss * 3).backward()
+    scaled = {n: p.grad.clone() for n, p in case.model.named_parameters()}
+    for p in case.model.parameters():
+        p.grad = None
+    model(*case.args).backward()
+    for n, p in case.model.named_parameters():
+        assert torch.allclose(scaled[n], 3 * p.grad, rtol=1e-12, atol=0), n
+    assert list(model.state_dict()) == list(case.model.state_dict())
+    model.load_state_dict(case.model.state_dict())
+    # Without grad: the whole graph, forward only, the same loss as eager.
+    with torch.no_grad():
+        assert torch.allclose(model(*case.args), case.model(*case.args), rtol=1e-12)
+
+
+def test_bad_input_gets_clear_errors():
+    torch.manual_seed(0)
+    case = zoo.mlp(batch=3)
+    with pytest.raises(conveyor.ConveyorValueError, match="fewer than the 4 microbatches"):
+        conveyor.Module(case.model, stages=2, microbatches=4)(*case.args)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4)).double()
+    with pytest.raises(conveyor.ConveyorValueError, match="scalar loss"):
+        conveyor.Module(net, stages=2)(case.args[0])
+    with pytest.raises(conveyor.UnsupportedError, match="replicas"):
+        conveyor.Module(case.model, replicas=2)
