@@ -231,7 +231,10 @@ PYBIND11_MODULE(_C, m) {
             return py::make_tuple(r.loss, r.measured.step_time_s, r.measured.spans.size());
           },
           py::arg("inputs"), py::arg("grad_scale") = 1.0,
-          "Runs every microbatch forward and backward; returns (loss, measured seconds, actions timed).");
+          "Runs every microbatch forward and backward; returns (loss, measured seconds, actions timed).")
+      .def("write_trace", [](const runtime::PipelineStep& step, const std::string& path) {
+        check(step.write_trace(path));
+      }, "Writes the last step's measured actions as a Perfetto trace.");
 
   // Planning (torch-free C++ behind it): documents in, documents out.
   m.def("graph_hash", [](const PyGraph& g) { return partitioner::graph_hash(g.graph); },

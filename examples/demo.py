@@ -1,8 +1,10 @@
-"""conveyor demo: capture a GPT-2 (random init) into conveyor's graph, cut it into pipeline
-stages, check the first step against eager PyTorch, then train it on a generated corpus
-through the staged C++ executor and watch the loss fall.
+"""conveyor demo: wrap a GPT-2 (transformers, random init) with one line,
+`conveyor.Module(model, optimizer)`, which captures, profiles and plans it on this machine
+(the CPU split into virtual devices); check the first pipelined step against eager PyTorch
+accumulating gradients over the same microbatches; train it on a generated corpus and watch
+the loss fall; write a Perfetto trace of a measured step.
 
-    ./run demo [--steps 200] [--stages 4]
+    ./run demo [--steps 200] [--devices 4]
 """
 import argparse
 import copy
@@ -41,7 +43,8 @@ def batches(ids: torch.Tensor, batch: int, seq: int, gen: torch.Generator):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--stages", type=int, default=4)
+    ap.add_argument("--devices", type=int, default=None,
+                    help="virtual CPU devices to plan on (default: this machine's cores, 2 to 4)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--out", default="out")
@@ -54,7 +57,7 @@ def main():
     print(f"corpus: {len(text):,} characters, vocabulary of {len(vocab)}")
 
     case = zoo.gpt2(batch=args.batch, seq=args.seq, dtype=torch.float32, layers=4, hidden=128,
-                    vocab=len(vocab), dropout=0.1)
+                    vocab=len(vocab), dropout=0.0)
     model = case.model
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: GPT-2 ({model.config.n_layer} layers, width {model.config.n_embd}, tied embeddings), "
@@ -62,67 +65,64 @@ def main():
 
     gen = torch.Generator().manual_seed(2)
     data = batches(ids, args.batch, args.seq, gen)
-    example = next(data)
-    t0 = time.perf_counter()
-    graph = conveyor.capture(model, (), {"input_ids": example, "labels": example})
-    print(f"captured in {time.perf_counter() - t0:.1f}s: {graph}")
+    os.makedirs(args.out, exist_ok=True)
+    trace_path = os.path.join(args.out, "demo_run.pftrace")
 
-    # Dropout is active, so stages follow the capture order: random draws then happen in
-    # the same order as in eager PyTorch and the staged run is exact.
-    staged = graph.split(args.stages, seed=0, keep_node_order=True)
-    doc = graph.document
-    owner = {b["value"]: b for b in doc["bindings"]}
-    print(f"\n{'stage':<6}{'nodes':>6}{'params':>10}{'inputs':>8}{'outputs':>9}  first .. last op")
-    for i, stage in enumerate(staged.stages):
-        params = set()
-        for n in stage.nodes:
-            for a in doc["nodes"][n]["args"]:
-                if "value" in a and a["value"] in owner:
-                    params.add(owner[a["value"]]["name"])
-        numel = sum(graph.tensors[p].numel() for p in params if graph.tensors[p].requires_grad)
-        first, last = doc["nodes"][stage.nodes[0]], doc["nodes"][stage.nodes[-1]]
-        print(f"{i:<6}{len(stage.nodes):>6}{numel:>10,}{len(stage.inputs):>8}{len(stage.outputs):>9}  "
-              f"{first['op'].removeprefix('aten::')} .. {last['op'].removeprefix('aten::')}")
-
-    # Step 1 against eager PyTorch on a copy of the same weights and the same RNG state.
+    # One line: the model is captured, profiled and planned on this machine at the first call.
     ref = copy.deepcopy(model)
-    torch.manual_seed(7)
-    loss = staged(input_ids=example, labels=example).loss
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    piped = conveyor.Module(model, opt, devices=args.devices, trace=trace_path)
+
+    x = next(data)
+    t0 = time.perf_counter()
+    loss = piped(input_ids=x, labels=x)
+    print(f"captured, profiled and planned in {time.perf_counter() - t0:.1f}s "
+          f"(the first step included); the plan on {piped._devices} virtual CPU devices:\n")
+    print(piped.plan)
+
+    # Step 1 against eager PyTorch accumulating gradients over the same microbatches.
     loss.backward()
-    torch.manual_seed(7)
-    ref_loss = ref(input_ids=example, labels=example).loss
-    ref_loss.backward()
+    m = piped.microbatches
+    ref_loss = 0.0
+    for part in x.tensor_split(m):
+        share = part.shape[0] / x.shape[0]
+        part_loss = ref(input_ids=part, labels=part).loss
+        (part_loss * share).backward()
+        ref_loss += part_loss.item() * share
     worst = max(((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-30)).item()
                 for p, q in zip(model.parameters(), ref.parameters()))
-    print(f"\nstep-1 check vs eager: loss {loss.item():.6f} vs {ref_loss.item():.6f}, "
+    print(f"step-1 check vs eager with {m} accumulated microbatches: loss {loss.item():.6f} vs {ref_loss:.6f}, "
           f"worst relative gradient difference {worst:.1e}")
     del ref
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
 
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    opt.zero_grad()
-    first_loss = None
+    first_loss = loss.item()
     window, start = [], time.perf_counter()
-    print(f"\ntraining {args.steps} steps through {len(staged)} stages (batch {args.batch} x {args.seq} tokens)")
-    for step in range(1, args.steps + 1):
+    print(f"\ntraining {args.steps} steps, pipelined (batch {args.batch} x {args.seq} tokens)")
+    for step in range(2, args.steps + 1):
         x = next(data)
-        loss = staged(input_ids=x, labels=x).loss
+        loss = piped(input_ids=x, labels=x)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        opt.zero_grad()
-        first_loss = first_loss if first_loss is not None else loss.item()
+        opt.zero_grad(set_to_none=True)
         window.append(loss.item())
         if step % 10 == 0 or step == args.steps:
             elapsed = time.perf_counter() - start
             done = int(30 * step / args.steps)
             bar = "#" * done + "." * (30 - done)
             sys.stdout.write(f"\r[{bar}] step {step:>4}  loss {sum(window) / len(window):.3f}  "
-                             f"{step * args.batch / elapsed:7.1f} samples/s")
+                             f"{(step - 1) * args.batch / elapsed:7.1f} samples/s")
             sys.stdout.flush()
             window = []
     final = loss.item()
     print(f"\nloss {first_loss:.3f} -> {final:.3f} ({'down' if final < first_loss else 'NOT down'})")
+    print(f"trace of a measured step: {trace_path} (open at ui.perfetto.dev; check with "
+          f"./run conveyor trace check {trace_path})")
 
+    graph = piped._graph
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "demo_gpt2.cvg")
     graph.save(path)

@@ -7,6 +7,7 @@
 #include <set>
 
 #include "graph/partition.h"
+#include "trace/simulation_trace.h"
 
 namespace conveyor::runtime {
 
@@ -32,6 +33,7 @@ struct PipelineStep::Impl {
   std::map<std::pair<int, int>, graph::StageActivation> activations;  // (stage, microbatch)
   std::vector<at::Tensor> losses;
   double grad_scale = 1;
+  scheduler::RunResult last;  // the last step's measured actions
 
   Status forward(const Action& a) {
     const auto& program = *programs[a.stage];
@@ -200,6 +202,7 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
   im.grads.clear();
   if (!measured) return measured.status();
   StepResult out;
+  im.last = *measured;
   out.measured = std::move(*measured);
   at::Tensor total;
   for (int mb = 0; mb < m; ++mb) {
@@ -208,6 +211,15 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
   }
   out.loss = total;
   return out;
+}
+
+Status PipelineStep::write_trace(const std::string& path) const {
+  if (impl_->last.spans.empty()) return Status(ErrorCode::kInvalidArgument, "no step has run yet: nothing to trace");
+  trace::PerfettoTrace t;
+  scheduler::SimulationResult spans;
+  spans.spans = impl_->last.spans;
+  trace::add_simulation(t, impl_->schedule, spans, "measured");
+  return t.write(path);
 }
 
 }  // namespace conveyor::runtime

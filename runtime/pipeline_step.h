@@ -14,6 +14,7 @@
 #include <ATen/core/ivalue.h>
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "common/status.h"
@@ -39,6 +40,10 @@ class PipelineStep {
   /// graph's flattened inputs); tensors whose first dimension is the batch are split.
   /// Gradients reach the parameters scaled by `grad_scale` (the incoming loss gradient).
   Result<StepResult> run(const std::vector<c10::IValue>& inputs, double grad_scale = 1.0);
+
+  /// Writes the last step's measured actions as a Perfetto trace: a track per rank with its
+  /// compute, send and collective streams, flows from each transfer to its consumer.
+  Status write_trace(const std::string& path) const;
 
  private:
   struct Impl;

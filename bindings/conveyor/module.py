@@ -89,7 +89,7 @@ class Module(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                  stages: int | list | None = None, replicas: int | None = None, microbatches: int | None = None,
                  schedule: str = "auto", devices: int | None = None, cluster: str | None = None,
-                 loss_fn=None, seed: int = 0):
+                 trace: str | os.PathLike | None = None, loss_fn=None, seed: int = 0):
         super().__init__()
         if replicas not in (None, 1):
             raise UnsupportedError("replicas per stage need the actor runtime (not yet available); use replicas=1")
@@ -105,6 +105,8 @@ class Module(torch.nn.Module):
         self._cluster = cluster
         self._loss_fn = loss_fn
         self._seed = seed
+        self._trace = trace
+        self._steps_run = 0
         self._graph = None
         self._step = None
         self.plan = None
@@ -170,7 +172,23 @@ class Module(torch.nn.Module):
         finally:
             for p, g in zip(params, saved):
                 p.grad = g
+        self._steps_run += 1
+        if self._trace is not None and self._steps_run <= 2:  # the second step: past warm-up
+            self._step.write_trace(str(self._trace))
         return _PipelinedLoss.apply(loss, stash, *params)
+
+    @property
+    def microbatches(self) -> int:
+        """Microbatches per step of the running plan (built on the first call)."""
+        if self._step is None:
+            raise ConveyorValueError("the pipeline is built on the first call")
+        return self._layout[2]
+
+    def write_trace(self, path) -> None:
+        """Writes the last step's measured actions as a Perfetto trace (ui.perfetto.dev)."""
+        if self._step is None:
+            raise ConveyorValueError("no step has run yet: nothing to trace")
+        self._step.write_trace(str(path))
 
     def train_step(self, *args, **kwargs) -> torch.Tensor:
         """One whole step: zero the gradients, run the pipeline, apply the optimizer."""

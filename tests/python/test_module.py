@@ -72,6 +72,26 @@ def test_backward_scales_gradients_and_state_stays_the_models():
         assert torch.allclose(model(*case.args), case.model(*case.args), rtol=1e-12)
 
 
+def test_trace_of_a_real_step_decodes(tmp_path):
+    import os
+    import subprocess
+    torch.manual_seed(0)
+    case = zoo.gpt2(batch=8)
+    path = tmp_path / "run.pftrace"
+    model = conveyor.Module(case.model, stages=3, microbatches=4, trace=path)
+    for _ in range(2):
+        model(*case.args, **case.kwargs).backward()
+    assert path.exists()
+    tool = os.path.join(os.environ.get("CONVEYOR_BUILD_DIR", "build"), "tools", "conveyor")
+    if not os.path.exists(tool):
+        pytest.skip(f"conveyor tool not built at {tool}")
+    r = subprocess.run([tool, "trace", "check", str(path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    # 3 stages x 4 microbatches: 12 forwards, 12 backwards, 2 x 2 x 4 transfers joined by flows.
+    assert "F            12 slices" in r.stdout and "B            12 slices" in r.stdout, r.stdout
+    assert "16 flows" in r.stdout, r.stdout
+
+
 def test_bad_input_gets_clear_errors():
     torch.manual_seed(0)
     case = zoo.mlp(batch=3)
