@@ -88,4 +88,23 @@ inline void check_header(const json& doc, const char* format, int newest) {
   }
 }
 
+/// Parses `text` and runs `body(doc)` (which returns Result<T>), turning invalid JSON, a
+/// JsonError and any other nlohmann error into kFormat errors that name `document`.
+template <typename Body>
+auto parse_document(std::string_view text, const std::string& document, Body&& body) -> decltype(body(json{})) {
+  json doc;
+  try {
+    doc = json::parse(text.begin(), text.end());
+  } catch (const json::parse_error& e) {
+    return Status(ErrorCode::kFormat, document + " is not valid JSON: " + e.what());
+  }
+  try {
+    return body(doc);
+  } catch (const JsonError& e) {
+    return e.status(document);
+  } catch (const json::exception& e) {
+    return Status(ErrorCode::kFormat, document + ": " + e.what());
+  }
+}
+
 }  // namespace conveyor::json_reader

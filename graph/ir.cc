@@ -276,20 +276,10 @@ std::string_view value_kind_name(ValueKind kind) {
 }
 
 Result<Graph> Graph::from_json(std::string_view text) {
-  json doc;
-  try {
-    doc = json::parse(text.begin(), text.end());
-  } catch (const json::parse_error& e) {
-    return Status(ErrorCode::kFormat, std::string("graph document is not valid JSON: ") + e.what());
-  }
-  Graph g;
-  try {
-    g = parse_graph(doc);
-  } catch (const ParseError& e) {
-    return e.status("graph document");
-  } catch (const json::exception& e) {
-    return Status(ErrorCode::kFormat, std::string("graph document: ") + e.what());
-  }
+  auto parsed = json_reader::parse_document(text, "graph document",
+                                            [](const json& doc) -> Result<Graph> { return parse_graph(doc); });
+  if (!parsed) return parsed.status();
+  Graph g = std::move(parsed).value();
   if (g.version > kGraphFormatVersion || g.version < 1) {
     return Status(ErrorCode::kVersion,
                   "graph document has format version " + std::to_string(g.version) +

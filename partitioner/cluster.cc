@@ -4,9 +4,9 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
-#include <sstream>
 #include <toml++/toml.h>
+
+#include "common/file.h"
 
 namespace conveyor::partitioner {
 namespace {
@@ -220,11 +220,8 @@ Result<Cluster> Cluster::from_toml(std::string_view text, const std::string& sou
 }
 
 Result<Cluster> load_cluster(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return Status(ErrorCode::kIo, "cannot open cluster file '" + path + "'");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return Cluster::from_toml(ss.str(), path);
+  CONVEYOR_ASSIGN_OR_RETURN(std::string text, read_file(path, "cluster file"));
+  return Cluster::from_toml(text, path);
 }
 
 std::string Cluster::summary() const {

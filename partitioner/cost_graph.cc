@@ -1,10 +1,9 @@
 #include "partitioner/cost_graph.h"
 
 #include <cmath>
-#include <fstream>
 #include <set>
-#include <sstream>
 
+#include "common/file.h"
 #include "common/json_reader.h"
 #include "graph/partition.h"
 
@@ -17,14 +16,6 @@ using namespace json_reader;
 
 constexpr int kOpGraphVersion = 1;
 constexpr int kProfileVersion = 1;
-
-Result<std::string> read_text(const std::string& path, const char* what) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return Status(ErrorCode::kIo, std::string("cannot open ") + what + " '" + path + "'");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 std::uint64_t fnv1a(std::string_view text) {
   std::uint64_t h = 1469598103934665603ull;
@@ -90,8 +81,7 @@ std::vector<std::vector<int>> CostGraph::readers() const {
 // The op-graph document: each op produces the values listed in "output_bytes" (a number:
 // one value); an input is an op index (its first output) or [op, output].
 Result<CostGraph> CostGraph::from_json(std::string_view text) {
-  try {
-    json doc = json::parse(text);
+  return parse_document(text, "op-graph document", [&](const json& doc) -> Result<CostGraph> {
     check_header(doc, "conveyor.op-graph", kOpGraphVersion);
     CostGraph g;
     if (doc.contains("name")) g.name = as_string(doc["name"], "/name");
@@ -177,13 +167,7 @@ Result<CostGraph> CostGraph::from_json(std::string_view text) {
     }
     CONVEYOR_RETURN_IF_ERROR(g.validate());
     return g;
-  } catch (const json::parse_error& e) {
-    return Status(ErrorCode::kFormat, std::string("op-graph document is not valid JSON: ") + e.what());
-  } catch (const JsonError& e) {
-    return e.status("op-graph document");
-  } catch (const json::exception& e) {
-    return Status(ErrorCode::kFormat, std::string("op-graph document: ") + e.what());
-  }
+  });
 }
 
 std::string CostGraph::to_json() const {
@@ -233,15 +217,14 @@ std::string CostGraph::to_json() const {
 }
 
 Result<CostGraph> load_cost_graph(const std::string& path) {
-  CONVEYOR_ASSIGN_OR_RETURN(std::string text, read_text(path, "op-graph file"));
+  CONVEYOR_ASSIGN_OR_RETURN(std::string text, read_file(path, "op-graph file"));
   auto g = CostGraph::from_json(text);
   if (!g) return g.status().with_context(path);
   return g;
 }
 
 Result<Profile> Profile::from_json(std::string_view text) {
-  try {
-    json doc = json::parse(text);
+  return parse_document(text, "profile document", [&](const json& doc) -> Result<Profile> {
     check_header(doc, "conveyor.profile", kProfileVersion);
     Profile p;
     p.graph_hash = as_string(field(doc, "", "graph_hash"), "/graph_hash");
@@ -266,13 +249,7 @@ Result<Profile> Profile::from_json(std::string_view text) {
     const auto& vb = as_array(field(doc, "", "value_bytes"), "/value_bytes");
     for (std::size_t i = 0; i < vb.size(); ++i) p.value_bytes.push_back(as_amount(vb[i], "/value_bytes/" + std::to_string(i)));
     return p;
-  } catch (const json::parse_error& e) {
-    return Status(ErrorCode::kFormat, std::string("profile document is not valid JSON: ") + e.what());
-  } catch (const JsonError& e) {
-    return e.status("profile document");
-  } catch (const json::exception& e) {
-    return Status(ErrorCode::kFormat, std::string("profile document: ") + e.what());
-  }
+  });
 }
 
 std::string Profile::to_json() const {

@@ -1,8 +1,7 @@
 // Plan documents (docs/formats.md) and the table `conveyor plan` prints.
 #include <cstdio>
-#include <fstream>
-#include <sstream>
 
+#include "common/file.h"
 #include "common/json_reader.h"
 #include "partitioner/planner.h"
 
@@ -70,8 +69,7 @@ std::string Plan::to_json() const {
 }
 
 Result<Plan> Plan::from_json(std::string_view text) {
-  try {
-    json doc = json::parse(text);
+  return parse_document(text, "plan document", [&](const json& doc) -> Result<Plan> {
     check_header(doc, "conveyor.plan", kPlanVersion);
     Plan p;
     p.graph_name = as_string(field(doc, "", "graph"), "/graph");
@@ -146,21 +144,12 @@ Result<Plan> Plan::from_json(std::string_view text) {
     }
     for (std::size_t i = 0; i < ls.size(); ++i) p.links.push_back(parse_link(ls[i], "/links/" + std::to_string(i)));
     return p;
-  } catch (const json::parse_error& e) {
-    return Status(ErrorCode::kFormat, std::string("plan document is not valid JSON: ") + e.what());
-  } catch (const JsonError& e) {
-    return e.status("plan document");
-  } catch (const json::exception& e) {
-    return Status(ErrorCode::kFormat, std::string("plan document: ") + e.what());
-  }
+  });
 }
 
 Result<Plan> load_plan(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return Status(ErrorCode::kIo, "cannot open plan file '" + path + "'");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  auto p = Plan::from_json(ss.str());
+  CONVEYOR_ASSIGN_OR_RETURN(std::string text, read_file(path, "plan file"));
+  auto p = Plan::from_json(text);
   if (!p) return p.status().with_context(path);
   return p;
 }

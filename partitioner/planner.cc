@@ -310,7 +310,9 @@ struct StageEval {
   double compute = 0;    // (F + B) per microbatch
   double comm = 0;       // activation and gradient across the cut after the stage
   double allreduce = 0;
-  double need = 0;       // bytes per device
+  double need = 0;       // bytes per device: static + activations in flight + transient
+  double static_bytes = 0;     // per device: weights, gradients, optimizer state
+  double transient_bytes = 0;  // per device: working memory and transfer buffers
   double capacity = 0;   // the smallest memory among the stage's devices
   double speed = 0;
   double max_share = 1;
@@ -366,8 +368,9 @@ class Model {
       e.allreduce = ring * (l.bandwidth_bytes_per_s > 0 ? s.params / l.bandwidth_bytes_per_s : 0) + 2.0 * (r - 1) * l.latency_s;
     }
     e.in_flight = in_flight(stages_after);
-    const double dynamic = (e.in_flight * s.saved + s.work + 2 * (s.in_bytes + s.out_bytes)) * scale_;
-    e.need = s.params * (2 + options_.optimizer_bytes_per_param_byte) + dynamic * e.max_share;
+    e.static_bytes = s.params * (2 + options_.optimizer_bytes_per_param_byte);
+    e.transient_bytes = (s.work + 2 * (s.in_bytes + s.out_bytes)) * scale_ * e.max_share;
+    e.need = e.static_bytes + e.in_flight * s.saved * scale_ * e.max_share + e.transient_bytes;
     e.capacity = memory_override_ > 0 ? memory_override_ : min_memory_.query(first, r);
     return e;
   }
@@ -457,16 +460,9 @@ struct Entry {
 };
 
 double exact_work(const CutStates& cs, int n, int j_states) {
-  double pairs = 0;
-  if (cs.linear) {
-    const double c = static_cast<double>(cs.sets.size());
-    pairs = c * (c - 1) / 2;
-  } else {
-    // Roughly: every state against every smaller one (an upper bound).
-    const double c = static_cast<double>(cs.sets.size());
-    pairs = c * (c - 1) / 2;
-  }
-  return pairs * n * j_states * (n + 1) / 2.0;
+  // Every state against every smaller one (for downsets an upper bound on the nested pairs).
+  const double c = static_cast<double>(cs.sets.size());
+  return c * (c - 1) / 2 * n * j_states * (n + 1) / 2.0;
 }
 
 // The stages the exact search may form: every pair of nested cut states, with its sums.
@@ -696,9 +692,7 @@ Solution bottleneck_search(const Units& u, const CutStates& cs, const Model& mod
     if (!score(u, cs, model, sol, &evals)) continue;
     double hi = 0;
     for (const auto& e : evals) hi = std::max({hi, e.compute, e.comm});
-    if (!std::isfinite(ar_factor)) {
-      // hi from an unconstrained T; for limited allreduce, start where the limit holds.
-    } else {
+    if (std::isfinite(ar_factor)) {  // with a limit, start where it holds
       double worst_ar = 0;
       for (const auto& e : evals) worst_ar = std::max(worst_ar, e.allreduce);
       hi = std::max(hi, worst_ar / ar_factor);
@@ -755,6 +749,35 @@ std::vector<ScheduleKind> schedule_candidates(const PlanOptions& o) {
 // The schedule whose memory model a search runs under (ZB-H1 keeps 1F1B's activations).
 ScheduleKind memory_kind(ScheduleKind k) { return k == ScheduleKind::kGPipe ? ScheduleKind::kGPipe : ScheduleKind::kOneFOneB; }
 
+// The plan row of the stage outer \ inner on devices [first, first + replicas).
+StagePlan stage_plan(const Units& u, const CutStates& cs, int inner, int outer, const Model& model,
+                     const Cluster& cluster, int first, int replicas, const StageEval& e, bool has_prev,
+                     bool has_next) {
+  StagePlan sp;
+  for (std::size_t x = 0; x < u.units.size(); ++x) {
+    if (test(cs.sets[outer], static_cast<int>(x)) && !test(cs.sets[inner], static_cast<int>(x))) {
+      sp.ops.insert(sp.ops.end(), u.units[x].ops.begin(), u.units[x].ops.end());
+    }
+  }
+  std::sort(sp.ops.begin(), sp.ops.end());
+  const StageSums ss = stage_sums(u, cs, outer, inner);
+  sp.first_device = first;
+  sp.replicas = replicas;
+  for (int d = first; d < first + replicas; ++d) sp.shares.push_back(cluster.devices[d].speed / e.speed);
+  sp.forward_s = ss.fwd * model.scale() / e.speed;
+  sp.backward_s = ss.bwd * model.scale() / e.speed;
+  sp.backward_weight_s = ss.bwd_w * model.scale() / e.speed;
+  sp.send_bytes = has_next ? ss.out_bytes * model.scale() : 0;
+  sp.recv_bytes = has_prev ? ss.in_bytes * model.scale() : 0;
+  sp.allreduce_s = e.allreduce;
+  sp.param_bytes = ss.params;
+  sp.static_bytes = e.static_bytes;
+  sp.saved_bytes = ss.saved * model.scale() * e.max_share;
+  sp.memory_bytes = e.need;
+  sp.in_flight = e.in_flight;
+  return sp;
+}
+
 Plan build_plan(const CostGraph& g, const Cluster& cluster, const PlanOptions& options, const Units& u,
                 const CutStates& cs, const Model& model, const Solution& sol, ScheduleKind kind) {
   Plan plan;
@@ -771,30 +794,8 @@ Plan build_plan(const CostGraph& g, const Cluster& cluster, const PlanOptions& o
   int first = model.devices() - std::accumulate(sol.replicas.begin(), sol.replicas.end(), 0);
   for (int s = 0; s < stages; ++s) {
     const auto [inner, outer] = sol.cuts[s];
-    StagePlan sp;
-    for (std::size_t x = 0; x < u.units.size(); ++x) {
-      if (test(cs.sets[outer], static_cast<int>(x)) && !test(cs.sets[inner], static_cast<int>(x))) {
-        sp.ops.insert(sp.ops.end(), u.units[x].ops.begin(), u.units[x].ops.end());
-      }
-    }
-    std::sort(sp.ops.begin(), sp.ops.end());
-    const StageSums ss = stage_sums(u, cs, outer, inner);
-    const StageEval& e = evals[s];
-    sp.first_device = first;
-    sp.replicas = sol.replicas[s];
-    for (int d = first; d < first + sp.replicas; ++d) sp.shares.push_back(cluster.devices[d].speed / e.speed);
-    sp.forward_s = ss.fwd * model.scale() / e.speed;
-    sp.backward_s = ss.bwd * model.scale() / e.speed;
-    sp.backward_weight_s = ss.bwd_w * model.scale() / e.speed;
-    sp.send_bytes = s + 1 < stages ? ss.out_bytes * model.scale() : 0;
-    sp.recv_bytes = s > 0 ? ss.in_bytes * model.scale() : 0;
-    sp.allreduce_s = e.allreduce;
-    sp.param_bytes = ss.params;
-    sp.static_bytes = ss.params * (2 + options.optimizer_bytes_per_param_byte);
-    sp.saved_bytes = ss.saved * model.scale() * e.max_share;
-    sp.memory_bytes = e.need;
-    sp.in_flight = e.in_flight;
-    plan.stages.push_back(std::move(sp));
+    plan.stages.push_back(
+        stage_plan(u, cs, inner, outer, model, cluster, first, sol.replicas[s], evals[s], s > 0, s + 1 < stages));
     first += sol.replicas[s];
   }
   for (int s = 0; s + 1 < stages; ++s) {
@@ -845,25 +846,9 @@ void interleaved_candidates(const Cluster& cluster, const Units& u, const CutSta
       const StagePlan& grp = base.stages[k % groups];
       const StageSums ss = stage_sums(u, lin, cut[k + 1], cut[k]);
       const StageEval e = model.eval(ss, grp.first_device, grp.replicas, pieces - 1 - k, k + 1 < pieces);
-      StagePlan sp;
-      for (int b = cut[k]; b < cut[k + 1]; ++b) {
-        for (int x : lin.blocks[b]) sp.ops.insert(sp.ops.end(), u.units[x].ops.begin(), u.units[x].ops.end());
-      }
-      std::sort(sp.ops.begin(), sp.ops.end());
-      sp.first_device = grp.first_device;
-      sp.replicas = grp.replicas;
-      sp.shares = grp.shares;
-      sp.forward_s = ss.fwd * model.scale() / e.speed;
-      sp.backward_s = ss.bwd * model.scale() / e.speed;
-      sp.backward_weight_s = ss.bwd_w * model.scale() / e.speed;
-      sp.send_bytes = k + 1 < pieces ? ss.out_bytes * model.scale() : 0;
-      sp.recv_bytes = k > 0 ? ss.in_bytes * model.scale() : 0;
-      sp.allreduce_s = e.allreduce;
-      sp.param_bytes = ss.params;
-      sp.static_bytes = e.need - (e.in_flight * ss.saved + ss.work + 2 * (ss.in_bytes + ss.out_bytes)) * model.scale() * e.max_share;
-      sp.saved_bytes = ss.saved * model.scale() * e.max_share;
-      extra[k % groups] = std::max(extra[k % groups], (ss.work + 2 * (ss.in_bytes + ss.out_bytes)) * model.scale() * e.max_share);
-      p.stages.push_back(std::move(sp));
+      extra[k % groups] = std::max(extra[k % groups], e.transient_bytes);
+      p.stages.push_back(stage_plan(u, lin, cut[k], cut[k + 1], model, cluster, grp.first_device, grp.replicas, e,
+                                    k > 0, k + 1 < pieces));
       if (k + 1 < pieces) {
         const StagePlan& next = base.stages[(k + 1) % groups];
         p.links.push_back(cluster.link(grp.first_device + grp.replicas - 1, next.first_device));

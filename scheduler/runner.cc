@@ -73,6 +73,23 @@ struct Runner::State {
     std::lock_guard<std::mutex> lock(mu);
     spans.push_back(s);
   }
+
+  // Runs a transfer or reduction of rank r on the communication thread (posted, not awaited:
+  // the rank goes on computing), timed on `stream`; completing it signals `ch`.
+  static void post(const std::shared_ptr<State>& st, int r, const Action& a, Span::Stream stream,
+                   std::shared_ptr<Channel> ch, std::string where) {
+    asio::post(st->comm, [st, r, a, stream, ch = std::move(ch), where = std::move(where)] {
+      if (st->failed) return;
+      const auto& hook = stream == Span::Stream::kCollective ? st->hooks.allreduce : st->hooks.transfer;
+      const double start = st->now();
+      if (hook) {
+        Status s = hook(r, a);
+        if (!s) return st->fail(s.with_context(where));
+      }
+      st->record({r, stream, a, start, st->now()});
+      ch->try_send(asio::error_code{}, 0);
+    });
+  }
 };
 
 Runner::Runner(Schedule schedule, RunnerHooks hooks) : schedule_(std::move(schedule)), hooks_(std::move(hooks)) {}
@@ -122,18 +139,7 @@ Result<RunResult> Runner::run_step(std::chrono::milliseconds timeout) {
         case ActionKind::kSendActivation:
         case ActionKind::kSendGradient: {
           const bool grad = a.kind == ActionKind::kSendGradient;
-          auto ch = st->channel({grad ? 1 : 0, a.microbatch, a.stage});
-          // Posted, not awaited: the rank goes on computing while the transfer runs.
-          asio::post(st->comm, [st, r, a, ch, where = where()] {
-            if (st->failed) return;
-            const double start = st->now();
-            if (st->hooks.transfer) {
-              Status s = st->hooks.transfer(r, a);
-              if (!s) return st->fail(s.with_context(where));
-            }
-            st->record({r, Span::Stream::kSend, a, start, st->now()});
-            ch->try_send(asio::error_code{}, 0);
-          });
+          State::post(st, r, a, Span::Stream::kSend, st->channel({grad ? 1 : 0, a.microbatch, a.stage}), where());
           break;
         }
         case ActionKind::kRecvActivation:
@@ -151,16 +157,7 @@ Result<RunResult> Runner::run_step(std::chrono::milliseconds timeout) {
             std::lock_guard<std::mutex> lock(st->mu);
             st->channels[{2, r, a.stage}] = ch;  // closed with the others on failure
           }
-          asio::post(st->comm, [st, r, a, ch, where = where()] {
-            if (st->failed) return;
-            const double start = st->now();
-            if (st->hooks.allreduce) {
-              Status s = st->hooks.allreduce(r, a);
-              if (!s) return st->fail(s.with_context(where));
-            }
-            st->record({r, Span::Stream::kCollective, a, start, st->now()});
-            ch->try_send(asio::error_code{}, 0);
-          });
+          State::post(st, r, a, Span::Stream::kCollective, ch, where());
           break;
         }
       }

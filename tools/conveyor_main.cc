@@ -7,7 +7,6 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <sstream>
 #include <string>
 
 #include "common/status.h"
@@ -15,6 +14,7 @@
 #include "graph/format.h"
 #include "graph/partition.h"
 #include "common/env.h"
+#include "common/file.h"
 #include "partitioner/planner.h"
 #include "trace/simulation_trace.h"
 
@@ -126,22 +126,12 @@ Result<partitioner::CostGraph> load_planning_graph(const std::string& path, cons
                         "; profile it first (conveyor.profile(model, example) in Python) or pass --profile FILE");
     }
   }
-  std::ifstream pin(chosen, std::ios::binary);
-  if (!pin) return Status(ErrorCode::kIo, "cannot open profile '" + chosen + "'");
-  std::stringstream ss;
-  ss << pin.rdbuf();
-  auto profile = partitioner::Profile::from_json(ss.str());
+  CONVEYOR_ASSIGN_OR_RETURN(std::string profile_text, read_file(chosen, "profile"));
+  auto profile = partitioner::Profile::from_json(profile_text);
   if (!profile) return profile.status().with_context(chosen);
   auto g = partitioner::cost_graph_from_profile(file.graph, *profile);
   if (g) g->name = std::filesystem::path(path).stem().string();
   return g;
-}
-
-Status write_text(const std::string& path, const std::string& text) {
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  if (!f) return Status(ErrorCode::kIo, "cannot write '" + path + "'");
-  f << text;
-  return f ? Status::ok() : Status(ErrorCode::kIo, "writing '" + path + "' failed");
 }
 
 Status write_simulation_trace(const partitioner::Plan& plan, const std::string& path) {
@@ -179,7 +169,7 @@ int plan_command(const PlanArgs& a) {
               cluster->summary().c_str());
   std::printf("%s", plan->table().c_str());
   if (!a.out.empty()) {
-    Status st = write_text(a.out, plan->to_json());
+    Status st = write_file(a.out, plan->to_json(), "plan file");
     if (!st) return fail(st);
     std::printf("plan written to %s\n", a.out.c_str());
   }

@@ -1,9 +1,9 @@
 #include "trace/perfetto.h"
 
 #include <algorithm>
-#include <fstream>
 #include <set>
-#include <sstream>
+
+#include "common/file.h"
 
 namespace conveyor::trace {
 namespace {
@@ -154,12 +154,7 @@ std::string PerfettoTrace::serialize() const {
 }
 
 Status PerfettoTrace::write(const std::string& path) const {
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  if (!f) return Status(ErrorCode::kIo, "cannot write trace '" + path + "'");
-  const std::string data = serialize();
-  f.write(data.data(), static_cast<std::streamsize>(data.size()));
-  if (!f) return Status(ErrorCode::kIo, "writing trace '" + path + "' failed");
-  return Status::ok();
+  return write_file(path, serialize(), "trace");
 }
 
 Result<TraceSummary> check_trace(std::string_view bytes) {
@@ -259,11 +254,8 @@ Result<TraceSummary> check_trace(std::string_view bytes) {
 }
 
 Result<TraceSummary> check_trace_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return Status(ErrorCode::kIo, "cannot open trace '" + path + "'");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  auto r = check_trace(ss.str());
+  CONVEYOR_ASSIGN_OR_RETURN(std::string bytes, read_file(path, "trace"));
+  auto r = check_trace(bytes);
   if (!r) return r.status().with_context(path);
   return r;
 }

@@ -50,7 +50,7 @@ def _loss_wrapper(model: torch.nn.Module, loss_fn, args: tuple, kwargs: dict) ->
     cls = type(f"{type(model).__name__}Loss", (torch.nn.Module,), {"forward": namespace["forward"]})
     wrapper = cls()
     wrapper.model = model
-    wrapper._loss = (lambda out: loss_fn(out)) if loss_fn else _loss_of
+    wrapper._loss = loss_fn or _loss_of
     return wrapper
 
 

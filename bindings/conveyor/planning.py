@@ -118,18 +118,17 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
     try:
         # Units in a topological order: the first (by node id) whose inputs all exist.
         pending = [(unit, executor.stage(unit)) for unit in _units(graph)]
+        available = set(values)
         order = []
         while pending:
             for k, (unit, stage) in enumerate(pending):
-                if all(v in values for v in stage.inputs):
+                if available.issuperset(stage.inputs):
                     break
             else:
                 raise ConveyorValueError("profile: the graph's units have no topological order (a bug)")
             unit, stage = pending.pop(k)
-            for v in stage.outputs:
-                values.setdefault(v, None)  # marks availability; filled below
+            available.update(stage.outputs)
             order.append((unit, stage))
-        values = dict(zip([i["value"] for i in doc_in["inputs"]], inputs))
         for unit, stage in order:
             stage_inputs = [values[v] for v in stage.inputs]
             # Forward: the saved activations are counted once, then the time is measured.

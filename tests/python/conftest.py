@@ -17,6 +17,18 @@ def max_relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item() / scale
 
 
+def split_batch(args: tuple, kwargs: dict, m: int, batch: int) -> list:
+    """(args, kwargs) of each of `m` microbatches: tensors with `batch` rows are split along
+    dim 0 as the runtime splits them (tensor_split), everything else is passed whole."""
+    def parts(x):
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch:
+            return list(x.tensor_split(m))
+        return [x] * m
+    a = [parts(x) for x in args]
+    k = {n: parts(x) for n, x in kwargs.items()}
+    return [(tuple(p[i] for p in a), {n: v[i] for n, v in k.items()}) for i in range(m)]
+
+
 @pytest.fixture
 def rel_err():
     return max_relative_error

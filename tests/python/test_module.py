@@ -8,15 +8,7 @@ import torch
 import conveyor
 from conveyor import zoo
 
-
-def split(args, kwargs, m, batch):
-    def parts(x):
-        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch:
-            return list(x.tensor_split(m))
-        return [x] * m
-    a = [parts(x) for x in args]
-    k = {n: parts(x) for n, x in kwargs.items()}
-    return [(tuple(p[i] for p in a), {n: v[i] for n, v in k.items()}) for i in range(m)]
+from conftest import split_batch
 
 
 @pytest.fixture(autouse=True)
@@ -37,7 +29,7 @@ def test_automatic_plan_trains_like_eager_accumulation(name, batch):
         stages, schedule, m, chunks = model._layout
         ref_opt.zero_grad(set_to_none=True)
         ref_loss = 0
-        for a, k in split(case.args, case.kwargs, m, batch):
+        for a, k in split_batch(case.args, case.kwargs, m, batch):
             n = next(t.shape[0] for t in list(a) + list(k.values()) if isinstance(t, torch.Tensor) and t.dim() > 0)
             part = case.loss(ref(*a, **k)) * (n / batch)
             part.backward()

@@ -12,33 +12,16 @@ import torch
 
 import conveyor
 from conveyor import _C, zoo
+from conveyor.module import _loss_wrapper
+
+from conftest import split_batch
 
 TOLERANCE = 1e-9
 
 
 def loss_only(case):
-    """The model with its loss as the only output (a pipeline trains on a scalar loss), with
-    the model's own argument names (torch.export needs a plain signature)."""
-    pos = [f"arg{i}" for i in range(len(case.args))]
-    call = ", ".join(pos + [f"{k}={k}" for k in case.kwargs])
-    namespace = {}
-    exec(f"def forward(self, {', '.join(pos + list(case.kwargs))}):\n"
-         f"    return self.case.loss(self.model({call}))", namespace)
-    cls = type("LossOnly", (torch.nn.Module,), {"forward": namespace["forward"]})
-    wrapper = cls()
-    wrapper.model = case.model
-    wrapper.case = case
-    return wrapper
-
-
-def split_batch(args, kwargs, m, batch):
-    def parts(x):
-        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch:
-            return list(x.tensor_split(m))
-        return [x] * m
-    a = [parts(x) for x in args]
-    k = {n: parts(x) for n, x in kwargs.items()}
-    return [(tuple(p[i] for p in a), {n: v[i] for n, v in k.items()}) for i in range(m)]
+    """The model with its loss as the only output, as conveyor.Module wraps it."""
+    return _loss_wrapper(case.model, case.loss, case.args, case.kwargs)
 
 
 def batch_size(case):
