@@ -19,10 +19,15 @@ namespace conveyor::graph {
 /// Tensors bound by fully-qualified name to a graph's parameters, buffers and constants.
 using TensorMap = std::unordered_map<std::string, at::Tensor>;
 
+/// The weight-gradient half of a split backward: the autograd roots where the parameter
+/// paths leave the input paths, with the gradients captured there (opaque; torch inside).
+struct DeferredWeightGradient;
+
 /// What a stage keeps between its forward and its backward (one per microbatch in flight).
 struct StageActivation {
   std::vector<c10::IValue> inputs;   ///< as the stage saw them: tensors are detached leaves
   std::vector<c10::IValue> outputs;  ///< in StageProgram::outputs() order
+  std::shared_ptr<DeferredWeightGradient> deferred;  ///< set by backward_input, used by backward_weight
 };
 
 class GraphExecutor;
@@ -46,6 +51,17 @@ class StageProgram {
   /// the inputs (None where an input needs none). Releases the activation's graph.
   Result<std::vector<c10::IValue>> backward(StageActivation& activation,
                                             std::vector<c10::IValue> output_grads) const;
+
+  /// The first half of a split backward (zero-bubble schedules): computes and returns only
+  /// the input gradients, and keeps, in `activation`, the gradients arriving where the
+  /// parameter paths branch off the input paths. Only the autograd nodes there keep their
+  /// saved tensors; the rest of the graph is released. backward_input then
+  /// backward_weight accumulate exactly what backward would.
+  Result<std::vector<c10::IValue>> backward_input(StageActivation& activation,
+                                                  std::vector<c10::IValue> output_grads) const;
+  /// The second half: the parameter gradients, accumulated into their live `.grad`, from
+  /// what backward_input kept. Releases the activation's graph.
+  Status backward_weight(StageActivation& activation) const;
 
  private:
   friend class GraphExecutor;

@@ -65,7 +65,8 @@ struct PipelineStep::Impl {
     return Status::ok();
   }
 
-  Status backward(const Action& a) {
+  // B (whole backward) or Bi (input half; the activation stays for W).
+  Status backward(const Action& a, bool split) {
     const auto& program = *programs[a.stage];
     graph::StageActivation act;
     std::vector<c10::IValue> out_grads;
@@ -90,8 +91,11 @@ struct PipelineStep::Impl {
         out_grads.push_back(g.defined() ? c10::IValue(g) : c10::IValue());
       }
     }
-    CONVEYOR_ASSIGN_OR_RETURN(std::vector<c10::IValue> in_grads, program.backward(act, std::move(out_grads)));
+    CONVEYOR_ASSIGN_OR_RETURN(std::vector<c10::IValue> in_grads,
+                              split ? program.backward_input(act, std::move(out_grads))
+                                    : program.backward(act, std::move(out_grads)));
     std::lock_guard<std::mutex> lock(mu);
+    if (split) activations[{a.stage, a.microbatch}] = std::move(act);
     for (std::size_t i = 0; i < program.inputs().size(); ++i) {
       const ValueId v = program.inputs()[i];
       if (input_index.count(v) || !in_grads[i].isTensor()) continue;
@@ -101,6 +105,21 @@ struct PipelineStep::Impl {
       if (!fresh) it->second = it->second + g;
     }
     return Status::ok();
+  }
+
+  // W: the weight half of the microbatch's split backward.
+  Status backward_weight(const Action& a) {
+    graph::StageActivation act;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      auto it = activations.find({a.stage, a.microbatch});
+      if (it == activations.end() || !it->second.deferred) {
+        return Status(ErrorCode::kInternal, "weight gradient before the input gradient");
+      }
+      act = std::move(it->second);
+      activations.erase(it);
+    }
+    return programs[a.stage]->backward_weight(act);
   }
 };
 
@@ -115,10 +134,6 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
   if (spec.stages() != static_cast<int>(stages.size())) {
     return Status(ErrorCode::kInvalidArgument, "the schedule has " + std::to_string(spec.stages()) +
                                                    " stages but the partition " + std::to_string(stages.size()));
-  }
-  if (spec.kind == scheduler::ScheduleKind::kZeroBubbleH1) {
-    return Status(ErrorCode::kUnsupported,
-                  "the in-process runtime does not split backward yet (zb-h1); use gpipe, 1f1b or interleaved");
   }
   if (g.outputs.size() != 1 || g.values[g.outputs[0]].kind != graph::ValueKind::kTensor ||
       !g.values[g.outputs[0]].shape.empty()) {
@@ -190,9 +205,11 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
   hooks.compute = [&im](int, const Action& a) -> Status {
     switch (a.kind) {
       case ActionKind::kForward: return im.forward(a);
-      case ActionKind::kBackward: return im.backward(a);
+      case ActionKind::kBackward: return im.backward(a, /*split=*/false);
+      case ActionKind::kBackwardInput: return im.backward(a, /*split=*/true);
+      case ActionKind::kBackwardWeight: return im.backward_weight(a);
       case ActionKind::kOptimizerStep: return Status::ok();  // the user's optimizer steps after the call
-      default: return Status(ErrorCode::kUnsupported, "split backward is not supported by this runtime yet");
+      default: return Status(ErrorCode::kInternal, "not a compute action: " + scheduler::action_text(a));
     }
   };
   scheduler::Runner runner(im.schedule, hooks);

@@ -6,8 +6,8 @@
 // the batch, so a step equals eager training with gradient accumulation over the same
 // microbatches.
 //
-// Not yet here (issue 4 continues): replicas per stage, split backward (ZB-H1), CAF
-// actors, device placement.
+// Zero-bubble schedules split each backward: Bi (StageProgram::backward_input) hands the
+// input gradient on at once, W (backward_weight) fills idle time with the weight gradients.
 #pragma once
 
 #include <ATen/core/Tensor.h>
