@@ -208,16 +208,21 @@ PYBIND11_MODULE(_C, m) {
   py::class_<runtime::PipelineStep>(m, "PipelineStep",
                                     "One pipelined training step over stages of a graph, in this process.")
       .def(py::init([](const std::shared_ptr<GraphExecutor>& ex, std::vector<std::vector<NodeId>> stages,
-                       const std::string& schedule, int microbatches, int chunks) {
+                       const std::string& schedule, int microbatches, int chunks, std::vector<int> replicas,
+                       std::int64_t bucket_bytes) {
              scheduler::ScheduleSpec spec;
              spec.kind = unwrap(scheduler::schedule_kind_from_name(schedule));
              spec.chunks = chunks;
              spec.ranks = static_cast<int>(stages.size()) / std::max(chunks, 1);
              spec.microbatches = microbatches;
-             return unwrap(runtime::PipelineStep::create(ex, std::move(stages), spec));
+             runtime::PipelineOptions options;
+             options.replicas = std::move(replicas);
+             if (bucket_bytes > 0) options.bucket_bytes = bucket_bytes;
+             return unwrap(runtime::PipelineStep::create(ex, std::move(stages), spec, std::move(options)));
            }),
            py::arg("executor"), py::arg("stages"), py::arg("schedule") = "1f1b", py::arg("microbatches") = 1,
-           py::arg("chunks") = 1)
+           py::arg("chunks") = 1, py::arg("replicas") = std::vector<int>{}, py::arg("bucket_bytes") = 0,
+           "replicas: per rank (empty: one each); bucket_bytes: gradient reduction bucket size (0: 4 MiB).")
       .def(
           "run",
           [](runtime::PipelineStep& step, const py::sequence& inputs, double grad_scale) {

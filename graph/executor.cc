@@ -544,6 +544,23 @@ Result<std::vector<c10::IValue>> GraphExecutor::run(std::vector<c10::IValue> inp
   return out;
 }
 
+Result<std::shared_ptr<GraphExecutor>> GraphExecutor::replica() const {
+  TensorMap copies = tensors_;
+  for (const Binding& b : graph_.bindings) {
+    auto it = copies.find(b.name);
+    if (it == copies.end()) continue;
+    at::Tensor& t = it->second;
+    if (b.kind == Binding::Kind::kParameter) {
+      const bool grad = t.requires_grad();
+      t = t.detach();
+      if (grad) t.requires_grad_(true);
+    } else if (b.kind == Binding::Kind::kBuffer) {
+      t = t.detach().clone();
+    }
+  }
+  return create(graph_, std::move(copies));
+}
+
 Result<std::shared_ptr<const StageProgram>> GraphExecutor::stage(std::vector<NodeId> nodes) const {
   CONVEYOR_RETURN_IF_ERROR(check_stage(graph_, nodes));
   std::sort(nodes.begin(), nodes.end());

@@ -90,6 +90,18 @@ class GraphExecutor : public std::enable_shared_from_this<GraphExecutor> {
   /// detaching anything: outputs stay connected to parameters and inputs through autograd.
   Result<std::vector<c10::IValue>> run(std::vector<c10::IValue> inputs) const;
 
+  /// An executor for another replica of the same graph: parameters share storage with this
+  /// executor's (an optimizer step on them reaches every replica) but are separate autograd
+  /// leaves with their own `.grad`; buffers are copies (each replica updates its own running
+  /// statistics); constants are shared.
+  Result<std::shared_ptr<GraphExecutor>> replica() const;
+
+  /// The tensor bound to a binding's name, or nullptr.
+  const at::Tensor* tensor(const std::string& name) const {
+    auto it = tensors_.find(name);
+    return it == tensors_.end() ? nullptr : &it->second;
+  }
+
   /// Compiles the stage made of `nodes` (any order; executed in ascending id order).
   Result<std::shared_ptr<const StageProgram>> stage(std::vector<NodeId> nodes) const;
 

@@ -1,10 +1,12 @@
 #include "runtime/pipeline_step.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 
 #include <map>
 #include <mutex>
 #include <set>
+#include <tuple>
 
 #include "graph/partition.h"
 #include "trace/simulation_trace.h"
@@ -16,78 +18,166 @@ using graph::ValueId;
 using scheduler::Action;
 using scheduler::ActionKind;
 
+namespace {
+
+/// The share of `length` samples that replica `i` of `replicas` takes (tensor_split's rule:
+/// the first length % replicas replicas take one more).
+struct Share {
+  std::int64_t offset = 0, length = 0;
+};
+Share share_of(std::int64_t length, int replicas, int i) {
+  const std::int64_t base = length / replicas, extra = length % replicas;
+  return {i * base + std::min<std::int64_t>(i, extra), base + (i < extra ? 1 : 0)};
+}
+
+void add_into(at::Tensor& acc, const at::Tensor& g) {
+  if (!g.defined()) return;
+  acc = acc.defined() ? acc + g : g;
+}
+
+}  // namespace
+
 struct PipelineStep::Impl {
-  std::shared_ptr<const graph::GraphExecutor> executor;
-  std::vector<std::shared_ptr<const graph::StageProgram>> programs;
+  std::vector<std::shared_ptr<const graph::GraphExecutor>> executors;   // per replica index
+  std::vector<std::vector<std::shared_ptr<const graph::StageProgram>>> programs;  // [stage][replica]
   scheduler::Schedule schedule;
+  std::vector<int> rank_replicas;   // per rank
+  std::vector<int> stage_replicas;  // per stage
+  std::int64_t bucket_bytes = 4 << 20;
   std::vector<bool> batched_input;  // per graph input: split along dim 0
   std::map<ValueId, int> input_index;
+  std::vector<int> producer;    // per value: the stage defining it, -1 for inputs and bindings
+  std::vector<int> batch_dim;   // per value: its batch dimension, -1 when it has none
+  std::vector<bool> is_batch_size;  // per value: a symbolic size equal to the batch
+  std::vector<std::int64_t> batch_scale;  // per value: elements per sample along batch_dim (flattened batch)
   ValueId loss = -1;
+  std::vector<std::vector<std::string>> stage_parameters;  // per stage: parameters only it uses
+  std::vector<std::string> shared_parameters;              // used by several stages (tied)
+  std::vector<std::string> buffers;
 
   // Per step:
   std::mutex mu;
-  std::vector<std::vector<c10::IValue>> micro_inputs;  // [mb][graph input]
-  std::vector<double> weight;                           // each microbatch's share of the batch
-  std::map<std::pair<ValueId, int>, c10::IValue> values;  // (value, microbatch) -> tensor
-  std::map<std::pair<ValueId, int>, at::Tensor> grads;
-  std::map<std::pair<int, int>, graph::StageActivation> activations;  // (stage, microbatch)
-  std::vector<at::Tensor> losses;
+  std::int64_t batch = 0;
+  std::vector<std::int64_t> micro_length;                 // samples per microbatch
+  std::vector<std::vector<c10::IValue>> micro_inputs;     // [mb][graph input], whole microbatch
+  std::map<std::pair<ValueId, int>, std::vector<c10::IValue>> values;  // (value, mb) -> per producing replica
+  std::map<std::pair<ValueId, int>, c10::IValue> joined;  // (value, mb) -> shares joined (redistribution)
+  std::map<std::pair<ValueId, int>, std::vector<at::Tensor>> grads;    // (value, mb) -> per producing replica
+  std::map<std::pair<ValueId, int>, at::Tensor> joined_grads;          // (value, mb) -> whole-microbatch gradient
+  std::map<std::tuple<int, int, int>, graph::StageActivation> activations;  // (stage, mb, replica)
+  std::map<std::pair<int, int>, at::Tensor> losses;       // (mb, replica) -> loss of that share
   double grad_scale = 1;
   scheduler::RunResult last;  // the last step's measured actions
 
-  Status forward(const Action& a) {
-    const auto& program = *programs[a.stage];
+  double weight(int mb, int replicas, int i) const {
+    return static_cast<double>(share_of(micro_length[mb], replicas, i).length) / static_cast<double>(batch);
+  }
+
+  // The value `v` of microbatch `mb` as replica `i` of `stage` sees it. Holds `mu`.
+  Result<c10::IValue> read_value(ValueId v, int mb, int stage, int i) {
+    const int rc = stage_replicas[stage];
+    auto gi = input_index.find(v);
+    if (gi != input_index.end()) {
+      const c10::IValue& whole = micro_inputs[mb][gi->second];
+      if (!batched_input[gi->second] || !whole.isTensor()) return whole;
+      const Share s = share_of(micro_length[mb], rc, i);
+      return c10::IValue(whole.toTensor().narrow(0, s.offset, s.length));
+    }
+    auto it = values.find({v, mb});
+    if (it == values.end()) {
+      return Status(ErrorCode::kInternal, "value " + std::to_string(v) + " of microbatch " + std::to_string(mb) +
+                                              " was not produced yet");
+    }
+    const auto& shares = it->second;
+    const int rp = stage_replicas[producer[v]];
+    if (rp == rc) return shares[i];
+    if (is_batch_size[v]) return c10::IValue(share_of(micro_length[mb], rc, i).length);
+    if (batch_dim[v] < 0) return shares[0];  // the same on every replica (checked at creation)
+    auto [jt, fresh] = joined.emplace(std::pair{v, mb}, c10::IValue());
+    if (fresh) {
+      std::vector<at::Tensor> parts;
+      bool needs_grad = false;
+      for (const auto& s : shares) {
+        parts.push_back(s.toTensor().detach());
+        needs_grad = needs_grad || s.toTensor().requires_grad();
+      }
+      at::Tensor whole = at::cat(parts, batch_dim[v]);
+      if (needs_grad) whole.requires_grad_(true);  // so consumers' inputs ask for gradients
+      jt->second = whole;
+    }
+    const Share s = share_of(micro_length[mb], rc, i);
+    const std::int64_t k = batch_scale[v];
+    return c10::IValue(jt->second.toTensor().narrow(batch_dim[v], k * s.offset, k * s.length));
+  }
+
+  // Adds the gradient replica `i` of `stage` computed for its input `v`. Holds `mu`.
+  void write_grad(ValueId v, int mb, int stage, int i, const at::Tensor& g) {
+    const int rp = stage_replicas[producer[v]], rc = stage_replicas[stage];
+    auto& slots = grads[{v, mb}];
+    slots.resize(static_cast<std::size_t>(rp));
+    if (rp == rc) return add_into(slots[i], g);
+    if (batch_dim[v] < 0) return add_into(slots[0], g);
+    at::Tensor& whole = joined_grads[{v, mb}];
+    if (!whole.defined()) whole = at::zeros_like(joined.at({v, mb}).toTensor());
+    const Share s = share_of(micro_length[mb], rc, i);
+    whole.narrow(batch_dim[v], batch_scale[v] * s.offset, batch_scale[v] * s.length).add_(g);
+  }
+
+  // The gradient of output `v` for replica `i` of its producing stage. Holds `mu`.
+  at::Tensor read_grad(ValueId v, int mb, int i) {
+    at::Tensor g;
+    auto it = grads.find({v, mb});
+    if (it != grads.end() && i < static_cast<int>(it->second.size())) g = std::move(it->second[i]);
+    auto jt = joined_grads.find({v, mb});
+    if (jt != joined_grads.end()) {
+      const Share s = share_of(micro_length[mb], stage_replicas[producer[v]], i);
+      add_into(g, jt->second.narrow(batch_dim[v], batch_scale[v] * s.offset, batch_scale[v] * s.length));
+    }
+    return g;
+  }
+
+  Status forward(int i, const Action& a) {
+    const auto& program = *programs[a.stage][i];
     std::vector<c10::IValue> in;
     {
       std::lock_guard<std::mutex> lock(mu);
       for (ValueId v : program.inputs()) {
-        auto gi = input_index.find(v);
-        if (gi != input_index.end()) {
-          in.push_back(micro_inputs[a.microbatch][gi->second]);
-        } else {
-          auto it = values.find({v, a.microbatch});
-          if (it == values.end()) {
-            return Status(ErrorCode::kInternal, "value " + std::to_string(v) + " of microbatch " +
-                                                    std::to_string(a.microbatch) + " was not produced yet");
-          }
-          in.push_back(it->second);
-        }
+        CONVEYOR_ASSIGN_OR_RETURN(c10::IValue x, read_value(v, a.microbatch, a.stage, i));
+        in.push_back(std::move(x));
       }
     }
     CONVEYOR_ASSIGN_OR_RETURN(graph::StageActivation act, program.forward(std::move(in)));
     std::lock_guard<std::mutex> lock(mu);
-    for (std::size_t i = 0; i < program.outputs().size(); ++i) {
-      const ValueId v = program.outputs()[i];
-      values[{v, a.microbatch}] = act.outputs[i];
-      if (v == loss) losses[a.microbatch] = act.outputs[i].toTensor().detach();
+    for (std::size_t k = 0; k < program.outputs().size(); ++k) {
+      const ValueId v = program.outputs()[k];
+      auto& shares = values[{v, a.microbatch}];
+      shares.resize(static_cast<std::size_t>(stage_replicas[a.stage]));
+      shares[i] = act.outputs[k];
+      if (v == loss) losses[{a.microbatch, i}] = act.outputs[k].toTensor().detach();
     }
-    activations[{a.stage, a.microbatch}] = std::move(act);
+    activations[{a.stage, a.microbatch, i}] = std::move(act);
     return Status::ok();
   }
 
   // B (whole backward) or Bi (input half; the activation stays for W).
-  Status backward(const Action& a, bool split) {
-    const auto& program = *programs[a.stage];
+  Status backward(int i, const Action& a, bool split) {
+    const auto& program = *programs[a.stage][i];
     graph::StageActivation act;
     std::vector<c10::IValue> out_grads;
     {
       std::lock_guard<std::mutex> lock(mu);
-      auto it = activations.find({a.stage, a.microbatch});
+      auto it = activations.find({a.stage, a.microbatch, i});
       if (it == activations.end()) return Status(ErrorCode::kInternal, "backward before forward");
       act = std::move(it->second);
       activations.erase(it);
-      for (std::size_t i = 0; i < program.outputs().size(); ++i) {
-        const ValueId v = program.outputs()[i];
+      for (std::size_t k = 0; k < program.outputs().size(); ++k) {
+        const ValueId v = program.outputs()[k];
         at::Tensor g;
         if (v == loss) {
-          const at::Tensor& l = act.outputs[i].toTensor();
-          g = at::full_like(l, weight[a.microbatch] * grad_scale);
+          const double w = weight(a.microbatch, stage_replicas[a.stage], i);
+          g = at::full_like(act.outputs[k].toTensor(), w * grad_scale);
         }
-        auto git = grads.find({v, a.microbatch});
-        if (git != grads.end()) {
-          g = g.defined() ? g + git->second : git->second;
-          grads.erase(git);
-        }
+        add_into(g, read_grad(v, a.microbatch, i));
         out_grads.push_back(g.defined() ? c10::IValue(g) : c10::IValue());
       }
     }
@@ -95,31 +185,77 @@ struct PipelineStep::Impl {
                               split ? program.backward_input(act, std::move(out_grads))
                                     : program.backward(act, std::move(out_grads)));
     std::lock_guard<std::mutex> lock(mu);
-    if (split) activations[{a.stage, a.microbatch}] = std::move(act);
-    for (std::size_t i = 0; i < program.inputs().size(); ++i) {
-      const ValueId v = program.inputs()[i];
-      if (input_index.count(v) || !in_grads[i].isTensor()) continue;
-      const at::Tensor& g = in_grads[i].toTensor();
-      if (!g.defined()) continue;
-      auto [it, fresh] = grads.emplace(std::pair{v, a.microbatch}, g);
-      if (!fresh) it->second = it->second + g;
+    if (split) activations[{a.stage, a.microbatch, i}] = std::move(act);
+    for (std::size_t k = 0; k < program.inputs().size(); ++k) {
+      const ValueId v = program.inputs()[k];
+      if (input_index.count(v) || !in_grads[k].isTensor()) continue;
+      const at::Tensor& g = in_grads[k].toTensor();
+      if (g.defined()) write_grad(v, a.microbatch, a.stage, i, g);
     }
     return Status::ok();
   }
 
   // W: the weight half of the microbatch's split backward.
-  Status backward_weight(const Action& a) {
+  Status backward_weight(int i, const Action& a) {
     graph::StageActivation act;
     {
       std::lock_guard<std::mutex> lock(mu);
-      auto it = activations.find({a.stage, a.microbatch});
+      auto it = activations.find({a.stage, a.microbatch, i});
       if (it == activations.end() || !it->second.deferred) {
         return Status(ErrorCode::kInternal, "weight gradient before the input gradient");
       }
       act = std::move(it->second);
       activations.erase(it);
     }
-    return programs[a.stage]->backward_weight(act);
+    return programs[a.stage][i]->backward_weight(act);
+  }
+
+  // Sums the gradients of `names` over replicas 1..replicas-1 into replica 0 (the user's
+  // `.grad`), in buckets of at most bucket_bytes: each bucket is flattened once per replica,
+  // summed, and added back through views. The replicas' gradients are released.
+  Status reduce(const std::vector<std::string>& names, int replicas) {
+    if (replicas < 2) return Status::ok();
+    c10::NoGradGuard no_grad;
+    std::size_t begin = 0;
+    while (begin < names.size()) {
+      std::size_t end = begin;
+      std::int64_t bytes = 0;
+      while (end < names.size() && (end == begin || bytes < bucket_bytes)) {
+        const at::Tensor* t = executors[0]->tensor(names[end]);
+        bytes += t->numel() * static_cast<std::int64_t>(t->element_size());
+        ++end;
+      }
+      at::Tensor sum;
+      for (int r = 1; r < replicas; ++r) {
+        std::vector<at::Tensor> flat;
+        bool any = false;
+        for (std::size_t k = begin; k < end; ++k) {
+          at::Tensor p = *executors[r]->tensor(names[k]);
+          at::Tensor g = p.grad();
+          any = any || g.defined();
+          flat.push_back(g.defined() ? g.reshape(-1) : at::zeros({p.numel()}, p.options()));
+          if (g.defined()) p.mutable_grad().reset();
+        }
+        if (!any) continue;
+        at::Tensor bucket = at::cat(flat);
+        sum = sum.defined() ? sum.add_(bucket) : bucket;
+      }
+      if (sum.defined()) {
+        std::int64_t offset = 0;
+        for (std::size_t k = begin; k < end; ++k) {
+          at::Tensor p = *executors[0]->tensor(names[k]);
+          at::Tensor part = sum.narrow(0, offset, p.numel()).view(p.sizes());
+          offset += p.numel();
+          if (p.grad().defined()) {
+            p.mutable_grad().add_(part);
+          } else {
+            p.mutable_grad() = part.clone();
+          }
+        }
+      }
+      begin = end;
+    }
+    return Status::ok();
   }
 };
 
@@ -128,12 +264,13 @@ PipelineStep::~PipelineStep() = default;
 
 Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const graph::GraphExecutor> executor,
                                                            std::vector<std::vector<NodeId>> stages,
-                                                           scheduler::ScheduleSpec spec) {
+                                                           scheduler::ScheduleSpec spec, PipelineOptions options) {
   const graph::Graph& g = executor->graph();
   CONVEYOR_RETURN_IF_ERROR(graph::check_partition(g, stages));
-  if (spec.stages() != static_cast<int>(stages.size())) {
+  const int num_stages = static_cast<int>(stages.size());
+  if (spec.stages() != num_stages) {
     return Status(ErrorCode::kInvalidArgument, "the schedule has " + std::to_string(spec.stages()) +
-                                                   " stages but the partition " + std::to_string(stages.size()));
+                                                   " stages but the partition " + std::to_string(num_stages));
   }
   if (g.outputs.size() != 1 || g.values[g.outputs[0]].kind != graph::ValueKind::kTensor ||
       !g.values[g.outputs[0]].shape.empty()) {
@@ -143,21 +280,168 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
                       " values); compute the loss inside forward, or wrap the model so that it does");
   }
   auto impl = std::make_unique<Impl>();
-  impl->executor = executor;
   impl->loss = g.outputs[0];
-  for (auto& nodes : stages) {
-    CONVEYOR_ASSIGN_OR_RETURN(auto program, executor->stage(nodes));
-    impl->programs.push_back(std::move(program));
+  impl->bucket_bytes = std::max<std::int64_t>(options.bucket_bytes, 1);
+  impl->rank_replicas = options.replicas.empty() ? std::vector<int>(static_cast<std::size_t>(spec.ranks), 1)
+                                                 : options.replicas;
+  if (static_cast<int>(impl->rank_replicas.size()) != spec.ranks) {
+    return Status(ErrorCode::kInvalidArgument, "replica counts for " + std::to_string(impl->rank_replicas.size()) +
+                                                   " ranks, but the schedule has " + std::to_string(spec.ranks));
   }
+  int most = 1;
+  for (int r : impl->rank_replicas) {
+    if (r < 1) return Status(ErrorCode::kInvalidArgument, "every stage needs at least one replica");
+    most = std::max(most, r);
+  }
+  for (int s = 0; s < num_stages; ++s) impl->stage_replicas.push_back(impl->rank_replicas[spec.rank_of_stage(s)]);
+
+  // Which stage defines each value, which values depend on the batch, where their batch is.
+  impl->producer.assign(g.values.size(), -1);
+  for (int s = 0; s < num_stages; ++s) {
+    for (NodeId n : stages[s]) {
+      for (ValueId out : graph::Graph::node_outputs(g.nodes[n])) impl->producer[out] = s;
+    }
+  }
+  std::set<std::string> batch_symbols;
+  for (const auto& [symbol, role] : g.symbols) {
+    if (role == "batch") batch_symbols.insert(symbol);
+  }
+  std::vector<bool> on_batch(g.values.size(), false);  // depends on a batched input
   for (std::size_t i = 0; i < g.inputs.size(); ++i) {
     const graph::Value& v = g.values[g.inputs[i].value];
     impl->input_index[g.inputs[i].value] = static_cast<int>(i);
-    bool batched = false;
-    if (v.kind == graph::ValueKind::kTensor && !v.shape.empty() && v.shape[0].is_symbolic()) {
-      auto role = g.symbols.find(v.shape[0].symbol);
-      batched = role != g.symbols.end() && role->second == "batch";
-    }
+    const bool batched = v.kind == graph::ValueKind::kTensor && !v.shape.empty() &&
+                         batch_symbols.count(v.shape[0].symbol) > 0;
     impl->batched_input.push_back(batched);
+    on_batch[g.inputs[i].value] = batched;
+  }
+  impl->batch_dim.assign(g.values.size(), -1);
+  for (const auto& v : g.values) {
+    for (std::size_t d = 0; d < v.shape.size(); ++d) {
+      if (batch_symbols.count(v.shape[d].symbol)) {
+        impl->batch_dim[v.id] = static_cast<int>(d);
+        break;
+      }
+    }
+  }
+  // A dimension "k*s" at the front, made by flattening a batch-first tensor (view, reshape,
+  // flatten), possibly followed by ops that keep the shape: samples stay contiguous runs of
+  // k elements, so a share is a run of k * its samples. Other products are not split.
+  impl->batch_scale.assign(g.values.size(), 1);
+  {
+    const std::vector<NodeId> defined_by = g.producers();
+    for (const auto& v : g.values) {
+      if (impl->batch_dim[v.id] >= 0 || v.shape.empty()) continue;
+      const std::string& d0 = v.shape[0].symbol;
+      const auto star = d0.find('*');
+      if (star == std::string::npos) continue;
+      std::string k = d0.substr(0, star), sym = d0.substr(star + 1);
+      if (batch_symbols.count(k)) std::swap(k, sym);
+      if (!batch_symbols.count(sym) || k.empty() || k.find_first_not_of("0123456789") != std::string::npos) continue;
+      ValueId at = v.id;
+      for (int hops = 0; hops < 64 && at >= 0 && defined_by[at] >= 0; ++hops) {
+        const graph::Node& n = g.nodes[defined_by[at]];
+        const auto ins = graph::Graph::node_inputs(n);
+        if (ins.empty()) break;
+        const graph::Value& x = g.values[ins[0]];
+        if (n.op == "aten::view" || n.op == "aten::reshape" || n.op == "aten::_unsafe_view" ||
+            n.op == "aten::flatten") {
+          if (impl->batch_dim[x.id] == 0) {
+            impl->batch_dim[v.id] = 0;
+            impl->batch_scale[v.id] = std::stoll(k);
+          }
+          break;
+        }
+        bool same_shape = x.shape.size() == g.values[at].shape.size();
+        for (std::size_t d = 0; same_shape && d < x.shape.size(); ++d) {
+          same_shape = x.shape[d].symbol == g.values[at].shape[d].symbol && x.shape[d].size == g.values[at].shape[d].size;
+        }
+        if (!same_shape) break;
+        at = x.id;
+      }
+    }
+  }
+  impl->is_batch_size.assign(g.values.size(), false);
+  for (const auto& node : g.nodes) {
+    const auto ins = graph::Graph::node_inputs(node);
+    const auto outs = graph::Graph::node_outputs(node);
+    if (node.op == "aten::sym_size" && ins.size() == 1 && outs.size() == 1 && node.args.size() == 2 &&
+        node.args[1].kind == graph::Argument::Kind::kInt) {
+      // The size of one dimension: the batch size (a share's own on each replica) or a
+      // size that no replica changes.
+      const auto& shape = g.values[ins[0]].shape;
+      std::int64_t d = node.args[1].int_value;
+      if (d < 0) d += static_cast<std::int64_t>(shape.size());
+      impl->is_batch_size[outs[0]] = d >= 0 && d == impl->batch_dim[ins[0]];
+      on_batch[outs[0]] = impl->is_batch_size[outs[0]];
+      continue;
+    }
+    bool depends = false;
+    for (ValueId in : ins) depends = depends || on_batch[in];
+    for (ValueId out : outs) on_batch[out] = depends;
+  }
+  // Between stages with different replica counts a value is redistributed along its batch
+  // dimension, or, when it does not depend on the batch, taken from any replica.
+  for (int s = 0; s < num_stages; ++s) {
+    for (ValueId v : graph::stage_boundary(g, stages[s]).inputs) {
+      const int p = impl->producer[v];
+      if (p < 0 || impl->stage_replicas[p] == impl->stage_replicas[s] || !on_batch[v] || impl->is_batch_size[v]) {
+        continue;
+      }
+      const graph::Value& val = g.values[v];
+      int batch_dims = 0;
+      bool other_symbolic = false;
+      for (std::size_t d = 0; d < val.shape.size(); ++d) {
+        if (batch_symbols.count(val.shape[d].symbol) || (d == 0 && impl->batch_scale[v] > 1)) {
+          ++batch_dims;
+        } else if (val.shape[d].is_symbolic()) {
+          other_symbolic = true;
+        }
+      }
+      if (val.kind != graph::ValueKind::kTensor || batch_dims != 1 || other_symbolic) {
+        return Status(ErrorCode::kUnsupported,
+                      "value " + std::to_string(v) + " ('" + val.name + "') passes from stage " + std::to_string(p) +
+                          " (" + std::to_string(impl->stage_replicas[p]) + " replicas) to stage " +
+                          std::to_string(s) + " (" + std::to_string(impl->stage_replicas[s]) +
+                          " replicas) but has no plain batch dimension to redistribute along; give both "
+                          "stages the same number of replicas, or cut the model elsewhere");
+      }
+    }
+  }
+
+  // Replica executors: parameters share storage, buffers are copies.
+  impl->executors.push_back(executor);
+  for (int r = 1; r < most; ++r) {
+    CONVEYOR_ASSIGN_OR_RETURN(auto replica, executor->replica());
+    impl->executors.push_back(std::move(replica));
+  }
+  impl->programs.resize(static_cast<std::size_t>(num_stages));
+  for (int s = 0; s < num_stages; ++s) {
+    for (int r = 0; r < impl->stage_replicas[s]; ++r) {
+      CONVEYOR_ASSIGN_OR_RETURN(auto program, impl->executors[r]->stage(stages[s]));
+      impl->programs[s].push_back(std::move(program));
+    }
+  }
+  // Parameters by the stages that read them: reduced by their stage, or after the step
+  // when several stages read them.
+  std::map<ValueId, std::set<int>> readers;
+  for (int s = 0; s < num_stages; ++s) {
+    for (NodeId n : stages[s]) {
+      for (ValueId in : graph::Graph::node_inputs(g.nodes[n])) readers[in].insert(s);
+    }
+  }
+  impl->stage_parameters.resize(static_cast<std::size_t>(num_stages));
+  for (const auto& b : g.bindings) {
+    if (b.kind == graph::Binding::Kind::kBuffer) impl->buffers.push_back(b.name);
+    if (b.kind != graph::Binding::Kind::kParameter) continue;
+    const at::Tensor* t = executor->tensor(b.name);
+    if (t == nullptr || !t->requires_grad() || !readers.count(b.value)) continue;
+    const auto& who = readers[b.value];
+    if (who.size() == 1) {
+      impl->stage_parameters[*who.begin()].push_back(b.name);
+    } else {
+      impl->shared_parameters.push_back(b.name);
+    }
   }
   CONVEYOR_ASSIGN_OR_RETURN(impl->schedule, scheduler::make_schedule(spec));
   return std::unique_ptr<PipelineStep>(new PipelineStep(std::move(impl)));
@@ -179,8 +463,16 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
     return Status(ErrorCode::kInvalidArgument, "the batch has " + std::to_string(batch) + " samples, fewer than the " +
                                                    std::to_string(m) + " microbatches; use a larger batch or fewer microbatches");
   }
+  const int most = *std::max_element(im.stage_replicas.begin(), im.stage_replicas.end());
+  if (batch / m < most) {
+    return Status(ErrorCode::kInvalidArgument,
+                  "the batch has " + std::to_string(batch) + " samples: " + std::to_string(m) +
+                      " microbatches leave " + std::to_string(batch / m) + " per microbatch, fewer than the " +
+                      std::to_string(most) + " replicas of a stage; use a larger batch, fewer microbatches or fewer replicas");
+  }
+  im.batch = batch;
   im.micro_inputs.assign(static_cast<std::size_t>(m), {});
-  im.weight.assign(static_cast<std::size_t>(m), 0);
+  im.micro_length.assign(static_cast<std::size_t>(m), 0);
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     std::vector<at::Tensor> parts;
     if (im.batched_input[i] && inputs[i].isTensor()) {
@@ -193,38 +485,66 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
     }
     for (int mb = 0; mb < m; ++mb) {
       im.micro_inputs[mb].push_back(parts.empty() ? inputs[i] : c10::IValue(parts[mb]));
-      if (!parts.empty()) im.weight[mb] = static_cast<double>(parts[mb].size(0)) / static_cast<double>(batch);
+      if (!parts.empty()) im.micro_length[mb] = parts[mb].size(0);
+    }
+  }
+  // Replicas start from the user's buffers; their gradients start empty.
+  {
+    c10::NoGradGuard no_grad;
+    for (std::size_t r = 1; r < im.executors.size(); ++r) {
+      for (const auto& name : im.buffers) {
+        at::Tensor mine = *im.executors[r]->tensor(name);
+        mine.copy_(*im.executors[0]->tensor(name));
+      }
+      for (const auto& stage : im.stage_parameters) {
+        for (const auto& name : stage) {
+          at::Tensor p = *im.executors[r]->tensor(name);
+          p.mutable_grad().reset();
+        }
+      }
+      for (const auto& name : im.shared_parameters) {
+        at::Tensor p = *im.executors[r]->tensor(name);
+        p.mutable_grad().reset();
+      }
     }
   }
   im.values.clear();
+  im.joined.clear();
   im.grads.clear();
+  im.joined_grads.clear();
   im.activations.clear();
-  im.losses.assign(static_cast<std::size_t>(m), at::Tensor());
+  im.losses.clear();
   im.grad_scale = grad_scale;
   scheduler::RunnerHooks hooks;
-  hooks.compute = [&im](int, const Action& a) -> Status {
+  hooks.compute = [&im](int, int replica, const Action& a) -> Status {
     switch (a.kind) {
-      case ActionKind::kForward: return im.forward(a);
-      case ActionKind::kBackward: return im.backward(a, /*split=*/false);
-      case ActionKind::kBackwardInput: return im.backward(a, /*split=*/true);
-      case ActionKind::kBackwardWeight: return im.backward_weight(a);
+      case ActionKind::kForward: return im.forward(replica, a);
+      case ActionKind::kBackward: return im.backward(replica, a, /*split=*/false);
+      case ActionKind::kBackwardInput: return im.backward(replica, a, /*split=*/true);
+      case ActionKind::kBackwardWeight: return im.backward_weight(replica, a);
       case ActionKind::kOptimizerStep: return Status::ok();  // the user's optimizer steps after the call
       default: return Status(ErrorCode::kInternal, "not a compute action: " + scheduler::action_text(a));
     }
   };
-  scheduler::Runner runner(im.schedule, hooks);
+  hooks.allreduce = [&im](int, int, const Action& a) -> Status {
+    return im.reduce(im.stage_parameters[a.stage], im.stage_replicas[a.stage]);
+  };
+  scheduler::Runner runner(im.schedule, hooks, im.rank_replicas);
   auto measured = runner.run_step();
   im.values.clear();
+  im.joined.clear();
   im.activations.clear();
   im.grads.clear();
+  im.joined_grads.clear();
   if (!measured) return measured.status();
+  CONVEYOR_RETURN_IF_ERROR(im.reduce(im.shared_parameters, most));
   StepResult out;
   im.last = *measured;
   out.measured = std::move(*measured);
+  const int loss_replicas = im.stage_replicas[im.producer[im.loss]];
   at::Tensor total;
   for (int mb = 0; mb < m; ++mb) {
-    at::Tensor part = im.losses[mb] * im.weight[mb];
-    total = total.defined() ? total + part : part;
+    for (int i = 0; i < loss_replicas; ++i) add_into(total, im.losses.at({mb, i}) * im.weight(mb, loss_replicas, i));
   }
   out.loss = total;
   return out;
@@ -235,7 +555,7 @@ Status PipelineStep::write_trace(const std::string& path) const {
   trace::PerfettoTrace t;
   scheduler::SimulationResult spans;
   spans.spans = impl_->last.spans;
-  trace::add_simulation(t, impl_->schedule, spans, "measured");
+  trace::add_simulation(t, impl_->schedule, spans, "measured", impl_->rank_replicas);
   return t.write(path);
 }
 

@@ -1,10 +1,19 @@
-// One pipelined training step in one process: a captured graph cut into stages, its batch
-// sliced into microbatches, the schedule's action lists run by scheduler::Runner with each
-// F and B bound to the stage's program. Activations and gradients pass between stages in
-// memory (zero-copy: producer and consumer share the device). Parameter gradients
-// accumulate into the model's own .grad, each microbatch's loss weighted by its share of
-// the batch, so a step equals eager training with gradient accumulation over the same
-// microbatches.
+// One pipelined training step in one process: a captured graph cut into stages, each stage
+// run by one or more replicas, its batch sliced into microbatches and each microbatch into
+// one share per replica, the schedule's action lists run by scheduler::Runner with each F,
+// B, Bi and W bound to the replica's stage program.
+//
+// Data path. Activations and gradients pass between stages in memory: zero-copy from
+// replica i to replica i when both stages have as many replicas; otherwise the producing
+// replicas' shares are joined along the value's batch dimension and the consumer reads its
+// own share of that (a redistribution: one copy). Parameter gradients accumulate into each
+// replica's `.grad`; replica 0 is the user's model itself, the others are separate autograd
+// leaves sharing the parameters' storage (so an optimizer step reaches them all) with their
+// own buffers. Each stage's allreduce, run on the communication thread once its last
+// replica has finished backward, sums the replicas' gradients into the user's `.grad`
+// bucket by bucket; parameters used by several stages (tied weights) are summed after the
+// step. Each microbatch share's loss is weighted by its share of the batch, so a step
+// equals eager training with gradient accumulation over the same shares.
 //
 // Zero-bubble schedules split each backward: Bi (StageProgram::backward_input) hands the
 // input gradient on at once, W (backward_weight) fills idle time with the weight gradients.
@@ -28,21 +37,29 @@ struct StepResult {
   scheduler::RunResult measured;    ///< every action's measured span
 };
 
+struct PipelineOptions {
+  /// Replicas per rank (a rank's stages all have its count); empty: one each.
+  std::vector<int> replicas;
+  /// Gradients are summed across replicas in buckets of at most this many bytes.
+  std::int64_t bucket_bytes = 4 << 20;
+};
+
 class PipelineStep {
  public:
   /// `stages`: node lists in pipeline order (a valid partition); `spec`: the schedule
   /// (ranks = stages, or stages / chunks when interleaved).
   static Result<std::unique_ptr<PipelineStep>> create(std::shared_ptr<const graph::GraphExecutor> executor,
                                                       std::vector<std::vector<graph::NodeId>> stages,
-                                                      scheduler::ScheduleSpec spec);
+                                                      scheduler::ScheduleSpec spec, PipelineOptions options = {});
 
   /// Runs forward and backward of every microbatch. `inputs` are the whole batch (the
   /// graph's flattened inputs); tensors whose first dimension is the batch are split.
   /// Gradients reach the parameters scaled by `grad_scale` (the incoming loss gradient).
   Result<StepResult> run(const std::vector<c10::IValue>& inputs, double grad_scale = 1.0);
 
-  /// Writes the last step's measured actions as a Perfetto trace: a track per rank with its
-  /// compute, send and collective streams, flows from each transfer to its consumer.
+  /// Writes the last step's measured actions as a Perfetto trace: a track per rank and
+  /// replica with its compute, send and collective streams, flows from each transfer to its
+  /// consumer.
   Status write_trace(const std::string& path) const;
 
  private:

@@ -22,28 +22,39 @@ namespace {
 using Clock = std::chrono::steady_clock;
 // (Asio 1.22 cannot instantiate a channel of void(error_code) alone: the int is unused.)
 using Channel = asio::experimental::concurrent_channel<void(asio::error_code, int)>;
-// A message: kind (0 activation, 1 gradient, 2 allreduce done), microbatch, sending stage.
-using Key = std::tuple<int, int, int>;
+// A message: kind (0 activation, 1 gradient, 2 allreduce done), microbatch (or stage for
+// an allreduce), sending stage, sending replica, receiving replica.
+using Key = std::tuple<int, int, int, int, int>;
 }  // namespace
 
 // Shared by the threads of one step.
 struct Runner::State {
-  State(Schedule s, RunnerHooks h)
-      : schedule(std::move(s)), hooks(std::move(h)), compute(schedule.ranks.size()), exited(schedule.ranks.size()) {
+  State(Schedule s, RunnerHooks h, std::vector<int> r)
+      : schedule(std::move(s)), hooks(std::move(h)), replicas(std::move(r)) {
+    for (int rank = 0; rank < static_cast<int>(replicas.size()); ++rank) {
+      first_worker.push_back(static_cast<int>(workers.size()));
+      for (int i = 0; i < replicas[rank]; ++i) workers.emplace_back(rank, i);
+    }
+    compute.resize(workers.size());
     for (auto& c : compute) c = std::make_unique<asio::io_context>(1);
+    exited = std::vector<std::atomic<bool>>(workers.size());
     for (auto& e : exited) e = false;
   }
   // Copies: a thread left behind by a hook that never returns still finds them alive.
   const Schedule schedule;
   const RunnerHooks hooks;
+  const std::vector<int> replicas;               // per rank
+  std::vector<std::pair<int, int>> workers;      // (rank, replica), rank-major
+  std::vector<int> first_worker;                 // per rank
   asio::io_context comm{1};
-  std::vector<std::unique_ptr<asio::io_context>> compute;
-  std::vector<std::atomic<bool>> exited;  // per compute thread
+  std::vector<std::unique_ptr<asio::io_context>> compute;  // per worker
+  std::vector<std::atomic<bool>> exited;                   // per compute thread
+  std::map<int, int> allreduce_arrivals;                   // stage -> replicas arrived (comm thread only)
   std::atomic<bool> comm_exited{false};
   std::mutex mu;
   std::map<Key, std::shared_ptr<Channel>> channels;  // created by whichever side comes first
   std::vector<Span> spans;
-  std::vector<std::string> waiting;  // per rank: the action it is at
+  std::vector<std::string> waiting;  // per worker: the action it is at
   Status error = Status::ok();
   std::atomic<bool> failed{false};
   int finished = 0;
@@ -74,47 +85,92 @@ struct Runner::State {
     spans.push_back(s);
   }
 
-  // Runs a transfer or reduction of rank r on the communication thread (posted, not awaited:
-  // the rank goes on computing), timed on `stream`; completing it signals `ch`.
-  static void post(const std::shared_ptr<State>& st, int r, const Action& a, Span::Stream stream,
-                   std::shared_ptr<Channel> ch, std::string where) {
-    asio::post(st->comm, [st, r, a, stream, ch = std::move(ch), where = std::move(where)] {
+  // The replicas of `other_rank` that a replica `i` of `rank` exchanges microbatch data with.
+  std::vector<int> partners(int rank, int i, int other_rank) const {
+    if (replicas[rank] == replicas[other_rank]) return {i};
+    std::vector<int> all(static_cast<std::size_t>(replicas[other_rank]));
+    for (int j = 0; j < replicas[other_rank]; ++j) all[j] = j;
+    return all;
+  }
+
+  // Runs a send of replica i of rank r on the communication thread (posted, not awaited: the
+  // replica goes on computing); completing it signals every receiving replica.
+  static void post_send(const std::shared_ptr<State>& st, int r, int i, const Action& a, std::string where) {
+    const int kind = a.kind == ActionKind::kSendGradient ? 1 : 0;
+    std::vector<std::shared_ptr<Channel>> out;
+    for (int j : st->partners(r, i, a.peer)) out.push_back(st->channel({kind, a.microbatch, a.stage, i, j}));
+    asio::post(st->comm, [st, r, i, a, out = std::move(out), where = std::move(where)] {
       if (st->failed) return;
-      const auto& hook = stream == Span::Stream::kCollective ? st->hooks.allreduce : st->hooks.transfer;
       const double start = st->now();
-      if (hook) {
-        Status s = hook(r, a);
+      if (st->hooks.transfer) {
+        Status s = st->hooks.transfer(r, i, a);
         if (!s) return st->fail(s.with_context(where));
       }
-      st->record({r, stream, a, start, st->now()});
-      ch->try_send(asio::error_code{}, 0);
+      st->record({r, Span::Stream::kSend, a, start, st->now(), i});
+      for (auto& ch : out) ch->try_send(asio::error_code{}, 0);
     });
+  }
+
+  // Replica i of rank r arrives at its stage's allreduce; the last to arrive runs it (on the
+  // communication thread) and releases all of them through their channels.
+  static void post_allreduce(const std::shared_ptr<State>& st, int r, int i, const Action& a, std::string where) {
+    asio::post(st->comm, [st, r, a, where = std::move(where)] {
+      if (st->failed) return;
+      if (++st->allreduce_arrivals[a.stage] < st->replicas[r]) return;
+      const double start = st->now();
+      if (st->hooks.allreduce) {
+        Status s = st->hooks.allreduce(r, 0, a);
+        if (!s) return st->fail(s.with_context(where));
+      }
+      const double end = st->now();
+      for (int j = 0; j < st->replicas[r]; ++j) {
+        st->record({r, Span::Stream::kCollective, a, start, end, j});
+        st->channel({2, a.stage, a.stage, 0, j})->try_send(asio::error_code{}, 0);
+      }
+    });
+    (void)i;
   }
 };
 
-Runner::Runner(Schedule schedule, RunnerHooks hooks) : schedule_(std::move(schedule)), hooks_(std::move(hooks)) {}
+Runner::Runner(Schedule schedule, RunnerHooks hooks, std::vector<int> replicas)
+    : schedule_(std::move(schedule)), hooks_(std::move(hooks)), replicas_(std::move(replicas)) {}
 Runner::~Runner() = default;
 
 Result<RunResult> Runner::run_step(std::chrono::milliseconds timeout) {
   CONVEYOR_RETURN_IF_ERROR(validate_schedule(schedule_));
   if (!hooks_.compute) return Status(ErrorCode::kInvalidArgument, "the runner needs a compute hook");
   const int ranks = static_cast<int>(schedule_.ranks.size());
+  std::vector<int> replicas = replicas_.empty() ? std::vector<int>(static_cast<std::size_t>(ranks), 1) : replicas_;
+  if (static_cast<int>(replicas.size()) != ranks) {
+    return Status(ErrorCode::kInvalidArgument, "replica counts for " + std::to_string(replicas.size()) +
+                                                   " ranks, but the schedule has " + std::to_string(ranks));
+  }
+  for (int r = 0; r < ranks; ++r) {
+    if (replicas[r] < 1) {
+      return Status(ErrorCode::kInvalidArgument, "rank " + std::to_string(r) + " has " +
+                                                     std::to_string(replicas[r]) + " replicas (at least 1)");
+    }
+  }
   const bool with_stage = schedule_.spec.chunks > 1;
-  auto st = std::make_shared<State>(schedule_, hooks_);
-  st->waiting.assign(static_cast<std::size_t>(ranks), "start");
+  auto st = std::make_shared<State>(schedule_, hooks_, std::move(replicas));
+  const int workers = static_cast<int>(st->workers.size());
+  st->waiting.assign(static_cast<std::size_t>(workers), "start");
 
   // No captures: a coroutine lambda's captures live in the closure, not in the frame, and a
   // frame may outlive this function (a hook that never returns). State comes in by value.
-  auto walk = [](std::shared_ptr<State> st, int r, bool with_stage) -> asio::awaitable<void> {
+  auto walk = [](std::shared_ptr<State> st, int w, bool with_stage) -> asio::awaitable<void> {
+    const auto [r, i] = st->workers[w];
     const ActionList& list = st->schedule.ranks[r];
-    std::vector<std::shared_ptr<Channel>> reductions;  // this rank's allreduces in flight
+    std::vector<std::shared_ptr<Channel>> reductions;  // this replica's allreduces in flight
+    const std::string who = st->replicas[r] > 1 ? "rank " + std::to_string(r) + " replica " + std::to_string(i)
+                                                : "rank " + std::to_string(r);
     for (const Action& a : list) {
       if (st->failed) co_return;
       {
         std::lock_guard<std::mutex> lock(st->mu);
-        st->waiting[r] = action_text(a, with_stage);
+        st->waiting[w] = action_text(a, with_stage);
       }
-      const auto where = [&] { return "rank " + std::to_string(r) + " at " + action_text(a, with_stage); };
+      const auto where = [&] { return who + " at " + action_text(a, with_stage); };
       switch (a.kind) {
         case ActionKind::kForward:
         case ActionKind::kBackward:
@@ -128,76 +184,74 @@ Result<RunResult> Runner::run_step(std::chrono::milliseconds timeout) {
             }
           }
           const double start = st->now();
-          Status s = st->hooks.compute(r, a);
+          Status s = st->hooks.compute(r, i, a);
           if (!s) {
             st->fail(s.with_context(where()));
             co_return;
           }
-          st->record({r, Span::Stream::kCompute, a, start, st->now()});
+          st->record({r, Span::Stream::kCompute, a, start, st->now(), i});
           break;
         }
         case ActionKind::kSendActivation:
-        case ActionKind::kSendGradient: {
-          const bool grad = a.kind == ActionKind::kSendGradient;
-          State::post(st, r, a, Span::Stream::kSend, st->channel({grad ? 1 : 0, a.microbatch, a.stage}), where());
+        case ActionKind::kSendGradient:
+          State::post_send(st, r, i, a, where());
           break;
-        }
         case ActionKind::kRecvActivation:
         case ActionKind::kRecvGradient: {
           const bool grad = a.kind == ActionKind::kRecvGradient;
-          auto ch = st->channel({grad ? 1 : 0, a.microbatch, grad ? a.stage + 1 : a.stage - 1});
-          auto [ec, unused] = co_await ch->async_receive(asio::experimental::as_tuple(asio::use_awaitable));
-          if (ec) co_return;  // closed: another rank failed
-          break;
-        }
-        case ActionKind::kAllReduce: {
-          auto ch = std::make_shared<Channel>(st->comm.get_executor(), 1);
-          reductions.push_back(ch);
-          {
-            std::lock_guard<std::mutex> lock(st->mu);
-            st->channels[{2, r, a.stage}] = ch;  // closed with the others on failure
+          const int from_stage = grad ? a.stage + 1 : a.stage - 1;
+          for (int j : st->partners(r, i, a.peer)) {
+            auto ch = st->channel({grad ? 1 : 0, a.microbatch, from_stage, j, i});
+            auto [ec, unused] = co_await ch->async_receive(asio::experimental::as_tuple(asio::use_awaitable));
+            if (ec) co_return;  // closed: another worker failed
           }
-          State::post(st, r, a, Span::Stream::kCollective, ch, where());
           break;
         }
+        case ActionKind::kAllReduce:
+          reductions.push_back(st->channel({2, a.stage, a.stage, 0, i}));
+          State::post_allreduce(st, r, i, a, where());
+          break;
       }
     }
     std::lock_guard<std::mutex> lock(st->mu);
-    st->waiting[r] = "";
+    st->waiting[w] = "";
     ++st->finished;
     st->done.notify_all();
   };
 
   st->t0 = Clock::now();
-  for (int r = 0; r < ranks; ++r) {
-    asio::co_spawn(*st->compute[r], walk(st, r, with_stage), asio::detached);
+  for (int w = 0; w < workers; ++w) {
+    asio::co_spawn(*st->compute[w], walk(st, w, with_stage), asio::detached);
   }
-  // Threads: one per rank for compute (and its coroutine), one for all communication.
+  // Threads: one per replica for compute (and its coroutine), one for all communication.
   auto comm_guard = asio::make_work_guard(st->comm);
   std::thread comm_thread([st] {
     st->comm.run();
     st->comm_exited = true;
   });
   std::vector<std::thread> compute_threads;
-  for (int r = 0; r < ranks; ++r) {
-    compute_threads.emplace_back([st, r] {
-      st->compute[r]->run();
-      st->exited[r] = true;
+  for (int w = 0; w < workers; ++w) {
+    compute_threads.emplace_back([st, w] {
+      st->compute[w]->run();
+      st->exited[w] = true;
     });
   }
 
   bool in_time;
   {
     std::unique_lock<std::mutex> lock(st->mu);
-    in_time = st->done.wait_for(lock, timeout, [&] { return st->finished == ranks || st->failed.load(); });
+    in_time = st->done.wait_for(lock, timeout, [&] { return st->finished == workers || st->failed.load(); });
   }
   Status outcome = Status::ok();
   if (!in_time) {
     std::string stuck;
     {
       std::lock_guard<std::mutex> lock(st->mu);
-      for (int r = 0; r < ranks; ++r) {
-        if (!st->waiting[r].empty()) stuck += " rank " + std::to_string(r) + " at " + st->waiting[r] + ";";
+      for (int w = 0; w < workers; ++w) {
+        if (st->waiting[w].empty()) continue;
+        const auto [r, i] = st->workers[w];
+        stuck += " rank " + std::to_string(r) + (st->replicas[r] > 1 ? " replica " + std::to_string(i) : "") +
+                 " at " + st->waiting[w] + ";";
       }
     }
     outcome = Status(ErrorCode::kExecution, "the step did not finish within " + std::to_string(timeout.count()) +
@@ -211,19 +265,19 @@ Result<RunResult> Runner::run_step(std::chrono::milliseconds timeout) {
   // A hook that never returns keeps its thread: give each a moment, then leave it behind
   // (it holds the shared state alive) rather than hang the caller.
   const auto deadline = Clock::now() + std::chrono::seconds(1);
-  for (int r = 0; r < ranks; ++r) {
-    while (!st->exited[r] && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    if (st->exited[r]) compute_threads[r].join(); else compute_threads[r].detach();
+  for (int w = 0; w < workers; ++w) {
+    while (!st->exited[w] && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (st->exited[w]) compute_threads[w].join(); else compute_threads[w].detach();
   }
   while (!st->comm_exited && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   const bool comm_joined = st->comm_exited;
   if (comm_joined) comm_thread.join(); else comm_thread.detach();
   // Coroutines still suspended hold the state (and it holds them): let them see their closed
   // channels and finish, here, on contexts no thread runs any more.
-  for (int r = 0; r < ranks; ++r) {
-    if (!st->exited[r]) continue;
-    st->compute[r]->restart();
-    st->compute[r]->poll();
+  for (int w = 0; w < workers; ++w) {
+    if (!st->exited[w]) continue;
+    st->compute[w]->restart();
+    st->compute[w]->poll();
   }
   if (comm_joined) {
     st->comm.restart();

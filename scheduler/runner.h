@@ -1,7 +1,11 @@
-// Runs a Schedule's action lists for real: one compute thread per rank, one communication
-// thread for the whole process, each rank's list walked by a C++20 coroutine (Asio) that
-// awaits its receives, runs its compute, and posts its sends without waiting for them, so
-// transfers overlap compute. What F, B, W and a transfer do is supplied by the caller (the
+// Runs a Schedule's action lists for real: one compute thread per stage replica (a rank's
+// stage group may be replicated), one communication thread for the whole process, each
+// replica's list walked by a C++20 coroutine (Asio) that awaits its receives, runs its
+// compute, and posts its sends without waiting for them, so transfers overlap compute.
+// Replicas of a rank run the same list on their shares of each microbatch; a receive waits
+// for the producing replica of the same index when both sides have as many replicas, for
+// every producing replica otherwise (the payload is redistributed); the allreduce of a
+// stage runs once every replica has reached it, and releases them all. What F, B, W and a transfer do is supplied by the caller (the
 // runtime binds them to stage programs and tensors); the runner orders them, measures every
 // action, and turns failures and hangs into errors naming the rank and the action.
 // Torch-free.
@@ -19,13 +23,14 @@
 namespace conveyor::scheduler {
 
 struct RunnerHooks {
-  /// F, B, Bi, W and the optimizer step of `rank`; runs on the rank's compute thread.
-  std::function<Status(int rank, const Action&)> compute;
+  /// F, B, Bi, W and the optimizer step of one replica of `rank`; runs on its compute thread.
+  std::function<Status(int rank, int replica, const Action&)> compute;
   /// The payload of a send (a copy, a device transfer); runs on the communication thread.
   /// Empty: transfers only signal arrival.
-  std::function<Status(int rank, const Action&)> transfer;
-  /// The gradient reduction of one stage; runs on the communication thread. Empty: nothing.
-  std::function<Status(int rank, const Action&)> allreduce;
+  std::function<Status(int rank, int replica, const Action&)> transfer;
+  /// The gradient reduction of one stage across its replicas (called once, with replica 0,
+  /// when all have arrived); runs on the communication thread. Empty: nothing.
+  std::function<Status(int rank, int replica, const Action&)> allreduce;
 };
 
 struct RunResult {
@@ -35,7 +40,8 @@ struct RunResult {
 
 class Runner {
  public:
-  Runner(Schedule schedule, RunnerHooks hooks);
+  /// `replicas`: per rank, how many replicas run its list (empty: one each).
+  Runner(Schedule schedule, RunnerHooks hooks, std::vector<int> replicas = {});
   ~Runner();
   Runner(const Runner&) = delete;
   Runner& operator=(const Runner&) = delete;
@@ -50,6 +56,7 @@ class Runner {
   struct State;
   Schedule schedule_;
   RunnerHooks hooks_;
+  std::vector<int> replicas_;
 };
 
 }  // namespace conveyor::scheduler

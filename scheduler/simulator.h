@@ -41,6 +41,7 @@ struct Span {
   Stream stream = Stream::kCompute;
   Action action{ActionKind::kForward};
   double start_s = 0, end_s = 0;
+  int replica = 0;  ///< which replica of the rank's stage group (measured runs; 0 in simulations)
 };
 
 struct SimulationResult {

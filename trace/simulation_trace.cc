@@ -1,49 +1,71 @@
 #include "trace/simulation_trace.h"
 
 #include <cmath>
+#include <algorithm>
 #include <map>
+#include <tuple>
 
 namespace conveyor::trace {
 
 using scheduler::ActionKind;
 using scheduler::Span;
 
-std::uint64_t transfer_flow_id(bool gradient, int microbatch, int sending_stage) {
-  return (static_cast<std::uint64_t>(gradient) << 62) | (static_cast<std::uint64_t>(microbatch) << 24) |
-         static_cast<std::uint64_t>(sending_stage) | (std::uint64_t{1} << 61);
+std::uint64_t transfer_flow_id(bool gradient, int microbatch, int sending_stage, int sending_replica) {
+  return (static_cast<std::uint64_t>(gradient) << 62) | (std::uint64_t{1} << 61) |
+         (static_cast<std::uint64_t>(sending_replica) << 40) | (static_cast<std::uint64_t>(microbatch) << 20) |
+         static_cast<std::uint64_t>(sending_stage);
 }
 
 void add_simulation(PerfettoTrace& trace, const scheduler::Schedule& schedule,
-                    const scheduler::SimulationResult& result, const std::string& name) {
+                    const scheduler::SimulationResult& result, const std::string& name,
+                    const std::vector<int>& replica_counts) {
   const int ranks = static_cast<int>(schedule.ranks.size());
   const int stages = schedule.spec.stages();
-  std::vector<std::uint64_t> rank_track(ranks), compute(ranks), collective(ranks);
-  std::map<std::pair<int, int>, std::uint64_t> send;  // (rank, peer): one stream per link
+  std::vector<int> replicas = replica_counts;
+  if (static_cast<int>(replicas.size()) != ranks) replicas.assign(static_cast<std::size_t>(ranks), 1);
+  struct Tracks {
+    std::uint64_t group = 0, compute = 0, collective = 0;
+  };
+  std::map<std::pair<int, int>, Tracks> tracks;        // (rank, replica)
+  std::map<std::tuple<int, int, int>, std::uint64_t> send;  // (rank, replica, peer): one stream per link
   for (int r = 0; r < ranks; ++r) {
-    rank_track[r] = trace.add_track(name + " rank " + std::to_string(r));
-    compute[r] = trace.add_track("compute", rank_track[r]);
-    collective[r] = trace.add_track("collective", rank_track[r]);
+    for (int i = 0; i < replicas[r]; ++i) {
+      Tracks& t = tracks[{r, i}];
+      t.group = trace.add_track(name + " rank " + std::to_string(r) +
+                                (replicas[r] > 1 ? " replica " + std::to_string(i) : ""));
+      t.compute = trace.add_track("compute", t.group);
+      t.collective = trace.add_track("collective", t.group);
+    }
   }
-  auto send_track = [&](int r, int peer) {
-    auto [it, fresh] = send.emplace(std::pair{r, peer}, 0);
-    if (fresh) it->second = trace.add_track("send to rank " + std::to_string(peer), rank_track[r]);
+  auto send_track = [&](int r, int i, int peer) {
+    auto [it, fresh] = send.emplace(std::tuple{r, i, peer}, 0);
+    if (fresh) it->second = trace.add_track("send to rank " + std::to_string(peer), tracks[{r, i}].group);
     return it->second;
+  };
+  // The replicas of the rank holding `stage` that replica i of `rank` exchanges data with.
+  auto partners = [&](int rank, int i, int stage) {
+    const int other = schedule.spec.rank_of_stage(stage);
+    std::vector<int> out;
+    if (replicas[other] == replicas[rank]) return std::vector<int>{i};
+    for (int j = 0; j < replicas[other]; ++j) out.push_back(j);
+    return out;
   };
   auto ns = [](double s) { return static_cast<std::uint64_t>(std::llround(s * 1e9)); };
   const bool with_stage = schedule.spec.chunks > 1;
   for (const Span& span : result.spans) {
     const auto& a = span.action;
+    const int r = span.rank, i = std::min(span.replica, replicas[r] - 1);
     std::vector<std::uint64_t> flows;
-    std::uint64_t track = compute[span.rank];
+    std::uint64_t track = tracks[{r, i}].compute;
     if (span.stream == Span::Stream::kSend) {
-      track = send_track(span.rank, a.peer);
-      flows.push_back(transfer_flow_id(a.kind == ActionKind::kSendGradient, a.microbatch, a.stage));
+      track = send_track(r, i, a.peer);
+      flows.push_back(transfer_flow_id(a.kind == ActionKind::kSendGradient, a.microbatch, a.stage, i));
     } else if (span.stream == Span::Stream::kCollective) {
-      track = collective[span.rank];
+      track = tracks[{r, i}].collective;
     } else if (a.kind == ActionKind::kForward && a.stage > 0) {
-      flows.push_back(transfer_flow_id(false, a.microbatch, a.stage - 1));
+      for (int j : partners(r, i, a.stage - 1)) flows.push_back(transfer_flow_id(false, a.microbatch, a.stage - 1, j));
     } else if ((a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardInput) && a.stage + 1 < stages) {
-      flows.push_back(transfer_flow_id(true, a.microbatch, a.stage + 1));
+      for (int j : partners(r, i, a.stage + 1)) flows.push_back(transfer_flow_id(true, a.microbatch, a.stage + 1, j));
     }
     trace.slice(track, ns(span.start_s), ns(span.end_s), scheduler::action_text(a, with_stage), flows);
   }

@@ -7,11 +7,15 @@
 
 namespace conveyor::trace {
 
-/// Adds the spans of `result` (simulated from `schedule`) to `trace`; `name` titles the tracks.
+/// Adds the spans of `result` (simulated from `schedule`, or measured) to `trace`; `name`
+/// titles the tracks. `replicas` (per rank; empty: one each) gives replicated ranks a track
+/// per replica; a transfer then flows to the replica of the same index when both stages
+/// have as many replicas, to every consuming replica otherwise.
 void add_simulation(PerfettoTrace& trace, const scheduler::Schedule& schedule,
-                    const scheduler::SimulationResult& result, const std::string& name = "simulated");
+                    const scheduler::SimulationResult& result, const std::string& name = "simulated",
+                    const std::vector<int>& replicas = {});
 
 /// The flow id joining a transfer to the computation that consumes it.
-std::uint64_t transfer_flow_id(bool gradient, int microbatch, int sending_stage);
+std::uint64_t transfer_flow_id(bool gradient, int microbatch, int sending_stage, int sending_replica = 0);
 
 }  // namespace conveyor::trace

@@ -1,9 +1,10 @@
 """A pipelined step in one process (C++ runner threads bound to stage programs) trains
 exactly like eager PyTorch with gradient accumulation over the same microbatches.
 
-For the deterministic zoo (float64): 3 SGD steps with stages in {2, 3}, microbatches in
-{1, 2, 4} (keeping two samples per microbatch for BatchNorm) and the schedules GPipe, 1F1B, ZB-H1 (split backward) and interleaved (2 chunks per
-rank) leave every parameter and buffer within a relative 1e-9 of eager.
+For the deterministic zoo (float64): 3 SGD steps with stages in {2, 3, 4}, replicas in
+{1, 2}, microbatches in {1, 4, 8} (keeping two samples per share for BatchNorm) and the
+schedules GPipe, 1F1B, ZB-H1 (split backward) and interleaved (2 chunks per rank) leave
+every parameter (and, with one replica, every buffer) within a relative 1e-9 of eager.
 """
 import copy
 
@@ -32,48 +33,67 @@ def batch_size(case):
 
 
 CASES = [name for name, make in zoo.CASES.items() if name != "dropout"]
+# Batch per model: large enough for 8 microbatches of 2 replicas where it is cheap.
+BATCH = {"resnet18": 8, "unet3d": 8}
+
+
+def has_batchnorm(model):
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def configs(batch, batchnorm):
+    """(schedule, stages, chunks, replicas, microbatches): stages in {2, 3, 4}, replicas in
+    {1, 2}, microbatches in {1, 4, 8}, every schedule (interleaved: 2 chunks per rank). A
+    BatchNorm model needs two samples in every share, so its larger splits are left out."""
+    out = []
+    for stages in (2, 3, 4):
+        for replicas in (1, 2):
+            for m in (1, 4, 8):
+                if batch // m < replicas * (2 if batchnorm else 1):
+                    continue
+                for schedule in ("gpipe", "1f1b", "zb-h1"):
+                    out.append((schedule, stages, 1, replicas, m))
+                if stages % 2 == 0 and m % (stages // 2) == 0:
+                    out.append(("interleaved", stages, 2, replicas, m))
+    return out
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_pipelined_steps_equal_eager_gradient_accumulation(name, rel_err):
     torch.manual_seed(0)
-    case = zoo.CASES[name]()
+    case = zoo.CASES[name](batch=BATCH.get(name, 16))
     batch = batch_size(case)
     wrapped = loss_only(case)
+    batchnorm = has_batchnorm(wrapped)
     initial = copy.deepcopy(wrapped.state_dict())
     graph = conveyor.capture(wrapped, case.args, case.kwargs)
     wrapped.load_state_dict(initial)
     inputs = graph.flatten_inputs(case.args, case.kwargs)
-    configs = []
-    for stages in (2, 3):
-        for m in (1, 2, 4):
-            if batch // m < 2:  # BatchNorm needs two samples per microbatch
-                continue
-            configs += [("gpipe", stages, m, 1), ("1f1b", stages, m, 1), ("zb-h1", stages, m, 1)]
-    configs.append(("interleaved", 4, 2 if batch >= 4 else 1, 2))
-    for schedule, stages, m, chunks in configs:
-        if schedule == "interleaved" and m % (stages // chunks):
-            continue
+    tried = 0
+    for schedule, stages, chunks, replicas, m in configs(batch, batchnorm):
         partition = graph.random_partition(stages, seed=stages * 10 + m, keep_node_order=False)
-        step = _C.PipelineStep(graph.executor, partition, schedule, m, chunks)
+        step = _C.PipelineStep(graph.executor, partition, schedule, m, chunks, [replicas] * (stages // chunks))
         ref = copy.deepcopy(wrapped)
         wrapped.load_state_dict(initial)
         ref.load_state_dict(initial)
         opt = torch.optim.SGD(wrapped.parameters(), lr=0.05)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+        what = f"{name} {schedule} stages={stages} replicas={replicas} m={m}"
         for _ in range(3):
             opt.zero_grad(set_to_none=True)
             loss, seconds, actions = step.run(inputs)
             opt.step()
+            # Eager: gradient accumulation over the same shares (each microbatch split
+            # between the replicas), each weighted by its part of the batch.
             ref_opt.zero_grad(set_to_none=True)
             ref_loss = 0
             for a, k in split_batch(case.args, case.kwargs, m, batch):
-                share = batch_size(zoo.ZooCase(name, None, a, k)) / batch
-                part = ref(*a, **k) * share
-                part.backward()
-                ref_loss = ref_loss + part.detach()
+                for a2, k2 in split_batch(a, k, replicas, batch_size(zoo.ZooCase(name, None, a, k))):
+                    share = batch_size(zoo.ZooCase(name, None, a2, k2)) / batch
+                    part = ref(*a2, **k2) * share
+                    part.backward()
+                    ref_loss = ref_loss + part.detach()
             ref_opt.step()
-            what = f"{name} {schedule} stages={stages} m={m}"
             assert rel_err(loss, ref_loss) <= TOLERANCE, f"{what}: loss {loss.item()} vs {ref_loss.item()}"
             assert actions > 0 and seconds > 0
         for (n, p), (_, q) in zip(wrapped.named_parameters(), ref.named_parameters()):
@@ -81,8 +101,51 @@ def test_pipelined_steps_equal_eager_gradient_accumulation(name, rel_err):
             # arithmetic (BERT's key bias under softmax) leaves rounding noise near 1e-23.
             err = (p - q).abs().max().item() / max(q.abs().max().item(), 1e-6)
             assert err <= TOLERANCE, f"{what}: parameter {n} differs by {err:.2e}"
-        for (n, b), (_, c) in zip(wrapped.named_buffers(), ref.named_buffers()):
-            assert torch.equal(b, c) or rel_err(b, c) <= TOLERANCE, f"{what}: buffer {n} differs"
+        if replicas == 1:  # with replicas, running statistics follow replica 0's shares (docs/design.md)
+            for (n, b), (_, c) in zip(wrapped.named_buffers(), ref.named_buffers()):
+                assert torch.equal(b, c) or rel_err(b, c) <= TOLERANCE, f"{what}: buffer {n} differs"
+        tried += 1
+    assert tried >= 20, f"{name}: only {tried} configurations ran"
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt2", "bert", "t5"])
+def test_stages_with_different_replica_counts_redistribute(name, rel_err):
+    """Replica counts 2, 1, 3: activations are joined and re-split along their batch
+    dimension between stages (and gradients back), still equal to eager accumulation."""
+    torch.manual_seed(0)
+    case = zoo.CASES[name](batch=12)
+    wrapped = loss_only(case)
+    initial = copy.deepcopy(wrapped.state_dict())
+    graph = conveyor.capture(wrapped, case.args, case.kwargs)
+    wrapped.load_state_dict(initial)
+    inputs = graph.flatten_inputs(case.args, case.kwargs)
+    ran = 0
+    for seed in range(4):
+        for schedule in ("1f1b", "zb-h1"):
+            partition = graph.random_partition(3, seed=seed)
+            try:
+                step = _C.PipelineStep(graph.executor, partition, schedule, 2, 1, [2, 1, 3])
+            except conveyor.UnsupportedError as e:  # a cut through a value with no batch dimension
+                assert "same number of replicas" in str(e)
+                continue
+            wrapped.load_state_dict(initial)
+            wrapped.zero_grad(set_to_none=True)
+            loss, _, _ = step.run(inputs)
+            got = {n: p.grad.clone() for n, p in wrapped.named_parameters() if p.grad is not None}
+            wrapped.zero_grad(set_to_none=True)
+            ref_loss = 0
+            for a, k in split_batch(case.args, case.kwargs, 2, 12):
+                part = wrapped(*a, **k) * 0.5
+                part.backward()
+                ref_loss = ref_loss + part.detach()
+            assert rel_err(loss, ref_loss) <= TOLERANCE
+            for n, p in wrapped.named_parameters():
+                if p.grad is None:
+                    continue
+                err = (got[n] - p.grad).abs().max().item() / max(p.grad.abs().max().item(), 1e-6)
+                assert err <= TOLERANCE, f"{name} {schedule} seed {seed}: {n} differs by {err:.2e}"
+            ran += 1
+    assert ran >= 4, f"{name}: only {ran} partitions could run with different replica counts"
 
 
 class SharedLayers(torch.nn.Module):
@@ -128,6 +191,11 @@ def test_bad_pipelined_inputs_get_clear_errors():
     step = _C.PipelineStep(graph.executor, parts, "1f1b", 4)
     with pytest.raises(conveyor.ConveyorValueError, match="fewer than the 4 microbatches"):
         step.run(graph.flatten_inputs(case.args, {}))
+    replicated = _C.PipelineStep(graph.executor, parts, "1f1b", 2, 1, [2, 2])
+    with pytest.raises(conveyor.ConveyorValueError, match="fewer than the 2 replicas"):
+        replicated.run(graph.flatten_inputs(case.args, {}))
+    with pytest.raises(conveyor.ConveyorValueError, match="at least one replica"):
+        _C.PipelineStep(graph.executor, parts, "1f1b", 2, 1, [1, 0])
     linear = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4)).double()
     raw = conveyor.capture(linear, (case.args[0],))  # returns outputs, not a loss
     with pytest.raises(conveyor.ConveyorValueError, match="one scalar loss"):

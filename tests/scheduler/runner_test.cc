@@ -79,9 +79,9 @@ struct Recorder {
   }
 
   RunnerHooks hooks() {
-    return {[this](int r, const Action& a) { return compute(r, a); },
-            [this](int r, const Action& a) { return transfer(r, a); },
-            [this](int r, const Action& a) { return allreduce(r, a); }};
+    return {[this](int r, int, const Action& a) { return compute(r, a); },
+            [this](int r, int, const Action& a) { return transfer(r, a); },
+            [this](int r, int, const Action& a) { return allreduce(r, a); }};
   }
 
   ScheduleSpec spec;
@@ -125,17 +125,108 @@ TEST(Runner, EveryScheduleRunsInDependencyOrderOnRealThreads) {
   }
 }
 
+// Replicated ranks: each replica runs the list on its share; a receive waits for the
+// matching replica (equal counts) or for every producing replica (different counts); the
+// allreduce runs once per stage after every replica's backwards, and before any replica's
+// optimizer step.
+TEST(Runner, ReplicatedRanksWaitForTheirProducersAndReduceOnce) {
+  for (auto spec : {ScheduleSpec{ScheduleKind::kOneFOneB, 4, 6}, ScheduleSpec{ScheduleKind::kZeroBubbleH1, 4, 6},
+                    ScheduleSpec{ScheduleKind::kGPipe, 4, 3}}) {
+    const std::vector<int> replicas = {2, 1, 3, 3};
+    auto schedule = make_schedule(spec);
+    ASSERT_TRUE(schedule.is_ok());
+    const int p = spec.ranks, m = spec.microbatches, most = 3;
+    auto idx = [&](int s, int mb, int i) { return static_cast<std::size_t>((s * m + mb) * most + i); };
+    std::vector<std::atomic<int>> f(p * m * most), b(p * m * most), sent_a(p * m * most), sent_g(p * m * most);
+    std::vector<std::atomic<int>> reduced(p), stepped(p * most);
+    auto producers = [&](int s, int i, int other) {
+      std::vector<int> out;
+      if (replicas[s] == replicas[other]) return std::vector<int>{i};
+      for (int j = 0; j < replicas[other]; ++j) out.push_back(j);
+      return out;
+    };
+    RunnerHooks hooks;
+    hooks.compute = [&](int r, int i, const Action& a) -> Status {
+      auto bad = [&](const std::string& why) {
+        return Status(ErrorCode::kInternal, "replica " + std::to_string(i) + " " + action_text(a) + ": " + why);
+      };
+      const int s = a.stage, mb = a.microbatch;
+      switch (a.kind) {
+        case ActionKind::kForward:
+          if (s > 0) {
+            for (int j : producers(s, i, s - 1)) {
+              if (!sent_a[idx(s - 1, mb, j)]) return bad("ran before producer replica " + std::to_string(j));
+            }
+          }
+          ++f[idx(s, mb, i)];
+          break;
+        case ActionKind::kBackward:
+        case ActionKind::kBackwardInput:
+          if (s + 1 < p) {
+            for (int j : producers(s, i, s + 1)) {
+              if (!sent_g[idx(s + 1, mb, j)]) return bad("ran before gradient replica " + std::to_string(j));
+            }
+          }
+          ++b[idx(s, mb, i)];
+          break;
+        case ActionKind::kBackwardWeight:
+          break;
+        case ActionKind::kOptimizerStep:
+          if (!reduced[r]) return bad("stepped before the allreduce");
+          ++stepped[static_cast<std::size_t>(r * most + i)];
+          break;
+        default:
+          return bad("not compute");
+      }
+      return Status::ok();
+    };
+    hooks.transfer = [&](int, int i, const Action& a) -> Status {
+      (a.kind == ActionKind::kSendGradient ? sent_g : sent_a)[idx(a.stage, a.microbatch, i)]++;
+      return Status::ok();
+    };
+    hooks.allreduce = [&](int r, int i, const Action& a) -> Status {
+      for (int j = 0; j < replicas[r]; ++j) {
+        for (int mb = 0; mb < m; ++mb) {
+          if (!b[idx(a.stage, mb, j)]) return Status(ErrorCode::kInternal, "allreduce before every backward");
+        }
+      }
+      if (i != 0 || reduced[r]++) return Status(ErrorCode::kInternal, "allreduce ran twice");
+      return Status::ok();
+    };
+    Runner runner(*schedule, hooks, replicas);
+    auto result = runner.run_step(std::chrono::seconds(60));
+    ASSERT_TRUE(result.is_ok()) << schedule_kind_name(spec.kind) << ": " << result.status().to_string();
+    for (int s = 0; s < p; ++s) {
+      EXPECT_EQ(reduced[s], 1);
+      for (int i = 0; i < replicas[s]; ++i) {
+        EXPECT_EQ(stepped[static_cast<std::size_t>(s * most + i)], 1);
+        for (int mb = 0; mb < m; ++mb) {
+          EXPECT_EQ(f[idx(s, mb, i)], 1);
+          EXPECT_EQ(b[idx(s, mb, i)], 1);
+        }
+      }
+    }
+  }
+  Runner bad(*make_schedule({ScheduleKind::kOneFOneB, 2, 2}), RunnerHooks{[](int, int, const Action&) {
+               return Status::ok();
+             }},
+             {1, 0});
+  auto refused = bad.run_step();
+  ASSERT_FALSE(refused.is_ok());
+  EXPECT_NE(refused.status().message().find("rank 1 has 0 replicas"), std::string::npos);
+}
+
 TEST(Runner, AFailingHookStopsEveryRankAndNamesItself) {
   auto schedule = make_schedule({ScheduleKind::kOneFOneB, 4, 8});
   ASSERT_TRUE(schedule.is_ok());
   Recorder rec(schedule->spec);
   RunnerHooks hooks = rec.hooks();
   auto inner = hooks.compute;
-  hooks.compute = [inner](int r, const Action& a) {
+  hooks.compute = [inner](int r, int, const Action& a) {
     if (r == 2 && a.kind == ActionKind::kBackward && a.microbatch == 3) {
       return Status(ErrorCode::kExecution, "out of memory in the test");
     }
-    return inner(r, a);
+    return inner(r, 0, a);
   };
   Runner runner(*schedule, hooks);
   auto result = runner.run_step(std::chrono::seconds(60));
@@ -153,12 +244,12 @@ TEST(Runner, AHookThatNeverReturnsTimesOutNamingWhereRanksWait) {
   std::shared_future<void> gate = release->get_future().share();
   RunnerHooks hooks = rec->hooks();
   auto inner = hooks.compute;
-  hooks.compute = [rec, inner, gate](int r, const Action& a) {
+  hooks.compute = [rec, inner, gate](int r, int, const Action& a) {
     if (r == 1 && a.kind == ActionKind::kForward && a.microbatch == 1) gate.wait();  // a lost peer, say
-    return inner(r, a);
+    return inner(r, 0, a);
   };
-  hooks.transfer = [rec](int r, const Action& a) { return rec->transfer(r, a); };
-  hooks.allreduce = [rec](int r, const Action& a) { return rec->allreduce(r, a); };
+  hooks.transfer = [rec](int r, int, const Action& a) { return rec->transfer(r, a); };
+  hooks.allreduce = [rec](int r, int, const Action& a) { return rec->allreduce(r, a); };
   Runner runner(*schedule, hooks);
   auto result = runner.run_step(std::chrono::milliseconds(300));
   release->set_value();  // let the stuck thread finish
