@@ -209,7 +209,7 @@ PYBIND11_MODULE(_C, m) {
                                     "One pipelined training step over stages of a graph, in this process.")
       .def(py::init([](const std::shared_ptr<GraphExecutor>& ex, std::vector<std::vector<NodeId>> stages,
                        const std::string& schedule, int microbatches, int chunks, std::vector<int> replicas,
-                       std::int64_t bucket_bytes) {
+                       std::int64_t bucket_bytes, int intra_op_threads) {
              scheduler::ScheduleSpec spec;
              spec.kind = unwrap(scheduler::schedule_kind_from_name(schedule));
              spec.chunks = chunks;
@@ -218,11 +218,14 @@ PYBIND11_MODULE(_C, m) {
              runtime::PipelineOptions options;
              options.replicas = std::move(replicas);
              if (bucket_bytes > 0) options.bucket_bytes = bucket_bytes;
+             options.intra_op_threads = intra_op_threads;
              return unwrap(runtime::PipelineStep::create(ex, std::move(stages), spec, std::move(options)));
            }),
            py::arg("executor"), py::arg("stages"), py::arg("schedule") = "1f1b", py::arg("microbatches") = 1,
            py::arg("chunks") = 1, py::arg("replicas") = std::vector<int>{}, py::arg("bucket_bytes") = 0,
-           "replicas: per rank (empty: one each); bucket_bytes: gradient reduction bucket size (0: 4 MiB).")
+           py::arg("intra_op_threads") = 0,
+           "replicas: per rank (empty: one each); bucket_bytes: gradient reduction bucket size (0: 4 MiB); "
+           "intra_op_threads: torch threads per replica (0: the caller's shared out).")
       .def(
           "run",
           [](runtime::PipelineStep& step, const py::sequence& inputs, double grad_scale) {

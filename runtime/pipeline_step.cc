@@ -1,6 +1,7 @@
 #include "runtime/pipeline_step.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 
 #include <map>
@@ -44,6 +45,7 @@ struct PipelineStep::Impl {
   std::vector<int> rank_replicas;   // per rank
   std::vector<int> stage_replicas;  // per stage
   std::int64_t bucket_bytes = 4 << 20;
+  int intra_op_threads = 0;
   std::vector<bool> batched_input;  // per graph input: split along dim 0
   std::map<ValueId, int> input_index;
   std::vector<int> producer;    // per value: the stage defining it, -1 for inputs and bindings
@@ -282,6 +284,7 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
   auto impl = std::make_unique<Impl>();
   impl->loss = g.outputs[0];
   impl->bucket_bytes = std::max<std::int64_t>(options.bucket_bytes, 1);
+  impl->intra_op_threads = std::max(options.intra_op_threads, 0);
   impl->rank_replicas = options.replicas.empty() ? std::vector<int>(static_cast<std::size_t>(spec.ranks), 1)
                                                  : options.replicas;
   if (static_cast<int>(impl->rank_replicas.size()) != spec.ranks) {
@@ -515,8 +518,19 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
   im.activations.clear();
   im.losses.clear();
   im.grad_scale = grad_scale;
+  // Each replica's compute thread gets its share of the caller's intra-op threads (they
+  // would otherwise each start a full-size pool and oversubscribe the cores).
+  const int caller_threads = at::get_num_threads();
+  int workers = 0;
+  for (int r : im.rank_replicas) workers += r;
+  const int threads = im.intra_op_threads > 0 ? im.intra_op_threads : std::max(1, caller_threads / workers);
   scheduler::RunnerHooks hooks;
-  hooks.compute = [&im](int, int replica, const Action& a) -> Status {
+  hooks.compute = [&im, threads](int, int replica, const Action& a) -> Status {
+    thread_local int configured = 0;
+    if (configured != threads) {
+      at::set_num_threads(threads);
+      configured = threads;
+    }
     switch (a.kind) {
       case ActionKind::kForward: return im.forward(replica, a);
       case ActionKind::kBackward: return im.backward(replica, a, /*split=*/false);
@@ -531,6 +545,7 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
   };
   scheduler::Runner runner(im.schedule, hooks, im.rank_replicas);
   auto measured = runner.run_step();
+  at::set_num_threads(caller_threads);  // the setting is process-wide as well as per thread
   im.values.clear();
   im.joined.clear();
   im.activations.clear();

@@ -42,6 +42,9 @@ struct PipelineOptions {
   std::vector<int> replicas;
   /// Gradients are summed across replicas in buckets of at most this many bytes.
   std::int64_t bucket_bytes = 4 << 20;
+  /// Torch intra-op threads of each replica's compute thread; 0: the caller's count shared
+  /// out between the replicas (at least one each).
+  int intra_op_threads = 0;
 };
 
 class PipelineStep {

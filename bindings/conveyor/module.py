@@ -6,9 +6,20 @@
     optimizer.step()               # updates the model's own parameters
 
 On the first call the model is captured, profiled on one microbatch and planned on the
-local machine (its CPU split into virtual devices), unless `stages` fixes the cut. Today
-the runtime runs every stage in this process with one replica each (replicas, devices and
-multi-process come with the actor runtime); the plan it runs is `model.plan`.
+local machine (its CPU split into `devices` virtual devices, or the machines a `cluster`
+file describes), unless `stages` fixes the cut. Every stage replica runs in this process
+on its own thread (many processes come with the launcher); the plan it runs is
+`model.plan`.
+
+    stages        None: planned; an int: that many stages cut in capture order; a list:
+                  node lists (a partition of the captured graph)
+    replicas      None: planned (fixed cuts: 1); an int: the same for every stage (with
+                  planning, the most any stage gets); a list: per pipeline rank
+    microbatches  None: planned; an int: fixed
+    schedule      "auto" (planned), "gpipe", "1f1b", "interleaved" or "zb-h1"
+    devices       virtual devices of the local machine to plan for (default: 2-4 by cores)
+    cluster       a cluster TOML file (or text) to plan for instead of the local machine
+    trace         a path: the second step's measured actions are written there (Perfetto)
 """
 from __future__ import annotations
 
@@ -74,12 +85,15 @@ class _PipelinedLoss(torch.autograd.Function):
         return (None, None) + (None,) * len(ctx.params)
 
 
-def _local_cluster(devices: int) -> str:
+def _local_cluster(devices: int, threads: int) -> str:
+    """This machine as `devices` virtual devices of `threads` intra-op threads each; with
+    more threads in all than cores they share the cores, each at cores / threads' speed."""
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         memory = 8 << 30
-    return (f'name = "local"\n[[node]]\ndevices = {devices}\nmemory = {memory // devices}\nspeed = 1.0\n'
+    speed = min(1.0, torch.get_num_threads() / (devices * threads))
+    return (f'name = "local"\n[[node]]\ndevices = {devices}\nmemory = {memory // devices}\nspeed = {speed}\n'
             f'[link.intra_node]\nbandwidth = "10 GB/s"\nlatency = "5 us"\n')
 
 
@@ -91,15 +105,19 @@ class Module(torch.nn.Module):
                  schedule: str = "auto", devices: int | None = None, cluster: str | None = None,
                  trace: str | os.PathLike | None = None, loss_fn=None, seed: int = 0):
         super().__init__()
-        if replicas not in (None, 1):
-            raise UnsupportedError("replicas per stage need the actor runtime (not yet available); use replicas=1")
-        if schedule not in ("auto", "gpipe", "1f1b", "interleaved"):
-            raise ConveyorValueError(f"schedule {schedule!r} is not available in this runtime "
-                                     "(expected auto, gpipe, 1f1b or interleaved)")
+        if schedule not in ("auto", "gpipe", "1f1b", "interleaved", "zb-h1"):
+            raise ConveyorValueError(f"unknown schedule {schedule!r} (expected auto, gpipe, 1f1b, interleaved or zb-h1)")
+        if isinstance(replicas, int) and replicas < 1 or isinstance(replicas, list) and (
+                not replicas or any(not isinstance(r, int) or r < 1 for r in replicas)):
+            raise ConveyorValueError(f"replicas={replicas!r}: every stage needs at least one replica "
+                                     "(an int for all stages, or a list with one count per stage)")
+        if devices is not None and devices < 1:
+            raise ConveyorValueError(f"devices={devices}: need at least one device")
         self.module = model
         self.optimizer = optimizer
         self._stages = stages
         self._microbatches = microbatches
+        self._replicas = replicas
         self._schedule = schedule
         self._devices = devices or max(2, min(4, os.cpu_count() or 2))
         self._cluster = cluster
@@ -124,14 +142,21 @@ class Module(torch.nn.Module):
         graph = capture(wrapper, args, kwargs)
         inputs = graph.flatten_inputs(args, kwargs)
         batch = next((t.shape[0] for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0), 1)
-        if isinstance(self._stages, list):
-            stage_nodes, schedule, m, chunks = self._stages, self._schedule, self._microbatches or 1, 1
-            if schedule == "auto":
-                schedule = "1f1b"
-        elif isinstance(self._stages, int):
-            stage_nodes = graph.random_partition(self._stages, seed=self._seed, keep_node_order=True)
+        replicas = None
+        if self._stages is not None:
+            if isinstance(self._stages, list):
+                stage_nodes = self._stages
+            else:
+                stage_nodes = graph.random_partition(self._stages, seed=self._seed, keep_node_order=True)
             schedule = "1f1b" if self._schedule == "auto" else self._schedule
-            m, chunks = self._microbatches or min(batch, 2 * self._stages), 1
+            chunks = 2 if schedule == "interleaved" else 1
+            if len(stage_nodes) % chunks:
+                raise ConveyorValueError(f"the interleaved schedule needs an even number of stages, not {len(stage_nodes)}")
+            ranks = len(stage_nodes) // chunks
+            replicas = (self._replicas if isinstance(self._replicas, list) else [self._replicas or 1] * ranks)
+            if len(replicas) != ranks:
+                raise ConveyorValueError(f"replicas has {len(replicas)} counts but the pipeline has {ranks} ranks")
+            m = self._microbatches or min(batch // max(replicas), 2 * ranks)
         else:
             m_hint = self._microbatches or 0
             # Microbatches keep at least two samples (BatchNorm needs them), unless fixed.
@@ -141,18 +166,46 @@ class Module(torch.nn.Module):
             small_kw = {k: (v[:sample] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch else v)
                         for k, v in kwargs.items()}
             grads = {p: p.grad for p in self.module.parameters()}
-            prof = profile(graph, tuple(small), small_kw)
-            for p, g in grads.items():
-                p.grad = g
-            schedules = ["gpipe", "1f1b", "interleaved"] if self._schedule == "auto" else [self._schedule]
-            self.plan = make_plan(graph, prof, self._cluster or _local_cluster(self._devices), batch=batch,
-                                  microbatches=m_hint, schedules=schedules, max_replicas=1,
-                                  max_microbatches=max(1, batch // 2))
-            stage_nodes = self.plan.stage_nodes
+            # Profile at the intra-op threads each virtual device's replica will run with.
+            saved_threads = torch.get_num_threads()
+            torch.set_num_threads(self._threads_per_device())
+            try:
+                prof = profile(graph, tuple(small), small_kw)
+            finally:
+                torch.set_num_threads(saved_threads)
+                for p, g in grads.items():
+                    p.grad = g
+            schedules = ["gpipe", "1f1b", "interleaved", "zb-h1"] if self._schedule == "auto" else [self._schedule]
+            if isinstance(self._replicas, list):
+                raise ConveyorValueError("a list of replicas needs fixed stages (stages=); with planning pass an int")
+            cap = self._replicas or 0
+            cluster = self._cluster or _local_cluster(self._devices, self._threads_per_device())
+            self.plan = make_plan(graph, prof, cluster, batch=batch, microbatches=m_hint, schedules=schedules,
+                                  max_replicas=cap, max_microbatches=max(1, batch // 2))
+            try:
+                self._step = self._pipeline(graph, self.plan)
+            except UnsupportedError:
+                # Replica counts that differ across a cut through a value with no batch
+                # dimension: plan again with one replica per stage.
+                self.plan = make_plan(graph, prof, cluster, batch=batch, microbatches=m_hint, schedules=schedules,
+                                      max_replicas=1, max_microbatches=max(1, batch // 2))
+                self._step = self._pipeline(graph, self.plan)
+            stage_nodes, replicas = self.plan.stage_nodes, self.plan.replicas
             schedule, m, chunks = self.plan.schedule, self.plan.microbatches, self.plan.document["chunks"]
+        if self._step is None:
+            self._step = _C.PipelineStep(graph.executor, stage_nodes, schedule, m, chunks, replicas)
         self._graph = graph
-        self._step = _C.PipelineStep(graph.executor, stage_nodes, schedule, m, chunks)
-        self._layout = (len(stage_nodes), schedule, m, chunks)
+        self._layout = (len(stage_nodes), schedule, m, chunks, replicas)
+
+    def _threads_per_device(self) -> int:
+        return max(1, torch.get_num_threads() // self._devices)
+
+    @staticmethod
+    def _pipeline(graph, plan):
+        chunks = plan.document["chunks"]
+        ranks = len(plan.stage_nodes) // chunks
+        return _C.PipelineStep(graph.executor, plan.stage_nodes, plan.schedule, plan.microbatches, chunks,
+                               plan.replicas[:ranks])
 
     # -- running ----------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -203,5 +256,6 @@ class Module(torch.nn.Module):
     def extra_repr(self) -> str:
         if self._graph is None:
             return "not built yet (built on the first call)"
-        stages, schedule, m, chunks = self._layout
-        return f"{stages} stages, {schedule}, {m} microbatches" + (f", {chunks} chunks" if chunks > 1 else "")
+        stages, schedule, m, chunks, replicas = self._layout
+        text = f"{stages} stages, {schedule}, {m} microbatches" + (f", {chunks} chunks" if chunks > 1 else "")
+        return text + (f", replicas {replicas}" if any(r > 1 for r in replicas) else "")

@@ -230,6 +230,11 @@ class Plan:
         return [list(s["ops"]) for s in self.document["stages"]]
 
     @property
+    def replicas(self) -> list[int]:
+        """Replicas of each stage."""
+        return [int(s["replicas"]) for s in self.document["stages"]]
+
+    @property
     def schedule(self) -> str:
         return self.document["schedule"]
 

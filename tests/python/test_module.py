@@ -26,14 +26,21 @@ def test_automatic_plan_trains_like_eager_accumulation(name, batch):
     model = conveyor.Module(case.model, opt)
     for step in range(3):
         loss = model.train_step(*case.args, **case.kwargs)
-        stages, schedule, m, chunks = model._layout
+        stages, schedule, m, chunks, replicas = model._layout
+        # Shares: each microbatch split between the replicas (the same count on every rank
+        # when the model has BatchNorm, so that every share sees the same samples).
+        shares = replicas[-1]
+        assert len(set(replicas)) == 1 or name != "resnet18", replicas
         ref_opt.zero_grad(set_to_none=True)
         ref_loss = 0
         for a, k in split_batch(case.args, case.kwargs, m, batch):
-            n = next(t.shape[0] for t in list(a) + list(k.values()) if isinstance(t, torch.Tensor) and t.dim() > 0)
-            part = case.loss(ref(*a, **k)) * (n / batch)
-            part.backward()
-            ref_loss = ref_loss + part.detach()
+            size = next(t.shape[0] for t in list(a) + list(k.values()) if isinstance(t, torch.Tensor) and t.dim() > 0)
+            for a2, k2 in split_batch(a, k, shares, size):
+                n = next(t.shape[0] for t in list(a2) + list(k2.values())
+                         if isinstance(t, torch.Tensor) and t.dim() > 0)
+                part = case.loss(ref(*a2, **k2)) * (n / batch)
+                part.backward()
+                ref_loss = ref_loss + part.detach()
         ref_opt.step()
         assert abs(loss.item() - ref_loss.item()) <= 1e-9 * abs(ref_loss.item()), (step, loss, ref_loss)
     assert model.plan is not None and "predicted step" in str(model.plan)
@@ -41,8 +48,33 @@ def test_automatic_plan_trains_like_eager_accumulation(name, batch):
     for (n, p), (_, q) in zip(case.model.named_parameters(), ref.named_parameters()):
         err = (p - q).abs().max().item() / max(q.abs().max().item(), 1e-6)
         assert err <= 1e-9, f"{name}: {n} differs by {err:.2e} ({model})"
-    for (n, b), (_, c) in zip(case.model.named_buffers(), ref.named_buffers()):
-        assert torch.equal(b, c) or (b - c).abs().max() <= 1e-9 * max(c.abs().max().item(), 1e-6), n
+    if max(replicas) == 1:  # with replicas, running statistics follow replica 0 (docs/design.md)
+        for (n, b), (_, c) in zip(case.model.named_buffers(), ref.named_buffers()):
+            assert torch.equal(b, c) or (b - c).abs().max() <= 1e-9 * max(c.abs().max().item(), 1e-6), n
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "interleaved"])
+def test_fixed_stages_with_replicas_train_like_eager_accumulation(schedule):
+    torch.manual_seed(0)
+    case = zoo.gpt2(batch=8)
+    ref = copy.deepcopy(case.model)
+    opt = torch.optim.SGD(case.model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    model = conveyor.Module(case.model, opt, stages=4, replicas=2, microbatches=2, schedule=schedule)
+    for _ in range(3):
+        loss = model.train_step(*case.args, **case.kwargs)
+        ref_opt.zero_grad(set_to_none=True)
+        ref_loss = 0
+        for a, k in split_batch(case.args, case.kwargs, 4, 8):  # 2 microbatches x 2 replicas
+            part = case.loss(ref(*a, **k)) * 0.25
+            part.backward()
+            ref_loss = ref_loss + part.detach()
+        ref_opt.step()
+        assert abs(loss.item() - ref_loss.item()) <= 1e-9 * abs(ref_loss.item())
+    assert "replicas [2, 2" in repr(model), repr(model)
+    for (n, p), (_, q) in zip(case.model.named_parameters(), ref.named_parameters()):
+        err = (p - q).abs().max().item() / max(q.abs().max().item(), 1e-6)
+        assert err <= 1e-9, f"{schedule}: {n} differs by {err:.2e}"
 
 
 def test_backward_scales_gradients_and_state_stays_the_models():
@@ -92,5 +124,9 @@ def test_bad_input_gets_clear_errors():
     net = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4)).double()
     with pytest.raises(conveyor.ConveyorValueError, match="scalar loss"):
         conveyor.Module(net, stages=2)(case.args[0])
-    with pytest.raises(conveyor.UnsupportedError, match="replicas"):
-        conveyor.Module(case.model, replicas=2)
+    with pytest.raises(conveyor.ConveyorValueError, match="at least one replica"):
+        conveyor.Module(case.model, replicas=0)
+    with pytest.raises(conveyor.ConveyorValueError, match="unknown schedule"):
+        conveyor.Module(case.model, schedule="pipedream")
+    with pytest.raises(conveyor.ConveyorValueError, match="2 ranks"):
+        conveyor.Module(case.model, stages=2, replicas=[1, 1, 1])(*case.args)

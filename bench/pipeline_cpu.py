@@ -1,0 +1,124 @@
+"""The in-process pipeline runtime on this machine's CPU, in one run:
+
+1. A 1-stage conveyor step (capture, C++ executor, runner threads, one microbatch) against
+   eager PyTorch forward+backward of the same model: the throughput ratio (eager time /
+   conveyor time; the aim is at least 0.95x). Steps alternate so machine noise hits both.
+2. A 4-stage 1F1B plan made by the planner from the measured profile, on a cluster that
+   describes this machine honestly (4 virtual devices sharing its cores), run for real:
+   the measured step time against the simulator's prediction for the same plan (the aim
+   is within 15%).
+
+    ./run bench pipeline_cpu [--iters 10] [--layers 8] [--hidden 256] [--batch 16]
+"""
+import argparse
+import os
+import statistics
+import time
+import warnings
+
+import torch
+
+import conveyor
+from conveyor import _C, zoo
+from conveyor.module import _loss_wrapper
+
+warnings.filterwarnings("ignore")
+
+
+def gpt2(args):
+    torch.manual_seed(0)
+    return zoo.gpt2(batch=args.batch, seq=args.seq, dtype=torch.float32, layers=args.layers, hidden=args.hidden,
+                    vocab=512, dropout=0.0)
+
+
+def median_ms(times):
+    return statistics.median(times) * 1e3
+
+
+def one_stage_vs_eager(args, case, wrapped, graph, inputs):
+    step = _C.PipelineStep(graph.executor, [list(range(graph.num_nodes))], "1f1b", 1)
+    eager, conv = [], []
+    for i in range(args.warmup + args.iters):
+        for p in wrapped.parameters():
+            p.grad = None
+        t = time.perf_counter()
+        wrapped(*case.args, **case.kwargs).backward()
+        e = time.perf_counter() - t
+        for p in wrapped.parameters():
+            p.grad = None
+        t = time.perf_counter()
+        step.run(inputs)
+        c = time.perf_counter() - t
+        if i >= args.warmup:
+            eager.append(e)
+            conv.append(c)
+    me, mc = median_ms(eager), median_ms(conv)
+    print(f"1 stage   eager {me:8.1f} ms   conveyor {mc:8.1f} ms   throughput ratio {me / mc:.3f}x (aim >= 0.95x)")
+
+
+def planned_vs_simulated(args, case, wrapped, graph, inputs):
+    devices, m = 4, args.microbatches
+    cores = torch.get_num_threads()
+    threads = max(1, cores // devices)
+    # A virtual device gets `threads` of the cores; with more devices than cores they share,
+    # and each runs at cores / devices of a core's speed when all are busy.
+    speed = min(1.0, cores / (devices * threads))
+    cluster = (f'name = "this machine"\n[[node]]\ndevices = {devices}\nmemory = "8 GiB"\nspeed = {speed}\n'
+               f'[link.intra_node]\nbandwidth = "20 GB/s"\nlatency = "20 us"\n')
+    micro = args.batch // m
+    small = {k: v[:micro] for k, v in case.kwargs.items()}
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)  # profile at the threads each stage will have
+    try:
+        prof = conveyor.profile(graph, (), small, cache=False, repeats=5)
+    finally:
+        torch.set_num_threads(saved)
+    plan = conveyor.plan(graph, prof, cluster, batch=args.batch, microbatches=m, schedules=["1f1b"],
+                         max_replicas=1)
+    print(plan)
+    stages = len(plan.stage_nodes)
+    step = _C.PipelineStep(graph.executor, plan.stage_nodes, plan.schedule, plan.microbatches, 1,
+                           plan.replicas, 0, threads)
+    times = []
+    for i in range(args.warmup + args.iters):
+        for p in wrapped.parameters():
+            p.grad = None
+        _, seconds, _ = step.run(inputs)
+        if i >= args.warmup:
+            times.append(seconds)
+    measured, predicted = median_ms(times), plan.predicted_step_s * 1e3
+    print(f"{stages} stages {plan.schedule} {plan.microbatches} microbatches, {threads} thread(s) per stage: "
+          f"measured {measured:.1f} ms   simulated {predicted:.1f} ms   measured/simulated {measured / predicted:.3f} "
+          f"(aim within 15%)")
+    if args.trace:
+        step.write_trace(args.trace)
+        print(f"measured trace: {args.trace}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--trace", default="", help="write the 4-stage run's measured trace here")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    case = gpt2(args)
+    wrapped = _loss_wrapper(case.model, None, case.args, case.kwargs)
+    graph = conveyor.capture(wrapped, case.args, case.kwargs)
+    inputs = graph.flatten_inputs(case.args, case.kwargs)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, float32; "
+          f"GPT-2 {args.layers} layers x {args.hidden}, batch {args.batch} x {args.seq} tokens, "
+          f"{graph.num_nodes} nodes")
+    one_stage_vs_eager(args, case, wrapped, graph, inputs)
+    planned_vs_simulated(args, case, wrapped, graph, inputs)
+
+
+if __name__ == "__main__":
+    main()
