@@ -567,11 +567,9 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
 
 Status PipelineStep::write_trace(const std::string& path) const {
   if (impl_->last.spans.empty()) return Status(ErrorCode::kInvalidArgument, "no step has run yet: nothing to trace");
-  trace::PerfettoTrace t;
   scheduler::SimulationResult spans;
   spans.spans = impl_->last.spans;
-  trace::add_simulation(t, impl_->schedule, spans, "measured", impl_->rank_replicas);
-  return t.write(path);
+  return trace::write_step_trace(path, impl_->schedule, spans, "measured", impl_->rank_replicas);
 }
 
 }  // namespace conveyor::runtime

@@ -137,9 +137,7 @@ Result<partitioner::CostGraph> load_planning_graph(const std::string& path, cons
 Status write_simulation_trace(const partitioner::Plan& plan, const std::string& path) {
   CONVEYOR_ASSIGN_OR_RETURN(auto schedule, scheduler::make_schedule(plan.schedule_spec()));
   CONVEYOR_ASSIGN_OR_RETURN(auto sim, plan.simulate());
-  trace::PerfettoTrace t;
-  trace::add_simulation(t, schedule, sim);
-  return t.write(path);
+  return trace::write_step_trace(path, schedule, sim);
 }
 
 struct PlanArgs {

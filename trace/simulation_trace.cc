@@ -1,6 +1,9 @@
 #include "trace/simulation_trace.h"
 
 #include <cmath>
+#include <nlohmann/json.hpp>
+
+#include "common/file.h"
 #include <algorithm>
 #include <map>
 #include <tuple>
@@ -69,6 +72,94 @@ void add_simulation(PerfettoTrace& trace, const scheduler::Schedule& schedule,
     }
     trace.slice(track, ns(span.start_s), ns(span.end_s), scheduler::action_text(a, with_stage), flows);
   }
+}
+
+namespace {
+
+// Chrome's trace event format: a process per rank replica, a thread per stream, "X" slices,
+// and "s"/"f" flow events from the end of each send to the start of each consumer.
+std::string chrome_trace_json(const scheduler::Schedule& schedule, const scheduler::SimulationResult& result,
+                              const std::string& name, std::vector<int> replicas) {
+  const int ranks = static_cast<int>(schedule.ranks.size());
+  const int stages = schedule.spec.stages();
+  if (static_cast<int>(replicas.size()) != ranks) replicas.assign(static_cast<std::size_t>(ranks), 1);
+  std::vector<int> first(static_cast<std::size_t>(ranks), 0);
+  for (int r = 1; r < ranks; ++r) first[r] = first[r - 1] + replicas[r - 1];
+  auto events = nlohmann::json::array();
+  auto pid = [&](int r, int i) { return first[r] + i; };
+  for (int r = 0; r < ranks; ++r) {
+    for (int i = 0; i < replicas[r]; ++i) {
+      events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", pid(r, i)},
+                        {"args", {{"name", name + " rank " + std::to_string(r) +
+                                               (replicas[r] > 1 ? " replica " + std::to_string(i) : "")}}}});
+      events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", pid(r, i)}, {"tid", 0},
+                        {"args", {{"name", "compute"}}}});
+      events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", pid(r, i)}, {"tid", 1},
+                        {"args", {{"name", "collective"}}}});
+    }
+  }
+  auto partners = [&](int rank, int i, int stage) {
+    const int other = schedule.spec.rank_of_stage(stage);
+    std::vector<int> out;
+    if (replicas[other] == replicas[rank]) return std::vector<int>{i};
+    for (int j = 0; j < replicas[other]; ++j) out.push_back(j);
+    return out;
+  };
+  const bool with_stage = schedule.spec.chunks > 1;
+  auto us = [](double s) { return s * 1e6; };
+  for (const Span& span : result.spans) {
+    const auto& a = span.action;
+    const int r = span.rank, i = std::min(span.replica, replicas[r] - 1);
+    int tid = 0;
+    if (span.stream == Span::Stream::kSend) tid = 2 + a.peer;
+    if (span.stream == Span::Stream::kCollective) tid = 1;
+    events.push_back({{"name", scheduler::action_text(a, with_stage)}, {"ph", "X"}, {"pid", pid(r, i)},
+                      {"tid", tid}, {"ts", us(span.start_s)}, {"dur", us(span.end_s - span.start_s)}});
+    // A flow per (send, consuming replica): its id names the sending replica and the consumer.
+    auto flow = [&](bool grad, int mb, int from_stage, int from_replica, int to_replica) {
+      return std::to_string(transfer_flow_id(grad, mb, from_stage, from_replica)) + "." + std::to_string(to_replica);
+    };
+    if (span.stream == Span::Stream::kSend) {
+      const bool grad = a.kind == ActionKind::kSendGradient;
+      const int to_stage = grad ? a.stage - 1 : a.stage + 1;
+      for (int j : partners(r, i, to_stage)) {
+        events.push_back({{"name", "transfer"}, {"cat", "transfer"}, {"ph", "s"}, {"pid", pid(r, i)}, {"tid", tid},
+                          {"ts", us(span.end_s)}, {"id", flow(grad, a.microbatch, a.stage, i, j)}});
+      }
+    } else if (span.stream == Span::Stream::kCompute) {
+      const bool fwd = a.kind == ActionKind::kForward && a.stage > 0;
+      const bool bwd = (a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardInput) && a.stage + 1 < stages;
+      if (!fwd && !bwd) continue;
+      const int from_stage = fwd ? a.stage - 1 : a.stage + 1;
+      for (int j : partners(r, i, from_stage)) {
+        events.push_back({{"name", "transfer"}, {"cat", "transfer"}, {"ph", "f"}, {"bp", "e"}, {"pid", pid(r, i)},
+                          {"tid", tid}, {"ts", us(span.start_s)}, {"id", flow(bwd, a.microbatch, from_stage, j, i)}});
+      }
+    }
+  }
+  for (int r = 0; r < ranks; ++r) {
+    for (int i = 0; i < replicas[r]; ++i) {
+      for (int peer = 0; peer < ranks; ++peer) {
+        if (peer == r) continue;
+        events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", pid(r, i)}, {"tid", 2 + peer},
+                          {"args", {{"name", "send to rank " + std::to_string(peer)}}}});
+      }
+    }
+  }
+  return nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump();
+}
+
+}  // namespace
+
+Status write_step_trace(const std::string& path, const scheduler::Schedule& schedule,
+                        const scheduler::SimulationResult& result, const std::string& name,
+                        const std::vector<int>& replicas) {
+  if (path.size() >= 5 && path.compare(path.size() - 5, 5, ".json") == 0) {
+    return write_file(path, chrome_trace_json(schedule, result, name, replicas), "trace");
+  }
+  PerfettoTrace t;
+  add_simulation(t, schedule, result, name, replicas);
+  return t.write(path);
 }
 
 }  // namespace conveyor::trace

@@ -114,6 +114,36 @@ def test_trace_of_a_real_step_decodes(tmp_path):
     # 3 stages x 4 microbatches: 12 forwards, 12 backwards, 2 x 2 x 4 transfers joined by flows.
     assert "F            12 slices" in r.stdout and "B            12 slices" in r.stdout, r.stdout
     assert "16 flows" in r.stdout, r.stdout
+    # The Chrome JSON option: the same slices, a start and a finish per flow.
+    import json
+    model.write_trace(tmp_path / "run.json")
+    events = json.loads((tmp_path / "run.json").read_text())["traceEvents"]
+    slices = [e for e in events if e["ph"] == "X"]
+    assert sum(e["name"].startswith("F") for e in slices) == 12
+    starts = {e["id"] for e in events if e["ph"] == "s"}
+    finishes = {e["id"] for e in events if e["ph"] == "f"}
+    assert len(starts) == 16 and starts == finishes
+
+
+def test_trace_of_a_replicated_step_has_a_track_per_replica(tmp_path):
+    import os
+    import subprocess
+    torch.manual_seed(0)
+    case = zoo.gpt2(batch=8)
+    path = tmp_path / "replicated.pftrace"
+    model = conveyor.Module(case.model, stages=2, replicas=[2, 1], microbatches=2, trace=path)
+    model(*case.args, **case.kwargs).backward()
+    tool = os.path.join(os.environ.get("CONVEYOR_BUILD_DIR", "build"), "tools", "conveyor")
+    if not os.path.exists(tool):
+        pytest.skip(f"conveyor tool not built at {tool}")
+    r = subprocess.run([tool, "trace", "check", str(path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    # 2 + 1 replicas: an F per replica per microbatch (2 x 2 + 1 x 2); a flow from each
+    # stage-0 replica's send into the one stage-1 replica (4), and from each stage-1
+    # gradient send into both stage-0 replicas (2 flows, each joining three slices).
+    import re
+    assert re.search(r"\bF +6 slices", r.stdout) and re.search(r"\bsendA +4 slices", r.stdout), r.stdout
+    assert "12 tracks" in r.stdout and "6 flows" in r.stdout, r.stdout
 
 
 def test_bad_input_gets_clear_errors():
