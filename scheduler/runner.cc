@@ -85,20 +85,12 @@ struct Runner::State {
     spans.push_back(s);
   }
 
-  // The replicas of `other_rank` that a replica `i` of `rank` exchanges microbatch data with.
-  std::vector<int> partners(int rank, int i, int other_rank) const {
-    if (replicas[rank] == replicas[other_rank]) return {i};
-    std::vector<int> all(static_cast<std::size_t>(replicas[other_rank]));
-    for (int j = 0; j < replicas[other_rank]; ++j) all[j] = j;
-    return all;
-  }
-
   // Runs a send of replica i of rank r on the communication thread (posted, not awaited: the
   // replica goes on computing); completing it signals every receiving replica.
   static void post_send(const std::shared_ptr<State>& st, int r, int i, const Action& a, std::string where) {
     const int kind = a.kind == ActionKind::kSendGradient ? 1 : 0;
     std::vector<std::shared_ptr<Channel>> out;
-    for (int j : st->partners(r, i, a.peer)) out.push_back(st->channel({kind, a.microbatch, a.stage, i, j}));
+    for (int j : partner_replicas(st->replicas, r, i, a.peer)) out.push_back(st->channel({kind, a.microbatch, a.stage, i, j}));
     asio::post(st->comm, [st, r, i, a, out = std::move(out), where = std::move(where)] {
       if (st->failed) return;
       const double start = st->now();
@@ -111,9 +103,9 @@ struct Runner::State {
     });
   }
 
-  // Replica i of rank r arrives at its stage's allreduce; the last to arrive runs it (on the
+  // A replica of rank r arrives at its stage's allreduce; the last to arrive runs it (on the
   // communication thread) and releases all of them through their channels.
-  static void post_allreduce(const std::shared_ptr<State>& st, int r, int i, const Action& a, std::string where) {
+  static void post_allreduce(const std::shared_ptr<State>& st, int r, const Action& a, std::string where) {
     asio::post(st->comm, [st, r, a, where = std::move(where)] {
       if (st->failed) return;
       if (++st->allreduce_arrivals[a.stage] < st->replicas[r]) return;
@@ -128,7 +120,6 @@ struct Runner::State {
         st->channel({2, a.stage, a.stage, 0, j})->try_send(asio::error_code{}, 0);
       }
     });
-    (void)i;
   }
 };
 
@@ -200,7 +191,7 @@ Result<RunResult> Runner::run_step(std::chrono::milliseconds timeout) {
         case ActionKind::kRecvGradient: {
           const bool grad = a.kind == ActionKind::kRecvGradient;
           const int from_stage = grad ? a.stage + 1 : a.stage - 1;
-          for (int j : st->partners(r, i, a.peer)) {
+          for (int j : partner_replicas(st->replicas, r, i, a.peer)) {
             auto ch = st->channel({grad ? 1 : 0, a.microbatch, from_stage, j, i});
             auto [ec, unused] = co_await ch->async_receive(asio::experimental::as_tuple(asio::use_awaitable));
             if (ec) co_return;  // closed: another worker failed
@@ -209,7 +200,7 @@ Result<RunResult> Runner::run_step(std::chrono::milliseconds timeout) {
         }
         case ActionKind::kAllReduce:
           reductions.push_back(st->channel({2, a.stage, a.stage, 0, i}));
-          State::post_allreduce(st, r, i, a, where());
+          State::post_allreduce(st, r, a, where());
           break;
       }
     }

@@ -84,4 +84,9 @@ Status validate_schedule(const Schedule& schedule);
 
 std::string action_text(const Action& a, bool with_stage = false);
 
+/// The replicas of `other_rank` that replica `replica` of `rank` exchanges microbatch data
+/// with: the one of the same index when both ranks have as many replicas, every one
+/// otherwise (the data is then redistributed). `replicas`: the count per rank.
+std::vector<int> partner_replicas(const std::vector<int>& replicas, int rank, int replica, int other_rank);
+
 }  // namespace conveyor::scheduler

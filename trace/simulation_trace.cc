@@ -19,13 +19,22 @@ std::uint64_t transfer_flow_id(bool gradient, int microbatch, int sending_stage,
          static_cast<std::uint64_t>(sending_stage);
 }
 
+namespace {
+
+// Replica counts per rank: as given, or one each when none (or the wrong number) are given.
+std::vector<int> replicas_per_rank(const scheduler::Schedule& schedule, const std::vector<int>& given) {
+  const std::size_t ranks = schedule.ranks.size();
+  return given.size() == ranks ? given : std::vector<int>(ranks, 1);
+}
+
+}  // namespace
+
 void add_simulation(PerfettoTrace& trace, const scheduler::Schedule& schedule,
                     const scheduler::SimulationResult& result, const std::string& name,
                     const std::vector<int>& replica_counts) {
   const int ranks = static_cast<int>(schedule.ranks.size());
   const int stages = schedule.spec.stages();
-  std::vector<int> replicas = replica_counts;
-  if (static_cast<int>(replicas.size()) != ranks) replicas.assign(static_cast<std::size_t>(ranks), 1);
+  const std::vector<int> replicas = replicas_per_rank(schedule, replica_counts);
   struct Tracks {
     std::uint64_t group = 0, compute = 0, collective = 0;
   };
@@ -45,13 +54,8 @@ void add_simulation(PerfettoTrace& trace, const scheduler::Schedule& schedule,
     if (fresh) it->second = trace.add_track("send to rank " + std::to_string(peer), tracks[{r, i}].group);
     return it->second;
   };
-  // The replicas of the rank holding `stage` that replica i of `rank` exchanges data with.
   auto partners = [&](int rank, int i, int stage) {
-    const int other = schedule.spec.rank_of_stage(stage);
-    std::vector<int> out;
-    if (replicas[other] == replicas[rank]) return std::vector<int>{i};
-    for (int j = 0; j < replicas[other]; ++j) out.push_back(j);
-    return out;
+    return scheduler::partner_replicas(replicas, rank, i, schedule.spec.rank_of_stage(stage));
   };
   auto ns = [](double s) { return static_cast<std::uint64_t>(std::llround(s * 1e9)); };
   const bool with_stage = schedule.spec.chunks > 1;
@@ -79,10 +83,10 @@ namespace {
 // Chrome's trace event format: a process per rank replica, a thread per stream, "X" slices,
 // and "s"/"f" flow events from the end of each send to the start of each consumer.
 std::string chrome_trace_json(const scheduler::Schedule& schedule, const scheduler::SimulationResult& result,
-                              const std::string& name, std::vector<int> replicas) {
+                              const std::string& name, const std::vector<int>& replica_counts) {
   const int ranks = static_cast<int>(schedule.ranks.size());
   const int stages = schedule.spec.stages();
-  if (static_cast<int>(replicas.size()) != ranks) replicas.assign(static_cast<std::size_t>(ranks), 1);
+  const std::vector<int> replicas = replicas_per_rank(schedule, replica_counts);
   std::vector<int> first(static_cast<std::size_t>(ranks), 0);
   for (int r = 1; r < ranks; ++r) first[r] = first[r - 1] + replicas[r - 1];
   auto events = nlohmann::json::array();
@@ -99,11 +103,7 @@ std::string chrome_trace_json(const scheduler::Schedule& schedule, const schedul
     }
   }
   auto partners = [&](int rank, int i, int stage) {
-    const int other = schedule.spec.rank_of_stage(stage);
-    std::vector<int> out;
-    if (replicas[other] == replicas[rank]) return std::vector<int>{i};
-    for (int j = 0; j < replicas[other]; ++j) out.push_back(j);
-    return out;
+    return scheduler::partner_replicas(replicas, rank, i, schedule.spec.rank_of_stage(stage));
   };
   const bool with_stage = schedule.spec.chunks > 1;
   auto us = [](double s) { return s * 1e6; };

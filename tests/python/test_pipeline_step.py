@@ -25,6 +25,16 @@ def loss_only(case):
     return _loss_wrapper(case.model, case.loss, case.args, case.kwargs)
 
 
+def captured(case):
+    """(loss-only model, its initial state, the captured graph, flattened inputs); capture
+    runs the model once, so its state is put back afterwards."""
+    wrapped = loss_only(case)
+    initial = copy.deepcopy(wrapped.state_dict())
+    graph = conveyor.capture(wrapped, case.args, case.kwargs)
+    wrapped.load_state_dict(initial)
+    return wrapped, initial, graph, graph.flatten_inputs(case.args, case.kwargs)
+
+
 def batch_size(case):
     for x in list(case.args) + list(case.kwargs.values()):
         if isinstance(x, torch.Tensor) and x.dim() > 0:
@@ -63,12 +73,8 @@ def test_pipelined_steps_equal_eager_gradient_accumulation(name, rel_err):
     torch.manual_seed(0)
     case = zoo.CASES[name](batch=BATCH.get(name, 16))
     batch = batch_size(case)
-    wrapped = loss_only(case)
+    wrapped, initial, graph, inputs = captured(case)
     batchnorm = has_batchnorm(wrapped)
-    initial = copy.deepcopy(wrapped.state_dict())
-    graph = conveyor.capture(wrapped, case.args, case.kwargs)
-    wrapped.load_state_dict(initial)
-    inputs = graph.flatten_inputs(case.args, case.kwargs)
     tried = 0
     for schedule, stages, chunks, replicas, m in configs(batch, batchnorm):
         partition = graph.random_partition(stages, seed=stages * 10 + m, keep_node_order=False)
@@ -117,11 +123,7 @@ def test_stages_with_different_replica_counts_redistribute(name, rel_err):
     dimension between stages (and gradients back), still equal to eager accumulation."""
     torch.manual_seed(0)
     case = zoo.CASES[name](batch=12)
-    wrapped = loss_only(case)
-    initial = copy.deepcopy(wrapped.state_dict())
-    graph = conveyor.capture(wrapped, case.args, case.kwargs)
-    wrapped.load_state_dict(initial)
-    inputs = graph.flatten_inputs(case.args, case.kwargs)
+    wrapped, initial, graph, inputs = captured(case)
     ran = 0
     for seed in range(4):
         for schedule in ("1f1b", "zb-h1"):
