@@ -11,6 +11,7 @@
     ./run bench pipeline_cpu [--iters 10] [--layers 8] [--hidden 256] [--batch 16]
 """
 import argparse
+import json
 import os
 import statistics
 import time
@@ -78,7 +79,7 @@ def planned_vs_simulated(args, case, wrapped, graph, inputs):
     print(plan)
     stages = len(plan.stage_nodes)
     step = _C.PipelineStep(graph.executor, plan.stage_nodes, plan.schedule, plan.microbatches, 1,
-                           plan.replicas, 0, threads)
+                           plan.replicas, 0, threads, plan=json.dumps(plan.document))
     times = []
     for i in range(args.warmup + args.iters):
         for p in wrapped.parameters():
@@ -90,6 +91,7 @@ def planned_vs_simulated(args, case, wrapped, graph, inputs):
     print(f"{stages} stages {plan.schedule} {plan.microbatches} microbatches, {threads} thread(s) per stage: "
           f"measured {measured:.1f} ms   simulated {predicted:.1f} ms   measured/simulated {measured / predicted:.3f} "
           f"(aim within 15%)")
+    print(step.profile_report()["table"])
     if args.trace:
         step.write_trace(args.trace)
         print(f"measured trace: {args.trace}")

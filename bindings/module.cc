@@ -209,13 +209,27 @@ PYBIND11_MODULE(_C, m) {
                                     "One pipelined training step over stages of a graph, in this process.")
       .def(py::init([](const std::shared_ptr<GraphExecutor>& ex, std::vector<std::vector<NodeId>> stages,
                        const std::string& schedule, int microbatches, int chunks, std::vector<int> replicas,
-                       std::int64_t bucket_bytes, int intra_op_threads) {
+                       std::int64_t bucket_bytes, int intra_op_threads, const std::string& plan_json) {
              scheduler::ScheduleSpec spec;
              spec.kind = unwrap(scheduler::schedule_kind_from_name(schedule));
              spec.chunks = chunks;
              spec.ranks = static_cast<int>(stages.size()) / std::max(chunks, 1);
              spec.microbatches = microbatches;
              runtime::PipelineOptions options;
+             if (!plan_json.empty()) {
+               // The plan this pipeline runs: its simulated step is the live profile's reference.
+               auto plan = unwrap(partitioner::Plan::from_json(plan_json));
+               const auto planned = plan.schedule_spec();
+               if (planned.kind != spec.kind || planned.ranks != spec.ranks || planned.chunks != spec.chunks ||
+                   planned.microbatches != spec.microbatches) {
+                 check(Status(ErrorCode::kInvalidArgument,
+                              "the plan describes a different pipeline (" + std::to_string(planned.stages()) +
+                                  " stages, " + std::string(scheduler::schedule_kind_name(planned.kind)) + ", " +
+                                  std::to_string(planned.microbatches) + " microbatches) than the one built; "
+                                  "pass the plan the stages came from"));
+               }
+               options.predicted = unwrap(plan.simulate());
+             }
              options.replicas = std::move(replicas);
              if (bucket_bytes > 0) options.bucket_bytes = bucket_bytes;
              options.intra_op_threads = intra_op_threads;
@@ -223,9 +237,10 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("executor"), py::arg("stages"), py::arg("schedule") = "1f1b", py::arg("microbatches") = 1,
            py::arg("chunks") = 1, py::arg("replicas") = std::vector<int>{}, py::arg("bucket_bytes") = 0,
-           py::arg("intra_op_threads") = 0,
+           py::arg("intra_op_threads") = 0, py::arg("plan") = std::string(),
            "replicas: per rank (empty: one each); bucket_bytes: gradient reduction bucket size (0: 4 MiB); "
-           "intra_op_threads: torch threads per replica (0: the caller's shared out).")
+           "intra_op_threads: torch threads per replica (0: the caller's shared out); plan: the plan document "
+           "the stages come from (its prediction is what the live profile compares against).")
       .def(
           "run",
           [](runtime::PipelineStep& step, const py::sequence& inputs, double grad_scale) {
@@ -242,7 +257,40 @@ PYBIND11_MODULE(_C, m) {
           "Runs every microbatch forward and backward; returns (loss, measured seconds, actions timed).")
       .def("write_trace", [](const runtime::PipelineStep& step, const std::string& path) {
         check(step.write_trace(path));
-      }, "Writes the last step's measured actions as a Perfetto trace.");
+      }, "Writes the last step's measured actions as a Perfetto trace.")
+      .def("profile_report", [](const runtime::PipelineStep& step) {
+        actors::ProfileReport r;
+        {
+          py::gil_scoped_release nogil;
+          r = unwrap(step.profile_report());
+        }
+        py::list stages;
+        for (const auto& s : r.stages) {
+          py::dict d;
+          d["stage"] = s.stage;
+          d["rank"] = s.rank;
+          d["replicas"] = s.replicas;
+          d["forward_s"] = s.forward_s;
+          d["backward_s"] = s.backward_s;
+          d["backward_weight_s"] = s.backward_weight_s;
+          d["send_s"] = s.send_s;
+          d["allreduce_s"] = s.allreduce_s;
+          d["predicted_forward_s"] = s.predicted_forward_s;
+          d["predicted_backward_s"] = s.predicted_backward_s;
+          d["predicted_backward_weight_s"] = s.predicted_backward_weight_s;
+          d["predicted_send_s"] = s.predicted_send_s;
+          d["predicted_allreduce_s"] = s.predicted_allreduce_s;
+          d["compute_ratio"] = s.compute_ratio();
+          stages.append(d);
+        }
+        py::dict out;
+        out["steps"] = r.steps;
+        out["measured_step_s"] = r.measured_step_s;
+        out["predicted_step_s"] = r.predicted_step_s;
+        out["stages"] = stages;
+        out["table"] = r.table();
+        return out;
+      }, "The live profile: every step's measured actions against the plan's prediction, per stage.");
 
   // Planning (torch-free C++ behind it): documents in, documents out.
   m.def("graph_hash", [](const PyGraph& g) { return partitioner::graph_hash(g.graph); },

@@ -2,7 +2,8 @@
 `conveyor.Module(model, optimizer)`, which captures, profiles and plans it on this machine
 (the CPU split into virtual devices); check the first pipelined step against eager PyTorch
 accumulating gradients over the same microbatches; train it on a generated corpus and watch
-the loss fall; write a Perfetto trace of a measured step.
+the loss fall; write a Perfetto trace of a measured step; print the live profile (measured
+against predicted, per stage).
 
     ./run demo [--steps 200] [--devices 4]
 """
@@ -119,6 +120,9 @@ def main():
             window = []
     final = loss.item()
     print(f"\nloss {first_loss:.3f} -> {final:.3f} ({'down' if final < first_loss else 'NOT down'})")
+    # Every step's measured actions reached the pipeline's partitioner actor: how the running
+    # plan compares with the planner's prediction.
+    print(piped.profile_report())
     print(f"trace of a measured step: {trace_path} (open at ui.perfetto.dev; check with "
           f"./run conveyor trace check {trace_path})")
 

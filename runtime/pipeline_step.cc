@@ -9,6 +9,7 @@
 #include <set>
 #include <tuple>
 
+#include "actors/coordinator.h"
 #include "graph/partition.h"
 #include "trace/simulation_trace.h"
 
@@ -69,7 +70,9 @@ struct PipelineStep::Impl {
   std::map<std::tuple<int, int, int>, graph::StageActivation> activations;  // (stage, mb, replica)
   std::map<std::pair<int, int>, at::Tensor> losses;       // (mb, replica) -> loss of that share
   double grad_scale = 1;
+  int replica_threads = 1;    // intra-op threads of each replica this step
   scheduler::RunResult last;  // the last step's measured actions
+  std::unique_ptr<actors::Coordinator> coordinator;  // the replicas' actors, for the pipeline's life
 
   double weight(int mb, int replicas, int i) const {
     return static_cast<double>(share_of(micro_length[mb], replicas, i).length) / static_cast<double>(batch);
@@ -447,6 +450,29 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
     }
   }
   CONVEYOR_ASSIGN_OR_RETURN(impl->schedule, scheduler::make_schedule(spec));
+  // The replicas' actors live as long as the pipeline; their hooks read the step's state.
+  Impl* im = impl.get();
+  scheduler::RunnerHooks hooks;
+  hooks.compute = [im](int, int replica, const Action& a) -> Status {
+    thread_local int configured = 0;  // a replica's thread keeps its setting across steps
+    if (configured != im->replica_threads) {
+      at::set_num_threads(im->replica_threads);
+      configured = im->replica_threads;
+    }
+    switch (a.kind) {
+      case ActionKind::kForward: return im->forward(replica, a);
+      case ActionKind::kBackward: return im->backward(replica, a, /*split=*/false);
+      case ActionKind::kBackwardInput: return im->backward(replica, a, /*split=*/true);
+      case ActionKind::kBackwardWeight: return im->backward_weight(replica, a);
+      case ActionKind::kOptimizerStep: return Status::ok();  // the user's optimizer steps after the call
+      default: return Status(ErrorCode::kInternal, "not a compute action: " + scheduler::action_text(a));
+    }
+  };
+  hooks.allreduce = [im](int, int, const Action& a) -> Status {
+    return im->reduce(im->stage_parameters[a.stage], im->stage_replicas[a.stage]);
+  };
+  CONVEYOR_ASSIGN_OR_RETURN(impl->coordinator, actors::Coordinator::create(impl->schedule, std::move(hooks),
+                                                                          impl->rank_replicas, std::move(options.predicted)));
   return std::unique_ptr<PipelineStep>(new PipelineStep(std::move(impl)));
 }
 
@@ -524,27 +550,8 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
   int workers = 0;
   for (int r : im.rank_replicas) workers += r;
   const int threads = im.intra_op_threads > 0 ? im.intra_op_threads : std::max(1, caller_threads / workers);
-  scheduler::RunnerHooks hooks;
-  hooks.compute = [&im, threads](int, int replica, const Action& a) -> Status {
-    thread_local int configured = 0;
-    if (configured != threads) {
-      at::set_num_threads(threads);
-      configured = threads;
-    }
-    switch (a.kind) {
-      case ActionKind::kForward: return im.forward(replica, a);
-      case ActionKind::kBackward: return im.backward(replica, a, /*split=*/false);
-      case ActionKind::kBackwardInput: return im.backward(replica, a, /*split=*/true);
-      case ActionKind::kBackwardWeight: return im.backward_weight(replica, a);
-      case ActionKind::kOptimizerStep: return Status::ok();  // the user's optimizer steps after the call
-      default: return Status(ErrorCode::kInternal, "not a compute action: " + scheduler::action_text(a));
-    }
-  };
-  hooks.allreduce = [&im](int, int, const Action& a) -> Status {
-    return im.reduce(im.stage_parameters[a.stage], im.stage_replicas[a.stage]);
-  };
-  scheduler::Runner runner(im.schedule, hooks, im.rank_replicas);
-  auto measured = runner.run_step();
+  im.replica_threads = threads;
+  auto measured = im.coordinator->run_step();
   at::set_num_threads(caller_threads);  // the setting is process-wide as well as per thread
   im.values.clear();
   im.joined.clear();
@@ -564,6 +571,8 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
   out.loss = total;
   return out;
 }
+
+Result<actors::ProfileReport> PipelineStep::profile_report() const { return impl_->coordinator->profile_report(); }
 
 Status PipelineStep::write_trace(const std::string& path) const {
   if (impl_->last.spans.empty()) return Status(ErrorCode::kInvalidArgument, "no step has run yet: nothing to trace");

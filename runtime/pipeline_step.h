@@ -1,7 +1,8 @@
 // One pipelined training step in one process: a captured graph cut into stages, each stage
 // run by one or more replicas, its batch sliced into microbatches and each microbatch into
-// one share per replica, the schedule's action lists run by scheduler::Runner with each F,
-// B, Bi and W bound to the replica's stage program.
+// one share per replica, the schedule's action lists run step by step (scheduler::StepRun) with each F,
+// B, Bi and W bound to the replica's stage program, on the replica's StageReplica actor (a
+// thread of its own for the pipeline's life; actors::Coordinator).
 //
 // Data path. Activations and gradients pass between stages in memory: zero-copy from
 // replica i to replica i when both stages have as many replicas; otherwise the producing
@@ -23,9 +24,11 @@
 #include <ATen/core/ivalue.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "actors/coordinator.h"
 #include "common/status.h"
 #include "graph/executor.h"
 #include "scheduler/runner.h"
@@ -45,6 +48,9 @@ struct PipelineOptions {
   /// Torch intra-op threads of each replica's compute thread; 0: the caller's count shared
   /// out between the replicas (at least one each).
   int intra_op_threads = 0;
+  /// The simulator's result for the plan this pipeline runs (partitioner::Plan::simulate),
+  /// for the live profile's comparison; none: measured figures only.
+  std::optional<scheduler::SimulationResult> predicted;
 };
 
 class PipelineStep {
@@ -59,6 +65,10 @@ class PipelineStep {
   /// graph's flattened inputs); tensors whose first dimension is the batch are split.
   /// Gradients reach the parameters scaled by `grad_scale` (the incoming loss gradient).
   Result<StepResult> run(const std::vector<c10::IValue>& inputs, double grad_scale = 1.0);
+
+  /// Every step's measured actions reach the pipeline's PartitionerActor: its comparison
+  /// of the measured steps with the prediction, per stage.
+  Result<actors::ProfileReport> profile_report() const;
 
   /// Writes the last step's measured actions as a Perfetto trace: a track per rank and
   /// replica with its compute, send and collective streams, flows from each transfer to its

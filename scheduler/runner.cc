@@ -10,8 +10,8 @@
 #include <asio/use_awaitable.hpp>
 #include <atomic>
 #include <condition_variable>
+#include <future>
 #include <map>
-#include <memory>
 #include <mutex>
 #include <thread>
 #include <tuple>
@@ -27,34 +27,71 @@ using Channel = asio::experimental::concurrent_channel<void(asio::error_code, in
 using Key = std::tuple<int, int, int, int, int>;
 }  // namespace
 
+// ---- the communication thread ----------------------------------------------------------
+
+struct CommThread::Impl {
+  asio::io_context io{1};
+  asio::executor_work_guard<asio::io_context::executor_type> guard = asio::make_work_guard(io);
+  std::thread thread;
+  std::atomic<bool> exited{false};
+  std::atomic<bool> abandoned{false};  // a transfer hook never returned: serve no more steps
+};
+
+CommThread::CommThread() : impl_(std::make_unique<Impl>()) {
+  Impl* impl = impl_.get();
+  impl->thread = std::thread([impl] {
+    impl->io.run();
+    impl->exited = true;
+  });
+}
+
+CommThread::~CommThread() {
+  impl_->guard.reset();
+  impl_->io.stop();
+  const auto deadline = Clock::now() + std::chrono::seconds(1);
+  while (!impl_->exited && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  if (impl_->exited) {
+    impl_->thread.join();
+  } else {
+    impl_->thread.detach();
+    (void)impl_.release();  // the stuck hook's thread still runs on it: leave it be
+  }
+}
+
+std::shared_ptr<CommThread> CommThread::process() {
+  static std::mutex mu;
+  static std::shared_ptr<CommThread> current;
+  std::lock_guard<std::mutex> lock(mu);
+  if (!current || current->impl_->abandoned) current.reset(new CommThread());
+  return current;
+}
+
+// ---- one step --------------------------------------------------------------------------
+
 // Shared by the threads of one step.
-struct Runner::State {
-  State(Schedule s, RunnerHooks h, std::vector<int> r)
-      : schedule(std::move(s)), hooks(std::move(h)), replicas(std::move(r)) {
+struct StepRun::State {
+  State(const Schedule& s, const RunnerHooks& h, std::vector<int> r)
+      : schedule(s), hooks(h), replicas(std::move(r)), comm_thread(CommThread::process()),
+        comm(comm_thread->impl().io) {
     for (int rank = 0; rank < static_cast<int>(replicas.size()); ++rank) {
-      first_worker.push_back(static_cast<int>(workers.size()));
       for (int i = 0; i < replicas[rank]; ++i) workers.emplace_back(rank, i);
     }
-    compute.resize(workers.size());
-    for (auto& c : compute) c = std::make_unique<asio::io_context>(1);
-    exited = std::vector<std::atomic<bool>>(workers.size());
-    for (auto& e : exited) e = false;
+    waiting.assign(workers.size(), "start");
+    inside.assign(workers.size(), false);
   }
   // Copies: a thread left behind by a hook that never returns still finds them alive.
   const Schedule schedule;
   const RunnerHooks hooks;
   const std::vector<int> replicas;               // per rank
   std::vector<std::pair<int, int>> workers;      // (rank, replica), rank-major
-  std::vector<int> first_worker;                 // per rank
-  asio::io_context comm{1};
-  std::vector<std::unique_ptr<asio::io_context>> compute;  // per worker
-  std::vector<std::atomic<bool>> exited;                   // per compute thread
-  std::map<int, int> allreduce_arrivals;                   // stage -> replicas arrived (comm thread only)
-  std::atomic<bool> comm_exited{false};
+  const std::shared_ptr<CommThread> comm_thread;
+  asio::io_context& comm;
+  std::map<int, int> allreduce_arrivals;         // stage -> replicas arrived (comm thread only)
   std::mutex mu;
   std::map<Key, std::shared_ptr<Channel>> channels;  // created by whichever side comes first
   std::vector<Span> spans;
-  std::vector<std::string> waiting;  // per worker: the action it is at
+  std::vector<std::string> waiting;  // per worker: the action it is at ("" when done)
+  std::vector<bool> inside;          // per worker: in run_replica
   Status error = Status::ok();
   std::atomic<bool> failed{false};
   int finished = 0;
@@ -66,7 +103,10 @@ struct Runner::State {
   std::shared_ptr<Channel> channel(const Key& k) {
     std::lock_guard<std::mutex> lock(mu);
     auto& ch = channels[k];
-    if (!ch) ch = std::make_shared<Channel>(comm.get_executor(), 1);
+    if (!ch) {
+      ch = std::make_shared<Channel>(comm.get_executor(), 1);
+      if (failed) ch->close();  // a failed step's late arrivals must not wait
+    }
     return ch;
   }
 
@@ -74,9 +114,9 @@ struct Runner::State {
     {
       std::lock_guard<std::mutex> lock(mu);
       if (error.is_ok()) error = std::move(st);
+      failed = true;
       for (auto& [k, ch] : channels) ch->close();
     }
-    failed = true;
     done.notify_all();
   }
 
@@ -121,36 +161,12 @@ struct Runner::State {
       }
     });
   }
-};
 
-Runner::Runner(Schedule schedule, RunnerHooks hooks, std::vector<int> replicas)
-    : schedule_(std::move(schedule)), hooks_(std::move(hooks)), replicas_(std::move(replicas)) {}
-Runner::~Runner() = default;
-
-Result<RunResult> Runner::run_step(std::chrono::milliseconds timeout) {
-  CONVEYOR_RETURN_IF_ERROR(validate_schedule(schedule_));
-  if (!hooks_.compute) return Status(ErrorCode::kInvalidArgument, "the runner needs a compute hook");
-  const int ranks = static_cast<int>(schedule_.ranks.size());
-  std::vector<int> replicas = replicas_.empty() ? std::vector<int>(static_cast<std::size_t>(ranks), 1) : replicas_;
-  if (static_cast<int>(replicas.size()) != ranks) {
-    return Status(ErrorCode::kInvalidArgument, "replica counts for " + std::to_string(replicas.size()) +
-                                                   " ranks, but the schedule has " + std::to_string(ranks));
-  }
-  for (int r = 0; r < ranks; ++r) {
-    if (replicas[r] < 1) {
-      return Status(ErrorCode::kInvalidArgument, "rank " + std::to_string(r) + " has " +
-                                                     std::to_string(replicas[r]) + " replicas (at least 1)");
-    }
-  }
-  const bool with_stage = schedule_.spec.chunks > 1;
-  auto st = std::make_shared<State>(schedule_, hooks_, std::move(replicas));
-  const int workers = static_cast<int>(st->workers.size());
-  st->waiting.assign(static_cast<std::size_t>(workers), "start");
-
-  // No captures: a coroutine lambda's captures live in the closure, not in the frame, and a
-  // frame may outlive this function (a hook that never returns). State comes in by value.
-  auto walk = [](std::shared_ptr<State> st, int w, bool with_stage) -> asio::awaitable<void> {
+  // One replica's walk of its rank's list. No captures: State comes in by value, so the frame
+  // keeps it alive however long a hook takes.
+  static asio::awaitable<void> walk(std::shared_ptr<State> st, int w) {
     const auto [r, i] = st->workers[w];
+    const bool with_stage = st->schedule.spec.chunks > 1;
     const ActionList& list = st->schedule.ranks[r];
     std::vector<std::shared_ptr<Channel>> reductions;  // this replica's allreduces in flight
     const std::string who = st->replicas[r] > 1 ? "rank " + std::to_string(r) + " replica " + std::to_string(i)
@@ -185,7 +201,7 @@ Result<RunResult> Runner::run_step(std::chrono::milliseconds timeout) {
         }
         case ActionKind::kSendActivation:
         case ActionKind::kSendGradient:
-          State::post_send(st, r, i, a, where());
+          post_send(st, r, i, a, where());
           break;
         case ActionKind::kRecvActivation:
         case ActionKind::kRecvGradient: {
@@ -194,13 +210,13 @@ Result<RunResult> Runner::run_step(std::chrono::milliseconds timeout) {
           for (int j : partner_replicas(st->replicas, r, i, a.peer)) {
             auto ch = st->channel({grad ? 1 : 0, a.microbatch, from_stage, j, i});
             auto [ec, unused] = co_await ch->async_receive(asio::experimental::as_tuple(asio::use_awaitable));
-            if (ec) co_return;  // closed: another worker failed
+            if (ec) co_return;  // closed: another replica failed
           }
           break;
         }
         case ActionKind::kAllReduce:
           reductions.push_back(st->channel({2, a.stage, a.stage, 0, i}));
-          State::post_allreduce(st, r, a, where());
+          post_allreduce(st, r, a, where());
           break;
       }
     }
@@ -208,78 +224,103 @@ Result<RunResult> Runner::run_step(std::chrono::milliseconds timeout) {
     st->waiting[w] = "";
     ++st->finished;
     st->done.notify_all();
-  };
+  }
+};
 
-  st->t0 = Clock::now();
-  for (int w = 0; w < workers; ++w) {
-    asio::co_spawn(*st->compute[w], walk(st, w, with_stage), asio::detached);
-  }
-  // Threads: one per replica for compute (and its coroutine), one for all communication.
-  auto comm_guard = asio::make_work_guard(st->comm);
-  std::thread comm_thread([st] {
-    st->comm.run();
-    st->comm_exited = true;
-  });
-  std::vector<std::thread> compute_threads;
-  for (int w = 0; w < workers; ++w) {
-    compute_threads.emplace_back([st, w] {
-      st->compute[w]->run();
-      st->exited[w] = true;
-    });
-  }
+StepRun::StepRun(std::shared_ptr<State> state) : st_(std::move(state)) {}
+StepRun::~StepRun() = default;
 
-  bool in_time;
-  {
-    std::unique_lock<std::mutex> lock(st->mu);
-    in_time = st->done.wait_for(lock, timeout, [&] { return st->finished == workers || st->failed.load(); });
+Result<std::shared_ptr<StepRun>> StepRun::create(const Schedule& schedule, const RunnerHooks& hooks,
+                                                 std::vector<int> replicas) {
+  CONVEYOR_RETURN_IF_ERROR(validate_schedule(schedule));
+  if (!hooks.compute) return Status(ErrorCode::kInvalidArgument, "the runner needs a compute hook");
+  const int ranks = static_cast<int>(schedule.ranks.size());
+  if (replicas.empty()) replicas.assign(static_cast<std::size_t>(ranks), 1);
+  if (static_cast<int>(replicas.size()) != ranks) {
+    return Status(ErrorCode::kInvalidArgument, "replica counts for " + std::to_string(replicas.size()) +
+                                                   " ranks, but the schedule has " + std::to_string(ranks));
   }
-  Status outcome = Status::ok();
-  if (!in_time) {
-    std::string stuck;
-    {
-      std::lock_guard<std::mutex> lock(st->mu);
-      for (int w = 0; w < workers; ++w) {
-        if (st->waiting[w].empty()) continue;
-        const auto [r, i] = st->workers[w];
-        stuck += " rank " + std::to_string(r) + (st->replicas[r] > 1 ? " replica " + std::to_string(i) : "") +
-                 " at " + st->waiting[w] + ";";
-      }
+  for (int r = 0; r < ranks; ++r) {
+    if (replicas[r] < 1) {
+      return Status(ErrorCode::kInvalidArgument, "rank " + std::to_string(r) + " has " +
+                                                     std::to_string(replicas[r]) + " replicas (at least 1)");
     }
-    outcome = Status(ErrorCode::kExecution, "the step did not finish within " + std::to_string(timeout.count()) +
-                                                " ms:" + stuck + " (a hook that never returns, or a lost peer)");
-    st->fail(outcome);
   }
-  // Drain: closed channels wake every waiting coroutine; then the contexts run out of work.
-  for (auto& c : st->compute) c->stop();
-  comm_guard.reset();
-  st->comm.stop();
-  // A hook that never returns keeps its thread: give each a moment, then leave it behind
-  // (it holds the shared state alive) rather than hang the caller.
-  const auto deadline = Clock::now() + std::chrono::seconds(1);
-  for (int w = 0; w < workers; ++w) {
-    while (!st->exited[w] && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    if (st->exited[w]) compute_threads[w].join(); else compute_threads[w].detach();
+  return std::shared_ptr<StepRun>(new StepRun(std::make_shared<State>(schedule, hooks, std::move(replicas))));
+}
+
+int StepRun::workers() const { return static_cast<int>(st_->workers.size()); }
+std::pair<int, int> StepRun::worker(int w) const { return st_->workers.at(static_cast<std::size_t>(w)); }
+
+void StepRun::fail(Status error) { st_->fail(std::move(error)); }
+
+void StepRun::run_replica(int w) {
+  {
+    std::lock_guard<std::mutex> lock(st_->mu);
+    if (st_->failed) return;  // too late: the step is over
+    st_->inside[w] = true;
   }
-  while (!st->comm_exited && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  const bool comm_joined = st->comm_exited;
-  if (comm_joined) comm_thread.join(); else comm_thread.detach();
-  // Coroutines still suspended hold the state (and it holds them): let them see their closed
-  // channels and finish, here, on contexts no thread runs any more.
-  for (int w = 0; w < workers; ++w) {
-    if (!st->exited[w]) continue;
-    st->compute[w]->restart();
-    st->compute[w]->poll();
+  asio::io_context replica_context(1);
+  asio::co_spawn(replica_context, State::walk(st_, w), asio::detached);
+  replica_context.run();  // until the walk ends: its list is done, or a closed channel woke it
+  {
+    std::lock_guard<std::mutex> lock(st_->mu);
+    st_->inside[w] = false;
   }
-  if (comm_joined) {
-    st->comm.restart();
-    st->comm.poll();
+  st_->done.notify_all();
+}
+
+Result<RunResult> StepRun::wait(std::chrono::milliseconds timeout) {
+  State& st = *st_;
+  const int workers = static_cast<int>(st.workers.size());
+  const auto deadline = Clock::now() + timeout;
+  std::unique_lock<std::mutex> lock(st.mu);
+  const bool in_time = st.done.wait_until(lock, deadline, [&] { return st.finished == workers || st.failed; });
+  if (!in_time) {
+    std::string where;
+    for (int w = 0; w < workers; ++w) {
+      if (st.waiting[w].empty()) continue;
+      const auto [r, i] = st.workers[w];
+      where += " rank " + std::to_string(r) + (st.replicas[r] > 1 ? " replica " + std::to_string(i) : "") + " at " +
+               st.waiting[w] + ";";
+    }
+    lock.unlock();
+    st.fail(Status(ErrorCode::kExecution, "the step did not finish within " + std::to_string(timeout.count()) +
+                                              " ms:" + where + " (a hook that never returns, or a lost peer)"));
+    lock.lock();
   }
-  if (!outcome) return outcome;
-  if (!st->error.is_ok()) return st->error;
-  RunResult result;
-  result.spans = std::move(st->spans);
-  for (const auto& s : result.spans) result.step_time_s = std::max(result.step_time_s, s.end_s);
-  return result;
+  if (!st.failed) {
+    RunResult result;
+    result.spans = std::move(st.spans);
+    for (const auto& s : result.spans) result.step_time_s = std::max(result.step_time_s, s.end_s);
+    return result;
+  }
+  // Failed: let every replica leave the action it is in (closed channels wake the waiting
+  // ones), and the communication thread finish what it runs, before the caller reuses or
+  // frees what the hooks touch. What does not return in time is left behind, named by stuck().
+  const auto grace = std::max(deadline, Clock::now() + std::chrono::seconds(1));
+  st.done.wait_until(lock, grace, [&] {
+    for (bool in : st.inside) {
+      if (in) return false;
+    }
+    return true;
+  });
+  Status error = st.error;
+  lock.unlock();
+  auto drained = std::make_shared<std::promise<void>>();
+  auto drained_future = drained->get_future();
+  asio::post(st.comm, [drained] { drained->set_value(); });
+  if (drained_future.wait_until(grace) != std::future_status::ready) st.comm_thread->impl().abandoned = true;
+  return error;
+}
+
+std::vector<int> StepRun::stuck() const {
+  std::lock_guard<std::mutex> lock(st_->mu);
+  std::vector<int> out;
+  for (int w = 0; w < static_cast<int>(st_->inside.size()); ++w) {
+    if (st_->inside[w]) out.push_back(w);
+  }
+  return out;
 }
 
 }  // namespace conveyor::scheduler

@@ -1,19 +1,26 @@
-// Runs a Schedule's action lists for real: one compute thread per stage replica (a rank's
-// stage group may be replicated), one communication thread for the whole process, each
-// replica's list walked by a C++20 coroutine (Asio) that awaits its receives, runs its
-// compute, and posts its sends without waiting for them, so transfers overlap compute.
+// Runs a Schedule's action lists for real, one step at a time: each replica's list walked by
+// a C++20 coroutine (Asio) that awaits its receives, runs its compute, and posts its sends
+// without waiting for them, so transfers overlap compute; every transfer and collective runs
+// on the process's one communication thread.
+//
 // Replicas of a rank run the same list on their shares of each microbatch; a receive waits
 // for the producing replica of the same index when both sides have as many replicas, for
-// every producing replica otherwise (the payload is redistributed); the allreduce of a
-// stage runs once every replica has reached it, and releases them all. What F, B, W and a transfer do is supplied by the caller (the
-// runtime binds them to stage programs and tensors); the runner orders them, measures every
-// action, and turns failures and hangs into errors naming the rank and the action.
-// Torch-free.
+// every producing replica otherwise (the payload is redistributed); the allreduce of a stage
+// runs once every replica has reached it, and releases them all. What F, B, W and a transfer
+// do is supplied by the caller (the runtime binds them to stage programs and tensors); the
+// step orders them, measures every action, and turns failures and hangs into errors naming
+// the rank and the action.
+//
+// Where each replica's walk runs is also the caller's: StepRun::run_replica runs on the
+// thread that owns the replica (actors::Coordinator gives every replica a StageReplica actor
+// with a thread of its own that lives as long as the pipeline). Torch-free.
 #pragma once
 
 #include <chrono>
 #include <functional>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/status.h"
@@ -38,25 +45,60 @@ struct RunResult {
   std::vector<Span> spans;  ///< measured, seconds from the start of the step (Span as in the simulator)
 };
 
-class Runner {
+/// The process's communication thread: an Asio event loop that runs every transfer and
+/// collective of every pipeline in the process, in the order they are posted.
+class CommThread {
  public:
-  /// `replicas`: per rank, how many replicas run its list (empty: one each).
-  Runner(Schedule schedule, RunnerHooks hooks, std::vector<int> replicas = {});
-  ~Runner();
-  Runner(const Runner&) = delete;
-  Runner& operator=(const Runner&) = delete;
+  /// The process's thread, started on first use. If a transfer hook never returned (the step
+  /// that posted it timed out and gave the thread up), the next call starts a fresh thread
+  /// and leaves the stuck one behind.
+  static std::shared_ptr<CommThread> process();
+  ~CommThread();
+  CommThread(const CommThread&) = delete;
+  CommThread& operator=(const CommThread&) = delete;
 
-  /// Runs one step. A hook's error stops every rank and is returned with the rank and action
-  /// named; a step that does not finish within `timeout` returns kExecution naming where
-  /// each unfinished rank waits. A hook still running then is left on its thread (the call
-  /// returns instead of hanging): whatever that hook touches must be owned by the hook.
-  Result<RunResult> run_step(std::chrono::milliseconds timeout = std::chrono::minutes(10));
+  struct Impl;
+  Impl& impl() { return *impl_; }
+
+ private:
+  CommThread();
+  std::unique_ptr<Impl> impl_;
+};
+
+/// One step of a schedule: the shared state of its replicas' walks.
+class StepRun {
+ public:
+  /// `replicas`: per rank, how many replicas run its list (empty: one each). Errors for an
+  /// invalid schedule, a missing compute hook, or bad replica counts.
+  static Result<std::shared_ptr<StepRun>> create(const Schedule& schedule, const RunnerHooks& hooks,
+                                                 std::vector<int> replicas = {});
+  ~StepRun();
+
+  /// Replicas of the step, rank-major: worker w is replica worker(w).second of rank worker(w).first.
+  int workers() const;
+  std::pair<int, int> worker(int w) const;
+
+  /// Walks worker w's action list on the calling thread; returns when the list is done or
+  /// the step has failed (a hook that never returns keeps the calling thread).
+  void run_replica(int w);
+
+  /// Stops the step with `error` (the first error wins); every waiting replica wakes.
+  void fail(Status error);
+
+  /// Waits until every replica has finished. A hook's error is returned with the rank and
+  /// action named; a step that does not finish within `timeout` returns kExecution naming
+  /// where each unfinished replica waits. After a failure, waits (within the same timeout)
+  /// for the other replicas to leave their current action, so their hooks no longer run
+  /// when this returns; `stuck()` then names any that did not.
+  Result<RunResult> wait(std::chrono::milliseconds timeout);
+
+  /// Workers still inside run_replica (a hook that never returned), after wait().
+  std::vector<int> stuck() const;
 
  private:
   struct State;
-  Schedule schedule_;
-  RunnerHooks hooks_;
-  std::vector<int> replicas_;
+  explicit StepRun(std::shared_ptr<State> state);
+  std::shared_ptr<State> st_;
 };
 
 }  // namespace conveyor::scheduler

@@ -23,6 +23,7 @@ on its own thread (many processes come with the launcher); the plan it runs is
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -95,6 +96,24 @@ def _local_cluster(devices: int, threads: int) -> str:
     speed = min(1.0, torch.get_num_threads() / (devices * threads))
     return (f'name = "local"\n[[node]]\ndevices = {devices}\nmemory = {memory // devices}\nspeed = {speed}\n'
             f'[link.intra_node]\nbandwidth = "10 GB/s"\nlatency = "5 us"\n')
+
+
+class LiveProfile:
+    """A live profile (Module.profile_report): `steps`, `measured_step_s`, `predicted_step_s`
+    (0 without a plan) and `stages`, a dict per stage of measured and predicted seconds and
+    its `compute_ratio` (measured over predicted F + B + W; above 1: slower than planned)."""
+
+    def __init__(self, report: dict):
+        self.steps = report["steps"]
+        self.measured_step_s = report["measured_step_s"]
+        self.predicted_step_s = report["predicted_step_s"]
+        self.stages = report["stages"]
+        self._table = report["table"]
+
+    def __str__(self) -> str:
+        return self._table
+
+    __repr__ = __str__
 
 
 class Module(torch.nn.Module):
@@ -205,7 +224,7 @@ class Module(torch.nn.Module):
         chunks = plan.document["chunks"]
         ranks = len(plan.stage_nodes) // chunks
         return _C.PipelineStep(graph.executor, plan.stage_nodes, plan.schedule, plan.microbatches, chunks,
-                               plan.replicas[:ranks])
+                               plan.replicas[:ranks], plan=json.dumps(plan.document))
 
     # -- running ----------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -242,6 +261,16 @@ class Module(torch.nn.Module):
         if self._step is None:
             raise ConveyorValueError("no step has run yet: nothing to trace")
         self._step.write_trace(str(path))
+
+    def profile_report(self) -> "LiveProfile":
+        """How the running pipeline compares with its plan: every step's measured actions reach
+        the pipeline's partitioner actor, which reports per stage the measured forward,
+        backward, weight-gradient, transfer and allreduce times against the planner's
+        prediction, and the step time (the first step, warm-up, is left out once there are
+        more). With stages fixed by hand there is no prediction: measured figures only."""
+        if self._step is None:
+            raise ConveyorValueError("no step has run yet: nothing to report")
+        return LiveProfile(self._step.profile_report())
 
     def train_step(self, *args, **kwargs) -> torch.Tensor:
         """One whole step: zero the gradients, run the pipeline, apply the optimizer."""

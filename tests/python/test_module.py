@@ -45,6 +45,16 @@ def test_automatic_plan_trains_like_eager_accumulation(name, batch):
         assert abs(loss.item() - ref_loss.item()) <= 1e-9 * abs(ref_loss.item()), (step, loss, ref_loss)
     assert model.plan is not None and "predicted step" in str(model.plan)
     assert stages >= 1
+    # Live profiles: every step reached the partitioner actor, which compares it with the plan.
+    report = model.profile_report()
+    assert report.steps == 2  # the first step is warm-up
+    assert report.predicted_step_s == pytest.approx(model.plan.predicted_step_s, rel=1e-9)
+    assert report.measured_step_s > 0
+    assert len(report.stages) == len(model.plan.stage_nodes)
+    for s in report.stages:
+        assert s["forward_s"] > 0 and s["backward_s"] + s["backward_weight_s"] > 0, s
+        assert s["predicted_forward_s"] > 0 and s["compute_ratio"] > 0, s
+    assert "measured / predicted" in str(report), str(report)
     for (n, p), (_, q) in zip(case.model.named_parameters(), ref.named_parameters()):
         err = (p - q).abs().max().item() / max(q.abs().max().item(), 1e-6)
         assert err <= 1e-9, f"{name}: {n} differs by {err:.2e} ({model})"
@@ -75,6 +85,12 @@ def test_fixed_stages_with_replicas_train_like_eager_accumulation(schedule):
     for (n, p), (_, q) in zip(case.model.named_parameters(), ref.named_parameters()):
         err = (p - q).abs().max().item() / max(q.abs().max().item(), 1e-6)
         assert err <= 1e-9, f"{schedule}: {n} differs by {err:.2e}"
+    # Stages fixed by hand: no plan, so the live profile has measured figures only.
+    report = model.profile_report()
+    assert report.steps == 2 and report.predicted_step_s == 0
+    assert [s["replicas"] for s in report.stages] == [2, 2, 2, 2]
+    assert all(s["forward_s"] > 0 and s["predicted_forward_s"] == 0 for s in report.stages)
+    assert "(measured, ms per microbatch)" in str(report), str(report)
 
 
 def test_backward_scales_gradients_and_state_stays_the_models():

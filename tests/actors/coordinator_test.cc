@@ -1,16 +1,19 @@
-#include "scheduler/runner.h"
+#include "actors/coordinator.h"
 
 #include <gtest/gtest.h>
 
 #include <atomic>
 #include <future>
+#include <map>
 #include <mutex>
 #include <set>
+#include <thread>
 #include <vector>
 
 #include "trace/simulation_trace.h"
 
 namespace conveyor::scheduler {
+// (The tests name the scheduler's types unqualified; the actors run them.)
 namespace {
 
 // Records what each stage has done and checks, inside the hooks, that every action's data
@@ -22,6 +25,13 @@ struct Recorder {
     b = std::vector<std::atomic<int>>(n);
     w = std::vector<std::atomic<int>>(n);
     sent = std::vector<std::atomic<int>>(2 * n);
+  }
+  void reset() {
+    for (auto* v : {&f, &b, &w, &sent}) {
+      for (auto& x : *v) x = 0;
+    }
+    reduced.clear();
+    steps = 0;
   }
   std::size_t at(int stage, int mb) const { return static_cast<std::size_t>(stage * spec.microbatches + mb); }
 
@@ -91,16 +101,37 @@ struct Recorder {
   std::atomic<int> steps{0};
 };
 
-TEST(Runner, EveryScheduleRunsInDependencyOrderOnRealThreads) {
+Result<RunResult> run_once(const Schedule& schedule, RunnerHooks hooks, std::vector<int> replicas = {},
+                           std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+  CONVEYOR_ASSIGN_OR_RETURN(auto coordinator, actors::Coordinator::create(schedule, std::move(hooks), std::move(replicas)));
+  return coordinator->run_step(timeout);
+}
+
+// Every schedule, five steps on the same actors: each step runs in dependency order, every
+// action is measured, and each replica keeps its one thread from step to step.
+TEST(Coordinator, EveryScheduleRunsInDependencyOrderOnPersistentReplicaThreads) {
   for (auto spec : {ScheduleSpec{ScheduleKind::kGPipe, 4, 8}, ScheduleSpec{ScheduleKind::kOneFOneB, 4, 8},
                     ScheduleSpec{ScheduleKind::kZeroBubbleH1, 4, 8}, ScheduleSpec{ScheduleKind::kInterleaved, 3, 6, 2},
                     ScheduleSpec{ScheduleKind::kOneFOneB, 1, 3}}) {
     auto schedule = make_schedule(spec);
     ASSERT_TRUE(schedule.is_ok());
+    Recorder rec(spec);
+    std::mutex mu;
+    std::map<int, std::set<std::thread::id>> threads;  // rank -> threads its compute ran on
+    RunnerHooks hooks = rec.hooks();
+    auto inner = hooks.compute;
+    hooks.compute = [&, inner](int r, int i, const Action& a) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        threads[r].insert(std::this_thread::get_id());
+      }
+      return inner(r, i, a);
+    };
+    auto coordinator = actors::Coordinator::create(*schedule, hooks);
+    ASSERT_TRUE(coordinator.is_ok()) << coordinator.status().to_string();
     for (int repeat = 0; repeat < 5; ++repeat) {
-      Recorder rec(spec);
-      Runner runner(*schedule, rec.hooks());
-      auto result = runner.run_step(std::chrono::seconds(60));
+      rec.reset();
+      auto result = (*coordinator)->run_step(std::chrono::seconds(60));
       ASSERT_TRUE(result.is_ok()) << schedule_kind_name(spec.kind) << ": " << result.status().to_string();
       for (std::size_t i = 0; i < rec.f.size(); ++i) {
         EXPECT_EQ(rec.f[i], 1);
@@ -122,6 +153,14 @@ TEST(Runner, EveryScheduleRunsInDependencyOrderOnRealThreads) {
       ASSERT_TRUE(summary.is_ok()) << summary.status().to_string();
       EXPECT_EQ(summary->flows, static_cast<std::size_t>(2 * (spec.stages() - 1) * spec.microbatches));
     }
+    // One thread per rank for all five steps, none shared between ranks.
+    std::set<std::thread::id> all;
+    for (int r = 0; r < spec.ranks; ++r) {
+      EXPECT_EQ(threads[r].size(), 1u) << "rank " << r << " ran on " << threads[r].size() << " threads";
+      all.insert(threads[r].begin(), threads[r].end());
+    }
+    EXPECT_EQ(all.size(), static_cast<std::size_t>(spec.ranks));
+    EXPECT_EQ(all.count(std::this_thread::get_id()), 0u);
   }
 }
 
@@ -129,7 +168,7 @@ TEST(Runner, EveryScheduleRunsInDependencyOrderOnRealThreads) {
 // matching replica (equal counts) or for every producing replica (different counts); the
 // allreduce runs once per stage after every replica's backwards, and before any replica's
 // optimizer step.
-TEST(Runner, ReplicatedRanksWaitForTheirProducersAndReduceOnce) {
+TEST(Coordinator, ReplicatedRanksWaitForTheirProducersAndReduceOnce) {
   for (auto spec : {ScheduleSpec{ScheduleKind::kOneFOneB, 4, 6}, ScheduleSpec{ScheduleKind::kZeroBubbleH1, 4, 6},
                     ScheduleSpec{ScheduleKind::kGPipe, 4, 3}}) {
     const std::vector<int> replicas = {2, 1, 3, 3};
@@ -193,8 +232,7 @@ TEST(Runner, ReplicatedRanksWaitForTheirProducersAndReduceOnce) {
       if (i != 0 || reduced[r]++) return Status(ErrorCode::kInternal, "allreduce ran twice");
       return Status::ok();
     };
-    Runner runner(*schedule, hooks, replicas);
-    auto result = runner.run_step(std::chrono::seconds(60));
+    auto result = run_once(*schedule, hooks, replicas);
     ASSERT_TRUE(result.is_ok()) << schedule_kind_name(spec.kind) << ": " << result.status().to_string();
     for (int s = 0; s < p; ++s) {
       EXPECT_EQ(reduced[s], 1);
@@ -207,16 +245,13 @@ TEST(Runner, ReplicatedRanksWaitForTheirProducersAndReduceOnce) {
       }
     }
   }
-  Runner bad(*make_schedule({ScheduleKind::kOneFOneB, 2, 2}), RunnerHooks{[](int, int, const Action&) {
-               return Status::ok();
-             }},
-             {1, 0});
-  auto refused = bad.run_step();
+  auto refused = actors::Coordinator::create(*make_schedule({ScheduleKind::kOneFOneB, 2, 2}),
+                                             RunnerHooks{[](int, int, const Action&) { return Status::ok(); }}, {1, 0});
   ASSERT_FALSE(refused.is_ok());
   EXPECT_NE(refused.status().message().find("rank 1 has 0 replicas"), std::string::npos);
 }
 
-TEST(Runner, AFailingHookStopsEveryRankAndNamesItself) {
+TEST(Coordinator, AFailingHookStopsEveryRankAndNamesItself) {
   auto schedule = make_schedule({ScheduleKind::kOneFOneB, 4, 8});
   ASSERT_TRUE(schedule.is_ok());
   Recorder rec(schedule->spec);
@@ -228,14 +263,13 @@ TEST(Runner, AFailingHookStopsEveryRankAndNamesItself) {
     }
     return inner(r, 0, a);
   };
-  Runner runner(*schedule, hooks);
-  auto result = runner.run_step(std::chrono::seconds(60));
+  auto result = run_once(*schedule, hooks);
   ASSERT_FALSE(result.is_ok());
   EXPECT_NE(result.status().message().find("rank 2 at B3"), std::string::npos) << result.status().message();
   EXPECT_NE(result.status().message().find("out of memory in the test"), std::string::npos);
 }
 
-TEST(Runner, AHookThatNeverReturnsTimesOutNamingWhereRanksWait) {
+TEST(Coordinator, AHookThatNeverReturnsTimesOutNamingWhereRanksWaitAndFailsLaterStepsAtOnce) {
   auto schedule = make_schedule({ScheduleKind::kOneFOneB, 3, 4});
   ASSERT_TRUE(schedule.is_ok());
   // The stuck hook outlives the step: what it touches is owned by the hook.
@@ -250,13 +284,78 @@ TEST(Runner, AHookThatNeverReturnsTimesOutNamingWhereRanksWait) {
   };
   hooks.transfer = [rec](int r, int, const Action& a) { return rec->transfer(r, a); };
   hooks.allreduce = [rec](int r, int, const Action& a) { return rec->allreduce(r, a); };
-  Runner runner(*schedule, hooks);
-  auto result = runner.run_step(std::chrono::milliseconds(300));
-  release->set_value();  // let the stuck thread finish
+  auto coordinator = actors::Coordinator::create(*schedule, hooks);
+  ASSERT_TRUE(coordinator.is_ok());
+  auto result = (*coordinator)->run_step(std::chrono::milliseconds(300));
   ASSERT_FALSE(result.is_ok());
   EXPECT_EQ(result.status().code(), ErrorCode::kExecution);
   EXPECT_NE(result.status().message().find("did not finish within 300 ms"), std::string::npos);
   EXPECT_NE(result.status().message().find("rank 1 at F1"), std::string::npos) << result.status().message();
+  // Rank 1's replica is still inside its hook: the next step says so at once, not after a timeout.
+  const auto start = std::chrono::steady_clock::now();
+  auto again = (*coordinator)->run_step(std::chrono::seconds(30));
+  ASSERT_FALSE(again.is_ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  EXPECT_NE(again.status().message().find("rank 1 replica 0 is still inside a hook"), std::string::npos)
+      << again.status().message();
+  release->set_value();  // let the stuck thread finish
+  // Once the hook returns, the pipeline runs again.
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  rec->reset();
+  auto recovered = (*coordinator)->run_step(std::chrono::seconds(30));
+  EXPECT_TRUE(recovered.is_ok()) << recovered.status().to_string();
+}
+
+// Live profiles: every measured step reaches the PartitionerActor, whose report compares
+// each stage's measured times with the simulator's prediction for the same schedule.
+TEST(Coordinator, LiveProfilesCompareEachStageWithThePrediction) {
+  const ScheduleSpec spec{ScheduleKind::kOneFOneB, 2, 4};
+  auto schedule = make_schedule(spec);
+  ASSERT_TRUE(schedule.is_ok());
+  // The plan assumes 2 ms forward and 4 ms backward per microbatch on both stages; stage 1
+  // really runs twice as slow.
+  std::vector<StageCost> costs(2);
+  for (auto& c : costs) {
+    c.forward_s = 0.002;
+    c.backward_s = 0.004;
+  }
+  auto predicted = simulate(*schedule, costs, LinkCost{});
+  ASSERT_TRUE(predicted.is_ok());
+  RunnerHooks hooks;
+  hooks.compute = [](int r, int, const Action& a) {
+    const double scale = r == 1 ? 2.0 : 1.0;
+    double s = 0;
+    if (a.kind == ActionKind::kForward) s = 0.002 * scale;
+    if (a.kind == ActionKind::kBackward) s = 0.004 * scale;
+    std::this_thread::sleep_for(std::chrono::duration<double>(s));
+    return Status::ok();
+  };
+  auto coordinator = actors::Coordinator::create(*schedule, hooks, {}, *predicted);
+  ASSERT_TRUE(coordinator.is_ok());
+  auto empty = (*coordinator)->profile_report();
+  ASSERT_TRUE(empty.is_ok());
+  EXPECT_EQ(empty->steps, 0);
+  for (int step = 0; step < 4; ++step) ASSERT_TRUE((*coordinator)->run_step(std::chrono::seconds(30)).is_ok());
+  auto report = (*coordinator)->profile_report();
+  ASSERT_TRUE(report.is_ok()) << report.status().to_string();
+  EXPECT_EQ(report->steps, 3);  // the first step is warm-up
+  ASSERT_EQ(report->stages.size(), 2u);
+  EXPECT_DOUBLE_EQ(report->predicted_step_s, predicted->step_time_s);
+  EXPECT_GE(report->measured_step_s, predicted->step_time_s);
+  for (const auto& s : report->stages) {
+    EXPECT_DOUBLE_EQ(s.predicted_forward_s, 0.002);
+    EXPECT_DOUBLE_EQ(s.predicted_backward_s, 0.004);
+    // sleep_for never returns early; a loaded machine may run late.
+    const double scale = s.stage == 1 ? 2.0 : 1.0;
+    EXPECT_GE(s.forward_s, 0.002 * scale);
+    EXPECT_GE(s.backward_s, 0.004 * scale);
+    EXPECT_GE(s.compute_ratio(), scale);
+  }
+  // Stage 1 is the one that runs slower than planned.
+  EXPECT_GT(report->stages[1].compute_ratio(), report->stages[0].compute_ratio());
+  const std::string table = report->table();
+  EXPECT_NE(table.find("live profile over 3 steps"), std::string::npos) << table;
+  EXPECT_NE(table.find("measured / predicted"), std::string::npos) << table;
 }
 
 }  // namespace

@@ -1,0 +1,83 @@
+// The actor graph of one pipeline in this process (CAF): a Coordinator actor, one
+// StageReplica actor per (rank, replica) and a PartitionerActor.
+//
+// Each StageReplica is a detached actor: a thread of its own that lives as long as the
+// pipeline, so torch's intra-op thread pools (and, on CUDA, the device binding and streams)
+// are set up once, not per step. A step is a message: the Coordinator sends every replica
+// its part of the step (scheduler::StepRun), each replica walks its action list on its
+// thread, transfers and collectives run on the process's communication thread. The
+// Coordinator tracks which replicas are still inside a step, so a replica left behind by a
+// hook that never returned fails the next step at once instead of hanging it.
+//
+// Every measured step goes to the PartitionerActor (live profiles), which compares the
+// running plan with its prediction: per stage, measured against predicted forward, backward,
+// weight-gradient, transfer and allreduce times, and the step time. Re-planning from these
+// figures builds on this data path.
+//
+// This header is CAF-free (the actors live in actors/*.cc), so the torch translation units
+// that hold a Coordinator do not compile CAF.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "scheduler/runner.h"
+#include "scheduler/simulator.h"
+
+namespace conveyor::actors {
+
+/// One stage's measured times against the plan's prediction. Per microbatch, a stage's
+/// replicas work on their shares at once: a microbatch's time is its slowest replica's.
+struct StageProfile {
+  int stage = 0, rank = 0, replicas = 1;
+  double forward_s = 0, backward_s = 0, backward_weight_s = 0;  ///< measured, mean per microbatch
+  double send_s = 0;                                            ///< measured, mean per transfer
+  double allreduce_s = 0;                                       ///< measured, per step
+  double predicted_forward_s = 0, predicted_backward_s = 0, predicted_backward_weight_s = 0;
+  double predicted_send_s = 0, predicted_allreduce_s = 0;
+  /// Measured over predicted compute (F + B + W): how much slower (> 1) or faster the stage
+  /// runs than the cost model assumed; 0 without a prediction.
+  double compute_ratio() const;
+};
+
+struct ProfileReport {
+  int steps = 0;                ///< steps measured (the first is left out once there are more: warm-up)
+  double measured_step_s = 0;   ///< mean over those steps
+  double predicted_step_s = 0;  ///< the simulator's step time for the plan; 0: no prediction
+  std::vector<StageProfile> stages;
+  /// A readable table: a row per stage, measured against predicted, and the step time.
+  std::string table() const;
+};
+
+class Coordinator {
+ public:
+  /// Spawns the actor graph for `schedule` with `replicas` per rank (empty: one each).
+  /// `predicted`: the simulator's result for the same plan, for the partitioner's report.
+  static Result<std::unique_ptr<Coordinator>> create(scheduler::Schedule schedule, scheduler::RunnerHooks hooks,
+                                                     std::vector<int> replicas = {},
+                                                     std::optional<scheduler::SimulationResult> predicted = {});
+  ~Coordinator();
+  Coordinator(const Coordinator&) = delete;
+  Coordinator& operator=(const Coordinator&) = delete;
+
+  /// Runs one step on the replicas' threads. A hook's error stops every replica and is
+  /// returned with the rank and action named; a step that does not finish within `timeout`
+  /// returns kExecution naming where each unfinished replica waits. A hook still running
+  /// then keeps its replica's thread (this returns instead of hanging); later steps fail at
+  /// once naming that replica.
+  Result<scheduler::RunResult> run_step(std::chrono::milliseconds timeout = std::chrono::minutes(10));
+
+  /// The PartitionerActor's comparison of the measured steps with the prediction.
+  Result<ProfileReport> profile_report(std::chrono::milliseconds timeout = std::chrono::seconds(10)) const;
+
+ private:
+  struct Impl;
+  explicit Coordinator(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace conveyor::actors

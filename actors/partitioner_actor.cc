@@ -1,0 +1,157 @@
+// The PartitionerActor's live-profile side: measured steps in, a comparison with the plan out.
+#include <algorithm>
+#include <cstdio>
+#include <map>
+
+#include "actors/messages.h"
+
+namespace conveyor::actors {
+
+namespace {
+
+using scheduler::ActionKind;
+using scheduler::Span;
+
+// Per stage: the mean time per microbatch of F, B (or Bi) and W, a microbatch's time being
+// its slowest replica's; the mean transfer; the allreduce. Fills the measured fields.
+std::vector<StageProfile> summarize(const std::vector<Span>& spans, const scheduler::ScheduleSpec& spec,
+                                    const std::vector<int>& replicas) {
+  const int stages = spec.stages();
+  std::vector<StageProfile> out(static_cast<std::size_t>(stages));
+  // (stage, kind, microbatch) -> slowest replica; kind 0 F, 1 B/Bi, 2 W.
+  std::map<std::tuple<int, int, int>, double> slowest;
+  std::vector<double> send_sum(out.size(), 0);
+  std::vector<int> sends(out.size(), 0);
+  for (const Span& s : spans) {
+    const int stage = s.action.stage;
+    if (stage < 0 || stage >= stages) continue;
+    const double d = s.end_s - s.start_s;
+    int kind = -1;
+    switch (s.action.kind) {
+      case ActionKind::kForward: kind = 0; break;
+      case ActionKind::kBackward:
+      case ActionKind::kBackwardInput: kind = 1; break;
+      case ActionKind::kBackwardWeight: kind = 2; break;
+      case ActionKind::kSendActivation:
+      case ActionKind::kSendGradient:
+        send_sum[stage] += d;
+        ++sends[stage];
+        break;
+      case ActionKind::kAllReduce: out[stage].allreduce_s = std::max(out[stage].allreduce_s, d); break;
+      default: break;
+    }
+    if (kind >= 0) {
+      double& m = slowest[{stage, kind, s.action.microbatch}];
+      m = std::max(m, d);
+    }
+  }
+  for (const auto& [key, d] : slowest) {
+    const auto [stage, kind, mb] = key;
+    double& field = kind == 0 ? out[stage].forward_s : kind == 1 ? out[stage].backward_s : out[stage].backward_weight_s;
+    field += d / spec.microbatches;
+  }
+  for (int s = 0; s < stages; ++s) {
+    out[s].stage = s;
+    out[s].rank = spec.rank_of_stage(s);
+    out[s].replicas = out[s].rank < static_cast<int>(replicas.size()) ? replicas[out[s].rank] : 1;
+    out[s].send_s = sends[s] ? send_sum[s] / sends[s] : 0;
+  }
+  return out;
+}
+
+struct Measured {
+  double step_s = 0;
+  std::vector<StageProfile> stages;
+};
+
+struct PartitionerState {
+  std::vector<Measured> steps;
+};
+
+}  // namespace
+
+caf::behavior partitioner_actor(caf::event_based_actor* self, scheduler::ScheduleSpec spec, std::vector<int> replicas,
+                                std::shared_ptr<const scheduler::SimulationResult> predicted) {
+  auto state = std::make_shared<PartitionerState>();
+  return {
+      [state, spec, replicas](profile_atom, const MeasuredPtr& run) {
+        state->steps.push_back({run->step_time_s, summarize(run->spans, spec, replicas)});
+      },
+      [state, spec, replicas, predicted](report_atom) {
+        ProfileReport report;
+        // The first step pays for warm-up (allocator, thread pools): leave it out once there are more.
+        const std::size_t first = state->steps.size() > 1 ? 1 : 0;
+        report.steps = static_cast<int>(state->steps.size() - first);
+        report.stages = summarize({}, spec, replicas);
+        for (std::size_t k = first; k < state->steps.size(); ++k) {
+          const Measured& m = state->steps[k];
+          const double w = 1.0 / report.steps;
+          report.measured_step_s += m.step_s * w;
+          for (std::size_t s = 0; s < report.stages.size(); ++s) {
+            StageProfile& t = report.stages[s];
+            t.forward_s += m.stages[s].forward_s * w;
+            t.backward_s += m.stages[s].backward_s * w;
+            t.backward_weight_s += m.stages[s].backward_weight_s * w;
+            t.send_s += m.stages[s].send_s * w;
+            t.allreduce_s += m.stages[s].allreduce_s * w;
+          }
+        }
+        if (predicted) {
+          report.predicted_step_s = predicted->step_time_s;
+          auto p = summarize(predicted->spans, spec, replicas);
+          for (std::size_t s = 0; s < report.stages.size(); ++s) {
+            StageProfile& t = report.stages[s];
+            t.predicted_forward_s = p[s].forward_s;
+            t.predicted_backward_s = p[s].backward_s;
+            t.predicted_backward_weight_s = p[s].backward_weight_s;
+            t.predicted_send_s = p[s].send_s;
+            t.predicted_allreduce_s = p[s].allreduce_s;
+          }
+        }
+        return report;
+      },
+  };
+}
+
+double StageProfile::compute_ratio() const {
+  const double predicted = predicted_forward_s + predicted_backward_s + predicted_backward_weight_s;
+  return predicted > 0 ? (forward_s + backward_s + backward_weight_s) / predicted : 0;
+}
+
+std::string ProfileReport::table() const {
+  auto ms = [](double s) {
+    char b[32];
+    std::snprintf(b, sizeof b, "%.2f", s * 1e3);
+    return std::string(b);
+  };
+  auto pair = [&](double measured, double predicted) {
+    return predicted > 0 ? ms(measured) + " / " + ms(predicted) : ms(measured);
+  };
+  const bool with_prediction = predicted_step_s > 0;
+  std::string out = "live profile over " + std::to_string(steps) + " step" + (steps == 1 ? "" : "s") +
+                    (with_prediction ? " (measured / predicted, ms per microbatch)\n" : " (measured, ms per microbatch)\n");
+  char line[256];
+  std::snprintf(line, sizeof line, "%-6s %-5s %-9s %-17s %-17s %-17s %-17s %-17s %s\n", "stage", "rank", "replicas",
+                "forward", "backward", "weight grad", "send", "allreduce/step", with_prediction ? "compute ratio" : "");
+  out += line;
+  for (const auto& s : stages) {
+    char ratio[32] = "";
+    if (with_prediction) std::snprintf(ratio, sizeof ratio, "%.2f", s.compute_ratio());
+    std::snprintf(line, sizeof line, "%-6d %-5d %-9d %-17s %-17s %-17s %-17s %-17s %s\n", s.stage, s.rank, s.replicas,
+                  pair(s.forward_s, s.predicted_forward_s).c_str(), pair(s.backward_s, s.predicted_backward_s).c_str(),
+                  pair(s.backward_weight_s, s.predicted_backward_weight_s).c_str(),
+                  pair(s.send_s, s.predicted_send_s).c_str(), pair(s.allreduce_s, s.predicted_allreduce_s).c_str(),
+                  ratio);
+    out += line;
+  }
+  out += "step: " + ms(measured_step_s) + " ms measured";
+  if (with_prediction) {
+    char r[64];
+    std::snprintf(r, sizeof r, ", %s ms predicted (ratio %.2f)", ms(predicted_step_s).c_str(),
+                  measured_step_s / predicted_step_s);
+    out += r;
+  }
+  return out + "\n";
+}
+
+}  // namespace conveyor::actors
