@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 
+#include <future>
 #include <map>
 #include <mutex>
 #include <set>
@@ -12,6 +13,7 @@
 #include "actors/coordinator.h"
 #include "graph/partition.h"
 #include "trace/simulation_trace.h"
+#include "transport/inproc.h"
 
 namespace conveyor::runtime {
 
@@ -57,6 +59,10 @@ struct PipelineStep::Impl {
   std::vector<std::vector<std::string>> stage_parameters;  // per stage: parameters only it uses
   std::vector<std::string> shared_parameters;              // used by several stages (tied)
   std::vector<std::string> buffers;
+  // Gradient reduction across replicas: a group per stage, one over the most replicas for
+  // parameters several stages share.
+  std::vector<std::vector<std::shared_ptr<transport::Collective>>> stage_groups;
+  std::vector<std::shared_ptr<transport::Collective>> shared_group;
 
   // Per step:
   std::mutex mu;
@@ -218,41 +224,63 @@ struct PipelineStep::Impl {
   // Sums the gradients of `names` over replicas 1..replicas-1 into replica 0 (the user's
   // `.grad`), in buckets of at most bucket_bytes: each bucket is flattened once per replica,
   // summed, and added back through views. The replicas' gradients are released.
-  Status reduce(const std::vector<std::string>& names, int replicas) {
+  // Sums the replicas' gradients of `names` into replica 0's (the user's) `.grad` through
+  // the stage's Collective, bucket by bucket (a bucket: consecutive parameters of one dtype,
+  // at most bucket_bytes); the other replicas' gradients are cleared.
+  Status reduce(const std::vector<std::string>& names, const std::vector<std::shared_ptr<transport::Collective>>& group) {
+    const int replicas = static_cast<int>(group.size());
     if (replicas < 2) return Status::ok();
     c10::NoGradGuard no_grad;
     std::size_t begin = 0;
     while (begin < names.size()) {
       std::size_t end = begin;
       std::int64_t bytes = 0;
+      const at::ScalarType dtype = executors[0]->tensor(names[begin])->scalar_type();
       while (end < names.size() && (end == begin || bytes < bucket_bytes)) {
         const at::Tensor* t = executors[0]->tensor(names[end]);
+        if (t->scalar_type() != dtype) break;
         bytes += t->numel() * static_cast<std::int64_t>(t->element_size());
         ++end;
       }
-      at::Tensor sum;
-      for (int r = 1; r < replicas; ++r) {
+      std::vector<at::Tensor> buckets;
+      bool any = false;
+      for (int r = 0; r < replicas; ++r) {
         std::vector<at::Tensor> flat;
-        bool any = false;
         for (std::size_t k = begin; k < end; ++k) {
           at::Tensor p = *executors[r]->tensor(names[k]);
           at::Tensor g = p.grad();
           any = any || g.defined();
           flat.push_back(g.defined() ? g.reshape(-1) : at::zeros({p.numel()}, p.options()));
-          if (g.defined()) p.mutable_grad().reset();
+          if (r > 0 && g.defined()) p.mutable_grad().reset();
         }
-        if (!any) continue;
-        at::Tensor bucket = at::cat(flat);
-        sum = sum.defined() ? sum.add_(bucket) : bucket;
+        buckets.push_back(at::cat(flat));
       }
-      if (sum.defined()) {
+      if (any) {
+        // Every replica's part of the reduction (inproc completes it inline on the last call).
+        struct Pending {
+          std::mutex mu;
+          int left = 0;
+          Status first = Status::ok();
+          std::promise<void> all;
+        };
+        auto pending = std::make_shared<Pending>();
+        pending->left = replicas;
+        for (int r = 0; r < replicas; ++r) {
+          group[r]->reduce(buckets[r], /*root=*/0, [pending](Status s) {
+            std::lock_guard<std::mutex> lock(pending->mu);
+            if (!s && pending->first.is_ok()) pending->first = std::move(s);
+            if (--pending->left == 0) pending->all.set_value();
+          });
+        }
+        pending->all.get_future().wait();
+        CONVEYOR_RETURN_IF_ERROR(pending->first);
         std::int64_t offset = 0;
         for (std::size_t k = begin; k < end; ++k) {
           at::Tensor p = *executors[0]->tensor(names[k]);
-          at::Tensor part = sum.narrow(0, offset, p.numel()).view(p.sizes());
+          at::Tensor part = buckets[0].narrow(0, offset, p.numel()).view(p.sizes());
           offset += p.numel();
           if (p.grad().defined()) {
-            p.mutable_grad().add_(part);
+            p.mutable_grad().copy_(part);
           } else {
             p.mutable_grad() = part.clone();
           }
@@ -450,6 +478,8 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
     }
   }
   CONVEYOR_ASSIGN_OR_RETURN(impl->schedule, scheduler::make_schedule(spec));
+  for (int s = 0; s < num_stages; ++s) impl->stage_groups.push_back(transport::make_inproc_group(impl->stage_replicas[s]));
+  impl->shared_group = transport::make_inproc_group(most);
   // The replicas' actors live as long as the pipeline; their hooks read the step's state.
   Impl* im = impl.get();
   scheduler::RunnerHooks hooks;
@@ -469,7 +499,7 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
     }
   };
   hooks.allreduce = [im](int, int, const Action& a) -> Status {
-    return im->reduce(im->stage_parameters[a.stage], im->stage_replicas[a.stage]);
+    return im->reduce(im->stage_parameters[a.stage], im->stage_groups[a.stage]);
   };
   CONVEYOR_ASSIGN_OR_RETURN(impl->coordinator, actors::Coordinator::create(impl->schedule, std::move(hooks),
                                                                           impl->rank_replicas, std::move(options.predicted)));
@@ -559,7 +589,7 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
   im.grads.clear();
   im.joined_grads.clear();
   if (!measured) return measured.status();
-  CONVEYOR_RETURN_IF_ERROR(im.reduce(im.shared_parameters, most));
+  CONVEYOR_RETURN_IF_ERROR(im.reduce(im.shared_parameters, im.shared_group));
   StepResult out;
   im.last = *measured;
   out.measured = std::move(*measured);

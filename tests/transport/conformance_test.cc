@@ -1,0 +1,234 @@
+// One conformance suite for every transport backend: each test runs against every backend
+// that can run on this machine (inproc here; UCX and NCCL register themselves where built).
+// Members run on threads of their own, as stage replicas do.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <future>
+#include <thread>
+
+#include "transport/inproc.h"
+
+namespace conveyor::transport {
+namespace {
+
+struct Backend {
+  std::string name;
+  std::function<std::vector<std::shared_ptr<Endpoint>>(int)> endpoints;
+  std::function<std::vector<std::shared_ptr<Collective>>(int)> group;
+  std::function<void(const Endpoint&, Status)> abort_endpoint;
+  std::function<void(const Collective&, Status)> abort_group;
+};
+
+std::vector<Backend> backends() {
+  return {{"inproc",
+           [](int n) { return make_inproc_endpoints(std::vector<c10::Device>(static_cast<std::size_t>(n), at::kCPU)); },
+           [](int n) { return make_inproc_group(n); },
+           [](const Endpoint& e, Status s) { abort_inproc(e, std::move(s)); },
+           [](const Collective& c, Status s) { abort_inproc(c, std::move(s)); }}};
+}
+
+void PrintTo(const Backend& b, std::ostream* os) { *os << b.name; }
+
+class Conformance : public ::testing::TestWithParam<Backend> {};
+
+// Runs `body(member)` for every member on a thread of its own.
+void on_threads(int n, const std::function<void(int)>& body) {
+  std::vector<std::thread> threads;
+  for (int i = 0; i < n; ++i) threads.emplace_back(body, i);
+  for (auto& t : threads) t.join();
+}
+
+Result<std::vector<at::Tensor>> receive(Endpoint& e, int peer, Tag tag) {
+  auto promise = std::make_shared<std::promise<Result<std::vector<at::Tensor>>>>();
+  auto future = promise->get_future();
+  e.recv(peer, tag, [promise](Result<std::vector<at::Tensor>> r) { promise->set_value(std::move(r)); });
+  if (future.wait_for(std::chrono::seconds(30)) != std::future_status::ready) {
+    return Status(ErrorCode::kExecution, "no message within 30 s");
+  }
+  return future.get();
+}
+
+TEST_P(Conformance, MessagesArriveWholeInOrderPerTagWhicheverSideComesFirst) {
+  auto eps = GetParam().endpoints(3);
+  ASSERT_EQ(eps.size(), 3u);
+  EXPECT_EQ(eps[1]->rank(), 1);
+  EXPECT_EQ(eps[1]->world_size(), 3);
+  // Receive posted before the send.
+  auto pending = std::async(std::launch::async, [&] { return receive(*eps[1], 0, 7); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  at::Tensor a = at::arange(6, at::kDouble).view({2, 3}), b = at::ones({4}, at::kLong);
+  ASSERT_TRUE(wait_for([&](Done d) { eps[0]->send(1, 7, {a, b}, d); }).is_ok());
+  auto got = pending.get();
+  ASSERT_TRUE(got.is_ok()) << got.status().to_string();
+  ASSERT_EQ(got->size(), 2u);
+  EXPECT_TRUE(at::equal((*got)[0], a));
+  EXPECT_TRUE(at::equal((*got)[1], b));
+  // Sends before receives: per (peer, tag) in order; tags and peers do not mix.
+  for (int k = 0; k < 5; ++k) {
+    ASSERT_TRUE(wait_for([&](Done d) { eps[2]->send(1, 9, {at::full({1}, k, at::kFloat)}, d); }).is_ok());
+    ASSERT_TRUE(wait_for([&](Done d) { eps[0]->send(1, 9, {at::full({1}, 100 + k, at::kFloat)}, d); }).is_ok());
+  }
+  for (int k = 0; k < 5; ++k) {
+    auto from2 = receive(*eps[1], 2, 9);
+    auto from0 = receive(*eps[1], 0, 9);
+    ASSERT_TRUE(from2.is_ok() && from0.is_ok());
+    EXPECT_EQ((*from2)[0].item<float>(), k);
+    EXPECT_EQ((*from0)[0].item<float>(), 100 + k);
+  }
+}
+
+TEST_P(Conformance, ManyThreadsExchangeConcurrently) {
+  const int n = 4, rounds = 50;
+  auto eps = GetParam().endpoints(n);
+  std::atomic<int> bad{0};
+  on_threads(n, [&](int me) {
+    const int next = (me + 1) % n, prev = (me + n - 1) % n;
+    for (int k = 0; k < rounds; ++k) {
+      eps[me]->send(next, static_cast<Tag>(k), {at::full({8}, me * 1000 + k, at::kDouble)}, [&](Status s) {
+        if (!s) ++bad;
+      });
+      auto got = receive(*eps[me], prev, static_cast<Tag>(k));
+      if (!got.is_ok() || (*got)[0][3].item<double>() != prev * 1000 + k) ++bad;
+    }
+  });
+  EXPECT_EQ(bad, 0);
+}
+
+TEST_P(Conformance, AddressingYourselfOrNoOneIsAnError) {
+  auto eps = GetParam().endpoints(2);
+  Status self = wait_for([&](Done d) { eps[0]->send(0, 1, {at::ones({1})}, d); });
+  EXPECT_EQ(self.code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(self.message().find("addressed member 0"), std::string::npos) << self.message();
+  auto nobody = receive(*eps[1], 5, 1);
+  EXPECT_FALSE(nobody.is_ok());
+}
+
+TEST_P(Conformance, AbortWakesEveryPendingReceiveAndFailsLaterOperations) {
+  auto eps = GetParam().endpoints(2);
+  auto pending = std::async(std::launch::async, [&] { return receive(*eps[0], 1, 3); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  GetParam().abort_endpoint(*eps[0], Status(ErrorCode::kExecution, "member 1 died"));
+  auto got = pending.get();
+  ASSERT_FALSE(got.is_ok());
+  EXPECT_NE(got.status().message().find("member 1 died"), std::string::npos);
+  Status later = wait_for([&](Done d) { eps[1]->send(0, 3, {at::ones({1})}, d); });
+  EXPECT_NE(later.message().find("member 1 died"), std::string::npos);
+}
+
+// Member i contributes (i + 1) * base + i: distinct, so a wrong member order or a missing
+// member shows.
+at::Tensor contribution(int i, std::int64_t n, at::ScalarType dtype = at::kDouble) {
+  return (at::arange(n, dtype) * (i + 1) + i).contiguous();
+}
+
+TEST_P(Conformance, CollectivesComputeTheDefinedResultOnEveryGroupSize) {
+  for (int n : {1, 2, 3, 4}) {
+    auto group = GetParam().group(n);
+    ASSERT_EQ(static_cast<int>(group.size()), n);
+    at::Tensor sum = at::zeros({6}, at::kDouble);
+    for (int i = 0; i < n; ++i) sum += contribution(i, 6);
+    std::atomic<int> failures{0};
+    std::mutex mu;
+    std::vector<std::string> errors;
+    auto expect = [&](bool ok, const std::string& what) {
+      if (ok) return;
+      std::lock_guard<std::mutex> lock(mu);
+      errors.push_back(what + " (group of " + std::to_string(n) + ")");
+      ++failures;
+    };
+    on_threads(n, [&](int me) {
+      Collective& c = *group[me];
+      expect(c.rank() == me && c.size() == n, "rank/size");
+      at::Tensor t = contribution(me, 6);
+      expect(wait_for([&](Done d) { c.allreduce(t, d); }).is_ok() && at::equal(t, sum), "allreduce");
+      at::Tensor r = contribution(me, 6);
+      const int root = n - 1;
+      expect(wait_for([&](Done d) { c.reduce(r, root, d); }).is_ok(), "reduce status");
+      expect(me == root ? at::equal(r, sum) : at::equal(r, contribution(me, 6)), "reduce result");
+      at::Tensor b = me == 0 ? at::full({3}, 42.0, at::kDouble) : at::zeros({3}, at::kDouble);
+      expect(wait_for([&](Done d) { c.broadcast(b, 0, d); }).is_ok() && at::equal(b, at::full({3}, 42.0, at::kDouble)),
+             "broadcast");
+      at::Tensor out = at::zeros({2 * n, 3}, at::kDouble);
+      at::Tensor in = at::full({2, 3}, static_cast<double>(me), at::kDouble);
+      expect(wait_for([&](Done d) { c.allgather(in, out, d); }).is_ok(), "allgather status");
+      for (int j = 0; j < n; ++j) expect(at::equal(out.narrow(0, 2 * j, 2), at::full({2, 3}, double(j), at::kDouble)), "allgather");
+      at::Tensor rs_in = contribution(me, 2 * n), rs_out = at::zeros({2}, at::kDouble);
+      at::Tensor rs_sum = at::zeros({2 * n}, at::kDouble);
+      for (int j = 0; j < n; ++j) rs_sum += contribution(j, 2 * n);
+      expect(wait_for([&](Done d) { c.reduce_scatter(rs_in, rs_out, d); }).is_ok() &&
+                 at::equal(rs_out, rs_sum.narrow(0, 2 * me, 2)),
+             "reduce_scatter");
+    });
+    EXPECT_EQ(failures, 0) << (errors.empty() ? "" : errors[0]);
+  }
+}
+
+TEST_P(Conformance, SumsAreBitwiseDeterministicInMemberOrder) {
+  // Float sums depend on order: the result equals ((x0 + x1) + x2) + x3 exactly, every run.
+  const int n = 4;
+  std::vector<at::Tensor> xs;
+  for (int i = 0; i < n; ++i) xs.push_back(at::randn({1000}, at::kFloat) * std::pow(10.0, i));
+  at::Tensor expected = xs[0].clone();
+  for (int i = 1; i < n; ++i) expected.add_(xs[i]);
+  for (int run = 0; run < 10; ++run) {
+    auto group = GetParam().group(n);
+    std::vector<at::Tensor> ts;
+    for (auto& x : xs) ts.push_back(x.clone());
+    on_threads(n, [&](int me) {
+      std::this_thread::sleep_for(std::chrono::microseconds((n - me) * 200 * (run % 3)));  // vary arrival order
+      ASSERT_TRUE(wait_for([&](Done d) { group[me]->allreduce(ts[me], d); }).is_ok());
+    });
+    for (int i = 0; i < n; ++i) EXPECT_TRUE(at::equal(ts[i], expected)) << "run " << run << " member " << i;
+  }
+}
+
+TEST_P(Conformance, MismatchedCallsFailEveryMemberNamingBoth) {
+  auto group = GetParam().group(2);
+  std::vector<Status> got(2, Status::ok());
+  on_threads(2, [&](int me) {
+    at::Tensor t = at::ones({4}, at::kFloat);
+    got[me] = me == 0 ? wait_for([&](Done d) { group[0]->allreduce(t, d); })
+                      : wait_for([&](Done d) { group[1]->broadcast(t, 0, d); });
+  });
+  for (const Status& s : got) {
+    ASSERT_FALSE(s.is_ok());
+    EXPECT_NE(s.message().find("member 0 called allreduce"), std::string::npos) << s.message();
+    EXPECT_NE(s.message().find("member 1 called broadcast"), std::string::npos) << s.message();
+  }
+  auto shapes = GetParam().group(2);
+  on_threads(2, [&](int me) {
+    at::Tensor t = at::ones({me + 1}, at::kFloat);
+    got[me] = wait_for([&](Done d) { shapes[me]->allreduce(t, d); });
+  });
+  EXPECT_NE(got[1].message().find("different shape"), std::string::npos) << got[1].message();
+}
+
+TEST_P(Conformance, AbortCompletesAWaitingMemberWithTheError) {
+  auto group = GetParam().group(3);
+  auto waiting = std::async(std::launch::async, [&] {
+    at::Tensor t = at::ones({2});
+    return wait_for([&](Done d) { group[0]->allreduce(t, d); });
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  GetParam().abort_group(*group[1], Status(ErrorCode::kExecution, "member 2 died"));
+  Status s = waiting.get();
+  EXPECT_NE(s.message().find("member 2 died"), std::string::npos) << s.message();
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, Conformance, ::testing::ValuesIn(backends()),
+                         [](const ::testing::TestParamInfo<Backend>& info) { return info.param.name; });
+
+// Inproc specifics: zero-copy on the receiver's device.
+TEST(Inproc, SameDeviceMessagesShareStorage) {
+  auto eps = make_inproc_endpoints({at::kCPU, at::kCPU});
+  at::Tensor a = at::ones({16});
+  ASSERT_TRUE(wait_for([&](Done d) { eps[0]->send(1, 1, {a}, d); }).is_ok());
+  auto got = receive(*eps[1], 0, 1);
+  ASSERT_TRUE(got.is_ok());
+  EXPECT_EQ((*got)[0].data_ptr(), a.data_ptr());
+}
+
+}  // namespace
+}  // namespace conveyor::transport

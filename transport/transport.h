@@ -1,0 +1,71 @@
+// Transport interfaces: how tensors move between the members of a pipeline. Endpoint is
+// point-to-point (tagged messages of tensors, one message per microbatch hop); Collective is
+// a group operation over the replicas of a stage (allreduce, reduce, broadcast, allgather,
+// reduce-scatter). Backends: inproc (this process: zero-copy on the same device, a device
+// copy otherwise); UCX and NCCL implement the same interfaces for many processes.
+//
+// Every operation is non-blocking and completes through its callback, which may run on the
+// calling thread (inproc completes inline when the operation's last party arrives) or on the
+// process's communication thread (backends with a progress engine). A failed or aborted
+// transport completes every pending and later operation with the error.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace conveyor::transport {
+
+/// Names a message between two members: the runtime packs (kind, microbatch, stage) into it.
+using Tag = std::uint64_t;
+using Done = std::function<void(Status)>;
+using Received = std::function<void(Result<std::vector<at::Tensor>>)>;
+
+class Endpoint {
+ public:
+  virtual ~Endpoint() = default;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  /// Sends `tensors` to `peer` as one message under `tag`. `done` runs once the transport no
+  /// longer reads them. Zero-copy backends hand the receiver the same storage: a sender that
+  /// will modify a tensor in place after sending it sends a clone.
+  virtual void send(int peer, Tag tag, std::vector<at::Tensor> tensors, Done done) = 0;
+  /// Receives the message `peer` sends under `tag` (before or after it was sent), on this
+  /// endpoint's device. Messages under one (peer, tag) arrive in the order they were sent.
+  virtual void recv(int peer, Tag tag, Received done) = 0;
+};
+
+enum class CollectiveKind : std::uint8_t { kAllReduce, kReduce, kBroadcast, kAllGather, kReduceScatter };
+std::string collective_kind_name(CollectiveKind kind);
+
+/// One member's handle on a group. Every member calls the same operations in the same order
+/// (a mismatch is an error naming both calls); sums run in member order, so results are
+/// bitwise deterministic.
+class Collective {
+ public:
+  virtual ~Collective() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  /// `tensor` becomes the sum over the members, on every member.
+  virtual void allreduce(at::Tensor tensor, Done done) = 0;
+  /// `root`'s tensor becomes the sum; the others' are only read.
+  virtual void reduce(at::Tensor tensor, int root, Done done) = 0;
+  /// Every member's tensor becomes `root`'s.
+  virtual void broadcast(at::Tensor tensor, int root, Done done) = 0;
+  /// `out` (size() times `in` along dim 0) becomes every member's `in`, in member order.
+  virtual void allgather(at::Tensor in, at::Tensor out, Done done) = 0;
+  /// `out` becomes this member's slice (dim 0, size() equal parts) of the sum of every `in`.
+  virtual void reduce_scatter(at::Tensor in, at::Tensor out, Done done) = 0;
+};
+
+/// Waits for an operation issued with `issue(done)` (tests, and callers with nothing to
+/// overlap). Inproc operations complete inline; others complete on their progress thread.
+Status wait_for(const std::function<void(Done)>& issue);
+
+}  // namespace conveyor::transport
