@@ -258,6 +258,8 @@ PYBIND11_MODULE(_C, m) {
       .def("write_trace", [](const runtime::PipelineStep& step, const std::string& path) {
         check(step.write_trace(path));
       }, "Writes the last step's measured actions as a Perfetto trace.")
+      .def("last_reduction", &runtime::PipelineStep::last_reduction,
+           "(buckets, reduced during backward) of the last step's gradient reduction across replicas.")
       .def("profile_report", [](const runtime::PipelineStep& step) {
         actors::ProfileReport r;
         {

@@ -3,7 +3,10 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 
+#include <atomic>
 #include <future>
 #include <map>
 #include <mutex>
@@ -63,6 +66,60 @@ struct PipelineStep::Impl {
   // parameters several stages share.
   std::vector<std::vector<std::shared_ptr<transport::Collective>>> stage_groups;
   std::vector<std::shared_ptr<transport::Collective>> shared_group;
+  // Reduction during backward: each replicated stage's parameters in buckets (last layers
+  // first, as backward produces them). In the last backward of a step (B, or W when split)
+  // a hook after each gradient accumulation counts the bucket's parameters; once every
+  // replica has accumulated all of them the bucket is reduced on the communication thread
+  // while the backward goes on. The stage's allreduce reduces whatever is left (parameters
+  // that got no gradient in that pass).
+  struct Bucket {
+    std::vector<std::string> names;
+    int fired = 0;  // (parameter, replica) accumulations in the final pass
+    int state = 0;  // 0 waiting, 1 posted, 2 reduced
+    bool early = false;
+  };
+  std::vector<std::vector<Bucket>> stage_buckets;               // [stage]
+  std::vector<std::vector<int>> backwards_done;                 // [stage][replica], this step
+  std::unique_ptr<std::atomic<bool>[]> final_pass;              // [stage * most + replica]
+  int most_replicas = 1;
+  std::mutex bucket_mu;
+  Status bucket_error = Status::ok();
+  // The hooks reach this Impl through a target that outlives it: a hook that cannot be
+  // unlinked (another hook was chained in front of it) finds it gone and only passes on.
+  struct HookTarget {
+    std::mutex mu;
+    Impl* im = nullptr;
+  };
+  std::shared_ptr<HookTarget> hook_target = std::make_shared<HookTarget>();
+  struct Accumulated final : torch::autograd::PostAccumulateGradHook {
+    Accumulated(std::shared_ptr<HookTarget> target, int s, int b, int r,
+                std::unique_ptr<torch::autograd::PostAccumulateGradHook> previous)
+        : target(std::move(target)), s(s), b(b), r(r), previous(std::move(previous)) {}
+    void operator()(const torch::autograd::Variable& t) override {
+      if (previous) (*previous)(t);
+      std::lock_guard<std::mutex> lock(target->mu);
+      if (target->im) target->im->accumulated(s, b, r);
+    }
+    std::shared_ptr<HookTarget> target;
+    int s, b, r;
+    std::unique_ptr<torch::autograd::PostAccumulateGradHook> previous;
+  };
+  std::vector<std::pair<at::Tensor, Accumulated*>> installed_hooks;
+
+  ~Impl() {
+    coordinator.reset();  // no replica runs a hook any more
+    {
+      std::lock_guard<std::mutex> lock(hook_target->mu);
+      hook_target->im = nullptr;
+    }
+    for (auto it = installed_hooks.rbegin(); it != installed_hooks.rend(); ++it) {
+      auto& slot = torch::autograd::impl::post_acc_grad_hooks(it->first);
+      if (slot.get() == it->second) {
+        auto previous = std::move(it->second->previous);
+        slot = std::move(previous);
+      }
+    }
+  }
 
   // Per step:
   std::mutex mu;
@@ -78,6 +135,7 @@ struct PipelineStep::Impl {
   double grad_scale = 1;
   int replica_threads = 1;    // intra-op threads of each replica this step
   scheduler::RunResult last;  // the last step's measured actions
+  std::pair<int, int> last_reduction{0, 0};  // buckets, of which reduced during backward
   std::unique_ptr<actors::Coordinator> coordinator;  // the replicas' actors, for the pipeline's life
 
   double weight(int mb, int replicas, int i) const {
@@ -224,24 +282,39 @@ struct PipelineStep::Impl {
   // Sums the gradients of `names` over replicas 1..replicas-1 into replica 0 (the user's
   // `.grad`), in buckets of at most bucket_bytes: each bucket is flattened once per replica,
   // summed, and added back through views. The replicas' gradients are released.
-  // Sums the replicas' gradients of `names` into replica 0's (the user's) `.grad` through
-  // the stage's Collective, bucket by bucket (a bucket: consecutive parameters of one dtype,
-  // at most bucket_bytes); the other replicas' gradients are cleared.
-  Status reduce(const std::vector<std::string>& names, const std::vector<std::shared_ptr<transport::Collective>>& group) {
-    const int replicas = static_cast<int>(group.size());
-    if (replicas < 2) return Status::ok();
-    c10::NoGradGuard no_grad;
-    std::size_t begin = 0;
-    while (begin < names.size()) {
-      std::size_t end = begin;
-      std::int64_t bytes = 0;
-      const at::ScalarType dtype = executors[0]->tensor(names[begin])->scalar_type();
-      while (end < names.size() && (end == begin || bytes < bucket_bytes)) {
-        const at::Tensor* t = executors[0]->tensor(names[end]);
-        if (t->scalar_type() != dtype) break;
-        bytes += t->numel() * static_cast<std::int64_t>(t->element_size());
-        ++end;
+  // Consecutive parameters of one dtype, at most bucket_bytes each (one at least).
+  std::vector<std::vector<std::string>> make_buckets(const std::vector<std::string>& names) const {
+    std::vector<std::vector<std::string>> out;
+    std::int64_t bytes = 0;
+    at::ScalarType dtype = at::ScalarType::Undefined;
+    for (const auto& name : names) {
+      const at::Tensor* t = executors[0]->tensor(name);
+      if (out.empty() || t->scalar_type() != dtype || bytes >= bucket_bytes) {
+        out.emplace_back();
+        bytes = 0;
+        dtype = t->scalar_type();
       }
+      out.back().push_back(name);
+      bytes += t->numel() * static_cast<std::int64_t>(t->element_size());
+    }
+    return out;
+  }
+
+  // Sums the replicas' gradients of `names` into replica 0's (the user's) `.grad` through
+  // the stage's Collective, bucket by bucket; the other replicas' gradients are cleared.
+  Status reduce(const std::vector<std::string>& names, const std::vector<std::shared_ptr<transport::Collective>>& group) {
+    if (group.size() < 2) return Status::ok();
+    for (const auto& bucket : make_buckets(names)) CONVEYOR_RETURN_IF_ERROR(reduce_bucket(bucket, group));
+    return Status::ok();
+  }
+
+  Status reduce_bucket(const std::vector<std::string>& names,
+                       const std::vector<std::shared_ptr<transport::Collective>>& group) {
+    const int replicas = static_cast<int>(group.size());
+    c10::NoGradGuard no_grad;
+    const std::size_t begin = 0, end = names.size();
+    {
+      {
       std::vector<at::Tensor> buckets;
       bool any = false;
       for (int r = 0; r < replicas; ++r) {
@@ -286,9 +359,48 @@ struct PipelineStep::Impl {
           }
         }
       }
-      begin = end;
+      }
     }
     return Status::ok();
+  }
+
+  // The stage's allreduce (on the communication thread): the buckets not reduced during
+  // backward, reduced now.
+  Status finish_reduction(int stage) {
+    if (stage_groups[stage].size() < 2) return Status::ok();
+    for (auto& b : stage_buckets[stage]) {
+      {
+        std::lock_guard<std::mutex> lock(bucket_mu);
+        if (b.state == 2) continue;
+        b.state = 2;  // a posted reduction not run yet finds it done
+      }
+      CONVEYOR_RETURN_IF_ERROR(reduce_bucket(b.names, stage_groups[stage]));
+    }
+    std::lock_guard<std::mutex> lock(bucket_mu);
+    return bucket_error;
+  }
+
+  // A replica's parameter accumulated its gradient (the autograd engine, on the replica's thread).
+  void accumulated(int stage, int bucket, int replica) {
+    if (!final_pass[stage * most_replicas + replica]) return;  // an earlier microbatch, or eager use
+    std::lock_guard<std::mutex> lock(bucket_mu);
+    Bucket& b = stage_buckets[stage][bucket];
+    if (++b.fired < static_cast<int>(b.names.size()) * stage_replicas[stage] || b.state != 0) return;
+    b.state = 1;
+    scheduler::CommThread::process()->post([this, stage, bucket] {
+      {
+        std::lock_guard<std::mutex> lock(bucket_mu);
+        Bucket& b = stage_buckets[stage][bucket];
+        if (b.state != 1) return;
+        b.state = 2;
+        b.early = true;
+      }
+      Status s = reduce_bucket(stage_buckets[stage][bucket].names, stage_groups[stage]);
+      if (!s) {
+        std::lock_guard<std::mutex> lock(bucket_mu);
+        if (bucket_error.is_ok()) bucket_error = s;
+      }
+    });
   }
 };
 
@@ -480,6 +592,28 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
   CONVEYOR_ASSIGN_OR_RETURN(impl->schedule, scheduler::make_schedule(spec));
   for (int s = 0; s < num_stages; ++s) impl->stage_groups.push_back(transport::make_inproc_group(impl->stage_replicas[s]));
   impl->shared_group = transport::make_inproc_group(most);
+  impl->most_replicas = most;
+  impl->hook_target->im = impl.get();
+  impl->final_pass.reset(new std::atomic<bool>[static_cast<std::size_t>(num_stages * most)]);
+  for (int k = 0; k < num_stages * most; ++k) impl->final_pass[k] = false;
+  impl->stage_buckets.resize(static_cast<std::size_t>(num_stages));
+  for (int s = 0; s < num_stages; ++s) {
+    if (impl->stage_replicas[s] < 2) continue;
+    std::vector<std::string> last_first(impl->stage_parameters[s].rbegin(), impl->stage_parameters[s].rend());
+    for (auto& names : impl->make_buckets(last_first)) impl->stage_buckets[s].push_back({std::move(names)});
+    for (int b = 0; b < static_cast<int>(impl->stage_buckets[s].size()); ++b) {
+      for (const auto& name : impl->stage_buckets[s][b].names) {
+        for (int r = 0; r < impl->stage_replicas[s]; ++r) {
+          const at::Tensor& t = *impl->executors[r]->tensor(name);
+          // Chained in front of any hook already there (the user's, another pipeline's).
+          auto& slot = torch::autograd::impl::post_acc_grad_hooks(t);
+          auto hook = std::make_unique<Impl::Accumulated>(impl->hook_target, s, b, r, std::move(slot));
+          impl->installed_hooks.emplace_back(t, hook.get());
+          slot = std::move(hook);
+        }
+      }
+    }
+  }
   // The replicas' actors live as long as the pipeline; their hooks read the step's state.
   Impl* im = impl.get();
   scheduler::RunnerHooks hooks;
@@ -488,6 +622,17 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
     if (configured != im->replica_threads) {
       at::set_num_threads(im->replica_threads);
       configured = im->replica_threads;
+    }
+    if (a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardWeight) {
+      // The pass that accumulates this replica's last gradients of the step for the stage.
+      const int done = im->backwards_done[a.stage][replica]++;
+      const bool last = done + 1 == im->schedule.spec.microbatches;
+      auto& flag = im->final_pass[a.stage * im->most_replicas + replica];
+      flag = last;
+      Status s = a.kind == ActionKind::kBackward ? im->backward(replica, a, /*split=*/false)
+                                                 : im->backward_weight(replica, a);
+      flag = false;
+      return s;
     }
     switch (a.kind) {
       case ActionKind::kForward: return im->forward(replica, a);
@@ -499,7 +644,7 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
     }
   };
   hooks.allreduce = [im](int, int, const Action& a) -> Status {
-    return im->reduce(im->stage_parameters[a.stage], im->stage_groups[a.stage]);
+    return im->finish_reduction(a.stage);
   };
   CONVEYOR_ASSIGN_OR_RETURN(impl->coordinator, actors::Coordinator::create(impl->schedule, std::move(hooks),
                                                                           impl->rank_replicas, std::move(options.predicted)));
@@ -574,6 +719,11 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
   im.activations.clear();
   im.losses.clear();
   im.grad_scale = grad_scale;
+  im.backwards_done.assign(im.stage_replicas.size(), std::vector<int>(static_cast<std::size_t>(im.most_replicas), 0));
+  for (auto& stage : im.stage_buckets) {
+    for (auto& b : stage) b = Impl::Bucket{std::move(b.names)};
+  }
+  im.bucket_error = Status::ok();
   // Each replica's compute thread gets its share of the caller's intra-op threads (they
   // would otherwise each start a full-size pool and oversubscribe the cores).
   const int caller_threads = at::get_num_threads();
@@ -591,7 +741,14 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
   if (!measured) return measured.status();
   CONVEYOR_RETURN_IF_ERROR(im.reduce(im.shared_parameters, im.shared_group));
   StepResult out;
+  for (const auto& stage : im.stage_buckets) {
+    for (const auto& b : stage) {
+      ++out.buckets;
+      out.buckets_reduced_during_backward += b.early ? 1 : 0;
+    }
+  }
   im.last = *measured;
+  im.last_reduction = {out.buckets, out.buckets_reduced_during_backward};
   out.measured = std::move(*measured);
   const int loss_replicas = im.stage_replicas[im.producer[im.loss]];
   at::Tensor total;
@@ -601,6 +758,8 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
   out.loss = total;
   return out;
 }
+
+std::pair<int, int> PipelineStep::last_reduction() const { return impl_->last_reduction; }
 
 Result<actors::ProfileReport> PipelineStep::profile_report() const { return impl_->coordinator->profile_report(); }
 

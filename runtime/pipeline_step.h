@@ -10,10 +10,10 @@
 // own share of that (a redistribution: one copy). Parameter gradients accumulate into each
 // replica's `.grad`; replica 0 is the user's model itself, the others are separate autograd
 // leaves sharing the parameters' storage (so an optimizer step reaches them all) with their
-// own buffers. Each stage's allreduce, run on the communication thread once its last
-// replica has finished backward, sums the replicas' gradients into the user's `.grad`
-// bucket by bucket; parameters used by several stages (tied weights) are summed after the
-// step. Each microbatch share's loss is weighted by its share of the batch, so a step
+// own buffers. The replicas' gradients are summed into the user's `.grad` bucket by bucket
+// on the communication thread, each bucket as soon as every replica's last backward of the
+// step has accumulated it (the stage's allreduce takes whatever is left); parameters used
+// by several stages (tied weights) are summed after the step. Each microbatch share's loss is weighted by its share of the batch, so a step
 // equals eager training with gradient accumulation over the same shares.
 //
 // Zero-bubble schedules split each backward: Bi (StageProgram::backward_input) hands the
@@ -38,6 +38,9 @@ namespace conveyor::runtime {
 struct StepResult {
   at::Tensor loss;                  ///< the batch's loss: microbatch losses weighted by size, detached
   scheduler::RunResult measured;    ///< every action's measured span
+  /// Gradient buckets of replicated stages, and how many of them were reduced while the
+  /// stage's last backward was still running (the rest at the stage's allreduce).
+  int buckets = 0, buckets_reduced_during_backward = 0;
 };
 
 struct PipelineOptions {
@@ -65,6 +68,10 @@ class PipelineStep {
   /// graph's flattened inputs); tensors whose first dimension is the batch are split.
   /// Gradients reach the parameters scaled by `grad_scale` (the incoming loss gradient).
   Result<StepResult> run(const std::vector<c10::IValue>& inputs, double grad_scale = 1.0);
+
+  /// The last step's gradient buckets of replicated stages, and how many were reduced while
+  /// their stage's last backward still ran.
+  std::pair<int, int> last_reduction() const;
 
   /// Every step's measured actions reach the pipeline's PartitionerActor: its comparison
   /// of the measured steps with the prediction, per stage.

@@ -58,6 +58,8 @@ CommThread::~CommThread() {
   }
 }
 
+void CommThread::post(std::function<void()> work) { asio::post(impl_->io, std::move(work)); }
+
 std::shared_ptr<CommThread> CommThread::process() {
   static std::mutex mu;
   static std::shared_ptr<CommThread> current;

@@ -55,6 +55,9 @@ class CommThread {
   static std::shared_ptr<CommThread> process();
   ~CommThread();
   CommThread(const CommThread&) = delete;
+
+  /// Runs `work` on the thread, after everything posted before it.
+  void post(std::function<void()> work);
   CommThread& operator=(const CommThread&) = delete;
 
   struct Impl;

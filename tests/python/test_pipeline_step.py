@@ -153,6 +153,44 @@ def test_stages_with_different_replica_counts_redistribute(name, rel_err):
     assert ran >= 4, f"{name}: only {ran} partitions could run with different replica counts"
 
 
+@pytest.mark.parametrize("name", ["mlp", "gpt2", "bert"])
+def test_buckets_are_reduced_while_backward_runs(name, rel_err):
+    """Replicated stages reduce each gradient bucket as soon as every replica's last
+    backward has accumulated it (tiny buckets: one parameter each), not after the backward;
+    the result still equals eager accumulation, and a hook the user registered on a
+    parameter keeps firing (conveyor chains its own hook after it)."""
+    torch.manual_seed(0)
+    case = zoo.CASES[name](batch=8)
+    wrapped, initial, graph, inputs = captured(case)
+    first = next(p for p in wrapped.parameters())
+    fired = []
+    handle = first.register_post_accumulate_grad_hook(lambda p: fired.append(1))
+    try:
+        for schedule, chunks in (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)):
+            step = _C.PipelineStep(graph.executor, graph.random_partition(4, seed=1), schedule, 2, chunks,
+                                   [2] * (4 // chunks), bucket_bytes=1, intra_op_threads=torch.get_num_threads())
+            wrapped.load_state_dict(initial)
+            wrapped.zero_grad(set_to_none=True)
+            fired.clear()
+            loss, _, _ = step.run(inputs)
+            buckets, early = step.last_reduction()
+            assert buckets >= len(list(wrapped.parameters())) - 1 and 0 < early <= buckets, (schedule, buckets, early)
+            assert fired, "the user's hook on a parameter stopped firing"
+            got = {n: p.grad.clone() for n, p in wrapped.named_parameters() if p.grad is not None}
+            wrapped.zero_grad(set_to_none=True)
+            ref_loss = 0
+            for a, k in split_batch(case.args, case.kwargs, 4, 8):  # 2 microbatches x 2 replicas
+                part = wrapped(*a, **k) * 0.25
+                part.backward()
+                ref_loss = ref_loss + part.detach()
+            assert rel_err(loss, ref_loss) <= TOLERANCE
+            for n, p in wrapped.named_parameters():
+                if p.grad is not None:
+                    assert rel_err(got[n], p.grad) <= TOLERANCE, f"{name} {schedule}: {n}"
+    finally:
+        handle.remove()
+
+
 class SharedLayers(torch.nn.Module):
     """One layer applied three times (ALBERT-style weight reuse): a parameter reached along
     several paths of one stage, the case a split backward could count twice."""
