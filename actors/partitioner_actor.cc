@@ -37,7 +37,9 @@ std::vector<StageProfile> summarize(const std::vector<Span>& spans, const schedu
         send_sum[stage] += d;
         ++sends[stage];
         break;
-      case ActionKind::kAllReduce: out[stage].allreduce_s = std::max(out[stage].allreduce_s, d); break;
+      case ActionKind::kAllReduce:  // buckets reduced during backward, then the rest: their sum
+        if (s.replica == 0) out[stage].allreduce_s += d;
+        break;
       default: break;
     }
     if (kind >= 0) {

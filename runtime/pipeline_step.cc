@@ -77,6 +77,7 @@ struct PipelineStep::Impl {
     int fired = 0;  // (parameter, replica) accumulations in the final pass
     int state = 0;  // 0 waiting, 1 posted, 2 reduced
     bool early = false;
+    std::chrono::steady_clock::time_point start, end;  // of an early reduction, for the trace
   };
   std::vector<std::vector<Bucket>> stage_buckets;               // [stage]
   std::vector<std::vector<int>> backwards_done;                 // [stage][replica], this step
@@ -395,11 +396,12 @@ struct PipelineStep::Impl {
         b.state = 2;
         b.early = true;
       }
+      const auto start = std::chrono::steady_clock::now();
       Status s = reduce_bucket(stage_buckets[stage][bucket].names, stage_groups[stage]);
-      if (!s) {
-        std::lock_guard<std::mutex> lock(bucket_mu);
-        if (bucket_error.is_ok()) bucket_error = s;
-      }
+      std::lock_guard<std::mutex> lock(bucket_mu);
+      stage_buckets[stage][bucket].start = start;
+      stage_buckets[stage][bucket].end = std::chrono::steady_clock::now();
+      if (!s && bucket_error.is_ok()) bucket_error = s;
     });
   }
 };
@@ -741,10 +743,19 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
   if (!measured) return measured.status();
   CONVEYOR_RETURN_IF_ERROR(im.reduce(im.shared_parameters, im.shared_group));
   StepResult out;
-  for (const auto& stage : im.stage_buckets) {
-    for (const auto& b : stage) {
+  for (int s = 0; s < static_cast<int>(im.stage_buckets.size()); ++s) {
+    for (const auto& b : im.stage_buckets[s]) {
       ++out.buckets;
-      out.buckets_reduced_during_backward += b.early ? 1 : 0;
+      if (!b.early) continue;
+      ++out.buckets_reduced_during_backward;
+      // On the trace: the bucket's reduction on the stage's collective track, under backward.
+      auto at = [&](std::chrono::steady_clock::time_point t) {
+        return std::chrono::duration<double>(t - measured->start).count();
+      };
+      for (int r = 0; r < im.stage_replicas[s]; ++r) {
+        measured->spans.push_back({im.schedule.spec.rank_of_stage(s), scheduler::Span::Stream::kCollective,
+                                   Action{ActionKind::kAllReduce, -1, -1, s}, at(b.start), at(b.end), r});
+      }
     }
   }
   im.last = *measured;

@@ -293,6 +293,7 @@ Result<RunResult> StepRun::wait(std::chrono::milliseconds timeout) {
   }
   if (!st.failed) {
     RunResult result;
+    result.start = st.t0;
     result.spans = std::move(st.spans);
     for (const auto& s : result.spans) result.step_time_s = std::max(result.step_time_s, s.end_s);
     return result;

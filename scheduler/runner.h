@@ -43,6 +43,7 @@ struct RunnerHooks {
 struct RunResult {
   double step_time_s = 0;
   std::vector<Span> spans;  ///< measured, seconds from the start of the step (Span as in the simulator)
+  std::chrono::steady_clock::time_point start;  ///< when the step started (spans count from here)
 };
 
 /// The process's communication thread: an Asio event loop that runs every transfer and

@@ -7,6 +7,7 @@ schedules GPipe, 1F1B, ZB-H1 (split backward) and interleaved (2 chunks per rank
 every parameter (and, with one replica, every buffer) within a relative 1e-9 of eager.
 """
 import copy
+import json
 
 import pytest
 import torch
@@ -154,7 +155,7 @@ def test_stages_with_different_replica_counts_redistribute(name, rel_err):
 
 
 @pytest.mark.parametrize("name", ["mlp", "gpt2", "bert"])
-def test_buckets_are_reduced_while_backward_runs(name, rel_err):
+def test_buckets_are_reduced_while_backward_runs(name, rel_err, tmp_path):
     """Replicated stages reduce each gradient bucket as soon as every replica's last
     backward has accumulated it (tiny buckets: one parameter each), not after the backward;
     the result still equals eager accumulation, and a hook the user registered on a
@@ -176,6 +177,14 @@ def test_buckets_are_reduced_while_backward_runs(name, rel_err):
             buckets, early = step.last_reduction()
             assert buckets >= len(list(wrapped.parameters())) - 1 and 0 < early <= buckets, (schedule, buckets, early)
             assert fired, "the user's hook on a parameter stopped firing"
+            # The trace shows it: on some replica's track a reduction starts before that
+            # replica's last backward of the stage has ended.
+            step.write_trace(str(tmp_path / "step.json"))
+            events = [e for e in json.loads((tmp_path / "step.json").read_text())["traceEvents"] if e["ph"] == "X"]
+            reductions = [e for e in events if e["name"].startswith("allreduce")]
+            backwards = [e for e in events if e["name"][:1] in ("B", "W")]
+            assert any(r["ts"] < b["ts"] + b["dur"] and r["pid"] == b["pid"] for r in reductions for b in backwards), \
+                schedule
             got = {n: p.grad.clone() for n, p in wrapped.named_parameters() if p.grad is not None}
             wrapped.zero_grad(set_to_none=True)
             ref_loss = 0
