@@ -81,7 +81,8 @@ Result<std::unique_ptr<Coordinator>> Coordinator::create(scheduler::Schedule sch
   return std::unique_ptr<Coordinator>(new Coordinator(std::move(impl)));
 }
 
-Result<scheduler::RunResult> Coordinator::run_step(std::chrono::milliseconds timeout) {
+Result<scheduler::RunResult> Coordinator::run_step(std::chrono::milliseconds timeout,
+                                                   const std::function<void(scheduler::RunResult&)>& complete) {
   if (impl_->failed) {
     // A replica still inside a hook of the failed step would leave this step waiting for it.
     for (int w : impl_->failed->stuck()) {
@@ -97,6 +98,7 @@ Result<scheduler::RunResult> Coordinator::run_step(std::chrono::milliseconds tim
   caf::anon_send(impl_->coordinator, step_atom::value, *step);
   auto measured = (*step)->wait(timeout);
   if (!measured) impl_->failed = *step;
+  if (measured && complete) complete(*measured);
   if (measured) caf::anon_send(impl_->partitioner, profile_atom::value, std::make_shared<const scheduler::RunResult>(*measured));
   return measured;
 }

@@ -19,6 +19,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -68,8 +69,10 @@ class Coordinator {
   /// returned with the rank and action named; a step that does not finish within `timeout`
   /// returns kExecution naming where each unfinished replica waits. A hook still running
   /// then keeps its replica's thread (this returns instead of hanging); later steps fail at
-  /// once naming that replica.
-  Result<scheduler::RunResult> run_step(std::chrono::milliseconds timeout = std::chrono::minutes(10));
+  /// once naming that replica. `complete` may add to a successful step's measurement
+  /// (work the hooks did off the schedule) before it goes to the PartitionerActor.
+  Result<scheduler::RunResult> run_step(std::chrono::milliseconds timeout = std::chrono::minutes(10),
+                                        const std::function<void(scheduler::RunResult&)>& complete = {});
 
   /// The PartitionerActor's comparison of the measured steps with the prediction.
   Result<ProfileReport> profile_report(std::chrono::milliseconds timeout = std::chrono::seconds(10)) const;

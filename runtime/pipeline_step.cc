@@ -733,7 +733,26 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
   for (int r : im.rank_replicas) workers += r;
   const int threads = im.intra_op_threads > 0 ? im.intra_op_threads : std::max(1, caller_threads / workers);
   im.replica_threads = threads;
-  auto measured = im.coordinator->run_step();
+  // The buckets reduced during backward join the measured spans (the trace, the live
+  // profile) before the step's profile goes to the partitioner actor.
+  std::pair<int, int> reduction{0, 0};
+  auto add_reductions = [&im, &reduction](scheduler::RunResult& measured) {
+    for (int s = 0; s < static_cast<int>(im.stage_buckets.size()); ++s) {
+      for (const auto& b : im.stage_buckets[s]) {
+        ++reduction.first;
+        if (!b.early) continue;
+        ++reduction.second;
+        auto at = [&](std::chrono::steady_clock::time_point t) {
+          return std::chrono::duration<double>(t - measured.start).count();
+        };
+        for (int r = 0; r < im.stage_replicas[s]; ++r) {
+          measured.spans.push_back({im.schedule.spec.rank_of_stage(s), scheduler::Span::Stream::kCollective,
+                                    Action{ActionKind::kAllReduce, -1, -1, s}, at(b.start), at(b.end), r});
+        }
+      }
+    }
+  };
+  auto measured = im.coordinator->run_step(std::chrono::minutes(10), add_reductions);
   at::set_num_threads(caller_threads);  // the setting is process-wide as well as per thread
   im.values.clear();
   im.joined.clear();
@@ -743,21 +762,7 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
   if (!measured) return measured.status();
   CONVEYOR_RETURN_IF_ERROR(im.reduce(im.shared_parameters, im.shared_group));
   StepResult out;
-  for (int s = 0; s < static_cast<int>(im.stage_buckets.size()); ++s) {
-    for (const auto& b : im.stage_buckets[s]) {
-      ++out.buckets;
-      if (!b.early) continue;
-      ++out.buckets_reduced_during_backward;
-      // On the trace: the bucket's reduction on the stage's collective track, under backward.
-      auto at = [&](std::chrono::steady_clock::time_point t) {
-        return std::chrono::duration<double>(t - measured->start).count();
-      };
-      for (int r = 0; r < im.stage_replicas[s]; ++r) {
-        measured->spans.push_back({im.schedule.spec.rank_of_stage(s), scheduler::Span::Stream::kCollective,
-                                   Action{ActionKind::kAllReduce, -1, -1, s}, at(b.start), at(b.end), r});
-      }
-    }
-  }
+  std::tie(out.buckets, out.buckets_reduced_during_backward) = reduction;
   im.last = *measured;
   im.last_reduction = {out.buckets, out.buckets_reduced_during_backward};
   out.measured = std::move(*measured);
