@@ -176,3 +176,5 @@ def test_bad_input_gets_clear_errors():
         conveyor.Module(case.model, schedule="pipedream")
     with pytest.raises(conveyor.ConveyorValueError, match="2 ranks"):
         conveyor.Module(case.model, stages=2, replicas=[1, 1, 1])(*case.args)
+    with pytest.raises(conveyor.ConveyorValueError, match="no step has run yet"):
+        conveyor.Module(case.model, stages=2).profile_report()
