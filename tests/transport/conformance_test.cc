@@ -9,25 +9,40 @@
 #include <thread>
 
 #include "transport/inproc.h"
+#include "transport/ucx.h"
 
 namespace conveyor::transport {
 namespace {
 
+// Tests bind UCX to loopback only.
+const int kLoopbackOnly = [] { return setenv("UCX_NET_DEVICES", "lo", /*overwrite=*/0); }();
+
 struct Backend {
   std::string name;
-  std::function<std::vector<std::shared_ptr<Endpoint>>(int)> endpoints;
-  std::function<std::vector<std::shared_ptr<Collective>>(int)> group;
-  std::function<void(const Endpoint&, Status)> abort_endpoint;
+  std::function<Result<std::vector<std::shared_ptr<Endpoint>>>(int)> endpoints;
+  std::function<void(Endpoint&, Status)> abort_endpoint;
+  std::function<std::vector<std::shared_ptr<Collective>>(int)> group;  // empty: no collectives yet
   std::function<void(const Collective&, Status)> abort_group;
 };
 
 std::vector<Backend> backends() {
   return {{"inproc",
-           [](int n) { return make_inproc_endpoints(std::vector<c10::Device>(static_cast<std::size_t>(n), at::kCPU)); },
-           [](int n) { return make_inproc_group(n); },
-           [](const Endpoint& e, Status s) { abort_inproc(e, std::move(s)); },
-           [](const Collective& c, Status s) { abort_inproc(c, std::move(s)); }}};
+           [](int n) -> Result<std::vector<std::shared_ptr<Endpoint>>> {
+             return make_inproc_endpoints(std::vector<c10::Device>(static_cast<std::size_t>(n), at::kCPU));
+           },
+           [](Endpoint& e, Status s) { abort_inproc(e, std::move(s)); }, [](int n) { return make_inproc_group(n); },
+           [](const Collective& c, Status s) { abort_inproc(c, std::move(s)); }},
+          {"ucx", [](int n) { return make_ucx_world_in_process(n); },
+           [](Endpoint& e, Status s) { dynamic_cast<UcxEndpoint&>(e).abort(std::move(s)); }, {}, {}}};
 }
+
+// The backend's world of n members, or the test is skipped saying why it cannot run here.
+#define WORLD_OR_SKIP(var, n)                                                                        \
+  auto var##_made = GetParam().endpoints(n);                                                         \
+  if (!var##_made.is_ok()) GTEST_SKIP() << GetParam().name << " cannot run here: " << var##_made.status().to_string(); \
+  auto var = *var##_made
+#define GROUP_OR_SKIP() \
+  if (!GetParam().group) GTEST_SKIP() << GetParam().name << " has no collectives yet"
 
 void PrintTo(const Backend& b, std::ostream* os) { *os << b.name; }
 
@@ -51,7 +66,7 @@ Result<std::vector<at::Tensor>> receive(Endpoint& e, int peer, Tag tag) {
 }
 
 TEST_P(Conformance, MessagesArriveWholeInOrderPerTagWhicheverSideComesFirst) {
-  auto eps = GetParam().endpoints(3);
+  WORLD_OR_SKIP(eps, 3);
   ASSERT_EQ(eps.size(), 3u);
   EXPECT_EQ(eps[1]->rank(), 1);
   EXPECT_EQ(eps[1]->world_size(), 3);
@@ -81,7 +96,7 @@ TEST_P(Conformance, MessagesArriveWholeInOrderPerTagWhicheverSideComesFirst) {
 
 TEST_P(Conformance, ManyThreadsExchangeConcurrently) {
   const int n = 4, rounds = 50;
-  auto eps = GetParam().endpoints(n);
+  WORLD_OR_SKIP(eps, n);
   std::atomic<int> bad{0};
   on_threads(n, [&](int me) {
     const int next = (me + 1) % n, prev = (me + n - 1) % n;
@@ -97,7 +112,7 @@ TEST_P(Conformance, ManyThreadsExchangeConcurrently) {
 }
 
 TEST_P(Conformance, AddressingYourselfOrNoOneIsAnError) {
-  auto eps = GetParam().endpoints(2);
+  WORLD_OR_SKIP(eps, 2);
   Status self = wait_for([&](Done d) { eps[0]->send(0, 1, {at::ones({1})}, d); });
   EXPECT_EQ(self.code(), ErrorCode::kInvalidArgument);
   EXPECT_NE(self.message().find("addressed member 0"), std::string::npos) << self.message();
@@ -106,14 +121,14 @@ TEST_P(Conformance, AddressingYourselfOrNoOneIsAnError) {
 }
 
 TEST_P(Conformance, AbortWakesEveryPendingReceiveAndFailsLaterOperations) {
-  auto eps = GetParam().endpoints(2);
+  WORLD_OR_SKIP(eps, 2);
   auto pending = std::async(std::launch::async, [&] { return receive(*eps[0], 1, 3); });
   std::this_thread::sleep_for(std::chrono::milliseconds(20));
   GetParam().abort_endpoint(*eps[0], Status(ErrorCode::kExecution, "member 1 died"));
   auto got = pending.get();
   ASSERT_FALSE(got.is_ok());
   EXPECT_NE(got.status().message().find("member 1 died"), std::string::npos);
-  Status later = wait_for([&](Done d) { eps[1]->send(0, 3, {at::ones({1})}, d); });
+  Status later = wait_for([&](Done d) { eps[0]->send(1, 3, {at::ones({1})}, d); });
   EXPECT_NE(later.message().find("member 1 died"), std::string::npos);
 }
 
@@ -124,6 +139,7 @@ at::Tensor contribution(int i, std::int64_t n, at::ScalarType dtype = at::kDoubl
 }
 
 TEST_P(Conformance, CollectivesComputeTheDefinedResultOnEveryGroupSize) {
+  GROUP_OR_SKIP();
   for (int n : {1, 2, 3, 4}) {
     auto group = GetParam().group(n);
     ASSERT_EQ(static_cast<int>(group.size()), n);
@@ -167,6 +183,7 @@ TEST_P(Conformance, CollectivesComputeTheDefinedResultOnEveryGroupSize) {
 
 TEST_P(Conformance, SumsAreBitwiseDeterministicInMemberOrder) {
   // Float sums depend on order: the result equals ((x0 + x1) + x2) + x3 exactly, every run.
+  GROUP_OR_SKIP();
   const int n = 4;
   std::vector<at::Tensor> xs;
   for (int i = 0; i < n; ++i) xs.push_back(at::randn({1000}, at::kFloat) * std::pow(10.0, i));
@@ -185,6 +202,7 @@ TEST_P(Conformance, SumsAreBitwiseDeterministicInMemberOrder) {
 }
 
 TEST_P(Conformance, MismatchedCallsFailEveryMemberNamingBoth) {
+  GROUP_OR_SKIP();
   auto group = GetParam().group(2);
   std::vector<Status> got(2, Status::ok());
   on_threads(2, [&](int me) {
@@ -206,6 +224,7 @@ TEST_P(Conformance, MismatchedCallsFailEveryMemberNamingBoth) {
 }
 
 TEST_P(Conformance, AbortCompletesAWaitingMemberWithTheError) {
+  GROUP_OR_SKIP();
   auto group = GetParam().group(3);
   auto waiting = std::async(std::launch::async, [&] {
     at::Tensor t = at::ones({2});
@@ -228,6 +247,41 @@ TEST(Inproc, SameDeviceMessagesShareStorage) {
   auto got = receive(*eps[1], 0, 1);
   ASSERT_TRUE(got.is_ok());
   EXPECT_EQ((*got)[0].data_ptr(), a.data_ptr());
+}
+
+// UCX specifics: large messages, and a lost peer failing what waits on it.
+TEST(Ucx, LargeMessagesArriveIntact) {
+  auto world = make_ucx_world_in_process(2);
+  if (!world.is_ok()) GTEST_SKIP() << "UCX cannot run here: " << world.status().to_string();
+  at::Tensor big = at::randn({8 << 20}, at::kFloat);  // 32 MiB
+  at::Tensor ints = at::arange(1000, at::kLong);
+  auto pending = std::async(std::launch::async, [&] { return receive(*(*world)[1], 0, 5); });
+  ASSERT_TRUE(wait_for([&](Done d) { (*world)[0]->send(1, 5, {big, at::Tensor(), ints}, d); }).is_ok());
+  auto got = pending.get();
+  ASSERT_TRUE(got.is_ok()) << got.status().to_string();
+  ASSERT_EQ(got->size(), 3u);
+  EXPECT_TRUE(at::equal((*got)[0], big));
+  EXPECT_FALSE((*got)[1].defined());
+  EXPECT_TRUE(at::equal((*got)[2], ints));
+}
+
+TEST(Ucx, ALostPeerFailsTheReceiveWaitingOnIt) {
+  auto world = make_ucx_world_in_process(2);
+  if (!world.is_ok()) GTEST_SKIP() << "UCX cannot run here: " << world.status().to_string();
+  auto members = std::move(*world);  // the only references: member 1 can go away
+  // Connected both ways (as pipeline neighbours are after their first step).
+  ASSERT_TRUE(wait_for([&](Done d) { members[0]->send(1, 1, {at::ones({1})}, d); }).is_ok());
+  ASSERT_TRUE(receive(*members[1], 0, 1).is_ok());
+  ASSERT_TRUE(wait_for([&](Done d) { members[1]->send(0, 1, {at::ones({1})}, d); }).is_ok());
+  ASSERT_TRUE(receive(*members[0], 1, 1).is_ok());
+  auto pending = std::async(std::launch::async, [&] { return receive(*members[0], 1, 9); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  const auto start = std::chrono::steady_clock::now();
+  members[1].reset();  // member 1 goes away: its endpoints close
+  auto got = pending.get();
+  ASSERT_FALSE(got.is_ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  EXPECT_NE(got.status().message().find("member 1 was lost"), std::string::npos) << got.status().message();
 }
 
 }  // namespace

@@ -1,0 +1,364 @@
+#include "transport/ucx.h"
+
+#include <ATen/ATen.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <ucp/api/ucp.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <future>
+#include <mutex>
+#include <thread>
+
+namespace conveyor::transport {
+
+namespace {
+
+constexpr int kRankBits = 16;
+constexpr Tag kMaxTag = (Tag{1} << (64 - kRankBits)) - 1;
+
+ucp_tag_t ucx_tag(Tag tag, int from) { return (tag << kRankBits) | static_cast<ucp_tag_t>(from); }
+
+Status ucx_error(const std::string& what, ucs_status_t s) {
+  return Status(ErrorCode::kExecution, what + ": " + ucs_status_string(s));
+}
+
+// A message: [header length][header: count, then per tensor dtype, ndim, sizes..., bytes][data].
+using Buffer = std::vector<std::uint8_t>;
+
+std::shared_ptr<Buffer> pack(const std::vector<at::Tensor>& tensors) {
+  std::vector<std::int64_t> header{static_cast<std::int64_t>(tensors.size())};
+  std::vector<at::Tensor> host;
+  std::size_t data = 0;
+  for (const auto& t : tensors) {
+    at::Tensor c = t.defined() ? t.detach().to(at::kCPU).contiguous() : at::Tensor();
+    header.push_back(c.defined() ? static_cast<std::int64_t>(c.scalar_type()) : -1);
+    header.push_back(c.defined() ? c.dim() : 0);
+    if (c.defined()) {
+      for (std::int64_t d = 0; d < c.dim(); ++d) header.push_back(c.size(d));
+    }
+    const std::size_t bytes = c.defined() ? c.nbytes() : 0;
+    header.push_back(static_cast<std::int64_t>(bytes));
+    data += bytes;
+    host.push_back(std::move(c));
+  }
+  auto out = std::make_shared<Buffer>(sizeof(std::int64_t) * (1 + header.size()) + data);
+  std::int64_t n = static_cast<std::int64_t>(header.size());
+  std::memcpy(out->data(), &n, sizeof n);
+  std::memcpy(out->data() + sizeof n, header.data(), sizeof(std::int64_t) * header.size());
+  std::size_t at = sizeof(std::int64_t) * (1 + header.size());
+  for (const auto& c : host) {
+    if (!c.defined()) continue;
+    std::memcpy(out->data() + at, c.data_ptr(), c.nbytes());
+    at += c.nbytes();
+  }
+  return out;
+}
+
+Result<std::vector<at::Tensor>> unpack(const Buffer& b) {
+  auto corrupt = [] { return Status(ErrorCode::kCorrupt, "a UCX message with a malformed header (a peer of another version?)"); };
+  std::int64_t n = 0;
+  if (b.size() < sizeof n) return corrupt();
+  std::memcpy(&n, b.data(), sizeof n);
+  if (n < 1 || static_cast<std::size_t>(n) > (b.size() - sizeof n) / sizeof(std::int64_t)) return corrupt();
+  std::vector<std::int64_t> h(static_cast<std::size_t>(n));
+  std::memcpy(h.data(), b.data() + sizeof n, sizeof(std::int64_t) * h.size());
+  std::size_t at = sizeof(std::int64_t) * (1 + h.size()), k = 1;
+  std::vector<at::Tensor> out;
+  for (std::int64_t i = 0; i < h[0]; ++i) {
+    if (k + 2 > h.size()) return corrupt();
+    const std::int64_t dtype = h[k++], ndim = h[k++];
+    if (ndim < 0 || k + static_cast<std::size_t>(ndim) + 1 > h.size()) return corrupt();
+    std::vector<std::int64_t> sizes(h.begin() + static_cast<std::ptrdiff_t>(k), h.begin() + static_cast<std::ptrdiff_t>(k + ndim));
+    k += static_cast<std::size_t>(ndim);
+    const std::int64_t bytes = h[k++];
+    if (dtype < 0) {
+      out.emplace_back();
+      continue;
+    }
+    if (dtype >= static_cast<std::int64_t>(at::ScalarType::NumOptions) || bytes < 0 || at + bytes > b.size()) return corrupt();
+    at::Tensor t = at::empty(sizes, at::TensorOptions().dtype(static_cast<at::ScalarType>(dtype)));
+    if (static_cast<std::int64_t>(t.nbytes()) != bytes) return corrupt();
+    std::memcpy(t.data_ptr(), b.data() + at, static_cast<std::size_t>(bytes));
+    at += static_cast<std::size_t>(bytes);
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+struct SendContext {
+  std::shared_ptr<Buffer> buffer;
+  Done done;
+};
+struct RecvContext {
+  std::shared_ptr<Buffer> buffer;
+  Received done;
+};
+
+class UcxMember final : public UcxEndpoint {
+ public:
+  UcxMember(int rank, int world) : rank_(rank), world_(world), eps_(static_cast<std::size_t>(world), nullptr) {}
+
+  Status start() {
+    ucp_config_t* config = nullptr;
+    ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
+    if (s != UCS_OK) return ucx_error("reading the UCX configuration", s);
+    // Peer failure detection needs tcp in UCX 1.13; the user's UCX_TLS wins.
+    if (std::getenv("UCX_TLS") == nullptr) ucp_config_modify(config, "TLS", "tcp,self");
+    // A peer that dies is noticed within about a second, even with nothing in flight to it.
+    if (std::getenv("UCX_KEEPALIVE_INTERVAL") == nullptr) ucp_config_modify(config, "KEEPALIVE_INTERVAL", "1s");
+    ucp_params_t params{};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES;
+    params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
+    s = ucp_init(&params, config, &context_);
+    ucp_config_release(config);
+    if (s != UCS_OK) return ucx_error("starting UCX", s);
+    ucp_worker_params_t wp{};
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the progress thread calls UCX after this
+    s = ucp_worker_create(context_, &wp, &worker_);
+    if (s != UCS_OK) return ucx_error("creating the UCX worker", s);
+    s = ucp_worker_get_efd(worker_, &efd_);
+    if (s != UCS_OK) return ucx_error("the UCX worker's event descriptor", s);
+    ucp_address_t* address = nullptr;
+    std::size_t length = 0;
+    s = ucp_worker_get_address(worker_, &address, &length);
+    if (s != UCS_OK) return ucx_error("the UCX worker's address", s);
+    address_.assign(reinterpret_cast<std::uint8_t*>(address), reinterpret_cast<std::uint8_t*>(address) + length);
+    ucp_worker_release_address(worker_, address);
+    wake_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (wake_ < 0) return Status(ErrorCode::kExecution, "eventfd failed for the UCX progress thread");
+    progress_ = std::thread([this] { loop(); });
+    return Status::ok();
+  }
+
+  ~UcxMember() override {
+    if (progress_.joinable()) {
+      stop_ = true;
+      wake();
+      progress_.join();
+    }
+    if (wake_ >= 0) close(wake_);
+    if (worker_) ucp_worker_destroy(worker_);
+    if (context_) ucp_cleanup(context_);
+  }
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_; }
+  std::vector<std::uint8_t> address() const override { return address_; }
+
+  Status connect(int peer, const std::vector<std::uint8_t>& address) override {
+    if (Status s = check_peer(peer); !s) return s;
+    auto result = std::make_shared<std::promise<Status>>();
+    auto future = result->get_future();
+    post([this, peer, address, result] {
+      ucp_ep_params_t ep{};
+      ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLER;
+      ep.address = reinterpret_cast<const ucp_address_t*>(address.data());
+      ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+      ep.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t status) {
+        auto* self = static_cast<std::pair<UcxMember*, int>*>(arg);
+        self->first->fail_now(ucx_error("member " + std::to_string(self->second) + " was lost", status));
+      };
+      handler_args_.push_back(std::make_unique<std::pair<UcxMember*, int>>(this, peer));
+      ep.err_handler.arg = handler_args_.back().get();
+      ucs_status_t s = ucp_ep_create(worker_, &ep, &eps_[peer]);
+      result->set_value(s == UCS_OK ? Status::ok() : ucx_error("connecting to member " + std::to_string(peer), s));
+    });
+    return future.get();
+  }
+
+  void send(int peer, Tag tag, std::vector<at::Tensor> tensors, Done done) override {
+    if (Status s = check_peer(peer); !s) return done(s);
+    if (tag > kMaxTag) return done(Status(ErrorCode::kInvalidArgument, "a UCX message tag above 2^48"));
+    if (Status e = current_error(); !e) return done(e);
+    auto ctx = std::make_unique<SendContext>(SendContext{pack(tensors), std::move(done)});
+    post([this, peer, tag, ctx = std::shared_ptr<SendContext>(std::move(ctx))]() mutable {
+      if (Status e = current_error(); !e) return ctx->done(e);
+      if (!eps_[peer]) return ctx->done(Status(ErrorCode::kInvalidArgument, "member " + std::to_string(rank_) +
+                                                                              " is not connected to member " + std::to_string(peer)));
+      auto* raw = new SendContext(*ctx);
+      ucp_request_param_t p{};
+      p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+      p.cb.send = [](void* request, ucs_status_t status, void* user) {
+        std::unique_ptr<SendContext> c(static_cast<SendContext*>(user));
+        ucp_request_free(request);
+        c->done(status == UCS_OK ? Status::ok() : ucx_error("a UCX send", status));
+      };
+      p.user_data = raw;
+      ucs_status_ptr_t r = ucp_tag_send_nbx(eps_[peer], raw->buffer->data(), raw->buffer->size(), ucx_tag(tag, rank_), &p);
+      if (r == nullptr || UCS_PTR_IS_ERR(r)) {  // done inline, or failed: no callback comes
+        std::unique_ptr<SendContext> c(raw);
+        c->done(r == nullptr ? Status::ok() : ucx_error("a UCX send", UCS_PTR_STATUS(r)));
+      }
+    });
+  }
+
+  void recv(int peer, Tag tag, Received done) override {
+    if (Status s = check_peer(peer); !s) return done(s);
+    if (tag > kMaxTag) return done(Status(ErrorCode::kInvalidArgument, "a UCX message tag above 2^48"));
+    if (Status e = current_error(); !e) return done(e);
+    post([this, peer, tag, done = std::move(done)]() mutable {
+      if (Status e = current_error(); !e) return done(e);
+      receives_.push_back({ucx_tag(tag, peer), std::move(done)});
+    });
+  }
+
+  void abort(Status error) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (error_.is_ok()) error_ = error;
+    }
+    post([this, error] { fail_now(error); });
+  }
+
+ private:
+  struct PendingReceive {
+    ucp_tag_t tag;
+    Received done;
+  };
+
+  Status check_peer(int peer) const {
+    if (peer >= 0 && peer < world_ && peer != rank_) return Status::ok();
+    return Status(ErrorCode::kInvalidArgument, "member " + std::to_string(rank_) + " addressed member " +
+                                                   std::to_string(peer) + " of a world of " + std::to_string(world_) +
+                                                   " (itself or out of range)");
+  }
+  Status current_error() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return error_;
+  }
+  void post(std::function<void()> work) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      commands_.push_back(std::move(work));
+    }
+    wake();
+  }
+  void wake() {
+    const std::uint64_t one = 1;
+    [[maybe_unused]] auto n = write(wake_, &one, sizeof one);
+  }
+  // On the progress thread: every pending receive fails with `error`, and later ones too.
+  void fail_now(Status error) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (error_.is_ok()) error_ = error;
+    }
+    std::deque<PendingReceive> pending;
+    pending.swap(receives_);
+    for (auto& r : pending) r.done(error);
+  }
+
+  void loop() {
+    while (true) {
+      std::deque<std::function<void()>> work;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        work.swap(commands_);
+      }
+      for (auto& w : work) w();
+      bool busy = !work.empty();
+      while (ucp_worker_progress(worker_) != 0) busy = true;
+      // Match pending receives in order: per (peer, tag) messages complete in arrival order.
+      for (auto it = receives_.begin(); it != receives_.end();) {
+        ucp_tag_recv_info_t info{};
+        ucp_tag_message_h msg = ucp_tag_probe_nb(worker_, it->tag, ~ucp_tag_t{0}, 1, &info);
+        if (msg == nullptr) {
+          ++it;
+          continue;
+        }
+        busy = true;
+        auto* ctx = new RecvContext{std::make_shared<Buffer>(info.length), std::move(it->done)};
+        it = receives_.erase(it);
+        ucp_request_param_t p{};
+        p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+        p.cb.recv = [](void* request, ucs_status_t status, const ucp_tag_recv_info_t*, void* user) {
+          std::unique_ptr<RecvContext> c(static_cast<RecvContext*>(user));
+          ucp_request_free(request);
+          if (status != UCS_OK) return c->done(ucx_error("a UCX receive", status));
+          c->done(unpack(*c->buffer));
+        };
+        p.user_data = ctx;
+        ucs_status_ptr_t r = ucp_tag_msg_recv_nbx(worker_, ctx->buffer->data(), ctx->buffer->size(), msg, &p);
+        if (r == nullptr || UCS_PTR_IS_ERR(r)) {
+          std::unique_ptr<RecvContext> c(ctx);
+          if (r == nullptr) {
+            c->done(unpack(*c->buffer));
+          } else {
+            c->done(ucx_error("a UCX receive", UCS_PTR_STATUS(r)));
+          }
+        }
+      }
+      if (stop_) break;
+      if (busy) continue;
+      // Idle: sleep until the worker has events or someone queues work.
+      if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
+      pollfd fds[2] = {{efd_, POLLIN, 0}, {wake_, POLLIN, 0}};
+      poll(fds, 2, receives_.empty() ? 1000 : 10);
+      std::uint64_t drained;
+      [[maybe_unused]] auto n = read(wake_, &drained, sizeof drained);
+    }
+    // Closing: endpoints closed at once (force), pending receives failed.
+    fail_now(Status(ErrorCode::kExecution, "the UCX endpoint was closed"));
+    for (ucp_ep_h& ep : eps_) {
+      if (!ep) continue;
+      ucp_request_param_t p{};
+      p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+      ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &p);
+      if (UCS_PTR_IS_PTR(r)) {
+        while (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_worker_progress(worker_);
+        ucp_request_free(r);
+      }
+      ep = nullptr;
+    }
+  }
+
+  const int rank_, world_;
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  int efd_ = -1, wake_ = -1;
+  std::vector<std::uint8_t> address_;
+  std::vector<ucp_ep_h> eps_;  // progress thread only
+  std::vector<std::unique_ptr<std::pair<UcxMember*, int>>> handler_args_;
+  std::deque<PendingReceive> receives_;  // progress thread only
+  std::thread progress_;
+  std::atomic<bool> stop_{false};
+  std::mutex mu_;
+  std::deque<std::function<void()>> commands_;
+  Status error_ = Status::ok();
+};
+
+}  // namespace
+
+Result<std::shared_ptr<UcxEndpoint>> make_ucx_endpoint(int rank, int world_size) {
+  if (world_size < 1 || world_size > (1 << kRankBits) || rank < 0 || rank >= world_size) {
+    return Status(ErrorCode::kInvalidArgument, "member " + std::to_string(rank) + " of a world of " +
+                                                   std::to_string(world_size) + " (at most 65536 members)");
+  }
+  auto member = std::make_shared<UcxMember>(rank, world_size);
+  CONVEYOR_RETURN_IF_ERROR(member->start());
+  return std::shared_ptr<UcxEndpoint>(member);
+}
+
+Result<std::vector<std::shared_ptr<Endpoint>>> make_ucx_world_in_process(int n) {
+  std::vector<std::shared_ptr<UcxEndpoint>> members;
+  for (int r = 0; r < n; ++r) {
+    CONVEYOR_ASSIGN_OR_RETURN(auto m, make_ucx_endpoint(r, n));
+    members.push_back(std::move(m));
+  }
+  for (int a = 0; a < n; ++a) {
+    for (int b = 0; b < n; ++b) {
+      if (a != b) CONVEYOR_RETURN_IF_ERROR(members[a]->connect(b, members[b]->address()));
+    }
+  }
+  return std::vector<std::shared_ptr<Endpoint>>(members.begin(), members.end());
+}
+
+}  // namespace conveyor::transport

@@ -1,0 +1,37 @@
+// The UCX transport: each member has its own UCP context and worker, driven by a progress
+// thread of its own that makes every UCX call (senders and receivers only queue work for it),
+// sleeping on the worker's event file descriptor when idle. Peers connect by worker address,
+// exchanged by the caller (in one process directly; between processes through the
+// rendezvous). A message is one UCX tagged message: a header (dtypes, shapes) and the tensor
+// bytes, packed (one copy each side); the UCX tag carries the message tag and the sender's
+// rank, so receives match exactly. Host memory only: Debian's UCX is built without CUDA.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "transport/transport.h"
+
+namespace conveyor::transport {
+
+class UcxEndpoint;
+
+/// A member of a UCX world of `world_size`. Errors when UCX cannot start (no transport).
+Result<std::shared_ptr<UcxEndpoint>> make_ucx_endpoint(int rank, int world_size);
+
+class UcxEndpoint : public Endpoint {
+ public:
+  /// This member's worker address, for its peers' connect().
+  virtual std::vector<std::uint8_t> address() const = 0;
+  /// Connects to `peer` at its worker address (before any send to it).
+  virtual Status connect(int peer, const std::vector<std::uint8_t>& address) = 0;
+  /// Fails every pending and later operation with `error`.
+  virtual void abort(Status error) = 0;
+};
+
+/// `n` members in this process, connected to each other (tests, and single-process runs
+/// that want the UCX data path).
+Result<std::vector<std::shared_ptr<Endpoint>>> make_ucx_world_in_process(int n);
+
+}  // namespace conveyor::transport
