@@ -90,13 +90,16 @@ Result<std::vector<at::Tensor>> unpack(const Buffer& b) {
   return out;
 }
 
+class UcxMember;
 struct SendContext {
   std::shared_ptr<Buffer> buffer;
   Done done;
+  UcxMember* member = nullptr;
 };
 struct RecvContext {
   std::shared_ptr<Buffer> buffer;
   Received done;
+  UcxMember* member = nullptr;
 };
 
 class UcxMember final : public UcxEndpoint {
@@ -183,16 +186,20 @@ class UcxMember final : public UcxEndpoint {
       if (!eps_[peer]) return ctx->done(Status(ErrorCode::kInvalidArgument, "member " + std::to_string(rank_) +
                                                                               " is not connected to member " + std::to_string(peer)));
       auto* raw = new SendContext(*ctx);
+      raw->member = this;
+      ++in_flight_;
       ucp_request_param_t p{};
       p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
       p.cb.send = [](void* request, ucs_status_t status, void* user) {
         std::unique_ptr<SendContext> c(static_cast<SendContext*>(user));
+        --c->member->in_flight_;
         ucp_request_free(request);
         c->done(status == UCS_OK ? Status::ok() : ucx_error("a UCX send", status));
       };
       p.user_data = raw;
       ucs_status_ptr_t r = ucp_tag_send_nbx(eps_[peer], raw->buffer->data(), raw->buffer->size(), ucx_tag(tag, rank_), &p);
       if (r == nullptr || UCS_PTR_IS_ERR(r)) {  // done inline, or failed: no callback comes
+        --in_flight_;
         std::unique_ptr<SendContext> c(raw);
         c->done(r == nullptr ? Status::ok() : ucx_error("a UCX send", UCS_PTR_STATUS(r)));
       }
@@ -274,12 +281,14 @@ class UcxMember final : public UcxEndpoint {
           continue;
         }
         busy = true;
-        auto* ctx = new RecvContext{std::make_shared<Buffer>(info.length), std::move(it->done)};
+        auto* ctx = new RecvContext{std::make_shared<Buffer>(info.length), std::move(it->done), this};
+        ++in_flight_;
         it = receives_.erase(it);
         ucp_request_param_t p{};
         p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
         p.cb.recv = [](void* request, ucs_status_t status, const ucp_tag_recv_info_t*, void* user) {
           std::unique_ptr<RecvContext> c(static_cast<RecvContext*>(user));
+          --c->member->in_flight_;
           ucp_request_free(request);
           if (status != UCS_OK) return c->done(ucx_error("a UCX receive", status));
           c->done(unpack(*c->buffer));
@@ -287,6 +296,7 @@ class UcxMember final : public UcxEndpoint {
         p.user_data = ctx;
         ucs_status_ptr_t r = ucp_tag_msg_recv_nbx(worker_, ctx->buffer->data(), ctx->buffer->size(), msg, &p);
         if (r == nullptr || UCS_PTR_IS_ERR(r)) {
+          --in_flight_;
           std::unique_ptr<RecvContext> c(ctx);
           if (r == nullptr) {
             c->done(unpack(*c->buffer));
@@ -297,6 +307,12 @@ class UcxMember final : public UcxEndpoint {
       }
       if (stop_) break;
       if (busy) continue;
+      // A transfer in flight may need progress that raises no event (a send waiting for
+      // socket space): keep progressing, yielding the core between rounds.
+      if (in_flight_ > 0) {
+        std::this_thread::yield();
+        continue;
+      }
       // Idle: sleep until the worker has events or someone queues work.
       if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
       pollfd fds[2] = {{efd_, POLLIN, 0}, {wake_, POLLIN, 0}};
@@ -328,6 +344,9 @@ class UcxMember final : public UcxEndpoint {
   std::vector<ucp_ep_h> eps_;  // progress thread only
   std::vector<std::unique_ptr<std::pair<UcxMember*, int>>> handler_args_;
   std::deque<PendingReceive> receives_;  // progress thread only
+ public:
+  int in_flight_ = 0;                    // UCX requests not completed (progress thread only)
+ private:
   std::thread progress_;
   std::atomic<bool> stop_{false};
   std::mutex mu_;
