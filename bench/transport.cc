@@ -24,17 +24,10 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-Result<std::vector<at::Tensor>> receive(Endpoint& e, int peer, Tag tag) {
-  auto promise = std::make_shared<std::promise<Result<std::vector<at::Tensor>>>>();
-  auto future = promise->get_future();
-  e.recv(peer, tag, [promise](Result<std::vector<at::Tensor>> r) { promise->set_value(std::move(r)); });
-  return future.get();
-}
-
 // One message from member 0 to member 1, timed until member 1 holds it.
 double one_way_s(std::vector<std::shared_ptr<Endpoint>>& w, const at::Tensor& t, Tag tag) {
   const auto start = Clock::now();
-  auto pending = std::async(std::launch::async, [&] { return receive(*w[1], 0, tag); });
+  auto pending = std::async(std::launch::async, [&] { return receive_within(*w[1], 0, tag); });
   w[0]->send(1, tag, {t}, [](Status) {});
   auto got = pending.get();
   if (!got.is_ok()) {
@@ -89,7 +82,7 @@ int main(int argc, char** argv) {
   const Tag first = tag;
   std::thread echo([&] {
     for (int k = 0; k < pings; ++k) {
-      auto got = receive(*w[1], 0, first + k);
+      auto got = receive_within(*w[1], 0, first + k);
       w[1]->send(0, first + k, *got, [](Status) {});
     }
   });
@@ -97,7 +90,7 @@ int main(int argc, char** argv) {
   for (int k = 0; k < pings; ++k) {
     const auto start = Clock::now();
     w[0]->send(1, first + k, {small}, [](Status) {});
-    auto back = receive(*w[0], 1, first + k);
+    auto back = receive_within(*w[0], 1, first + k);
     rtt.push_back(std::chrono::duration<double>(Clock::now() - start).count());
   }
   echo.join();

@@ -81,8 +81,10 @@ struct PipelineStep::Impl {
   };
   std::vector<std::vector<Bucket>> stage_buckets;               // [stage]
   std::vector<std::vector<int>> backwards_done;                 // [stage][replica], this step
-  std::unique_ptr<std::atomic<bool>[]> final_pass;              // [stage * most + replica]
-  int most_replicas = 1;
+  std::unique_ptr<std::atomic<bool>[]> final_pass;              // [pass_index(stage, replica)]
+  std::size_t pass_index(int stage, int replica) const {
+    return static_cast<std::size_t>(stage) * executors.size() + static_cast<std::size_t>(replica);
+  }
   std::mutex bucket_mu;
   Status bucket_error = Status::ok();
   // The hooks reach this Impl through a target that outlives it: a hook that cannot be
@@ -313,53 +315,47 @@ struct PipelineStep::Impl {
                        const std::vector<std::shared_ptr<transport::Collective>>& group) {
     const int replicas = static_cast<int>(group.size());
     c10::NoGradGuard no_grad;
-    const std::size_t begin = 0, end = names.size();
-    {
-      {
-      std::vector<at::Tensor> buckets;
-      bool any = false;
-      for (int r = 0; r < replicas; ++r) {
-        std::vector<at::Tensor> flat;
-        for (std::size_t k = begin; k < end; ++k) {
-          at::Tensor p = *executors[r]->tensor(names[k]);
-          at::Tensor g = p.grad();
-          any = any || g.defined();
-          flat.push_back(g.defined() ? g.reshape(-1) : at::zeros({p.numel()}, p.options()));
-          if (r > 0 && g.defined()) p.mutable_grad().reset();
-        }
-        buckets.push_back(at::cat(flat));
+    std::vector<at::Tensor> buckets;
+    bool any = false;
+    for (int r = 0; r < replicas; ++r) {
+      std::vector<at::Tensor> flat;
+      for (const auto& name : names) {
+        at::Tensor p = *executors[r]->tensor(name);
+        at::Tensor g = p.grad();
+        any = any || g.defined();
+        flat.push_back(g.defined() ? g.reshape(-1) : at::zeros({p.numel()}, p.options()));
+        if (r > 0 && g.defined()) p.mutable_grad().reset();
       }
-      if (any) {
-        // Every replica's part of the reduction (inproc completes it inline on the last call).
-        struct Pending {
-          std::mutex mu;
-          int left = 0;
-          Status first = Status::ok();
-          std::promise<void> all;
-        };
-        auto pending = std::make_shared<Pending>();
-        pending->left = replicas;
-        for (int r = 0; r < replicas; ++r) {
-          group[r]->reduce(buckets[r], /*root=*/0, [pending](Status s) {
-            std::lock_guard<std::mutex> lock(pending->mu);
-            if (!s && pending->first.is_ok()) pending->first = std::move(s);
-            if (--pending->left == 0) pending->all.set_value();
-          });
-        }
-        pending->all.get_future().wait();
-        CONVEYOR_RETURN_IF_ERROR(pending->first);
-        std::int64_t offset = 0;
-        for (std::size_t k = begin; k < end; ++k) {
-          at::Tensor p = *executors[0]->tensor(names[k]);
-          at::Tensor part = buckets[0].narrow(0, offset, p.numel()).view(p.sizes());
-          offset += p.numel();
-          if (p.grad().defined()) {
-            p.mutable_grad().copy_(part);
-          } else {
-            p.mutable_grad() = part.clone();
-          }
-        }
-      }
+      buckets.push_back(at::cat(flat));
+    }
+    if (!any) return Status::ok();
+    // Every replica's part of the reduction (inproc completes it inline on the last call).
+    struct Pending {
+      std::mutex mu;
+      int left = 0;
+      Status first = Status::ok();
+      std::promise<void> all;
+    };
+    auto pending = std::make_shared<Pending>();
+    pending->left = replicas;
+    for (int r = 0; r < replicas; ++r) {
+      group[r]->reduce(buckets[r], /*root=*/0, [pending](Status s) {
+        std::lock_guard<std::mutex> lock(pending->mu);
+        if (!s && pending->first.is_ok()) pending->first = std::move(s);
+        if (--pending->left == 0) pending->all.set_value();
+      });
+    }
+    pending->all.get_future().wait();
+    CONVEYOR_RETURN_IF_ERROR(pending->first);
+    std::int64_t offset = 0;
+    for (const auto& name : names) {
+      at::Tensor p = *executors[0]->tensor(name);
+      at::Tensor part = buckets[0].narrow(0, offset, p.numel()).view(p.sizes());
+      offset += p.numel();
+      if (p.grad().defined()) {
+        p.mutable_grad().copy_(part);
+      } else {
+        p.mutable_grad() = part.clone();
       }
     }
     return Status::ok();
@@ -383,7 +379,7 @@ struct PipelineStep::Impl {
 
   // A replica's parameter accumulated its gradient (the autograd engine, on the replica's thread).
   void accumulated(int stage, int bucket, int replica) {
-    if (!final_pass[stage * most_replicas + replica]) return;  // an earlier microbatch, or eager use
+    if (!final_pass[pass_index(stage, replica)]) return;  // an earlier microbatch, or eager use
     std::lock_guard<std::mutex> lock(bucket_mu);
     Bucket& b = stage_buckets[stage][bucket];
     if (++b.fired < static_cast<int>(b.names.size()) * stage_replicas[stage] || b.state != 0) return;
@@ -594,7 +590,6 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
   CONVEYOR_ASSIGN_OR_RETURN(impl->schedule, scheduler::make_schedule(spec));
   for (int s = 0; s < num_stages; ++s) impl->stage_groups.push_back(transport::make_inproc_group(impl->stage_replicas[s]));
   impl->shared_group = transport::make_inproc_group(most);
-  impl->most_replicas = most;
   impl->hook_target->im = impl.get();
   impl->final_pass.reset(new std::atomic<bool>[static_cast<std::size_t>(num_stages * most)]);
   for (int k = 0; k < num_stages * most; ++k) impl->final_pass[k] = false;
@@ -629,7 +624,7 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
       // The pass that accumulates this replica's last gradients of the step for the stage.
       const int done = im->backwards_done[a.stage][replica]++;
       const bool last = done + 1 == im->schedule.spec.microbatches;
-      auto& flag = im->final_pass[a.stage * im->most_replicas + replica];
+      auto& flag = im->final_pass[im->pass_index(a.stage, replica)];
       flag = last;
       Status s = a.kind == ActionKind::kBackward ? im->backward(replica, a, /*split=*/false)
                                                  : im->backward_weight(replica, a);
@@ -721,7 +716,7 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
   im.activations.clear();
   im.losses.clear();
   im.grad_scale = grad_scale;
-  im.backwards_done.assign(im.stage_replicas.size(), std::vector<int>(static_cast<std::size_t>(im.most_replicas), 0));
+  im.backwards_done.assign(im.stage_replicas.size(), std::vector<int>(im.executors.size(), 0));
   for (auto& stage : im.stage_buckets) {
     for (auto& b : stage) b = Impl::Bucket{std::move(b.names)};
   }

@@ -6,6 +6,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <tuple>
 
 namespace conveyor::transport {
@@ -20,6 +21,17 @@ std::string describe(const at::Tensor& t) {
 }
 
 // ---- point to point --------------------------------------------------------------------
+
+// The oldest entry queued under `key`, removed (the key goes when its queue empties).
+template <typename Map>
+std::optional<typename Map::mapped_type::value_type> pop_oldest(Map& queues, const typename Map::key_type& key) {
+  auto it = queues.find(key);
+  if (it == queues.end() || it->second.empty()) return std::nullopt;
+  auto front = std::move(it->second.front());
+  it->second.pop_front();
+  if (it->second.empty()) queues.erase(it);
+  return front;
+}
 
 struct World {
   std::mutex mu;
@@ -48,19 +60,14 @@ class InprocEndpoint final : public Endpoint {
   void send(int peer, Tag tag, std::vector<at::Tensor> tensors, Done done) override {
     if (Status s = check_peer(peer); !s) return done(s);
     std::unique_lock<std::mutex> lock(world_->mu);
-    if (!world_->error.is_ok()) {
-      Status e = world_->error;
+    if (Status e = world_->error; !e) {
       lock.unlock();
       return done(e);
     }
     const World::Key key{rank_, peer, tag};
-    auto waiting = world_->receivers.find(key);
-    if (waiting != world_->receivers.end() && !waiting->second.empty()) {
-      Received receiver = std::move(waiting->second.front());
-      waiting->second.pop_front();
-      if (waiting->second.empty()) world_->receivers.erase(waiting);
+    if (auto receiver = pop_oldest(world_->receivers, key)) {
       lock.unlock();
-      receiver(world_->deliver(std::move(tensors), peer));
+      (*receiver)(world_->deliver(std::move(tensors), peer));
     } else {
       world_->messages[key].push_back(std::move(tensors));
       lock.unlock();
@@ -71,19 +78,14 @@ class InprocEndpoint final : public Endpoint {
   void recv(int peer, Tag tag, Received done) override {
     if (Status s = check_peer(peer); !s) return done(s);
     std::unique_lock<std::mutex> lock(world_->mu);
-    if (!world_->error.is_ok()) {
-      Status e = world_->error;
+    if (Status e = world_->error; !e) {
       lock.unlock();
       return done(e);
     }
     const World::Key key{peer, rank_, tag};
-    auto sent = world_->messages.find(key);
-    if (sent != world_->messages.end() && !sent->second.empty()) {
-      std::vector<at::Tensor> tensors = std::move(sent->second.front());
-      sent->second.pop_front();
-      if (sent->second.empty()) world_->messages.erase(sent);
+    if (auto tensors = pop_oldest(world_->messages, key)) {
       lock.unlock();
-      return done(world_->deliver(std::move(tensors), rank_));
+      return done(world_->deliver(std::move(*tensors), rank_));
     }
     world_->receivers[key].push_back(std::move(done));
   }
@@ -225,8 +227,7 @@ class InprocMember final : public Collective {
   // The member whose call completes the set runs the operation and completes every call.
   void call(Call c) {
     std::unique_lock<std::mutex> lock(group_->mu);
-    if (!group_->error.is_ok()) {
-      Status e = group_->error;
+    if (Status e = group_->error; !e) {
       lock.unlock();
       return c.done(e);
     }

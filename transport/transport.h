@@ -12,6 +12,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -67,5 +68,9 @@ class Collective {
 /// Waits for an operation issued with `issue(done)` (tests, and callers with nothing to
 /// overlap). Inproc operations complete inline; others complete on their progress thread.
 Status wait_for(const std::function<void(Done)>& issue);
+
+/// Receives the next message `peer` sends under `tag`, waiting at most `timeout`.
+Result<std::vector<at::Tensor>> receive_within(Endpoint& endpoint, int peer, Tag tag,
+                                               std::chrono::milliseconds timeout = std::chrono::minutes(10));
 
 }  // namespace conveyor::transport

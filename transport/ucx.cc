@@ -90,16 +90,16 @@ Result<std::vector<at::Tensor>> unpack(const Buffer& b) {
   return out;
 }
 
-class UcxMember;
+// What a UCX request's callback needs; `in_flight` is the member's count of open requests.
 struct SendContext {
   std::shared_ptr<Buffer> buffer;
   Done done;
-  UcxMember* member = nullptr;
+  int* in_flight = nullptr;
 };
 struct RecvContext {
   std::shared_ptr<Buffer> buffer;
   Received done;
-  UcxMember* member = nullptr;
+  int* in_flight = nullptr;
 };
 
 class UcxMember final : public UcxEndpoint {
@@ -180,19 +180,18 @@ class UcxMember final : public UcxEndpoint {
     if (Status s = check_peer(peer); !s) return done(s);
     if (tag > kMaxTag) return done(Status(ErrorCode::kInvalidArgument, "a UCX message tag above 2^48"));
     if (Status e = current_error(); !e) return done(e);
-    auto ctx = std::make_unique<SendContext>(SendContext{pack(tensors), std::move(done)});
-    post([this, peer, tag, ctx = std::shared_ptr<SendContext>(std::move(ctx))]() mutable {
+    auto ctx = std::make_shared<SendContext>(SendContext{pack(tensors), std::move(done), &in_flight_});
+    post([this, peer, tag, ctx] {
       if (Status e = current_error(); !e) return ctx->done(e);
       if (!eps_[peer]) return ctx->done(Status(ErrorCode::kInvalidArgument, "member " + std::to_string(rank_) +
                                                                               " is not connected to member " + std::to_string(peer)));
-      auto* raw = new SendContext(*ctx);
-      raw->member = this;
+      auto* raw = new SendContext(*ctx);  // owned by the request's callback
       ++in_flight_;
       ucp_request_param_t p{};
       p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
       p.cb.send = [](void* request, ucs_status_t status, void* user) {
         std::unique_ptr<SendContext> c(static_cast<SendContext*>(user));
-        --c->member->in_flight_;
+        --*c->in_flight;
         ucp_request_free(request);
         c->done(status == UCS_OK ? Status::ok() : ucx_error("a UCX send", status));
       };
@@ -281,14 +280,14 @@ class UcxMember final : public UcxEndpoint {
           continue;
         }
         busy = true;
-        auto* ctx = new RecvContext{std::make_shared<Buffer>(info.length), std::move(it->done), this};
+        auto* ctx = new RecvContext{std::make_shared<Buffer>(info.length), std::move(it->done), &in_flight_};
         ++in_flight_;
         it = receives_.erase(it);
         ucp_request_param_t p{};
         p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
         p.cb.recv = [](void* request, ucs_status_t status, const ucp_tag_recv_info_t*, void* user) {
           std::unique_ptr<RecvContext> c(static_cast<RecvContext*>(user));
-          --c->member->in_flight_;
+          --*c->in_flight;
           ucp_request_free(request);
           if (status != UCS_OK) return c->done(ucx_error("a UCX receive", status));
           c->done(unpack(*c->buffer));
@@ -344,9 +343,7 @@ class UcxMember final : public UcxEndpoint {
   std::vector<ucp_ep_h> eps_;  // progress thread only
   std::vector<std::unique_ptr<std::pair<UcxMember*, int>>> handler_args_;
   std::deque<PendingReceive> receives_;  // progress thread only
- public:
   int in_flight_ = 0;                    // UCX requests not completed (progress thread only)
- private:
   std::thread progress_;
   std::atomic<bool> stop_{false};
   std::mutex mu_;

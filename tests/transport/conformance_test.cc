@@ -56,13 +56,7 @@ void on_threads(int n, const std::function<void(int)>& body) {
 }
 
 Result<std::vector<at::Tensor>> receive(Endpoint& e, int peer, Tag tag) {
-  auto promise = std::make_shared<std::promise<Result<std::vector<at::Tensor>>>>();
-  auto future = promise->get_future();
-  e.recv(peer, tag, [promise](Result<std::vector<at::Tensor>> r) { promise->set_value(std::move(r)); });
-  if (future.wait_for(std::chrono::seconds(30)) != std::future_status::ready) {
-    return Status(ErrorCode::kExecution, "no message within 30 s");
-  }
-  return future.get();
+  return receive_within(e, peer, tag, std::chrono::seconds(30));
 }
 
 TEST_P(Conformance, MessagesArriveWholeInOrderPerTagWhicheverSideComesFirst) {
