@@ -451,6 +451,9 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
     if (role == "batch") batch_symbols.insert(symbol);
   }
   std::vector<bool> on_batch(g.values.size(), false);  // depends on a batched input
+  // Depends on a batched input's data, and holds positions within a share (made from
+  // arange(batch) and no data): such positions mean nothing once shares are joined and split.
+  std::vector<bool> on_batch_data(g.values.size(), false), share_positions(g.values.size(), false);
   for (std::size_t i = 0; i < g.inputs.size(); ++i) {
     const graph::Value& v = g.values[g.inputs[i].value];
     impl->input_index[g.inputs[i].value] = static_cast<int>(i);
@@ -458,6 +461,7 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
                          batch_symbols.count(v.shape[0].symbol) > 0;
     impl->batched_input.push_back(batched);
     on_batch[g.inputs[i].value] = batched;
+    on_batch_data[g.inputs[i].value] = batched;
   }
   impl->batch_dim.assign(g.values.size(), -1);
   for (const auto& v : g.values) {
@@ -520,9 +524,17 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
       on_batch[outs[0]] = impl->is_batch_size[outs[0]];
       continue;
     }
-    bool depends = false;
-    for (ValueId in : ins) depends = depends || on_batch[in];
-    for (ValueId out : outs) on_batch[out] = depends;
+    bool depends = false, on_data = false, positions = false;
+    for (ValueId in : ins) {
+      depends = depends || on_batch[in];
+      on_data = on_data || on_batch_data[in];
+      positions = positions || share_positions[in] || (node.op == "aten::arange" && impl->is_batch_size[in]);
+    }
+    for (ValueId out : outs) {
+      on_batch[out] = depends;
+      on_batch_data[out] = on_data;
+      share_positions[out] = positions && !on_data;
+    }
   }
   // Between stages with different replica counts a value is redistributed along its batch
   // dimension, or, when it does not depend on the batch, taken from any replica.
@@ -542,12 +554,13 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
           other_symbolic = true;
         }
       }
-      if (val.kind != graph::ValueKind::kTensor || batch_dims != 1 || other_symbolic) {
+      if (val.kind != graph::ValueKind::kTensor || batch_dims != 1 || other_symbolic || share_positions[v]) {
         return Status(ErrorCode::kUnsupported,
                       "value " + std::to_string(v) + " ('" + val.name + "') passes from stage " + std::to_string(p) +
                           " (" + std::to_string(impl->stage_replicas[p]) + " replicas) to stage " +
                           std::to_string(s) + " (" + std::to_string(impl->stage_replicas[s]) +
-                          " replicas) but has no plain batch dimension to redistribute along; give both "
+                          " replicas) but has no plain batch dimension to redistribute along (or holds "
+                          "positions within a share, like arange(batch)); give both "
                           "stages the same number of replicas, or cut the model elsewhere");
       }
     }

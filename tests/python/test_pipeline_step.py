@@ -126,12 +126,16 @@ def test_stages_with_different_replica_counts_redistribute(name, rel_err):
     case = zoo.CASES[name](batch=12)
     wrapped, initial, graph, inputs = captured(case)
     ran = 0
-    for seed in range(4):
+    # Random cuts often pass a value that cannot be redistributed (no batch dimension, or
+    # positions within a share such as an attention mask's arange(batch)); those are refused.
+    for seed in range(32):
+        if ran >= 4:
+            break
         for schedule in ("1f1b", "zb-h1"):
             partition = graph.random_partition(3, seed=seed)
             try:
                 step = _C.PipelineStep(graph.executor, partition, schedule, 2, 1, [2, 1, 3])
-            except conveyor.UnsupportedError as e:  # a cut through a value with no batch dimension
+            except conveyor.UnsupportedError as e:
                 assert "same number of replicas" in str(e)
                 continue
             wrapped.load_state_dict(initial)
