@@ -30,6 +30,9 @@ def test_cuda_matches_eager(name, num_stages, rel_err):
     assert rel_err(loss, ref_loss) <= 1e-9
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         if q.grad is not None:
-            assert rel_err(p.grad, q.grad) <= 1e-9, n
+            # With a floor: a gradient that is zero in exact arithmetic (a convolution's bias
+            # before BatchNorm) is rounding noise, whose order differs between cuDNN's kernels.
+            err = (p.grad - q.grad).abs().max().item() / max(q.grad.abs().max().item(), 1e-6)
+            assert err <= 1e-9, f"{n} differs by {err:.2e}"
     for (n, b), (_, c) in zip(model.named_buffers(), ref.named_buffers()):
         assert rel_err(b, c) <= 1e-9, n
