@@ -258,6 +258,24 @@ PYBIND11_MODULE(_C, m) {
       .def("write_trace", [](const runtime::PipelineStep& step, const std::string& path) {
         check(step.write_trace(path));
       }, "Writes the last step's measured actions as a Perfetto trace.")
+      .def("spans", [](const runtime::PipelineStep& step) {
+        py::list out;
+        for (const auto& s : step.last_step().spans) {
+          static const char* streams[] = {"compute", "send", "collective"};
+          py::dict d;
+          d["rank"] = s.rank;
+          d["replica"] = s.replica;
+          d["stream"] = streams[static_cast<int>(s.stream)];
+          d["action"] = scheduler::action_text(s.action);
+          d["stage"] = s.action.stage;
+          d["microbatch"] = s.action.microbatch;
+          d["start_s"] = s.start_s;
+          d["end_s"] = s.end_s;
+          out.append(std::move(d));
+        }
+        return out;
+      }, "The last step's measured actions: rank, replica, stream, action, stage, microbatch, start_s, end_s "
+         "(seconds from the step's start; on CUDA the device's times).")
       .def("last_reduction", &runtime::PipelineStep::last_reduction,
            "(buckets, reduced during backward) of the last step's gradient reduction across replicas.")
       .def("profile_report", [](const runtime::PipelineStep& step) {

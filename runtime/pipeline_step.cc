@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/StreamGuard.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -15,6 +16,7 @@
 
 #include "actors/coordinator.h"
 #include "graph/partition.h"
+#include "runtime/device_streams.h"
 #include "trace/simulation_trace.h"
 #include "transport/inproc.h"
 
@@ -78,6 +80,8 @@ struct PipelineStep::Impl {
     int state = 0;  // 0 waiting, 1 posted, 2 reduced
     bool early = false;
     std::chrono::steady_clock::time_point start, end;  // of an early reduction, for the trace
+    std::vector<c10::Event*> accumulated;       // streams: after each accumulation in the final pass
+    c10::Event *gpu_start = nullptr, *gpu_end = nullptr;  // streams: the early reduction's
   };
   std::vector<std::vector<Bucket>> stage_buckets;               // [stage]
   std::vector<std::vector<int>> backwards_done;                 // [stage][replica], this step
@@ -141,12 +145,57 @@ struct PipelineStep::Impl {
   std::pair<int, int> last_reduction{0, 0};  // buckets, of which reduced during backward
   std::unique_ptr<actors::Coordinator> coordinator;  // the replicas' actors, for the pipeline's life
 
+  // Streams, on a device that has them (docs/thread_model.md, "Streams"): each replica's
+  // compute, send and recv streams with its event pool, rank-major; a collective stream and
+  // event pool per stage (the pool under bucket_mu). None on the CPU.
+  std::optional<c10::Device> stream_device;
+  std::vector<int> first_worker;  // per rank: the index of its replica 0 in `streams`
+  std::vector<std::unique_ptr<ReplicaStreams>> streams;
+  std::vector<std::optional<c10::Stream>> collective_streams;
+  std::vector<std::unique_ptr<EventPool>> collective_events;
+  std::unique_ptr<EventPool> step_events;
+  ReplicaStreams* streams_of_rank(int rank, int replica) const {
+    return streams.empty() ? nullptr : streams[first_worker[rank] + replica].get();
+  }
+  ReplicaStreams* streams_of(int stage, int replica) const {
+    return streams_of_rank(schedule.spec.rank_of_stage(stage), replica);
+  }
+  // Per step, with streams: where each value, gradient and join is ready, each action's
+  // timing events, and the end of each replica's final backward of each stage.
+  std::map<std::pair<ValueId, int>, std::vector<c10::Event*>> value_ready;  // per producing replica
+  std::map<std::pair<ValueId, int>, c10::Event*> joined_ready;
+  std::map<std::pair<ValueId, int>, std::vector<c10::Event*>> grad_ready;   // per slot
+  std::map<std::pair<ValueId, int>, c10::Event*> joined_grad_ready;
+  std::vector<std::vector<c10::Event*>> final_done;  // [stage][replica]
+  struct Timed {
+    int rank, replica;
+    Action action;
+    c10::Event *start, *end;
+  };
+  std::vector<std::vector<Timed>> timed;  // per worker: compute actions
+  std::vector<std::pair<c10::Event*, c10::Event*>> allreduce_timed;  // per stage
+  c10::Event* step_start = nullptr;
+  std::chrono::steady_clock::time_point step_start_host;
+
   double weight(int mb, int replicas, int i) const {
     return static_cast<double>(share_of(micro_length[mb], replicas, i).length) / static_cast<double>(batch);
   }
 
-  // The value `v` of microbatch `mb` as replica `i` of `stage` sees it. Holds `mu`.
+  // The value `v` of microbatch `mb` as replica `i` of `stage` sees it; with streams, the
+  // replica's compute stream (current) waits until it is ready. Holds `mu`.
   Result<c10::IValue> read_value(ValueId v, int mb, int stage, int i) {
+    ReplicaStreams* rs = streams_of(stage, i);
+    auto ready_on_compute = [&](c10::IValue x, c10::Event* ready) {
+      if (rs != nullptr) {
+        if (ready != nullptr) ready->block(rs->compute);
+        if (x.isTensor()) used_on(x.toTensor(), rs->compute);
+      }
+      return x;
+    };
+    auto produced = [&](int r) -> c10::Event* {
+      auto rt = value_ready.find({v, mb});
+      return rt == value_ready.end() || r >= static_cast<int>(rt->second.size()) ? nullptr : rt->second[r];
+    };
     const int rc = stage_replicas[stage];
     auto gi = input_index.find(v);
     if (gi != input_index.end()) {
@@ -162,44 +211,93 @@ struct PipelineStep::Impl {
     }
     const auto& shares = it->second;
     const int rp = stage_replicas[producer[v]];
-    if (rp == rc) return shares[i];
+    if (rp == rc) return ready_on_compute(shares[i], produced(i));
     if (is_batch_size[v]) return c10::IValue(share_of(micro_length[mb], rc, i).length);
-    if (batch_dim[v] < 0) return shares[0];  // the same on every replica (checked at creation)
+    if (batch_dim[v] < 0) return ready_on_compute(shares[0], produced(0));  // the same on every replica (checked at creation)
     auto [jt, fresh] = joined.emplace(std::pair{v, mb}, c10::IValue());
-    if (fresh) {
+    if (fresh) {  // joined on the recv stream of the first replica to read it
+      std::optional<c10::StreamGuard> on_recv;
+      if (rs != nullptr) {
+        for (int r = 0; r < rp; ++r) {
+          if (c10::Event* e = produced(r)) e->block(rs->recv);
+        }
+        on_recv.emplace(rs->recv);
+      }
       std::vector<at::Tensor> parts;
       bool needs_grad = false;
       for (const auto& s : shares) {
         parts.push_back(s.toTensor().detach());
         needs_grad = needs_grad || s.toTensor().requires_grad();
+        if (rs != nullptr) used_on(parts.back(), rs->recv);
       }
       at::Tensor whole = at::cat(parts, batch_dim[v]);
       if (needs_grad) whole.requires_grad_(true);  // so consumers' inputs ask for gradients
       jt->second = whole;
+      if (rs != nullptr) joined_ready[{v, mb}] = rs->events.record(rs->recv);
     }
     const Share s = share_of(micro_length[mb], rc, i);
     const std::int64_t k = batch_scale[v];
-    return c10::IValue(jt->second.toTensor().narrow(batch_dim[v], k * s.offset, k * s.length));
+    auto jr = joined_ready.find({v, mb});
+    return ready_on_compute(c10::IValue(jt->second.toTensor().narrow(batch_dim[v], k * s.offset, k * s.length)),
+                            jr == joined_ready.end() ? nullptr : jr->second);
   }
 
-  // Adds the gradient replica `i` of `stage` computed for its input `v`. Holds `mu`.
+  // Adds the gradient replica `i` of `stage` computed for its input `v` (on its compute
+  // stream, current; a joined gradient on its send stream). Holds `mu`.
   void write_grad(ValueId v, int mb, int stage, int i, const at::Tensor& g) {
     const int rp = stage_replicas[producer[v]], rc = stage_replicas[stage];
+    ReplicaStreams* rs = streams_of(stage, i);
     auto& slots = grads[{v, mb}];
     slots.resize(static_cast<std::size_t>(rp));
-    if (rp == rc) return add_into(slots[i], g);
-    if (batch_dim[v] < 0) return add_into(slots[0], g);
+    if (rp == rc || batch_dim[v] < 0) {
+      const int slot = rp == rc ? i : 0;
+      if (rs != nullptr) {
+        auto& ready = grad_ready[{v, mb}];
+        ready.resize(static_cast<std::size_t>(rp), nullptr);
+        if (slots[slot].defined() && ready[slot] != nullptr) {  // another stage's gradient of it
+          ready[slot]->block(rs->compute);
+          used_on(slots[slot], rs->compute);
+        }
+        add_into(slots[slot], g);
+        ready[slot] = rs->events.record(rs->compute);
+        return;
+      }
+      return add_into(slots[slot], g);
+    }
+    std::optional<c10::StreamGuard> on_send;
+    if (rs != nullptr) {
+      rs->events.record(rs->compute)->block(rs->send);
+      auto jr = joined_grad_ready.find({v, mb});
+      if (jr != joined_grad_ready.end()) jr->second->block(rs->send);
+      on_send.emplace(rs->send);
+      used_on(g, rs->send);
+    }
     at::Tensor& whole = joined_grads[{v, mb}];
     if (!whole.defined()) whole = at::zeros_like(joined.at({v, mb}).toTensor());
     const Share s = share_of(micro_length[mb], rc, i);
     whole.narrow(batch_dim[v], batch_scale[v] * s.offset, batch_scale[v] * s.length).add_(g);
+    if (rs != nullptr) {
+      used_on(whole, rs->send);
+      joined_grad_ready[{v, mb}] = rs->events.record(rs->send);
+    }
   }
 
-  // The gradient of output `v` for replica `i` of its producing stage. Holds `mu`.
+  // The gradient of output `v` for replica `i` of its producing stage (its compute stream,
+  // current, waits until it is ready). Holds `mu`.
   at::Tensor read_grad(ValueId v, int mb, int i) {
+    ReplicaStreams* rs = streams_of(producer[v], i);
     at::Tensor g;
     auto it = grads.find({v, mb});
     if (it != grads.end() && i < static_cast<int>(it->second.size())) g = std::move(it->second[i]);
+    if (rs != nullptr) {
+      auto rt = grad_ready.find({v, mb});
+      if (rt != grad_ready.end() && i < static_cast<int>(rt->second.size()) && rt->second[i] != nullptr) {
+        rt->second[i]->block(rs->compute);
+      }
+      auto jr = joined_grad_ready.find({v, mb});
+      if (jr != joined_grad_ready.end()) jr->second->block(rs->compute);
+      used_on(g, rs->compute);
+    }
     auto jt = joined_grads.find({v, mb});
     if (jt != joined_grads.end()) {
       const Share s = share_of(micro_length[mb], stage_replicas[producer[v]], i);
@@ -219,12 +317,19 @@ struct PipelineStep::Impl {
       }
     }
     CONVEYOR_ASSIGN_OR_RETURN(graph::StageActivation act, program.forward(std::move(in)));
+    ReplicaStreams* rs = streams_of(a.stage, i);
+    c10::Event* done = rs != nullptr ? rs->events.record(rs->compute) : nullptr;
     std::lock_guard<std::mutex> lock(mu);
     for (std::size_t k = 0; k < program.outputs().size(); ++k) {
       const ValueId v = program.outputs()[k];
       auto& shares = values[{v, a.microbatch}];
       shares.resize(static_cast<std::size_t>(stage_replicas[a.stage]));
       shares[i] = act.outputs[k];
+      if (done != nullptr) {
+        auto& ready = value_ready[{v, a.microbatch}];
+        ready.resize(shares.size(), nullptr);
+        ready[i] = done;
+      }
       if (v == loss) losses[{a.microbatch, i}] = act.outputs[k].toTensor().detach();
     }
     activations[{a.stage, a.microbatch, i}] = std::move(act);
@@ -265,6 +370,44 @@ struct PipelineStep::Impl {
       if (g.defined()) write_grad(v, a.microbatch, a.stage, i, g);
     }
     return Status::ok();
+  }
+
+  // One compute action of a replica (on its compute stream, current, when there are streams).
+  Status compute(int replica, const Action& a);
+
+  // Seconds from the measured step's start to when `e` was reached on the device.
+  double device_time(const c10::Event* e, const scheduler::RunResult& measured) const {
+    const double host_offset = std::chrono::duration<double>(step_start_host - measured.start).count();
+    return e == nullptr ? host_offset : host_offset + seconds_between(*step_start, *e);
+  }
+
+  // With streams, the host only queued the work: once the device has run it all, every
+  // compute action and allreduce gets the device's times from its events, and the step
+  // lasts until the device is done.
+  void device_times(scheduler::RunResult& measured) {
+    synchronize_device(*stream_device);
+    std::map<std::tuple<int, int, int, int, int>, const Timed*> by_action;  // (rank, replica, kind, mb, stage)
+    for (const auto& worker : timed) {
+      for (const Timed& t : worker) {
+        by_action[{t.rank, t.replica, static_cast<int>(t.action.kind), t.action.microbatch, t.action.stage}] = &t;
+      }
+    }
+    for (auto& span : measured.spans) {
+      if (span.stream == scheduler::Span::Stream::kCompute) {
+        auto it = by_action.find({span.rank, span.replica, static_cast<int>(span.action.kind), span.action.microbatch,
+                                  span.action.stage});
+        if (it == by_action.end()) continue;
+        span.start_s = device_time(it->second->start, measured);
+        span.end_s = device_time(it->second->end, measured);
+      } else if (span.stream == scheduler::Span::Stream::kCollective && span.action.kind == ActionKind::kAllReduce) {
+        const auto& [start, end] = allreduce_timed[span.action.stage];
+        if (start == nullptr || end == nullptr) continue;
+        span.start_s = device_time(start, measured);
+        span.end_s = device_time(end, measured);
+      }
+    }
+    measured.step_time_s = std::max(measured.step_time_s,
+                                    std::chrono::duration<double>(std::chrono::steady_clock::now() - measured.start).count());
   }
 
   // W: the weight half of the microbatch's split backward.
@@ -324,7 +467,10 @@ struct PipelineStep::Impl {
         at::Tensor g = p.grad();
         any = any || g.defined();
         flat.push_back(g.defined() ? g.reshape(-1) : at::zeros({p.numel()}, p.options()));
-        if (r > 0 && g.defined()) p.mutable_grad().reset();
+        if (r > 0 && g.defined()) {
+          if (stream_device) used_on(g, current_stream(*stream_device));  // the collective stream
+          p.mutable_grad().reset();
+        }
       }
       buckets.push_back(at::cat(flat));
     }
@@ -365,14 +511,31 @@ struct PipelineStep::Impl {
   // backward, reduced now.
   Status finish_reduction(int stage) {
     if (stage_groups[stage].size() < 2) return Status::ok();
+    std::optional<c10::StreamGuard> on_collective;
+    if (stream_device) {
+      wait_all(final_done[stage], *collective_streams[stage]);
+      on_collective.emplace(*collective_streams[stage]);
+      std::lock_guard<std::mutex> lock(bucket_mu);
+      allreduce_timed[stage].first = collective_events[stage]->record(*collective_streams[stage]);
+    }
+    auto timed_end = [&] {
+      if (!stream_device) return;
+      std::lock_guard<std::mutex> lock(bucket_mu);
+      allreduce_timed[stage].second = collective_events[stage]->record(*collective_streams[stage]);
+    };
     for (auto& b : stage_buckets[stage]) {
       {
         std::lock_guard<std::mutex> lock(bucket_mu);
         if (b.state == 2) continue;
         b.state = 2;  // a posted reduction not run yet finds it done
       }
-      CONVEYOR_RETURN_IF_ERROR(reduce_bucket(b.names, stage_groups[stage]));
+      Status s = reduce_bucket(b.names, stage_groups[stage]);
+      if (!s) {
+        timed_end();
+        return s;
+      }
     }
+    timed_end();
     std::lock_guard<std::mutex> lock(bucket_mu);
     return bucket_error;
   }
@@ -382,21 +545,31 @@ struct PipelineStep::Impl {
     if (!final_pass[pass_index(stage, replica)]) return;  // an earlier microbatch, or eager use
     std::lock_guard<std::mutex> lock(bucket_mu);
     Bucket& b = stage_buckets[stage][bucket];
+    // With streams, the accumulation was queued on the stream current here (the engine's
+    // for this gradient): the reduction waits for it there.
+    if (stream_device) b.accumulated.push_back(collective_events[stage]->record(current_stream(*stream_device)));
     if (++b.fired < static_cast<int>(b.names.size()) * stage_replicas[stage] || b.state != 0) return;
     b.state = 1;
     scheduler::CommThread::process()->post([this, stage, bucket] {
+      std::optional<c10::StreamGuard> on_collective;
       {
         std::lock_guard<std::mutex> lock(bucket_mu);
         Bucket& b = stage_buckets[stage][bucket];
         if (b.state != 1) return;
         b.state = 2;
         b.early = true;
+        if (stream_device) {
+          wait_all(b.accumulated, *collective_streams[stage]);
+          on_collective.emplace(*collective_streams[stage]);
+          b.gpu_start = collective_events[stage]->record(*collective_streams[stage]);
+        }
       }
       const auto start = std::chrono::steady_clock::now();
       Status s = reduce_bucket(stage_buckets[stage][bucket].names, stage_groups[stage]);
       std::lock_guard<std::mutex> lock(bucket_mu);
       stage_buckets[stage][bucket].start = start;
       stage_buckets[stage][bucket].end = std::chrono::steady_clock::now();
+      if (stream_device) stage_buckets[stage][bucket].gpu_end = collective_events[stage]->record(*collective_streams[stage]);
       if (!s && bucket_error.is_ok()) bucket_error = s;
     });
   }
@@ -624,34 +797,49 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
       }
     }
   }
+  // Streams, when the model lives on a device that has them.
+  for (const auto& b : g.bindings) {
+    const at::Tensor* t = executor->tensor(b.name);
+    if (t != nullptr && t->defined() && device_has_streams(t->device())) {
+      impl->stream_device = t->device();
+      break;
+    }
+  }
+  if (impl->stream_device) {
+    const c10::Device device = *impl->stream_device;
+    for (int rank = 0; rank < spec.ranks; ++rank) {
+      impl->first_worker.push_back(static_cast<int>(impl->streams.size()));
+      for (int r = 0; r < impl->rank_replicas[rank]; ++r) impl->streams.push_back(std::make_unique<ReplicaStreams>(device));
+    }
+    for (int s = 0; s < num_stages; ++s) {
+      impl->collective_streams.emplace_back(pool_stream(device));
+      impl->collective_events.push_back(std::make_unique<EventPool>(device.type()));
+    }
+    impl->step_events = std::make_unique<EventPool>(device.type());
+  }
   // The replicas' actors live as long as the pipeline; their hooks read the step's state.
   Impl* im = impl.get();
   scheduler::RunnerHooks hooks;
-  hooks.compute = [im](int, int replica, const Action& a) -> Status {
+  hooks.compute = [im](int rank, int replica, const Action& a) -> Status {
     thread_local int configured = 0;  // a replica's thread keeps its setting across steps
     if (configured != im->replica_threads) {
       at::set_num_threads(im->replica_threads);
       configured = im->replica_threads;
     }
-    if (a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardWeight) {
-      // The pass that accumulates this replica's last gradients of the step for the stage.
-      const int done = im->backwards_done[a.stage][replica]++;
-      const bool last = done + 1 == im->schedule.spec.microbatches;
-      auto& flag = im->final_pass[im->pass_index(a.stage, replica)];
-      flag = last;
-      Status s = a.kind == ActionKind::kBackward ? im->backward(replica, a, /*split=*/false)
-                                                 : im->backward_weight(replica, a);
-      flag = false;
-      return s;
+    // With streams, the action runs on the replica's compute stream between two timing events.
+    ReplicaStreams* rs = im->streams_of_rank(rank, replica);
+    std::optional<c10::StreamGuard> on_compute;
+    c10::Event* start = nullptr;
+    if (rs != nullptr) {
+      on_compute.emplace(rs->compute);
+      start = rs->events.record(rs->compute);
     }
-    switch (a.kind) {
-      case ActionKind::kForward: return im->forward(replica, a);
-      case ActionKind::kBackward: return im->backward(replica, a, /*split=*/false);
-      case ActionKind::kBackwardInput: return im->backward(replica, a, /*split=*/true);
-      case ActionKind::kBackwardWeight: return im->backward_weight(replica, a);
-      case ActionKind::kOptimizerStep: return Status::ok();  // the user's optimizer steps after the call
-      default: return Status(ErrorCode::kInternal, "not a compute action: " + scheduler::action_text(a));
+    Status s = im->compute(replica, a);
+    if (rs != nullptr) {
+      c10::Event* end = rs->events.record(rs->compute);
+      im->timed[im->first_worker[rank] + replica].push_back({rank, replica, a, start, end});
     }
+    return s;
   };
   hooks.allreduce = [im](int, int, const Action& a) -> Status {
     return im->finish_reduction(a.stage);
@@ -659,6 +847,29 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
   CONVEYOR_ASSIGN_OR_RETURN(impl->coordinator, actors::Coordinator::create(impl->schedule, std::move(hooks),
                                                                           impl->rank_replicas, std::move(options.predicted)));
   return std::unique_ptr<PipelineStep>(new PipelineStep(std::move(impl)));
+}
+
+Status PipelineStep::Impl::compute(int replica, const Action& a) {
+  if (a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardWeight) {
+    // The pass that accumulates this replica's last gradients of the step for the stage.
+    const int done = backwards_done[a.stage][replica]++;
+    const bool last = done + 1 == schedule.spec.microbatches;
+    auto& flag = final_pass[pass_index(a.stage, replica)];
+    flag = last;
+    Status s = a.kind == ActionKind::kBackward ? backward(replica, a, /*split=*/false)
+                                               : backward_weight(replica, a);
+    flag = false;
+    if (last && !streams.empty()) {
+      final_done[a.stage][replica] = streams_of(a.stage, replica)->events.record(streams_of(a.stage, replica)->compute);
+    }
+    return s;
+  }
+  switch (a.kind) {
+    case ActionKind::kForward: return forward(replica, a);
+    case ActionKind::kBackwardInput: return backward(replica, a, /*split=*/true);
+    case ActionKind::kOptimizerStep: return Status::ok();  // the user's optimizer steps after the call
+    default: return Status(ErrorCode::kInternal, "not a compute action: " + scheduler::action_text(a));
+  }
 }
 
 Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, double grad_scale) {
@@ -734,6 +945,22 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
     for (auto& b : stage) b = Impl::Bucket{std::move(b.names)};
   }
   im.bucket_error = Status::ok();
+  // With streams: every stream of the step starts after the caller's work so far (its
+  // inputs, the last optimizer step), the events of the last step are reused.
+  im.final_done.assign(im.stage_replicas.size(), std::vector<c10::Event*>(im.executors.size(), nullptr));
+  im.timed.assign(im.streams.size(), {});
+  im.allreduce_timed.assign(im.stage_replicas.size(), {nullptr, nullptr});
+  if (im.stream_device) {
+    im.step_events->rewind();
+    for (auto& pool : im.collective_events) pool->rewind();
+    im.step_start = im.step_events->record(current_stream(*im.stream_device));
+    im.step_start_host = std::chrono::steady_clock::now();
+    for (auto& rs : im.streams) {
+      rs->events.rewind();
+      for (const c10::Stream& stream : {rs->compute, rs->send, rs->recv}) im.step_start->block(stream);
+    }
+    for (const auto& stream : im.collective_streams) im.step_start->block(*stream);
+  }
   // Each replica's compute thread gets its share of the caller's intra-op threads (they
   // would otherwise each start a full-size pool and oversubscribe the cores).
   const int caller_threads = at::get_num_threads();
@@ -745,6 +972,7 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
   // profile) before the step's profile goes to the partitioner actor.
   std::pair<int, int> reduction{0, 0};
   auto add_reductions = [&im, &reduction](scheduler::RunResult& measured) {
+    if (im.stream_device) im.device_times(measured);
     for (int s = 0; s < static_cast<int>(im.stage_buckets.size()); ++s) {
       for (const auto& b : im.stage_buckets[s]) {
         ++reduction.first;
@@ -753,15 +981,22 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
         auto at = [&](std::chrono::steady_clock::time_point t) {
           return std::chrono::duration<double>(t - measured.start).count();
         };
+        const double start = im.stream_device ? im.device_time(b.gpu_start, measured) : at(b.start);
+        const double end = im.stream_device ? im.device_time(b.gpu_end, measured) : at(b.end);
         for (int r = 0; r < im.stage_replicas[s]; ++r) {
           measured.spans.push_back({im.schedule.spec.rank_of_stage(s), scheduler::Span::Stream::kCollective,
-                                    Action{ActionKind::kAllReduce, -1, -1, s}, at(b.start), at(b.end), r});
+                                    Action{ActionKind::kAllReduce, -1, -1, s}, start, end, r});
         }
       }
     }
   };
   auto measured = im.coordinator->run_step(std::chrono::minutes(10), add_reductions);
   at::set_num_threads(caller_threads);  // the setting is process-wide as well as per thread
+  if (im.stream_device) synchronize_device(*im.stream_device);  // before the step's tensors go
+  im.value_ready.clear();
+  im.joined_ready.clear();
+  im.grad_ready.clear();
+  im.joined_grad_ready.clear();
   im.values.clear();
   im.joined.clear();
   im.activations.clear();
@@ -784,6 +1019,8 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
 }
 
 std::pair<int, int> PipelineStep::last_reduction() const { return impl_->last_reduction; }
+
+const scheduler::RunResult& PipelineStep::last_step() const { return impl_->last; }
 
 Result<actors::ProfileReport> PipelineStep::profile_report() const { return impl_->coordinator->profile_report(); }
 

@@ -73,6 +73,10 @@ class PipelineStep {
   /// their stage's last backward still ran.
   std::pair<int, int> last_reduction() const;
 
+  /// The last step's measured actions. On a device with streams, compute actions and
+  /// reductions carry the device's times (from events on their streams), not the host's.
+  const scheduler::RunResult& last_step() const;
+
   /// Every step's measured actions reach the pipeline's PartitionerActor: its comparison
   /// of the measured steps with the prediction, per stage.
   Result<actors::ProfileReport> profile_report() const;

@@ -7,6 +7,7 @@ schedules GPipe, 1F1B, ZB-H1 (split backward) and interleaved (2 chunks per rank
 every parameter (and, with one replica, every buffer) within a relative 1e-9 of eager.
 """
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -19,6 +20,29 @@ from conveyor.module import _loss_wrapper
 from conftest import split_batch
 
 TOLERANCE = 1e-9
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+
+
+def on_device(case, device):
+    """The zoo case with its model and tensors on `device`."""
+    if device == "cpu":
+        return case
+    move = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    return dataclasses.replace(case, model=case.model.to(device), args=tuple(move(a) for a in case.args),
+                               kwargs={k: move(v) for k, v in case.kwargs.items()})
+
+
+@pytest.fixture
+def deterministic_cuda():
+    """cuDNN and scatter kernels without atomics, so the eager reference and the pipelined
+    run round alike (BatchNorm over two samples amplifies any difference)."""
+    saved = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, torch.are_deterministic_algorithms_enabled()
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[0], saved[1]
+    torch.use_deterministic_algorithms(saved[2])
 
 
 def loss_only(case):
@@ -69,10 +93,13 @@ def configs(batch, batchnorm):
     return out
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", CASES)
-def test_pipelined_steps_equal_eager_gradient_accumulation(name, rel_err):
+def test_pipelined_steps_equal_eager_gradient_accumulation(name, device, rel_err, deterministic_cuda):
+    """On CUDA every replica runs on its own compute, send and recv streams, ordered by
+    events: the same results show that no stream reads what another has not finished."""
     torch.manual_seed(0)
-    case = zoo.CASES[name](batch=BATCH.get(name, 16))
+    case = on_device(zoo.CASES[name](batch=BATCH.get(name, 16)), device)
     batch = batch_size(case)
     wrapped, initial, graph, inputs = captured(case)
     batchnorm = has_batchnorm(wrapped)
@@ -118,12 +145,14 @@ def test_pipelined_steps_equal_eager_gradient_accumulation(name, rel_err):
     assert tried >= 20, f"{name}: only {tried} configurations ran"
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["mlp", "gpt2", "bert", "t5"])
-def test_stages_with_different_replica_counts_redistribute(name, rel_err):
+def test_stages_with_different_replica_counts_redistribute(name, device, rel_err, deterministic_cuda):
     """Replica counts 2, 1, 3: activations are joined and re-split along their batch
-    dimension between stages (and gradients back), still equal to eager accumulation."""
+    dimension between stages (and gradients back), still equal to eager accumulation. On
+    CUDA the joins run on the consumer's recv stream, the gradients back on its send stream."""
     torch.manual_seed(0)
-    case = zoo.CASES[name](batch=12)
+    case = on_device(zoo.CASES[name](batch=12), device)
     wrapped, initial, graph, inputs = captured(case)
     ran = 0
     # Random cuts often pass a value that cannot be redistributed (no batch dimension, or
@@ -158,14 +187,15 @@ def test_stages_with_different_replica_counts_redistribute(name, rel_err):
     assert ran >= 4, f"{name}: only {ran} partitions could run with different replica counts"
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["mlp", "gpt2", "bert"])
-def test_buckets_are_reduced_while_backward_runs(name, rel_err, tmp_path):
+def test_buckets_are_reduced_while_backward_runs(name, device, rel_err, tmp_path, deterministic_cuda):
     """Replicated stages reduce each gradient bucket as soon as every replica's last
     backward has accumulated it (tiny buckets: one parameter each), not after the backward;
     the result still equals eager accumulation, and a hook the user registered on a
     parameter keeps firing (conveyor chains its own hook after it)."""
     torch.manual_seed(0)
-    case = zoo.CASES[name](batch=8)
+    case = on_device(zoo.CASES[name](batch=8), device)
     wrapped, initial, graph, inputs = captured(case)
     first = next(p for p in wrapped.parameters())
     fired = []
@@ -263,3 +293,44 @@ def test_bad_pipelined_inputs_get_clear_errors():
     raw = conveyor.capture(linear, (case.args[0],))  # returns outputs, not a loss
     with pytest.raises(conveyor.ConveyorValueError, match="one scalar loss"):
         _C.PipelineStep(raw.executor, raw.random_partition(2, seed=0), "1f1b", 1)
+
+
+@CUDA
+@pytest.mark.parametrize("schedule,chunks", [("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)])
+def test_cuda_streams_run_each_replica_in_order_and_are_timed_on_the_device(schedule, chunks, rel_err,
+                                                                            deterministic_cuda):
+    """Each replica's actions run on its own compute stream: the device times read from
+    their events never overlap on one stream and follow the replica's list; the step's
+    reductions run on the collective streams within the step; results equal eager."""
+    torch.manual_seed(0)
+    case = on_device(zoo.gpt2(batch=8), "cuda")
+    wrapped, initial, graph, inputs = captured(case)
+    step = _C.PipelineStep(graph.executor, graph.random_partition(4, seed=2), schedule, 2, chunks,
+                           [2] * (4 // chunks), bucket_bytes=1)
+    for _ in range(2):  # the second step reuses the first one's events
+        wrapped.load_state_dict(initial)
+        wrapped.zero_grad(set_to_none=True)
+        loss, seconds, _ = step.run(inputs)
+    spans = step.spans()
+    compute = [s for s in spans if s["stream"] == "compute"]
+    assert len(compute) == 2 * 2 * 4 * (3 if schedule == "zb-h1" else 2), len(compute)
+    for rank in range(4 // chunks):
+        for replica in range(2):
+            mine = [s for s in compute if s["rank"] == rank and s["replica"] == replica]
+            for a, b in zip(mine, mine[1:]):
+                assert a["start_s"] <= a["end_s"] <= b["start_s"] + 1e-6, (a, b)
+    for s in spans:
+        assert -1e-3 <= s["start_s"] <= s["end_s"] <= seconds + 1e-3, (s, seconds)
+    buckets, early = step.last_reduction()
+    assert 0 < early <= buckets
+    got = {n: p.grad.clone() for n, p in wrapped.named_parameters() if p.grad is not None}
+    wrapped.zero_grad(set_to_none=True)
+    ref_loss = 0
+    for a, k in split_batch(case.args, case.kwargs, 4, 8):
+        part = wrapped(*a, **k) * 0.25
+        part.backward()
+        ref_loss = ref_loss + part.detach()
+    assert rel_err(loss, ref_loss) <= TOLERANCE
+    for n, p in wrapped.named_parameters():
+        if p.grad is not None:
+            assert rel_err(got[n], p.grad) <= TOLERANCE, n

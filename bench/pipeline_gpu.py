@@ -1,0 +1,138 @@
+"""The in-process pipeline runtime on one CUDA GPU, in one run:
+
+1. A 1-stage conveyor step against eager PyTorch forward+backward of the same model (the
+   throughput ratio, eager time / conveyor time). Steps alternate so noise hits both.
+2. The GPU as several virtual devices: S stages under 1F1B, every replica on its own
+   compute, send and recv streams, against the 1-stage step (throughput ratio), and how many
+   streams the device ran at once on average (busy stream-time / wall time, from the events).
+3. Two replicas per stage with small gradient buckets: the share of the collective streams'
+   reduction time that overlapped compute on the device, read from the events; with --trace,
+   the Perfetto trace of that step.
+
+    ./run bench pipeline_gpu [--iters 10] [--layers 8] [--hidden 512] [--batch 32] [--trace run.pftrace]
+"""
+import argparse
+import os
+import statistics
+import time
+import warnings
+
+import torch
+
+import conveyor
+from conveyor import _C, zoo
+from conveyor.module import _loss_wrapper
+
+warnings.filterwarnings("ignore")
+
+
+def union_length(intervals):
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def overlap_with(span, intervals):
+    """Length of `span` covered by the union of `intervals`."""
+    a, b = span
+    return union_length([(max(a, x), min(b, y)) for x, y in intervals if min(b, y) > max(a, x)])
+
+
+def timed_steps(step, inputs, wrapped, args):
+    times = []
+    for i in range(args.warmup + args.iters):
+        for p in wrapped.parameters():
+            p.grad = None
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        step.run(inputs)
+        torch.cuda.synchronize()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--stages", type=int, default=4)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--trace", default="", help="write the replicated step's measured trace here")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("pipeline_gpu: no CUDA GPU visible; nothing to measure")
+        return
+    torch.manual_seed(0)
+    case = zoo.gpt2(batch=args.batch, seq=args.seq, dtype=torch.float32, layers=args.layers, hidden=args.hidden,
+                    vocab=2048, dropout=0.0)
+    case.model.cuda()
+    case.kwargs = {k: v.cuda() for k, v in case.kwargs.items()}
+    wrapped = _loss_wrapper(case.model, None, case.args, case.kwargs)
+    graph = conveyor.capture(wrapped, case.args, case.kwargs)
+    inputs = graph.flatten_inputs(case.args, case.kwargs)
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {os.cpu_count()} CPUs, float32; GPT-2 "
+          f"{args.layers} layers x {args.hidden}, batch {args.batch} x {args.seq} tokens, {graph.num_nodes} nodes")
+
+    # 1. One stage against eager.
+    one = _C.PipelineStep(graph.executor, [list(range(graph.num_nodes))], "1f1b", 1)
+    eager, conv = [], []
+    for i in range(args.warmup + args.iters):
+        for p in wrapped.parameters():
+            p.grad = None
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        wrapped(*case.args, **case.kwargs).backward()
+        torch.cuda.synchronize()
+        e = time.perf_counter() - t
+        for p in wrapped.parameters():
+            p.grad = None
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        one.run(inputs)
+        torch.cuda.synchronize()
+        if i >= args.warmup:
+            eager.append(e)
+            conv.append(time.perf_counter() - t)
+    me, mc = statistics.median(eager) * 1e3, statistics.median(conv) * 1e3
+    print(f"1 stage            eager {me:8.2f} ms   conveyor {mc:8.2f} ms   throughput ratio {me / mc:.3f}x")
+
+    # 2. Virtual devices on the one GPU.
+    partition = graph.random_partition(args.stages, seed=0, keep_node_order=True)
+    piped = _C.PipelineStep(graph.executor, partition, "1f1b", args.microbatches)
+    mp = timed_steps(piped, inputs, wrapped, args) * 1e3
+    compute = [(s["start_s"], s["end_s"]) for s in piped.spans() if s["stream"] == "compute"]
+    busy = sum(b - a for a, b in compute)
+    print(f"{args.stages} stages 1f1b m={args.microbatches}   step {mp:8.2f} ms   vs 1 stage {mc / mp:.3f}x   "
+          f"streams busy at once on average {busy / union_length(compute):.2f}")
+
+    # 3. Replicas: reductions on the collective streams while backward runs.
+    stages = max(1, args.stages // 2)
+    replicated = _C.PipelineStep(graph.executor, graph.random_partition(stages, seed=0, keep_node_order=True),
+                                 "1f1b", args.microbatches // 2, 1, [2] * stages, bucket_bytes=1 << 20)
+    mr = timed_steps(replicated, inputs, wrapped, args) * 1e3
+    spans = replicated.spans()
+    compute = [(s["start_s"], s["end_s"]) for s in spans if s["stream"] == "compute"]
+    # Each reduction is listed once per replica; count it once.
+    reductions = sorted({(s["stage"], s["start_s"], s["end_s"]) for s in spans if s["stream"] == "collective"})
+    total = sum(e - s for _, s, e in reductions)
+    covered = sum(overlap_with((s, e), compute) for _, s, e in reductions)
+    buckets, early = replicated.last_reduction()
+    print(f"{stages} stages x 2 replicas   step {mr:8.2f} ms   {early}/{buckets} buckets reduced during backward; "
+          f"reduction time {total * 1e3:.2f} ms on the collective streams, {100 * covered / max(total, 1e-12):.0f}% "
+          f"of it overlapping compute")
+    if args.trace:
+        replicated.write_trace(args.trace)
+        print(f"measured trace: {args.trace}")
+
+
+if __name__ == "__main__":
+    main()
