@@ -111,8 +111,12 @@ def main():
     mp = timed_steps(piped, inputs, wrapped, args) * 1e3
     compute = [(s["start_s"], s["end_s"]) for s in piped.spans() if s["stream"] == "compute"]
     busy = sum(b - a for a, b in compute)
-    print(f"{args.stages} stages 1f1b m={args.microbatches}   step {mp:8.2f} ms   vs 1 stage {mc / mp:.3f}x   "
-          f"streams busy at once on average {busy / union_length(compute):.2f}")
+    # The same microbatches on one stage and one stream: what the streams add or cost.
+    flat = _C.PipelineStep(graph.executor, [list(range(graph.num_nodes))], "1f1b", args.microbatches)
+    mf = timed_steps(flat, inputs, wrapped, args) * 1e3
+    print(f"1 stage m={args.microbatches}        step {mf:8.2f} ms")
+    print(f"{args.stages} stages 1f1b m={args.microbatches}   step {mp:8.2f} ms   vs 1 stage m={args.microbatches} "
+          f"{mf / mp:.3f}x   streams busy at once on average {busy / union_length(compute):.2f}")
 
     # 3. Replicas: reductions on the collective streams while backward runs.
     stages = max(1, args.stages // 2)
