@@ -33,6 +33,11 @@ def test_automatic_plan_trains_like_eager_accumulation(name, batch):
         assert len(set(replicas)) == 1 or name != "resnet18", replicas
         ref_opt.zero_grad(set_to_none=True)
         ref_loss = 0
+        # The reference at each replica's intra-op threads (the caller's shared out): float64
+        # kernels round by thread count, and BatchNorm over shares of two samples (4 replicas
+        # of a batch of 8 on a machine with many cores) amplifies that past 1e-9.
+        saved_threads = torch.get_num_threads()
+        torch.set_num_threads(max(1, saved_threads // sum(replicas)))
         for a, k in split_batch(case.args, case.kwargs, m, batch):
             size = next(t.shape[0] for t in list(a) + list(k.values()) if isinstance(t, torch.Tensor) and t.dim() > 0)
             for a2, k2 in split_batch(a, k, shares, size):
@@ -41,6 +46,7 @@ def test_automatic_plan_trains_like_eager_accumulation(name, batch):
                 part = case.loss(ref(*a2, **k2)) * (n / batch)
                 part.backward()
                 ref_loss = ref_loss + part.detach()
+        torch.set_num_threads(saved_threads)
         ref_opt.step()
         assert abs(loss.item() - ref_loss.item()) <= 1e-9 * abs(ref_loss.item()), (step, loss, ref_loss)
     assert model.plan is not None and "predicted step" in str(model.plan)
