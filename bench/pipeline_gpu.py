@@ -42,18 +42,20 @@ def overlap_with(span, intervals):
     return union_length([(max(a, x), min(b, y)) for x, y in intervals if min(b, y) > max(a, x)])
 
 
+def timed_once(call, wrapped):
+    """Seconds of one `call()` from empty gradients, the device idle before and after."""
+    for p in wrapped.parameters():
+        p.grad = None
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    call()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
 def timed_steps(step, inputs, wrapped, args):
-    times = []
-    for i in range(args.warmup + args.iters):
-        for p in wrapped.parameters():
-            p.grad = None
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        step.run(inputs)
-        torch.cuda.synchronize()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    times = [timed_once(lambda: step.run(inputs), wrapped) for _ in range(args.warmup + args.iters)]
+    return statistics.median(times[args.warmup:])
 
 
 def main():
@@ -86,22 +88,11 @@ def main():
     one = _C.PipelineStep(graph.executor, [list(range(graph.num_nodes))], "1f1b", 1)
     eager, conv = [], []
     for i in range(args.warmup + args.iters):
-        for p in wrapped.parameters():
-            p.grad = None
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        wrapped(*case.args, **case.kwargs).backward()
-        torch.cuda.synchronize()
-        e = time.perf_counter() - t
-        for p in wrapped.parameters():
-            p.grad = None
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        one.run(inputs)
-        torch.cuda.synchronize()
+        e = timed_once(lambda: wrapped(*case.args, **case.kwargs).backward(), wrapped)
+        c = timed_once(lambda: one.run(inputs), wrapped)
         if i >= args.warmup:
             eager.append(e)
-            conv.append(time.perf_counter() - t)
+            conv.append(c)
     me, mc = statistics.median(eager) * 1e3, statistics.median(conv) * 1e3
     print(f"1 stage            eager {me:8.2f} ms   conveyor {mc:8.2f} ms   throughput ratio {me / mc:.3f}x")
 

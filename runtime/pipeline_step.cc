@@ -518,26 +518,19 @@ struct PipelineStep::Impl {
       std::lock_guard<std::mutex> lock(bucket_mu);
       allreduce_timed[stage].first = collective_events[stage]->record(*collective_streams[stage]);
     }
-    auto timed_end = [&] {
-      if (!stream_device) return;
-      std::lock_guard<std::mutex> lock(bucket_mu);
-      allreduce_timed[stage].second = collective_events[stage]->record(*collective_streams[stage]);
-    };
+    Status result = Status::ok();
     for (auto& b : stage_buckets[stage]) {
       {
         std::lock_guard<std::mutex> lock(bucket_mu);
         if (b.state == 2) continue;
         b.state = 2;  // a posted reduction not run yet finds it done
       }
-      Status s = reduce_bucket(b.names, stage_groups[stage]);
-      if (!s) {
-        timed_end();
-        return s;
-      }
+      result = reduce_bucket(b.names, stage_groups[stage]);
+      if (!result) break;
     }
-    timed_end();
     std::lock_guard<std::mutex> lock(bucket_mu);
-    return bucket_error;
+    if (stream_device) allreduce_timed[stage].second = collective_events[stage]->record(*collective_streams[stage]);
+    return result.is_ok() ? bucket_error : result;
   }
 
   // A replica's parameter accumulated its gradient (the autograd engine, on the replica's thread).
@@ -859,8 +852,8 @@ Status PipelineStep::Impl::compute(int replica, const Action& a) {
     Status s = a.kind == ActionKind::kBackward ? backward(replica, a, /*split=*/false)
                                                : backward_weight(replica, a);
     flag = false;
-    if (last && !streams.empty()) {
-      final_done[a.stage][replica] = streams_of(a.stage, replica)->events.record(streams_of(a.stage, replica)->compute);
+    if (ReplicaStreams* rs = streams_of(a.stage, replica); last && rs != nullptr) {
+      final_done[a.stage][replica] = rs->events.record(rs->compute);
     }
     return s;
   }

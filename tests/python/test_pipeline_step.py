@@ -76,6 +76,19 @@ CASES = [name for name, make in zoo.CASES.items() if name != "dropout"]
 BATCH = {"resnet18": 8, "unet3d": 8}
 
 
+def pipelined_grads_then_eager(wrapped, case, parts, batch):
+    """The pipelined step's gradients (copied), then the model's own gradients and loss from
+    eager accumulation over `parts` equal parts of the batch, each weighted 1 / parts."""
+    got = {n: p.grad.clone() for n, p in wrapped.named_parameters() if p.grad is not None}
+    wrapped.zero_grad(set_to_none=True)
+    ref_loss = 0
+    for a, k in split_batch(case.args, case.kwargs, parts, batch):
+        part = wrapped(*a, **k) / parts
+        part.backward()
+        ref_loss = ref_loss + part.detach()
+    return got, ref_loss
+
+
 def has_batchnorm(model):
     return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
@@ -174,13 +187,7 @@ def test_stages_with_different_replica_counts_redistribute(name, device, rel_err
             wrapped.load_state_dict(initial)
             wrapped.zero_grad(set_to_none=True)
             loss, _, _ = step.run(inputs)
-            got = {n: p.grad.clone() for n, p in wrapped.named_parameters() if p.grad is not None}
-            wrapped.zero_grad(set_to_none=True)
-            ref_loss = 0
-            for a, k in split_batch(case.args, case.kwargs, 2, 12):
-                part = wrapped(*a, **k) * 0.5
-                part.backward()
-                ref_loss = ref_loss + part.detach()
+            got, ref_loss = pipelined_grads_then_eager(wrapped, case, 2, 12)
             assert rel_err(loss, ref_loss) <= TOLERANCE
             for n, p in wrapped.named_parameters():
                 if p.grad is None:
@@ -222,13 +229,7 @@ def test_buckets_are_reduced_while_backward_runs(name, device, rel_err, tmp_path
             events = [e for e in json.loads((tmp_path / "step.json").read_text())["traceEvents"] if e["ph"] == "X"]
             reductions = [e for e in events if e["name"].startswith("allreduce")]
             assert len(reductions) == 4 * 2 + early * 2, (schedule, len(reductions), early)
-            got = {n: p.grad.clone() for n, p in wrapped.named_parameters() if p.grad is not None}
-            wrapped.zero_grad(set_to_none=True)
-            ref_loss = 0
-            for a, k in split_batch(case.args, case.kwargs, 4, 8):  # 2 microbatches x 2 replicas
-                part = wrapped(*a, **k) * 0.25
-                part.backward()
-                ref_loss = ref_loss + part.detach()
+            got, ref_loss = pipelined_grads_then_eager(wrapped, case, 4, 8)  # 2 microbatches x 2 replicas
             assert rel_err(loss, ref_loss) <= TOLERANCE
             for n, p in wrapped.named_parameters():
                 if p.grad is not None:
@@ -327,13 +328,7 @@ def test_cuda_streams_run_each_replica_in_order_and_are_timed_on_the_device(sche
         assert -1e-3 <= s["start_s"] <= s["end_s"] <= seconds + 1e-3, (s, seconds)
     buckets, early = step.last_reduction()
     assert 0 < early <= buckets
-    got = {n: p.grad.clone() for n, p in wrapped.named_parameters() if p.grad is not None}
-    wrapped.zero_grad(set_to_none=True)
-    ref_loss = 0
-    for a, k in split_batch(case.args, case.kwargs, 4, 8):
-        part = wrapped(*a, **k) * 0.25
-        part.backward()
-        ref_loss = ref_loss + part.detach()
+    got, ref_loss = pipelined_grads_then_eager(wrapped, case, 4, 8)
     assert rel_err(loss, ref_loss) <= TOLERANCE
     for n, p in wrapped.named_parameters():
         if p.grad is not None:
