@@ -13,13 +13,6 @@ namespace conveyor::transport {
 
 namespace {
 
-std::string describe(const at::Tensor& t) {
-  if (!t.defined()) return "an undefined tensor";
-  std::string s = std::string(c10::toString(t.scalar_type())) + "[";
-  for (std::int64_t d = 0; d < t.dim(); ++d) s += (d ? "," : "") + std::to_string(t.size(d));
-  return s + "] on " + t.device().str();
-}
-
 // ---- point to point --------------------------------------------------------------------
 
 // The oldest entry queued under `key`, removed (the key goes when its queue empties).
@@ -105,10 +98,10 @@ class InprocEndpoint final : public Endpoint {
 
 // ---- collectives -----------------------------------------------------------------------
 
-struct Call {
-  CollectiveKind kind = CollectiveKind::kAllReduce;
-  int root = 0;
-  at::Tensor in, out;
+struct Call : CollectiveCall {
+  Call() = default;
+  Call(CollectiveKind kind, int root, at::Tensor in, at::Tensor out, Done done)
+      : CollectiveCall{kind, root, std::move(in), std::move(out)}, done(std::move(done)) {}
   Done done;
   bool arrived = false;
 };
@@ -125,43 +118,7 @@ struct Group {
 Status run(std::vector<Call>& calls, std::uint64_t number) {
   const int n = static_cast<int>(calls.size());
   const Call& first = calls[0];
-  auto call_text = [&](int i) {
-    const Call& c = calls[i];
-    std::string s = "member " + std::to_string(i) + " called " + collective_kind_name(c.kind) + " of " + describe(c.in);
-    if (c.kind == CollectiveKind::kReduce || c.kind == CollectiveKind::kBroadcast) s += " with root " + std::to_string(c.root);
-    if (c.out.defined()) s += " into " + describe(c.out);
-    return s;
-  };
-  auto mismatch = [&](int i, const std::string& why) {
-    return Status(ErrorCode::kInvalidArgument, "collective call " + std::to_string(number) + ": " + call_text(0) +
-                                                   " but " + call_text(i) + " (" + why +
-                                                   "); every member must make the same calls in the same order");
-  };
-  for (int i = 0; i < n; ++i) {
-    const Call& c = calls[i];
-    if (c.kind != first.kind) return mismatch(i, "a different operation");
-    if (c.root != first.root) return mismatch(i, "a different root");
-    if (!c.in.defined()) return mismatch(i, "an undefined tensor");
-    if (c.in.sizes() != first.in.sizes() || c.in.scalar_type() != first.in.scalar_type()) {
-      return mismatch(i, "a different shape or dtype");
-    }
-    if (c.kind == CollectiveKind::kAllGather || c.kind == CollectiveKind::kReduceScatter) {
-      const at::Tensor& big = c.kind == CollectiveKind::kAllGather ? c.out : c.in;
-      const at::Tensor& part = c.kind == CollectiveKind::kAllGather ? c.in : c.out;
-      bool ok = c.out.defined() && big.dim() >= 1 && big.dim() == part.dim() && big.size(0) == n * part.size(0) &&
-                c.out.scalar_type() == c.in.scalar_type();
-      for (std::int64_t d = 1; ok && d < big.dim(); ++d) ok = big.size(d) == part.size(d);
-      if (!ok) {
-        return mismatch(i, "the larger tensor must be " + std::to_string(n) +
-                               " times the other along dim 0, same dtype, other dims equal");
-      }
-    }
-  }
-  if (first.root < 0 || first.root >= n) {
-    return Status(ErrorCode::kInvalidArgument, "collective call " + std::to_string(number) + ": root " +
-                                                   std::to_string(first.root) + " is not a member of a group of " +
-                                                   std::to_string(n));
-  }
+  for (int i = 0; i < n; ++i) CONVEYOR_RETURN_IF_ERROR(check_collective_call(first, 0, calls[i], i, n, number));
   c10::NoGradGuard no_grad;
   auto sum = [&](bool reuse_first) {
     at::Tensor acc = reuse_first ? calls[0].in : calls[0].in.clone();

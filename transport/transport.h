@@ -65,6 +65,29 @@ class Collective {
   virtual void reduce_scatter(at::Tensor in, at::Tensor out, Done done) = 0;
 };
 
+/// What one member asked of a collective, without the data: compared across members (every
+/// backend refuses calls that disagree, with an error naming both) and sent between
+/// processes by backends that check remotely.
+struct CollectiveCall {
+  CollectiveKind kind = CollectiveKind::kAllReduce;
+  int root = 0;
+  at::Tensor in, out;  ///< `out` only for allgather and reduce_scatter
+
+  /// "member 1 called broadcast of Float[4] on cpu with root 0".
+  std::string text(int member) const;
+  /// The call as integers (kind, root, dtype and shapes), and back: what a remote member compares.
+  std::vector<std::int64_t> encode() const;
+  static Result<CollectiveCall> decode(const std::vector<std::int64_t>& code);
+};
+
+/// Checks member `member`'s call against member `first_member`'s (`first`) in a group of
+/// `n`, for the group's call `number`; the error names both calls.
+Status check_collective_call(const CollectiveCall& first, int first_member, const CollectiveCall& call, int member,
+                             int n, std::uint64_t number);
+
+/// "Float[2,3] on cpu" (or "an undefined tensor").
+std::string describe_tensor(const at::Tensor& t);
+
 /// Waits for an operation issued with `issue(done)` (tests, and callers with nothing to
 /// overlap). Inproc operations complete inline; others complete on their progress thread.
 Status wait_for(const std::function<void(Done)>& issue);

@@ -153,6 +153,7 @@ class UcxMember final : public UcxEndpoint {
   int rank() const override { return rank_; }
   int world_size() const override { return world_; }
   std::vector<std::uint8_t> address() const override { return address_; }
+  bool on_progress_thread() const { return std::this_thread::get_id() == progress_.get_id(); }
 
   Status connect(int peer, const std::vector<std::uint8_t>& address) override {
     if (Status s = check_peer(peer); !s) return s;
@@ -358,7 +359,15 @@ Result<std::shared_ptr<UcxEndpoint>> make_ucx_endpoint(int rank, int world_size)
     return Status(ErrorCode::kInvalidArgument, "member " + std::to_string(rank) + " of a world of " +
                                                    std::to_string(world_size) + " (at most 65536 members)");
   }
-  auto member = std::make_shared<UcxMember>(rank, world_size);
+  // A completion callback may drop the last reference on the progress thread, which cannot
+  // join itself: the member is then destroyed by a thread of its own once the callback returns.
+  std::shared_ptr<UcxMember> member(new UcxMember(rank, world_size), [](UcxMember* m) {
+    if (m->on_progress_thread()) {
+      std::thread([m] { delete m; }).detach();
+    } else {
+      delete m;
+    }
+  });
   CONVEYOR_RETURN_IF_ERROR(member->start());
   return std::shared_ptr<UcxEndpoint>(member);
 }

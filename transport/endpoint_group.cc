@@ -1,0 +1,346 @@
+#include "transport/endpoint_group.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+#include <mutex>
+#include <set>
+
+namespace conveyor::transport {
+
+namespace {
+
+constexpr std::int64_t kData = 0x436f6c6c;   // a message's first word: data of the call
+constexpr std::int64_t kAbort = 0x41626f72;  // or: the sender failed the call (text follows)
+constexpr std::int64_t kWholeTensorAllreduceBytes = 64 << 10;
+
+// The part of `length` elements that member i of n owns (tensor_split's rule).
+std::pair<std::int64_t, std::int64_t> part_of(std::int64_t length, int n, int i) {
+  const std::int64_t base = length / n, extra = length % n;
+  return {i * base + std::min<std::int64_t>(i, extra), base + (i < extra ? 1 : 0)};
+}
+
+at::Tensor text_tensor(const std::string& s) {
+  at::Tensor t = at::empty({static_cast<std::int64_t>(s.size())}, at::kByte);
+  std::copy(s.begin(), s.end(), t.data_ptr<std::uint8_t>());
+  return t;
+}
+
+struct GroupState {
+  std::shared_ptr<Endpoint> endpoint;
+  std::vector<int> members;  // endpoint ranks, in member order
+  int me = 0;
+  Tag group_bits = 0;
+  std::mutex mu;
+  std::uint64_t issued = 0;
+  Status error = Status::ok();
+  std::set<std::shared_ptr<struct Operation>> pending;
+};
+
+// One collective call of this member: its messages in flight and what to do when they are in.
+struct Operation : std::enable_shared_from_this<Operation> {
+  std::shared_ptr<GroupState> group;
+  CollectiveCall call;
+  std::uint64_t number = 0;
+  Done done;
+  std::mutex mu;
+  bool finished = false;
+
+  int n() const { return static_cast<int>(group->members.size()); }
+  Tag tag(int phase) const {
+    return kCollectiveTagBit | group->group_bits | (Tag(phase) << 31) | (number & 0x7fffffffULL);
+  }
+
+  void finish(Status s) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (finished) return;
+      finished = true;
+    }
+    {
+      std::lock_guard<std::mutex> lock(group->mu);
+      if (!s && group->error.is_ok()) group->error = s;
+      group->pending.erase(shared_from_this());
+    }
+    done(std::move(s));
+  }
+
+  // Fails the call, telling every other member (in the first phase, where they all check calls).
+  void fail(Status s) {
+    for (int j = 0; j < n(); ++j) {
+      if (j == group->me) continue;
+      group->endpoint->send(group->members[j], tag(0),
+                            {at::tensor(std::vector<std::int64_t>{kAbort}), text_tensor(s.message())}, [](Status) {});
+    }
+    finish(std::move(s));
+  }
+
+  void send(int member, int phase, const at::Tensor& payload) {
+    auto self = shared_from_this();
+    std::vector<std::int64_t> head{kData};
+    const auto code = call.encode();
+    head.insert(head.end(), code.begin(), code.end());
+    group->endpoint->send(group->members[member], tag(phase), {at::tensor(head), payload}, [self](Status s) {
+      if (!s) self->finish(std::move(s));
+    });
+  }
+
+  // Receives one message from each of `from` in `phase`; checks each sender's call against
+  // this member's, then runs `then` with the payloads (indexed by member).
+  void receive(const std::vector<int>& from, int phase, std::function<Status(std::vector<at::Tensor>&)> then) {
+    struct Gather {
+      std::mutex mu;
+      std::vector<at::Tensor> payloads;
+      int left = 0;
+      bool failed = false;
+    };
+    auto gather = std::make_shared<Gather>();
+    gather->payloads.resize(static_cast<std::size_t>(n()));
+    gather->left = static_cast<int>(from.size());
+    auto self = shared_from_this();
+    auto complete = [self, gather, then](int j, Result<std::vector<at::Tensor>> got) {
+      Status bad = self->check(j, got);
+      std::unique_lock<std::mutex> lock(gather->mu);
+      if (gather->failed) return;
+      if (!bad) {
+        gather->failed = true;
+        lock.unlock();
+        return bad.code() == ErrorCode::kInvalidArgument ? self->fail(bad) : self->finish(bad);
+      }
+      gather->payloads[j] = (*got)[1];
+      if (--gather->left > 0) return;
+      lock.unlock();
+      c10::NoGradGuard no_grad;
+      if (Status s = then(gather->payloads); !s) return self->fail(s);
+    };
+    if (from.empty()) {
+      std::vector<at::Tensor> none(static_cast<std::size_t>(n()));
+      if (Status s = then(none); !s) fail(s);
+      return;
+    }
+    for (int j : from) {
+      group->endpoint->recv(group->members[j], tag(phase),
+                            [complete, j](Result<std::vector<at::Tensor>> got) { complete(j, std::move(got)); });
+    }
+  }
+
+  // A received message: an abort (its text is the error), or data whose call must be ours.
+  Status check(int j, const Result<std::vector<at::Tensor>>& got) const {
+    if (!got.is_ok()) return got.status();
+    const auto& m = *got;
+    if (m.size() != 2 || !m[0].defined() || m[0].scalar_type() != at::kLong || m[0].dim() != 1 || m[0].numel() < 1) {
+      return Status(ErrorCode::kCorrupt, "a malformed collective message from member " + std::to_string(j));
+    }
+    const std::int64_t* head = m[0].data_ptr<std::int64_t>();
+    if (head[0] == kAbort && m[1].defined() && m[1].scalar_type() == at::kByte) {
+      const auto* text = m[1].data_ptr<std::uint8_t>();
+      return Status(ErrorCode::kExecution, std::string(text, text + m[1].numel()) + " (reported by member " +
+                                               std::to_string(j) + ")");
+    }
+    if (head[0] != kData) return Status(ErrorCode::kCorrupt, "a malformed collective message from member " + std::to_string(j));
+    auto theirs = CollectiveCall::decode(std::vector<std::int64_t>(head + 1, head + m[0].numel()));
+    if (!theirs.is_ok()) return theirs.status();
+    // Named in member order, as every member names them.
+    const int me = group->me;
+    return me < j ? check_collective_call(call, me, *theirs, j, n(), number)
+                  : check_collective_call(*theirs, j, call, me, n(), number);
+  }
+
+  std::vector<int> others() const {
+    std::vector<int> out;
+    for (int j = 0; j < n(); ++j) {
+      if (j != group->me) out.push_back(j);
+    }
+    return out;
+  }
+};
+
+// Sums `parts` in member order, `own` standing for this member's part.
+at::Tensor sum_in_member_order(const std::vector<at::Tensor>& parts, const at::Tensor& own, int me) {
+  at::Tensor acc;
+  for (int j = 0; j < static_cast<int>(parts.size()); ++j) {
+    const at::Tensor& x = j == me ? own : parts[j];
+    if (!acc.defined()) {
+      acc = x.to(own.device(), /*non_blocking=*/false, /*copy=*/true);
+    } else {
+      acc.add_(x.to(own.device()));
+    }
+  }
+  return acc;
+}
+
+class Member final : public EndpointGroup {
+ public:
+  explicit Member(std::shared_ptr<GroupState> g) : g_(std::move(g)) {}
+  int rank() const override { return g_->me; }
+  int size() const override { return static_cast<int>(g_->members.size()); }
+
+  void allreduce(at::Tensor t, Done done) override {
+    auto op = start({CollectiveKind::kAllReduce, 0, t, {}}, std::move(done));
+    if (!op) return;
+    const int n = size(), me = rank();
+    at::Tensor flat = t.detach().contiguous().view(-1);
+    if (flat.numel() * static_cast<std::int64_t>(flat.element_size()) <= kWholeTensorAllreduceBytes || flat.numel() < n) {
+      for (int j : op->others()) op->send(j, 0, flat);
+      op->receive(op->others(), 0, [op, t, flat, me](std::vector<at::Tensor>& parts) {
+        t.copy_(sum_in_member_order(parts, flat, me).view(t.sizes()));
+        op->finish(Status::ok());
+        return Status::ok();
+      });
+      return;
+    }
+    // reduce_scatter: member j owns part j; then every owner sends its reduced part to all.
+    for (int j : op->others()) {
+      const auto [offset, length] = part_of(flat.numel(), n, j);
+      op->send(j, 0, flat.narrow(0, offset, length));
+    }
+    op->receive(op->others(), 0, [op, t, flat, me, n](std::vector<at::Tensor>& parts) {
+      const auto [offset, length] = part_of(flat.numel(), n, me);
+      at::Tensor result = at::empty_like(flat);
+      at::Tensor mine = sum_in_member_order(parts, flat.narrow(0, offset, length), me);
+      result.narrow(0, offset, length).copy_(mine);
+      for (int j : op->others()) op->send(j, 1, mine);
+      op->receive(op->others(), 1, [op, t, result, n](std::vector<at::Tensor>& reduced) {
+        for (int j : op->others()) {
+          const auto [o, l] = part_of(result.numel(), n, j);
+          result.narrow(0, o, l).copy_(reduced[j]);
+        }
+        t.copy_(result.view(t.sizes()));
+        op->finish(Status::ok());
+        return Status::ok();
+      });
+      return Status::ok();
+    });
+  }
+
+  void reduce(at::Tensor t, int root, Done done) override {
+    auto op = start({CollectiveKind::kReduce, root, t, {}}, std::move(done));
+    if (!op) return;
+    if (rank() != root) {
+      op->send(root, 0, t.detach());
+      // Done once the root has it: wait for the root's acknowledgement (or its abort).
+      op->receive({root}, 1, [op](std::vector<at::Tensor>&) {
+        op->finish(Status::ok());
+        return Status::ok();
+      });
+      return;
+    }
+    op->receive(op->others(), 0, [op, t, root](std::vector<at::Tensor>& parts) {
+      t.copy_(sum_in_member_order(parts, t.detach(), root));
+      for (int j : op->others()) op->send(j, 1, at::Tensor());
+      op->finish(Status::ok());
+      return Status::ok();
+    });
+  }
+
+  void broadcast(at::Tensor t, int root, Done done) override {
+    auto op = start({CollectiveKind::kBroadcast, root, t, {}}, std::move(done));
+    if (!op) return;
+    if (rank() == root) {
+      for (int j : op->others()) op->send(j, 0, t.detach());
+      // Done once every member has it (or one refused the call).
+      op->receive(op->others(), 1, [op](std::vector<at::Tensor>&) {
+        op->finish(Status::ok());
+        return Status::ok();
+      });
+      return;
+    }
+    op->receive({root}, 0, [op, t, root](std::vector<at::Tensor>& parts) {
+      t.copy_(parts[root]);
+      op->send(root, 1, at::Tensor());
+      op->finish(Status::ok());
+      return Status::ok();
+    });
+  }
+
+  void allgather(at::Tensor in, at::Tensor out, Done done) override {
+    auto op = start({CollectiveKind::kAllGather, 0, in, out}, std::move(done));
+    if (!op) return;
+    for (int j : op->others()) op->send(j, 0, in.detach());
+    const int me = rank();
+    op->receive(op->others(), 0, [op, in, out, me](std::vector<at::Tensor>& parts) {
+      const std::int64_t k = in.size(0);
+      for (int j = 0; j < op->n(); ++j) out.narrow(0, j * k, k).copy_(j == me ? in : parts[j]);
+      op->finish(Status::ok());
+      return Status::ok();
+    });
+  }
+
+  void reduce_scatter(at::Tensor in, at::Tensor out, Done done) override {
+    auto op = start({CollectiveKind::kReduceScatter, 0, in, out}, std::move(done));
+    if (!op) return;
+    const std::int64_t k = out.size(0);
+    for (int j : op->others()) op->send(j, 0, in.detach().narrow(0, j * k, k));
+    const int me = rank();
+    op->receive(op->others(), 0, [op, in, out, me, k](std::vector<at::Tensor>& parts) {
+      out.copy_(sum_in_member_order(parts, in.detach().narrow(0, me * k, k), me));
+      op->finish(Status::ok());
+      return Status::ok();
+    });
+  }
+
+  void abort(Status error) override {
+    std::set<std::shared_ptr<Operation>> pending;
+    {
+      std::lock_guard<std::mutex> lock(g_->mu);
+      if (g_->error.is_ok()) g_->error = error;
+      pending = g_->pending;
+    }
+    for (const auto& op : pending) op->finish(error);
+  }
+
+ private:
+  // A new operation, or none (`done` called) when the group failed or the call is invalid here.
+  std::shared_ptr<Operation> start(CollectiveCall call, Done done) {
+    auto op = std::make_shared<Operation>();
+    op->group = g_;
+    op->call = std::move(call);
+    op->done = std::move(done);
+    Status invalid = Status::ok();
+    {
+      std::lock_guard<std::mutex> lock(g_->mu);
+      if (!g_->error.is_ok()) invalid = g_->error;
+      op->number = g_->issued++;
+      if (invalid.is_ok()) g_->pending.insert(op);
+    }
+    if (invalid.is_ok()) invalid = check_collective_call(op->call, rank(), op->call, rank(), size(), op->number);
+    if (!invalid.is_ok()) {
+      op->finish(invalid);
+      return nullptr;
+    }
+    return op;
+  }
+  std::shared_ptr<GroupState> g_;
+};
+
+}  // namespace
+
+Result<std::shared_ptr<EndpointGroup>> make_endpoint_group(std::shared_ptr<Endpoint> endpoint, std::vector<int> members,
+                                                           int group_id) {
+  if (!endpoint) return Status(ErrorCode::kInvalidArgument, "a collective group needs an endpoint");
+  if (group_id < 0 || group_id >= (1 << 15)) {
+    return Status(ErrorCode::kInvalidArgument, "group id " + std::to_string(group_id) + " (0 to 32767)");
+  }
+  auto state = std::make_shared<GroupState>();
+  state->me = -1;
+  std::set<int> seen;
+  for (int i = 0; i < static_cast<int>(members.size()); ++i) {
+    const int r = members[i];
+    if (r < 0 || r >= endpoint->world_size() || !seen.insert(r).second) {
+      return Status(ErrorCode::kInvalidArgument, "group member " + std::to_string(r) + " of a world of " +
+                                                     std::to_string(endpoint->world_size()) + " (out of range or repeated)");
+    }
+    if (r == endpoint->rank()) state->me = i;
+  }
+  if (state->me < 0) {
+    return Status(ErrorCode::kInvalidArgument, "member " + std::to_string(endpoint->rank()) +
+                                                   " made a group it does not belong to");
+  }
+  state->endpoint = std::move(endpoint);
+  state->members = std::move(members);
+  state->group_bits = Tag(group_id) << 32;
+  return std::shared_ptr<EndpointGroup>(std::make_shared<Member>(std::move(state)));
+}
+
+}  // namespace conveyor::transport

@@ -1,0 +1,43 @@
+// Collectives over point-to-point messages: a Collective for a group of members of any
+// Endpoint world (UCX between processes; CPU tensors, or device tensors staged through the
+// host). Each operation is a fixed exchange of tagged messages, so there is no coordinator:
+//
+//   reduce, broadcast           direct to / from the root (n - 1 messages)
+//   allgather, reduce_scatter   every member sends each other member its part
+//   allreduce                   small tensors (at most 64 KiB): every member sends the whole
+//                               tensor to every other and sums all of them itself; larger:
+//                               reduce_scatter, then allgather of the reduced parts, so each
+//                               member sends and receives 2 (n - 1) / n of the tensor, the
+//                               bandwidth bound of a ring, in one round instead of n - 1.
+//
+// Every sum adds the members' contributions in member order, so the results are bitwise
+// those of the inproc group and the same on every member. Every message carries the
+// sender's call (CollectiveCall::encode); a member that receives a call unlike its own fails
+// the operation with an error naming both calls and tells every other member, so nobody
+// waits for a partner that is doing something else.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "transport/transport.h"
+
+namespace conveyor::transport {
+
+/// Tags at and above this bit belong to collectives; point-to-point users stay below it.
+constexpr Tag kCollectiveTagBit = Tag{1} << 47;
+
+class EndpointGroup : public Collective {
+ public:
+  /// Fails every pending and later operation of this member with `error`.
+  virtual void abort(Status error) = 0;
+};
+
+/// This endpoint's member of the group of `members` (endpoint ranks, in member order; this
+/// endpoint's rank among them). `group_id` (below 2^15) tells groups over one world apart:
+/// every member of a group passes the same id. The endpoint must copy what it sends before
+/// send() returns (UCX does; inproc hands over storage and has its own group).
+Result<std::shared_ptr<EndpointGroup>> make_endpoint_group(std::shared_ptr<Endpoint> endpoint, std::vector<int> members,
+                                                           int group_id);
+
+}  // namespace conveyor::transport
