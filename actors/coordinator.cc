@@ -1,5 +1,6 @@
 #include "actors/coordinator.h"
 
+#include <caf/io/middleman.hpp>
 #include <thread>
 
 #include "actors/messages.h"
@@ -12,6 +13,7 @@ caf::actor_system& actor_system() {
     // The pooled threads run only the Coordinator and PartitionerActor (short handlers); the
     // replicas are detached, each on a thread of its own.
     config.set("scheduler.max-threads", 2);
+    config.load<caf::io::middleman>();  // remote actors: the rendezvous of many processes
     auto* s = new caf::actor_system(config);
     s->await_actors_before_shutdown(false);
     return s;
@@ -44,6 +46,7 @@ struct Coordinator::Impl {
   scheduler::Schedule schedule;
   scheduler::RunnerHooks hooks;
   std::vector<int> replicas;
+  std::vector<bool> local;
   std::vector<caf::actor> replica_actors;
   caf::actor coordinator, partitioner;
   std::shared_ptr<scheduler::StepRun> failed;  // the last step, if it failed
@@ -60,15 +63,17 @@ Coordinator::~Coordinator() = default;
 
 Result<std::unique_ptr<Coordinator>> Coordinator::create(scheduler::Schedule schedule, scheduler::RunnerHooks hooks,
                                                          std::vector<int> replicas,
-                                                         std::optional<scheduler::SimulationResult> predicted) {
+                                                         std::optional<scheduler::SimulationResult> predicted,
+                                                         std::vector<bool> local) {
   // A step validates the schedule, hooks and counts: check them now, before any actor exists.
-  auto probe = scheduler::StepRun::create(schedule, hooks, replicas);
+  auto probe = scheduler::StepRun::create(schedule, hooks, replicas, local);
   if (!probe) return probe.status();
   auto impl = std::make_unique<Impl>();
   impl->schedule = std::move(schedule);
   impl->hooks = std::move(hooks);
   const int ranks = static_cast<int>(impl->schedule.ranks.size());
   impl->replicas = replicas.empty() ? std::vector<int>(static_cast<std::size_t>(ranks), 1) : std::move(replicas);
+  impl->local = std::move(local);
   auto& system = actor_system();
   for (int w = 0; w < (*probe)->workers(); ++w) {
     const auto [r, i] = (*probe)->worker(w);
@@ -93,7 +98,7 @@ Result<scheduler::RunResult> Coordinator::run_step(std::chrono::milliseconds tim
     }
     impl_->failed.reset();
   }
-  auto step = scheduler::StepRun::create(impl_->schedule, impl_->hooks, impl_->replicas);
+  auto step = scheduler::StepRun::create(impl_->schedule, impl_->hooks, impl_->replicas, impl_->local);
   if (!step) return step.status();
   caf::anon_send(impl_->coordinator, step_atom::value, *step);
   auto measured = (*step)->wait(timeout);

@@ -205,11 +205,51 @@ PYBIND11_MODULE(_C, m) {
         return std::const_pointer_cast<StageProgram>(unwrap(ex.stage(std::move(nodes))));
       });
 
+  py::class_<runtime::ProcessGroup, std::shared_ptr<runtime::ProcessGroup>>(
+      m, "ProcessGroup", "The processes of one job: rendezvous (CAF remote actors), UCX between every two.")
+      .def(py::init([](int rank, int world, const std::string& host, int port, const std::string& job, double timeout_s) {
+             runtime::ProcessGroupOptions o;
+             o.rank = rank;
+             o.world = world;
+             o.host = host;
+             o.port = port;
+             o.job = job;
+             o.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(timeout_s * 1000));
+             py::gil_scoped_release nogil;
+             return unwrap(runtime::ProcessGroup::create(o));
+           }),
+           py::arg("rank"), py::arg("world_size"), py::arg("host") = "127.0.0.1", py::arg("port") = 29500,
+           py::arg("job") = "", py::arg("timeout_s") = 120.0,
+           "Joins the job: process 0 listens at host:port, the others connect; every process connects to every "
+           "other over UCX. job: a fingerprint every process must share. timeout_s: the rendezvous and every "
+           "later wait.")
+      .def_property_readonly("rank", &runtime::ProcessGroup::rank)
+      .def_property_readonly("world_size", &runtime::ProcessGroup::world_size)
+      .def("broadcast_bytes", [](const runtime::ProcessGroup& g, int root, const py::bytes& data) {
+        std::string in = data;
+        std::string out;
+        {
+          py::gil_scoped_release nogil;
+          out = unwrap(g.broadcast_bytes(root, in));
+        }
+        return py::bytes(out);
+      }, py::arg("root"), py::arg("data"), "root's bytes, on every process.")
+      .def("broadcast", [](const runtime::ProcessGroup& g, at::Tensor t, int root) {
+        py::gil_scoped_release nogil;
+        check(g.broadcast(std::move(t), root));
+      }, py::arg("tensor"), py::arg("root"), "tensor becomes process root's, in place, on every process.")
+      .def("allreduce", [](const runtime::ProcessGroup& g, at::Tensor t) {
+        py::gil_scoped_release nogil;
+        check(g.wait([&](transport::Done d) { g.all().allreduce(t, d); }, "an allreduce"));
+      }, py::arg("tensor"), "tensor becomes the sum over the processes (in process order), in place.");
+
   py::class_<runtime::PipelineStep>(m, "PipelineStep",
                                     "One pipelined training step over stages of a graph, in this process.")
       .def(py::init([](const std::shared_ptr<GraphExecutor>& ex, std::vector<std::vector<NodeId>> stages,
                        const std::string& schedule, int microbatches, int chunks, std::vector<int> replicas,
-                       std::int64_t bucket_bytes, int intra_op_threads, const std::string& plan_json) {
+                       std::int64_t bucket_bytes, int intra_op_threads, const std::string& plan_json,
+                       std::shared_ptr<runtime::ProcessGroup> processes, std::vector<int> rank_process,
+                       double step_timeout_s) {
              scheduler::ScheduleSpec spec;
              spec.kind = unwrap(scheduler::schedule_kind_from_name(schedule));
              spec.chunks = chunks;
@@ -233,14 +273,27 @@ PYBIND11_MODULE(_C, m) {
              options.replicas = std::move(replicas);
              if (bucket_bytes > 0) options.bucket_bytes = bucket_bytes;
              options.intra_op_threads = intra_op_threads;
+             options.processes = std::move(processes);
+             options.rank_process = std::move(rank_process);
+             if (step_timeout_s > 0) {
+               options.step_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(step_timeout_s * 1000));
+             }
+             py::gil_scoped_release nogil;  // with processes, creation talks to the others
              return unwrap(runtime::PipelineStep::create(ex, std::move(stages), spec, std::move(options)));
            }),
            py::arg("executor"), py::arg("stages"), py::arg("schedule") = "1f1b", py::arg("microbatches") = 1,
            py::arg("chunks") = 1, py::arg("replicas") = std::vector<int>{}, py::arg("bucket_bytes") = 0,
-           py::arg("intra_op_threads") = 0, py::arg("plan") = std::string(),
+           py::arg("intra_op_threads") = 0, py::arg("plan") = std::string(), py::arg("processes") = nullptr,
+           py::arg("rank_process") = std::vector<int>{}, py::arg("step_timeout_s") = 0.0,
            "replicas: per rank (empty: one each); bucket_bytes: gradient reduction bucket size (0: 4 MiB); "
            "intra_op_threads: torch threads per replica (0: the caller's shared out); plan: the plan document "
-           "the stages come from (its prediction is what the live profile compares against).")
+           "the stages come from (its prediction is what the live profile compares against); processes, "
+           "rank_process: run across the job's processes, pipeline rank r on process rank_process[r]; "
+           "step_timeout_s: a step that takes longer fails (0: 10 minutes).")
+      .def("synchronize_state", [](runtime::PipelineStep& step) {
+        py::gil_scoped_release nogil;
+        check(step.synchronize_state());
+      }, "Many processes: every parameter and buffer becomes its owner's, on every process (collective).")
       .def(
           "run",
           [](runtime::PipelineStep& step, const py::sequence& inputs, double grad_scale) {

@@ -44,6 +44,79 @@ void add_into(at::Tensor& acc, const at::Tensor& g) {
   acc = acc.defined() ? acc + g : g;
 }
 
+// Values between processes: a header of (kind, requires_grad) per value, then one tensor per
+// value (scalars as 0-dim tensors).
+enum WireKind : std::int64_t { kNone, kTensor, kUndefined, kInt, kDouble, kBool };
+
+Result<std::vector<at::Tensor>> to_wire(const std::vector<c10::IValue>& values, const std::vector<ValueId>& ids) {
+  std::vector<std::int64_t> header;
+  std::vector<at::Tensor> out{at::Tensor()};
+  for (std::size_t k = 0; k < values.size(); ++k) {
+    const c10::IValue& v = values[k];
+    if (v.isTensor() && v.toTensor().defined()) {
+      header.insert(header.end(), {kTensor, v.toTensor().requires_grad() ? 1 : 0});
+      out.push_back(v.toTensor().detach());
+    } else if (v.isTensor() || v.isNone()) {
+      header.insert(header.end(), {v.isNone() ? kNone : kUndefined, 0});
+      out.emplace_back();
+    } else if (v.isInt()) {
+      header.insert(header.end(), {kInt, 0});
+      out.push_back(at::scalar_tensor(v.toInt(), at::kLong));
+    } else if (v.isDouble()) {
+      header.insert(header.end(), {kDouble, 0});
+      out.push_back(at::scalar_tensor(v.toDouble(), at::kDouble));
+    } else if (v.isBool()) {
+      header.insert(header.end(), {kBool, 0});
+      out.push_back(at::scalar_tensor(v.toBool(), at::kBool));
+    } else {
+      return Status(ErrorCode::kUnsupported, "value " + std::to_string(ids[k]) + " (a " + v.tagKind() +
+                                                 ") crosses between processes, which carries tensors and scalars only; "
+                                                 "cut the model where it passes tensors");
+    }
+  }
+  out[0] = at::tensor(header, at::kLong);
+  return out;
+}
+
+Result<std::vector<c10::IValue>> from_wire(const std::vector<at::Tensor>& message, std::size_t expected) {
+  if (message.empty() || !message[0].defined() || message[0].numel() != static_cast<std::int64_t>(2 * expected) ||
+      message.size() != expected + 1) {
+    return Status(ErrorCode::kCorrupt, "a pipeline message between processes carries " +
+                                           std::to_string(message.empty() ? 0 : message.size() - 1) + " values, not " +
+                                           std::to_string(expected) + " (do the processes run the same plan?)");
+  }
+  const std::int64_t* h = message[0].data_ptr<std::int64_t>();
+  std::vector<c10::IValue> out;
+  for (std::size_t k = 0; k < expected; ++k) {
+    const at::Tensor& t = message[k + 1];
+    switch (h[2 * k]) {
+      case kTensor: out.emplace_back(h[2 * k + 1] ? t.requires_grad_(true) : t); break;
+      case kUndefined: out.emplace_back(at::Tensor()); break;
+      case kInt: out.emplace_back(t.item<std::int64_t>()); break;
+      case kDouble: out.emplace_back(t.item<double>()); break;
+      case kBool: out.emplace_back(t.item<bool>()); break;
+      default: out.emplace_back(); break;
+    }
+  }
+  return out;
+}
+
+// Tags of pipeline messages between processes: kind (1 activations, 2 gradients), microbatch,
+// the sending stage and replica (below transport::kCollectiveTagBit).
+transport::Tag message_tag(int kind, int mb, int stage, int replica) {
+  return (transport::Tag(kind) << 44) | (transport::Tag(mb) << 24) | (transport::Tag(stage) << 12) |
+         transport::Tag(replica);
+}
+
+// The replicas of a stage with `theirs` replicas that replica `mine` of a stage with
+// `ours` exchanges with (scheduler::partner_replicas, for any two stages).
+std::vector<int> partners(int ours, int theirs, int mine) {
+  if (ours == theirs) return {mine};
+  std::vector<int> all(static_cast<std::size_t>(theirs));
+  for (int j = 0; j < theirs; ++j) all[j] = j;
+  return all;
+}
+
 }  // namespace
 
 struct PipelineStep::Impl {
@@ -144,6 +217,43 @@ struct PipelineStep::Impl {
   scheduler::RunResult last;  // the last step's measured actions
   std::pair<int, int> last_reduction{0, 0};  // buckets, of which reduced during backward
   std::unique_ptr<actors::Coordinator> coordinator;  // the replicas' actors, for the pipeline's life
+  std::chrono::milliseconds step_timeout{std::chrono::minutes(10)};
+
+  // Many processes (docs/thread_model.md, "Many processes"); none: every stage runs here.
+  // Values go from their producing stage's process straight to every process that reads
+  // them, gradients straight back: each a message per (microbatch, stage, replica), sent at
+  // the stage's send action and awaited at the reader's receive action.
+  std::shared_ptr<ProcessGroup> processes;
+  int process = 0;
+  std::vector<int> stage_process;  // per stage
+  bool here(int stage) const { return stage_process.empty() || stage_process[stage] == process; }
+  struct Remote {
+    int process;
+    std::vector<ValueId> values;
+  };
+  std::vector<std::vector<Remote>> activations_out;  // [stage s]: per other process, the outputs of s it reads
+  std::vector<std::vector<Remote>> gradients_out;    // [stage t]: per other process, the inputs of t it produced
+  std::vector<std::vector<int>> activations_from;    // [stage t]: other processes' stages whose outputs t reads
+  std::vector<std::vector<int>> gradients_from;      // [stage s]: other processes' stages that read outputs of s
+  std::vector<std::pair<std::string, bool>> cross_shared;  // parameters read in several processes (read here?)
+  std::vector<std::pair<std::string, int>> owners;   // parameters and buffers: the process of their first reader
+  bool out_of_step = false;  // a failed step left the processes out of step
+  static const std::vector<ValueId>* values_for(const std::vector<Remote>& list, int process) {
+    for (const Remote& r : list) {
+      if (r.process == process) return &r.values;
+    }
+    return nullptr;
+  }
+  // Per step: gradients of inputs produced in other processes, (stage, mb, replica) -> by value.
+  std::map<std::tuple<int, int, int>, std::map<ValueId, at::Tensor>> grads_out;
+  Status send_error = Status::ok();  // under mu
+  struct Arrival {
+    bool posted = false, done = false;
+    Status error = Status::ok();
+    std::vector<std::function<void(Status)>> waiters;
+  };
+  std::mutex arrivals_mu;
+  std::map<std::pair<int, transport::Tag>, Arrival> arrivals;  // (from process, tag), this step
 
   // Streams, on a device that has them (docs/thread_model.md, "Streams"): each replica's
   // compute, send and recv streams with its event pool, rank-major; a collective stream and
@@ -273,13 +383,25 @@ struct PipelineStep::Impl {
       used_on(g, rs->send);
     }
     at::Tensor& whole = joined_grads[{v, mb}];
-    if (!whole.defined()) whole = at::zeros_like(joined.at({v, mb}).toTensor());
+    if (!whole.defined()) whole = zeros_like_joined(v, mb);
     const Share s = share_of(micro_length[mb], rc, i);
     whole.narrow(batch_dim[v], batch_scale[v] * s.offset, batch_scale[v] * s.length).add_(g);
     if (rs != nullptr) {
       used_on(whole, rs->send);
       joined_grad_ready[{v, mb}] = rs->events.record(rs->send);
     }
+  }
+
+  // Zeros shaped like value `v` of microbatch `mb` with its producers' shares joined (the
+  // join itself is in the reading process, which may be another one). Holds `mu`.
+  at::Tensor zeros_like_joined(ValueId v, int mb) const {
+    auto jt = joined.find({v, mb});
+    if (jt != joined.end()) return at::zeros_like(jt->second.toTensor());
+    const auto& shares = values.at({v, mb});
+    std::vector<std::int64_t> sizes = shares[0].toTensor().sizes().vec();
+    sizes[batch_dim[v]] = 0;
+    for (const auto& share : shares) sizes[batch_dim[v]] += share.toTensor().size(batch_dim[v]);
+    return at::zeros(sizes, shares[0].toTensor().options());
   }
 
   // The gradient of output `v` for replica `i` of its producing stage (its compute stream,
@@ -367,7 +489,12 @@ struct PipelineStep::Impl {
       const ValueId v = program.inputs()[k];
       if (input_index.count(v) || !in_grads[k].isTensor()) continue;
       const at::Tensor& g = in_grads[k].toTensor();
-      if (g.defined()) write_grad(v, a.microbatch, a.stage, i, g);
+      if (!g.defined()) continue;
+      if (here(producer[v])) {
+        write_grad(v, a.microbatch, a.stage, i, g);
+      } else {
+        grads_out[{a.stage, a.microbatch, i}][v] = g;  // sent at the stage's send
+      }
     }
     return Status::ok();
   }
@@ -423,6 +550,228 @@ struct PipelineStep::Impl {
       activations.erase(it);
     }
     return programs[a.stage][i]->backward_weight(act);
+  }
+
+  // Places the stages on processes (rank_process: per pipeline rank) and works out which
+  // values and gradients cross between them; checks that every process builds this same
+  // pipeline. Called by create() on every process.
+  Status distribute(const graph::Graph& g, const std::vector<std::vector<NodeId>>& stages,
+                    std::shared_ptr<ProcessGroup> group, const std::vector<int>& rank_process) {
+    const int ranks = schedule.spec.ranks, num_stages = static_cast<int>(stages.size());
+    if (stream_device) {
+      return Status(ErrorCode::kUnsupported,
+                    "a pipeline across processes runs on CPU tensors for now (its UCX carries host memory, and the NCCL "
+                    "backend is not built yet); keep the model on the CPU, or run it in one process");
+    }
+    if (static_cast<int>(rank_process.size()) != ranks) {
+      return Status(ErrorCode::kInvalidArgument, "processes given for " + std::to_string(rank_process.size()) +
+                                                     " pipeline ranks, but the pipeline has " + std::to_string(ranks));
+    }
+    for (int p : rank_process) {
+      if (p < 0 || p >= group->world_size()) {
+        return Status(ErrorCode::kInvalidArgument, "pipeline rank placed on process " + std::to_string(p) +
+                                                       " of a world of " + std::to_string(group->world_size()));
+      }
+    }
+    processes = std::move(group);
+    process = processes->rank();
+    for (int st = 0; st < num_stages; ++st) stage_process.push_back(rank_process[schedule.spec.rank_of_stage(st)]);
+    activations_out.assign(static_cast<std::size_t>(num_stages), {});
+    gradients_out.assign(static_cast<std::size_t>(num_stages), {});
+    activations_from.assign(static_cast<std::size_t>(num_stages), {});
+    gradients_from.assign(static_cast<std::size_t>(num_stages), {});
+    auto add = [](std::vector<Remote>& list, int to, ValueId v) {
+      for (Remote& r : list) {
+        if (r.process != to) continue;
+        if (std::find(r.values.begin(), r.values.end(), v) == r.values.end()) r.values.push_back(v);
+        return;
+      }
+      list.push_back({to, {v}});
+    };
+    auto add_stage = [](std::vector<int>& list, int st) {
+      if (std::find(list.begin(), list.end(), st) == list.end()) list.push_back(st);
+    };
+    for (int t = 0; t < num_stages; ++t) {
+      for (ValueId v : graph::stage_boundary(g, stages[t]).inputs) {
+        const int s = producer[v];
+        if (s < 0 || stage_process[s] == stage_process[t]) continue;
+        add(activations_out[s], stage_process[t], v);
+        add(gradients_out[t], stage_process[s], v);
+        add_stage(activations_from[t], s);
+        add_stage(gradients_from[s], t);
+      }
+    }
+    // Parameters and buffers: owned by the process of their first reader; parameters read
+    // in several processes get their gradients summed across them after each step.
+    std::map<ValueId, std::set<int>> reading;  // value -> processes
+    std::map<ValueId, int> first;              // value -> first reading stage
+    for (int st = 0; st < num_stages; ++st) {
+      for (NodeId n : stages[st]) {
+        for (ValueId in : graph::Graph::node_inputs(g.nodes[n])) {
+          reading[in].insert(stage_process[st]);
+          first.emplace(in, st);
+        }
+      }
+    }
+    for (const auto& b : g.bindings) {
+      if (!first.count(b.value) || executors[0]->tensor(b.name) == nullptr) continue;
+      if (b.kind != graph::Binding::Kind::kParameter && b.kind != graph::Binding::Kind::kBuffer) continue;
+      owners.emplace_back(b.name, stage_process[first[b.value]]);
+      if (b.kind == graph::Binding::Kind::kParameter && reading[b.value].size() > 1 &&
+          executors[0]->tensor(b.name)->requires_grad()) {
+        cross_shared.emplace_back(b.name, reading[b.value].count(process) > 0);
+      }
+    }
+    // Every process must build this pipeline: compare fingerprints.
+    std::uint64_t h = 1469598103934665603ULL;
+    auto mix = [&h](std::int64_t x) {
+      for (int k = 0; k < 8; ++k) h = (h ^ static_cast<std::uint64_t>((x >> (8 * k)) & 0xff)) * 1099511628211ULL;
+    };
+    mix(static_cast<std::int64_t>(schedule.spec.kind));
+    mix(schedule.spec.chunks);
+    mix(schedule.spec.microbatches);
+    for (int r : rank_replicas) mix(r);
+    for (int p : rank_process) mix(p);
+    for (const auto& stage : stages) {
+      mix(-1);
+      for (NodeId n : stage) mix(n);
+    }
+    mix(static_cast<std::int64_t>(g.nodes.size()));
+    at::Tensor mine = at::full({1}, static_cast<std::int64_t>(h), at::kLong);
+    at::Tensor all = at::zeros({processes->world_size()}, at::kLong);
+    CONVEYOR_RETURN_IF_ERROR(processes->wait([&](transport::Done d) { processes->all().allgather(mine, all, d); },
+                                             "comparing the pipeline every process built"));
+    std::string differ;
+    for (int p = 0; p < processes->world_size(); ++p) {
+      if (all[p].item<std::int64_t>() != all[0].item<std::int64_t>()) differ += (differ.empty() ? "" : ", ") + std::to_string(p);
+    }
+    if (!differ.empty()) {
+      return Status(ErrorCode::kInvalidArgument,
+                    "processes " + differ + " built a different pipeline (stages, schedule, microbatches, replicas or "
+                    "placement) than process 0; every process must run the same plan");
+    }
+    return Status::ok();
+  }
+
+  // A send action of replica `i` (on the communication thread): what other processes read
+  // of it goes to them, one message per process.
+  Status send_remote(int i, const Action& a) {
+    if (!processes) return Status::ok();
+    const bool grad = a.kind == ActionKind::kSendGradient;
+    for (const Remote& to : grad ? gradients_out[a.stage] : activations_out[a.stage]) {
+      std::vector<c10::IValue> payload;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (grad) {
+          auto& computed = grads_out[{a.stage, a.microbatch, i}];
+          for (ValueId v : to.values) payload.emplace_back(computed.count(v) ? computed[v] : at::Tensor());
+        } else {
+          for (ValueId v : to.values) payload.push_back(values.at({v, a.microbatch})[i]);
+        }
+      }
+      CONVEYOR_ASSIGN_OR_RETURN(auto message, to_wire(payload, to.values));
+      processes->endpoint()->send(to.process, message_tag(grad ? 2 : 1, a.microbatch, a.stage, i), std::move(message),
+                                  [target = hook_target](Status s) {
+                                    if (s) return;
+                                    std::lock_guard<std::mutex> alive(target->mu);
+                                    if (target->im == nullptr) return;
+                                    std::lock_guard<std::mutex> lock(target->im->mu);
+                                    if (target->im->send_error.is_ok()) target->im->send_error = s;
+                                  });
+    }
+    if (grad) {
+      std::lock_guard<std::mutex> lock(mu);
+      grads_out.erase({a.stage, a.microbatch, i});
+    }
+    return Status::ok();
+  }
+
+  // A receive action of replica `i`: `arrived` runs once every message from other processes
+  // that its stage reads for the microbatch is in the tables (each message is received once
+  // per process, whichever replica or stage asks first).
+  void receive_remote(int i, const Action& a, std::function<void(Status)> arrived) {
+    struct Need {
+      int process;
+      bool grad;
+      int stage, replica;  // the sender's
+    };
+    std::vector<Need> needs;
+    const bool grad = a.kind == ActionKind::kRecvGradient;
+    if (processes) {
+      for (int other : grad ? gradients_from[a.stage] : activations_from[a.stage]) {
+        for (int j : partners(stage_replicas[a.stage], stage_replicas[other], i)) {
+          needs.push_back({stage_process[other], grad, other, j});
+        }
+      }
+    }
+    if (needs.empty()) return arrived(Status::ok());
+    struct Countdown {
+      std::mutex mu;
+      std::size_t left;
+      bool reported = false;
+      std::function<void(Status)> arrived;
+      void one(const Status& s) {
+        std::unique_lock<std::mutex> lock(mu);
+        if (reported || (s.is_ok() && --left > 0)) return;
+        reported = true;
+        lock.unlock();
+        arrived(s);
+      }
+    };
+    auto count = std::make_shared<Countdown>();
+    count->left = needs.size();
+    count->arrived = std::move(arrived);
+    const int mb = a.microbatch;
+    for (const Need& n : needs) {
+      const std::pair<int, transport::Tag> key{n.process, message_tag(n.grad ? 2 : 1, mb, n.stage, n.replica)};
+      std::unique_lock<std::mutex> lock(arrivals_mu);
+      Arrival& arrival = arrivals[key];
+      if (arrival.done) {
+        Status e = arrival.error;
+        lock.unlock();
+        count->one(e);
+        continue;
+      }
+      arrival.waiters.push_back([count](Status s) { count->one(s); });
+      if (arrival.posted) continue;
+      arrival.posted = true;
+      lock.unlock();
+      processes->endpoint()->recv(key.first, key.second, [target = hook_target, n, mb, key](Result<std::vector<at::Tensor>> got) {
+        std::lock_guard<std::mutex> alive(target->mu);
+        Impl* im = target->im;
+        if (im == nullptr) return;  // the pipeline is gone
+        Status s = got.is_ok() ? im->apply_message(n.grad, n.stage, n.replica, mb, *got) : got.status();
+        std::vector<std::function<void(Status)>> waiters;
+        {
+          std::lock_guard<std::mutex> lock(im->arrivals_mu);
+          Arrival& arrival = im->arrivals[key];
+          arrival.done = true;
+          arrival.error = s;
+          waiters.swap(arrival.waiters);
+        }
+        for (auto& w : waiters) w(s);
+      });
+    }
+  }
+
+  // Stores a message from another process: values (activations) of replica `replica` of
+  // `stage`, or the gradients replica `replica` of reading stage `stage` computed.
+  Status apply_message(bool grad, int stage, int replica, int mb, const std::vector<at::Tensor>& message) {
+    const std::vector<ValueId>* ids = values_for(grad ? gradients_out[stage] : activations_out[stage], process);
+    if (ids == nullptr) return Status(ErrorCode::kInternal, "a message from a stage that sends this process nothing");
+    CONVEYOR_ASSIGN_OR_RETURN(auto got, from_wire(message, ids->size()));
+    std::lock_guard<std::mutex> lock(mu);
+    for (std::size_t k = 0; k < ids->size(); ++k) {
+      const ValueId v = (*ids)[k];
+      if (grad) {
+        if (got[k].isTensor() && got[k].toTensor().defined()) write_grad(v, mb, stage, replica, got[k].toTensor());
+      } else {
+        auto& shares = values[{v, mb}];
+        shares.resize(static_cast<std::size_t>(stage_replicas[stage]));
+        shares[replica] = std::move(got[k]);
+      }
+    }
+    return Status::ok();
   }
 
   // Sums the gradients of `names` over replicas 1..replicas-1 into replica 0 (the user's
@@ -503,6 +852,20 @@ struct PipelineStep::Impl {
       } else {
         p.mutable_grad() = part.clone();
       }
+    }
+    return Status::ok();
+  }
+
+  // Parameters read by stages in several processes (tied weights): their gradients summed
+  // across the processes (one that does not read a parameter adds zeros), kept where read.
+  Status reduce_across_processes() {
+    c10::NoGradGuard no_grad;
+    for (const auto& [name, read_here] : cross_shared) {
+      at::Tensor p = *executors[0]->tensor(name);
+      at::Tensor g = p.grad().defined() ? p.grad().clone() : at::zeros_like(p);
+      CONVEYOR_RETURN_IF_ERROR(processes->wait([&](transport::Done d) { processes->all().allreduce(g, d); },
+                                               "summing the gradient of '" + name + "' across processes"));
+      if (read_here) p.mutable_grad() = g;
     }
     return Status::ok();
   }
@@ -810,6 +1173,12 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
     }
     impl->step_events = std::make_unique<EventPool>(device.type());
   }
+  impl->step_timeout = options.step_timeout;
+  std::vector<bool> local;  // per rank: run by this process
+  if (options.processes) {
+    CONVEYOR_RETURN_IF_ERROR(impl->distribute(g, stages, options.processes, options.rank_process));
+    for (int rank = 0; rank < spec.ranks; ++rank) local.push_back(options.rank_process[rank] == impl->process);
+  }
   // The replicas' actors live as long as the pipeline; their hooks read the step's state.
   Impl* im = impl.get();
   scheduler::RunnerHooks hooks;
@@ -837,9 +1206,19 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
   hooks.allreduce = [im](int, int, const Action& a) -> Status {
     return im->finish_reduction(a.stage);
   };
-  CONVEYOR_ASSIGN_OR_RETURN(impl->coordinator, actors::Coordinator::create(impl->schedule, std::move(hooks),
-                                                                          impl->rank_replicas, std::move(options.predicted)));
-  return std::unique_ptr<PipelineStep>(new PipelineStep(std::move(impl)));
+  if (impl->processes) {
+    hooks.transfer = [im](int, int replica, const Action& a) { return im->send_remote(replica, a); };
+    hooks.receive = [im](int, int replica, const Action& a, std::function<void(Status)> arrived) {
+      im->receive_remote(replica, a, std::move(arrived));
+    };
+  }
+  CONVEYOR_ASSIGN_OR_RETURN(impl->coordinator,
+                            actors::Coordinator::create(impl->schedule, std::move(hooks), impl->rank_replicas,
+                                                        std::move(options.predicted), std::move(local)));
+  std::unique_ptr<PipelineStep> step(new PipelineStep(std::move(impl)));
+  // Every process starts from the same parameters and buffers: their owners'.
+  CONVEYOR_RETURN_IF_ERROR(step->synchronize_state());
+  return step;
 }
 
 Status PipelineStep::Impl::compute(int replica, const Action& a) {
@@ -868,6 +1247,10 @@ Status PipelineStep::Impl::compute(int replica, const Action& a) {
 Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, double grad_scale) {
   Impl& im = *impl_;
   const int m = im.schedule.spec.microbatches;
+  if (im.out_of_step) {
+    return Status(ErrorCode::kExecution, "an earlier step failed and left the processes out of step; "
+                                         "restart the job (every process) after fixing its cause");
+  }
   if (inputs.size() != im.batched_input.size()) {
     return Status(ErrorCode::kInvalidArgument, "the model takes " + std::to_string(im.batched_input.size()) +
                                                    " inputs but got " + std::to_string(inputs.size()));
@@ -983,7 +1366,13 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
       }
     }
   };
-  auto measured = im.coordinator->run_step(std::chrono::minutes(10), add_reductions);
+  {
+    std::lock_guard<std::mutex> lock(im.arrivals_mu);
+    im.arrivals.clear();
+  }
+  im.grads_out.clear();
+  im.send_error = Status::ok();
+  auto measured = im.coordinator->run_step(im.step_timeout, add_reductions);
   at::set_num_threads(caller_threads);  // the setting is process-wide as well as per thread
   if (im.stream_device) synchronize_device(*im.stream_device);  // before the step's tensors go
   im.value_ready.clear();
@@ -995,20 +1384,52 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
   im.activations.clear();
   im.grads.clear();
   im.joined_grads.clear();
+  if (im.processes && (!measured || !im.send_error.is_ok())) im.out_of_step = true;
   if (!measured) return measured.status();
+  CONVEYOR_RETURN_IF_ERROR(im.send_error);
   CONVEYOR_RETURN_IF_ERROR(im.reduce(im.shared_parameters, im.shared_group));
+  if (Status s = im.reduce_across_processes(); !s) {
+    im.out_of_step = true;
+    return s;
+  }
   StepResult out;
   std::tie(out.buckets, out.buckets_reduced_during_backward) = reduction;
   im.last = *measured;
   im.last_reduction = {out.buckets, out.buckets_reduced_during_backward};
   out.measured = std::move(*measured);
-  const int loss_replicas = im.stage_replicas[im.producer[im.loss]];
+  const int loss_stage = im.producer[im.loss], loss_replicas = im.stage_replicas[loss_stage];
   at::Tensor total;
-  for (int mb = 0; mb < m; ++mb) {
-    for (int i = 0; i < loss_replicas; ++i) add_into(total, im.losses.at({mb, i}) * im.weight(mb, loss_replicas, i));
+  if (im.here(loss_stage)) {
+    for (int mb = 0; mb < m; ++mb) {
+      for (int i = 0; i < loss_replicas; ++i) add_into(total, im.losses.at({mb, i}) * im.weight(mb, loss_replicas, i));
+    }
+  }
+  if (im.processes) {  // the loss reaches every process (its value and dtype; exact for float and double)
+    at::Tensor carrier = at::zeros({2}, at::kDouble);
+    if (total.defined()) {
+      carrier[0] = total.item<double>();
+      carrier[1] = static_cast<double>(total.scalar_type());
+    }
+    if (Status s = im.processes->broadcast(carrier, im.stage_process[loss_stage]); !s) {
+      im.out_of_step = true;
+      return s;
+    }
+    if (!total.defined()) {
+      total = at::scalar_tensor(carrier[0].item<double>(), static_cast<at::ScalarType>(carrier[1].item<int>()));
+    }
   }
   out.loss = total;
   return out;
+}
+
+Status PipelineStep::synchronize_state() {
+  Impl& im = *impl_;
+  if (!im.processes) return Status::ok();
+  c10::NoGradGuard no_grad;
+  for (const auto& [name, owner] : im.owners) {
+    CONVEYOR_RETURN_IF_ERROR(im.processes->broadcast(*im.executors[0]->tensor(name), owner));
+  }
+  return Status::ok();
 }
 
 std::pair<int, int> PipelineStep::last_reduction() const { return impl_->last_reduction; }

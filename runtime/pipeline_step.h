@@ -31,6 +31,7 @@
 #include "actors/coordinator.h"
 #include "common/status.h"
 #include "graph/executor.h"
+#include "runtime/process_group.h"
 #include "scheduler/runner.h"
 
 namespace conveyor::runtime {
@@ -54,6 +55,13 @@ struct PipelineOptions {
   /// The simulator's result for the plan this pipeline runs (partitioner::Plan::simulate),
   /// for the live profile's comparison; none: measured figures only.
   std::optional<scheduler::SimulationResult> predicted;
+  /// Many processes (docs/thread_model.md, "Many processes"): the job's processes and, per
+  /// pipeline rank, the process that runs it (this process runs the ranks it is given; a
+  /// rank's replicas stay in one process). None: this process runs every rank.
+  std::shared_ptr<ProcessGroup> processes;
+  std::vector<int> rank_process;
+  /// A step that does not finish within this fails, naming where each replica waits.
+  std::chrono::milliseconds step_timeout{std::chrono::minutes(10)};
 };
 
 class PipelineStep {
@@ -68,6 +76,11 @@ class PipelineStep {
   /// graph's flattened inputs); tensors whose first dimension is the batch are split.
   /// Gradients reach the parameters scaled by `grad_scale` (the incoming loss gradient).
   Result<StepResult> run(const std::vector<c10::IValue>& inputs, double grad_scale = 1.0);
+
+  /// Many processes: every parameter and buffer becomes its owner's (the process of the
+  /// first stage that reads it), on every process. Collective: every process calls it (the
+  /// pipeline does at creation, conveyor.Module's state_dict() does before reading).
+  Status synchronize_state();
 
   /// The last step's gradient buckets of replicated stages, and how many were reduced while
   /// their stage's last backward still ran.

@@ -72,10 +72,11 @@ std::shared_ptr<CommThread> CommThread::process() {
 
 // Shared by the threads of one step.
 struct StepRun::State {
-  State(const Schedule& s, const RunnerHooks& h, std::vector<int> r)
-      : schedule(s), hooks(h), replicas(std::move(r)), comm_thread(CommThread::process()),
+  State(const Schedule& s, const RunnerHooks& h, std::vector<int> r, std::vector<bool> l)
+      : schedule(s), hooks(h), replicas(std::move(r)), local(std::move(l)), comm_thread(CommThread::process()),
         comm(comm_thread->impl().io) {
     for (int rank = 0; rank < static_cast<int>(replicas.size()); ++rank) {
+      if (!local[rank]) continue;
       for (int i = 0; i < replicas[rank]; ++i) workers.emplace_back(rank, i);
     }
     waiting.assign(workers.size(), "start");
@@ -85,12 +86,14 @@ struct StepRun::State {
   const Schedule schedule;
   const RunnerHooks hooks;
   const std::vector<int> replicas;               // per rank
+  const std::vector<bool> local;                 // per rank: run by this process
   std::vector<std::pair<int, int>> workers;      // (rank, replica), rank-major
   const std::shared_ptr<CommThread> comm_thread;
   asio::io_context& comm;
   std::map<int, int> allreduce_arrivals;         // stage -> replicas arrived (comm thread only)
   std::mutex mu;
   std::map<Key, std::shared_ptr<Channel>> channels;  // created by whichever side comes first
+  std::vector<std::shared_ptr<Channel>> remote;      // receives waiting on other processes
   std::vector<Span> spans;
   std::vector<std::string> waiting;  // per worker: the action it is at ("" when done)
   std::vector<bool> inside;          // per worker: in run_replica
@@ -118,6 +121,7 @@ struct StepRun::State {
       if (error.is_ok()) error = std::move(st);
       failed = true;
       for (auto& [k, ch] : channels) ch->close();
+      for (auto& ch : remote) ch->close();
     }
     done.notify_all();
   }
@@ -131,8 +135,10 @@ struct StepRun::State {
   // replica goes on computing); completing it signals every receiving replica.
   static void post_send(const std::shared_ptr<State>& st, int r, int i, const Action& a, std::string where) {
     const int kind = a.kind == ActionKind::kSendGradient ? 1 : 0;
-    std::vector<std::shared_ptr<Channel>> out;
-    for (int j : partner_replicas(st->replicas, r, i, a.peer)) out.push_back(st->channel({kind, a.microbatch, a.stage, i, j}));
+    std::vector<std::shared_ptr<Channel>> out;  // none for another process's rank: the transfer hook sends
+    if (st->local[a.peer]) {
+      for (int j : partner_replicas(st->replicas, r, i, a.peer)) out.push_back(st->channel({kind, a.microbatch, a.stage, i, j}));
+    }
     asio::post(st->comm, [st, r, i, a, out = std::move(out), where = std::move(where)] {
       if (st->failed) return;
       const double start = st->now();
@@ -209,10 +215,26 @@ struct StepRun::State {
         case ActionKind::kRecvGradient: {
           const bool grad = a.kind == ActionKind::kRecvGradient;
           const int from_stage = grad ? a.stage + 1 : a.stage - 1;
-          for (int j : partner_replicas(st->replicas, r, i, a.peer)) {
-            auto ch = st->channel({grad ? 1 : 0, a.microbatch, from_stage, j, i});
+          if (st->local[a.peer]) {
+            for (int j : partner_replicas(st->replicas, r, i, a.peer)) {
+              auto ch = st->channel({grad ? 1 : 0, a.microbatch, from_stage, j, i});
+              auto [ec, unused] = co_await ch->async_receive(asio::experimental::as_tuple(asio::use_awaitable));
+              if (ec) co_return;  // closed: another replica failed
+            }
+          }
+          if (st->hooks.receive) {  // and whatever other processes send it
+            auto ch = std::make_shared<Channel>(st->comm.get_executor(), 1);
+            {
+              std::lock_guard<std::mutex> lock(st->mu);
+              if (st->failed) co_return;
+              st->remote.push_back(ch);
+            }
+            st->hooks.receive(r, i, a, [st, ch, where = where()](Status s) {
+              if (!s) return st->fail(s.with_context(where));
+              ch->try_send(asio::error_code{}, 0);
+            });
             auto [ec, unused] = co_await ch->async_receive(asio::experimental::as_tuple(asio::use_awaitable));
-            if (ec) co_return;  // closed: another replica failed
+            if (ec) co_return;
           }
           break;
         }
@@ -233,7 +255,7 @@ StepRun::StepRun(std::shared_ptr<State> state) : st_(std::move(state)) {}
 StepRun::~StepRun() = default;
 
 Result<std::shared_ptr<StepRun>> StepRun::create(const Schedule& schedule, const RunnerHooks& hooks,
-                                                 std::vector<int> replicas) {
+                                                 std::vector<int> replicas, std::vector<bool> local) {
   CONVEYOR_RETURN_IF_ERROR(validate_schedule(schedule));
   if (!hooks.compute) return Status(ErrorCode::kInvalidArgument, "the runner needs a compute hook");
   const int ranks = static_cast<int>(schedule.ranks.size());
@@ -248,7 +270,13 @@ Result<std::shared_ptr<StepRun>> StepRun::create(const Schedule& schedule, const
                                                      std::to_string(replicas[r]) + " replicas (at least 1)");
     }
   }
-  return std::shared_ptr<StepRun>(new StepRun(std::make_shared<State>(schedule, hooks, std::move(replicas))));
+  if (local.empty()) local.assign(static_cast<std::size_t>(ranks), true);
+  if (static_cast<int>(local.size()) != ranks) {
+    return Status(ErrorCode::kInvalidArgument, "local ranks given for " + std::to_string(local.size()) +
+                                                   " ranks, but the schedule has " + std::to_string(ranks));
+  }
+  return std::shared_ptr<StepRun>(
+      new StepRun(std::make_shared<State>(schedule, hooks, std::move(replicas), std::move(local))));
 }
 
 int StepRun::workers() const { return static_cast<int>(st_->workers.size()); }

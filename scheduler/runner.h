@@ -38,6 +38,12 @@ struct RunnerHooks {
   /// The gradient reduction of one stage across its replicas (called once, with replica 0,
   /// when all have arrived); runs on the communication thread. Empty: nothing.
   std::function<Status(int rank, int replica, const Action&)> allreduce;
+  /// What a receive waits for besides this process's senders: messages from other
+  /// processes (a remote neighbour's payload, skip values or gradients from further away).
+  /// Called for every receive of a local replica after its local senders have signalled;
+  /// `arrived` is called once, on any thread, when everything is in (or with the error).
+  /// Empty: one process, nothing else to wait for.
+  std::function<void(int rank, int replica, const Action&, std::function<void(Status)> arrived)> receive;
 };
 
 struct RunResult {
@@ -72,10 +78,12 @@ class CommThread {
 /// One step of a schedule: the shared state of its replicas' walks.
 class StepRun {
  public:
-  /// `replicas`: per rank, how many replicas run its list (empty: one each). Errors for an
-  /// invalid schedule, a missing compute hook, or bad replica counts.
+  /// `replicas`: per rank, how many replicas run its list (empty: one each). `local`: per
+  /// rank, whether this process runs it (empty: all); sends to and receives from the others
+  /// are the hooks' business (transfer, receive). Errors for an invalid schedule, a missing
+  /// compute hook, or bad replica counts.
   static Result<std::shared_ptr<StepRun>> create(const Schedule& schedule, const RunnerHooks& hooks,
-                                                 std::vector<int> replicas = {});
+                                                 std::vector<int> replicas = {}, std::vector<bool> local = {});
   ~StepRun();
 
   /// Replicas of the step, rank-major: worker w is replica worker(w).second of rank worker(w).first.

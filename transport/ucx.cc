@@ -104,7 +104,8 @@ struct RecvContext {
 
 class UcxMember final : public UcxEndpoint {
  public:
-  UcxMember(int rank, int world) : rank_(rank), world_(world), eps_(static_cast<std::size_t>(world), nullptr) {}
+  UcxMember(int rank, int world, std::string noun)
+      : rank_(rank), world_(world), noun_(std::move(noun)), eps_(static_cast<std::size_t>(world), nullptr) {}
 
   Status start() {
     ucp_config_t* config = nullptr;
@@ -167,7 +168,7 @@ class UcxMember final : public UcxEndpoint {
       ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
       ep.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t status) {
         auto* self = static_cast<std::pair<UcxMember*, int>*>(arg);
-        self->first->fail_now(ucx_error("member " + std::to_string(self->second) + " was lost", status));
+        self->first->fail_now(ucx_error(self->first->noun_ + " " + std::to_string(self->second) + " was lost", status));
       };
       handler_args_.push_back(std::make_unique<std::pair<UcxMember*, int>>(this, peer));
       ep.err_handler.arg = handler_args_.back().get();
@@ -337,6 +338,7 @@ class UcxMember final : public UcxEndpoint {
   }
 
   const int rank_, world_;
+  const std::string noun_;  // what a peer is called in errors ("member", "process")
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   int efd_ = -1, wake_ = -1;
@@ -354,14 +356,14 @@ class UcxMember final : public UcxEndpoint {
 
 }  // namespace
 
-Result<std::shared_ptr<UcxEndpoint>> make_ucx_endpoint(int rank, int world_size) {
+Result<std::shared_ptr<UcxEndpoint>> make_ucx_endpoint(int rank, int world_size, std::string noun) {
   if (world_size < 1 || world_size > (1 << kRankBits) || rank < 0 || rank >= world_size) {
     return Status(ErrorCode::kInvalidArgument, "member " + std::to_string(rank) + " of a world of " +
                                                    std::to_string(world_size) + " (at most 65536 members)");
   }
   // A completion callback may drop the last reference on the progress thread, which cannot
   // join itself: the member is then destroyed by a thread of its own once the callback returns.
-  std::shared_ptr<UcxMember> member(new UcxMember(rank, world_size), [](UcxMember* m) {
+  std::shared_ptr<UcxMember> member(new UcxMember(rank, world_size, std::move(noun)), [](UcxMember* m) {
     if (m->on_progress_thread()) {
       std::thread([m] { delete m; }).detach();
     } else {

@@ -17,8 +17,9 @@ namespace conveyor::transport {
 
 class UcxEndpoint;
 
-/// A member of a UCX world of `world_size`. Errors when UCX cannot start (no transport).
-Result<std::shared_ptr<UcxEndpoint>> make_ucx_endpoint(int rank, int world_size);
+/// A member of a UCX world of `world_size`; errors name a lost peer as `noun` and its rank
+/// ("process 2 was lost"). Errors when UCX cannot start (no transport).
+Result<std::shared_ptr<UcxEndpoint>> make_ucx_endpoint(int rank, int world_size, std::string noun = "member");
 
 class UcxEndpoint : public Endpoint {
  public:

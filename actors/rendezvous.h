@@ -1,0 +1,49 @@
+// How the processes of one job find each other (CAF remote actors, the middleman): process 0
+// publishes a rendezvous actor at MASTER_ADDR:MASTER_PORT; every other process connects to
+// it (retrying until the deadline, so start order does not matter) and sends what it is: its
+// rank, the world size it expects, its conveyor version, its job fingerprint (the model and
+// plan it will run) and its data-plane address (a UCX worker address). Once every rank has
+// joined, each gets every rank's address, in rank order. Any disagreement fails every process
+// with an error naming the processes that disagree and what each said. Torch-free.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace conveyor::actors {
+
+struct JoinRequest {
+  int rank = 0, world = 1;
+  std::string host = "127.0.0.1";  ///< where process 0 publishes (MASTER_ADDR)
+  int port = 29500;                ///< MASTER_PORT
+  std::string version;             ///< conveyor's version: every process must run the same
+  std::string job;                 ///< fingerprint of the model and plan: must be equal too
+  std::string address;             ///< this process's data-plane address (bytes)
+  std::chrono::milliseconds timeout{std::chrono::seconds(120)};
+};
+
+/// Held by process 0 while the job runs (the published actor and its port); nothing for the others.
+class Rendezvous {
+ public:
+  ~Rendezvous();
+  /// Every rank's address, in rank order.
+  const std::vector<std::string>& addresses() const { return addresses_; }
+
+  struct Impl;
+  Rendezvous(std::unique_ptr<Impl> impl, std::vector<std::string> addresses);
+
+ private:
+  std::unique_ptr<Impl> impl_;
+  std::vector<std::string> addresses_;
+};
+
+/// Joins the job's world; returns once every rank has joined, or an error: a rank that did not
+/// join in time (named), a version or job that differs from process 0's, a repeated rank, a
+/// world size that differs, a port process 0 cannot bind.
+Result<std::unique_ptr<Rendezvous>> rendezvous(const JoinRequest& request);
+
+}  // namespace conveyor::actors

@@ -1,0 +1,91 @@
+#include "runtime/process_group.h"
+
+#include <ATen/ATen.h>
+
+#include <future>
+#include <numeric>
+
+#include "actors/rendezvous.h"
+#include "conveyor_config.h"
+
+namespace conveyor::runtime {
+
+Result<std::shared_ptr<ProcessGroup>> ProcessGroup::create(const ProcessGroupOptions& options) {
+  std::shared_ptr<ProcessGroup> group(new ProcessGroup());
+  group->rank_ = options.rank;
+  group->world_ = options.world;
+  group->timeout_ = options.timeout;
+  if (options.world < 1 || options.rank < 0 || options.rank >= options.world) {
+    return Status(ErrorCode::kInvalidArgument, "RANK " + std::to_string(options.rank) + " with WORLD_SIZE " +
+                                                   std::to_string(options.world) + " (RANK must be 0 to WORLD_SIZE - 1)");
+  }
+  CONVEYOR_ASSIGN_OR_RETURN(group->endpoint_, transport::make_ucx_endpoint(options.rank, options.world, "process"));
+  const auto address = group->endpoint_->address();
+  actors::JoinRequest join;
+  join.rank = options.rank;
+  join.world = options.world;
+  join.host = options.host;
+  join.port = options.port;
+  join.version = CONVEYOR_VERSION;
+  join.job = options.job;
+  join.address.assign(address.begin(), address.end());
+  join.timeout = options.timeout;
+  CONVEYOR_ASSIGN_OR_RETURN(auto met, actors::rendezvous(join));
+  for (int peer = 0; peer < options.world; ++peer) {
+    if (peer == options.rank) continue;
+    const std::string& a = met->addresses()[peer];
+    CONVEYOR_RETURN_IF_ERROR(group->endpoint_->connect(peer, std::vector<std::uint8_t>(a.begin(), a.end())));
+  }
+  group->rendezvous_ = std::shared_ptr<actors::Rendezvous>(std::move(met));
+  std::vector<int> everyone(static_cast<std::size_t>(options.world));
+  std::iota(everyone.begin(), everyone.end(), 0);
+  CONVEYOR_ASSIGN_OR_RETURN(group->all_, transport::make_endpoint_group(group->endpoint_, everyone, /*group_id=*/0));
+  // A first exchange with every process: connections stand both ways from here on, so a
+  // process that dies is noticed on every link (UCX keepalive), not only where data flows.
+  at::Tensor hello = at::ones({1}, at::kLong);
+  CONVEYOR_RETURN_IF_ERROR(group->wait([&](transport::Done d) { group->all_->allreduce(hello, d); },
+                                       "the first exchange between the processes"));
+  if (hello.item<std::int64_t>() != options.world) {
+    return Status(ErrorCode::kInternal, "the first exchange between the processes counted " +
+                                            std::to_string(hello.item<std::int64_t>()) + " of " +
+                                            std::to_string(options.world));
+  }
+  return group;
+}
+
+ProcessGroup::~ProcessGroup() = default;
+
+Status ProcessGroup::wait(const std::function<void(transport::Done)>& issue, const std::string& what) const {
+  auto promise = std::make_shared<std::promise<Status>>();
+  auto future = promise->get_future();
+  issue([promise](Status s) { promise->set_value(std::move(s)); });
+  if (future.wait_for(timeout_) != std::future_status::ready) {
+    return Status(ErrorCode::kExecution, "process " + std::to_string(rank_) + ": " + what + " did not complete within " +
+                                             std::to_string(timeout_.count()) +
+                                             " ms (a process that hangs, or one that stopped calling in step; "
+                                             "raise the timeout if the work is just slow)");
+  }
+  return future.get();
+}
+
+Result<std::string> ProcessGroup::broadcast_bytes(int root, const std::string& bytes) const {
+  at::Tensor length = at::full({1}, static_cast<std::int64_t>(bytes.size()), at::kLong);
+  CONVEYOR_RETURN_IF_ERROR(broadcast(length, root));
+  at::Tensor data = at::empty({length.item<std::int64_t>()}, at::kByte);
+  if (rank_ == root) std::copy(bytes.begin(), bytes.end(), data.data_ptr<std::uint8_t>());
+  CONVEYOR_RETURN_IF_ERROR(broadcast(data, root));
+  const auto* p = data.data_ptr<std::uint8_t>();
+  return std::string(p, p + data.numel());
+}
+
+Status ProcessGroup::broadcast(at::Tensor tensor, int root) const {
+  return wait([&](transport::Done d) { all_->broadcast(tensor, root, d); },
+              "a broadcast from process " + std::to_string(root));
+}
+
+void ProcessGroup::abort(Status error) {
+  all_->abort(error);
+  endpoint_->abort(std::move(error));
+}
+
+}  // namespace conveyor::runtime

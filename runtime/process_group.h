@@ -1,0 +1,62 @@
+// The processes of one job: found through the rendezvous (actors/rendezvous.h, CAF remote
+// actors) and connected on the data plane by UCX, every process to every other. Each process
+// is a member of the UCX world (its rank is the job's RANK) and of a collective group over
+// all processes (transport/endpoint_group.h), which carries the loss to every rank, sums the
+// gradients of parameters that stages in several processes share, hands out the plan and
+// gathers the model's state. A lost process fails every operation waiting on it, naming its
+// rank; every wait has the group's timeout.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "common/status.h"
+#include "transport/endpoint_group.h"
+#include "transport/ucx.h"
+
+namespace conveyor::runtime {
+
+struct ProcessGroupOptions {
+  int rank = 0, world = 1;
+  std::string host = "127.0.0.1";  ///< MASTER_ADDR
+  int port = 29500;                ///< MASTER_PORT
+  std::string job;                 ///< fingerprint every process must share (model and plan)
+  std::chrono::milliseconds timeout{std::chrono::seconds(120)};  ///< rendezvous and every later wait
+};
+
+class ProcessGroup {
+ public:
+  /// Joins the job: rendezvous, UCX connections to every other process, and a first
+  /// exchange with each (so a process that dies later is noticed on every link).
+  static Result<std::shared_ptr<ProcessGroup>> create(const ProcessGroupOptions& options);
+  ~ProcessGroup();
+
+  int rank() const { return rank_; }
+  int world_size() const { return world_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  std::shared_ptr<transport::Endpoint> endpoint() const { return endpoint_; }
+  /// The collective group over every process (member i is process i).
+  transport::EndpointGroup& all() const { return *all_; }
+
+  /// Waits for `issue`'s operation within the group's timeout; a timeout names `what`.
+  Status wait(const std::function<void(transport::Done)>& issue, const std::string& what) const;
+  /// `root`'s bytes, on every process.
+  Result<std::string> broadcast_bytes(int root, const std::string& bytes) const;
+  /// `tensor` becomes process `root`'s on every process (CPU or device memory).
+  Status broadcast(at::Tensor tensor, int root) const;
+  /// Fails everything pending and later with `error` (a process that gives up).
+  void abort(Status error);
+
+ private:
+  ProcessGroup() = default;
+  int rank_ = 0, world_ = 1;
+  std::chrono::milliseconds timeout_{0};
+  std::shared_ptr<transport::UcxEndpoint> endpoint_;
+  std::shared_ptr<transport::EndpointGroup> all_;
+  std::shared_ptr<void> rendezvous_;  // process 0: the published rendezvous actor
+};
+
+}  // namespace conveyor::runtime

@@ -1,0 +1,80 @@
+"""One process of a multi-process pipeline test (tests/python/test_multiproc.py), or the
+single-process reference run of the same plan when WORLD_SIZE is unset.
+
+Trains a zoo model for a few SGD steps with fixed stages; the pipeline's ranks are spread
+over the processes in contiguous blocks. Process 0 (or the single process) writes the
+losses and the full model state (gathered from every process) to --out.
+
+    RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29511 \\
+        python multiproc_worker.py --case mlp --stages 2 --out result.pt
+"""
+import argparse
+import os
+import signal
+
+import torch
+
+import conveyor
+from conveyor import _C, zoo
+from conveyor.module import _loss_wrapper
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--case", default="mlp")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--chunks", type=int, default=1)
+    ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--die-at-step", type=int, default=-1, help="this process kills itself during that step")
+    ap.add_argument("--timeout", type=float, default=60.0)
+    args = ap.parse_args()
+
+    torch.manual_seed(0)
+    case = zoo.CASES[args.case](batch=args.batch)
+    model = _loss_wrapper(case.model, case.loss, case.args, case.kwargs)
+    graph = conveyor.capture(model, case.args, case.kwargs)
+    # Capture ran the model once: start again from the seed so every process (and the
+    # reference) holds the same initial state regardless of what capture did.
+    torch.manual_seed(0)
+    case = zoo.CASES[args.case](batch=args.batch)
+    model.model.load_state_dict(case.model.state_dict())
+    inputs = graph.flatten_inputs(case.args, case.kwargs)
+    stages = graph.random_partition(args.stages, seed=0, keep_node_order=True)
+    ranks = args.stages // args.chunks
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    extra = {}
+    if world > 1:
+        rank = int(os.environ["RANK"])
+        group = _C.ProcessGroup(rank, world, os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                                int(os.environ["MASTER_PORT"]), job=f"{args.case}", timeout_s=args.timeout)
+        extra = dict(processes=group, rank_process=[r * world // ranks for r in range(ranks)],
+                     step_timeout_s=args.timeout)
+    else:
+        rank = 0
+    step = _C.PipelineStep(graph.executor, stages, args.schedule, args.microbatches, args.chunks,
+                           [args.replicas] * ranks, **extra)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for k in range(args.steps):
+        if k == args.die_at_step:
+            # Dies in the middle of the step: a thread kills the process while it runs.
+            import threading
+            threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+        optimizer.zero_grad(set_to_none=True)
+        loss, _, _ = step.run(inputs)
+        losses.append(loss.item())
+        optimizer.step()
+    if world > 1:
+        step.synchronize_state()
+    if rank == 0:
+        torch.save({"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}},
+                   args.out)
+
+
+if __name__ == "__main__":
+    main()
