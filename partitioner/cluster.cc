@@ -7,9 +7,13 @@
 #include <toml++/toml.h>
 
 #include "common/file.h"
+#include "partitioner/toml_fields.h"
 
 namespace conveyor::partitioner {
 namespace {
+
+using toml_fields::check_keys;
+using toml_fields::TomlError;
 
 // Splits "80 GiB" into 80 and "GiB".
 bool split_number(std::string_view text, double& number, std::string& unit) {
@@ -38,34 +42,6 @@ Result<double> scaled(std::string_view text, const std::vector<std::pair<std::st
   std::string msg = "'";
   msg.append(text).append("' is not ").append(expected);
   return Status(ErrorCode::kInvalidArgument, std::move(msg));
-}
-
-class TomlError {
- public:
-  TomlError(const toml::source_region& where, std::string what) : line_(where.begin.line), what_(std::move(what)) {}
-  TomlError(std::uint32_t line, std::string what) : line_(line), what_(std::move(what)) {}
-  Status status(const std::string& source) const {
-    return Status(ErrorCode::kFormat, source + ":" + std::to_string(line_) + ": " + what_);
-  }
-
- private:
-  std::uint32_t line_;
-  std::string what_;
-};
-
-void check_keys(const toml::table& t, std::initializer_list<std::string_view> allowed, const char* where) {
-  for (const auto& [key, node] : t) {
-    bool ok = false;
-    for (auto a : allowed) ok |= key.str() == a;
-    if (!ok) {
-      std::string list;
-      for (auto a : allowed) {
-        if (!list.empty()) list += ", ";
-        list += a;
-      }
-      throw TomlError(node.source(), "unknown key '" + std::string(key.str()) + "' in " + where + " (expected " + list + ")");
-    }
-  }
 }
 
 // A quantity given as a number (base unit) or a string with a unit.

@@ -1,5 +1,5 @@
 // The `conveyor` command-line tool: inspect, validate and cut graph files; plan a graph on a
-// cluster; simulate a plan; check traces. Launch joins with the multi-process runtime.
+// cluster; simulate a plan; check traces; launch the processes of a job.
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -16,6 +16,7 @@
 #include "common/env.h"
 #include "common/file.h"
 #include "partitioner/planner.h"
+#include "tools/launch.h"
 #include "trace/simulation_trace.h"
 
 namespace {
@@ -258,7 +259,59 @@ int main(int argc, char** argv) {
   auto* trace_check_cmd = trace_cmd->add_subcommand("check", "decode a trace and check its structure");
   trace_check_cmd->add_option("file", trace_path, "a .pftrace file")->required();
 
+  tools::JobConfig job;
+  std::string job_file, hosts;
+  std::vector<std::string> command;
+  auto* launch_cmd = app.add_subcommand(
+      "launch", "start a job's processes here (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set for each); "
+                "one that fails stops the others");
+  launch_cmd->add_option("--config", job_file, "job config TOML (docs/formats.md); flags given here override it");
+  auto* n_opt = launch_cmd->add_option("-n,--processes", job.processes, "processes on this machine")
+                    ->check(CLI::Range(1, 4096));
+  auto* hosts_opt = launch_cmd->add_option("--hosts", hosts, "comma-separated machines of the job (the launcher runs on each)");
+  auto* node_opt = launch_cmd->add_option("--node-rank", job.node_rank, "which of --hosts this machine is")
+                       ->check(CLI::NonNegativeNumber);
+  auto* addr_opt = launch_cmd->add_option("--master-addr", job.master_addr, "where process 0 listens (default: the first host)");
+  auto* port_opt = launch_cmd->add_option("--master-port", job.master_port, "its port (default: a free one, one machine only)")
+                       ->check(CLI::Range(0, 65535));
+  auto* timeout_opt = launch_cmd->add_option("--timeout", job.timeout_s, "seconds any wait between processes may take")
+                          ->check(CLI::PositiveNumber);
+  auto* grace_opt = launch_cmd->add_option("--grace", job.grace_s, "seconds from SIGTERM to SIGKILL when stopping")
+                        ->check(CLI::PositiveNumber);
+  launch_cmd->add_option("command", command, "the command every process runs (after --)")->expected(-1);
+
   CLI11_PARSE(app, argc, argv);
+  if (*launch_cmd) {
+    tools::JobConfig from_cli = job;
+    if (!job_file.empty()) {
+      auto text = read_file(job_file, "job config");
+      if (!text) return fail(text.status());
+      auto parsed = tools::parse_job_config(*text, job_file);
+      if (!parsed) return fail(parsed.status());
+      job = *parsed;
+      if (*n_opt) job.processes = from_cli.processes;
+      if (*node_opt) job.node_rank = from_cli.node_rank;
+      if (*addr_opt) job.master_addr = from_cli.master_addr;
+      if (*port_opt) job.master_port = from_cli.master_port;
+      if (*timeout_opt) job.timeout_s = from_cli.timeout_s;
+      if (*grace_opt) job.grace_s = from_cli.grace_s;
+    }
+    if (*hosts_opt) {
+      job.hosts.clear();
+      std::size_t at = 0;
+      while (at <= hosts.size()) {
+        const std::size_t comma = std::min(hosts.find(',', at), hosts.size());
+        if (comma > at) job.hosts.push_back(hosts.substr(at, comma - at));
+        at = comma + 1;
+      }
+      if (job.hosts.empty()) return fail(Status(ErrorCode::kInvalidArgument, "--hosts names no machine"));
+    }
+    if (job.node_rank >= static_cast<int>(job.hosts.size())) {
+      return fail(Status(ErrorCode::kInvalidArgument, "--node-rank " + std::to_string(job.node_rank) + " but " +
+                                                          std::to_string(job.hosts.size()) + " hosts"));
+    }
+    return tools::launch(job, command);
+  }
   if (*plan_cmd) return plan_command(plan_args);
   if (*simulate_cmd) return simulate_command(plan_path, trace_path);
   if (*trace_check_cmd) return trace_check_command(trace_path);

@@ -7,9 +7,16 @@
 
 On the first call the model is captured, profiled on one microbatch and planned on the
 local machine (its CPU split into `devices` virtual devices, or the machines a `cluster`
-file describes), unless `stages` fixes the cut. Every stage replica runs in this process
-on its own thread (many processes come with the launcher); the plan it runs is
-`model.plan`.
+file describes), unless `stages` fixes the cut. Every stage replica runs on its own
+thread; the plan it runs is `model.plan`.
+
+Under a launcher (`conveyor launch -n N -- python train.py`, or RANK, WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT set by hand or by torchrun) the same script runs across the N
+processes: process 0 plans for N devices (one per process), every process runs its share
+of the pipeline's ranks, the loss reaches every process, and `state_dict()` gathers the
+whole model from the processes that own each part (call it on every process: it is
+collective, like evaluation under `torch.no_grad()`). Every process must be fed the same
+batches.
 
     stages        None: planned; an int: that many stages cut in capture order; a list:
                   node lists (a partition of the captured graph)
@@ -19,20 +26,25 @@ on its own thread (many processes come with the launcher); the plan it runs is
     schedule      "auto" (planned), "gpipe", "1f1b", "interleaved" or "zb-h1"
     devices       virtual devices of the local machine to plan for (default: 2-4 by cores)
     cluster       a cluster TOML file (or text) to plan for instead of the local machine
-    trace         a path: the second step's measured actions are written there (Perfetto)
+    trace         a path: the second step's measured actions are written there (Perfetto;
+                  across processes each writes <stem>.rank<R><suffix>)
+    plan          a plan document (`conveyor plan --out`, Plan.save) to run instead of planning
+    timeout       seconds any wait between processes may take (rendezvous, a step); default
+                  CONVEYOR_TIMEOUT or 300
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Any
 
 import torch
 
-from . import _C
+from . import _C, distributed
 from .capture import capture
 from .errors import ConveyorValueError, UnsupportedError
-from .planning import plan as make_plan, profile
+from .planning import Plan, plan as make_plan, profile
 
 __all__ = ["Module"]
 
@@ -98,6 +110,20 @@ def _local_cluster(devices: int, threads: int) -> str:
             f'[link.intra_node]\nbandwidth = "10 GB/s"\nlatency = "5 us"\n')
 
 
+def _read_plan(path) -> Plan:
+    """A plan document written by `conveyor plan --out` or Plan.save."""
+    try:
+        text = open(path).read()
+        plan = Plan(text, f"(plan from {path})")
+        plan.stage_nodes, plan.schedule, plan.microbatches, plan.document["chunks"]  # noqa: B018  (fields present)
+        return plan
+    except OSError as e:
+        raise ConveyorValueError(f"plan={str(path)!r}: cannot read it ({e.strerror})") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConveyorValueError(f"plan={str(path)!r} is not a conveyor plan document ({e}); write one with "
+                                 "`conveyor plan --out` or Plan.save") from None
+
+
 class LiveProfile:
     """A live profile (Module.profile_report): `steps`, `measured_step_s`, `predicted_step_s`
     (0 without a plan) and `stages`, a dict per stage of measured and predicted seconds and
@@ -122,8 +148,17 @@ class Module(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                  stages: int | list | None = None, replicas: int | None = None, microbatches: int | None = None,
                  schedule: str = "auto", devices: int | None = None, cluster: str | None = None,
-                 trace: str | os.PathLike | None = None, loss_fn=None, seed: int = 0):
+                 trace: str | os.PathLike | None = None, loss_fn=None, seed: int = 0, timeout: float | None = None,
+                 plan: str | os.PathLike | None = None):
         super().__init__()
+        # What `conveyor launch` (or its job config) asks of every process, where not given here.
+        launched = distributed.launch_settings()
+        if schedule == "auto":
+            schedule = launched.get("schedule", "auto")
+        if plan is None:
+            plan = launched.get("plan")
+        if trace is None:
+            trace = launched.get("trace")
         if schedule not in ("auto", "gpipe", "1f1b", "interleaved", "zb-h1"):
             raise ConveyorValueError(f"unknown schedule {schedule!r} (expected auto, gpipe, 1f1b, interleaved or zb-h1)")
         if isinstance(replicas, int) and replicas < 1 or isinstance(replicas, list) and (
@@ -142,14 +177,36 @@ class Module(torch.nn.Module):
         self._cluster = cluster
         self._loss_fn = loss_fn
         self._seed = seed
+        self._plan_file = plan
         self._trace = trace
+        self._timeout = float(timeout) if timeout is not None else distributed.default_timeout()
+        if self._timeout <= 0:
+            raise ConveyorValueError(f"timeout={timeout}: the timeout must be positive (seconds)")
+        self._world = distributed.world()
+        self._group = None
         self._steps_run = 0
         self._graph = None
         self._step = None
         self.plan = None
 
     # -- the model's own state --------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This process's rank in the job (0 in a single process)."""
+        return self._world[0] if self._world else 0
+
+    @property
+    def world_size(self) -> int:
+        """Processes in the job (1 in a single process)."""
+        return self._world[1] if self._world else 1
+
+    def _gather(self) -> None:
+        """Across processes: every parameter and buffer becomes its owner's (collective)."""
+        if self._group is not None and self._step is not None:
+            self._step.synchronize_state()
+
     def state_dict(self, *args, **kwargs):
+        self._gather()
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
@@ -162,6 +219,12 @@ class Module(torch.nn.Module):
         inputs = graph.flatten_inputs(args, kwargs)
         batch = next((t.shape[0] for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0), 1)
         replicas = None
+        if self._world is not None:
+            if isinstance(self._replicas, list) or (self._replicas or 1) > 1:
+                raise ConveyorValueError("across processes a stage has one replica for now (a rank's replicas stay in "
+                                         "one process); leave replicas unset or 1")
+            self._devices = self._world[1]
+            self._group = distributed.process_group(self._job_fingerprint(graph, batch), self._timeout)
         if self._stages is not None:
             if isinstance(self._stages, list):
                 stage_nodes = self._stages
@@ -176,6 +239,11 @@ class Module(torch.nn.Module):
             if len(replicas) != ranks:
                 raise ConveyorValueError(f"replicas has {len(replicas)} counts but the pipeline has {ranks} ranks")
             m = self._microbatches or min(batch // max(replicas), 2 * ranks)
+        elif self._plan_file is not None:
+            self.plan = _read_plan(self._plan_file)
+            self._step = self._pipeline(graph, self.plan)
+            stage_nodes, replicas = self.plan.stage_nodes, self.plan.replicas
+            schedule, m, chunks = self.plan.schedule, self.plan.microbatches, self.plan.document["chunks"]
         else:
             m_hint = self._microbatches or 0
             # Microbatches keep at least two samples (BatchNorm needs them), unless fixed.
@@ -184,25 +252,40 @@ class Module(torch.nn.Module):
                      for a in args]
             small_kw = {k: (v[:sample] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch else v)
                         for k, v in kwargs.items()}
-            grads = {p: p.grad for p in self.module.parameters()}
-            # Profile at the intra-op threads each virtual device's replica will run with.
-            saved_threads = torch.get_num_threads()
-            torch.set_num_threads(self._threads_per_device())
-            try:
-                prof = profile(graph, tuple(small), small_kw)
-            finally:
-                torch.set_num_threads(saved_threads)
-                for p, g in grads.items():
-                    p.grad = g
+            prof = None
+            if self._group is None or self._group.rank == 0:  # across processes, process 0 plans
+                grads = {p: p.grad for p in self.module.parameters()}
+                # Profile at the intra-op threads each virtual device's replica will run with.
+                saved_threads = torch.get_num_threads()
+                torch.set_num_threads(self._threads_per_device())
+                try:
+                    prof = profile(graph, tuple(small), small_kw)
+                finally:
+                    torch.set_num_threads(saved_threads)
+                    for p, g in grads.items():
+                        p.grad = g
             schedules = ["gpipe", "1f1b", "interleaved", "zb-h1"] if self._schedule == "auto" else [self._schedule]
             if isinstance(self._replicas, list):
                 raise ConveyorValueError("a list of replicas needs fixed stages (stages=); with planning pass an int")
             cap = self._replicas or 0
             cluster = self._cluster or _local_cluster(self._devices, self._threads_per_device())
-            self.plan = make_plan(graph, prof, cluster, batch=batch, microbatches=m_hint, schedules=schedules,
-                                  max_replicas=cap, max_microbatches=max(1, batch // 2))
-            try:
+            if self._group is not None:
+                # Process 0 plans for one device per process; every process runs that plan.
+                if self._group.rank == 0:
+                    self.plan = make_plan(graph, prof, cluster, batch=batch, microbatches=m_hint, schedules=schedules,
+                                          max_replicas=1, max_microbatches=max(1, batch // 2))
+                    sent = (json.dumps(self.plan.document) + "\0" + self.plan.table).encode()
+                else:
+                    sent = b""
+                document, table = self._group.broadcast_bytes(0, sent).decode().split("\0", 1)
+                self.plan = Plan(document, table)
                 self._step = self._pipeline(graph, self.plan)
+            else:
+                self.plan = make_plan(graph, prof, cluster, batch=batch, microbatches=m_hint, schedules=schedules,
+                                      max_replicas=cap, max_microbatches=max(1, batch // 2))
+            try:
+                if self._step is None:
+                    self._step = self._pipeline(graph, self.plan)
             except UnsupportedError:
                 # Replica counts that differ across a cut through a value with no batch
                 # dimension: plan again with one replica per stage.
@@ -212,19 +295,35 @@ class Module(torch.nn.Module):
             stage_nodes, replicas = self.plan.stage_nodes, self.plan.replicas
             schedule, m, chunks = self.plan.schedule, self.plan.microbatches, self.plan.document["chunks"]
         if self._step is None:
-            self._step = _C.PipelineStep(graph.executor, stage_nodes, schedule, m, chunks, replicas)
+            self._step = _C.PipelineStep(graph.executor, stage_nodes, schedule, m, chunks, replicas,
+                                         **self._placement(len(stage_nodes) // chunks))
         self._graph = graph
         self._layout = (len(stage_nodes), schedule, m, chunks, replicas)
 
     def _threads_per_device(self) -> int:
+        if self._world is not None:
+            return torch.get_num_threads()  # a process is a device
         return max(1, torch.get_num_threads() // self._devices)
 
-    @staticmethod
-    def _pipeline(graph, plan):
+    def _job_fingerprint(self, graph, batch: int) -> str:
+        """What every process of the job must agree on: the captured model and the pipeline asked for."""
+        asked = repr((self._stages, self._replicas, self._microbatches, self._schedule, self._cluster, batch))
+        text = json.dumps(graph.document, sort_keys=True, default=str) + asked
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def _placement(self, ranks: int) -> dict:
+        """Across processes: pipeline rank r runs on process r * processes // ranks."""
+        if self._group is None:
+            return {}
+        n = self._group.world_size
+        return dict(processes=self._group, rank_process=[r * n // ranks for r in range(ranks)],
+                    step_timeout_s=self._timeout)
+
+    def _pipeline(self, graph, plan):
         chunks = plan.document["chunks"]
         ranks = len(plan.stage_nodes) // chunks
         return _C.PipelineStep(graph.executor, plan.stage_nodes, plan.schedule, plan.microbatches, chunks,
-                               plan.replicas[:ranks], plan=json.dumps(plan.document))
+                               plan.replicas[:ranks], plan=json.dumps(plan.document), **self._placement(ranks))
 
     # -- running ----------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -232,6 +331,7 @@ class Module(torch.nn.Module):
             self._build(args, kwargs)
         inputs = self._graph.flatten_inputs(args, kwargs)
         if not (torch.is_grad_enabled() and self.training):
+            self._gather()  # across processes, every part of the model from its owner
             with torch.no_grad():
                 return self._graph(*args, **kwargs)
         params = [p for p in self.module.parameters() if p.requires_grad]

@@ -32,6 +32,8 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--die-at-step", type=int, default=-1, help="this process kills itself during that step")
     ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--job", default="", help="the job fingerprint announced (default: the case's name)")
+    ap.add_argument("--version", default="", help="the conveyor version announced (default: this build's)")
     args = ap.parse_args()
 
     torch.manual_seed(0)
@@ -51,7 +53,8 @@ def main():
     if world > 1:
         rank = int(os.environ["RANK"])
         group = _C.ProcessGroup(rank, world, os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                                int(os.environ["MASTER_PORT"]), job=f"{args.case}", timeout_s=args.timeout)
+                                int(os.environ["MASTER_PORT"]), job=args.job or args.case, timeout_s=args.timeout,
+                                version=args.version)
         extra = dict(processes=group, rank_process=[r * world // ranks for r in range(ranks)],
                      step_timeout_s=args.timeout)
     else:

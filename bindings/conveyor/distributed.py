@@ -1,0 +1,97 @@
+"""The processes of one job, found from the usual environment: RANK, WORLD_SIZE, MASTER_ADDR
+and MASTER_PORT (set by `conveyor launch`, torchrun, Slurm scripts or by hand). With
+WORLD_SIZE above 1, `conveyor.Module` runs its pipeline across the processes: process 0
+plans (unless the stages are fixed) and every process runs its share of the pipeline
+ranks. Every wait between processes has a timeout: CONVEYOR_TIMEOUT seconds (default 300),
+or Module(timeout=).
+
+    world()          (rank, world_size, host, port), or None in a single process
+    process_group()  this process's member of the job (made once per process)
+"""
+from __future__ import annotations
+
+import os
+
+from . import _C
+from .errors import ConveyorValueError
+
+__all__ = ["world", "process_group", "default_timeout", "launch_settings"]
+
+_group = None
+_group_key = None
+
+
+def world():
+    """(rank, world_size, master_addr, master_port) from the environment, or None when this
+    process runs alone (no WORLD_SIZE, or WORLD_SIZE=1)."""
+    size = os.environ.get("WORLD_SIZE")
+    if size is None or size.strip() == "1":
+        return None
+
+    def number(name, text):
+        try:
+            return int(text)
+        except (TypeError, ValueError):
+            raise ConveyorValueError(f"{name}={text!r} is not a number; the launcher sets RANK, WORLD_SIZE, "
+                                     "MASTER_ADDR and MASTER_PORT (see `conveyor launch --help`)") from None
+
+    n = number("WORLD_SIZE", size)
+    if "RANK" not in os.environ:
+        raise ConveyorValueError(f"WORLD_SIZE={n} but no RANK: start the processes with `conveyor launch -n {n} -- ...` "
+                                 "or set RANK (0 to WORLD_SIZE - 1) for each")
+    rank = number("RANK", os.environ["RANK"])
+    if n < 1 or not 0 <= rank < n:
+        raise ConveyorValueError(f"RANK={rank} with WORLD_SIZE={n}: RANK must be 0 to {n - 1}")
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = number("MASTER_PORT", os.environ.get("MASTER_PORT", "29500"))
+    return rank, n, host, port
+
+
+def launch_settings() -> dict:
+    """What `conveyor launch` (or its job config) asks of every process: `schedule`, `plan` (a
+    file; absent for "auto") and `trace` (this process's own file), where set."""
+    out = {}
+    schedule = os.environ.get("CONVEYOR_SCHEDULE")
+    if schedule:
+        out["schedule"] = schedule
+    plan = os.environ.get("CONVEYOR_PLAN")
+    if plan and plan != "auto":
+        out["plan"] = plan
+    trace = os.environ.get("CONVEYOR_TRACE")
+    if trace:
+        found = world()
+        if found is not None:
+            stem, dot, ext = trace.rpartition(".")
+            trace = f"{stem}.rank{found[0]}.{ext}" if dot else f"{trace}.rank{found[0]}"
+        out["trace"] = trace
+    return out
+
+
+def default_timeout() -> float:
+    text = os.environ.get("CONVEYOR_TIMEOUT", "300")
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConveyorValueError(f"CONVEYOR_TIMEOUT={text!r} is not a number of seconds") from None
+    if value <= 0:
+        raise ConveyorValueError(f"CONVEYOR_TIMEOUT={text!r}: the timeout must be positive")
+    return value
+
+
+def process_group(job: str, timeout_s: float):
+    """This process's member of the job, joined on first use: the rendezvous at
+    MASTER_ADDR:MASTER_PORT, then UCX between every two processes. `job` is a fingerprint
+    of the model and plan every process must share."""
+    global _group, _group_key
+    found = world()
+    if found is None:
+        return None
+    if _group is not None:
+        if _group_key != found:
+            raise ConveyorValueError(f"this process already joined the job {_group_key}; the environment now says "
+                                     f"{found}: one process belongs to one job")
+        return _group
+    rank, n, host, port = found
+    _group = _C.ProcessGroup(rank, n, host, port, job=job, timeout_s=timeout_s)
+    _group_key = found
+    return _group

@@ -1,0 +1,39 @@
+"""A training script as users write it, for tests/python/test_launch.py: conveyor.Module
+with its automatic plan, the same script alone or under `conveyor launch`. Process 0 (or the
+single process) writes the losses, the gathered model state and the plan it ran.
+
+    conveyor launch -n 2 -- python launch_worker.py --out result.pt
+    python launch_worker.py --plan result.plan.json --out reference.pt
+"""
+import argparse
+import json
+
+import torch
+
+import conveyor
+from conveyor import zoo
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--case", default="gpt2")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--plan", default=None)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    case = zoo.CASES[args.case](batch=args.batch)
+    optimizer = torch.optim.SGD(case.model.parameters(), lr=0.1)
+    model = conveyor.Module(case.model, optimizer, loss_fn=case.loss, plan=args.plan)
+    losses = [model.train_step(*case.args, **case.kwargs).item() for _ in range(args.steps)]
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # every process takes part
+    if model.rank == 0:
+        torch.save({"losses": losses, "state": state, "world": model.world_size}, args.out)
+        with open(args.out + ".plan.json", "w") as f:
+            json.dump(model.plan.document, f)
+        print(model.plan.table if model.plan.table else model.plan.document)
+
+
+if __name__ == "__main__":
+    main()

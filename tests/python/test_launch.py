@@ -1,0 +1,107 @@
+"""`conveyor launch` and its job config: the same training script (conveyor.Module, automatic
+plan) under the launcher trains exactly like one process running the plan process 0 made; a
+failing process stops the job at once, named; bad configs are refused naming the line.
+Loopback only; every process started is reaped (the launcher reaps its own)."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+BUILD = os.environ.get("CONVEYOR_BUILD_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "build"))
+TOOL = os.path.join(BUILD, "tools", "conveyor")
+WORKER = Path(__file__).with_name("launch_worker.py")
+TOLERANCE = 1e-12
+FLOOR = 1e-6  # as in test_multiproc: parameters whose exact gradient is zero hold rounding noise
+
+
+def env():
+    out = dict(os.environ, UCX_NET_DEVICES="lo")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CONVEYOR_PLAN", "CONVEYOR_TRACE",
+              "CONVEYOR_SCHEDULE"):
+        out.pop(k, None)
+    return out
+
+
+def launch(*args, timeout=300):
+    proc = subprocess.Popen([TOOL, "launch", *map(str, args)], env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"conveyor launch did not finish within {timeout} s:\n{out[-3000:]}")
+    return proc.returncode, out
+
+
+def test_the_same_script_under_the_launcher_trains_like_one_process_running_its_plan(tmp_path):
+    code, out = launch("-n", 2, "--", sys.executable, WORKER, "--out", tmp_path / "two.pt")
+    assert code == 0, out[-4000:]
+    two = torch.load(tmp_path / "two.pt")
+    assert two["world"] == 2
+    alone = subprocess.run([sys.executable, WORKER, "--plan", tmp_path / "two.pt.plan.json", "--out", tmp_path / "one.pt"],
+                           env=env(), capture_output=True, text=True, timeout=300)
+    assert alone.returncode == 0, alone.stdout + alone.stderr
+    one = torch.load(tmp_path / "one.pt")
+    assert one["world"] == 1
+    assert two["losses"] == pytest.approx(one["losses"], rel=TOLERANCE, abs=0)
+    for key, want in one["state"].items():
+        got = two["state"][key].double()
+        err = (got - want.double()).abs().max().item() / max(want.double().abs().max().item(), FLOOR)
+        assert err <= TOLERANCE, key
+
+
+def test_a_failing_process_stops_the_job_at_once_naming_it():
+    script = "import os, sys, time\nif os.environ['RANK'] == '1': sys.exit(3)\ntime.sleep(120)\n"
+    start = time.monotonic()
+    code, out = launch("-n", 3, "--grace", 2, "--", sys.executable, "-c", script, timeout=60)
+    assert code == 3, out
+    assert "process 1 exited with status 3; stopping the other processes" in out
+    assert time.monotonic() - start < 30
+
+
+def test_every_process_gets_the_environment_of_its_rank(tmp_path):
+    script = ("import os\nkeys = ['RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR', 'CONVEYOR_TIMEOUT',"
+              " 'CONVEYOR_SCHEDULE']\nopen(os.path.join(os.environ['OUT'], os.environ['RANK']), 'w').write("
+              "' '.join(os.environ[k] for k in keys) + ' ' + str(int(os.environ['MASTER_PORT']) > 0))\n")
+    config = tmp_path / "job.toml"
+    config.write_text('[job]\nprocesses = 2\ntimeout = 42\nschedule = "1f1b"\n')
+    os.environ["OUT"] = str(tmp_path)
+    try:
+        code, out = launch("--config", config, "--", sys.executable, "-c", script, timeout=60)
+    finally:
+        del os.environ["OUT"]
+    assert code == 0, out
+    assert (tmp_path / "0").read_text() == "0 0 2 2 127.0.0.1 42 1f1b True"
+    assert (tmp_path / "1").read_text() == "1 1 2 2 127.0.0.1 42 1f1b True"
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('[job]\nprocesses = 2\nprocesess = 3\n', "job.toml:3: unknown key 'procesess' in [job]"),
+    ('[job]\nprocesses = "two"\n', "job.toml:2: processes must be a whole number from 1 to 4096"),
+    ('[job]\n\ntimeout = -1\n', "job.toml:3: timeout must be a number of seconds > 0"),
+    ('[job]\nschedule = "fast"\n', 'job.toml:2: schedule = "fast" (expected one of auto, gpipe, 1f1b, interleaved, zb-h1)'),
+    ('[job]\ntransport = "nccl"\n', "job.toml:2: transport = \"nccl\": the NCCL backend is not built yet"),
+    ('[job]\nplan = "missing.json"\n', 'job.toml:2: plan = "missing.json": no such readable file'),
+    ('[job]\nhosts = []\n', "job.toml:2: hosts must be a non-empty list"),
+    ('[jobs]\n', "job.toml:1: unknown key 'jobs' in the job config"),
+    ('[job\n', "job.toml:1: not valid TOML"),
+])
+def test_a_bad_job_config_is_refused_naming_the_line(text, expected, tmp_path):
+    config = tmp_path / "job.toml"
+    config.write_text(text)
+    code, out = launch("--config", config, "--", sys.executable, "-c", "pass", timeout=60)
+    assert code != 0
+    assert expected.split(": ", 1)[1].split(" (")[0] in out, out
+    assert "job.toml:" + expected.split(":")[1] in out, out
+
+
+def test_launch_without_a_command_says_how_to_give_one():
+    code, out = launch("-n", 2, timeout=30)
+    assert code == 2
+    assert "write the command after --" in out

@@ -1,0 +1,197 @@
+"""Pipelines across processes, on loopback: exactness against the single-process run of the
+same plan, a process that dies mid-step, and rendezvous mismatches.
+
+Every process is a `multiproc_worker.py` started here with RANK, WORLD_SIZE, MASTER_ADDR
+and MASTER_PORT (UCX and the rendezvous bound to 127.0.0.1); every process a test starts
+is killed and reaped when it ends, whatever happens.
+"""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conveyor import _C
+
+WORKER = Path(__file__).with_name("multiproc_worker.py")
+TOLERANCE = 1e-12
+# Parameters whose exact gradient is zero (a key bias before softmax) hold rounding noise
+# (~1e-23): relative error is measured against at least this scale, as in the pipeline tests.
+FLOOR = 1e-6
+
+try:
+    _probe = _C.ProcessGroup  # noqa: F841  (built with the multi-process runtime)
+    UCX_OK = True
+except AttributeError:
+    UCX_OK = False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env_for(rank: int, world: int, port: int) -> dict:
+    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               UCX_NET_DEVICES="lo", OMP_NUM_THREADS="1")
+    env.pop("LOCAL_RANK", None)
+    return env
+
+
+class Job:
+    """Processes of one test job; all of them are killed and reaped on exit."""
+
+    def __init__(self):
+        self.procs = []
+
+    def start(self, args, env):
+        p = subprocess.Popen([sys.executable, str(WORKER), *args], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+        self.procs.append(p)
+        return p
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            try:
+                p.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def run_world(world: int, args: list, out: Path, timeout: float = 240) -> list:
+    """Runs `world` processes of the worker; returns (returncode, output) per rank."""
+    port = free_port()
+    with Job() as job:
+        procs = [job.start([*args, "--out", str(out)], env_for(r, world, port)) for r in range(world)]
+        results = []
+        for p in procs:
+            try:
+                text, _ = p.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                text, _ = p.communicate()
+                text += "\n[killed: timed out]"
+            results.append((p.returncode, text))
+        return results
+
+
+def run_single(args: list, out: Path) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    r = subprocess.run([sys.executable, str(WORKER), *args, "--out", str(out)], env=env, capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return (a - b).abs().max().item() / max(b.abs().max().item(), FLOOR) if b.numel() else 0.0
+
+
+needs_ucx = pytest.mark.skipif(not UCX_OK, reason="the extension was built without the multi-process runtime")
+
+# (case, worker arguments): four stages each, so 2 and 4 processes both hold whole ranks;
+# every schedule, replicas and interleaving appear across the zoo.
+CASES = {
+    "mlp": ["--schedule", "1f1b", "--microbatches", "4"],
+    "cnn_batchnorm": ["--schedule", "gpipe", "--microbatches", "4"],
+    "resnet18": ["--schedule", "1f1b", "--microbatches", "2", "--batch", "8"],
+    "bert": ["--schedule", "interleaved", "--chunks", "2", "--microbatches", "4"],
+    "gpt2": ["--schedule", "zb-h1", "--microbatches", "4"],
+    "t5": ["--schedule", "1f1b", "--microbatches", "4", "--replicas", "2"],
+    "unet3d": ["--schedule", "gpipe", "--microbatches", "2", "--batch", "4"],
+    "inplace": ["--schedule", "zb-h1", "--microbatches", "8"],
+}
+
+
+@needs_ucx
+@pytest.mark.parametrize("name", list(CASES))
+def test_processes_train_exactly_like_one_process_running_the_same_plan(name, tmp_path):
+    """3 SGD steps in 2 and in 4 processes give the single-process run's losses and state."""
+    args = ["--case", name, "--stages", "4", "--steps", "3", *CASES[name]]
+    run_single(args, tmp_path / "one.pt")
+    reference = torch.load(tmp_path / "one.pt")
+    for world in (2, 4):
+        results = run_world(world, args, tmp_path / f"{world}.pt")
+        for rank, (code, text) in enumerate(results):
+            assert code == 0, f"{name}, {world} processes: process {rank} failed:\n{text[-3000:]}"
+        got = torch.load(tmp_path / f"{world}.pt")
+        assert got["losses"] == pytest.approx(reference["losses"], rel=TOLERANCE, abs=0)
+        for key, want in reference["state"].items():
+            assert rel(got["state"][key], want) <= TOLERANCE, f"{name}, {world} processes: {key}"
+
+
+@needs_ucx
+def test_a_process_that_dies_mid_step_stops_every_other_naming_it(tmp_path):
+    """Process 1 kills itself during step 1: the others exit within 10 s, naming process 1."""
+    port = free_port()
+    args = ["--case", "gpt2", "--stages", "3", "--steps", "4", "--microbatches", "8", "--timeout", "60"]
+    with Job() as job:
+        procs = [job.start([*args, "--out", str(tmp_path / "x.pt")] + (["--die-at-step", "1"] if r == 1 else []),
+                           env_for(r, 3, port)) for r in range(3)]
+        deadline = time.monotonic() + 180
+        while procs[1].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert procs[1].returncode == -signal.SIGKILL, procs[1].communicate()[0][-2000:]
+        died = time.monotonic()
+        for rank in (0, 2):
+            try:
+                text, _ = procs[rank].communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"process {rank} still runs 30 s after process 1 died")
+            waited = time.monotonic() - died
+            assert procs[rank].returncode != 0, text[-2000:]
+            assert "process 1 was lost" in text, text[-3000:]
+            assert waited < 10, f"process {rank} took {waited:.1f} s to stop"
+
+
+@needs_ucx
+@pytest.mark.parametrize("what, flag, expected", [
+    ("version", ["--version", "0.0.0-other"], "process 1 runs conveyor 0.0.0-other but process 0 runs conveyor"),
+    ("job", ["--job", "another-model"], "process 1 runs a different model or plan than process 0"),
+])
+def test_a_rendezvous_with_mismatched_processes_fails_on_every_process(what, flag, expected, tmp_path):
+    port = free_port()
+    with Job() as job:
+        procs = [job.start(["--case", "mlp", "--timeout", "30", "--out", str(tmp_path / "x.pt")] + (flag if r == 1 else []),
+                           env_for(r, 2, port)) for r in range(2)]
+        for rank, p in enumerate(procs):
+            text, _ = p.communicate(timeout=120)
+            assert p.returncode != 0, f"process {rank} went on with a mismatched {what}"
+            assert expected in text, text[-3000:]
+
+
+@needs_ucx
+def test_a_pipeline_that_differs_between_processes_fails_naming_them(tmp_path):
+    port = free_port()
+    with Job() as job:
+        procs = [job.start(["--case", "mlp", "--timeout", "30", "--out", str(tmp_path / "x.pt"), "--microbatches",
+                            "4" if r == 0 else "2"], env_for(r, 2, port)) for r in range(2)]
+        for p in procs:
+            text, _ = p.communicate(timeout=120)
+            assert p.returncode != 0
+            assert "processes 1 built a different pipeline" in text, text[-3000:]
+
+
+@needs_ucx
+def test_a_process_that_never_joins_fails_the_rendezvous_naming_it_within_the_timeout(tmp_path):
+    port = free_port()
+    with Job() as job:
+        start = time.monotonic()
+        p = job.start(["--case", "mlp", "--timeout", "3", "--out", str(tmp_path / "x.pt")], env_for(0, 3, port))
+        text, _ = p.communicate(timeout=120)
+        assert p.returncode != 0
+        assert "processes 1, 2 did not join" in text, text[-3000:]
+        assert time.monotonic() - start < 60

@@ -1,0 +1,246 @@
+#include "tools/launch.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <toml++/toml.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+
+#include "partitioner/toml_fields.h"
+
+namespace conveyor::tools {
+
+using toml_fields::check_keys;
+using toml_fields::TomlError;
+
+namespace {
+
+int whole_number(const toml::table& t, std::string_view key, int lo, int hi, int fallback) {
+  const toml::node* n = t.get(key);
+  if (!n) return fallback;
+  auto v = n->value<std::int64_t>();
+  if (!v || *v < lo || *v > hi) {
+    throw TomlError(n->source(), std::string(key) + " must be a whole number from " + std::to_string(lo) + " to " +
+                                     std::to_string(hi));
+  }
+  return static_cast<int>(*v);
+}
+
+double seconds(const toml::table& t, std::string_view key, double fallback) {
+  const toml::node* n = t.get(key);
+  if (!n) return fallback;
+  auto v = n->value<double>();
+  if (!v || !std::isfinite(*v) || *v <= 0) throw TomlError(n->source(), std::string(key) + " must be a number of seconds > 0");
+  return *v;
+}
+
+std::string text(const toml::table& t, std::string_view key, const std::string& fallback,
+                 std::initializer_list<std::string_view> choices = {}) {
+  const toml::node* n = t.get(key);
+  if (!n) return fallback;
+  auto v = n->value<std::string>();
+  if (!v) throw TomlError(n->source(), std::string(key) + " must be a string");
+  if (choices.size() == 0) return *v;
+  std::string list;
+  for (auto c : choices) {
+    if (*v == c) return *v;
+    list += (list.empty() ? "" : ", ") + std::string(c);
+  }
+  throw TomlError(n->source(), std::string(key) + " = \"" + *v + "\" (expected one of " + list + ")");
+}
+
+// A free TCP port on the loopback interface (the kernel's pick; released at once).
+int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return 29500;
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  int port = 29500;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+    port = ntohs(a.sin_port);
+  }
+  close(fd);
+  return port;
+}
+
+bool loopback(const std::string& host) { return host == "127.0.0.1" || host == "localhost" || host == "::1"; }
+
+volatile sig_atomic_t stop_signal = 0;
+
+std::string describe_exit(int status) {
+  if (WIFEXITED(status)) return "exited with status " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return std::string("was killed by signal ") + strsignal(WTERMSIG(status));
+  return "stopped";
+}
+
+}  // namespace
+
+Result<JobConfig> parse_job_config(const std::string& content, const std::string& source) {
+  try {
+    toml::table root;
+    try {
+      root = toml::parse(content, source);
+    } catch (const toml::parse_error& e) {
+      throw TomlError(e.source(), std::string("not valid TOML: ") + std::string(e.description()));
+    }
+    check_keys(root, {"job"}, "the job config");
+    const toml::node* job = root.get("job");
+    if (!job || !job->as_table()) throw TomlError(job ? job->source().begin.line : 1, "missing the [job] table");
+    const toml::table& t = *job->as_table();
+    check_keys(t, {"processes", "hosts", "node_rank", "master_addr", "master_port", "timeout", "grace", "transport",
+                   "plan", "schedule", "trace"},
+               "[job]");
+    JobConfig c;
+    c.processes = whole_number(t, "processes", 1, 4096, 1);
+    if (const toml::node* h = t.get("hosts")) {
+      const toml::array* arr = h->as_array();
+      if (!arr || arr->empty()) throw TomlError(h->source(), "hosts must be a non-empty list of host names");
+      c.hosts.clear();
+      for (const toml::node& e : *arr) {
+        auto name = e.value<std::string>();
+        if (!name || name->empty()) throw TomlError(e.source(), "hosts must be a list of host names (strings)");
+        c.hosts.push_back(*name);
+      }
+    }
+    c.node_rank = whole_number(t, "node_rank", 0, static_cast<int>(c.hosts.size()) - 1, 0);
+    c.master_addr = text(t, "master_addr", "");
+    c.master_port = whole_number(t, "master_port", 0, 65535, 0);
+    c.timeout_s = seconds(t, "timeout", c.timeout_s);
+    c.grace_s = seconds(t, "grace", c.grace_s);
+    c.transport = text(t, "transport", "ucx", {"ucx", "nccl"});
+    if (c.transport == "nccl") {
+      throw TomlError(t.get("transport")->source(),
+                      "transport = \"nccl\": the NCCL backend is not built yet; use \"ucx\"");
+    }
+    c.plan = text(t, "plan", "auto");
+    if (c.plan != "auto" && access(c.plan.c_str(), R_OK) != 0) {
+      throw TomlError(t.get("plan")->source(), "plan = \"" + c.plan + "\": no such readable file (or \"auto\")");
+    }
+    c.schedule = text(t, "schedule", "auto", {"auto", "gpipe", "1f1b", "interleaved", "zb-h1"});
+    c.trace = text(t, "trace", "");
+    return c;
+  } catch (const TomlError& e) {
+    return e.status(source);
+  }
+}
+
+int launch(const JobConfig& c, const std::vector<std::string>& command) {
+  if (command.empty()) {
+    std::fprintf(stderr, "conveyor launch: nothing to run; write the command after --, e.g. "
+                         "conveyor launch -n 2 -- python train.py\n");
+    return 2;
+  }
+  const bool one_machine = c.hosts.size() == 1;
+  const std::string master = c.master_addr.empty() ? c.hosts[0] : c.master_addr;
+  if (c.master_port == 0 && !one_machine) {
+    std::fprintf(stderr, "conveyor launch: several hosts need a fixed master port (--master-port, or master_port in "
+                         "the config) that every machine's launcher is given\n");
+    return 2;
+  }
+  const int port = c.master_port != 0 ? c.master_port : free_port();
+  const int world = c.processes * static_cast<int>(c.hosts.size());
+  const long cores = std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
+  const int threads = static_cast<int>(std::max(1L, cores / c.processes));
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%g", c.timeout_s);
+  const std::string timeout = buf;
+
+  struct sigaction sa{};
+  sa.sa_handler = [](int s) { stop_signal = s; };
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+
+  std::vector<pid_t> pids;
+  for (int local = 0; local < c.processes; ++local) {
+    const int rank = c.node_rank * c.processes + local;
+    const pid_t pid = fork();
+    if (pid < 0) {
+      std::perror("conveyor launch: fork");
+      for (pid_t p : pids) kill(p, SIGKILL);
+      return 1;
+    }
+    if (pid == 0) {
+      setenv("RANK", std::to_string(rank).c_str(), 1);
+      setenv("LOCAL_RANK", std::to_string(local).c_str(), 1);
+      setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
+      setenv("LOCAL_WORLD_SIZE", std::to_string(c.processes).c_str(), 1);
+      setenv("MASTER_ADDR", master.c_str(), 1);
+      setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      setenv("CONVEYOR_TIMEOUT", timeout.c_str(), 1);
+      setenv("CONVEYOR_PLAN", c.plan.c_str(), 1);
+      setenv("CONVEYOR_SCHEDULE", c.schedule.c_str(), 1);
+      if (!c.trace.empty()) setenv("CONVEYOR_TRACE", c.trace.c_str(), 1);
+      setenv("OMP_NUM_THREADS", std::to_string(threads).c_str(), 0);  // the cores shared out, unless set
+      if (one_machine && loopback(master)) setenv("UCX_NET_DEVICES", "lo", 0);
+      std::vector<char*> argv;
+      for (const auto& a : command) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      execvp(argv[0], argv.data());
+      std::fprintf(stderr, "conveyor launch: cannot run %s: %s\n", argv[0], std::strerror(errno));
+      _exit(127);
+    }
+    pids.push_back(pid);
+  }
+  std::fprintf(stderr, "conveyor launch: %d processes (ranks %d-%d of %d), rendezvous at %s:%d\n", c.processes,
+               c.node_rank * c.processes, c.node_rank * c.processes + c.processes - 1, world, master.c_str(), port);
+
+  // Wait for all; the first failure (or a signal to the launcher) stops the others.
+  int exit_code = 0, running = static_cast<int>(pids.size());
+  bool stopping = false;
+  auto stop_others = [&](const std::string& why) {
+    if (stopping) return;
+    stopping = true;
+    std::fprintf(stderr, "conveyor launch: %s; stopping the other processes\n", why.c_str());
+    for (pid_t p : pids) {
+      if (p > 0) kill(p, SIGTERM);
+    }
+  };
+  auto stop_deadline = std::chrono::steady_clock::time_point::max();
+  while (running > 0) {
+    int status = 0;
+    const pid_t done = waitpid(-1, &status, WNOHANG);
+    if (done > 0) {
+      for (std::size_t local = 0; local < pids.size(); ++local) {
+        if (pids[local] != done) continue;
+        pids[local] = -1;
+        --running;
+        const int rank = c.node_rank * c.processes + static_cast<int>(local);
+        const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+        if (!ok && !stopping) {
+          exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+          stop_others("process " + std::to_string(rank) + " " + describe_exit(status));
+          stop_deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<long>(c.grace_s * 1000));
+        }
+      }
+      continue;
+    }
+    if (stop_signal != 0 && !stopping) {
+      exit_code = 128 + stop_signal;
+      stop_others(std::string("the launcher got ") + strsignal(stop_signal));
+      stop_deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<long>(c.grace_s * 1000));
+    }
+    if (stopping && std::chrono::steady_clock::now() > stop_deadline) {
+      for (pid_t p : pids) {
+        if (p > 0) kill(p, SIGKILL);
+      }
+      stop_deadline = std::chrono::steady_clock::time_point::max();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return exit_code;
+}
+
+}  // namespace conveyor::tools

@@ -1,0 +1,38 @@
+// `conveyor launch`: starts the processes of a job on this machine with the environment
+// torchrun-style scripts expect (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+// MASTER_ADDR, MASTER_PORT) plus conveyor's own (CONVEYOR_TIMEOUT, CONVEYOR_PLAN,
+// CONVEYOR_SCHEDULE, CONVEYOR_TRACE), watches them, and stops the job as soon as one of
+// them fails: the others get SIGTERM, then SIGKILL after a grace period, and the launcher
+// exits non-zero naming the process that failed. On several machines the launcher runs on
+// each (--node-rank), as torchrun does. A job config file (TOML, docs/formats.md) can hold
+// all of it; every field is checked, and an error names the line and what is expected.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace conveyor::tools {
+
+struct JobConfig {
+  int processes = 1;                       ///< per machine
+  std::vector<std::string> hosts{"127.0.0.1"};
+  int node_rank = 0;                       ///< which of `hosts` this launcher runs on
+  std::string master_addr;                 ///< empty: hosts[0]
+  int master_port = 0;                     ///< 0: a free port (one machine only)
+  double timeout_s = 300;                  ///< every wait between processes
+  double grace_s = 5;                      ///< SIGTERM to SIGKILL when stopping the job
+  std::string transport = "ucx";
+  std::string plan = "auto";               ///< "auto" or a plan JSON file
+  std::string schedule = "auto";
+  std::string trace;                       ///< each process writes <stem>.rank<R><ext>
+};
+
+/// Reads a job config file (TOML); `source` names it in errors ("job.toml:7: ...").
+Result<JobConfig> parse_job_config(const std::string& text, const std::string& source);
+
+/// Runs `command` as the job's local processes; returns the launcher's exit status.
+int launch(const JobConfig& config, const std::vector<std::string>& command);
+
+}  // namespace conveyor::tools
