@@ -26,7 +26,7 @@ Result<std::shared_ptr<ProcessGroup>> ProcessGroup::create(const ProcessGroupOpt
   join.world = options.world;
   join.host = options.host;
   join.port = options.port;
-  join.version = CONVEYOR_VERSION;
+  join.version = options.version.empty() ? std::string(CONVEYOR_VERSION) : options.version;
   join.job = options.job;
   join.address.assign(address.begin(), address.end());
   join.timeout = options.timeout;

@@ -24,6 +24,7 @@ struct ProcessGroupOptions {
   std::string host = "127.0.0.1";  ///< MASTER_ADDR
   int port = 29500;                ///< MASTER_PORT
   std::string job;                 ///< fingerprint every process must share (model and plan)
+  std::string version;             ///< the conveyor version announced (empty: this build's)
   std::chrono::milliseconds timeout{std::chrono::seconds(120)};  ///< rendezvous and every later wait
 };
 
