@@ -8,6 +8,7 @@
 #include <toml++/toml.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -183,7 +184,10 @@ int launch(const JobConfig& c, const std::vector<std::string>& command) {
       setenv("CONVEYOR_PLAN", c.plan.c_str(), 1);
       setenv("CONVEYOR_SCHEDULE", c.schedule.c_str(), 1);
       if (!c.trace.empty()) setenv("CONVEYOR_TRACE", c.trace.c_str(), 1);
-      setenv("OMP_NUM_THREADS", std::to_string(threads).c_str(), 0);  // the cores shared out, unless set
+      // The cores shared out between the processes (fewer if the caller asked for fewer).
+      const char* inherited = std::getenv("OMP_NUM_THREADS");
+      const int asked = inherited != nullptr ? std::atoi(inherited) : 0;
+      setenv("OMP_NUM_THREADS", std::to_string(asked > 0 ? std::min(asked, threads) : threads).c_str(), 1);
       if (one_machine && loopback(master)) setenv("UCX_NET_DEVICES", "lo", 0);
       std::vector<char*> argv;
       for (const auto& a : command) argv.push_back(const_cast<char*>(a.c_str()));
