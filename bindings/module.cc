@@ -296,6 +296,11 @@ PYBIND11_MODULE(_C, m) {
         py::gil_scoped_release nogil;
         check(step.synchronize_state());
       }, "Many processes: every parameter and buffer becomes its owner's, on every process (collective).")
+      .def("owners", [](const runtime::PipelineStep& step) {
+        py::dict out;
+        for (const auto& [name, process] : step.owners()) out[py::str(name)] = process;
+        return out;
+      }, "Many processes: {parameter or buffer name: the process that owns it} (empty in one process).")
       .def(
           "run",
           [](runtime::PipelineStep& step, const py::sequence& inputs, double grad_scale) {

@@ -6,6 +6,11 @@ the loss fall; write a Perfetto trace of a measured step; print the live profile
 against predicted, per stage).
 
     ./run demo [--steps 200] [--devices 4]
+
+The same script runs across processes under the launcher (each process runs its share of
+the pipeline; process 0 prints):
+
+    ./run conveyor launch -n 2 -- python examples/demo.py --steps 50
 """
 import argparse
 import copy
@@ -41,6 +46,13 @@ def batches(ids: torch.Tensor, batch: int, seq: int, gen: torch.Generator):
         yield torch.stack([ids[s:s + seq] for s in starts])
 
 
+def say(*args, **kwargs):
+    """Prints once per job: in process 0 (the only one when run alone)."""
+    found = conveyor.distributed.world()
+    if found is None or found[0] == 0:
+        print(*args, **kwargs)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=200)
@@ -55,19 +67,20 @@ def main():
     text = make_corpus(4000, seed=1)
     vocab = sorted(set(text))
     ids = torch.tensor([vocab.index(c) for c in text], dtype=torch.long)
-    print(f"corpus: {len(text):,} characters, vocabulary of {len(vocab)}")
+    say(f"corpus: {len(text):,} characters, vocabulary of {len(vocab)}")
 
     case = zoo.gpt2(batch=args.batch, seq=args.seq, dtype=torch.float32, layers=4, hidden=128,
                     vocab=len(vocab), dropout=0.0)
     model = case.model
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: GPT-2 ({model.config.n_layer} layers, width {model.config.n_embd}, tied embeddings), "
+    say(f"model: GPT-2 ({model.config.n_layer} layers, width {model.config.n_embd}, tied embeddings), "
           f"{n_params / 1e6:.2f}M parameters, random init")
 
     gen = torch.Generator().manual_seed(2)
     data = batches(ids, args.batch, args.seq, gen)
     os.makedirs(args.out, exist_ok=True)
-    trace_path = os.path.join(args.out, "demo_run.pftrace")
+    world = conveyor.distributed.world()
+    trace_path = os.path.join(args.out, "demo_run.pftrace" if world is None else f"demo_run.rank{world[0]}.pftrace")
 
     # One line: the model is captured, profiled and planned on this machine at the first call.
     ref = copy.deepcopy(model)
@@ -77,40 +90,44 @@ def main():
     x = next(data)
     t0 = time.perf_counter()
     loss = piped(input_ids=x, labels=x)
-    print(f"captured, profiled and planned in {time.perf_counter() - t0:.1f}s "
-          f"(the first step included); the plan on {piped._devices} virtual CPU devices:\n")
-    print(piped.plan)
+    where = (f"{piped._devices} virtual CPU devices" if world is None
+             else f"{piped.world_size} processes, one device each")
+    say(f"captured, profiled and planned in {time.perf_counter() - t0:.1f}s "
+        f"(the first step included); the plan on {where}:\n")
+    say(piped.plan)
 
-    # Step 1 against eager PyTorch accumulating gradients over the same microbatches.
+    # Step 1 against eager PyTorch accumulating gradients over the same microbatches (in one
+    # process: across processes each holds only its stages' gradients).
     loss.backward()
-    m = piped.microbatches
-    ref_loss = 0.0
-    for part in x.tensor_split(m):
-        share = part.shape[0] / x.shape[0]
-        part_loss = ref(input_ids=part, labels=part).loss
-        (part_loss * share).backward()
-        ref_loss += part_loss.item() * share
-    worst = max(((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-30)).item()
-                for p, q in zip(model.parameters(), ref.parameters()))
-    print(f"step-1 check vs eager with {m} accumulated microbatches: loss {loss.item():.6f} vs {ref_loss:.6f}, "
-          f"worst relative gradient difference {worst:.1e}")
+    if world is None:
+        m = piped.microbatches
+        ref_loss = 0.0
+        for part in x.tensor_split(m):
+            share = part.shape[0] / x.shape[0]
+            part_loss = ref(input_ids=part, labels=part).loss
+            (part_loss * share).backward()
+            ref_loss += part_loss.item() * share
+        worst = max(((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-30)).item()
+                    for p, q in zip(model.parameters(), ref.parameters()))
+        say(f"step-1 check vs eager with {m} accumulated microbatches: loss {loss.item():.6f} vs {ref_loss:.6f}, "
+            f"worst relative gradient difference {worst:.1e}")
     del ref
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    piped.clip_grad_norm_(1.0)  # the whole model's norm, across processes too
     opt.step()
     opt.zero_grad(set_to_none=True)
 
     first_loss = loss.item()
     window, start = [], time.perf_counter()
-    print(f"\ntraining {args.steps} steps, pipelined (batch {args.batch} x {args.seq} tokens)")
+    say(f"\ntraining {args.steps} steps, pipelined (batch {args.batch} x {args.seq} tokens)")
     for step in range(2, args.steps + 1):
         x = next(data)
         loss = piped(input_ids=x, labels=x)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        piped.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         window.append(loss.item())
-        if step % 10 == 0 or step == args.steps:
+        if (step % 10 == 0 or step == args.steps) and piped.rank == 0:
             elapsed = time.perf_counter() - start
             done = int(30 * step / args.steps)
             bar = "#" * done + "." * (30 - done)
@@ -119,18 +136,19 @@ def main():
             sys.stdout.flush()
             window = []
     final = loss.item()
-    print(f"\nloss {first_loss:.3f} -> {final:.3f} ({'down' if final < first_loss else 'NOT down'})")
+    say(f"\nloss {first_loss:.3f} -> {final:.3f} ({'down' if final < first_loss else 'NOT down'})")
     # Every step's measured actions reached the pipeline's partitioner actor: how the running
     # plan compares with the planner's prediction.
-    print(piped.profile_report())
-    print(f"trace of a measured step: {trace_path} (open at ui.perfetto.dev; check with "
+    say(piped.profile_report())
+    say(f"trace of a measured step: {trace_path} (open at ui.perfetto.dev; check with "
           f"./run conveyor trace check {trace_path})")
 
+    piped.state_dict()  # across processes: every process's copy of the model becomes whole
     graph = piped._graph
-    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "demo_gpt2.cvg")
-    graph.save(path)
-    print(f"saved the trained graph to {path}; inspect it with: ./run conveyor inspect {path}")
+    if piped.rank == 0:
+        graph.save(path)
+    say(f"saved the trained graph to {path}; inspect it with: ./run conveyor inspect {path}")
     if final >= first_loss:
         sys.exit("the loss did not go down")
 

@@ -1410,7 +1410,7 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
       carrier[0] = total.item<double>();
       carrier[1] = static_cast<double>(total.scalar_type());
     }
-    if (Status s = im.processes->broadcast(carrier, im.stage_process[loss_stage]); !s) {
+    if (Status s = im.processes->broadcast(carrier, im.stage_process[loss_stage]).with_context("the step's loss"); !s) {
       im.out_of_step = true;
       return s;
     }
@@ -1421,6 +1421,8 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
   out.loss = total;
   return out;
 }
+
+std::vector<std::pair<std::string, int>> PipelineStep::owners() const { return impl_->owners; }
 
 Status PipelineStep::synchronize_state() {
   Impl& im = *impl_;

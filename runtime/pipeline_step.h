@@ -81,6 +81,9 @@ class PipelineStep {
   /// first stage that reads it), on every process. Collective: every process calls it (the
   /// pipeline does at creation, conveyor.Module's state_dict() does before reading).
   Status synchronize_state();
+  /// Many processes: each parameter and buffer the pipeline reads, with the process that
+  /// owns it (its first reader's); empty in one process.
+  std::vector<std::pair<std::string, int>> owners() const;
 
   /// The last step's gradient buckets of replicated stages, and how many were reduced while
   /// their stage's last backward still ran.

@@ -65,7 +65,7 @@ Status ProcessGroup::wait(const std::function<void(transport::Done)>& issue, con
                                              " ms (a process that hangs, or one that stopped calling in step; "
                                              "raise the timeout if the work is just slow)");
   }
-  return future.get();
+  return future.get().with_context("process " + std::to_string(rank_) + ", " + what);
 }
 
 Result<std::string> ProcessGroup::broadcast_bytes(int root, const std::string& bytes) const {

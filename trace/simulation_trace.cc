@@ -59,22 +59,37 @@ void add_simulation(PerfettoTrace& trace, const scheduler::Schedule& schedule,
   };
   auto ns = [](double s) { return static_cast<std::uint64_t>(std::llround(s * 1e9)); };
   const bool with_stage = schedule.spec.chunks > 1;
-  for (const Span& span : result.spans) {
+  // Each span's flows: a send starts one, its consumers end it.
+  std::vector<std::vector<std::uint64_t>> flows(result.spans.size());
+  std::map<std::uint64_t, int> ends;  // flow id -> spans carrying it
+  for (std::size_t k = 0; k < result.spans.size(); ++k) {
+    const Span& span = result.spans[k];
     const auto& a = span.action;
     const int r = span.rank, i = std::min(span.replica, replicas[r] - 1);
-    std::vector<std::uint64_t> flows;
-    std::uint64_t track = tracks[{r, i}].compute;
     if (span.stream == Span::Stream::kSend) {
-      track = send_track(r, i, a.peer);
-      flows.push_back(transfer_flow_id(a.kind == ActionKind::kSendGradient, a.microbatch, a.stage, i));
-    } else if (span.stream == Span::Stream::kCollective) {
-      track = tracks[{r, i}].collective;
-    } else if (a.kind == ActionKind::kForward && a.stage > 0) {
-      for (int j : partners(r, i, a.stage - 1)) flows.push_back(transfer_flow_id(false, a.microbatch, a.stage - 1, j));
-    } else if ((a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardInput) && a.stage + 1 < stages) {
-      for (int j : partners(r, i, a.stage + 1)) flows.push_back(transfer_flow_id(true, a.microbatch, a.stage + 1, j));
+      flows[k].push_back(transfer_flow_id(a.kind == ActionKind::kSendGradient, a.microbatch, a.stage, i));
+    } else if (span.stream == Span::Stream::kCompute && a.kind == ActionKind::kForward && a.stage > 0) {
+      for (int j : partners(r, i, a.stage - 1)) flows[k].push_back(transfer_flow_id(false, a.microbatch, a.stage - 1, j));
+    } else if (span.stream == Span::Stream::kCompute &&
+               (a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardInput) && a.stage + 1 < stages) {
+      for (int j : partners(r, i, a.stage + 1)) flows[k].push_back(transfer_flow_id(true, a.microbatch, a.stage + 1, j));
     }
-    trace.slice(track, ns(span.start_s), ns(span.end_s), scheduler::action_text(a, with_stage), flows);
+    for (std::uint64_t f : flows[k]) ++ends[f];
+  }
+  for (std::size_t k = 0; k < result.spans.size(); ++k) {
+    const Span& span = result.spans[k];
+    const auto& a = span.action;
+    const int r = span.rank, i = std::min(span.replica, replicas[r] - 1);
+    std::uint64_t track = tracks[{r, i}].compute;
+    if (span.stream == Span::Stream::kSend) track = send_track(r, i, a.peer);
+    if (span.stream == Span::Stream::kCollective) track = tracks[{r, i}].collective;
+    // A process's own trace of a pipeline across processes holds one end of the transfers
+    // to and from the others: only flows with both ends here are drawn.
+    std::vector<std::uint64_t> joined;
+    for (std::uint64_t f : flows[k]) {
+      if (ends[f] > 1) joined.push_back(f);
+    }
+    trace.slice(track, ns(span.start_s), ns(span.end_s), scheduler::action_text(a, with_stage), joined);
   }
 }
 

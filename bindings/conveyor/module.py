@@ -205,6 +205,29 @@ class Module(torch.nn.Module):
         if self._group is not None and self._step is not None:
             self._step.synchronize_state()
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over the whole model: across processes the norm
+        counts every parameter's gradient once (in the process that owns it) and is the same
+        on every process (collective: call it on every process). Returns the total norm."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        if self._group is None or self._step is None:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        if norm_type != 2.0:
+            raise ConveyorValueError("across processes clip_grad_norm_ takes norm_type=2 for now")
+        owners = self._step.owners()
+        mine = {t.data_ptr() for name, t in self._graph.tensors.items() if owners.get(name) == self._group.rank}
+        owned = [p.grad for p in params if p.data_ptr() in mine]
+        total = torch.zeros(1, dtype=torch.float64)
+        for g in owned:
+            total += g.detach().double().pow(2).sum().cpu()
+        self._group.allreduce(total)
+        norm = total.sqrt()[0]
+        scale = max_norm / (norm.item() + 1e-6)
+        if scale < 1:
+            for p in params:
+                p.grad.mul_(scale)
+        return norm.to(params[0].dtype if params else torch.float32)
+
     def state_dict(self, *args, **kwargs):
         self._gather()
         return self.module.state_dict(*args, **kwargs)

@@ -40,8 +40,16 @@ def launch(*args, timeout=300):
 
 
 def test_the_same_script_under_the_launcher_trains_like_one_process_running_its_plan(tmp_path):
-    code, out = launch("-n", 2, "--", sys.executable, WORKER, "--out", tmp_path / "two.pt")
+    """Launched from a job config that asks for a trace: each process writes its own, valid."""
+    config = tmp_path / "job.toml"
+    config.write_text(f'[job]\nprocesses = 2\ntrace = "{tmp_path / "run.pftrace"}"\n')
+    code, out = launch("--config", config, "--", sys.executable, WORKER, "--out", tmp_path / "two.pt")
     assert code == 0, out[-4000:]
+    for rank in (0, 1):
+        check = subprocess.run([TOOL, "trace", "check", tmp_path / f"run.rank{rank}.pftrace"], capture_output=True,
+                               text=True, timeout=60)
+        assert check.returncode == 0, check.stdout + check.stderr
+        assert "valid Perfetto trace" in check.stdout
     two = torch.load(tmp_path / "two.pt")
     assert two["world"] == 2
     alone = subprocess.run([sys.executable, WORKER, "--plan", tmp_path / "two.pt.plan.json", "--out", tmp_path / "one.pt"],
