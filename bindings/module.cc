@@ -225,6 +225,13 @@ PYBIND11_MODULE(_C, m) {
            "Joins the job: process 0 listens at host:port, the others connect; every process connects to every "
            "other over UCX. job: a fingerprint every process must share. timeout_s: the rendezvous and every "
            "later wait. version: the conveyor version to announce (empty: this build's; tests of mismatches).")
+      .def("close", [](runtime::ProcessGroup& g) {
+        py::gil_scoped_release nogil;
+        g.close();
+      }, "Leaves the job in step with the others (a last exchange, then connections flushed as they close).")
+      .def("abort", [](runtime::ProcessGroup& g, const std::string& why) {
+        g.abort(Status(ErrorCode::kExecution, why));
+      }, py::arg("why"), "Gives up: everything pending and later fails with `why`; close() then only closes.")
       .def_property_readonly("rank", &runtime::ProcessGroup::rank)
       .def_property_readonly("world_size", &runtime::ProcessGroup::world_size)
       .def("broadcast_bytes", [](const runtime::ProcessGroup& g, int root, const py::bytes& data) {
@@ -292,10 +299,11 @@ PYBIND11_MODULE(_C, m) {
            "the stages come from (its prediction is what the live profile compares against); processes, "
            "rank_process: run across the job's processes, pipeline rank r on process rank_process[r]; "
            "step_timeout_s: a step that takes longer fails (0: 10 minutes).")
-      .def("synchronize_state", [](runtime::PipelineStep& step) {
+      .def("gather_state", [](runtime::PipelineStep& step) {
         py::gil_scoped_release nogil;
-        check(step.synchronize_state());
-      }, "Many processes: every parameter and buffer becomes its owner's, on every process (collective).")
+        check(step.gather_state());
+      }, "Many processes: every parameter and buffer becomes its owner's, whole, on every process (collective; "
+         "the next step releases what this process's stages do not read).")
       .def("owners", [](const runtime::PipelineStep& step) {
         py::dict out;
         for (const auto& [name, process] : step.owners()) out[py::str(name)] = process;

@@ -238,6 +238,16 @@ struct PipelineStep::Impl {
   std::vector<std::pair<std::string, bool>> cross_shared;  // parameters read in several processes (read here?)
   std::vector<std::pair<std::string, int>> owners;   // parameters and buffers: the process of their first reader
   bool out_of_step = false;  // a failed step left the processes out of step
+  // Parameters and buffers no stage of this process reads: released (0 elements) while the
+  // pipeline trains, so a process holds only its stages' share of the model; brought back
+  // whole (from their owners) by gather_state(), released again at the next step.
+  struct NotHere {
+    std::string name;
+    std::vector<std::int64_t> sizes;
+  };
+  std::vector<NotHere> not_here;
+  bool released = false;
+  std::set<std::string> buffers_here;  // buffers some stage of this process reads
   static const std::vector<ValueId>* values_for(const std::vector<Remote>& list, int process) {
     for (const Remote& r : list) {
       if (r.process == process) return &r.values;
@@ -617,6 +627,11 @@ struct PipelineStep::Impl {
       if (!first.count(b.value) || executors[0]->tensor(b.name) == nullptr) continue;
       if (b.kind != graph::Binding::Kind::kParameter && b.kind != graph::Binding::Kind::kBuffer) continue;
       owners.emplace_back(b.name, stage_process[first[b.value]]);
+      if (!reading[b.value].count(process)) {
+        not_here.push_back({b.name, executors[0]->tensor(b.name)->sizes().vec()});
+      } else if (b.kind == graph::Binding::Kind::kBuffer) {
+        buffers_here.insert(b.name);
+      }
       if (b.kind == graph::Binding::Kind::kParameter && reading[b.value].size() > 1 &&
           executors[0]->tensor(b.name)->requires_grad()) {
         cross_shared.emplace_back(b.name, reading[b.value].count(process) > 0);
@@ -856,13 +871,49 @@ struct PipelineStep::Impl {
     return Status::ok();
   }
 
+  // Frees what no local stage reads (every replica's handle on it); the user's tensors keep
+  // their identity (set_data), so optimizers and state_dict() still find them.
+  void release_not_here() {
+    if (released || not_here.empty()) return;
+    c10::NoGradGuard no_grad;
+    for (const auto& t : not_here) {
+      for (const auto& ex : executors) {
+        if (const at::Tensor* x = ex->tensor(t.name)) x->set_data(at::empty({0}, x->options()));
+      }
+    }
+    released = true;
+  }
+
+  // Gives the released tensors their shapes back (contents: gather_state's broadcast).
+  void materialize_not_here() {
+    if (!released) return;
+    c10::NoGradGuard no_grad;
+    for (const auto& t : not_here) {
+      const at::Tensor* mine = executors[0]->tensor(t.name);
+      mine->set_data(at::empty(t.sizes, mine->options()));
+      for (std::size_t r = 1; r < executors.size(); ++r) {
+        if (const at::Tensor* x = executors[r]->tensor(t.name)) x->set_data(*mine);
+      }
+    }
+    released = false;
+  }
+
+  const std::vector<std::int64_t>* released_sizes(const std::string& name) const {
+    if (!released) return nullptr;
+    for (const auto& t : not_here) {
+      if (t.name == name) return &t.sizes;
+    }
+    return nullptr;
+  }
+
   // Parameters read by stages in several processes (tied weights): their gradients summed
   // across the processes (one that does not read a parameter adds zeros), kept where read.
   Status reduce_across_processes() {
     c10::NoGradGuard no_grad;
     for (const auto& [name, read_here] : cross_shared) {
       at::Tensor p = *executors[0]->tensor(name);
-      at::Tensor g = p.grad().defined() ? p.grad().clone() : at::zeros_like(p);
+      const auto* sizes = released_sizes(name);  // not read here: its shape, for zeros
+      at::Tensor g = p.grad().defined() ? p.grad().clone() : sizes ? at::zeros(*sizes, p.options()) : at::zeros_like(p);
       CONVEYOR_RETURN_IF_ERROR(processes->wait([&](transport::Done d) { processes->all().allreduce(g, d); },
                                                "summing the gradient of '" + name + "' across processes"));
       if (read_here) p.mutable_grad() = g;
@@ -1216,8 +1267,10 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
                             actors::Coordinator::create(impl->schedule, std::move(hooks), impl->rank_replicas,
                                                         std::move(options.predicted), std::move(local)));
   std::unique_ptr<PipelineStep> step(new PipelineStep(std::move(impl)));
-  // Every process starts from the same parameters and buffers: their owners'.
-  CONVEYOR_RETURN_IF_ERROR(step->synchronize_state());
+  // Every process starts from the same parameters and buffers, their owners', and keeps
+  // only what its stages read.
+  CONVEYOR_RETURN_IF_ERROR(step->gather_state());
+  step->impl_->release_not_here();
   return step;
 }
 
@@ -1251,6 +1304,7 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
     return Status(ErrorCode::kExecution, "an earlier step failed and left the processes out of step; "
                                          "restart the job (every process) after fixing its cause");
   }
+  im.release_not_here();  // after gather_state(), this process again holds only its stages' share
   if (inputs.size() != im.batched_input.size()) {
     return Status(ErrorCode::kInvalidArgument, "the model takes " + std::to_string(im.batched_input.size()) +
                                                    " inputs but got " + std::to_string(inputs.size()));
@@ -1294,6 +1348,7 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
     c10::NoGradGuard no_grad;
     for (std::size_t r = 1; r < im.executors.size(); ++r) {
       for (const auto& name : im.buffers) {
+        if (im.processes && !im.buffers_here.count(name)) continue;  // released here
         at::Tensor mine = *im.executors[r]->tensor(name);
         mine.copy_(*im.executors[0]->tensor(name));
       }
@@ -1384,7 +1439,11 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
   im.activations.clear();
   im.grads.clear();
   im.joined_grads.clear();
-  if (im.processes && (!measured || !im.send_error.is_ok())) im.out_of_step = true;
+  if (im.processes && (!measured || !im.send_error.is_ok())) {
+    // Out of step with the other processes: this process's part of the job is over.
+    im.out_of_step = true;
+    im.processes->abort(measured ? im.send_error : measured.status());
+  }
   if (!measured) return measured.status();
   CONVEYOR_RETURN_IF_ERROR(im.send_error);
   CONVEYOR_RETURN_IF_ERROR(im.reduce(im.shared_parameters, im.shared_group));
@@ -1424,9 +1483,10 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
 
 std::vector<std::pair<std::string, int>> PipelineStep::owners() const { return impl_->owners; }
 
-Status PipelineStep::synchronize_state() {
+Status PipelineStep::gather_state() {
   Impl& im = *impl_;
   if (!im.processes) return Status::ok();
+  im.materialize_not_here();
   c10::NoGradGuard no_grad;
   for (const auto& [name, owner] : im.owners) {
     CONVEYOR_RETURN_IF_ERROR(im.processes->broadcast(*im.executors[0]->tensor(name), owner));

@@ -78,9 +78,11 @@ class PipelineStep {
   Result<StepResult> run(const std::vector<c10::IValue>& inputs, double grad_scale = 1.0);
 
   /// Many processes: every parameter and buffer becomes its owner's (the process of the
-  /// first stage that reads it), on every process. Collective: every process calls it (the
-  /// pipeline does at creation, conveyor.Module's state_dict() does before reading).
-  Status synchronize_state();
+  /// first stage that reads it), on every process, and whole: while it trains, a process
+  /// holds only what its stages read (the rest has 0 elements until this brings it back,
+  /// and the next step releases it again). Collective: every process calls it (the pipeline
+  /// does at creation; conveyor.Module's state_dict(), load_state_dict() and evaluation do).
+  Status gather_state();
   /// Many processes: each parameter and buffer the pipeline reads, with the process that
   /// owns it (its first reader's); empty in one process.
   std::vector<std::pair<std::string, int>> owners() const;

@@ -53,7 +53,17 @@ Result<std::shared_ptr<ProcessGroup>> ProcessGroup::create(const ProcessGroupOpt
   return group;
 }
 
-ProcessGroup::~ProcessGroup() = default;
+ProcessGroup::~ProcessGroup() { close(); }
+
+void ProcessGroup::close() {
+  if (closed_ || !all_) return;
+  closed_ = true;
+  if (failed_) return;
+  at::Tensor here = at::ones({1}, at::kLong);
+  if (wait([&](transport::Done d) { all_->allreduce(here, d); }, "leaving the job (every process's last step)")) {
+    endpoint_->close_gracefully();
+  }
+}
 
 Status ProcessGroup::wait(const std::function<void(transport::Done)>& issue, const std::string& what) const {
   auto promise = std::make_shared<std::promise<Status>>();
@@ -84,6 +94,7 @@ Status ProcessGroup::broadcast(at::Tensor tensor, int root) const {
 }
 
 void ProcessGroup::abort(Status error) {
+  failed_ = true;
   all_->abort(error);
   endpoint_->abort(std::move(error));
 }

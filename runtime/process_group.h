@@ -50,6 +50,10 @@ class ProcessGroup {
   Status broadcast(at::Tensor tensor, int root) const;
   /// Fails everything pending and later with `error` (a process that gives up).
   void abort(Status error);
+  /// Leaves the job in step: waits (within the timeout) until every process has come here,
+  /// so none leaves while another still waits for what it sent, then lets the connections
+  /// flush as they close. The destructor does it too; after an error it only closes.
+  void close();
 
  private:
   ProcessGroup() = default;
@@ -58,6 +62,7 @@ class ProcessGroup {
   std::shared_ptr<transport::UcxEndpoint> endpoint_;
   std::shared_ptr<transport::EndpointGroup> all_;
   std::shared_ptr<void> rendezvous_;  // process 0: the published rendezvous actor
+  bool closed_ = false, failed_ = false;
 };
 
 }  // namespace conveyor::runtime

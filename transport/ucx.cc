@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -217,6 +218,8 @@ class UcxMember final : public UcxEndpoint {
     });
   }
 
+  void close_gracefully() override { graceful_ = true; }
+
   void abort(Status error) override {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -321,19 +324,26 @@ class UcxMember final : public UcxEndpoint {
       std::uint64_t drained;
       [[maybe_unused]] auto n = read(wake_, &drained, sizeof drained);
     }
-    // Closing: endpoints closed at once (force), pending receives failed.
+    // Closing: pending receives failed; endpoints flushed first (what was sent reaches the
+    // peers, within 5 s) unless the member failed or was told to go at once.
+    const bool flush = graceful_ && current_error().is_ok();
     fail_now(Status(ErrorCode::kExecution, "the UCX endpoint was closed"));
+    std::vector<ucs_status_ptr_t> closing;
     for (ucp_ep_h& ep : eps_) {
       if (!ep) continue;
       ucp_request_param_t p{};
       p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-      p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+      p.flags = flush ? 0 : UCP_EP_CLOSE_FLAG_FORCE;
       ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &p);
-      if (UCS_PTR_IS_PTR(r)) {
-        while (ucp_request_check_status(r) == UCS_INPROGRESS) ucp_worker_progress(worker_);
-        ucp_request_free(r);
-      }
+      if (UCS_PTR_IS_PTR(r)) closing.push_back(r);
       ep = nullptr;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(flush ? 5 : 1);
+    for (ucs_status_ptr_t r : closing) {
+      while (ucp_request_check_status(r) == UCS_INPROGRESS && std::chrono::steady_clock::now() < deadline) {
+        ucp_worker_progress(worker_);
+      }
+      if (ucp_request_check_status(r) != UCS_INPROGRESS) ucp_request_free(r);
     }
   }
 
@@ -349,6 +359,7 @@ class UcxMember final : public UcxEndpoint {
   int in_flight_ = 0;                    // UCX requests not completed (progress thread only)
   std::thread progress_;
   std::atomic<bool> stop_{false};
+  std::atomic<bool> graceful_{false};  // flush the endpoints when closing
   std::mutex mu_;
   std::deque<std::function<void()>> commands_;
   Status error_ = Status::ok();

@@ -29,6 +29,9 @@ class UcxEndpoint : public Endpoint {
   virtual Status connect(int peer, const std::vector<std::uint8_t>& address) = 0;
   /// Fails every pending and later operation with `error`.
   virtual void abort(Status error) = 0;
+  /// When this member goes, what it sent is flushed to its peers first (a few seconds at
+  /// most) instead of its connections being dropped at once.
+  virtual void close_gracefully() = 0;
 };
 
 /// `n` members in this process, connected to each other (tests, and single-process runs

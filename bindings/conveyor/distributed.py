@@ -10,7 +10,9 @@ or Module(timeout=).
 """
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 
 from . import _C
 from .errors import ConveyorValueError
@@ -94,4 +96,20 @@ def process_group(job: str, timeout_s: float):
     rank, n, host, port = found
     _group = _C.ProcessGroup(rank, n, host, port, job=job, timeout_s=timeout_s)
     _group_key = found
+    _leave_in_step()
     return _group
+
+
+def _leave_in_step():
+    """At exit the process leaves the job in step with the others (so none goes while another
+    still waits for what it sent); after an uncaught exception it gives up at once instead,
+    so the others learn of it within seconds rather than at their timeout."""
+    previous = sys.excepthook
+
+    def give_up(kind, value, tb):
+        if _group is not None:
+            _group.abort(f"process {_group.rank} failed: {kind.__name__}: {value}")
+        previous(kind, value, tb)
+
+    sys.excepthook = give_up
+    atexit.register(lambda: _group.close() if _group is not None else None)

@@ -13,10 +13,11 @@ thread; the plan it runs is `model.plan`.
 Under a launcher (`conveyor launch -n N -- python train.py`, or RANK, WORLD_SIZE,
 MASTER_ADDR and MASTER_PORT set by hand or by torchrun) the same script runs across the N
 processes: process 0 plans for N devices (one per process), every process runs its share
-of the pipeline's ranks, the loss reaches every process, and `state_dict()` gathers the
+of the pipeline's ranks and holds only the parameters its stages read (the others have 0
+elements while it trains), the loss reaches every process, and `state_dict()` gathers the
 whole model from the processes that own each part (call it on every process: it is
-collective, like evaluation under `torch.no_grad()`). Every process must be fed the same
-batches.
+collective, like `load_state_dict()` and evaluation under `torch.no_grad()`). Every process
+must be fed the same batches.
 
     stages        None: planned; an int: that many stages cut in capture order; a list:
                   node lists (a partition of the captured graph)
@@ -201,9 +202,10 @@ class Module(torch.nn.Module):
         return self._world[1] if self._world else 1
 
     def _gather(self) -> None:
-        """Across processes: every parameter and buffer becomes its owner's (collective)."""
+        """Across processes: the whole model, every part from its owner, in every process
+        (collective; the next training step frees again what this process's stages do not read)."""
         if self._group is not None and self._step is not None:
-            self._step.synchronize_state()
+            self._step.gather_state()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over the whole model: across processes the norm
@@ -233,6 +235,7 @@ class Module(torch.nn.Module):
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        self._gather()  # across processes: every tensor whole again, so every one takes its value
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     # -- building ---------------------------------------------------------------------

@@ -11,6 +11,7 @@ losses and the full model state (gathered from every process) to --out.
 import argparse
 import os
 import signal
+import time
 
 import torch
 
@@ -59,21 +60,28 @@ def main():
                      step_timeout_s=args.timeout)
     else:
         rank = 0
+    total = sum(p.numel() for p in model.parameters())
     step = _C.PipelineStep(graph.executor, stages, args.schedule, args.microbatches, args.chunks,
                            [args.replicas] * ranks, **extra)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
+    step_s = 0.0
     for k in range(args.steps):
         if k == args.die_at_step:
-            # Dies in the middle of the step: a thread kills the process while it runs.
+            # Dies in the middle of the step: a thread kills the process half a step in.
             import threading
-            threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+            threading.Timer(step_s / 2, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
         optimizer.zero_grad(set_to_none=True)
+        start = time.perf_counter()
         loss, _, _ = step.run(inputs)
+        step_s = time.perf_counter() - start
         losses.append(loss.item())
         optimizer.step()
     if world > 1:
-        step.synchronize_state()
+        # While it trains, a process holds only what its stages read.
+        held = sum(p.numel() for p in model.parameters())
+        print(f"HELD {held} OF {total}", flush=True)
+        step.gather_state()
     if rank == 0:
         torch.save({"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}},
                    args.out)

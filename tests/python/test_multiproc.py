@@ -119,14 +119,22 @@ CASES = {
 @needs_ucx
 @pytest.mark.parametrize("name", list(CASES))
 def test_processes_train_exactly_like_one_process_running_the_same_plan(name, tmp_path):
-    """3 SGD steps in 2 and in 4 processes give the single-process run's losses and state."""
+    """3 SGD steps in 2 and in 4 processes give the single-process run's losses and state,
+    each process holding only part of the parameters while it trains."""
     args = ["--case", name, "--stages", "4", "--steps", "3", *CASES[name]]
     run_single(args, tmp_path / "one.pt")
     reference = torch.load(tmp_path / "one.pt")
     for world in (2, 4):
         results = run_world(world, args, tmp_path / f"{world}.pt")
+        held = []
         for rank, (code, text) in enumerate(results):
             assert code == 0, f"{name}, {world} processes: process {rank} failed:\n{text[-3000:]}"
+            words = next(line for line in text.splitlines() if line.startswith("HELD")).split()  # HELD n OF total
+            held.append(int(words[1]))
+            total = int(words[3])
+        # Each holds what its stages read: together at least the model, no process all of it
+        # unless its stages read every parameter (then some other holds less).
+        assert sum(held) >= total and min(held) < total, f"{name}, {world} processes: held {held} of {total}"
         got = torch.load(tmp_path / f"{world}.pt")
         assert got["losses"] == pytest.approx(reference["losses"], rel=TOLERANCE, abs=0)
         for key, want in reference["state"].items():
