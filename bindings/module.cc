@@ -205,6 +205,11 @@ PYBIND11_MODULE(_C, m) {
         return std::const_pointer_cast<StageProgram>(unwrap(ex.stage(std::move(nodes))));
       });
 
+  m.def("ucx_status", [] {
+    auto probe = transport::make_ucx_endpoint(0, 1);
+    return probe.is_ok() ? std::string() : probe.status().message();
+  }, "Empty when UCX can start here (processes can be connected); otherwise why not.");
+
   py::class_<runtime::ProcessGroup, std::shared_ptr<runtime::ProcessGroup>>(
       m, "ProcessGroup", "The processes of one job: rendezvous (CAF remote actors), UCX between every two.")
       .def(py::init([](int rank, int world, const std::string& host, int port, const std::string& job, double timeout_s,

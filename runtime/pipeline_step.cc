@@ -109,12 +109,9 @@ transport::Tag message_tag(int kind, int mb, int stage, int replica) {
 }
 
 // The replicas of a stage with `theirs` replicas that replica `mine` of a stage with
-// `ours` exchanges with (scheduler::partner_replicas, for any two stages).
+// `ours` exchanges with (the runner's rule for neighbouring ranks, for any two stages).
 std::vector<int> partners(int ours, int theirs, int mine) {
-  if (ours == theirs) return {mine};
-  std::vector<int> all(static_cast<std::size_t>(theirs));
-  for (int j = 0; j < theirs; ++j) all[j] = j;
-  return all;
+  return scheduler::partner_replicas({ours, theirs}, 0, mine, 1);
 }
 
 }  // namespace

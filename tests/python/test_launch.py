@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conveyor import _C
+
 BUILD = os.environ.get("CONVEYOR_BUILD_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "build"))
 TOOL = os.path.join(BUILD, "tools", "conveyor")
 WORKER = Path(__file__).with_name("launch_worker.py")
@@ -39,6 +41,7 @@ def launch(*args, timeout=300):
     return proc.returncode, out
 
 
+@pytest.mark.skipif(bool(_C.ucx_status()), reason=f"UCX cannot start here: {_C.ucx_status()}")
 def test_the_same_script_under_the_launcher_trains_like_one_process_running_its_plan(tmp_path):
     """Launched from a job config that asks for a trace: each process writes its own, valid."""
     config = tmp_path / "job.toml"

@@ -24,11 +24,7 @@ TOLERANCE = 1e-12
 # (~1e-23): relative error is measured against at least this scale, as in the pipeline tests.
 FLOOR = 1e-6
 
-try:
-    _probe = _C.ProcessGroup  # noqa: F841  (built with the multi-process runtime)
-    UCX_OK = True
-except AttributeError:
-    UCX_OK = False
+UCX_PROBLEM = _C.ucx_status()  # empty when UCX can start here
 
 
 def free_port() -> int:
@@ -100,7 +96,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item() / max(b.abs().max().item(), FLOOR) if b.numel() else 0.0
 
 
-needs_ucx = pytest.mark.skipif(not UCX_OK, reason="the extension was built without the multi-process runtime")
+needs_ucx = pytest.mark.skipif(bool(UCX_PROBLEM), reason=f"UCX cannot start here: {UCX_PROBLEM}")
 
 # (case, worker arguments): four stages each, so 2 and 4 processes both hold whole ranks;
 # every schedule, replicas and interleaving appear across the zoo.
