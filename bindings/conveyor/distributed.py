@@ -1,5 +1,6 @@
 """The processes of one job, found from the usual environment: RANK, WORLD_SIZE, MASTER_ADDR
-and MASTER_PORT (set by `conveyor launch`, torchrun, Slurm scripts or by hand). With
+and MASTER_PORT (set by `conveyor launch`, torchrun or by hand; under mpirun or srun the
+rank and size come from their own variables). With
 WORLD_SIZE above 1, `conveyor.Module` runs its pipeline across the processes: process 0
 plans (unless the stages are fixed) and every process runs its share of the pipeline
 ranks. Every wait between processes has a timeout: CONVEYOR_TIMEOUT seconds (default 300),
@@ -23,10 +24,24 @@ _group = None
 _group_key = None
 
 
+# Where other launchers put the rank and the world size, when RANK and WORLD_SIZE are unset.
+_LAUNCHERS = [("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),  # mpirun (Open MPI)
+              ("PMI_RANK", "PMI_SIZE"),                          # mpirun (MPICH, Intel MPI)
+              ("SLURM_PROCID", "SLURM_NTASKS")]                  # srun
+
+
 def world():
     """(rank, world_size, master_addr, master_port) from the environment, or None when this
-    process runs alone (no WORLD_SIZE, or WORLD_SIZE=1)."""
+    process runs alone (no WORLD_SIZE, or WORLD_SIZE=1). RANK and WORLD_SIZE come from
+    `conveyor launch` or torchrun, or else from mpirun or srun's own variables; MASTER_ADDR
+    (default 127.0.0.1) and MASTER_PORT (default 29500) name where process 0 listens."""
     size = os.environ.get("WORLD_SIZE")
+    if size is None:
+        for rank_var, size_var in _LAUNCHERS:
+            if rank_var in os.environ and size_var in os.environ:
+                size = os.environ[size_var]
+                os.environ.setdefault("RANK", os.environ[rank_var])
+                break
     if size is None or size.strip() == "1":
         return None
 

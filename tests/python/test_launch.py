@@ -116,3 +116,17 @@ def test_launch_without_a_command_says_how_to_give_one():
     code, out = launch("-n", 2, timeout=30)
     assert code == 2
     assert "write the command after --" in out
+
+
+@pytest.mark.parametrize("variables", [
+    {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4"},
+    {"PMI_RANK": "1", "PMI_SIZE": "4"},
+    {"SLURM_PROCID": "1", "SLURM_NTASKS": "4"},
+])
+def test_mpirun_and_srun_ranks_are_read_when_rank_and_world_size_are_unset(variables):
+    script = ("from conveyor import distributed\nprint(distributed.world())\n")
+    e = env()
+    e.update(variables, MASTER_ADDR="10.0.0.1", MASTER_PORT="1234")
+    r = subprocess.run([sys.executable, "-c", script], env=e, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "(1, 4, '10.0.0.1', 1234)"
