@@ -19,25 +19,16 @@ import warnings
 
 import torch
 
-import conveyor
-from conveyor import _C, zoo
-from conveyor.module import _loss_wrapper
+from conveyor import _C
+
+import gpt2_case
 
 warnings.filterwarnings("ignore")
 
 
-def build(args):
-    torch.manual_seed(0)
-    case = zoo.gpt2(batch=args.batch, seq=args.seq, dtype=torch.float32, layers=args.layers, hidden=args.hidden,
-                    vocab=512, dropout=0.0)
-    wrapped = _loss_wrapper(case.model, case.loss, case.args, case.kwargs)
-    graph = conveyor.capture(wrapped, case.args, case.kwargs)
-    return wrapped, graph, graph.flatten_inputs(case.args, case.kwargs)
-
-
 def time_steps(args, extra) -> float:
     """Median seconds per step (after one warm-up step) of the 2-stage 1F1B pipeline."""
-    wrapped, graph, inputs = build(args)
+    _, wrapped, graph, inputs = gpt2_case.captured(args)
     stages = graph.random_partition(2, seed=0, keep_node_order=True)
     step = _C.PipelineStep(graph.executor, stages, "1f1b", args.microbatches, 1, [1, 1], **extra)
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-3)
@@ -63,12 +54,7 @@ def worker(args):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--microbatches", type=int, default=8)
+    gpt2_case.add_arguments(ap, hidden=256, seq=64, batch=16)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:

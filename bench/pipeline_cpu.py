@@ -20,16 +20,11 @@ import warnings
 import torch
 
 import conveyor
-from conveyor import _C, zoo
-from conveyor.module import _loss_wrapper
+from conveyor import _C
+
+import gpt2_case
 
 warnings.filterwarnings("ignore")
-
-
-def gpt2(args):
-    torch.manual_seed(0)
-    return zoo.gpt2(batch=args.batch, seq=args.seq, dtype=torch.float32, layers=args.layers, hidden=args.hidden,
-                    vocab=512, dropout=0.0)
 
 
 def median_ms(times):
@@ -99,22 +94,13 @@ def planned_vs_simulated(args, case, wrapped, graph, inputs):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--microbatches", type=int, default=8)
+    gpt2_case.add_arguments(ap, hidden=256, seq=128, batch=16, warmup=2)
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--trace", default="", help="write the 4-stage run's measured trace here")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    case = gpt2(args)
-    wrapped = _loss_wrapper(case.model, None, case.args, case.kwargs)
-    graph = conveyor.capture(wrapped, case.args, case.kwargs)
-    inputs = graph.flatten_inputs(case.args, case.kwargs)
+    case, wrapped, graph, inputs = gpt2_case.captured(args)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, float32; "
           f"GPT-2 {args.layers} layers x {args.hidden}, batch {args.batch} x {args.seq} tokens, "
           f"{graph.num_nodes} nodes")

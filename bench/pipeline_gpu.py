@@ -19,9 +19,9 @@ import warnings
 
 import torch
 
-import conveyor
-from conveyor import _C, zoo
-from conveyor.module import _loss_wrapper
+from conveyor import _C
+
+import gpt2_case
 
 warnings.filterwarnings("ignore")
 
@@ -60,27 +60,14 @@ def timed_steps(step, inputs, wrapped, args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=32)
+    gpt2_case.add_arguments(ap, hidden=512, seq=128, batch=32, warmup=3)
     ap.add_argument("--stages", type=int, default=4)
-    ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--trace", default="", help="write the replicated step's measured trace here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("pipeline_gpu: no CUDA GPU visible; nothing to measure")
         return
-    torch.manual_seed(0)
-    case = zoo.gpt2(batch=args.batch, seq=args.seq, dtype=torch.float32, layers=args.layers, hidden=args.hidden,
-                    vocab=2048, dropout=0.0)
-    case.model.cuda()
-    case.kwargs = {k: v.cuda() for k, v in case.kwargs.items()}
-    wrapped = _loss_wrapper(case.model, None, case.args, case.kwargs)
-    graph = conveyor.capture(wrapped, case.args, case.kwargs)
-    inputs = graph.flatten_inputs(case.args, case.kwargs)
+    case, wrapped, graph, inputs = gpt2_case.captured(args, vocab=2048, device="cuda")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {os.cpu_count()} CPUs, float32; GPT-2 "
           f"{args.layers} layers x {args.hidden}, batch {args.batch} x {args.seq} tokens, {graph.num_nodes} nodes")
 

@@ -143,12 +143,7 @@ Cluster Cluster::uniform(int nodes, int per_node, double memory_bytes, double sp
 
 Result<Cluster> Cluster::from_toml(std::string_view text, const std::string& source) {
   try {
-    toml::table root;
-    try {
-      root = toml::parse(text, source);
-    } catch (const toml::parse_error& e) {
-      throw TomlError(e.source(), std::string("not valid TOML: ") + std::string(e.description()));
-    }
+    const toml::table root = toml_fields::parse(text, source);
     check_keys(root, {"name", "node", "link"}, "the cluster file");
     Cluster c;
     if (const toml::node* n = root.get("name")) {

@@ -24,6 +24,15 @@ class TomlError {
   std::string what_;
 };
 
+/// Parses `text` (named `source`); a syntax error becomes a TomlError at its line.
+inline toml::table parse(std::string_view text, const std::string& source) {
+  try {
+    return toml::parse(text, source);
+  } catch (const toml::parse_error& e) {
+    throw TomlError(e.source(), std::string("not valid TOML: ") + std::string(e.description()));
+  }
+}
+
 /// Refuses a key of `t` not in `allowed`, naming its line and the keys expected.
 inline void check_keys(const toml::table& t, std::initializer_list<std::string_view> allowed, const char* where) {
   for (const auto& [key, node] : t) {

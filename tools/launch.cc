@@ -90,12 +90,7 @@ std::string describe_exit(int status) {
 
 Result<JobConfig> parse_job_config(const std::string& content, const std::string& source) {
   try {
-    toml::table root;
-    try {
-      root = toml::parse(content, source);
-    } catch (const toml::parse_error& e) {
-      throw TomlError(e.source(), std::string("not valid TOML: ") + std::string(e.description()));
-    }
+    const toml::table root = toml_fields::parse(content, source);
     check_keys(root, {"job"}, "the job config");
     const toml::node* job = root.get("job");
     if (!job || !job->as_table()) throw TomlError(job ? job->source().begin.line : 1, "missing the [job] table");

@@ -42,6 +42,7 @@ struct GroupState {
 struct Operation : std::enable_shared_from_this<Operation> {
   std::shared_ptr<GroupState> group;
   CollectiveCall call;
+  at::Tensor header;  // kData and the call encoded: the first tensor of every message of the call
   std::uint64_t number = 0;
   Done done;
   std::mutex mu;
@@ -78,10 +79,7 @@ struct Operation : std::enable_shared_from_this<Operation> {
 
   void send(int member, int phase, const at::Tensor& payload) {
     auto self = shared_from_this();
-    std::vector<std::int64_t> head{kData};
-    const auto code = call.encode();
-    head.insert(head.end(), code.begin(), code.end());
-    group->endpoint->send(group->members[member], tag(phase), {at::tensor(head), payload}, [self](Status s) {
+    group->endpoint->send(group->members[member], tag(phase), {header, payload}, [self](Status s) {
       if (!s) self->finish(std::move(s));
     });
   }
@@ -296,6 +294,10 @@ class Member final : public EndpointGroup {
     auto op = std::make_shared<Operation>();
     op->group = g_;
     op->call = std::move(call);
+    std::vector<std::int64_t> head{kData};
+    const auto code = op->call.encode();
+    head.insert(head.end(), code.begin(), code.end());
+    op->header = at::tensor(head);
     op->done = std::move(done);
     Status invalid = Status::ok();
     {
