@@ -2,6 +2,8 @@
 // (the classes live in conveyor/errors.py, looked up by error-code name).
 #include <torch/extension.h>
 
+#include <functional>
+#include <future>
 #include <string>
 #include <vector>
 
@@ -34,6 +36,26 @@ T unwrap(Result<T> r) {
   if (!r.is_ok()) raise(r.status());
   return std::move(r).value();
 }
+
+// A Python handle on an NCCL group member: each call waits for its operation (without the
+// GIL) and aborts the group when it does not finish in time.
+struct NcclHandle {
+  std::shared_ptr<transport::NcclGroup> group;
+  std::chrono::milliseconds timeout;
+  void run(const std::string& what, const std::function<void(transport::Done)>& issue) const {
+    py::gil_scoped_release nogil;
+    auto promise = std::make_shared<std::promise<Status>>();
+    auto future = promise->get_future();
+    issue([promise](Status s) { promise->set_value(std::move(s)); });
+    if (future.wait_for(timeout) != std::future_status::ready) {
+      Status late(ErrorCode::kExecution, "NCCL " + what + " did not complete within " + std::to_string(timeout.count()) +
+                                             " ms (a member that hangs or is gone); the group is aborted");
+      group->abort(late);
+      future.wait();  // the abort ends NCCL's kernels
+    }
+    check(future.get());
+  }
+};
 
 c10::IValue to_ivalue(py::handle h) {
   if (h.is_none()) return {};
@@ -210,6 +232,49 @@ PYBIND11_MODULE(_C, m) {
     return probe.is_ok() ? std::string() : probe.status().message();
   }, "Empty when UCX can start here (processes can be connected); otherwise why not.");
 
+  m.def("nccl_status", [] {
+    auto described = transport::nccl_description();
+    return py::make_tuple(described.is_ok(), described.is_ok() ? *described : described.status().message());
+  }, "(True, 'NCCL 2.28.9 (path)') when NCCL can be loaded here (no GPU needed for that); (False, why not).");
+  m.def("nccl_unique_id", [] {
+    auto id = unwrap(transport::nccl_unique_id());
+    return py::bytes(reinterpret_cast<const char*>(id.data()), id.size());
+  }, "A fresh unique id for a new NCCL group (128 bytes): one member makes it, every member passes it to NcclGroup.");
+
+  py::class_<NcclHandle>(m, "NcclGroup",
+                         "A member of an NCCL group on one CUDA device (transport/nccl.h): collectives on the member's "
+                         "own stream, after the work queued on the current stream; each call returns once its result "
+                         "is in the tensor. A call that does not finish within timeout_s aborts the group.")
+      .def(py::init([](int rank, int size, const py::bytes& unique_id, const std::string& device, double timeout_s) {
+             std::string id = unique_id;
+             auto dev = c10::Device(device);
+             py::gil_scoped_release nogil;
+             return NcclHandle{unwrap(transport::make_nccl_group(rank, size, std::vector<std::uint8_t>(id.begin(), id.end()), dev)),
+                               std::chrono::milliseconds(static_cast<std::int64_t>(timeout_s * 1000))};
+           }),
+           py::arg("rank"), py::arg("size"), py::arg("unique_id"), py::arg("device"), py::arg("timeout_s") = 300.0)
+      .def_property_readonly("rank", [](const NcclHandle& h) { return h.group->rank(); })
+      .def_property_readonly("size", [](const NcclHandle& h) { return h.group->size(); })
+      .def_property_readonly("device", [](const NcclHandle& h) { return h.group->device().str(); })
+      .def("allreduce", [](const NcclHandle& h, at::Tensor t) {
+        h.run("allreduce", [&](transport::Done d) { h.group->allreduce(t, d); });
+      }, py::arg("tensor"), "tensor becomes the sum over the members, in place.")
+      .def("reduce", [](const NcclHandle& h, at::Tensor t, int root) {
+        h.run("reduce", [&](transport::Done d) { h.group->reduce(t, root, d); });
+      }, py::arg("tensor"), py::arg("root"), "root's tensor becomes the sum, in place.")
+      .def("broadcast", [](const NcclHandle& h, at::Tensor t, int root) {
+        h.run("broadcast", [&](transport::Done d) { h.group->broadcast(t, root, d); });
+      }, py::arg("tensor"), py::arg("root"), "tensor becomes root's, in place.")
+      .def("allgather", [](const NcclHandle& h, at::Tensor in, at::Tensor out) {
+        h.run("allgather", [&](transport::Done d) { h.group->allgather(in, out, d); });
+      }, py::arg("input"), py::arg("output"), "output (size times input, dim 0) becomes every member's input, in member order.")
+      .def("reduce_scatter", [](const NcclHandle& h, at::Tensor in, at::Tensor out) {
+        h.run("reduce_scatter", [&](transport::Done d) { h.group->reduce_scatter(in, out, d); });
+      }, py::arg("input"), py::arg("output"), "output becomes this member's slice of the sum of every input.")
+      .def("abort", [](const NcclHandle& h, const std::string& why) {
+        h.group->abort(Status(ErrorCode::kExecution, why));
+      }, py::arg("why"), "Fails everything pending and later with `why` (ends kernels waiting for a lost member).");
+
   py::class_<runtime::ProcessGroup, std::shared_ptr<runtime::ProcessGroup>>(
       m, "ProcessGroup", "The processes of one job: rendezvous (CAF remote actors), UCX between every two.")
       .def(py::init([](int rank, int world, const std::string& host, int port, const std::string& job, double timeout_s,
@@ -255,7 +320,13 @@ PYBIND11_MODULE(_C, m) {
       .def("allreduce", [](const runtime::ProcessGroup& g, at::Tensor t) {
         py::gil_scoped_release nogil;
         check(g.wait([&](transport::Done d) { g.all().allreduce(t, d); }, "an allreduce"));
-      }, py::arg("tensor"), "tensor becomes the sum over the processes (in process order), in place.");
+      }, py::arg("tensor"), "tensor becomes the sum over the processes (in process order), in place.")
+      .def("nccl", [](runtime::ProcessGroup& g, const std::string& device) {
+        auto dev = c10::Device(device);
+        py::gil_scoped_release nogil;
+        return NcclHandle{unwrap(g.nccl(dev)), g.timeout()};
+      }, py::arg("device"), "The NCCL group over every process on this process's CUDA device (member i is process i); "
+         "made on first use. Every process calls it, in the same order.");
 
   py::class_<runtime::PipelineStep>(m, "PipelineStep",
                                     "One pipelined training step over stages of a graph, in this process.")

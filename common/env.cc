@@ -11,4 +11,9 @@ std::string cache_dir() {
   return ".conveyor-cache";
 }
 
+std::string nccl_library() {
+  const char* p = std::getenv("CONVEYOR_NCCL_LIBRARY");
+  return p ? p : "";
+}
+
 }  // namespace conveyor::env

@@ -1,5 +1,6 @@
 // Every environment variable conveyor reads is read here, so the set is easy to audit.
-//   CONVEYOR_CACHE_DIR   where profiles are cached (default $XDG_CACHE_HOME/conveyor or ~/.cache/conveyor)
+//   CONVEYOR_CACHE_DIR      where profiles are cached (default $XDG_CACHE_HOME/conveyor or ~/.cache/conveyor)
+//   CONVEYOR_NCCL_LIBRARY   the NCCL library to open (default: found as transport/nccl_library.h says)
 #pragma once
 
 #include <string>
@@ -8,5 +9,8 @@ namespace conveyor::env {
 
 /// The cache directory (not created).
 std::string cache_dir();
+
+/// CONVEYOR_NCCL_LIBRARY, or empty.
+std::string nccl_library();
 
 }  // namespace conveyor::env

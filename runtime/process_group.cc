@@ -93,8 +93,47 @@ Status ProcessGroup::broadcast(at::Tensor tensor, int root) const {
               "a broadcast from process " + std::to_string(root));
 }
 
+Result<std::shared_ptr<transport::NcclGroup>> ProcessGroup::nccl(const c10::Device& device) {
+  std::lock_guard<std::mutex> lock(nccl_mu_);
+  if (auto it = nccl_.find(device.index()); it != nccl_.end()) return it->second;
+  // Whether each process can join: NCCL present and a CUDA device given.
+  Status can = device.is_cuda() ? Status::ok()
+                                : Status(ErrorCode::kInvalidArgument, "NCCL groups live on CUDA devices, not " + device.str());
+  if (can.is_ok()) {
+    if (auto described = transport::nccl_description(); !described.is_ok()) can = described.status();
+  }
+  at::Tensor mine = at::full({1}, can.is_ok() ? 1 : 0, at::kLong);
+  at::Tensor all = at::empty({world_}, at::kLong);
+  CONVEYOR_RETURN_IF_ERROR(wait([&](transport::Done d) { all_->allgather(mine, all, d); }, "agreeing on an NCCL group"));
+  if (!can.is_ok()) return can.with_context("process " + std::to_string(rank_) + " cannot join an NCCL group");
+  for (int p = 0; p < world_; ++p) {
+    if (all[p].item<std::int64_t>() == 0) {
+      return Status(ErrorCode::kUnsupported, "process " + std::to_string(p) +
+                                                 " cannot join an NCCL group (its own error says why); every process "
+                                                 "needs NCCL and a GPU");
+    }
+  }
+  std::string id;
+  Status made_id = Status::ok();
+  if (rank_ == 0) {
+    auto made = transport::nccl_unique_id();
+    if (made.is_ok()) id.assign(made->begin(), made->end());
+    made_id = made.status();
+  }
+  CONVEYOR_ASSIGN_OR_RETURN(id, broadcast_bytes(0, id));
+  CONVEYOR_RETURN_IF_ERROR(made_id);
+  if (id.empty()) return Status(ErrorCode::kExecution, "process 0 could not make an NCCL unique id (its error says why)");
+  CONVEYOR_ASSIGN_OR_RETURN(auto group, transport::make_nccl_group(rank_, world_, std::vector<std::uint8_t>(id.begin(), id.end()), device));
+  nccl_[device.index()] = group;
+  return group;
+}
+
 void ProcessGroup::abort(Status error) {
   failed_ = true;
+  {
+    std::lock_guard<std::mutex> lock(nccl_mu_);
+    for (auto& [index, group] : nccl_) group->abort(error);
+  }
   all_->abort(error);
   endpoint_->abort(std::move(error));
 }

@@ -9,12 +9,17 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <c10/core/Device.h>
+
 #include <chrono>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "common/status.h"
 #include "transport/endpoint_group.h"
+#include "transport/nccl.h"
 #include "transport/ucx.h"
 
 namespace conveyor::runtime {
@@ -48,7 +53,12 @@ class ProcessGroup {
   Result<std::string> broadcast_bytes(int root, const std::string& bytes) const;
   /// `tensor` becomes process `root`'s on every process (CPU or device memory).
   Status broadcast(at::Tensor tensor, int root) const;
-  /// Fails everything pending and later with `error` (a process that gives up).
+  /// The NCCL group over every process on `device` (this process's GPU; member i is process
+  /// i), made on first use: every process says whether it can join (so one that cannot
+  /// fails them all, named, instead of leaving them waiting in NCCL), process 0 makes the
+  /// unique id and the group hands it out. Collective: every process asks, in one order.
+  Result<std::shared_ptr<transport::NcclGroup>> nccl(const c10::Device& device);
+  /// Fails everything pending and later with `error` (a process that gives up), NCCL groups included.
   void abort(Status error);
   /// Leaves the job in step: waits (within the timeout) until every process has come here,
   /// so none leaves while another still waits for what it sent, then lets the connections
@@ -63,6 +73,8 @@ class ProcessGroup {
   std::shared_ptr<transport::EndpointGroup> all_;
   std::shared_ptr<void> rendezvous_;  // process 0: the published rendezvous actor
   bool closed_ = false, failed_ = false;
+  std::mutex nccl_mu_;
+  std::map<int, std::shared_ptr<transport::NcclGroup>> nccl_;  // by device index
 };
 
 }  // namespace conveyor::runtime

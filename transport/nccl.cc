@@ -1,0 +1,284 @@
+#include "transport/nccl.h"
+
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+#include "transport/nccl_library.h"
+
+namespace conveyor::transport {
+namespace {
+
+// Every NCCL launch of the process, in one order (nccl.h, "Order").
+std::mutex& launch_mutex() {
+  static std::mutex mu;
+  return mu;
+}
+
+// NCCL's type for `t`, for an operation that sums (`sums`) or only moves data.
+Result<nccl_abi::DataType> nccl_type(at::ScalarType t, bool sums) {
+  switch (t) {
+    case at::kChar: return nccl_abi::kInt8;
+    case at::kByte: return nccl_abi::kUint8;
+    case at::kInt: return nccl_abi::kInt32;
+    case at::kLong: return nccl_abi::kInt64;
+    case at::kHalf: return nccl_abi::kFloat16;
+    case at::kFloat: return nccl_abi::kFloat32;
+    case at::kDouble: return nccl_abi::kFloat64;
+    case at::kBFloat16: return nccl_abi::kBfloat16;
+    case at::kFloat8_e4m3fn: return nccl_abi::kFloat8e4m3;
+    case at::kFloat8_e5m2: return nccl_abi::kFloat8e5m2;
+    case at::kBool:
+      if (!sums) return nccl_abi::kUint8;
+      break;
+    default: break;
+  }
+  return Status(ErrorCode::kUnsupported, std::string("NCCL cannot ") + (sums ? "sum" : "move") + " " +
+                                             c10::toString(t) + " tensors; convert them (to float, say) first");
+}
+
+// Why `device` cannot hold an NCCL member, or OK.
+Status check_cuda_device(const c10::Device& device) {
+  if (!device.is_cuda()) {
+    return Status(ErrorCode::kInvalidArgument, "NCCL groups live on CUDA devices, not " + device.str() +
+                                                   "; use the UCX group (ProcessGroup) for CPU tensors");
+  }
+  if (!c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA)) {
+    return Status(ErrorCode::kUnsupported, "this process has no CUDA (torch without CUDA, or its CUDA library not "
+                                           "loaded: import torch first); NCCL needs a GPU");
+  }
+  const int count = c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).deviceCount();
+  if (count == 0) return Status(ErrorCode::kUnsupported, "no CUDA device is visible to this process; NCCL needs a GPU");
+  if (!device.has_index() || device.index() >= count) {
+    return Status(ErrorCode::kInvalidArgument, "NCCL needs a CUDA device with an index below " + std::to_string(count) +
+                                                   " (the devices this process sees), not " + device.str());
+  }
+  return Status::ok();
+}
+
+class NcclMember final : public NcclGroup {
+ public:
+  NcclMember(const NcclLibrary& nccl, nccl_abi::Comm comm, int rank, int size, c10::Device device)
+      : nccl_(nccl), comm_(comm), rank_(rank), size_(size), device_(device),
+        stream_(c10::impl::VirtualGuardImpl(device.type()).getStreamFromGlobalPool(device)),
+        completion_([this] { complete(); }) {}
+
+  ~NcclMember() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    completion_.join();  // every launched operation has finished and called back
+    std::lock_guard<std::mutex> launch(launch_mutex());
+    if (!aborted_) nccl_.CommDestroy(comm_);
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  c10::Device device() const override { return device_; }
+
+  void allreduce(at::Tensor tensor, Done done) override {
+    run({CollectiveKind::kAllReduce, 0, tensor, {}}, std::move(done));
+  }
+  void reduce(at::Tensor tensor, int root, Done done) override {
+    run({CollectiveKind::kReduce, root, tensor, {}}, std::move(done));
+  }
+  void broadcast(at::Tensor tensor, int root, Done done) override {
+    run({CollectiveKind::kBroadcast, root, tensor, {}}, std::move(done));
+  }
+  void allgather(at::Tensor in, at::Tensor out, Done done) override {
+    run({CollectiveKind::kAllGather, 0, in, out}, std::move(done));
+  }
+  void reduce_scatter(at::Tensor in, at::Tensor out, Done done) override {
+    run({CollectiveKind::kReduceScatter, 0, in, out}, std::move(done));
+  }
+
+  void abort(Status error) override {
+    std::lock_guard<std::mutex> launch(launch_mutex());
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (aborted_) return;
+      aborted_ = true;
+      error_ = std::move(error);
+    }
+    nccl_.CommAbort(comm_);  // NCCL's kernels waiting for a lost member end; their events complete
+    cv_.notify_all();
+  }
+
+ private:
+  struct Pending {
+    std::unique_ptr<c10::Event> finished;
+    std::vector<at::Tensor> hold;  // alive until the kernel is done
+    Done done;
+    std::string what;
+  };
+
+  // The member's own arguments, before anything launches.
+  Status check(const CollectiveCall& call) const {
+    auto bad = [&](const std::string& why) {
+      return Status(ErrorCode::kInvalidArgument, "NCCL " + call.text(rank_) + ": " + why);
+    };
+    for (const at::Tensor* t : {&call.in, &call.out}) {
+      const bool needed = t == &call.in || call.kind == CollectiveKind::kAllGather ||
+                          call.kind == CollectiveKind::kReduceScatter;
+      if (!needed) continue;
+      if (!t->defined()) return bad("an undefined tensor");
+      if (t->device() != device_) return bad("the group's tensors live on " + device_.str());
+      if (!t->is_contiguous()) return bad("NCCL needs contiguous tensors (call .contiguous())");
+      if (t->scalar_type() != call.in.scalar_type()) return bad("in and out differ in dtype");
+    }
+    if ((call.kind == CollectiveKind::kReduce || call.kind == CollectiveKind::kBroadcast) &&
+        (call.root < 0 || call.root >= size_)) {
+      return bad("the root must be a member, 0 to " + std::to_string(size_ - 1));
+    }
+    if (call.kind == CollectiveKind::kAllGather && call.out.numel() != call.in.numel() * size_) {
+      return bad("out must hold " + std::to_string(size_) + " times in's elements");
+    }
+    if (call.kind == CollectiveKind::kReduceScatter && call.in.numel() != call.out.numel() * size_) {
+      return bad("in must hold " + std::to_string(size_) + " times out's elements");
+    }
+    return Status::ok();
+  }
+
+  void run(const CollectiveCall& call, Done done) {
+    if (Status s = check(call); !s.is_ok()) return done(s);
+    const bool sums = call.kind == CollectiveKind::kAllReduce || call.kind == CollectiveKind::kReduce ||
+                      call.kind == CollectiveKind::kReduceScatter;
+    auto type = nccl_type(call.in.scalar_type(), sums);
+    if (!type.is_ok()) return done(type.status());
+    const std::string what = collective_kind_name(call.kind);
+    Pending pending{std::make_unique<c10::Event>(device_.type()), {call.in, call.out}, std::move(done), what};
+    {
+      std::lock_guard<std::mutex> launch(launch_mutex());
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (aborted_) {
+          Status error = error_;
+          return pending.done(error);
+        }
+      }
+      c10::DeviceGuard on_device(device_);
+      c10::impl::VirtualGuardImpl impl(device_.type());
+      c10::Event inputs_ready(device_.type());
+      inputs_ready.record(impl.getStream(device_));  // after what the caller queued
+      inputs_ready.block(stream_);
+      auto* s = static_cast<nccl_abi::Stream>(stream_.native_handle());
+      void* in = call.in.data_ptr();
+      void* out = call.out.defined() ? call.out.data_ptr() : in;
+      const std::size_t n = static_cast<std::size_t>(call.in.numel());
+      nccl_abi::Result r = nccl_abi::kSuccess;
+      switch (call.kind) {
+        case CollectiveKind::kAllReduce: r = nccl_.AllReduce(in, in, n, *type, nccl_abi::kSum, comm_, s); break;
+        case CollectiveKind::kReduce: r = nccl_.Reduce(in, in, n, *type, nccl_abi::kSum, call.root, comm_, s); break;
+        case CollectiveKind::kBroadcast: r = nccl_.Broadcast(in, in, n, *type, call.root, comm_, s); break;
+        case CollectiveKind::kAllGather: r = nccl_.AllGather(in, out, n, *type, comm_, s); break;
+        case CollectiveKind::kReduceScatter:
+          r = nccl_.ReduceScatter(in, out, static_cast<std::size_t>(call.out.numel()), *type, nccl_abi::kSum, comm_, s);
+          break;
+      }
+      if (Status st = nccl_.check(r, what, comm_); !st.is_ok()) return pending.done(st);
+      for (const at::Tensor& t : pending.hold) {
+        if (t.defined()) impl.recordDataPtrOnStream(t.storage().data_ptr(), stream_);
+      }
+      pending.finished->record(stream_);
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(std::move(pending));
+    }
+    cv_.notify_all();
+  }
+
+  // The completion thread: waits for each launched operation's kernel in launch order, then
+  // calls its `done` with NCCL's verdict.
+  void complete() {
+    for (;;) {
+      Pending p;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        p = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      p.finished->synchronize();
+      Status result = Status::ok();
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (aborted_) result = error_;
+      }
+      if (result.is_ok()) {
+        nccl_abi::Result async = nccl_abi::kSuccess;
+        nccl_.CommGetAsyncError(comm_, &async);
+        if (async != nccl_abi::kSuccess && async != nccl_abi::kInProgress) result = nccl_.check(async, p.what, comm_);
+      }
+      p.hold.clear();
+      p.done(result);
+    }
+  }
+
+  const NcclLibrary& nccl_;
+  nccl_abi::Comm comm_;
+  int rank_, size_;
+  c10::Device device_;
+  c10::Stream stream_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Pending> queue_;
+  bool stopping_ = false, aborted_ = false;
+  Status error_ = Status::ok();
+  std::thread completion_;  // last: starts once everything above exists
+};
+
+}  // namespace
+
+Result<std::vector<std::uint8_t>> nccl_unique_id() {
+  CONVEYOR_ASSIGN_OR_RETURN(const NcclLibrary* nccl, nccl_library());
+  nccl_abi::UniqueId id{};
+  CONVEYOR_RETURN_IF_ERROR(nccl->check(nccl->GetUniqueId(&id), "ncclGetUniqueId"));
+  std::vector<std::uint8_t> bytes(nccl_abi::kUniqueIdBytes);
+  std::memcpy(bytes.data(), id.internal, bytes.size());
+  return bytes;
+}
+
+Result<std::string> nccl_description() {
+  CONVEYOR_ASSIGN_OR_RETURN(const NcclLibrary* nccl, nccl_library());
+  return "NCCL " + nccl->version_text() + " (" + nccl->path + ")";
+}
+
+Result<std::shared_ptr<NcclGroup>> make_nccl_group(int rank, int size, const std::vector<std::uint8_t>& unique_id,
+                                                   c10::Device device) {
+  if (size < 1 || rank < 0 || rank >= size) {
+    return Status(ErrorCode::kInvalidArgument, "an NCCL group member needs 0 <= rank < size, not rank " +
+                                                   std::to_string(rank) + " of " + std::to_string(size));
+  }
+  if (unique_id.size() != nccl_abi::kUniqueIdBytes) {
+    return Status(ErrorCode::kInvalidArgument, "an NCCL unique id has " + std::to_string(nccl_abi::kUniqueIdBytes) +
+                                                   " bytes, not " + std::to_string(unique_id.size()) +
+                                                   " (make it with nccl_unique_id())");
+  }
+  CONVEYOR_RETURN_IF_ERROR(check_cuda_device(device));
+  CONVEYOR_ASSIGN_OR_RETURN(const NcclLibrary* nccl, nccl_library());
+  nccl_abi::UniqueId id{};
+  std::memcpy(id.internal, unique_id.data(), unique_id.size());
+  nccl_abi::Comm comm = nullptr;
+  {
+    c10::DeviceGuard on_device(device);  // NCCL joins on the current device
+    CONVEYOR_RETURN_IF_ERROR(nccl->check(nccl->CommInitRank(&comm, size, id, rank),
+                                         "joining a group of " + std::to_string(size) + " as member " +
+                                             std::to_string(rank) + " on " + device.str()));
+  }
+  return std::shared_ptr<NcclGroup>(std::make_shared<NcclMember>(*nccl, comm, rank, size, device));
+}
+
+}  // namespace conveyor::transport

@@ -1,0 +1,61 @@
+// The NCCL backend: collectives over GPUs, one member per device and process (NCCL allows no
+// two members of a group on one GPU). NCCL itself is loaded at run time (nccl_library.h).
+//
+// Streams. Each member owns a stream from its device's pool. An operation makes that stream
+// wait for the caller's current stream (so it reads what the caller's work has written),
+// runs NCCL's kernel there, and tells the caching allocator the tensors are in use on it;
+// the caller's stream is free to go on computing meanwhile, which is how reductions overlap
+// backward. `done` runs on the member's completion thread once the kernel has finished (the
+// same promise as every other backend: the result is in the tensor), or with the error.
+//
+// Order. NCCL requires that communicators sharing a device launch their kernels in the same
+// order on every member, or they may deadlock. Every operation of every NCCL group in the
+// process is launched under one process-wide lock, in the order its callers made them; the
+// runtime makes its calls from the communication thread in schedule order, which is the
+// same on every member.
+//
+// Sums are NCCL's (its ring or tree order), deterministic for one topology and NCCL version
+// but not the member-order sums of the inproc and UCX groups: results agree with them to
+// rounding, not bitwise. Calls are not compared across members (NCCL does not say what
+// another member called); a member's own arguments are checked before anything launches.
+//
+// Failure. A member that dies leaves its peers' kernels waiting; abort() (called by the
+// runtime when a wait times out or a peer is lost) aborts the communicator, which ends
+// them, and fails every pending and later operation.
+#pragma once
+
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "transport/transport.h"
+
+namespace conveyor::transport {
+
+/// A fresh unique id for a new group: one member makes it and hands it to the others (the
+/// runtime broadcasts it through the process group). Needs NCCL, not a GPU.
+Result<std::vector<std::uint8_t>> nccl_unique_id();
+
+/// "NCCL 2.28.9 (path)" when NCCL can be loaded, or why not.
+Result<std::string> nccl_description();
+
+class NcclGroup : public Collective {
+ public:
+  /// Fails every pending and later operation with `error`, ending NCCL's kernels that wait
+  /// for a member that is gone.
+  virtual void abort(Status error) = 0;
+  virtual c10::Device device() const = 0;
+};
+
+/// Member `rank` of a group of `size` on `device` (a CUDA device of this process), joined
+/// through `unique_id` (every member passes the same one). Returns once every member has
+/// joined (NCCL's initialization waits for them all). Errors, naming what to do, where NCCL
+/// cannot be loaded, the device is not a CUDA device this process has, or the arguments are
+/// out of range.
+Result<std::shared_ptr<NcclGroup>> make_nccl_group(int rank, int size, const std::vector<std::uint8_t>& unique_id,
+                                                   c10::Device device);
+
+}  // namespace conveyor::transport
