@@ -78,7 +78,10 @@ Result<std::vector<at::Tensor>> to_wire(const std::vector<c10::IValue>& values, 
   return out;
 }
 
-Result<std::vector<c10::IValue>> from_wire(const std::vector<at::Tensor>& message, std::size_t expected) {
+// Tensors come back on `device` (a GPU pipeline: the message crossed in host memory), on
+// the calling thread's current stream.
+Result<std::vector<c10::IValue>> from_wire(const std::vector<at::Tensor>& message, std::size_t expected,
+                                           const std::optional<c10::Device>& device) {
   if (message.empty() || !message[0].defined() || message[0].numel() != static_cast<std::int64_t>(2 * expected) ||
       message.size() != expected + 1) {
     return Status(ErrorCode::kCorrupt, "a pipeline message between processes carries " +
@@ -88,7 +91,8 @@ Result<std::vector<c10::IValue>> from_wire(const std::vector<at::Tensor>& messag
   const std::int64_t* h = message[0].data_ptr<std::int64_t>();
   std::vector<c10::IValue> out;
   for (std::size_t k = 0; k < expected; ++k) {
-    const at::Tensor& t = message[k + 1];
+    at::Tensor t = message[k + 1];
+    if (device && h[2 * k] == kTensor) t = t.to(*device);
     switch (h[2 * k]) {
       case kTensor: out.emplace_back(h[2 * k + 1] ? t.requires_grad_(true) : t); break;
       case kUndefined: out.emplace_back(at::Tensor()); break;
@@ -565,11 +569,6 @@ struct PipelineStep::Impl {
   Status distribute(const graph::Graph& g, const std::vector<std::vector<NodeId>>& stages,
                     std::shared_ptr<ProcessGroup> group, const std::vector<int>& rank_process) {
     const int ranks = schedule.spec.ranks, num_stages = static_cast<int>(stages.size());
-    if (stream_device) {
-      return Status(ErrorCode::kUnsupported,
-                    "a pipeline across processes runs on CPU tensors for now (its UCX carries host memory, and the NCCL "
-                    "backend is not built yet); keep the model on the CPU, or run it in one process");
-    }
     if (static_cast<int>(rank_process.size()) != ranks) {
       return Status(ErrorCode::kInvalidArgument, "processes given for " + std::to_string(rank_process.size()) +
                                                      " pipeline ranks, but the pipeline has " + std::to_string(ranks));
@@ -670,6 +669,13 @@ struct PipelineStep::Impl {
   Status send_remote(int i, const Action& a) {
     if (!processes) return Status::ok();
     const bool grad = a.kind == ActionKind::kSendGradient;
+    if (stream_device && !(grad ? gradients_out[a.stage] : activations_out[a.stage]).empty()) {
+      // A GPU pipeline's messages cross in host memory: the copy (the endpoint's, on this
+      // thread's current stream) waits for the compute that made them.
+      c10::Event computed(stream_device->type());
+      computed.record(streams_of(a.stage, i)->compute);
+      computed.block(current_stream(*stream_device));
+    }
     for (const Remote& to : grad ? gradients_out[a.stage] : activations_out[a.stage]) {
       std::vector<c10::IValue> payload;
       {
@@ -771,8 +777,15 @@ struct PipelineStep::Impl {
   Status apply_message(bool grad, int stage, int replica, int mb, const std::vector<at::Tensor>& message) {
     const std::vector<ValueId>* ids = values_for(grad ? gradients_out[stage] : activations_out[stage], process);
     if (ids == nullptr) return Status(ErrorCode::kInternal, "a message from a stage that sends this process nothing");
-    CONVEYOR_ASSIGN_OR_RETURN(auto got, from_wire(message, ids->size()));
+    // With streams, a message lands on the compute stream of the replica that sent it (one
+    // of another process: here its streams carry nothing but its arrivals), so the events
+    // recorded there tell readers when it is on the device.
+    ReplicaStreams* rs = streams_of(stage, replica);
+    std::optional<c10::StreamGuard> on_arrival;
+    if (rs != nullptr) on_arrival.emplace(rs->compute);
+    CONVEYOR_ASSIGN_OR_RETURN(auto got, from_wire(message, ids->size(), stream_device));
     std::lock_guard<std::mutex> lock(mu);
+    c10::Event* landed = rs != nullptr && !grad ? rs->events.record(rs->compute) : nullptr;
     for (std::size_t k = 0; k < ids->size(); ++k) {
       const ValueId v = (*ids)[k];
       if (grad) {
@@ -781,6 +794,11 @@ struct PipelineStep::Impl {
         auto& shares = values[{v, mb}];
         shares.resize(static_cast<std::size_t>(stage_replicas[stage]));
         shares[replica] = std::move(got[k]);
+        if (landed != nullptr) {
+          auto& ready = value_ready[{v, mb}];
+          ready.resize(shares.size(), nullptr);
+          ready[replica] = landed;
+        }
       }
     }
     return Status::ok();
@@ -1471,7 +1489,9 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
       return s;
     }
     if (!total.defined()) {
-      total = at::scalar_tensor(carrier[0].item<double>(), static_cast<at::ScalarType>(carrier[1].item<int>()));
+      total = at::scalar_tensor(carrier[0].item<double>(), at::TensorOptions()
+                                                               .dtype(static_cast<at::ScalarType>(carrier[1].item<int>()))
+                                                               .device(im.stream_device.value_or(c10::Device(c10::kCPU))));
     }
   }
   out.loss = total;

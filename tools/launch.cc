@@ -118,7 +118,8 @@ Result<JobConfig> parse_job_config(const std::string& content, const std::string
     c.transport = text(t, "transport", "ucx", {"ucx", "nccl"});
     if (c.transport == "nccl") {
       throw TomlError(t.get("transport")->source(),
-                      "transport = \"nccl\": the NCCL backend is not built yet; use \"ucx\"");
+                      "transport = \"nccl\": pipeline transfers between processes go over UCX (GPU tensors through host "
+                      "memory); NCCL serves GPU collectives only so far. Use \"ucx\"");
     }
     c.plan = text(t, "plan", "auto");
     if (c.plan != "auto" && access(c.plan.c_str(), R_OK) != 0) {

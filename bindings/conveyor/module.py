@@ -99,16 +99,34 @@ class _PipelinedLoss(torch.autograd.Function):
         return (None, None) + (None,) * len(ctx.params)
 
 
-def _local_cluster(devices: int, threads: int) -> str:
-    """This machine as `devices` virtual devices of `threads` intra-op threads each; with
-    more threads in all than cores they share the cores, each at cores / threads' speed."""
-    try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        memory = 8 << 30
-    speed = min(1.0, torch.get_num_threads() / (devices * threads))
-    return (f'name = "local"\n[[node]]\ndevices = {devices}\nmemory = {memory // devices}\nspeed = {speed}\n'
-            f'[link.intra_node]\nbandwidth = "10 GB/s"\nlatency = "5 us"\n')
+def _local_cluster(devices: int, threads: int, gpu_memory: int | None = None, one_gpu: bool = True) -> str:
+    """This machine as `devices` devices. On the CPU: virtual devices of `threads` intra-op
+    threads each; with more threads in all than cores they share the cores, each at cores /
+    threads' speed. On a GPU of `gpu_memory` bytes: `one_gpu` (one process) splits that GPU
+    into virtual devices sharing its memory and compute, handing values over in device
+    memory; otherwise (one process per GPU) each device is a whole GPU, its values crossing
+    between processes through host memory."""
+    if gpu_memory is not None:
+        memory = gpu_memory // devices if one_gpu else gpu_memory
+        speed = 1.0 / devices if one_gpu else 1.0
+        bandwidth, latency = ("300 GB/s", "10 us") if one_gpu else ("10 GB/s", "50 us")
+    else:
+        try:
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // devices
+        except (ValueError, OSError):
+            memory = (8 << 30) // devices
+        speed = min(1.0, torch.get_num_threads() / (devices * threads))
+        bandwidth, latency = "10 GB/s", "5 us"
+    return (f'name = "local"\n[[node]]\ndevices = {devices}\nmemory = {memory}\nspeed = {speed}\n'
+            f'[link.intra_node]\nbandwidth = "{bandwidth}"\nlatency = "{latency}"\n')
+
+
+def _model_gpu_memory(module: torch.nn.Module) -> int | None:
+    """The memory of the GPU the model's parameters live on, or None for a CPU model."""
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory
 
 
 def _read_plan(path) -> Plan:
@@ -294,7 +312,8 @@ class Module(torch.nn.Module):
             if isinstance(self._replicas, list):
                 raise ConveyorValueError("a list of replicas needs fixed stages (stages=); with planning pass an int")
             cap = self._replicas or 0
-            cluster = self._cluster or _local_cluster(self._devices, self._threads_per_device())
+            cluster = self._cluster or _local_cluster(self._devices, self._threads_per_device(),
+                                                      _model_gpu_memory(self.module), one_gpu=self._group is None)
             if self._group is not None:
                 # Process 0 plans for one device per process; every process runs that plan.
                 if self._group.rank == 0:

@@ -20,6 +20,17 @@ from conveyor import _C, zoo
 from conveyor.module import _loss_wrapper
 
 
+def on_device(case, device: str):
+    """The zoo case with its model and inputs on `device`."""
+    if device == "cpu":
+        return case
+    move = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v  # noqa: E731
+    case.model.to(device)
+    case.args = tuple(move(a) for a in case.args)
+    case.kwargs = {k: move(v) for k, v in case.kwargs.items()}
+    return case
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", default="mlp")
@@ -35,16 +46,17 @@ def main():
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--job", default="", help="the job fingerprint announced (default: the case's name)")
     ap.add_argument("--version", default="", help="the conveyor version announced (default: this build's)")
+    ap.add_argument("--device", default="cpu", help="where the model and its inputs live (cuda: every process on its GPU)")
     args = ap.parse_args()
 
     torch.manual_seed(0)
-    case = zoo.CASES[args.case](batch=args.batch)
+    case = on_device(zoo.CASES[args.case](batch=args.batch), args.device)
     model = _loss_wrapper(case.model, case.loss, case.args, case.kwargs)
     graph = conveyor.capture(model, case.args, case.kwargs)
     # Capture ran the model once: start again from the seed so every process (and the
     # reference) holds the same initial state regardless of what capture did.
     torch.manual_seed(0)
-    case = zoo.CASES[args.case](batch=args.batch)
+    case = on_device(zoo.CASES[args.case](batch=args.batch), args.device)
     model.model.load_state_dict(case.model.state_dict())
     inputs = graph.flatten_inputs(case.args, case.kwargs)
     stages = graph.random_partition(args.stages, seed=0, keep_node_order=True)

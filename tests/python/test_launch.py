@@ -97,7 +97,7 @@ def test_every_process_gets_the_environment_of_its_rank(tmp_path):
     ('[job]\nprocesses = "two"\n', "job.toml:2: processes must be a whole number from 1 to 4096"),
     ('[job]\n\ntimeout = -1\n', "job.toml:3: timeout must be a number of seconds > 0"),
     ('[job]\nschedule = "fast"\n', 'job.toml:2: schedule = "fast" (expected one of auto, gpipe, 1f1b, interleaved, zb-h1)'),
-    ('[job]\ntransport = "nccl"\n', "job.toml:2: transport = \"nccl\": the NCCL backend is not built yet"),
+    ('[job]\ntransport = "nccl"\n', "job.toml:2: transport = \"nccl\": pipeline transfers between processes go over UCX"),
     ('[job]\nplan = "missing.json"\n', 'job.toml:2: plan = "missing.json": no such readable file'),
     ('[job]\nhosts = []\n', "job.toml:2: hosts must be a non-empty list"),
     ('[jobs]\n', "job.toml:1: unknown key 'jobs' in the job config"),

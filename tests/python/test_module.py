@@ -1,6 +1,7 @@
 """conveyor.Module: one line, the automatic plan on this machine, results equal to eager
 training with gradient accumulation over the plan's microbatches."""
 import copy
+import os
 
 import pytest
 import torch
@@ -184,3 +185,26 @@ def test_bad_input_gets_clear_errors():
         conveyor.Module(case.model, stages=2, replicas=[1, 1, 1])(*case.args)
     with pytest.raises(conveyor.ConveyorValueError, match="no step has run yet"):
         conveyor.Module(case.model, stages=2).profile_report()
+
+
+def test_the_local_cluster_of_a_gpu_model_describes_the_gpu():
+    """A CUDA model is planned on its GPU's memory: one process splits the GPU into virtual
+    devices that share it; one process per GPU gives each device the whole GPU."""
+    import tomllib
+
+    from conveyor.module import _local_cluster
+
+    gpu = 80 << 30
+    shared = tomllib.loads(_local_cluster(4, 1, gpu_memory=gpu, one_gpu=True))["node"][0]
+    assert (shared["devices"], shared["memory"], shared["speed"]) == (4, gpu // 4, 0.25)
+    whole = tomllib.loads(_local_cluster(2, 1, gpu_memory=gpu, one_gpu=False))["node"][0]
+    assert (whole["devices"], whole["memory"], whole["speed"]) == (2, gpu, 1.0)
+    cpu = tomllib.loads(_local_cluster(2, 1))["node"][0]
+    assert cpu["memory"] == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2  # the CPU's, as before
+    # The planner takes them: a model that needs more than a CPU virtual device's share of
+    # memory fits a whole GPU.
+    case = zoo.CASES["mlp"]()
+    graph = conveyor.capture(case.model, case.args, case.kwargs)
+    prof = conveyor.profile(graph, case.args, case.kwargs)
+    plan = conveyor.plan(graph, prof, _local_cluster(2, 1, gpu_memory=gpu, one_gpu=False), batch=16)
+    assert plan.stage_nodes and sum(plan.replicas) <= 2  # planned within the two GPUs

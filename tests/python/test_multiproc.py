@@ -113,6 +113,26 @@ CASES = {
 
 
 @needs_ucx
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")
+@pytest.mark.parametrize("name", ["mlp", "bert", "gpt2", "t5", "inplace"])
+def test_gpu_pipelines_across_processes_train_like_one_process(name, tmp_path):
+    """The same on the GPU, 2 processes sharing it: values and gradients cross in host memory
+    over UCX, each landing on the device on the receiving replica's stream. (The BatchNorm
+    CNNs are captured with a fixed batch on CUDA, see test_cuda.py.)"""
+    args = ["--case", name, "--stages", "4", "--steps", "3", "--device", "cuda", *CASES[name]]
+    run_single(args, tmp_path / "one.pt")
+    reference = torch.load(tmp_path / "one.pt")
+    results = run_world(2, args, tmp_path / "2.pt")
+    for rank, (code, text) in enumerate(results):
+        assert code == 0, f"{name} on the GPU: process {rank} failed:\n{text[-3000:]}"
+    got = torch.load(tmp_path / "2.pt")
+    assert got["losses"] == pytest.approx(reference["losses"], rel=TOLERANCE, abs=0)
+    for key, want in reference["state"].items():
+        assert got["state"][key].device.type == "cuda", key
+        assert rel(got["state"][key], want) <= TOLERANCE, f"{name} on the GPU: {key}"
+
+
+@needs_ucx
 @pytest.mark.parametrize("name", list(CASES))
 def test_processes_train_exactly_like_one_process_running_the_same_plan(name, tmp_path):
     """3 SGD steps in 2 and in 4 processes give the single-process run's losses and state,
