@@ -1,5 +1,6 @@
 #include "transport/nccl.h"
 
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
@@ -52,11 +53,13 @@ Status check_cuda_device(const c10::Device& device) {
     return Status(ErrorCode::kInvalidArgument, "NCCL groups live on CUDA devices, not " + device.str() +
                                                    "; use the UCX group (ProcessGroup) for CPU tensors");
   }
-  if (!c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA)) {
-    return Status(ErrorCode::kUnsupported, "this process has no CUDA (torch without CUDA, or its CUDA library not "
-                                           "loaded: import torch first); NCCL needs a GPU");
+  if (!c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA) || !at::detail::getCUDAHooks().hasCUDA()) {
+    return Status(ErrorCode::kUnsupported, "this process has no CUDA (torch without CUDA, its CUDA library not "
+                                           "loaded, or no GPU); NCCL needs a GPU");
   }
-  const int count = c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).deviceCount();
+  // The CUDA runtime's count, through torch's hooks: the registered guard's count is not to
+  // be trusted (after torch.export has run, it let a machine without a GPU through).
+  const int count = at::detail::getCUDAHooks().getNumGPUs();
   if (count == 0) return Status(ErrorCode::kUnsupported, "no CUDA device is visible to this process; NCCL needs a GPU");
   if (!device.has_index() || device.index() >= count) {
     return Status(ErrorCode::kInvalidArgument, "NCCL needs a CUDA device with an index below " + std::to_string(count) +
