@@ -3,7 +3,7 @@
 #include <torch/extension.h>
 
 #include <functional>
-#include <future>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -44,16 +44,14 @@ struct NcclHandle {
   std::chrono::milliseconds timeout;
   void run(const std::string& what, const std::function<void(transport::Done)>& issue) const {
     py::gil_scoped_release nogil;
-    auto promise = std::make_shared<std::promise<Status>>();
-    auto future = promise->get_future();
-    issue([promise](Status s) { promise->set_value(std::move(s)); });
-    if (future.wait_for(timeout) != std::future_status::ready) {
+    std::optional<Status> done = transport::wait_within(issue, timeout);
+    if (!done) {
       Status late(ErrorCode::kExecution, "NCCL " + what + " did not complete within " + std::to_string(timeout.count()) +
                                              " ms (a member that hangs or is gone); the group is aborted");
-      group->abort(late);
-      future.wait();  // the abort ends NCCL's kernels
+      group->abort(late);  // ends NCCL's kernels; the operation then completes with `late`
+      check(late);
     }
-    check(future.get());
+    check(*done);
   }
 };
 

@@ -2,7 +2,7 @@
 
 #include <ATen/ATen.h>
 
-#include <future>
+#include <optional>
 #include <numeric>
 
 #include "actors/rendezvous.h"
@@ -66,16 +66,14 @@ void ProcessGroup::close() {
 }
 
 Status ProcessGroup::wait(const std::function<void(transport::Done)>& issue, const std::string& what) const {
-  auto promise = std::make_shared<std::promise<Status>>();
-  auto future = promise->get_future();
-  issue([promise](Status s) { promise->set_value(std::move(s)); });
-  if (future.wait_for(timeout_) != std::future_status::ready) {
+  std::optional<Status> done = transport::wait_within(issue, timeout_);
+  if (!done) {
     return Status(ErrorCode::kExecution, "process " + std::to_string(rank_) + ": " + what + " did not complete within " +
                                              std::to_string(timeout_.count()) +
                                              " ms (a process that hangs, or one that stopped calling in step; "
                                              "raise the timeout if the work is just slow)");
   }
-  return future.get().with_context("process " + std::to_string(rank_) + ", " + what);
+  return done->with_context("process " + std::to_string(rank_) + ", " + what);
 }
 
 Result<std::string> ProcessGroup::broadcast_bytes(int root, const std::string& bytes) const {
@@ -96,12 +94,7 @@ Status ProcessGroup::broadcast(at::Tensor tensor, int root) const {
 Result<std::shared_ptr<transport::NcclGroup>> ProcessGroup::nccl(const c10::Device& device) {
   std::lock_guard<std::mutex> lock(nccl_mu_);
   if (auto it = nccl_.find(device.index()); it != nccl_.end()) return it->second;
-  // Whether each process can join: NCCL present and a CUDA device given.
-  Status can = device.is_cuda() ? Status::ok()
-                                : Status(ErrorCode::kInvalidArgument, "NCCL groups live on CUDA devices, not " + device.str());
-  if (can.is_ok()) {
-    if (auto described = transport::nccl_description(); !described.is_ok()) can = described.status();
-  }
+  const Status can = transport::nccl_usable_on(device);  // what each process says
   at::Tensor mine = at::full({1}, can.is_ok() ? 1 : 0, at::kLong);
   at::Tensor all = at::empty({world_}, at::kLong);
   CONVEYOR_RETURN_IF_ERROR(wait([&](transport::Done d) { all_->allgather(mine, all, d); }, "agreeing on an NCCL group"));

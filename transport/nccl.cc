@@ -47,7 +47,7 @@ Result<nccl_abi::DataType> nccl_type(at::ScalarType t, bool sums) {
                                              c10::toString(t) + " tensors; convert them (to float, say) first");
 }
 
-// Why `device` cannot hold an NCCL member, or OK.
+// Why `device` is not a CUDA device of this process, or OK.
 Status check_cuda_device(const c10::Device& device) {
   if (!device.is_cuda()) {
     return Status(ErrorCode::kInvalidArgument, "NCCL groups live on CUDA devices, not " + device.str() +
@@ -254,6 +254,11 @@ Result<std::vector<std::uint8_t>> nccl_unique_id() {
   return bytes;
 }
 
+Status nccl_usable_on(const c10::Device& device) {
+  CONVEYOR_RETURN_IF_ERROR(check_cuda_device(device));
+  return nccl_library().status();
+}
+
 Result<std::string> nccl_description() {
   CONVEYOR_ASSIGN_OR_RETURN(const NcclLibrary* nccl, nccl_library());
   return "NCCL " + nccl->version_text() + " (" + nccl->path + ")";
@@ -270,7 +275,7 @@ Result<std::shared_ptr<NcclGroup>> make_nccl_group(int rank, int size, const std
                                                    " bytes, not " + std::to_string(unique_id.size()) +
                                                    " (make it with nccl_unique_id())");
   }
-  CONVEYOR_RETURN_IF_ERROR(check_cuda_device(device));
+  CONVEYOR_RETURN_IF_ERROR(nccl_usable_on(device));
   CONVEYOR_ASSIGN_OR_RETURN(const NcclLibrary* nccl, nccl_library());
   nccl_abi::UniqueId id{};
   std::memcpy(id.internal, unique_id.data(), unique_id.size());

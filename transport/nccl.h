@@ -39,6 +39,10 @@ namespace conveyor::transport {
 /// runtime broadcasts it through the process group). Needs NCCL, not a GPU.
 Result<std::vector<std::uint8_t>> nccl_unique_id();
 
+/// OK when this process can hold an NCCL member on `device`: NCCL loads, and `device` is a
+/// CUDA device the process sees. Otherwise why not, and what to do.
+Status nccl_usable_on(const c10::Device& device);
+
 /// "NCCL 2.28.9 (path)" when NCCL can be loaded, or why not.
 Result<std::string> nccl_description();
 

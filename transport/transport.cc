@@ -100,10 +100,14 @@ Status check_collective_call(const CollectiveCall& first, int first_member, cons
   return Status::ok();
 }
 
-Status wait_for(const std::function<void(Done)>& issue) {
+Status wait_for(const std::function<void(Done)>& issue) { return *wait_within(issue, std::chrono::milliseconds::max()); }
+
+std::optional<Status> wait_within(const std::function<void(Done)>& issue, std::chrono::milliseconds timeout) {
   auto promise = std::make_shared<std::promise<Status>>();
   auto future = promise->get_future();
   issue([promise](Status s) { promise->set_value(std::move(s)); });
+  if (timeout == std::chrono::milliseconds::max()) return future.get();
+  if (future.wait_for(timeout) != std::future_status::ready) return std::nullopt;
   return future.get();
 }
 

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -91,6 +92,9 @@ std::string describe_tensor(const at::Tensor& t);
 /// Waits for an operation issued with `issue(done)` (tests, and callers with nothing to
 /// overlap). Inproc operations complete inline; others complete on their progress thread.
 Status wait_for(const std::function<void(Done)>& issue);
+/// The same, waiting at most `timeout`: nothing when the operation has not completed by then
+/// (its callback may still run later).
+std::optional<Status> wait_within(const std::function<void(Done)>& issue, std::chrono::milliseconds timeout);
 
 /// Receives the next message `peer` sends under `tag`, waiting at most `timeout`.
 Result<std::vector<at::Tensor>> receive_within(Endpoint& endpoint, int peer, Tag tag,

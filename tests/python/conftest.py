@@ -1,4 +1,5 @@
 import os
+import socket
 import warnings
 
 import pytest
@@ -32,3 +33,10 @@ def split_batch(args: tuple, kwargs: dict, m: int, batch: int) -> list:
 @pytest.fixture
 def rel_err():
     return max_relative_error
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for a test job's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -7,7 +7,6 @@ is killed and reaped when it ends, whatever happens.
 """
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import free_port
 from conveyor import _C
 
 WORKER = Path(__file__).with_name("multiproc_worker.py")
@@ -25,12 +25,6 @@ TOLERANCE = 1e-12
 FLOOR = 1e-6
 
 UCX_PROBLEM = _C.ucx_status()  # empty when UCX can start here
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env_for(rank: int, world: int, port: int) -> dict:

@@ -2,11 +2,11 @@
 everywhere torch brings NCCL; groups need a GPU: 1-member groups (the only kind one GPU can
 hold) run every collective for real, and a 1-process job makes its group through the
 process group. Without a GPU the group's error is checked instead."""
-import socket
 
 import pytest
 import torch
 
+from conftest import free_port
 from conveyor import _C
 from conveyor.errors import ConveyorError
 
@@ -20,12 +20,6 @@ no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error 
 def loopback(monkeypatch):
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "lo")
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @needs_nccl
@@ -54,19 +48,23 @@ def test_a_group_refuses_bad_arguments():
         _C.NcclGroup(0, 1, b"short", "cuda:0")
 
 
-@needs_nccl
-@no_gpu
-def test_a_job_without_gpus_cannot_make_its_nccl_group():
+@pytest.fixture
+def one_process_job():
+    """A job of one process (its rendezvous on loopback), closed after the test."""
     if _C.ucx_status():
         pytest.skip(f"UCX cannot start here: {_C.ucx_status()}")
-    group = _C.ProcessGroup(0, 1, "127.0.0.1", free_port(), "nccl-test", 30.0)
-    try:
-        with pytest.raises(ConveyorError, match="cannot join an NCCL group"):
-            group.nccl("cpu")
-        with pytest.raises(ConveyorError, match="NCCL needs a GPU"):
-            group.nccl("cuda:0")
-    finally:
-        group.close()
+    job = _C.ProcessGroup(0, 1, "127.0.0.1", free_port(), "nccl-test", 60.0)
+    yield job
+    job.close()
+
+
+@needs_nccl
+@no_gpu
+def test_a_job_without_gpus_cannot_make_its_nccl_group(one_process_job):
+    with pytest.raises(ConveyorError, match="cannot join an NCCL group"):
+        one_process_job.nccl("cpu")
+    with pytest.raises(ConveyorError, match="NCCL needs a GPU"):
+        one_process_job.nccl("cuda:0")
 
 
 def one_member_group():
@@ -114,15 +112,9 @@ def test_a_group_refuses_what_nccl_cannot_do_and_fails_after_abort():
 
 
 @needs_gpu
-def test_a_one_process_job_makes_its_nccl_group():
-    if _C.ucx_status():
-        pytest.skip(f"UCX cannot start here: {_C.ucx_status()}")
-    job = _C.ProcessGroup(0, 1, "127.0.0.1", free_port(), "nccl-test", 60.0)
-    try:
-        group = job.nccl("cuda:0")
-        t = torch.full((1 << 20,), 2.0, device="cuda")
-        group.allreduce(t)
-        assert torch.equal(t, torch.full_like(t, 2.0))
-        assert job.nccl("cuda:0").device == "cuda:0"  # made once
-    finally:
-        job.close()
+def test_a_one_process_job_makes_its_nccl_group(one_process_job):
+    group = one_process_job.nccl("cuda:0")
+    t = torch.full((1 << 20,), 2.0, device="cuda")
+    group.allreduce(t)
+    assert torch.equal(t, torch.full_like(t, 2.0))
+    assert one_process_job.nccl("cuda:0").device == "cuda:0"  # made once
