@@ -46,7 +46,7 @@ struct Coordinator::Impl {
   scheduler::Schedule schedule;
   scheduler::RunnerHooks hooks;
   std::vector<int> replicas;
-  std::vector<bool> local;
+  scheduler::LocalReplicas local;
   std::vector<caf::actor> replica_actors;
   caf::actor coordinator, partitioner;
   std::shared_ptr<scheduler::StepRun> failed;  // the last step, if it failed
@@ -64,7 +64,7 @@ Coordinator::~Coordinator() = default;
 Result<std::unique_ptr<Coordinator>> Coordinator::create(scheduler::Schedule schedule, scheduler::RunnerHooks hooks,
                                                          std::vector<int> replicas,
                                                          std::optional<scheduler::SimulationResult> predicted,
-                                                         std::vector<bool> local) {
+                                                         scheduler::LocalReplicas local) {
   // A step validates the schedule, hooks and counts: check them now, before any actor exists.
   auto probe = scheduler::StepRun::create(schedule, hooks, replicas, local);
   if (!probe) return probe.status();

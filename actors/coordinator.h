@@ -57,12 +57,12 @@ struct ProfileReport {
 class Coordinator {
  public:
   /// Spawns the actor graph for `schedule` with `replicas` per rank (empty: one each): the
-  /// replicas of the ranks `local` marks (empty: all; the others run in other processes).
+  /// replicas `local` marks (per rank and replica; empty: all; the others run in other processes).
   /// `predicted`: the simulator's result for the same plan, for the partitioner's report.
   static Result<std::unique_ptr<Coordinator>> create(scheduler::Schedule schedule, scheduler::RunnerHooks hooks,
                                                      std::vector<int> replicas = {},
                                                      std::optional<scheduler::SimulationResult> predicted = {},
-                                                     std::vector<bool> local = {});
+                                                     scheduler::LocalReplicas local = {});
   ~Coordinator();
   Coordinator(const Coordinator&) = delete;
   Coordinator& operator=(const Coordinator&) = delete;

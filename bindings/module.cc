@@ -332,7 +332,7 @@ PYBIND11_MODULE(_C, m) {
                        const std::string& schedule, int microbatches, int chunks, std::vector<int> replicas,
                        std::int64_t bucket_bytes, int intra_op_threads, const std::string& plan_json,
                        std::shared_ptr<runtime::ProcessGroup> processes, std::vector<int> rank_process,
-                       double step_timeout_s) {
+                       double step_timeout_s, std::vector<std::vector<int>> replica_process) {
              scheduler::ScheduleSpec spec;
              spec.kind = unwrap(scheduler::schedule_kind_from_name(schedule));
              spec.chunks = chunks;
@@ -358,6 +358,7 @@ PYBIND11_MODULE(_C, m) {
              options.intra_op_threads = intra_op_threads;
              options.processes = std::move(processes);
              options.rank_process = std::move(rank_process);
+             options.replica_process = std::move(replica_process);
              if (step_timeout_s > 0) {
                options.step_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(step_timeout_s * 1000));
              }
@@ -368,10 +369,13 @@ PYBIND11_MODULE(_C, m) {
            py::arg("chunks") = 1, py::arg("replicas") = std::vector<int>{}, py::arg("bucket_bytes") = 0,
            py::arg("intra_op_threads") = 0, py::arg("plan") = std::string(), py::arg("processes") = nullptr,
            py::arg("rank_process") = std::vector<int>{}, py::arg("step_timeout_s") = 0.0,
+           py::arg("replica_process") = std::vector<std::vector<int>>{},
            "replicas: per rank (empty: one each); bucket_bytes: gradient reduction bucket size (0: 4 MiB); "
            "intra_op_threads: torch threads per replica (0: the caller's shared out); plan: the plan document "
            "the stages come from (its prediction is what the live profile compares against); processes, "
            "rank_process: run across the job's processes, pipeline rank r on process rank_process[r]; "
+           "replica_process: the same per replica, replica i of rank r on process replica_process[r][i] (a stage "
+           "whose replicas run in several processes sums its gradients across them); "
            "step_timeout_s: a step that takes longer fails (0: 10 minutes).")
       .def("gather_state", [](runtime::PipelineStep& step) {
         py::gil_scoped_release nogil;

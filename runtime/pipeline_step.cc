@@ -8,6 +8,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <future>
 #include <map>
 #include <mutex>
@@ -142,6 +143,7 @@ struct PipelineStep::Impl {
   // parameters several stages share.
   std::vector<std::vector<std::shared_ptr<transport::Collective>>> stage_groups;
   std::vector<std::shared_ptr<transport::Collective>> shared_group;
+  std::vector<int> shared_members;  // every replica index (those not run here have no gradients)
   // Reduction during backward: each replicated stage's parameters in buckets (last layers
   // first, as backward produces them). In the last backward of a step (B, or W when split)
   // a hook after each gradient accumulation counts the bucket's parameters; once every
@@ -151,7 +153,8 @@ struct PipelineStep::Impl {
   struct Bucket {
     std::vector<std::string> names;
     int fired = 0;  // (parameter, replica) accumulations in the final pass
-    int state = 0;  // 0 waiting, 1 posted, 2 reduced
+    int state = 0;  // 0 waiting, 1 posted, 2 reduced (in this process)
+    at::Tensor across;  // spanning processes: this process's sum, flat, then everyone's (+ a had-gradients count)
     bool early = false;
     std::chrono::steady_clock::time_point start, end;  // of an early reduction, for the trace
     std::vector<c10::Event*> accumulated;       // streams: after each accumulation in the final pass
@@ -226,18 +229,43 @@ struct PipelineStep::Impl {
   // the stage's send action and awaited at the reader's receive action.
   std::shared_ptr<ProcessGroup> processes;
   int process = 0;
-  std::vector<int> stage_process;  // per stage
-  bool here(int stage) const { return stage_process.empty() || stage_process[stage] == process; }
+  std::vector<std::vector<int>> replica_process;  // [stage][replica]: the process that runs it
+  bool here(int stage, int replica) const {
+    return replica_process.empty() || replica_process[stage][replica] == process;
+  }
+  std::vector<std::vector<int>> local_replicas;  // [stage]: the replicas this process runs
   struct Remote {
     int process;
     std::vector<ValueId> values;
   };
-  std::vector<std::vector<Remote>> activations_out;  // [stage s]: per other process, the outputs of s it reads
-  std::vector<std::vector<Remote>> gradients_out;    // [stage t]: per other process, the inputs of t it produced
-  std::vector<std::vector<int>> activations_from;    // [stage t]: other processes' stages whose outputs t reads
-  std::vector<std::vector<int>> gradients_from;      // [stage s]: other processes' stages that read outputs of s
-  std::vector<std::pair<std::string, bool>> cross_shared;  // parameters read in several processes (read here?)
-  std::vector<std::pair<std::string, int>> owners;   // parameters and buffers: the process of their first reader
+  using RemoteLists = std::vector<std::vector<std::vector<Remote>>>;  // [stage][replica]: per other process
+  RemoteLists activations_out;  // [s][i]: the outputs of s that another process reads from replica i
+  RemoteLists gradients_out;    // [t][j]: the gradients of t's inputs that replica j hands another process
+  std::vector<std::vector<int>> reads_from;  // [stage t]: the stages whose outputs t reads
+  std::vector<std::vector<int>> read_by;     // [stage s]: the stages that read outputs of s
+  std::vector<std::pair<std::string, bool>> cross_shared;  // parameters several stages in several processes read (read here?)
+  std::vector<std::pair<std::string, int>> owners;   // parameters and buffers: the process of their first reader's replica 0
+  // A stage whose replicas run in several processes: its gradients, summed over this
+  // process's replicas bucket by bucket, are then summed over those processes (its group,
+  // null where it has no replica here), the buckets in one order everywhere; each step ends
+  // by waiting for those sums. Buffers such stages read go from their owner to the other
+  // processes that read them after every step (so every replica starts the next step from
+  // replica 0's, as in one process).
+  std::vector<std::shared_ptr<transport::EndpointGroup>> stage_across;  // [stage]
+  struct Across {
+    std::mutex mu;
+    std::condition_variable cv;
+    int pending = 0;
+    Status error = Status::ok();
+  };
+  std::shared_ptr<Across> across = std::make_shared<Across>();
+  std::vector<int> next_across;  // [stage]: the next bucket to sum across processes (comm thread)
+  struct BufferSync {
+    std::string name;
+    std::shared_ptr<transport::EndpointGroup> group;  // null: this process does not read it
+    int root = 0;                                     // the owner's place in the group
+  };
+  std::vector<BufferSync> buffer_syncs;
   bool out_of_step = false;  // a failed step left the processes out of step
   // Parameters and buffers no stage of this process reads: released (0 elements) while the
   // pipeline trains, so a process holds only its stages' share of the model; brought back
@@ -395,6 +423,7 @@ struct PipelineStep::Impl {
     }
     at::Tensor& whole = joined_grads[{v, mb}];
     if (!whole.defined()) whole = zeros_like_joined(v, mb);
+    if (!whole.defined()) return;  // no share of the value is here: no replica here reads this gradient
     const Share s = share_of(micro_length[mb], rc, i);
     whole.narrow(batch_dim[v], batch_scale[v] * s.offset, batch_scale[v] * s.length).add_(g);
     if (rs != nullptr) {
@@ -404,15 +433,19 @@ struct PipelineStep::Impl {
   }
 
   // Zeros shaped like value `v` of microbatch `mb` with its producers' shares joined (the
-  // join itself is in the reading process, which may be another one). Holds `mu`.
+  // join itself is in the reading process, which may be another one, and this process may
+  // hold some of the shares only): a share's shape, the whole microbatch along the batch
+  // dimension. Holds `mu`.
   at::Tensor zeros_like_joined(ValueId v, int mb) const {
     auto jt = joined.find({v, mb});
     if (jt != joined.end()) return at::zeros_like(jt->second.toTensor());
-    const auto& shares = values.at({v, mb});
-    std::vector<std::int64_t> sizes = shares[0].toTensor().sizes().vec();
-    sizes[batch_dim[v]] = 0;
-    for (const auto& share : shares) sizes[batch_dim[v]] += share.toTensor().size(batch_dim[v]);
-    return at::zeros(sizes, shares[0].toTensor().options());
+    for (const auto& share : values.at({v, mb})) {
+      if (!share.isTensor()) continue;
+      std::vector<std::int64_t> sizes = share.toTensor().sizes().vec();
+      sizes[batch_dim[v]] = batch_scale[v] * micro_length[mb];
+      return at::zeros(sizes, share.toTensor().options());
+    }
+    return at::Tensor();
   }
 
   // The gradient of output `v` for replica `i` of its producing stage (its compute stream,
@@ -501,11 +534,13 @@ struct PipelineStep::Impl {
       if (input_index.count(v) || !in_grads[k].isTensor()) continue;
       const at::Tensor& g = in_grads[k].toTensor();
       if (!g.defined()) continue;
-      if (here(producer[v])) {
-        write_grad(v, a.microbatch, a.stage, i, g);
-      } else {
-        grads_out[{a.stage, a.microbatch, i}][v] = g;  // sent at the stage's send
-      }
+      // To the producing replicas this one exchanges with: here, and sent at the stage's
+      // send to those in other processes.
+      const int s = producer[v];
+      bool local = false, remote = false;
+      for (int j : partners(stage_replicas[a.stage], stage_replicas[s], i)) (here(s, j) ? local : remote) = true;
+      if (local) write_grad(v, a.microbatch, a.stage, i, g);
+      if (remote) grads_out[{a.stage, a.microbatch, i}][v] = g;
     }
     return Status::ok();
   }
@@ -563,29 +598,53 @@ struct PipelineStep::Impl {
     return programs[a.stage][i]->backward_weight(act);
   }
 
-  // Places the stages on processes (rank_process: per pipeline rank) and works out which
-  // values and gradients cross between them; checks that every process builds this same
-  // pipeline. Called by create() on every process.
+  // Places the replicas on processes (placement: per pipeline rank, per replica) and works
+  // out which values and gradients cross between them, which stages reduce their gradients
+  // across processes, and who owns each parameter and buffer; checks that every process
+  // builds this same pipeline. Called by create() on every process, in one order.
   Status distribute(const graph::Graph& g, const std::vector<std::vector<NodeId>>& stages,
-                    std::shared_ptr<ProcessGroup> group, const std::vector<int>& rank_process) {
+                    std::shared_ptr<ProcessGroup> group, const std::vector<std::vector<int>>& placement) {
     const int ranks = schedule.spec.ranks, num_stages = static_cast<int>(stages.size());
-    if (static_cast<int>(rank_process.size()) != ranks) {
-      return Status(ErrorCode::kInvalidArgument, "processes given for " + std::to_string(rank_process.size()) +
+    if (static_cast<int>(placement.size()) != ranks) {
+      return Status(ErrorCode::kInvalidArgument, "processes given for " + std::to_string(placement.size()) +
                                                      " pipeline ranks, but the pipeline has " + std::to_string(ranks));
     }
-    for (int p : rank_process) {
-      if (p < 0 || p >= group->world_size()) {
-        return Status(ErrorCode::kInvalidArgument, "pipeline rank placed on process " + std::to_string(p) +
-                                                       " of a world of " + std::to_string(group->world_size()));
+    for (int rank = 0; rank < ranks; ++rank) {
+      if (static_cast<int>(placement[rank].size()) != rank_replicas[rank]) {
+        return Status(ErrorCode::kInvalidArgument, "pipeline rank " + std::to_string(rank) + " has " +
+                                                       std::to_string(rank_replicas[rank]) + " replicas but " +
+                                                       std::to_string(placement[rank].size()) + " are placed on processes");
+      }
+      for (int p : placement[rank]) {
+        if (p < 0 || p >= group->world_size()) {
+          return Status(ErrorCode::kInvalidArgument, "pipeline rank " + std::to_string(rank) + " placed on process " +
+                                                         std::to_string(p) + " of a world of " +
+                                                         std::to_string(group->world_size()));
+        }
       }
     }
     processes = std::move(group);
     process = processes->rank();
-    for (int st = 0; st < num_stages; ++st) stage_process.push_back(rank_process[schedule.spec.rank_of_stage(st)]);
+    replica_process.clear();
+    local_replicas.assign(static_cast<std::size_t>(num_stages), {});
+    for (int st = 0; st < num_stages; ++st) {
+      replica_process.push_back(placement[schedule.spec.rank_of_stage(st)]);
+      for (int r = 0; r < stage_replicas[st]; ++r) {
+        if (here(st, r)) local_replicas[st].push_back(r);
+      }
+    }
+    auto processes_of = [&](int st) {
+      std::set<int> out(replica_process[st].begin(), replica_process[st].end());
+      return out;
+    };
     activations_out.assign(static_cast<std::size_t>(num_stages), {});
     gradients_out.assign(static_cast<std::size_t>(num_stages), {});
-    activations_from.assign(static_cast<std::size_t>(num_stages), {});
-    gradients_from.assign(static_cast<std::size_t>(num_stages), {});
+    reads_from.assign(static_cast<std::size_t>(num_stages), {});
+    read_by.assign(static_cast<std::size_t>(num_stages), {});
+    for (int st = 0; st < num_stages; ++st) {
+      activations_out[st].resize(static_cast<std::size_t>(stage_replicas[st]));
+      gradients_out[st].resize(static_cast<std::size_t>(stage_replicas[st]));
+    }
     auto add = [](std::vector<Remote>& list, int to, ValueId v) {
       for (Remote& r : list) {
         if (r.process != to) continue;
@@ -594,43 +653,69 @@ struct PipelineStep::Impl {
       }
       list.push_back({to, {v}});
     };
-    auto add_stage = [](std::vector<int>& list, int st) {
-      if (std::find(list.begin(), list.end(), st) == list.end()) list.push_back(st);
-    };
     for (int t = 0; t < num_stages; ++t) {
       for (ValueId v : graph::stage_boundary(g, stages[t]).inputs) {
         const int s = producer[v];
-        if (s < 0 || stage_process[s] == stage_process[t]) continue;
-        add(activations_out[s], stage_process[t], v);
-        add(gradients_out[t], stage_process[s], v);
-        add_stage(activations_from[t], s);
-        add_stage(gradients_from[s], t);
+        if (s < 0) continue;
+        if (std::find(reads_from[t].begin(), reads_from[t].end(), s) == reads_from[t].end()) reads_from[t].push_back(s);
+        if (std::find(read_by[s].begin(), read_by[s].end(), t) == read_by[s].end()) read_by[s].push_back(t);
+        for (int j = 0; j < stage_replicas[t]; ++j) {
+          for (int i : partners(stage_replicas[t], stage_replicas[s], j)) {
+            if (replica_process[t][j] == replica_process[s][i]) continue;
+            add(activations_out[s][i], replica_process[t][j], v);
+            add(gradients_out[t][j], replica_process[s][i], v);
+          }
+        }
       }
     }
     // Parameters and buffers: owned by the process of their first reader; parameters read
     // in several processes get their gradients summed across them after each step.
     std::map<ValueId, std::set<int>> reading;  // value -> processes
+    std::map<ValueId, std::set<int>> stages_reading;
     std::map<ValueId, int> first;              // value -> first reading stage
     for (int st = 0; st < num_stages; ++st) {
       for (NodeId n : stages[st]) {
         for (ValueId in : graph::Graph::node_inputs(g.nodes[n])) {
-          reading[in].insert(stage_process[st]);
+          for (int p : replica_process[st]) reading[in].insert(p);
+          stages_reading[in].insert(st);
           first.emplace(in, st);
         }
       }
     }
+    // Every process makes every group, in this order (ProcessGroup::subgroup).
+    for (int st = 0; st < num_stages; ++st) {
+      std::shared_ptr<transport::EndpointGroup> stage_group;
+      if (const std::set<int> ps = processes_of(st); ps.size() > 1) {
+        CONVEYOR_ASSIGN_OR_RETURN(stage_group, processes->subgroup(std::vector<int>(ps.begin(), ps.end())));
+      }
+      stage_across[st] = std::move(stage_group);
+    }
+    std::map<std::set<int>, std::shared_ptr<transport::EndpointGroup>> buffer_groups;
     for (const auto& b : g.bindings) {
       if (!first.count(b.value) || executors[0]->tensor(b.name) == nullptr) continue;
       if (b.kind != graph::Binding::Kind::kParameter && b.kind != graph::Binding::Kind::kBuffer) continue;
-      owners.emplace_back(b.name, stage_process[first[b.value]]);
-      if (!reading[b.value].count(process)) {
+      const int owner = replica_process[first[b.value]][0];
+      owners.emplace_back(b.name, owner);
+      const std::set<int>& readers = reading[b.value];
+      if (!readers.count(process)) {
         not_here.push_back({b.name, executors[0]->tensor(b.name)->sizes().vec()});
       } else if (b.kind == graph::Binding::Kind::kBuffer) {
         buffers_here.insert(b.name);
       }
-      if (b.kind == graph::Binding::Kind::kParameter && reading[b.value].size() > 1 &&
+      if (b.kind == graph::Binding::Kind::kParameter && stages_reading[b.value].size() > 1 && readers.size() > 1 &&
           executors[0]->tensor(b.name)->requires_grad()) {
-        cross_shared.emplace_back(b.name, reading[b.value].count(process) > 0);
+        cross_shared.emplace_back(b.name, readers.count(process) > 0);
+      }
+      bool replicated_across = false;  // read by a stage whose replicas span processes
+      for (int st : stages_reading[b.value]) replicated_across = replicated_across || processes_of(st).size() > 1;
+      if (b.kind == graph::Binding::Kind::kBuffer && replicated_across && readers.size() > 1) {
+        auto it = buffer_groups.find(readers);
+        if (it == buffer_groups.end()) {
+          CONVEYOR_ASSIGN_OR_RETURN(auto made, processes->subgroup(std::vector<int>(readers.begin(), readers.end())));
+          it = buffer_groups.emplace(readers, std::move(made)).first;
+        }
+        buffer_syncs.push_back({b.name, it->second,
+                                static_cast<int>(std::distance(readers.begin(), readers.find(owner)))});
       }
     }
     // Every process must build this pipeline: compare fingerprints.
@@ -642,7 +727,10 @@ struct PipelineStep::Impl {
     mix(schedule.spec.chunks);
     mix(schedule.spec.microbatches);
     for (int r : rank_replicas) mix(r);
-    for (int p : rank_process) mix(p);
+    for (const auto& rank : placement) {
+      mix(-2);
+      for (int p : rank) mix(p);
+    }
     for (const auto& stage : stages) {
       mix(-1);
       for (NodeId n : stage) mix(n);
@@ -669,14 +757,15 @@ struct PipelineStep::Impl {
   Status send_remote(int i, const Action& a) {
     if (!processes) return Status::ok();
     const bool grad = a.kind == ActionKind::kSendGradient;
-    if (stream_device && !(grad ? gradients_out[a.stage] : activations_out[a.stage]).empty()) {
+    const std::vector<Remote>& destinations = (grad ? gradients_out : activations_out)[a.stage][i];
+    if (stream_device && !destinations.empty()) {
       // A GPU pipeline's messages cross in host memory: the copy (the endpoint's, on this
       // thread's current stream) waits for the compute that made them.
       c10::Event computed(stream_device->type());
       computed.record(streams_of(a.stage, i)->compute);
       computed.block(current_stream(*stream_device));
     }
-    for (const Remote& to : grad ? gradients_out[a.stage] : activations_out[a.stage]) {
+    for (const Remote& to : destinations) {
       std::vector<c10::IValue> payload;
       {
         std::lock_guard<std::mutex> lock(mu);
@@ -716,9 +805,9 @@ struct PipelineStep::Impl {
     std::vector<Need> needs;
     const bool grad = a.kind == ActionKind::kRecvGradient;
     if (processes) {
-      for (int other : grad ? gradients_from[a.stage] : activations_from[a.stage]) {
+      for (int other : grad ? read_by[a.stage] : reads_from[a.stage]) {
         for (int j : partners(stage_replicas[a.stage], stage_replicas[other], i)) {
-          needs.push_back({stage_process[other], grad, other, j});
+          if (!here(other, j)) needs.push_back({replica_process[other][j], grad, other, j});
         }
       }
     }
@@ -775,7 +864,7 @@ struct PipelineStep::Impl {
   // Stores a message from another process: values (activations) of replica `replica` of
   // `stage`, or the gradients replica `replica` of reading stage `stage` computed.
   Status apply_message(bool grad, int stage, int replica, int mb, const std::vector<at::Tensor>& message) {
-    const std::vector<ValueId>* ids = values_for(grad ? gradients_out[stage] : activations_out[stage], process);
+    const std::vector<ValueId>* ids = values_for((grad ? gradients_out : activations_out)[stage][replica], process);
     if (ids == nullptr) return Status(ErrorCode::kInternal, "a message from a stage that sends this process nothing");
     // With streams, a message lands on the compute stream of the replica that sent it (one
     // of another process: here its streams carry nothing but its arrivals), so the events
@@ -825,21 +914,27 @@ struct PipelineStep::Impl {
     return out;
   }
 
-  // Sums the replicas' gradients of `names` into replica 0's (the user's) `.grad` through
-  // the stage's Collective, bucket by bucket; the other replicas' gradients are cleared.
-  Status reduce(const std::vector<std::string>& names, const std::vector<std::shared_ptr<transport::Collective>>& group) {
-    if (group.size() < 2) return Status::ok();
-    for (const auto& bucket : make_buckets(names)) CONVEYOR_RETURN_IF_ERROR(reduce_bucket(bucket, group));
+  // Sums the gradients of `names` over `members` (replicas run in this process) into replica
+  // 0's (the user's) `.grad` through `group` (the inproc group over them), bucket by bucket.
+  Status reduce(const std::vector<std::string>& names, const std::vector<int>& members,
+                const std::vector<std::shared_ptr<transport::Collective>>& group) {
+    if (members.size() < 2) return Status::ok();
+    for (const auto& bucket : make_buckets(names)) {
+      CONVEYOR_ASSIGN_OR_RETURN(at::Tensor sum, sum_replicas(bucket, members, group));
+      if (sum.defined()) write_back(bucket, sum);
+    }
     return Status::ok();
   }
 
-  Status reduce_bucket(const std::vector<std::string>& names,
-                       const std::vector<std::shared_ptr<transport::Collective>>& group) {
-    const int replicas = static_cast<int>(group.size());
+  // The gradients of `names` summed over `members` as one flat tensor (zeros for a member
+  // without one), through `group` (member order: the same sums wherever they run); every
+  // member's gradients but replica 0's are released. Undefined when no member has any.
+  Result<at::Tensor> sum_replicas(const std::vector<std::string>& names, const std::vector<int>& members,
+                                  const std::vector<std::shared_ptr<transport::Collective>>& group) {
     c10::NoGradGuard no_grad;
     std::vector<at::Tensor> buckets;
     bool any = false;
-    for (int r = 0; r < replicas; ++r) {
+    for (int r : members) {
       std::vector<at::Tensor> flat;
       for (const auto& name : names) {
         at::Tensor p = *executors[r]->tensor(name);
@@ -853,8 +948,9 @@ struct PipelineStep::Impl {
       }
       buckets.push_back(at::cat(flat));
     }
-    if (!any) return Status::ok();
-    // Every replica's part of the reduction (inproc completes it inline on the last call).
+    if (!any) return at::Tensor();
+    if (members.size() < 2) return buckets[0];
+    // Every member's part of the reduction (inproc completes it inline on the last call).
     struct Pending {
       std::mutex mu;
       int left = 0;
@@ -862,9 +958,9 @@ struct PipelineStep::Impl {
       std::promise<void> all;
     };
     auto pending = std::make_shared<Pending>();
-    pending->left = replicas;
-    for (int r = 0; r < replicas; ++r) {
-      group[r]->reduce(buckets[r], /*root=*/0, [pending](Status s) {
+    pending->left = static_cast<int>(members.size());
+    for (std::size_t k = 0; k < members.size(); ++k) {
+      group[k]->reduce(buckets[k], /*root=*/0, [pending](Status s) {
         std::lock_guard<std::mutex> lock(pending->mu);
         if (!s && pending->first.is_ok()) pending->first = std::move(s);
         if (--pending->left == 0) pending->all.set_value();
@@ -872,16 +968,106 @@ struct PipelineStep::Impl {
     }
     pending->all.get_future().wait();
     CONVEYOR_RETURN_IF_ERROR(pending->first);
+    return buckets[0];
+  }
+
+  // A flat sum of `names`' gradients becomes replica 0's (the user's) `.grad` (not for
+  // tensors released here).
+  void write_back(const std::vector<std::string>& names, const at::Tensor& flat) {
+    c10::NoGradGuard no_grad;
     std::int64_t offset = 0;
     for (const auto& name : names) {
       at::Tensor p = *executors[0]->tensor(name);
-      at::Tensor part = buckets[0].narrow(0, offset, p.numel()).view(p.sizes());
+      at::Tensor part = flat.narrow(0, offset, p.numel()).view(p.sizes());
       offset += p.numel();
+      if (released_sizes(name) != nullptr) continue;
       if (p.grad().defined()) {
         p.mutable_grad().copy_(part);
       } else {
         p.mutable_grad() = part.clone();
       }
+    }
+  }
+
+  // Bucket `b` of `stage`, on the communication thread: summed over this process's
+  // replicas and, where the stage spans processes, queued to be summed across them.
+  Status reduce_stage_bucket(int stage, int b) {
+    Bucket& bucket = stage_buckets[stage][b];
+    CONVEYOR_ASSIGN_OR_RETURN(at::Tensor sum, sum_replicas(bucket.names, local_replicas[stage], stage_groups[stage]));
+    if (!stage_across[stage]) {
+      if (sum.defined()) write_back(bucket.names, sum);
+      return Status::ok();
+    }
+    const at::Tensor& first = *executors[0]->tensor(bucket.names[0]);
+    if (!sum.defined()) {
+      std::int64_t numel = 0;
+      for (const auto& name : bucket.names) numel += executors[0]->tensor(name)->numel();
+      bucket.across = at::zeros({numel + 1}, first.options());
+    } else {
+      bucket.across = at::cat({sum, at::ones({1}, sum.options())});  // the last element counts processes with gradients
+    }
+    issue_across(stage);
+    return Status::ok();
+  }
+
+  // On the communication thread: the stage's buckets summed here go to be summed across
+  // its processes, in bucket order (the same order on every process, whatever order
+  // backward finished them in).
+  void issue_across(int stage) {
+    auto& buckets = stage_buckets[stage];
+    while (next_across[stage] < static_cast<int>(buckets.size()) && buckets[next_across[stage]].across.defined()) {
+      Bucket& b = buckets[next_across[stage]++];
+      if (stream_device) collective_streams[stage]->synchronize();  // the sum is on the device before it leaves
+      {
+        std::lock_guard<std::mutex> lock(across->mu);
+        ++across->pending;
+      }
+      stage_across[stage]->allreduce(b.across, [state = across](Status s) {
+        std::lock_guard<std::mutex> lock(state->mu);
+        if (!s && state->error.is_ok()) state->error = std::move(s);
+        --state->pending;
+        state->cv.notify_all();
+      });
+    }
+  }
+
+  // The end of a step: waits for the sums across processes and makes them the user's
+  // gradients (a parameter no process had a gradient for keeps none).
+  Status finish_across() {
+    {
+      std::unique_lock<std::mutex> lock(across->mu);
+      if (!across->cv.wait_for(lock, processes->timeout(), [&] { return across->pending == 0; })) {
+        return Status(ErrorCode::kExecution, "process " + std::to_string(process) +
+                                                 ": summing the gradients of replicas in other processes did not "
+                                                 "complete within " + std::to_string(processes->timeout().count()) +
+                                                 " ms (a process that hangs, or one out of step)");
+      }
+      CONVEYOR_RETURN_IF_ERROR(across->error.with_context("summing the gradients of replicas in other processes"));
+    }
+    if (stream_device) synchronize_device(*stream_device);
+    for (int st = 0; st < static_cast<int>(stage_buckets.size()); ++st) {
+      if (!stage_across[st]) continue;
+      for (Bucket& b : stage_buckets[st]) {
+        if (!b.across.defined()) {
+          return Status(ErrorCode::kInternal, "a gradient bucket of stage " + std::to_string(st) + " was never reduced");
+        }
+        const std::int64_t n = b.across.numel() - 1;
+        if (b.across[n].item<double>() > 0) write_back(b.names, b.across.narrow(0, 0, n));
+        b.across = at::Tensor();
+      }
+    }
+    return Status::ok();
+  }
+
+  // After a step: buffers of stages replicated across processes become their owner's (the
+  // process of replica 0) wherever they are read.
+  Status sync_buffers() {
+    c10::NoGradGuard no_grad;
+    for (const BufferSync& b : buffer_syncs) {
+      if (!b.group) continue;
+      at::Tensor t = *executors[0]->tensor(b.name);
+      CONVEYOR_RETURN_IF_ERROR(processes->wait([&](transport::Done d) { b.group->broadcast(t, b.root, d); },
+                                               "handing buffer '" + b.name + "' to the processes that read it"));
     }
     return Status::ok();
   }
@@ -928,7 +1114,7 @@ struct PipelineStep::Impl {
     for (const auto& [name, read_here] : cross_shared) {
       at::Tensor p = *executors[0]->tensor(name);
       const auto* sizes = released_sizes(name);  // not read here: its shape, for zeros
-      at::Tensor g = p.grad().defined() ? p.grad().clone() : sizes ? at::zeros(*sizes, p.options()) : at::zeros_like(p);
+      at::Tensor g = sizes ? at::zeros(*sizes, p.options()) : p.grad().defined() ? p.grad().clone() : at::zeros_like(p);
       CONVEYOR_RETURN_IF_ERROR(processes->wait([&](transport::Done d) { processes->all().allreduce(g, d); },
                                                "summing the gradient of '" + name + "' across processes"));
       if (read_here) p.mutable_grad() = g;
@@ -939,7 +1125,7 @@ struct PipelineStep::Impl {
   // The stage's allreduce (on the communication thread): the buckets not reduced during
   // backward, reduced now.
   Status finish_reduction(int stage) {
-    if (stage_groups[stage].size() < 2) return Status::ok();
+    if (stage_buckets[stage].empty()) return Status::ok();
     std::optional<c10::StreamGuard> on_collective;
     if (stream_device) {
       wait_all(final_done[stage], *collective_streams[stage]);
@@ -948,13 +1134,13 @@ struct PipelineStep::Impl {
       allreduce_timed[stage].first = collective_events[stage]->record(*collective_streams[stage]);
     }
     Status result = Status::ok();
-    for (auto& b : stage_buckets[stage]) {
+    for (int k = 0; k < static_cast<int>(stage_buckets[stage].size()); ++k) {
       {
         std::lock_guard<std::mutex> lock(bucket_mu);
-        if (b.state == 2) continue;
-        b.state = 2;  // a posted reduction not run yet finds it done
+        if (stage_buckets[stage][k].state == 2) continue;
+        stage_buckets[stage][k].state = 2;  // a posted reduction not run yet finds it done
       }
-      result = reduce_bucket(b.names, stage_groups[stage]);
+      result = reduce_stage_bucket(stage, k);
       if (!result) break;
     }
     std::lock_guard<std::mutex> lock(bucket_mu);
@@ -970,7 +1156,7 @@ struct PipelineStep::Impl {
     // With streams, the accumulation was queued on the stream current here (the engine's
     // for this gradient): the reduction waits for it there.
     if (stream_device) b.accumulated.push_back(collective_events[stage]->record(current_stream(*stream_device)));
-    if (++b.fired < static_cast<int>(b.names.size()) * stage_replicas[stage] || b.state != 0) return;
+    if (++b.fired < static_cast<int>(b.names.size() * local_replicas[stage].size()) || b.state != 0) return;
     b.state = 1;
     scheduler::CommThread::process()->post([this, stage, bucket] {
       std::optional<c10::StreamGuard> on_collective;
@@ -987,7 +1173,7 @@ struct PipelineStep::Impl {
         }
       }
       const auto start = std::chrono::steady_clock::now();
-      Status s = reduce_bucket(stage_buckets[stage][bucket].names, stage_groups[stage]);
+      Status s = reduce_stage_bucket(stage, bucket);
       std::lock_guard<std::mutex> lock(bucket_mu);
       stage_buckets[stage][bucket].start = start;
       stage_buckets[stage][bucket].end = std::chrono::steady_clock::now();
@@ -1196,19 +1382,44 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
     }
   }
   CONVEYOR_ASSIGN_OR_RETURN(impl->schedule, scheduler::make_schedule(spec));
-  for (int s = 0; s < num_stages; ++s) impl->stage_groups.push_back(transport::make_inproc_group(impl->stage_replicas[s]));
+  // Which replicas run here: all of them, or across processes those placed on this one.
+  impl->local_replicas.resize(static_cast<std::size_t>(num_stages));
+  for (int s = 0; s < num_stages; ++s) {
+    for (int r = 0; r < impl->stage_replicas[s]; ++r) impl->local_replicas[s].push_back(r);
+  }
+  impl->stage_across.assign(static_cast<std::size_t>(num_stages), nullptr);
+  scheduler::LocalReplicas local;  // per rank and replica: run by this process (empty: all)
+  if (options.processes) {
+    std::vector<std::vector<int>> placement = options.replica_process;
+    if (placement.empty()) {  // a rank's replicas all on its process
+      for (std::size_t rank = 0; rank < options.rank_process.size(); ++rank) {
+        placement.emplace_back(static_cast<std::size_t>(rank < impl->rank_replicas.size() ? impl->rank_replicas[rank] : 1),
+                               options.rank_process[rank]);
+      }
+    }
+    CONVEYOR_RETURN_IF_ERROR(impl->distribute(g, stages, options.processes, placement));
+    for (int rank = 0; rank < spec.ranks; ++rank) {
+      local.emplace_back();
+      for (int p : placement[rank]) local.back().push_back(p == impl->process);
+    }
+  }
+  for (int s = 0; s < num_stages; ++s) {
+    impl->stage_groups.push_back(transport::make_inproc_group(std::max<int>(1, impl->local_replicas[s].size())));
+  }
   impl->shared_group = transport::make_inproc_group(most);
+  for (int r = 0; r < most; ++r) impl->shared_members.push_back(r);
+  impl->next_across.assign(static_cast<std::size_t>(num_stages), 0);
   impl->hook_target->im = impl.get();
   impl->final_pass.reset(new std::atomic<bool>[static_cast<std::size_t>(num_stages * most)]);
   for (int k = 0; k < num_stages * most; ++k) impl->final_pass[k] = false;
   impl->stage_buckets.resize(static_cast<std::size_t>(num_stages));
   for (int s = 0; s < num_stages; ++s) {
-    if (impl->stage_replicas[s] < 2) continue;
+    if (impl->stage_replicas[s] < 2 || impl->local_replicas[s].empty()) continue;
     std::vector<std::string> last_first(impl->stage_parameters[s].rbegin(), impl->stage_parameters[s].rend());
     for (auto& names : impl->make_buckets(last_first)) impl->stage_buckets[s].push_back({std::move(names)});
     for (int b = 0; b < static_cast<int>(impl->stage_buckets[s].size()); ++b) {
       for (const auto& name : impl->stage_buckets[s][b].names) {
-        for (int r = 0; r < impl->stage_replicas[s]; ++r) {
+        for (int r : impl->local_replicas[s]) {
           const at::Tensor& t = *impl->executors[r]->tensor(name);
           // Chained in front of any hook already there (the user's, another pipeline's).
           auto& slot = torch::autograd::impl::post_acc_grad_hooks(t);
@@ -1240,11 +1451,6 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
     impl->step_events = std::make_unique<EventPool>(device.type());
   }
   impl->step_timeout = options.step_timeout;
-  std::vector<bool> local;  // per rank: run by this process
-  if (options.processes) {
-    CONVEYOR_RETURN_IF_ERROR(impl->distribute(g, stages, options.processes, options.rank_process));
-    for (int rank = 0; rank < spec.ranks; ++rank) local.push_back(options.rank_process[rank] == impl->process);
-  }
   // The replicas' actors live as long as the pipeline; their hooks read the step's state.
   Impl* im = impl.get();
   scheduler::RunnerHooks hooks;
@@ -1391,6 +1597,11 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
     for (auto& b : stage) b = Impl::Bucket{std::move(b.names)};
   }
   im.bucket_error = Status::ok();
+  std::fill(im.next_across.begin(), im.next_across.end(), 0);
+  {
+    std::lock_guard<std::mutex> lock(im.across->mu);
+    im.across->error = Status::ok();
+  }
   // With streams: every stream of the step starts after the caller's work so far (its
   // inputs, the last optimizer step), the events of the last step are reused.
   im.final_done.assign(im.stage_replicas.size(), std::vector<c10::Event*>(im.executors.size(), nullptr));
@@ -1461,10 +1672,21 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
   }
   if (!measured) return measured.status();
   CONVEYOR_RETURN_IF_ERROR(im.send_error);
-  CONVEYOR_RETURN_IF_ERROR(im.reduce(im.shared_parameters, im.shared_group));
-  if (Status s = im.reduce_across_processes(); !s) {
-    im.out_of_step = true;
-    return s;
+  if (im.processes) {
+    if (Status s = im.finish_across(); !s) {
+      im.out_of_step = true;
+      im.processes->abort(s);
+      return s;
+    }
+  }
+  CONVEYOR_RETURN_IF_ERROR(im.reduce(im.shared_parameters, im.shared_members, im.shared_group));
+  if (im.processes) {
+    Status s = im.reduce_across_processes();
+    if (s) s = im.sync_buffers();
+    if (!s) {
+      im.out_of_step = true;
+      return s;
+    }
   }
   StepResult out;
   std::tie(out.buckets, out.buckets_reduced_during_backward) = reduction;
@@ -1472,27 +1694,40 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
   im.last_reduction = {out.buckets, out.buckets_reduced_during_backward};
   out.measured = std::move(*measured);
   const int loss_stage = im.producer[im.loss], loss_replicas = im.stage_replicas[loss_stage];
+  // The batch's loss: every share's loss weighted by its size, summed in microbatch and
+  // replica order. Across processes every process gets every weighted share (exact: each
+  // slot has one process's value, the others add zeros) and sums them in that same order,
+  // so every process holds the single-process value, bit for bit.
   at::Tensor total;
-  if (im.here(loss_stage)) {
-    for (int mb = 0; mb < m; ++mb) {
-      for (int i = 0; i < loss_replicas; ++i) add_into(total, im.losses.at({mb, i}) * im.weight(mb, loss_replicas, i));
-    }
+  std::map<std::pair<int, int>, at::Tensor> weighted;  // (mb, replica), this process's
+  for (int mb = 0; mb < m; ++mb) {
+    for (int i : im.local_replicas[loss_stage]) weighted[{mb, i}] = im.losses.at({mb, i}) * im.weight(mb, loss_replicas, i);
   }
-  if (im.processes) {  // the loss reaches every process (its value and dtype; exact for float and double)
-    at::Tensor carrier = at::zeros({2}, at::kDouble);
-    if (total.defined()) {
-      carrier[0] = total.item<double>();
-      carrier[1] = static_cast<double>(total.scalar_type());
+  if (im.processes) {
+    const std::int64_t slots = static_cast<std::int64_t>(m) * loss_replicas;
+    at::Tensor carrier = at::zeros({slots + 2}, at::kDouble);  // the shares, then dtype codes and how many sent them
+    auto* c = carrier.data_ptr<double>();
+    for (const auto& [key, w] : weighted) c[key.first * loss_replicas + key.second] = w.item<double>();
+    if (!weighted.empty()) {
+      c[slots] = static_cast<double>(weighted.begin()->second.scalar_type());
+      c[slots + 1] = 1;
     }
-    if (Status s = im.processes->broadcast(carrier, im.stage_process[loss_stage]).with_context("the step's loss"); !s) {
+    Status s = im.processes->wait([&](transport::Done d) { im.processes->all().allreduce(carrier, d); },
+                                  "handing every process the step's loss");
+    if (!s) {
       im.out_of_step = true;
       return s;
     }
-    if (!total.defined()) {
-      total = at::scalar_tensor(carrier[0].item<double>(), at::TensorOptions()
-                                                               .dtype(static_cast<at::ScalarType>(carrier[1].item<int>()))
-                                                               .device(im.stream_device.value_or(c10::Device(c10::kCPU))));
+    const auto dtype = static_cast<at::ScalarType>(std::lround(c[slots] / std::max(c[slots + 1], 1.0)));
+    const auto options = at::TensorOptions().dtype(dtype).device(im.stream_device.value_or(c10::Device(c10::kCPU)));
+    for (int mb = 0; mb < m; ++mb) {
+      for (int i = 0; i < loss_replicas; ++i) {
+        auto it = weighted.find({mb, i});
+        add_into(total, it != weighted.end() ? it->second : at::scalar_tensor(c[mb * loss_replicas + i], options));
+      }
     }
+  } else {
+    for (const auto& [key, w] : weighted) add_into(total, w);
   }
   out.loss = total;
   return out;

@@ -56,9 +56,12 @@ struct PipelineOptions {
   /// for the live profile's comparison; none: measured figures only.
   std::optional<scheduler::SimulationResult> predicted;
   /// Many processes (docs/thread_model.md, "Many processes"): the job's processes and, per
-  /// pipeline rank, the process that runs it (this process runs the ranks it is given; a
-  /// rank's replicas stay in one process). None: this process runs every rank.
+  /// pipeline rank and replica, the process that runs it (this process runs the replicas it
+  /// is given). A stage whose replicas run in several processes sums its gradients across
+  /// them. `rank_process` is the short form: every replica of rank r on process
+  /// rank_process[r]. None: this process runs every replica.
   std::shared_ptr<ProcessGroup> processes;
+  std::vector<std::vector<int>> replica_process;
   std::vector<int> rank_process;
   /// A step that does not finish within this fails, naming where each replica waits.
   std::chrono::milliseconds step_timeout{std::chrono::minutes(10)};

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <optional>
 #include <numeric>
 
@@ -92,7 +93,7 @@ Status ProcessGroup::broadcast(at::Tensor tensor, int root) const {
 }
 
 Result<std::shared_ptr<transport::NcclGroup>> ProcessGroup::nccl(const c10::Device& device) {
-  std::lock_guard<std::mutex> lock(nccl_mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   if (auto it = nccl_.find(device.index()); it != nccl_.end()) return it->second;
   const Status can = transport::nccl_usable_on(device);  // what each process says
   at::Tensor mine = at::full({1}, can.is_ok() ? 1 : 0, at::kLong);
@@ -121,11 +122,32 @@ Result<std::shared_ptr<transport::NcclGroup>> ProcessGroup::nccl(const c10::Devi
   return group;
 }
 
+Result<std::shared_ptr<transport::EndpointGroup>> ProcessGroup::subgroup(const std::vector<int>& members) {
+  for (std::size_t k = 0; k < members.size(); ++k) {
+    if (members[k] < 0 || members[k] >= world_ || (k > 0 && members[k] <= members[k - 1])) {
+      return Status(ErrorCode::kInvalidArgument, "a process group's members must be distinct processes of the job (0 to " +
+                                                     std::to_string(world_ - 1) + "), in ascending order");
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  const int id = ++groups_made_;  // 0 is the group over every process
+  if (id >= (1 << 15)) {
+    return Status(ErrorCode::kUnsupported, "the job has made " + std::to_string(id) +
+                                               " process groups, more than the 32767 the message tags can tell apart");
+  }
+  if (std::find(members.begin(), members.end(), rank_) == members.end()) return std::shared_ptr<transport::EndpointGroup>();
+  CONVEYOR_ASSIGN_OR_RETURN(auto group, transport::make_endpoint_group(endpoint_, members, id));
+  if (failed_) group->abort(Status(ErrorCode::kExecution, "the job's processes were aborted"));
+  subgroups_.push_back(group);
+  return group;
+}
+
 void ProcessGroup::abort(Status error) {
   failed_ = true;
   {
-    std::lock_guard<std::mutex> lock(nccl_mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     for (auto& [index, group] : nccl_) group->abort(error);
+    for (auto& group : subgroups_) group->abort(error);
   }
   all_->abort(error);
   endpoint_->abort(std::move(error));

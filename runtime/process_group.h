@@ -16,6 +16,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "common/status.h"
 #include "transport/endpoint_group.h"
@@ -58,6 +59,12 @@ class ProcessGroup {
   /// fails them all, named, instead of leaving them waiting in NCCL), process 0 makes the
   /// unique id and the group hands it out. Collective: every process asks, in one order.
   Result<std::shared_ptr<transport::NcclGroup>> nccl(const c10::Device& device);
+  /// A collective group over `members` (process ranks, ascending; member i is members[i]),
+  /// for work that spans some processes only (a stage's replicas in several processes).
+  /// Collective by order: every process makes every group of the job in the same order,
+  /// members or not (the n-th group gets the same id everywhere, so groups never mix their
+  /// messages); a non-member gets null.
+  Result<std::shared_ptr<transport::EndpointGroup>> subgroup(const std::vector<int>& members);
   /// Fails everything pending and later with `error` (a process that gives up), NCCL groups included.
   void abort(Status error);
   /// Leaves the job in step: waits (within the timeout) until every process has come here,
@@ -73,8 +80,10 @@ class ProcessGroup {
   std::shared_ptr<transport::EndpointGroup> all_;
   std::shared_ptr<void> rendezvous_;  // process 0: the published rendezvous actor
   bool closed_ = false, failed_ = false;
-  std::mutex nccl_mu_;
+  std::mutex mu_;  // NCCL groups and subgroups
   std::map<int, std::shared_ptr<transport::NcclGroup>> nccl_;  // by device index
+  int groups_made_ = 0;  // subgroups made so far (the next one's id is this + 1)
+  std::vector<std::shared_ptr<transport::EndpointGroup>> subgroups_;
 };
 
 }  // namespace conveyor::runtime

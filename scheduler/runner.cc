@@ -8,6 +8,7 @@
 #include <asio/io_context.hpp>
 #include <asio/post.hpp>
 #include <asio/use_awaitable.hpp>
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <future>
@@ -72,12 +73,14 @@ std::shared_ptr<CommThread> CommThread::process() {
 
 // Shared by the threads of one step.
 struct StepRun::State {
-  State(const Schedule& s, const RunnerHooks& h, std::vector<int> r, std::vector<bool> l)
+  State(const Schedule& s, const RunnerHooks& h, std::vector<int> r, LocalReplicas l)
       : schedule(s), hooks(h), replicas(std::move(r)), local(std::move(l)), comm_thread(CommThread::process()),
         comm(comm_thread->impl().io) {
     for (int rank = 0; rank < static_cast<int>(replicas.size()); ++rank) {
-      if (!local[rank]) continue;
-      for (int i = 0; i < replicas[rank]; ++i) workers.emplace_back(rank, i);
+      for (int i = 0; i < replicas[rank]; ++i) {
+        if (local[rank][i]) workers.emplace_back(rank, i);
+      }
+      local_replicas.push_back(static_cast<int>(std::count(local[rank].begin(), local[rank].end(), true)));
     }
     waiting.assign(workers.size(), "start");
     inside.assign(workers.size(), false);
@@ -86,7 +89,8 @@ struct StepRun::State {
   const Schedule schedule;
   const RunnerHooks hooks;
   const std::vector<int> replicas;               // per rank
-  const std::vector<bool> local;                 // per rank: run by this process
+  const LocalReplicas local;                     // per rank and replica: run by this process
+  std::vector<int> local_replicas;               // per rank: how many of its replicas run here
   std::vector<std::pair<int, int>> workers;      // (rank, replica), rank-major
   const std::shared_ptr<CommThread> comm_thread;
   asio::io_context& comm;
@@ -135,9 +139,9 @@ struct StepRun::State {
   // replica goes on computing); completing it signals every receiving replica.
   static void post_send(const std::shared_ptr<State>& st, int r, int i, const Action& a, std::string where) {
     const int kind = a.kind == ActionKind::kSendGradient ? 1 : 0;
-    std::vector<std::shared_ptr<Channel>> out;  // none for another process's rank: the transfer hook sends
-    if (st->local[a.peer]) {
-      for (int j : partner_replicas(st->replicas, r, i, a.peer)) out.push_back(st->channel({kind, a.microbatch, a.stage, i, j}));
+    std::vector<std::shared_ptr<Channel>> out;  // none for another process's replica: the transfer hook sends
+    for (int j : partner_replicas(st->replicas, r, i, a.peer)) {
+      if (st->local[a.peer][j]) out.push_back(st->channel({kind, a.microbatch, a.stage, i, j}));
     }
     asio::post(st->comm, [st, r, i, a, out = std::move(out), where = std::move(where)] {
       if (st->failed) return;
@@ -151,12 +155,13 @@ struct StepRun::State {
     });
   }
 
-  // A replica of rank r arrives at its stage's allreduce; the last to arrive runs it (on the
-  // communication thread) and releases all of them through their channels.
+  // A replica of rank r arrives at its stage's allreduce; the last of this process's to
+  // arrive runs it (on the communication thread) and releases all of them through their
+  // channels (replicas in other processes are the hook's business).
   static void post_allreduce(const std::shared_ptr<State>& st, int r, const Action& a, std::string where) {
     asio::post(st->comm, [st, r, a, where = std::move(where)] {
       if (st->failed) return;
-      if (++st->allreduce_arrivals[a.stage] < st->replicas[r]) return;
+      if (++st->allreduce_arrivals[a.stage] < st->local_replicas[r]) return;
       const double start = st->now();
       if (st->hooks.allreduce) {
         Status s = st->hooks.allreduce(r, 0, a);
@@ -164,6 +169,7 @@ struct StepRun::State {
       }
       const double end = st->now();
       for (int j = 0; j < st->replicas[r]; ++j) {
+        if (!st->local[r][j]) continue;
         st->record({r, Span::Stream::kCollective, a, start, end, j});
         st->channel({2, a.stage, a.stage, 0, j})->try_send(asio::error_code{}, 0);
       }
@@ -215,8 +221,8 @@ struct StepRun::State {
         case ActionKind::kRecvGradient: {
           const bool grad = a.kind == ActionKind::kRecvGradient;
           const int from_stage = grad ? a.stage + 1 : a.stage - 1;
-          if (st->local[a.peer]) {
-            for (int j : partner_replicas(st->replicas, r, i, a.peer)) {
+          for (int j : partner_replicas(st->replicas, r, i, a.peer)) {
+            if (st->local[a.peer][j]) {
               auto ch = st->channel({grad ? 1 : 0, a.microbatch, from_stage, j, i});
               auto [ec, unused] = co_await ch->async_receive(asio::experimental::as_tuple(asio::use_awaitable));
               if (ec) co_return;  // closed: another replica failed
@@ -255,7 +261,7 @@ StepRun::StepRun(std::shared_ptr<State> state) : st_(std::move(state)) {}
 StepRun::~StepRun() = default;
 
 Result<std::shared_ptr<StepRun>> StepRun::create(const Schedule& schedule, const RunnerHooks& hooks,
-                                                 std::vector<int> replicas, std::vector<bool> local) {
+                                                 std::vector<int> replicas, LocalReplicas local) {
   CONVEYOR_RETURN_IF_ERROR(validate_schedule(schedule));
   if (!hooks.compute) return Status(ErrorCode::kInvalidArgument, "the runner needs a compute hook");
   const int ranks = static_cast<int>(schedule.ranks.size());
@@ -270,10 +276,19 @@ Result<std::shared_ptr<StepRun>> StepRun::create(const Schedule& schedule, const
                                                      std::to_string(replicas[r]) + " replicas (at least 1)");
     }
   }
-  if (local.empty()) local.assign(static_cast<std::size_t>(ranks), true);
+  if (local.empty()) {
+    for (int r = 0; r < ranks; ++r) local.emplace_back(static_cast<std::size_t>(replicas[r]), true);
+  }
   if (static_cast<int>(local.size()) != ranks) {
-    return Status(ErrorCode::kInvalidArgument, "local ranks given for " + std::to_string(local.size()) +
+    return Status(ErrorCode::kInvalidArgument, "local replicas given for " + std::to_string(local.size()) +
                                                    " ranks, but the schedule has " + std::to_string(ranks));
+  }
+  for (int r = 0; r < ranks; ++r) {
+    if (static_cast<int>(local[r].size()) != replicas[r]) {
+      return Status(ErrorCode::kInvalidArgument, "rank " + std::to_string(r) + " has " + std::to_string(replicas[r]) +
+                                                     " replicas but " + std::to_string(local[r].size()) +
+                                                     " are placed");
+    }
   }
   return std::shared_ptr<StepRun>(
       new StepRun(std::make_shared<State>(schedule, hooks, std::move(replicas), std::move(local))));

@@ -36,7 +36,7 @@ struct RunnerHooks {
   /// Empty: transfers only signal arrival.
   std::function<Status(int rank, int replica, const Action&)> transfer;
   /// The gradient reduction of one stage across its replicas (called once, with replica 0,
-  /// when all have arrived); runs on the communication thread. Empty: nothing.
+  /// when all of this process's have arrived); runs on the communication thread. Empty: nothing.
   std::function<Status(int rank, int replica, const Action&)> allreduce;
   /// What a receive waits for besides this process's senders: messages from other
   /// processes (a remote neighbour's payload, skip values or gradients from further away).
@@ -75,15 +75,19 @@ class CommThread {
   std::unique_ptr<Impl> impl_;
 };
 
+/// Per rank, per replica: whether this process runs it.
+using LocalReplicas = std::vector<std::vector<bool>>;
+
 /// One step of a schedule: the shared state of its replicas' walks.
 class StepRun {
  public:
   /// `replicas`: per rank, how many replicas run its list (empty: one each). `local`: per
-  /// rank, whether this process runs it (empty: all); sends to and receives from the others
-  /// are the hooks' business (transfer, receive). Errors for an invalid schedule, a missing
+  /// rank and replica, whether this process runs it (empty: all); sends to and receives
+  /// from the others are the hooks' business (transfer, receive), and so is the part of a
+  /// stage's allreduce that spans processes. Errors for an invalid schedule, a missing
   /// compute hook, or bad replica counts.
   static Result<std::shared_ptr<StepRun>> create(const Schedule& schedule, const RunnerHooks& hooks,
-                                                 std::vector<int> replicas = {}, std::vector<bool> local = {});
+                                                 std::vector<int> replicas = {}, LocalReplicas local = {});
   ~StepRun();
 
   /// Replicas of the step, rank-major: worker w is replica worker(w).second of rank worker(w).first.

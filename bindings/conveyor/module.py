@@ -13,8 +13,10 @@ thread; the plan it runs is `model.plan`.
 Under a launcher (`conveyor launch -n N -- python train.py`, or RANK, WORLD_SIZE,
 MASTER_ADDR and MASTER_PORT set by hand or by torchrun) the same script runs across the N
 processes: process 0 plans for N devices (one per process), every process runs its share
-of the pipeline's ranks and holds only the parameters its stages read (the others have 0
-elements while it trains), the loss reaches every process, and `state_dict()` gathers the
+of the pipeline's stage replicas and holds only the parameters its stages read (the others
+have 0 elements while it trains); a stage whose replicas run in several processes is data
+parallel across them (its gradients summed over them every step). The loss reaches every
+process, and `state_dict()` gathers the
 whole model from the processes that own each part (call it on every process: it is
 collective, like `load_state_dict()` and evaluation under `torch.no_grad()`). Every process
 must be fed the same batches.
@@ -264,9 +266,6 @@ class Module(torch.nn.Module):
         batch = next((t.shape[0] for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0), 1)
         replicas = None
         if self._world is not None:
-            if isinstance(self._replicas, list) or (self._replicas or 1) > 1:
-                raise ConveyorValueError("across processes a stage has one replica for now (a rank's replicas stay in "
-                                         "one process); leave replicas unset or 1")
             self._devices = self._world[1]
             self._group = distributed.process_group(self._job_fingerprint(graph, batch), self._timeout)
         if self._stages is not None:
@@ -315,16 +314,23 @@ class Module(torch.nn.Module):
             cluster = self._cluster or _local_cluster(self._devices, self._threads_per_device(),
                                                       _model_gpu_memory(self.module), one_gpu=self._group is None)
             if self._group is not None:
-                # Process 0 plans for one device per process; every process runs that plan.
-                if self._group.rank == 0:
-                    self.plan = make_plan(graph, prof, cluster, batch=batch, microbatches=m_hint, schedules=schedules,
-                                          max_replicas=1, max_microbatches=max(1, batch // 2))
-                    sent = (json.dumps(self.plan.document) + "\0" + self.plan.table).encode()
-                else:
-                    sent = b""
-                document, table = self._group.broadcast_bytes(0, sent).decode().split("\0", 1)
-                self.plan = Plan(document, table)
-                self._step = self._pipeline(graph, self.plan)
+                def shared_plan(max_replicas: int) -> Plan:
+                    # Process 0 plans for one device per process; every process runs that plan.
+                    if self._group.rank == 0:
+                        made = make_plan(graph, prof, cluster, batch=batch, microbatches=m_hint, schedules=schedules,
+                                         max_replicas=max_replicas, max_microbatches=max(1, batch // 2))
+                        sent = (json.dumps(made.document) + "\0" + made.table).encode()
+                    else:
+                        sent = b""
+                    document, table = self._group.broadcast_bytes(0, sent).decode().split("\0", 1)
+                    return Plan(document, table)
+
+                self.plan = shared_plan(cap)
+                try:
+                    self._step = self._pipeline(graph, self.plan)
+                except UnsupportedError:  # raised alike on every process, before they talk
+                    self.plan = shared_plan(1)
+                    self._step = self._pipeline(graph, self.plan)
             else:
                 self.plan = make_plan(graph, prof, cluster, batch=batch, microbatches=m_hint, schedules=schedules,
                                       max_replicas=cap, max_microbatches=max(1, batch // 2))
@@ -341,7 +347,7 @@ class Module(torch.nn.Module):
             schedule, m, chunks = self.plan.schedule, self.plan.microbatches, self.plan.document["chunks"]
         if self._step is None:
             self._step = _C.PipelineStep(graph.executor, stage_nodes, schedule, m, chunks, replicas,
-                                         **self._placement(len(stage_nodes) // chunks))
+                                         **self._placement(replicas))
         self._graph = graph
         self._layout = (len(stage_nodes), schedule, m, chunks, replicas)
 
@@ -356,19 +362,33 @@ class Module(torch.nn.Module):
         text = json.dumps(graph.document, sort_keys=True, default=str) + asked
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
-    def _placement(self, ranks: int) -> dict:
-        """Across processes: pipeline rank r runs on process r * processes // ranks."""
+    def _placement(self, replicas: list, plan=None) -> dict:
+        """Across processes, the process of every replica of every pipeline rank: the plan's
+        device when the plan was made for this job (device d is process d); otherwise the
+        replicas rank by rank, spread evenly over the processes (one each when there are as
+        many processes as replicas; a rank's replicas share a process when there are fewer).
+        A stage whose replicas land on several processes sums its gradients across them."""
         if self._group is None:
             return {}
         n = self._group.world_size
-        return dict(processes=self._group, rank_process=[r * n // ranks for r in range(ranks)],
-                    step_timeout_s=self._timeout)
+        stages = plan.document.get("stages", []) if plan is not None else []
+        if plan is not None and len(plan.document.get("devices", [])) == n and len(stages) >= len(replicas) and all(
+                0 <= stages[r].get("first_device", -1) and stages[r]["first_device"] + replicas[r] <= n
+                for r in range(len(replicas))):
+            where = [[stages[r]["first_device"] + i for i in range(replicas[r])] for r in range(len(replicas))]
+        else:
+            workers = [(r, i) for r in range(len(replicas)) for i in range(replicas[r])]
+            where = [[0] * k for k in replicas]
+            for w, (r, i) in enumerate(workers):
+                where[r][i] = w * n // len(workers)
+        return dict(processes=self._group, replica_process=where, step_timeout_s=self._timeout)
 
     def _pipeline(self, graph, plan):
         chunks = plan.document["chunks"]
         ranks = len(plan.stage_nodes) // chunks
         return _C.PipelineStep(graph.executor, plan.stage_nodes, plan.schedule, plan.microbatches, chunks,
-                               plan.replicas[:ranks], plan=json.dumps(plan.document), **self._placement(ranks))
+                               plan.replicas[:ranks], plan=json.dumps(plan.document),
+                               **self._placement(plan.replicas[:ranks], plan))
 
     # -- running ----------------------------------------------------------------------
     def forward(self, *args, **kwargs):

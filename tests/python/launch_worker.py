@@ -20,19 +20,24 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--plan", default=None)
+    ap.add_argument("--stages", type=int, default=None, help="fixed cuts instead of planning")
+    ap.add_argument("--replicas", type=int, default=None)
+    ap.add_argument("--microbatches", type=int, default=None)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.manual_seed(0)
     case = zoo.CASES[args.case](batch=args.batch)
     optimizer = torch.optim.SGD(case.model.parameters(), lr=0.1)
-    model = conveyor.Module(case.model, optimizer, loss_fn=case.loss, plan=args.plan)
+    model = conveyor.Module(case.model, optimizer, loss_fn=case.loss, plan=args.plan, stages=args.stages,
+                            replicas=args.replicas, microbatches=args.microbatches)
     losses = [model.train_step(*case.args, **case.kwargs).item() for _ in range(args.steps)]
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # every process takes part
     if model.rank == 0:
         torch.save({"losses": losses, "state": state, "world": model.world_size}, args.out)
-        with open(args.out + ".plan.json", "w") as f:
-            json.dump(model.plan.document, f)
-        print(model.plan.table if model.plan.table else model.plan.document)
+        if model.plan is not None:  # planned (fixed stages have no plan)
+            with open(args.out + ".plan.json", "w") as f:
+                json.dump(model.plan.document, f)
+            print(model.plan.table if model.plan.table else model.plan.document)
 
 
 if __name__ == "__main__":

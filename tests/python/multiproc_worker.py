@@ -2,7 +2,9 @@
 single-process reference run of the same plan when WORLD_SIZE is unset.
 
 Trains a zoo model for a few SGD steps with fixed stages; the pipeline's ranks are spread
-over the processes in contiguous blocks. Process 0 (or the single process) writes the
+over the processes in contiguous blocks (each rank's replicas with it), or with
+--placement replicas replica-major: replica 0 of every rank first, then replica 1, ... so a
+rank's replicas land on different processes (data parallelism across processes). Process 0 (or the single process) writes the
 losses and the full model state (gathered from every process) to --out.
 
     RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29511 \\
@@ -31,6 +33,20 @@ def on_device(case, device: str):
     return case
 
 
+def placement(replicas: list, world: int, how: str) -> list:
+    """Per rank, per replica: its process. blocks: rank r's replicas on process r * world // ranks;
+    replicas: the workers replica-major (replica 0 of every rank, then replica 1, ...), spread
+    evenly over the processes."""
+    ranks = len(replicas)
+    if how == "blocks":
+        return [[r * world // ranks] * replicas[r] for r in range(ranks)]
+    order = [(r, i) for i in range(max(replicas)) for r in range(ranks) if i < replicas[r]]
+    out = [[0] * replicas[r] for r in range(ranks)]
+    for w, (r, i) in enumerate(order):
+        out[r][i] = w * world // len(order)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", default="mlp")
@@ -39,7 +55,8 @@ def main():
     ap.add_argument("--chunks", type=int, default=1)
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--replicas", default="1", help="replicas per rank: one count for every rank, or one per rank (2,1)")
+    ap.add_argument("--placement", default="blocks", choices=["blocks", "replicas"])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", required=True)
     ap.add_argument("--die-at-step", type=int, default=-1, help="this process kills itself during that step")
@@ -61,6 +78,8 @@ def main():
     inputs = graph.flatten_inputs(case.args, case.kwargs)
     stages = graph.random_partition(args.stages, seed=0, keep_node_order=True)
     ranks = args.stages // args.chunks
+    counts = [int(c) for c in args.replicas.split(",")]
+    replicas = counts * ranks if len(counts) == 1 else counts
     world = int(os.environ.get("WORLD_SIZE", "1"))
     extra = {}
     if world > 1:
@@ -68,13 +87,13 @@ def main():
         group = _C.ProcessGroup(rank, world, os.environ.get("MASTER_ADDR", "127.0.0.1"),
                                 int(os.environ["MASTER_PORT"]), job=args.job or args.case, timeout_s=args.timeout,
                                 version=args.version)
-        extra = dict(processes=group, rank_process=[r * world // ranks for r in range(ranks)],
+        extra = dict(processes=group, replica_process=placement(replicas, world, args.placement),
                      step_timeout_s=args.timeout)
     else:
         rank = 0
     total = sum(p.numel() for p in model.parameters())
     step = _C.PipelineStep(graph.executor, stages, args.schedule, args.microbatches, args.chunks,
-                           [args.replicas] * ranks, **extra)
+                           replicas, **extra)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     step_s = 0.0

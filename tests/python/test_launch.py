@@ -67,6 +67,25 @@ def test_the_same_script_under_the_launcher_trains_like_one_process_running_its_
         assert err <= TOLERANCE, key
 
 
+@pytest.mark.skipif(bool(_C.ucx_status()), reason=f"UCX cannot start here: {_C.ucx_status()}")
+def test_replicas_of_a_stage_in_different_processes_train_like_one_process(tmp_path):
+    """stages=2, replicas=2 under 4 processes: every stage replica its own process, each
+    stage data parallel across two of them, against the same pipeline in one process."""
+    fixed = ["--case", "mlp", "--stages", "2", "--replicas", "2", "--microbatches", "2"]
+    code, out = launch("-n", 4, "--", sys.executable, WORKER, *fixed, "--out", tmp_path / "four.pt")
+    assert code == 0, out[-4000:]
+    alone = subprocess.run([sys.executable, WORKER, *fixed, "--out", tmp_path / "one.pt"], env=env(),
+                           capture_output=True, text=True, timeout=300)
+    assert alone.returncode == 0, alone.stdout + alone.stderr
+    four, one = torch.load(tmp_path / "four.pt"), torch.load(tmp_path / "one.pt")
+    assert four["world"] == 4 and one["world"] == 1
+    assert four["losses"] == pytest.approx(one["losses"], rel=TOLERANCE, abs=0)
+    for key, want in one["state"].items():
+        got = four["state"][key].double()
+        err = (got - want.double()).abs().max().item() / max(want.double().abs().max().item(), FLOOR)
+        assert err <= TOLERANCE, key
+
+
 def test_a_failing_process_stops_the_job_at_once_naming_it():
     script = "import os, sys, time\nif os.environ['RANK'] == '1': sys.exit(3)\ntime.sleep(120)\n"
     start = time.monotonic()

@@ -151,11 +151,68 @@ def test_processes_train_exactly_like_one_process_running_the_same_plan(name, tm
             assert rel(got["state"][key], want) <= TOLERANCE, f"{name}, {world} processes: {key}"
 
 
+# Data parallelism across processes: a stage's replicas in different processes (the worker's
+# replica-major placement), their gradients summed across the processes every step.
+# (case, processes, worker arguments)
+SPREAD_REPLICAS = {
+    "mlp-2": ("mlp", 2, ["--stages", "2", "--replicas", "2", "--microbatches", "2"]),
+    "mlp-4-redistributed": ("mlp", 4, ["--stages", "2", "--replicas", "3,1", "--batch", "12", "--microbatches", "2"]),
+    "cnn_batchnorm-2": ("cnn_batchnorm", 2, ["--stages", "2", "--replicas", "2", "--schedule", "gpipe", "--batch", "8",
+                                             "--microbatches", "2"]),
+    "bert-2-interleaved": ("bert", 2, ["--stages", "4", "--chunks", "2", "--schedule", "interleaved", "--replicas", "2",
+                                       "--microbatches", "4"]),
+    "gpt2-4-tied": ("gpt2", 4, ["--stages", "2", "--replicas", "2", "--schedule", "zb-h1", "--microbatches", "2"]),
+}
+
+
 @needs_ucx
-def test_a_process_that_dies_mid_step_stops_every_other_naming_it(tmp_path):
-    """Process 1 kills itself during step 1: the others exit within 10 s, naming process 1."""
+@pytest.mark.parametrize("label", list(SPREAD_REPLICAS))
+def test_replicas_of_a_stage_in_different_processes_train_like_one_process(label, tmp_path):
+    """Each stage's replicas spread over the processes (with two pipeline ranks on 4
+    processes, every replica its own process; with 3,1 replicas the single replica of stage
+    1 redistributes the shares of three processes): 3 steps give the single-process run's
+    losses and state. gpt2's tied embedding is read in every process."""
+    name, world, extra = SPREAD_REPLICAS[label]
+    args = ["--case", name, "--steps", "3", "--placement", "replicas", *extra]
+    run_single(args, tmp_path / "one.pt")
+    reference = torch.load(tmp_path / "one.pt")
+    results = run_world(world, args, tmp_path / "many.pt")
+    for rank, (code, text) in enumerate(results):
+        assert code == 0, f"{label}: process {rank} failed:\n{text[-3000:]}"
+    got = torch.load(tmp_path / "many.pt")
+    assert got["losses"] == pytest.approx(reference["losses"], rel=TOLERANCE, abs=0)
+    for key, want in reference["state"].items():
+        assert rel(got["state"][key], want) <= TOLERANCE, f"{label}: {key}"
+
+
+def test_a_placement_that_does_not_match_the_pipeline_is_refused_naming_it():
+    if UCX_PROBLEM:
+        pytest.skip(f"UCX cannot start here: {UCX_PROBLEM}")
+    import conveyor
+    from conveyor import zoo
+    from conveyor.errors import ConveyorError
+    case = zoo.CASES["mlp"](batch=8)
+    from conveyor.module import _loss_wrapper
+    graph = conveyor.capture(_loss_wrapper(case.model, case.loss, case.args, case.kwargs), case.args, case.kwargs)
+    stages = graph.random_partition(2, seed=0, keep_node_order=True)
+    job = _C.ProcessGroup(0, 1, "127.0.0.1", free_port(), "placement-test", 30.0)
+    try:
+        with pytest.raises(ConveyorError, match="pipeline rank 1 has 2 replicas but 1 are placed on processes"):
+            _C.PipelineStep(graph.executor, stages, "1f1b", 2, 1, [1, 2], processes=job, replica_process=[[0], [0]])
+        with pytest.raises(ConveyorError, match="pipeline rank 0 placed on process 3 of a world of 1"):
+            _C.PipelineStep(graph.executor, stages, "1f1b", 2, 1, [1, 1], processes=job, replica_process=[[3], [0]])
+    finally:
+        job.close()
+
+
+@needs_ucx
+@pytest.mark.parametrize("placement", ["blocks", "replicas"])
+def test_a_process_that_dies_mid_step_stops_every_other_naming_it(placement, tmp_path):
+    """Process 1 kills itself during step 1: the others exit within 10 s, naming process 1
+    (with replicas spread, while the others may be summing gradients with it)."""
     port = free_port()
-    args = ["--case", "gpt2", "--stages", "3", "--steps", "4", "--microbatches", "8", "--timeout", "60"]
+    args = ["--case", "gpt2", "--stages", "3", "--steps", "4", "--microbatches", "8", "--timeout", "60",
+            "--placement", placement] + (["--replicas", "2", "--batch", "32"] if placement == "replicas" else [])
     with Job() as job:
         procs = [job.start([*args, "--out", str(tmp_path / "x.pt")] + (["--die-at-step", "1"] if r == 1 else []),
                            env_for(r, 3, port)) for r in range(3)]
