@@ -1,10 +1,13 @@
-"""A pipeline across two processes against the same plan in one process, in one run.
+"""Two processes against one process running the same plan, in one run, for two layouts.
 
-GPT-2 (float32, random init) cut into 2 stages, 1F1B over 8 microbatches. The one-process
-run holds both ranks on two replica threads; the two-process run puts one rank in each
-process (UCX over loopback between them; the activations and gradients of every
-microbatch cross), each process with half the machine's cores. Prints both throughputs and
-the ratio (two processes / one; above 1: faster).
+GPT-2 (float32, random init), 1F1B over 8 microbatches:
+- pipeline: 2 stages of one replica; across processes one rank in each (the activations
+  and gradients of every microbatch cross over UCX on loopback);
+- data parallel: 1 stage of 2 replicas; across processes one replica in each (every step
+  sums the whole model's gradients across the two processes).
+The one-process run holds both workers on two threads; across processes each process has
+half the machine's cores. Prints the throughputs and the ratio (two processes / one; above
+1: faster).
 
     ./run bench multiproc [--iters 10] [--layers 8] [--hidden 256] [--batch 16] [--seq 64]
 """
@@ -26,11 +29,16 @@ import gpt2_case
 warnings.filterwarnings("ignore")
 
 
-def time_steps(args, extra) -> float:
-    """Median seconds per step (after one warm-up step) of the 2-stage 1F1B pipeline."""
+LAYOUTS = {"pipeline": (2, [1, 1]), "data parallel": (1, [2])}  # stages, replicas per rank
+PLACEMENT = {"pipeline": [[0], [1]], "data parallel": [[0, 1]]}  # across two processes
+
+
+def time_steps(args, layout, extra) -> float:
+    """Median seconds per step (after one warm-up step) of the layout's 1F1B pipeline."""
     _, wrapped, graph, inputs = gpt2_case.captured(args)
-    stages = graph.random_partition(2, seed=0, keep_node_order=True)
-    step = _C.PipelineStep(graph.executor, stages, "1f1b", args.microbatches, 1, [1, 1], **extra)
+    stage_count, replicas = LAYOUTS[layout]
+    stages = graph.random_partition(stage_count, seed=0, keep_node_order=True)
+    step = _C.PipelineStep(graph.executor, stages, "1f1b", args.microbatches, 1, replicas, **extra)
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-3)
     times = []
     for k in range(args.iters + 1):
@@ -47,9 +55,10 @@ def worker(args):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     group = _C.ProcessGroup(rank, world, "127.0.0.1", int(os.environ["MASTER_PORT"]), job="bench-multiproc",
                             timeout_s=300)
-    t = time_steps(args, dict(processes=group, rank_process=[0, 1]))
-    if rank == 0:
-        print(f"RESULT {t}")
+    for layout in LAYOUTS:
+        t = time_steps(args, layout, dict(processes=group, replica_process=PLACEMENT[layout]))
+        if rank == 0:
+            print(f"RESULT {layout}: {t}", flush=True)
 
 
 def main():
@@ -60,7 +69,7 @@ def main():
     if args.worker:
         return worker(args)
     cores = os.cpu_count() or 2
-    one = time_steps(args, {})
+    one = {layout: time_steps(args, layout, {}) for layout in LAYOUTS}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -78,13 +87,16 @@ def main():
                 p.kill()
     if any(p.returncode for p in procs):
         sys.exit("a worker failed:\n" + "\n".join(o[-2000:] for o in outputs))
-    two = float(next(line.split()[1] for line in outputs[0].splitlines() if line.startswith("RESULT")))
+    two = {line[len("RESULT "):].split(":")[0]: float(line.split(":")[1])
+           for line in outputs[0].splitlines() if line.startswith("RESULT")}
     samples = args.batch
-    print(f"GPT-2 {args.layers} layers x {args.hidden}, batch {args.batch} x {args.seq}, 2 stages 1F1B, "
+    print(f"GPT-2 {args.layers} layers x {args.hidden}, batch {args.batch} x {args.seq}, 1F1B, "
           f"{args.microbatches} microbatches, {cores} cores; median of {args.iters} steps")
-    print(f"1 process  (2 replica threads): {one * 1e3:9.2f} ms/step  {samples / one:8.1f} samples/s")
-    print(f"2 processes (UCX over loopback): {two * 1e3:9.2f} ms/step  {samples / two:8.1f} samples/s")
-    print(f"ratio (2 processes / 1 process throughput): {one / two:.3f}x")
+    for layout in LAYOUTS:
+        print(f"{layout}:")
+        print(f"  1 process  (2 worker threads):   {one[layout] * 1e3:9.2f} ms/step  {samples / one[layout]:8.1f} samples/s")
+        print(f"  2 processes (UCX over loopback): {two[layout] * 1e3:9.2f} ms/step  {samples / two[layout]:8.1f} samples/s")
+        print(f"  ratio (2 processes / 1 process throughput): {one[layout] / two[layout]:.3f}x")
 
 
 if __name__ == "__main__":

@@ -58,10 +58,7 @@ std::vector<std::vector<NodeId>> predecessors(const std::vector<std::vector<Node
 
 }  // namespace
 
-std::vector<std::vector<NodeId>> atomic_groups(const Graph& g) {
-  const std::size_t num_nodes = g.nodes.size();
-  const auto producer = g.producers();
-  // Storage root of every value: views and in-place results share their argument's root.
+std::vector<ValueId> storage_roots(const Graph& g) {
   std::vector<ValueId> root(g.values.size());
   std::iota(root.begin(), root.end(), 0);
   for (const Node& n : g.nodes) {
@@ -80,6 +77,13 @@ std::vector<std::vector<NodeId>> atomic_groups(const Graph& g) {
       if (v >= 0) root[v] = base;
     }
   }
+  return root;
+}
+
+std::vector<std::vector<NodeId>> atomic_groups(const Graph& g) {
+  const std::size_t num_nodes = g.nodes.size();
+  const auto producer = g.producers();
+  const std::vector<ValueId> root = storage_roots(g);
   // Last writer of each mutated root.
   std::vector<NodeId> last_write(g.values.size(), -1);
   for (const Node& n : g.nodes) {

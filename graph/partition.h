@@ -17,6 +17,10 @@ struct StageBoundary {
   std::vector<ValueId> outputs;  ///< defined by the stage, read elsewhere or returned by the graph
 };
 
+/// For each value, the value whose storage it uses: views and in-place results share
+/// their argument's root; every other value is its own.
+std::vector<ValueId> storage_roots(const Graph& graph);
+
 /// Groups of nodes that must never be split across stages, each convex, sorted.
 ///
 /// A group forms around every tensor storage that is written in place: the node that

@@ -250,7 +250,7 @@ struct PipelineStep::Impl {
   // null where it has no replica here), the buckets in one order everywhere; each step ends
   // by waiting for those sums. Buffers such stages read go from their owner to the other
   // processes that read them after every step (so every replica starts the next step from
-  // replica 0's, as in one process).
+  // replica 0's, as in one process); only buffers the model writes.
   std::vector<std::shared_ptr<transport::EndpointGroup>> stage_across;  // [stage]
   struct Across {
     std::mutex mu;
@@ -690,6 +690,16 @@ struct PipelineStep::Impl {
       }
       stage_across[st] = std::move(stage_group);
     }
+    // Buffers the model writes (running statistics; through views too): the others never change.
+    std::vector<bool> written(g.values.size(), false);
+    {
+      const std::vector<ValueId> root = graph::storage_roots(g);
+      for (const auto& n : g.nodes) {
+        for (int a : n.mutated_args) {
+          if (n.args[a].kind == graph::Argument::Kind::kValue) written[root[n.args[a].value]] = true;
+        }
+      }
+    }
     std::map<std::set<int>, std::shared_ptr<transport::EndpointGroup>> buffer_groups;
     for (const auto& b : g.bindings) {
       if (!first.count(b.value) || executors[0]->tensor(b.name) == nullptr) continue;
@@ -708,7 +718,7 @@ struct PipelineStep::Impl {
       }
       bool replicated_across = false;  // read by a stage whose replicas span processes
       for (int st : stages_reading[b.value]) replicated_across = replicated_across || processes_of(st).size() > 1;
-      if (b.kind == graph::Binding::Kind::kBuffer && replicated_across && readers.size() > 1) {
+      if (b.kind == graph::Binding::Kind::kBuffer && written[b.value] && replicated_across && readers.size() > 1) {
         auto it = buffer_groups.find(readers);
         if (it == buffer_groups.end()) {
           CONVEYOR_ASSIGN_OR_RETURN(auto made, processes->subgroup(std::vector<int>(readers.begin(), readers.end())));

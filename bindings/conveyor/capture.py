@@ -40,6 +40,11 @@ if hasattr(torch, "sym_sqrt"):
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
+# Ops that update running statistics in training mode although their schema does not say so
+# (no `(a!)`): (running_mean, running_var, the training flag) argument positions. The graph
+# marks them written, so what reads the statistics knows they change.
+_RUNNING_STATISTICS = {"aten::batch_norm": (3, 4, 5), "aten::instance_norm": (3, 4, 5)}
+
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
@@ -260,6 +265,9 @@ class _Builder:
                                    f"{self.where(node)}")
             args.append(self.encode(v, node))
         mutates = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+        stats = _RUNNING_STATISTICS.get(schema.name)
+        if stats is not None and args[stats[2]].get("bool") is True:
+            mutates += [i for i in stats[:2] if "value" in args[i]]
         aliases = []
         if schema.returns and schema.returns[0].alias_info is not None:
             ret_sets = set(schema.returns[0].alias_info.before_set)

@@ -112,6 +112,9 @@ def main():
         # While it trains, a process holds only what its stages read.
         held = sum(p.numel() for p in model.parameters())
         print(f"HELD {held} OF {total}", flush=True)
+        for name, b in model.named_buffers():  # what this process holds of each buffer it reads
+            if b.numel():
+                print(f"BUFFER {name} {b.double().sum().item()!r}", flush=True)
         step.gather_state()
     if rank == 0:
         torch.save({"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}},

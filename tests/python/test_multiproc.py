@@ -177,8 +177,18 @@ def test_replicas_of_a_stage_in_different_processes_train_like_one_process(label
     run_single(args, tmp_path / "one.pt")
     reference = torch.load(tmp_path / "one.pt")
     results = run_world(world, args, tmp_path / "many.pt")
+    buffers = {}  # name -> {rank: checksum} of the buffers each process held after training
     for rank, (code, text) in enumerate(results):
         assert code == 0, f"{label}: process {rank} failed:\n{text[-3000:]}"
+        for line in text.splitlines():
+            if line.startswith("BUFFER "):
+                _, key, checksum = line.split()
+                buffers.setdefault(key, {})[rank] = checksum
+    # Every process that reads a buffer holds replica 0's (running statistics included).
+    for key, held in buffers.items():
+        assert len(set(held.values())) == 1, f"{label}: processes hold different values of {key}: {held}"
+    if name == "cnn_batchnorm":
+        assert any(len(held) > 1 and "running_mean" in key for key, held in buffers.items()), buffers
     got = torch.load(tmp_path / "many.pt")
     assert got["losses"] == pytest.approx(reference["losses"], rel=TOLERANCE, abs=0)
     for key, want in reference["state"].items():
