@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <future>
 #include <map>
 #include <mutex>
@@ -249,6 +250,118 @@ TEST(Coordinator, ReplicatedRanksWaitForTheirProducersAndReduceOnce) {
                                              RunnerHooks{[](int, int, const Action&) { return Status::ok(); }}, {1, 0});
   ASSERT_FALSE(refused.is_ok());
   EXPECT_NE(refused.status().message().find("rank 1 has 0 replicas"), std::string::npos);
+}
+
+// Two processes simulated by two Coordinators with complementary placements: each runs
+// only its own replicas; what a replica sends to a replica of the other goes through the
+// transfer hook, what it waits for from there through the receive hook; a stage's
+// allreduce runs once in each process, when that process's own replicas have arrived.
+TEST(Coordinator, ReplicasPlacedInOtherProcessesAreReachedThroughTheHooks) {
+  const ScheduleSpec spec{ScheduleKind::kOneFOneB, 2, 4};
+  auto schedule = make_schedule(spec);
+  ASSERT_TRUE(schedule.is_ok());
+  for (const std::vector<int> replicas : {std::vector<int>{2, 2}, std::vector<int>{2, 1}}) {
+    const int m = spec.microbatches, most = 2;
+    // Process 0 runs replica 0 of every rank, process 1 the rest.
+    auto process_of = [](int, int i) { return i == 0 ? 0 : 1; };
+    auto idx = [&](int s, int mb, int i) { return static_cast<std::size_t>((s * m + mb) * most + i); };
+    std::mutex mu;
+    std::condition_variable cv;
+    std::vector<int> sent_a(2 * m * most), sent_g(2 * m * most), f(2 * m * most), b(2 * m * most);
+    int reductions[2][2] = {{0, 0}, {0, 0}};  // [process][stage]
+    std::vector<std::future<void>> waiters;
+    auto partners = [&](int s, int i, int other) {
+      return partner_replicas(replicas, s, i, other);
+    };
+    auto hooks_of = [&](int process) {
+      RunnerHooks hooks;
+      hooks.compute = [&, process](int r, int i, const Action& a) -> Status {
+        std::lock_guard<std::mutex> lock(mu);
+        if (process_of(r, i) != process) return Status(ErrorCode::kInternal, "ran a replica of the other process");
+        const int s = a.stage, mb = a.microbatch;
+        if (a.kind == ActionKind::kForward) {
+          for (int j : s > 0 ? partners(s, i, s - 1) : std::vector<int>{}) {
+            if (!sent_a[idx(s - 1, mb, j)]) return Status(ErrorCode::kInternal, "forward before its activation");
+          }
+          ++f[idx(s, mb, i)];
+        } else if (a.kind == ActionKind::kBackward) {
+          for (int j : s + 1 < 2 ? partners(s, i, s + 1) : std::vector<int>{}) {
+            if (!sent_g[idx(s + 1, mb, j)]) return Status(ErrorCode::kInternal, "backward before its gradient");
+          }
+          ++b[idx(s, mb, i)];
+        }
+        return Status::ok();
+      };
+      hooks.transfer = [&](int, int i, const Action& a) -> Status {
+        std::lock_guard<std::mutex> lock(mu);
+        (a.kind == ActionKind::kSendGradient ? sent_g : sent_a)[idx(a.stage, a.microbatch, i)] = 1;
+        cv.notify_all();
+        return Status::ok();
+      };
+      hooks.receive = [&, process](int r, int i, const Action& a, std::function<void(Status)> arrived) {
+        const bool grad = a.kind == ActionKind::kRecvGradient;
+        const int other = grad ? r + 1 : r - 1;
+        std::vector<int> remote;
+        for (int j : partners(r, i, other)) {
+          if (process_of(other, j) != process) remote.push_back(j);
+        }
+        std::lock_guard<std::mutex> lock(mu);
+        waiters.push_back(std::async(std::launch::async, [&, grad, other, remote, mb = a.microbatch, arrived] {
+          std::unique_lock<std::mutex> wait(mu);
+          const bool in = cv.wait_for(wait, std::chrono::seconds(30), [&] {
+            for (int j : remote) {
+              if (!(grad ? sent_g : sent_a)[idx(other, mb, j)]) return false;
+            }
+            return true;
+          });
+          wait.unlock();
+          arrived(in ? Status::ok() : Status(ErrorCode::kExecution, "never arrived"));
+        }));
+      };
+      hooks.allreduce = [&, process](int r, int, const Action& a) -> Status {
+        std::lock_guard<std::mutex> lock(mu);
+        for (int i = 0; i < replicas[r]; ++i) {
+          for (int mb = 0; mb < m; ++mb) {
+            if (process_of(r, i) == process && !b[idx(a.stage, mb, i)]) {
+              return Status(ErrorCode::kInternal, "allreduce before this process's backwards");
+            }
+          }
+        }
+        ++reductions[process][a.stage];
+        return Status::ok();
+      };
+      return hooks;
+    };
+    std::vector<std::unique_ptr<actors::Coordinator>> processes;
+    for (int process = 0; process < 2; ++process) {
+      LocalReplicas local;
+      for (int r = 0; r < 2; ++r) {
+        local.emplace_back();
+        for (int i = 0; i < replicas[r]; ++i) local.back().push_back(process_of(r, i) == process);
+      }
+      auto made = actors::Coordinator::create(*schedule, hooks_of(process), replicas, std::nullopt, local);
+      ASSERT_TRUE(made.is_ok()) << made.status().to_string();
+      processes.push_back(std::move(*made));
+    }
+    auto other = std::async(std::launch::async, [&] { return processes[1]->run_step(std::chrono::seconds(60)); });
+    auto mine = processes[0]->run_step(std::chrono::seconds(60));
+    auto theirs = other.get();
+    ASSERT_TRUE(mine.is_ok()) << mine.status().to_string();
+    ASSERT_TRUE(theirs.is_ok()) << theirs.status().to_string();
+    for (auto& w : waiters) w.get();
+    for (int s = 0; s < 2; ++s) {
+      for (int i = 0; i < replicas[s]; ++i) {
+        for (int mb = 0; mb < m; ++mb) EXPECT_EQ(b[idx(s, mb, i)], 1) << s << " " << i << " " << mb;
+      }
+      // A process with a replica of the stage reduces it once; one without never.
+      EXPECT_EQ(reductions[0][s], 1);
+      EXPECT_EQ(reductions[1][s], replicas[s] > 1 ? 1 : 0);
+    }
+  }
+  auto misplaced = actors::Coordinator::create(*schedule, RunnerHooks{[](int, int, const Action&) { return Status::ok(); }},
+                                               {2, 1}, std::nullopt, LocalReplicas{{true}, {true}});
+  ASSERT_FALSE(misplaced.is_ok());
+  EXPECT_NE(misplaced.status().message().find("rank 0 has 2 replicas but 1 are placed"), std::string::npos);
 }
 
 TEST(Coordinator, AFailingHookStopsEveryRankAndNamesItself) {
