@@ -668,8 +668,10 @@ struct PipelineStep::Impl {
         }
       }
     }
-    // Parameters and buffers: owned by the process of their first reader; parameters read
-    // in several processes get their gradients summed across them after each step.
+    // Parameters and buffers: owned by the process of their first reader's replica 0;
+    // parameters several stages read in several processes (tied weights) get their
+    // gradients summed across the processes after each step (a stage's own parameters, by
+    // its subgroup during the step).
     std::map<ValueId, std::set<int>> reading;  // value -> processes
     std::map<ValueId, std::set<int>> stages_reading;
     std::map<ValueId, int> first;              // value -> first reading stage
