@@ -28,6 +28,15 @@ Status ucx_error(const std::string& what, ucs_status_t s) {
   return Status(ErrorCode::kExecution, what + ": " + ucs_status_string(s));
 }
 
+int sender_of(ucp_tag_t tag) { return static_cast<int>(tag & ((ucp_tag_t{1} << kRankBits) - 1)); }
+
+// A transfer with `peer` that failed: when the status says the peer is gone, named as the
+// endpoint's error handler names it (a request can fail before that handler runs).
+Status transfer_error(const char* what, const std::string& lost_peer, ucs_status_t s) {
+  const bool gone = s == UCS_ERR_ENDPOINT_TIMEOUT || s == UCS_ERR_CONNECTION_RESET || s == UCS_ERR_UNREACHABLE;
+  return ucx_error(gone ? lost_peer : what, s);
+}
+
 // A message: [header length][header: count, then per tensor dtype, ndim, sizes..., bytes][data].
 using Buffer = std::vector<std::uint8_t>;
 
@@ -92,15 +101,18 @@ Result<std::vector<at::Tensor>> unpack(const Buffer& b) {
 }
 
 // What a UCX request's callback needs; `in_flight` is the member's count of open requests.
+// `lost_peer`: how an error names the peer when it is gone ("process 2 was lost").
 struct SendContext {
   std::shared_ptr<Buffer> buffer;
   Done done;
   int* in_flight = nullptr;
+  std::string lost_peer;
 };
 struct RecvContext {
   std::shared_ptr<Buffer> buffer;
   Received done;
   int* in_flight = nullptr;
+  std::string lost_peer;
 };
 
 class UcxMember final : public UcxEndpoint {
@@ -169,7 +181,7 @@ class UcxMember final : public UcxEndpoint {
       ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
       ep.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t status) {
         auto* self = static_cast<std::pair<UcxMember*, int>*>(arg);
-        self->first->fail_now(ucx_error(self->first->noun_ + " " + std::to_string(self->second) + " was lost", status));
+        self->first->fail_now(ucx_error(self->first->lost(self->second), status));
       };
       handler_args_.push_back(std::make_unique<std::pair<UcxMember*, int>>(this, peer));
       ep.err_handler.arg = handler_args_.back().get();
@@ -183,7 +195,7 @@ class UcxMember final : public UcxEndpoint {
     if (Status s = check_peer(peer); !s) return done(s);
     if (tag > kMaxTag) return done(Status(ErrorCode::kInvalidArgument, "a UCX message tag above 2^48"));
     if (Status e = current_error(); !e) return done(e);
-    auto ctx = std::make_shared<SendContext>(SendContext{pack(tensors), std::move(done), &in_flight_});
+    auto ctx = std::make_shared<SendContext>(SendContext{pack(tensors), std::move(done), &in_flight_, lost(peer)});
     post([this, peer, tag, ctx] {
       if (Status e = current_error(); !e) return ctx->done(e);
       if (!eps_[peer]) return ctx->done(Status(ErrorCode::kInvalidArgument, "member " + std::to_string(rank_) +
@@ -196,14 +208,14 @@ class UcxMember final : public UcxEndpoint {
         std::unique_ptr<SendContext> c(static_cast<SendContext*>(user));
         --*c->in_flight;
         ucp_request_free(request);
-        c->done(status == UCS_OK ? Status::ok() : ucx_error("a UCX send", status));
+        c->done(status == UCS_OK ? Status::ok() : transfer_error("a UCX send", c->lost_peer, status));
       };
       p.user_data = raw;
       ucs_status_ptr_t r = ucp_tag_send_nbx(eps_[peer], raw->buffer->data(), raw->buffer->size(), ucx_tag(tag, rank_), &p);
       if (r == nullptr || UCS_PTR_IS_ERR(r)) {  // done inline, or failed: no callback comes
         --in_flight_;
         std::unique_ptr<SendContext> c(raw);
-        c->done(r == nullptr ? Status::ok() : ucx_error("a UCX send", UCS_PTR_STATUS(r)));
+        c->done(r == nullptr ? Status::ok() : transfer_error("a UCX send", c->lost_peer, UCS_PTR_STATUS(r)));
       }
     });
   }
@@ -285,7 +297,8 @@ class UcxMember final : public UcxEndpoint {
           continue;
         }
         busy = true;
-        auto* ctx = new RecvContext{std::make_shared<Buffer>(info.length), std::move(it->done), &in_flight_};
+        auto* ctx = new RecvContext{std::make_shared<Buffer>(info.length), std::move(it->done), &in_flight_,
+                                    lost(sender_of(it->tag))};
         ++in_flight_;
         it = receives_.erase(it);
         ucp_request_param_t p{};
@@ -294,7 +307,7 @@ class UcxMember final : public UcxEndpoint {
           std::unique_ptr<RecvContext> c(static_cast<RecvContext*>(user));
           --*c->in_flight;
           ucp_request_free(request);
-          if (status != UCS_OK) return c->done(ucx_error("a UCX receive", status));
+          if (status != UCS_OK) return c->done(transfer_error("a UCX receive", c->lost_peer, status));
           c->done(unpack(*c->buffer));
         };
         p.user_data = ctx;
@@ -305,7 +318,7 @@ class UcxMember final : public UcxEndpoint {
           if (r == nullptr) {
             c->done(unpack(*c->buffer));
           } else {
-            c->done(ucx_error("a UCX receive", UCS_PTR_STATUS(r)));
+            c->done(transfer_error("a UCX receive", c->lost_peer, UCS_PTR_STATUS(r)));
           }
         }
       }
@@ -349,6 +362,7 @@ class UcxMember final : public UcxEndpoint {
 
   const int rank_, world_;
   const std::string noun_;  // what a peer is called in errors ("member", "process")
+  std::string lost(int peer) const { return noun_ + " " + std::to_string(peer) + " was lost"; }
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   int efd_ = -1, wake_ = -1;
