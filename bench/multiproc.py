@@ -29,14 +29,14 @@ import gpt2_case
 warnings.filterwarnings("ignore")
 
 
-LAYOUTS = {"pipeline": (2, [1, 1]), "data parallel": (1, [2])}  # stages, replicas per rank
-PLACEMENT = {"pipeline": [[0], [1]], "data parallel": [[0, 1]]}  # across two processes
+# stages, replicas per rank, and across two processes the process of each rank's replicas
+LAYOUTS = {"pipeline": (2, [1, 1], [[0], [1]]), "data parallel": (1, [2], [[0, 1]])}
 
 
 def time_steps(args, layout, extra) -> float:
     """Median seconds per step (after one warm-up step) of the layout's 1F1B pipeline."""
     _, wrapped, graph, inputs = gpt2_case.captured(args)
-    stage_count, replicas = LAYOUTS[layout]
+    stage_count, replicas, _ = LAYOUTS[layout]
     stages = graph.random_partition(stage_count, seed=0, keep_node_order=True)
     step = _C.PipelineStep(graph.executor, stages, "1f1b", args.microbatches, 1, replicas, **extra)
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-3)
@@ -56,7 +56,7 @@ def worker(args):
     group = _C.ProcessGroup(rank, world, "127.0.0.1", int(os.environ["MASTER_PORT"]), job="bench-multiproc",
                             timeout_s=300)
     for layout in LAYOUTS:
-        t = time_steps(args, layout, dict(processes=group, replica_process=PLACEMENT[layout]))
+        t = time_steps(args, layout, dict(processes=group, replica_process=LAYOUTS[layout][2]))
         if rank == 0:
             print(f"RESULT {layout}: {t}", flush=True)
 

@@ -626,17 +626,11 @@ struct PipelineStep::Impl {
     processes = std::move(group);
     process = processes->rank();
     replica_process.clear();
-    local_replicas.assign(static_cast<std::size_t>(num_stages), {});
+    std::vector<std::set<int>> stage_processes;  // per stage: the processes running its replicas
     for (int st = 0; st < num_stages; ++st) {
       replica_process.push_back(placement[schedule.spec.rank_of_stage(st)]);
-      for (int r = 0; r < stage_replicas[st]; ++r) {
-        if (here(st, r)) local_replicas[st].push_back(r);
-      }
+      stage_processes.emplace_back(replica_process[st].begin(), replica_process[st].end());
     }
-    auto processes_of = [&](int st) {
-      std::set<int> out(replica_process[st].begin(), replica_process[st].end());
-      return out;
-    };
     activations_out.assign(static_cast<std::size_t>(num_stages), {});
     gradients_out.assign(static_cast<std::size_t>(num_stages), {});
     reads_from.assign(static_cast<std::size_t>(num_stages), {});
@@ -687,7 +681,7 @@ struct PipelineStep::Impl {
     // Every process makes every group, in this order (ProcessGroup::subgroup).
     for (int st = 0; st < num_stages; ++st) {
       std::shared_ptr<transport::EndpointGroup> stage_group;
-      if (const std::set<int> ps = processes_of(st); ps.size() > 1) {
+      if (const std::set<int>& ps = stage_processes[st]; ps.size() > 1) {
         CONVEYOR_ASSIGN_OR_RETURN(stage_group, processes->subgroup(std::vector<int>(ps.begin(), ps.end())));
       }
       stage_across[st] = std::move(stage_group);
@@ -719,7 +713,7 @@ struct PipelineStep::Impl {
         cross_shared.emplace_back(b.name, readers.count(process) > 0);
       }
       bool replicated_across = false;  // read by a stage whose replicas span processes
-      for (int st : stages_reading[b.value]) replicated_across = replicated_across || processes_of(st).size() > 1;
+      for (int st : stages_reading[b.value]) replicated_across = replicated_across || stage_processes[st].size() > 1;
       if (b.kind == graph::Binding::Kind::kBuffer && written[b.value] && replicated_across && readers.size() > 1) {
         auto it = buffer_groups.find(readers);
         if (it == buffer_groups.end()) {
@@ -1394,13 +1388,7 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
     }
   }
   CONVEYOR_ASSIGN_OR_RETURN(impl->schedule, scheduler::make_schedule(spec));
-  // Which replicas run here: all of them, or across processes those placed on this one.
-  impl->local_replicas.resize(static_cast<std::size_t>(num_stages));
-  for (int s = 0; s < num_stages; ++s) {
-    for (int r = 0; r < impl->stage_replicas[s]; ++r) impl->local_replicas[s].push_back(r);
-  }
   impl->stage_across.assign(static_cast<std::size_t>(num_stages), nullptr);
-  scheduler::LocalReplicas local;  // per rank and replica: run by this process (empty: all)
   if (options.processes) {
     std::vector<std::vector<int>> placement = options.replica_process;
     if (placement.empty()) {  // a rank's replicas all on its process
@@ -1410,9 +1398,17 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
       }
     }
     CONVEYOR_RETURN_IF_ERROR(impl->distribute(g, stages, options.processes, placement));
-    for (int rank = 0; rank < spec.ranks; ++rank) {
-      local.emplace_back();
-      for (int p : placement[rank]) local.back().push_back(p == impl->process);
+  }
+  // Which replicas run here: all of them, or across processes those placed on this one.
+  scheduler::LocalReplicas local(static_cast<std::size_t>(spec.ranks));  // per rank and replica, for the runner
+  impl->local_replicas.resize(static_cast<std::size_t>(num_stages));
+  for (int s = 0; s < num_stages; ++s) {
+    const int rank = spec.rank_of_stage(s);
+    local[rank].assign(static_cast<std::size_t>(impl->stage_replicas[s]), false);
+    for (int r = 0; r < impl->stage_replicas[s]; ++r) {
+      if (!impl->here(s, r)) continue;
+      impl->local_replicas[s].push_back(r);
+      local[rank][r] = true;
     }
   }
   for (int s = 0; s < num_stages; ++s) {
