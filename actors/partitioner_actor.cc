@@ -37,8 +37,8 @@ std::vector<StageProfile> summarize(const std::vector<Span>& spans, const schedu
         send_sum[stage] += d;
         ++sends[stage];
         break;
-      case ActionKind::kAllReduce:  // buckets reduced during backward, then the rest: their sum
-        if (s.replica == 0) out[stage].allreduce_s += d;
+      case ActionKind::kAllReduce:  // buckets reduced during backward, then the rest, then across processes: their sum
+        if (s.replica == 0 || s.stream == Span::Stream::kAcrossProcesses) out[stage].allreduce_s += d;
         break;
       default: break;
     }

@@ -407,7 +407,7 @@ PYBIND11_MODULE(_C, m) {
       .def("spans", [](const runtime::PipelineStep& step) {
         py::list out;
         for (const auto& s : step.last_step().spans) {
-          static const char* streams[] = {"compute", "send", "collective"};
+          static const char* streams[] = {"compute", "send", "collective", "across processes"};
           py::dict d;
           d["rank"] = s.rank;
           d["replica"] = s.replica;

@@ -257,6 +257,11 @@ struct PipelineStep::Impl {
     std::condition_variable cv;
     int pending = 0;
     Status error = Status::ok();
+    struct Timed {
+      int stage, bucket;
+      std::chrono::steady_clock::time_point start, end;
+    };
+    std::vector<Timed> times;  // this step's sums, as they completed (for the trace and the live profile)
   };
   std::shared_ptr<Across> across = std::make_shared<Across>();
   std::vector<int> next_across;  // [stage]: the next bucket to sum across processes (comm thread)
@@ -1022,14 +1027,17 @@ struct PipelineStep::Impl {
   void issue_across(int stage) {
     auto& buckets = stage_buckets[stage];
     while (next_across[stage] < static_cast<int>(buckets.size()) && buckets[next_across[stage]].across.defined()) {
-      Bucket& b = buckets[next_across[stage]++];
+      const int index = next_across[stage]++;
+      Bucket& b = buckets[index];
       if (stream_device) collective_streams[stage]->synchronize();  // the sum is on the device before it leaves
       {
         std::lock_guard<std::mutex> lock(across->mu);
         ++across->pending;
       }
-      stage_across[stage]->allreduce(b.across, [state = across](Status s) {
+      stage_across[stage]->allreduce(b.across, [state = across, stage, index, start = std::chrono::steady_clock::now()](
+                                                   Status s) {
         std::lock_guard<std::mutex> lock(state->mu);
+        state->times.push_back({stage, index, start, std::chrono::steady_clock::now()});
         if (!s && state->error.is_ok()) state->error = std::move(s);
         --state->pending;
         state->cv.notify_all();
@@ -1609,6 +1617,7 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
   {
     std::lock_guard<std::mutex> lock(im.across->mu);
     im.across->error = Status::ok();
+    im.across->times.clear();
   }
   // With streams: every stream of the step starts after the caller's work so far (its
   // inputs, the last optimizer step), the events of the last step are reused.
@@ -1636,7 +1645,9 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
   // The buckets reduced during backward join the measured spans (the trace, the live
   // profile) before the step's profile goes to the partitioner actor.
   std::pair<int, int> reduction{0, 0};
-  auto add_reductions = [&im, &reduction](scheduler::RunResult& measured) {
+  Status across_status = Status::ok();
+  bool across_finished = false;
+  auto add_reductions = [&im, &reduction, &across_status, &across_finished](scheduler::RunResult& measured) {
     if (im.stream_device) im.device_times(measured);
     for (int s = 0; s < static_cast<int>(im.stage_buckets.size()); ++s) {
       for (const auto& b : im.stage_buckets[s]) {
@@ -1648,11 +1659,29 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
         };
         const double start = im.stream_device ? im.device_time(b.gpu_start, measured) : at(b.start);
         const double end = im.stream_device ? im.device_time(b.gpu_end, measured) : at(b.end);
-        for (int r = 0; r < im.stage_replicas[s]; ++r) {
+        for (int r : im.local_replicas[s]) {
           measured.spans.push_back({im.schedule.spec.rank_of_stage(s), scheduler::Span::Stream::kCollective,
                                     Action{ActionKind::kAllReduce, -1, -1, s}, start, end, r});
         }
       }
+    }
+    // Across processes, the step ends with the sums across them (they join the measured
+    // spans on the track of this process's first replica of the stage).
+    if (!im.processes) return;
+    {
+      std::lock_guard<std::mutex> lock(im.mu);
+      if (!im.send_error.is_ok()) return;  // out of step: the caller stops the job
+    }
+    across_status = im.finish_across();
+    across_finished = true;
+    std::lock_guard<std::mutex> lock(im.across->mu);
+    for (const auto& t : im.across->times) {
+      const double start = std::chrono::duration<double>(t.start - measured.start).count();
+      const double end = std::chrono::duration<double>(t.end - measured.start).count();
+      measured.spans.push_back({im.schedule.spec.rank_of_stage(t.stage), scheduler::Span::Stream::kAcrossProcesses,
+                                Action{ActionKind::kAllReduce, -1, -1, t.stage}, start, end,
+                                im.local_replicas[t.stage].front()});
+      measured.step_time_s = std::max(measured.step_time_s, end);
     }
   };
   {
@@ -1673,15 +1702,20 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
   im.activations.clear();
   im.grads.clear();
   im.joined_grads.clear();
-  if (im.processes && (!measured || !im.send_error.is_ok())) {
+  Status send_error = Status::ok();
+  {
+    std::lock_guard<std::mutex> lock(im.mu);  // a send still in flight may fail meanwhile
+    send_error = im.send_error;
+  }
+  if (im.processes && (!measured || !send_error.is_ok())) {
     // Out of step with the other processes: this process's part of the job is over.
     im.out_of_step = true;
-    im.processes->abort(measured ? im.send_error : measured.status());
+    im.processes->abort(measured ? send_error : measured.status());
   }
   if (!measured) return measured.status();
-  CONVEYOR_RETURN_IF_ERROR(im.send_error);
+  CONVEYOR_RETURN_IF_ERROR(send_error);
   if (im.processes) {
-    if (Status s = im.finish_across(); !s) {
+    if (Status s = across_finished ? across_status : im.finish_across(); !s) {
       im.out_of_step = true;
       im.processes->abort(s);
       return s;

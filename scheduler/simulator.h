@@ -36,7 +36,9 @@ struct LinkCost {
 
 /// One slice of the simulated timeline.
 struct Span {
-  enum class Stream : std::uint8_t { kCompute, kSend, kCollective };
+  /// kAcrossProcesses: the part of a stage's gradient sum that crosses processes (a
+  /// bucket's sum with the stage's replicas in other processes), one span per bucket.
+  enum class Stream : std::uint8_t { kCompute, kSend, kCollective, kAcrossProcesses };
   int rank = 0;
   Stream stream = Stream::kCompute;
   Action action{ActionKind::kForward};

@@ -208,6 +208,9 @@ int trace_check_command(const std::string& path) {
   std::printf("%s: valid Perfetto trace: %zu tracks, %zu slices, %zu instants, %zu flows\n", path.c_str(), s->tracks,
               s->slices, s->instants, s->flows);
   for (const auto& [name, count] : s->slices_by_name) std::printf("  %-12s %zu slices\n", name.empty() ? "(other)" : name.c_str(), count);
+  for (const auto& [track, count] : s->slices_by_track) {
+    std::printf("  on %-24s %zu slices\n", ("'" + track + "'").c_str(), count);
+  }
   return 0;
 }
 

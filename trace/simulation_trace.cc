@@ -6,6 +6,7 @@
 #include "common/file.h"
 #include <algorithm>
 #include <map>
+#include <set>
 #include <tuple>
 
 namespace conveyor::trace {
@@ -20,6 +21,14 @@ std::uint64_t transfer_flow_id(bool gradient, int microbatch, int sending_stage,
 }
 
 namespace {
+
+constexpr const char* kAcrossProcessesTrack = "across processes";
+
+// A slice's name: its action's, and a gradient sum across processes says so.
+std::string slice_name(const Span& span, bool with_stage) {
+  std::string name = scheduler::action_text(span.action, with_stage);
+  return span.stream == Span::Stream::kAcrossProcesses ? name + " across processes" : name;
+}
 
 // Replica counts per rank: as given, or one each when none (or the wrong number) are given.
 std::vector<int> replicas_per_rank(const scheduler::Schedule& schedule, const std::vector<int>& given) {
@@ -36,7 +45,7 @@ void add_simulation(PerfettoTrace& trace, const scheduler::Schedule& schedule,
   const int stages = schedule.spec.stages();
   const std::vector<int> replicas = replicas_per_rank(schedule, replica_counts);
   struct Tracks {
-    std::uint64_t group = 0, compute = 0, collective = 0;
+    std::uint64_t group = 0, compute = 0, collective = 0, across = 0;
   };
   std::map<std::pair<int, int>, Tracks> tracks;        // (rank, replica)
   std::map<std::tuple<int, int, int>, std::uint64_t> send;  // (rank, replica, peer): one stream per link
@@ -83,13 +92,18 @@ void add_simulation(PerfettoTrace& trace, const scheduler::Schedule& schedule,
     std::uint64_t track = tracks[{r, i}].compute;
     if (span.stream == Span::Stream::kSend) track = send_track(r, i, a.peer);
     if (span.stream == Span::Stream::kCollective) track = tracks[{r, i}].collective;
+    if (span.stream == Span::Stream::kAcrossProcesses) {
+      std::uint64_t& across = tracks[{r, i}].across;
+      if (across == 0) across = trace.add_track(kAcrossProcessesTrack, tracks[{r, i}].group);
+      track = across;
+    }
     // A process's own trace of a pipeline across processes holds one end of the transfers
     // to and from the others: only flows with both ends here are drawn.
     std::vector<std::uint64_t> joined;
     for (std::uint64_t f : flows[k]) {
       if (ends[f] > 1) joined.push_back(f);
     }
-    trace.slice(track, ns(span.start_s), ns(span.end_s), scheduler::action_text(a, with_stage), joined);
+    trace.slice(track, ns(span.start_s), ns(span.end_s), slice_name(span, with_stage), joined);
   }
 }
 
@@ -122,13 +136,21 @@ std::string chrome_trace_json(const scheduler::Schedule& schedule, const schedul
   };
   const bool with_stage = schedule.spec.chunks > 1;
   auto us = [](double s) { return s * 1e6; };
+  std::set<int> across_named;  // pids whose "across processes" thread is named
   for (const Span& span : result.spans) {
     const auto& a = span.action;
     const int r = span.rank, i = std::min(span.replica, replicas[r] - 1);
     int tid = 0;
     if (span.stream == Span::Stream::kSend) tid = 2 + a.peer;
     if (span.stream == Span::Stream::kCollective) tid = 1;
-    events.push_back({{"name", scheduler::action_text(a, with_stage)}, {"ph", "X"}, {"pid", pid(r, i)},
+    if (span.stream == Span::Stream::kAcrossProcesses) {
+      tid = 2 + ranks;
+      if (across_named.insert(pid(r, i)).second) {
+        events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", pid(r, i)}, {"tid", tid},
+                          {"args", {{"name", kAcrossProcessesTrack}}}});
+      }
+    }
+    events.push_back({{"name", slice_name(span, with_stage)}, {"ph", "X"}, {"pid", pid(r, i)},
                       {"tid", tid}, {"ts", us(span.start_s)}, {"dur", us(span.end_s - span.start_s)}});
     // A flow per (send, consuming replica): its id names the sending replica and the consumer.
     auto flow = [&](bool grad, int mb, int from_stage, int from_replica, int to_replica) {

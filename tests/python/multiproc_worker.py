@@ -11,6 +11,7 @@ losses and the full model state (gathered from every process) to --out.
         python multiproc_worker.py --case mlp --stages 2 --out result.pt
 """
 import argparse
+import json
 import os
 import signal
 import time
@@ -63,6 +64,7 @@ def main():
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--job", default="", help="the job fingerprint announced (default: the case's name)")
     ap.add_argument("--version", default="", help="the conveyor version announced (default: this build's)")
+    ap.add_argument("--trace", default="", help="writes the last step's trace to TRACE.rankN.pftrace")
     ap.add_argument("--device", default="cpu", help="where the model and its inputs live (cuda: every process on its GPU)")
     args = ap.parse_args()
 
@@ -108,6 +110,11 @@ def main():
         step_s = time.perf_counter() - start
         losses.append(loss.item())
         optimizer.step()
+    if args.trace:
+        step.write_trace(f"{args.trace}.rank{rank}.pftrace")
+        print("PROFILE", json.dumps(step.profile_report()), flush=True)
+        spans = [(s["stream"], s["stage"], s["replica"], s["start_s"], s["end_s"]) for s in step.spans()]
+        print("SPANS", json.dumps(spans), flush=True)
     if world > 1:
         # While it trains, a process holds only what its stages read.
         held = sum(p.numel() for p in model.parameters())

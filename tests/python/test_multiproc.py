@@ -5,6 +5,7 @@ Every process is a `multiproc_worker.py` started here with RANK, WORLD_SIZE, MAS
 and MASTER_PORT (UCX and the rendezvous bound to 127.0.0.1); every process a test starts
 is killed and reaped when it ends, whatever happens.
 """
+import json
 import os
 import signal
 import subprocess
@@ -176,14 +177,20 @@ def test_replicas_of_a_stage_in_different_processes_train_like_one_process(label
     args = ["--case", name, "--steps", "3", "--placement", "replicas", *extra]
     run_single(args, tmp_path / "one.pt")
     reference = torch.load(tmp_path / "one.pt")
-    results = run_world(world, args, tmp_path / "many.pt")
+    results = run_world(world, [*args, "--trace", str(tmp_path / "run")], tmp_path / "many.pt")
     buffers = {}  # name -> {rank: checksum} of the buffers each process held after training
+    spans = {}  # rank -> the last step's measured spans (stream, stage, replica, start, end)
+    profiles = {}  # rank -> its live profile report
     for rank, (code, text) in enumerate(results):
         assert code == 0, f"{label}: process {rank} failed:\n{text[-3000:]}"
         for line in text.splitlines():
             if line.startswith("BUFFER "):
                 _, key, checksum = line.split()
                 buffers.setdefault(key, {})[rank] = checksum
+            elif line.startswith(("SPANS ", "PROFILE ")):
+                key, data = line.split(" ", 1)
+                (spans if key == "SPANS" else profiles)[rank] = json.loads(data)
+    check_spans_across_processes(label, world, args, spans, profiles, tmp_path / "run")
     # Every process that reads a buffer holds replica 0's (running statistics included).
     for key, held in buffers.items():
         assert len(set(held.values())) == 1, f"{label}: processes hold different values of {key}: {held}"
@@ -193,6 +200,45 @@ def test_replicas_of_a_stage_in_different_processes_train_like_one_process(label
     assert got["losses"] == pytest.approx(reference["losses"], rel=TOLERANCE, abs=0)
     for key, want in reference["state"].items():
         assert rel(got["state"][key], want) <= TOLERANCE, f"{label}: {key}"
+
+
+def check_spans_across_processes(label, world, args, spans, profiles, trace_prefix):
+    """What each process measured of a step whose stages have replicas in several processes:
+    its own replicas only; one 'across processes' span per gradient bucket of each stage it
+    runs (the same number on every process running that stage), inside the step; the live
+    profile counts them; and its trace holds them on their own track."""
+    import multiproc_worker
+    options = dict(zip(args[::2], args[1::2]))
+    stages, chunks = int(options.get("--stages", 2)), int(options.get("--chunks", 1))
+    counts = [int(c) for c in options.get("--replicas", "1").split(",")]
+    ranks = stages // chunks
+    where = multiproc_worker.placement(counts * ranks if len(counts) == 1 else counts, world, "replicas")
+    across = {}  # stage -> {rank: spans}
+    for rank in range(world):
+        assert rank in spans and rank in profiles, f"{label}: process {rank} printed no spans or profile"
+        step_end = max(s[4] for s in spans[rank])
+        for stream, stage, replica, start, end in spans[rank]:
+            assert where[stage % ranks][replica] == rank, \
+                f"{label}: process {rank} measured replica {replica} of stage {stage}, placed elsewhere"
+            assert 0 <= start <= end <= step_end
+            if stream == "across processes":
+                across.setdefault(stage, {}).setdefault(rank, 0)
+                across[stage][rank] += 1
+    assert across, f"{label}: no gradient sum across processes was measured"
+    for stage, per_rank in across.items():
+        runs_it = {p for p in where[stage % ranks]}
+        assert set(per_rank) == runs_it and len(set(per_rank.values())) == 1, f"{label}: stage {stage}: {per_rank}"
+        for rank in runs_it:
+            assert profiles[rank]["stages"][stage]["allreduce_s"] > 0, f"{label}: {profiles[rank]}"
+    tool = Path(os.environ.get("CONVEYOR_BUILD_DIR", "build")) / "tools" / "conveyor"
+    for rank in range(world):
+        r = subprocess.run([str(tool), "trace", "check", f"{trace_prefix}.rank{rank}.pftrace"], capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        want = sum(per_rank.get(rank, 0) for per_rank in across.values())
+        if want:
+            assert f"on 'across processes'" in r.stdout and f" {want} slices" in r.stdout.split("'across processes'")[1] \
+                .splitlines()[0], r.stdout
 
 
 def test_a_placement_that_does_not_match_the_pipeline_is_refused_naming_it():
