@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import free_port
 from conveyor import _C
 
 BUILD = os.environ.get("CONVEYOR_BUILD_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "build"))
@@ -74,6 +75,43 @@ def test_replicas_of_a_stage_in_different_processes_train_like_one_process(tmp_p
     fixed = ["--case", "mlp", "--stages", "2", "--replicas", "2", "--microbatches", "2"]
     code, out = launch("-n", 4, "--", sys.executable, WORKER, *fixed, "--out", tmp_path / "four.pt")
     assert code == 0, out[-4000:]
+    alone = subprocess.run([sys.executable, WORKER, *fixed, "--out", tmp_path / "one.pt"], env=env(),
+                           capture_output=True, text=True, timeout=300)
+    assert alone.returncode == 0, alone.stdout + alone.stderr
+    four, one = torch.load(tmp_path / "four.pt"), torch.load(tmp_path / "one.pt")
+    assert four["world"] == 4 and one["world"] == 1
+    assert four["losses"] == pytest.approx(one["losses"], rel=TOLERANCE, abs=0)
+    for key, want in one["state"].items():
+        got = four["state"][key].double()
+        err = (got - want.double()).abs().max().item() / max(want.double().abs().max().item(), FLOOR)
+        assert err <= TOLERANCE, key
+
+
+@pytest.mark.skipif(bool(_C.ucx_status()), reason=f"UCX cannot start here: {_C.ucx_status()}")
+def test_two_machines_each_with_its_own_launcher_train_like_one_process(tmp_path):
+    """Two machines as two launchers on loopback (--hosts twice 127.0.0.1, --node-rank 0 and
+    1, a fixed master port), two processes each: ranks 0-1 start on node 0, 2-3 on node 1,
+    and the 4-process job (stages=2, replicas=2) trains like one process."""
+    fixed = ["--case", "mlp", "--stages", "2", "--replicas", "2", "--microbatches", "2"]
+    port = free_port()
+    launchers = []
+    for node in (0, 1):
+        launchers.append(subprocess.Popen(
+            [TOOL, "launch", "-n", "2", "--hosts", "127.0.0.1,127.0.0.1", "--node-rank", str(node), "--master-port",
+             str(port), "--", sys.executable, WORKER, *fixed, "--out", str(tmp_path / "four.pt")],
+            env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True))
+    outputs = []
+    for proc in launchers:
+        try:
+            outputs.append(proc.communicate(timeout=300)[0])
+        except subprocess.TimeoutExpired:
+            for p in launchers:
+                os.killpg(p.pid, signal.SIGKILL)
+            pytest.fail("a launcher did not finish within 300 s")
+    for node, (proc, out) in enumerate(zip(launchers, outputs)):
+        assert proc.returncode == 0, f"node {node}:\n{out[-4000:]}"
+        first = 2 * node
+        assert f"ranks {first}-{first + 1} of 4), rendezvous at 127.0.0.1:{port}" in out, out
     alone = subprocess.run([sys.executable, WORKER, *fixed, "--out", tmp_path / "one.pt"], env=env(),
                            capture_output=True, text=True, timeout=300)
     assert alone.returncode == 0, alone.stdout + alone.stderr
