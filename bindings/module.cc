@@ -190,11 +190,12 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("nodes", &StageProgram::nodes)
       .def_property_readonly("inputs", &StageProgram::inputs)
       .def_property_readonly("outputs", &StageProgram::outputs)
-      .def("forward", [](const StageProgram& s, const py::sequence& inputs) {
+      .def("forward", [](const StageProgram& s, const py::sequence& inputs, std::optional<std::uint64_t> seed) {
         auto values = to_ivalues(inputs);
         py::gil_scoped_release nogil;
-        return unwrap(s.forward(std::move(values)));
-      })
+        return unwrap(s.forward(std::move(values), seed));
+      }, py::arg("inputs"), py::arg("seed") = py::none(),
+      "Runs the stage; with seed, its random operators draw from generators seeded with it.")
       .def("backward", [](const StageProgram& s, StageActivation& act, const py::sequence& grads) {
         auto values = to_ivalues(grads);
         std::vector<c10::IValue> out;
@@ -212,6 +213,8 @@ PYBIND11_MODULE(_C, m) {
              return unwrap(GraphExecutor::create(g.graph, std::move(map)));
            }),
            py::arg("graph"), py::arg("tensors"))
+      .def("unseeded_random_nodes", &GraphExecutor::unseeded_random_nodes,
+           "Nodes that draw random numbers but take no seeded generator (they draw from torch's global one).")
       .def("run", [](const GraphExecutor& ex, const py::sequence& inputs) {
         auto values = to_ivalues(inputs);
         std::vector<c10::IValue> out;
@@ -332,7 +335,8 @@ PYBIND11_MODULE(_C, m) {
                        const std::string& schedule, int microbatches, int chunks, std::vector<int> replicas,
                        std::int64_t bucket_bytes, int intra_op_threads, const std::string& plan_json,
                        std::shared_ptr<runtime::ProcessGroup> processes, std::vector<int> rank_process,
-                       double step_timeout_s, std::vector<std::vector<int>> replica_process) {
+                       double step_timeout_s, std::vector<std::vector<int>> replica_process,
+                       std::optional<std::uint64_t> seed) {
              scheduler::ScheduleSpec spec;
              spec.kind = unwrap(scheduler::schedule_kind_from_name(schedule));
              spec.chunks = chunks;
@@ -362,6 +366,7 @@ PYBIND11_MODULE(_C, m) {
              if (step_timeout_s > 0) {
                options.step_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(step_timeout_s * 1000));
              }
+             options.seed = seed;
              py::gil_scoped_release nogil;  // with processes, creation talks to the others
              return unwrap(runtime::PipelineStep::create(ex, std::move(stages), spec, std::move(options)));
            }),
@@ -369,14 +374,16 @@ PYBIND11_MODULE(_C, m) {
            py::arg("chunks") = 1, py::arg("replicas") = std::vector<int>{}, py::arg("bucket_bytes") = 0,
            py::arg("intra_op_threads") = 0, py::arg("plan") = std::string(), py::arg("processes") = nullptr,
            py::arg("rank_process") = std::vector<int>{}, py::arg("step_timeout_s") = 0.0,
-           py::arg("replica_process") = std::vector<std::vector<int>>{},
+           py::arg("replica_process") = std::vector<std::vector<int>>{}, py::arg("seed") = py::none(),
            "replicas: per rank (empty: one each); bucket_bytes: gradient reduction bucket size (0: 4 MiB); "
            "intra_op_threads: torch threads per replica (0: the caller's shared out); plan: the plan document "
            "the stages come from (its prediction is what the live profile compares against); processes, "
            "rank_process: run across the job's processes, pipeline rank r on process rank_process[r]; "
            "replica_process: the same per replica, replica i of rank r on process replica_process[r][i] (a stage "
            "whose replicas run in several processes sums its gradients across them); "
-           "step_timeout_s: a step that takes longer fails (0: 10 minutes).")
+           "step_timeout_s: a step that takes longer fails (0: 10 minutes); seed: random operators (dropout) "
+           "of each forward draw from a generator seeded from it, the step, the stage, the microbatch and the "
+           "replica (None: drawn from torch's global generator now; across processes, process 0's).")
       .def("gather_state", [](runtime::PipelineStep& step) {
         py::gil_scoped_release nogil;
         check(step.gather_state());

@@ -1,6 +1,8 @@
 #include "graph/executor.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <ATen/ScalarOps.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -9,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -169,11 +172,42 @@ struct ArgPlan {
   c10::TypePtr element_type;
 };
 
+// How a node that draws random numbers is given a seeded generator (StageProgram::forward
+// with a seed): through its own `generator` argument, or by conveyor computing it.
+enum class Draws : std::uint8_t {
+  kNone,               // draws nothing
+  kGeneratorArgument,  // rand, randn, bernoulli, normal, randint, randperm, multinomial, ...
+  kDropout,            // aten::dropout(input, p, train): input * bernoulli(1 - p) / (1 - p)
+  kNativeDropout,      // aten::native_dropout(input, p, train?): (that, the mask)
+  kGlobalOnly,         // takes no generator (alpha_dropout, rand_like, ...): torch's global one
+};
+
 struct GraphExecutor::CompiledNode {
   const Node* node = nullptr;
   std::optional<c10::OperatorHandle> op;
   SymOp sym = SymOp::kNone;
   std::vector<ArgPlan> args;
+  Draws draws = Draws::kNone;
+  int generator_argument = -1;  // kGeneratorArgument: its stack slot
+};
+
+// A stage forward's seeded generators: one per device it draws on, each made on first use
+// from the same seed, so its draws depend on the seed and the stage's node order only.
+class SeededGenerators {
+ public:
+  explicit SeededGenerators(std::uint64_t seed) : seed_(seed) {}
+  at::Generator& on(c10::Device device) {
+    auto it = made_.find(device.str());
+    if (it != made_.end()) return it->second;
+    at::Generator g = device.is_cpu() ? at::detail::createCPUGenerator(seed_)
+                                      : at::detail::getCUDAHooks().getNewGenerator(device.index());
+    if (!device.is_cpu()) g.set_current_seed(seed_);
+    return made_.emplace(device.str(), std::move(g)).first->second;
+  }
+
+ private:
+  std::uint64_t seed_;
+  std::map<std::string, at::Generator> made_;
 };
 
 Result<at::ScalarType> scalar_type_from_name(std::string_view name) {
@@ -448,6 +482,17 @@ Result<std::shared_ptr<GraphExecutor>> GraphExecutor::create(Graph graph, Tensor
                                                   " returns but the schema has " +
                                                   std::to_string(schema.returns().size()));
     }
+    if (n.nondeterministic_seeded) {
+      cn->draws = Draws::kGlobalOnly;
+      if (n.op == "aten::dropout" && sargs.size() == 3) cn->draws = Draws::kDropout;
+      if (n.op == "aten::native_dropout" && sargs.size() == 3) cn->draws = Draws::kNativeDropout;
+      for (std::size_t i = 0; i < sargs.size() && cn->draws == Draws::kGlobalOnly; ++i) {
+        if (unwrap_optional(sargs[i].type())->kind() == c10::TypeKind::GeneratorType) {
+          cn->draws = Draws::kGeneratorArgument;
+          cn->generator_argument = static_cast<int>(i);
+        }
+      }
+    }
     ex->compiled_.push_back(std::move(cn));
   }
   std::vector<NodeId> all(g.nodes.size());
@@ -479,15 +524,53 @@ std::vector<StageProgram::Step> GraphExecutor::plan_steps(const std::vector<Node
   return steps;
 }
 
-Status GraphExecutor::execute(const std::vector<StageProgram::Step>& steps,
-                              std::vector<c10::IValue>& values) const {
+namespace {
+
+// The device a random node draws on: its first tensor argument's, else its `device`
+// argument's, else the CPU.
+c10::Device drawing_device(const torch::jit::Stack& stack) {
+  for (const auto& v : stack) {
+    if (v.isTensor() && v.toTensor().defined()) return v.toTensor().device();
+  }
+  for (const auto& v : stack) {
+    if (v.isDevice()) return v.toDevice();
+  }
+  return c10::Device(c10::kCPU);
+}
+
+// aten::dropout / native_dropout drawing from `gen`, as ATen's composite dropout computes it
+// (a Bernoulli(1 - p) mask scaled by 1 / (1 - p)); autograd differentiates the product.
+void seeded_dropout(Draws kind, torch::jit::Stack& stack, at::Generator& gen) {
+  at::Tensor input = stack[0].toTensor();
+  const double p = stack[1].toDouble();
+  const bool train = stack[2].isNone() || stack[2].toBool();
+  at::Tensor out, mask;
+  if (!train || p == 0 || input.numel() == 0) {
+    out = kind == Draws::kDropout ? input : input.clone();
+    if (kind == Draws::kNativeDropout) mask = at::ones_like(input, input.options().dtype(at::kBool));
+  } else {
+    mask = at::empty_like(input, input.options().dtype(at::kBool)).bernoulli_(1 - p, gen);
+    out = p == 1 ? input.mul(0) : input.mul(mask).mul(1 / (1 - p));
+  }
+  stack.clear();
+  stack.emplace_back(std::move(out));
+  if (kind == Draws::kNativeDropout) stack.emplace_back(std::move(mask));
+}
+
+}  // namespace
+
+Status GraphExecutor::execute(const std::vector<StageProgram::Step>& steps, std::vector<c10::IValue>& values,
+                              std::optional<std::uint64_t> random_seed) const {
   torch::jit::Stack stack;
+  std::optional<SeededGenerators> generators;
+  if (random_seed) generators.emplace(*random_seed);
   for (const auto& step : steps) {
     const CompiledNode& cn = *compiled_[step.compiled];
     const Node& n = *cn.node;
     stack.clear();
     stack.reserve(cn.args.size());
     for (const auto& a : cn.args) stack.push_back(materialize(a, values));
+    const bool seeded = generators && cn.draws != Draws::kNone && cn.draws != Draws::kGlobalOnly;
     if (cn.sym != SymOp::kNone) {
       auto r = eval_sym(cn.sym, stack);
       if (!r) return r.status().with_context(where(n));
@@ -496,7 +579,16 @@ Status GraphExecutor::execute(const std::vector<StageProgram::Step>& steps,
       try {
         std::optional<c10::AutoGradMode> grad_mode;
         if (n.grad_enabled) grad_mode.emplace(*n.grad_enabled);
-        cn.op->callBoxed(stack);
+        if (!seeded) {
+          cn.op->callBoxed(stack);
+        } else if (cn.draws == Draws::kGeneratorArgument) {
+          if (stack[cn.generator_argument].isNone()) {
+            stack[cn.generator_argument] = c10::IValue(generators->on(drawing_device(stack)));
+          }
+          cn.op->callBoxed(stack);
+        } else {
+          seeded_dropout(cn.draws, stack, generators->on(drawing_device(stack)));
+        }
       } catch (const c10::Error& e) {
         return Status(ErrorCode::kExecution, where(n) + " failed: " + e.what_without_backtrace());
       } catch (const std::exception& e) {
@@ -572,7 +664,23 @@ Result<std::shared_ptr<const StageProgram>> GraphExecutor::stage(std::vector<Nod
   return std::shared_ptr<const StageProgram>(std::move(program));
 }
 
-Result<StageActivation> StageProgram::forward(std::vector<c10::IValue> inputs) const {
+std::vector<NodeId> GraphExecutor::unseeded_random_nodes() const {
+  std::vector<NodeId> out;
+  for (const auto& cn : compiled_) {
+    if (cn->draws == Draws::kGlobalOnly) out.push_back(cn->node->id);
+  }
+  return out;
+}
+
+bool StageProgram::draws_random() const {
+  for (NodeId n : nodes_) {
+    if (executor_->graph().nodes[n].nondeterministic_seeded) return true;
+  }
+  return false;
+}
+
+Result<StageActivation> StageProgram::forward(std::vector<c10::IValue> inputs,
+                                              std::optional<std::uint64_t> random_seed) const {
   const Graph& g = executor_->graph();
   if (inputs.size() != boundary_.inputs.size()) {
     return Status(ErrorCode::kInvalidArgument, "the stage takes " + std::to_string(boundary_.inputs.size()) +
@@ -591,7 +699,7 @@ Result<StageActivation> StageProgram::forward(std::vector<c10::IValue> inputs) c
     values[boundary_.inputs[i]] = in;
   }
   act.inputs = std::move(inputs);
-  CONVEYOR_RETURN_IF_ERROR(executor_->execute(steps_, values));
+  CONVEYOR_RETURN_IF_ERROR(executor_->execute(steps_, values, random_seed));
   act.outputs.reserve(boundary_.outputs.size());
   for (ValueId v : boundary_.outputs) act.outputs.push_back(std::move(values[v]));
   return act;

@@ -5,7 +5,9 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
 
+#include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -43,8 +45,17 @@ class StageProgram {
   const std::vector<ValueId>& outputs() const { return boundary_.outputs; }
 
   /// Runs the stage. Tensor inputs become fresh autograd leaves (requires_grad kept), so
-  /// backward() can hand their gradients to the stage that produced them.
-  Result<StageActivation> forward(std::vector<c10::IValue> inputs) const;
+  /// backward() can hand their gradients to the stage that produced them. With
+  /// `random_seed`, random operators (dropout, rand, bernoulli, ...) draw from generators
+  /// seeded with it (one per device, made for this call), so their draws depend on the seed
+  /// alone, not on what else ran before or beside; without, from torch's global generators
+  /// in execution order. Operators that take no generator (GraphExecutor::
+  /// unseeded_random_nodes) always draw from the global ones.
+  Result<StageActivation> forward(std::vector<c10::IValue> inputs,
+                                  std::optional<std::uint64_t> random_seed = std::nullopt) const;
+
+  /// Whether any node of the stage draws random numbers.
+  bool draws_random() const;
 
   /// Backpropagates `output_grads` (None or undefined where an output got no gradient),
   /// accumulating parameter gradients into their live `.grad`; returns the gradients of
@@ -105,10 +116,16 @@ class GraphExecutor : public std::enable_shared_from_this<GraphExecutor> {
   /// Compiles the stage made of `nodes` (any order; executed in ascending id order).
   Result<std::shared_ptr<const StageProgram>> stage(std::vector<NodeId> nodes) const;
 
+  /// Nodes that draw random numbers but can take no seeded generator (their operator has
+  /// no `generator` argument and is not a dropout conveyor computes itself): they draw
+  /// from torch's global generators even under StageProgram::forward's seed.
+  std::vector<NodeId> unseeded_random_nodes() const;
+
  private:
   friend class StageProgram;
   GraphExecutor() = default;
-  Status execute(const std::vector<StageProgram::Step>& steps, std::vector<c10::IValue>& values) const;
+  Status execute(const std::vector<StageProgram::Step>& steps, std::vector<c10::IValue>& values,
+                 std::optional<std::uint64_t> random_seed = std::nullopt) const;
   std::vector<StageProgram::Step> plan_steps(const std::vector<NodeId>& nodes,
                                              const std::vector<ValueId>& keep) const;
 

@@ -1,6 +1,7 @@
 #include "runtime/pipeline_step.h"
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/StreamGuard.h>
@@ -264,6 +265,10 @@ struct PipelineStep::Impl {
     std::vector<Timed> times;  // this step's sums, as they completed (for the trace and the live profile)
   };
   std::shared_ptr<Across> across = std::make_shared<Across>();
+  // Random draws (PipelineOptions::seed): the pipeline's seed, and the step now running
+  // (counting every step begun, from 0).
+  std::uint64_t random_seed = 0;
+  std::uint64_t this_step = 0, steps_begun = 0;
   std::vector<int> next_across;  // [stage]: the next bucket to sum across processes (comm thread)
   struct BufferSync {
     std::string name;
@@ -477,6 +482,23 @@ struct PipelineStep::Impl {
     return g;
   }
 
+  // The seed of a forward's random draws: a hash of the pipeline's seed, the step, the
+  // stage, the microbatch and the replica (splitmix64 over each in turn).
+  std::uint64_t forward_seed(int stage, int microbatch, int replica) const {
+    auto mix = [](std::uint64_t x) {
+      x += 0x9e3779b97f4a7c15ULL;
+      x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+      x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+      return x ^ (x >> 31);
+    };
+    std::uint64_t h = mix(random_seed);
+    for (std::uint64_t part : {this_step, static_cast<std::uint64_t>(stage), static_cast<std::uint64_t>(microbatch),
+                               static_cast<std::uint64_t>(replica)}) {
+      h = mix(h ^ part);
+    }
+    return h;
+  }
+
   Status forward(int i, const Action& a) {
     const auto& program = *programs[a.stage][i];
     std::vector<c10::IValue> in;
@@ -487,7 +509,9 @@ struct PipelineStep::Impl {
         in.push_back(std::move(x));
       }
     }
-    CONVEYOR_ASSIGN_OR_RETURN(graph::StageActivation act, program.forward(std::move(in)));
+    std::optional<std::uint64_t> seed;
+    if (program.draws_random()) seed = forward_seed(a.stage, a.microbatch, i);
+    CONVEYOR_ASSIGN_OR_RETURN(graph::StageActivation act, program.forward(std::move(in), seed));
     ReplicaStreams* rs = streams_of(a.stage, i);
     c10::Event* done = rs != nullptr ? rs->events.record(rs->compute) : nullptr;
     std::lock_guard<std::mutex> lock(mu);
@@ -1397,6 +1421,13 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
   }
   CONVEYOR_ASSIGN_OR_RETURN(impl->schedule, scheduler::make_schedule(spec));
   impl->stage_across.assign(static_cast<std::size_t>(num_stages), nullptr);
+  if (options.seed) {
+    impl->random_seed = *options.seed;
+  } else {
+    at::CPUGeneratorImpl* global = at::check_generator<at::CPUGeneratorImpl>(at::detail::getDefaultCPUGenerator());
+    std::lock_guard<std::mutex> lock(global->mutex_);
+    impl->random_seed = global->random64();
+  }
   if (options.processes) {
     std::vector<std::vector<int>> placement = options.replica_process;
     if (placement.empty()) {  // a rank's replicas all on its process
@@ -1406,6 +1437,10 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
       }
     }
     CONVEYOR_RETURN_IF_ERROR(impl->distribute(g, stages, options.processes, placement));
+    // One seed for the job, process 0's: a replica draws the same wherever it runs.
+    at::Tensor seed = at::tensor({static_cast<std::int64_t>(impl->random_seed)}, at::kLong);
+    CONVEYOR_RETURN_IF_ERROR(options.processes->broadcast(seed, 0).with_context("handing out the random seed"));
+    impl->random_seed = static_cast<std::uint64_t>(seed.item<std::int64_t>());
   }
   // Which replicas run here: all of them, or across processes those placed on this one.
   scheduler::LocalReplicas local(static_cast<std::size_t>(spec.ranks));  // per rank and replica, for the runner
@@ -1608,6 +1643,7 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
   im.activations.clear();
   im.losses.clear();
   im.grad_scale = grad_scale;
+  im.this_step = im.steps_begun++;
   im.backwards_done.assign(im.stage_replicas.size(), std::vector<int>(im.executors.size(), 0));
   for (auto& stage : im.stage_buckets) {
     for (auto& b : stage) b = Impl::Bucket{std::move(b.names)};

@@ -65,6 +65,12 @@ struct PipelineOptions {
   std::vector<int> rank_process;
   /// A step that does not finish within this fails, naming where each replica waits.
   std::chrono::milliseconds step_timeout{std::chrono::minutes(10)};
+  /// Random operators (dropout) of the forward of microbatch m of stage s, replica i, in
+  /// step k draw from a generator seeded with a hash of (seed, k, s, m, i): the same draws
+  /// whatever the threads' timing and whichever process runs the replica. None: drawn from
+  /// torch's global CPU generator when the pipeline is made (so torch.manual_seed decides);
+  /// across processes, process 0's.
+  std::optional<std::uint64_t> seed;
 };
 
 class PipelineStep {

@@ -21,6 +21,13 @@ whole model from the processes that own each part (call it on every process: it 
 collective, like `load_state_dict()` and evaluation under `torch.no_grad()`). Every process
 must be fed the same batches.
 
+Dropout (any random operator) in a forward draws from a generator seeded from the
+pipeline's seed, the step, the stage, the microbatch and the replica: the same masks
+whatever the threads' timing and whichever process runs a replica, so a run is
+reproducible and placement does not change it (the seed is drawn from torch's global
+generator when the pipeline is built, so torch.manual_seed decides it; across processes
+process 0's is used). The masks are not eager's: eager draws one stream in execution order.
+
     stages        None: planned; an int: that many stages cut in capture order; a list:
                   node lists (a partition of the captured graph)
     replicas      None: planned (fixed cuts: 1); an int: the same for every stage (with
@@ -40,6 +47,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -262,6 +270,12 @@ class Module(torch.nn.Module):
     def _build(self, args: tuple, kwargs: dict) -> None:
         wrapper = _loss_wrapper(self.module, self._loss_fn, args, kwargs)
         graph = capture(wrapper, args, kwargs)
+        unseeded = graph.executor.unseeded_random_nodes()
+        if unseeded:
+            ops = sorted({graph.document["nodes"][n]["op"] for n in unseeded})
+            warnings.warn(f"conveyor: {len(unseeded)} random operators ({', '.join(ops)}) take no generator, so they "
+                          "draw from torch's global one: their draws depend on thread timing and on which process runs "
+                          "them (dropout, rand, randn and bernoulli draw reproducibly)", stacklevel=3)
         inputs = graph.flatten_inputs(args, kwargs)
         batch = next((t.shape[0] for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0), 1)
         replicas = None

@@ -208,3 +208,31 @@ def test_the_local_cluster_of_a_gpu_model_describes_the_gpu():
     prof = conveyor.profile(graph, case.args, case.kwargs)
     plan = conveyor.plan(graph, prof, _local_cluster(2, 1, gpu_memory=gpu, one_gpu=False), batch=16)
     assert plan.stage_nodes and sum(plan.replicas) <= 2  # planned within the two GPUs
+
+
+def test_random_operators_without_a_generator_are_named_in_a_warning():
+    """Dropout draws reproducibly from conveyor's seeded generators; an operator that takes
+    no generator (alpha dropout) draws from torch's global one, and conveyor says so."""
+    import warnings
+
+    class Noisy(torch.nn.Module):
+        def __init__(self, alpha):
+            super().__init__()
+            self.fc, self.alpha = torch.nn.Linear(6, 6, dtype=torch.float64), alpha
+
+        def forward(self, x):
+            h = self.fc(x)
+            h = torch.nn.functional.alpha_dropout(h, 0.2, True) if self.alpha else torch.nn.functional.dropout(h, 0.2)
+            return h.pow(2).mean()
+
+    x = torch.randn(8, 6, dtype=torch.float64)
+    for alpha in (False, True):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = conveyor.Module(Noisy(alpha), stages=2, microbatches=2)
+            model(x).backward()
+        named = [str(w.message) for w in caught if "take no generator" in str(w.message)]
+        if alpha:
+            assert len(named) == 1 and "aten::alpha_dropout" in named[0], [str(w.message) for w in caught]
+        else:
+            assert not named, named

@@ -163,6 +163,8 @@ SPREAD_REPLICAS = {
     "bert-2-interleaved": ("bert", 2, ["--stages", "4", "--chunks", "2", "--schedule", "interleaved", "--replicas", "2",
                                        "--microbatches", "4"]),
     "gpt2-4-tied": ("gpt2", 4, ["--stages", "2", "--replicas", "2", "--schedule", "zb-h1", "--microbatches", "2"]),
+    # Dropout in every stage: each replica draws the masks it would draw in one process.
+    "dropout-2": ("dropout", 2, ["--stages", "2", "--replicas", "2", "--microbatches", "2"]),
 }
 
 

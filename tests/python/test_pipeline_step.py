@@ -333,3 +333,53 @@ def test_cuda_streams_run_each_replica_in_order_and_are_timed_on_the_device(sche
     for n, p in wrapped.named_parameters():
         if p.grad is not None:
             assert rel_err(got[n], p.grad) <= TOLERANCE, n
+
+
+class DropoutCounts(torch.nn.Module):
+    """loss = the sum of dropout(w) over the batch: w's gradient counts, element by element,
+    the samples whose mask kept it (scaled by 1 / (1 - p) and the microbatch weights)."""
+
+    def __init__(self, width=512):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(width, dtype=torch.float64))
+        self.lin = torch.nn.Linear(4, 4, dtype=torch.float64)
+
+    def forward(self, x):
+        kept = torch.nn.functional.dropout(self.w.expand(x.shape[0], -1), 0.5, True)
+        return kept.sum() + self.lin(x).sum() * 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dropout_draws_depend_on_the_seed_step_and_share_only(device):
+    """Random operators of a forward draw from a generator seeded from (seed, step, stage,
+    microbatch, replica): the same seed gives the same masks whatever the threads' timing;
+    another seed or the next step gives others; and every share of the batch gets its own
+    (one sample per share, four shares: were they drawn alike, every element of w would be
+    kept by all four samples or by none)."""
+    torch.manual_seed(0)
+    model = DropoutCounts().to(device)
+    x = torch.randn(4, 4, dtype=torch.float64, device=device)
+    graph = conveyor.capture(model, (x,), {})
+    assert graph.executor.unseeded_random_nodes() == []
+    stages = graph.random_partition(2, seed=0, keep_node_order=True)
+    inputs = graph.flatten_inputs((x,), {})
+
+    def kept_counts(step):
+        model.zero_grad(set_to_none=True)
+        global_state = torch.get_rng_state()
+        step.run(inputs)
+        assert torch.equal(torch.get_rng_state(), global_state), "the step drew from torch's global generator"
+
+        # Each of 4 shares is weighted 1/4 and kept elements are scaled by 2: count / 2.
+        return (model.w.grad * 2).round().long().cpu()
+
+    first = _C.PipelineStep(graph.executor, stages, "1f1b", 2, 1, [2, 2], seed=7)
+    counts = [kept_counts(first) for _ in range(2)]
+    again = _C.PipelineStep(graph.executor, stages, "1f1b", 2, 1, [2, 2], seed=7)
+    assert torch.equal(kept_counts(again), counts[0])  # same seed, same first step
+    assert not torch.equal(counts[0], counts[1])  # the next step draws again
+    other = _C.PipelineStep(graph.executor, stages, "1f1b", 2, 1, [2, 2], seed=8)
+    assert not torch.equal(kept_counts(other), counts[0])
+    for c in counts:
+        assert set(c.unique().tolist()) <= {0, 1, 2, 3, 4}
+        assert ((c > 0) & (c < 4)).sum() > c.numel() // 2, "the shares drew alike"
