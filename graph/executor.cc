@@ -177,9 +177,14 @@ struct ArgPlan {
 enum class Draws : std::uint8_t {
   kNone,               // draws nothing
   kGeneratorArgument,  // rand, randn, bernoulli, normal, randint, randperm, multinomial, ...
+  kGeneratorOverload,  // rand_like, randn_like: their `.generator` overload, generator inserted
   kDropout,            // aten::dropout(input, p, train): input * bernoulli(1 - p) / (1 - p)
-  kNativeDropout,      // aten::native_dropout(input, p, train?): (that, the mask)
-  kGlobalOnly,         // takes no generator (alpha_dropout, rand_like, ...): torch's global one
+  kFeatureDropout,     // aten::feature_dropout: one draw per (sample, channel)
+  kAlphaDropout,       // aten::alpha_dropout, feature_alpha_dropout: SELU-preserving
+  kFeatureAlphaDropout,
+  kNativeDropout,      // aten::native_dropout(input, p, train?): (the output, the mask)
+  kAttentionDropout,   // aten::scaled_dot_product_attention with dropout: its math form, mask given
+  kGlobalOnly,         // takes no generator and none of the above: torch's global one
 };
 
 struct GraphExecutor::CompiledNode {
@@ -188,7 +193,8 @@ struct GraphExecutor::CompiledNode {
   SymOp sym = SymOp::kNone;
   std::vector<ArgPlan> args;
   Draws draws = Draws::kNone;
-  int generator_argument = -1;  // kGeneratorArgument: its stack slot
+  int generator_argument = -1;  // kGeneratorArgument, kGeneratorOverload: its stack slot
+  std::optional<c10::OperatorHandle> with_generator;  // kGeneratorOverload; kAttentionDropout: the math form
 };
 
 // A stage forward's seeded generators: one per device it draws on, each made on first use
@@ -403,6 +409,75 @@ std::string shape_string(const std::vector<Dim>& shape) {
 
 GraphExecutor::~GraphExecutor() = default;
 
+namespace {
+
+bool is_generator(const c10::Argument& a) {
+  return unwrap_optional(a.type())->kind() == c10::TypeKind::GeneratorType;
+}
+
+// How a node that draws random numbers can draw from a seeded generator (Draws).
+void classify_draws(GraphExecutor::CompiledNode& cn, c10::Dispatcher& dispatcher) {
+  const Node& n = *cn.node;
+  const auto& sargs = cn.op->schema().arguments();
+  static const std::map<std::string, Draws> kDropouts = {
+      {"aten::dropout", Draws::kDropout}, {"aten::feature_dropout", Draws::kFeatureDropout},
+      {"aten::alpha_dropout", Draws::kAlphaDropout}, {"aten::feature_alpha_dropout", Draws::kFeatureAlphaDropout},
+      {"aten::native_dropout", Draws::kNativeDropout}};
+  // Drawing nothing: a dropout probability of constant 0, or constant train=False.
+  for (std::size_t i = 0; i < sargs.size() && i < n.args.size(); ++i) {
+    const Argument& a = n.args[i];
+    const bool zero_p = (sargs[i].name() == "p" || sargs[i].name() == "dropout_p") &&
+                        ((a.kind == Argument::Kind::kFloat && a.float_value == 0) ||
+                         (a.kind == Argument::Kind::kInt && a.int_value == 0));
+    const bool no_train = sargs[i].name() == "train" && a.kind == Argument::Kind::kBool && !a.bool_value;
+    if (zero_p || no_train) {
+      cn.draws = Draws::kNone;
+      return;
+    }
+  }
+  if (auto it = kDropouts.find(n.op); it != kDropouts.end() && sargs.size() == 3) {
+    cn.draws = it->second;
+    return;
+  }
+  if (n.op == "aten::scaled_dot_product_attention" && n.overload.empty() && sargs.size() == 8) {
+    if (auto math = dispatcher.findSchema({"aten::_scaled_dot_product_attention_math", ""});
+        math && math->schema().arguments().size() == 9) {
+      cn.draws = Draws::kAttentionDropout;
+      cn.with_generator = *math;
+      return;
+    }
+  }
+  for (std::size_t i = 0; i < sargs.size(); ++i) {
+    if (is_generator(sargs[i])) {
+      cn.draws = Draws::kGeneratorArgument;
+      cn.generator_argument = static_cast<int>(i);
+      return;
+    }
+  }
+  // An overload that is this one plus a generator argument (rand_like.generator).
+  cn.draws = Draws::kGlobalOnly;
+  auto other = dispatcher.findSchema({n.op, n.overload.empty() ? "generator" : n.overload + "_generator"});
+  if (!other) return;
+  const auto& oargs = other->schema().arguments();
+  if (oargs.size() != sargs.size() + 1) return;
+  for (std::size_t i = 0, j = 0; i < oargs.size(); ++i) {
+    if (is_generator(oargs[i]) && cn.generator_argument < 0) {
+      cn.generator_argument = static_cast<int>(i);
+      continue;
+    }
+    if (j >= sargs.size() || oargs[i].name() != sargs[j].name() || *oargs[i].type() != *sargs[j].type()) {
+      cn.generator_argument = -1;
+      return;
+    }
+    ++j;
+  }
+  if (cn.generator_argument < 0) return;
+  cn.draws = Draws::kGeneratorOverload;
+  cn.with_generator = *other;
+}
+
+}  // namespace
+
 Result<std::shared_ptr<GraphExecutor>> GraphExecutor::create(Graph graph, TensorMap tensors) {
   CONVEYOR_RETURN_IF_ERROR(graph.validate());
   std::shared_ptr<GraphExecutor> ex(new GraphExecutor());
@@ -482,17 +557,7 @@ Result<std::shared_ptr<GraphExecutor>> GraphExecutor::create(Graph graph, Tensor
                                                   " returns but the schema has " +
                                                   std::to_string(schema.returns().size()));
     }
-    if (n.nondeterministic_seeded) {
-      cn->draws = Draws::kGlobalOnly;
-      if (n.op == "aten::dropout" && sargs.size() == 3) cn->draws = Draws::kDropout;
-      if (n.op == "aten::native_dropout" && sargs.size() == 3) cn->draws = Draws::kNativeDropout;
-      for (std::size_t i = 0; i < sargs.size() && cn->draws == Draws::kGlobalOnly; ++i) {
-        if (unwrap_optional(sargs[i].type())->kind() == c10::TypeKind::GeneratorType) {
-          cn->draws = Draws::kGeneratorArgument;
-          cn->generator_argument = static_cast<int>(i);
-        }
-      }
-    }
+    if (n.nondeterministic_seeded) classify_draws(*cn, dispatcher);
     ex->compiled_.push_back(std::move(cn));
   }
   std::vector<NodeId> all(g.nodes.size());
@@ -538,19 +603,88 @@ c10::Device drawing_device(const torch::jit::Stack& stack) {
   return c10::Device(c10::kCPU);
 }
 
-// aten::dropout / native_dropout drawing from `gen`, as ATen's composite dropout computes it
-// (a Bernoulli(1 - p) mask scaled by 1 / (1 - p)); autograd differentiates the product.
+// scaled_dot_product_attention(q, k, v, mask, p, causal, *, scale, gqa) with dropout
+// drawing from `gen`: its math form given the dropout mask (a Bernoulli(1 - p) draw per
+// attention weight), which drops and rescales the weights as the fused kernels do.
+// Drops ATen's note that a given dropout mask is meant for tests (here it is the point).
+class GivenMaskNoteFilter : public c10::WarningHandler {
+ public:
+  explicit GivenMaskNoteFilter(c10::WarningHandler* next) : next_(next) {}
+  void process(const c10::Warning& warning) override {
+    if (warning.msg().find("Dropout mask should only be used for testing") != std::string::npos) return;
+    next_->process(warning);
+  }
+
+ private:
+  c10::WarningHandler* next_;
+};
+
+void seeded_attention(const c10::OperatorHandle& math, torch::jit::Stack& stack, at::Generator& gen) {
+  const double p = stack[4].toDouble();
+  if (p == 0) {
+    // A probability computed at run time that came out 0: the plain operator draws nothing.
+    static const auto plain = c10::Dispatcher::singleton().findSchemaOrThrow("aten::scaled_dot_product_attention", "");
+    plain.callBoxed(stack);
+    return;
+  }
+  const at::Tensor& q = stack[0].toTensor();
+  const at::Tensor& k = stack[1].toTensor();
+  std::vector<std::int64_t> shape(q.sizes().begin(), q.sizes().end());
+  shape.back() = k.size(-2);  // (..., L, S): a draw per query and key position
+  at::Tensor keep = at::empty(shape, q.options().dtype(at::kBool)).bernoulli_(1 - p, gen);
+  torch::jit::Stack args{stack[0], stack[1], stack[2], stack[3], stack[4], stack[5], c10::IValue(keep), stack[6],
+                         stack[7]};
+  {
+    GivenMaskNoteFilter filter(c10::WarningUtils::get_warning_handler());
+    c10::WarningUtils::WarningHandlerGuard guard(&filter);
+    math.callBoxed(args);
+  }
+  stack.clear();
+  stack.push_back(std::move(args[0]));  // the output; the attention weights are dropped
+}
+
+// The dropouts drawing from `gen`, computed as ATen's composite `_dropout_impl` computes
+// them (native_dropout: a boolean mask returned beside); autograd differentiates the result.
 void seeded_dropout(Draws kind, torch::jit::Stack& stack, at::Generator& gen) {
   at::Tensor input = stack[0].toTensor();
   const double p = stack[1].toDouble();
   const bool train = stack[2].isNone() || stack[2].toBool();
   at::Tensor out, mask;
-  if (!train || p == 0 || input.numel() == 0) {
-    out = kind == Draws::kDropout ? input : input.clone();
-    if (kind == Draws::kNativeDropout) mask = at::ones_like(input, input.options().dtype(at::kBool));
+  if (kind == Draws::kNativeDropout) {
+    if (!train || p == 0 || input.numel() == 0) {
+      out = input.clone();
+      mask = at::ones_like(input, input.options().dtype(at::kBool));
+    } else {
+      mask = at::empty_like(input, input.options().dtype(at::kBool)).bernoulli_(1 - p, gen);
+      out = p == 1 ? input.mul(0) : input.mul(mask).mul(1 / (1 - p));
+    }
+  } else if (!train || p == 0 || input.numel() == 0) {
+    out = input;
+  } else if (p == 1) {
+    out = input.mul(at::zeros({}, input.options()));
   } else {
-    mask = at::empty_like(input, input.options().dtype(at::kBool)).bernoulli_(1 - p, gen);
-    out = p == 1 ? input.mul(0) : input.mul(mask).mul(1 / (1 - p));
+    const bool feature = kind == Draws::kFeatureDropout || kind == Draws::kFeatureAlphaDropout;
+    const bool alpha = kind == Draws::kAlphaDropout || kind == Draws::kFeatureAlphaDropout;
+    at::Tensor noise;
+    if (feature) {  // one draw per (sample, channel), broadcast over the rest
+      std::vector<std::int64_t> sizes(static_cast<std::size_t>(input.dim()), 1);
+      sizes[0] = input.size(0);
+      if (input.dim() > 1) sizes[1] = input.size(1);
+      noise = at::empty(sizes, input.options());
+    } else {
+      noise = at::empty_like(input);
+    }
+    noise.bernoulli_(1 - p, gen);
+    if (alpha) {
+      constexpr double kAlpha = 1.7580993408473766;
+      const double a = 1. / std::sqrt((kAlpha * kAlpha * p + 1) * (1 - p));
+      at::Tensor b = noise.add(-1).mul_(kAlpha * a).add_(kAlpha * a * p);
+      noise.mul_(a);
+      out = input.mul(noise).add_(b);
+    } else {
+      noise.div_(1 - p);
+      out = input.mul(noise);
+    }
   }
   stack.clear();
   stack.emplace_back(std::move(out));
@@ -586,6 +720,12 @@ Status GraphExecutor::execute(const std::vector<StageProgram::Step>& steps, std:
             stack[cn.generator_argument] = c10::IValue(generators->on(drawing_device(stack)));
           }
           cn.op->callBoxed(stack);
+        } else if (cn.draws == Draws::kAttentionDropout) {
+          seeded_attention(*cn.with_generator, stack, generators->on(drawing_device(stack)));
+        } else if (cn.draws == Draws::kGeneratorOverload) {
+          at::Generator& gen = generators->on(drawing_device(stack));
+          stack.insert(stack.begin() + cn.generator_argument, c10::IValue(gen));
+          cn.with_generator->callBoxed(stack);
         } else {
           seeded_dropout(cn.draws, stack, generators->on(drawing_device(stack)));
         }

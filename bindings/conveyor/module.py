@@ -275,7 +275,7 @@ class Module(torch.nn.Module):
             ops = sorted({graph.document["nodes"][n]["op"] for n in unseeded})
             warnings.warn(f"conveyor: {len(unseeded)} random operators ({', '.join(ops)}) take no generator, so they "
                           "draw from torch's global one: their draws depend on thread timing and on which process runs "
-                          "them (dropout, rand, randn and bernoulli draw reproducibly)", stacklevel=3)
+                          "them (dropout of every kind, attention dropout, rand, randn and bernoulli draw reproducibly)", stacklevel=3)
         inputs = graph.flatten_inputs(args, kwargs)
         batch = next((t.shape[0] for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0), 1)
         replicas = None

@@ -211,28 +211,33 @@ def test_the_local_cluster_of_a_gpu_model_describes_the_gpu():
 
 
 def test_random_operators_without_a_generator_are_named_in_a_warning():
-    """Dropout draws reproducibly from conveyor's seeded generators; an operator that takes
-    no generator (alpha dropout) draws from torch's global one, and conveyor says so."""
+    """Dropouts (plain, feature, alpha, in attention) draw reproducibly from conveyor's
+    seeded generators; an operator that takes no generator (randint_like with a dtype)
+    draws from torch's global one, and conveyor says so, naming it."""
     import warnings
+    F = torch.nn.functional
 
     class Noisy(torch.nn.Module):
-        def __init__(self, alpha):
+        def __init__(self, unseeded):
             super().__init__()
-            self.fc, self.alpha = torch.nn.Linear(6, 6, dtype=torch.float64), alpha
+            self.fc, self.unseeded = torch.nn.Linear(8, 8, dtype=torch.float64), unseeded
 
         def forward(self, x):
-            h = self.fc(x)
-            h = torch.nn.functional.alpha_dropout(h, 0.2, True) if self.alpha else torch.nn.functional.dropout(h, 0.2)
+            h = F.alpha_dropout(F.dropout(self.fc(x), 0.2), 0.1, True)
+            q = F.feature_alpha_dropout(F.dropout2d(h.view(-1, 2, 2, 2), 0.1), 0.1, True).reshape(x.shape[0], 2, 4, 1)
+            h = h + F.scaled_dot_product_attention(q, q, q, dropout_p=0.3).reshape(h.shape)
+            if self.unseeded:
+                h = h * torch.randint_like(h.detach(), 0, 2, dtype=torch.float64)
             return h.pow(2).mean()
 
-    x = torch.randn(8, 6, dtype=torch.float64)
-    for alpha in (False, True):
+    x = torch.randn(8, 8, dtype=torch.float64)
+    for unseeded in (False, True):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            model = conveyor.Module(Noisy(alpha), stages=2, microbatches=2)
+            model = conveyor.Module(Noisy(unseeded), stages=2, microbatches=2)
             model(x).backward()
         named = [str(w.message) for w in caught if "take no generator" in str(w.message)]
-        if alpha:
-            assert len(named) == 1 and "aten::alpha_dropout" in named[0], [str(w.message) for w in caught]
+        if unseeded:
+            assert len(named) == 1 and "aten::randint_like" in named[0], [str(w.message) for w in caught]
         else:
             assert not named, named
