@@ -64,18 +64,20 @@ def main():
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--job", default="", help="the job fingerprint announced (default: the case's name)")
     ap.add_argument("--version", default="", help="the conveyor version announced (default: this build's)")
+    ap.add_argument("--dropout", type=float, default=None, help="the zoo case's dropout probability (transformers)")
     ap.add_argument("--trace", default="", help="writes the last step's trace to TRACE.rankN.pftrace")
     ap.add_argument("--device", default="cpu", help="where the model and its inputs live (cuda: every process on its GPU)")
     args = ap.parse_args()
 
+    case_options = {} if args.dropout is None else {"dropout": args.dropout}
     torch.manual_seed(0)
-    case = on_device(zoo.CASES[args.case](batch=args.batch), args.device)
+    case = on_device(zoo.CASES[args.case](batch=args.batch, **case_options), args.device)
     model = _loss_wrapper(case.model, case.loss, case.args, case.kwargs)
     graph = conveyor.capture(model, case.args, case.kwargs)
     # Capture ran the model once: start again from the seed so every process (and the
     # reference) holds the same initial state regardless of what capture did.
     torch.manual_seed(0)
-    case = on_device(zoo.CASES[args.case](batch=args.batch), args.device)
+    case = on_device(zoo.CASES[args.case](batch=args.batch, **case_options), args.device)
     model.model.load_state_dict(case.model.state_dict())
     inputs = graph.flatten_inputs(case.args, case.kwargs)
     stages = graph.random_partition(args.stages, seed=0, keep_node_order=True)

@@ -165,6 +165,8 @@ SPREAD_REPLICAS = {
     "gpt2-4-tied": ("gpt2", 4, ["--stages", "2", "--replicas", "2", "--schedule", "zb-h1", "--microbatches", "2"]),
     # Dropout in every stage: each replica draws the masks it would draw in one process.
     "dropout-2": ("dropout", 2, ["--stages", "2", "--replicas", "2", "--microbatches", "2"]),
+    # Attention dropout as well (scaled_dot_product_attention with dropout_p 0.1).
+    "gpt2-dropout-2": ("gpt2", 2, ["--stages", "2", "--replicas", "2", "--microbatches", "2", "--dropout", "0.1"]),
 }
 
 
