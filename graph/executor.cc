@@ -800,6 +800,8 @@ Result<std::shared_ptr<const StageProgram>> GraphExecutor::stage(std::vector<Nod
   program->executor_ = shared_from_this();
   program->boundary_ = stage_boundary(graph_, nodes);
   program->steps_ = plan_steps(nodes, program->boundary_.outputs);
+  program->draws_random_ = std::any_of(nodes.begin(), nodes.end(),
+                                       [&](NodeId n) { return graph_.nodes[n].nondeterministic_seeded; });
   program->nodes_ = std::move(nodes);
   return std::shared_ptr<const StageProgram>(std::move(program));
 }
@@ -810,13 +812,6 @@ std::vector<NodeId> GraphExecutor::unseeded_random_nodes() const {
     if (cn->draws == Draws::kGlobalOnly) out.push_back(cn->node->id);
   }
   return out;
-}
-
-bool StageProgram::draws_random() const {
-  for (NodeId n : nodes_) {
-    if (executor_->graph().nodes[n].nondeterministic_seeded) return true;
-  }
-  return false;
 }
 
 Result<StageActivation> StageProgram::forward(std::vector<c10::IValue> inputs,

@@ -55,7 +55,7 @@ class StageProgram {
                                   std::optional<std::uint64_t> random_seed = std::nullopt) const;
 
   /// Whether any node of the stage draws random numbers.
-  bool draws_random() const;
+  bool draws_random() const { return draws_random_; }
 
   /// Backpropagates `output_grads` (None or undefined where an output got no gradient),
   /// accumulating parameter gradients into their live `.grad`; returns the gradients of
@@ -84,6 +84,7 @@ class StageProgram {
   std::vector<NodeId> nodes_;
   StageBoundary boundary_;
   std::vector<Step> steps_;
+  bool draws_random_ = false;
 };
 
 /// Owns a graph, the tensors bound to it, and every node's resolved operator.

@@ -42,6 +42,21 @@ def launch(*args, timeout=300):
     return proc.returncode, out
 
 
+def assert_trains_like_one_process(job_result: Path, world: int, alone_args: list, tmp_path: Path) -> None:
+    """Runs the worker alone with `alone_args` and checks the job's result (from `world`
+    processes) against it: the same losses and state within TOLERANCE."""
+    alone = subprocess.run([sys.executable, WORKER, *alone_args, "--out", tmp_path / "one.pt"], env=env(),
+                           capture_output=True, text=True, timeout=300)
+    assert alone.returncode == 0, alone.stdout + alone.stderr
+    many, one = torch.load(job_result), torch.load(tmp_path / "one.pt")
+    assert many["world"] == world and one["world"] == 1
+    assert many["losses"] == pytest.approx(one["losses"], rel=TOLERANCE, abs=0)
+    for key, want in one["state"].items():
+        got = many["state"][key].double()
+        err = (got - want.double()).abs().max().item() / max(want.double().abs().max().item(), FLOOR)
+        assert err <= TOLERANCE, key
+
+
 @pytest.mark.skipif(bool(_C.ucx_status()), reason=f"UCX cannot start here: {_C.ucx_status()}")
 def test_the_same_script_under_the_launcher_trains_like_one_process_running_its_plan(tmp_path):
     """Launched from a job config that asks for a trace: each process writes its own, valid."""
@@ -54,18 +69,7 @@ def test_the_same_script_under_the_launcher_trains_like_one_process_running_its_
                                text=True, timeout=60)
         assert check.returncode == 0, check.stdout + check.stderr
         assert "valid Perfetto trace" in check.stdout
-    two = torch.load(tmp_path / "two.pt")
-    assert two["world"] == 2
-    alone = subprocess.run([sys.executable, WORKER, "--plan", tmp_path / "two.pt.plan.json", "--out", tmp_path / "one.pt"],
-                           env=env(), capture_output=True, text=True, timeout=300)
-    assert alone.returncode == 0, alone.stdout + alone.stderr
-    one = torch.load(tmp_path / "one.pt")
-    assert one["world"] == 1
-    assert two["losses"] == pytest.approx(one["losses"], rel=TOLERANCE, abs=0)
-    for key, want in one["state"].items():
-        got = two["state"][key].double()
-        err = (got - want.double()).abs().max().item() / max(want.double().abs().max().item(), FLOOR)
-        assert err <= TOLERANCE, key
+    assert_trains_like_one_process(tmp_path / "two.pt", 2, ["--plan", tmp_path / "two.pt.plan.json"], tmp_path)
 
 
 @pytest.mark.skipif(bool(_C.ucx_status()), reason=f"UCX cannot start here: {_C.ucx_status()}")
@@ -75,16 +79,7 @@ def test_replicas_of_a_stage_in_different_processes_train_like_one_process(tmp_p
     fixed = ["--case", "mlp", "--stages", "2", "--replicas", "2", "--microbatches", "2"]
     code, out = launch("-n", 4, "--", sys.executable, WORKER, *fixed, "--out", tmp_path / "four.pt")
     assert code == 0, out[-4000:]
-    alone = subprocess.run([sys.executable, WORKER, *fixed, "--out", tmp_path / "one.pt"], env=env(),
-                           capture_output=True, text=True, timeout=300)
-    assert alone.returncode == 0, alone.stdout + alone.stderr
-    four, one = torch.load(tmp_path / "four.pt"), torch.load(tmp_path / "one.pt")
-    assert four["world"] == 4 and one["world"] == 1
-    assert four["losses"] == pytest.approx(one["losses"], rel=TOLERANCE, abs=0)
-    for key, want in one["state"].items():
-        got = four["state"][key].double()
-        err = (got - want.double()).abs().max().item() / max(want.double().abs().max().item(), FLOOR)
-        assert err <= TOLERANCE, key
+    assert_trains_like_one_process(tmp_path / "four.pt", 4, fixed, tmp_path)
 
 
 @pytest.mark.skipif(bool(_C.ucx_status()), reason=f"UCX cannot start here: {_C.ucx_status()}")
@@ -112,16 +107,7 @@ def test_two_machines_each_with_its_own_launcher_train_like_one_process(tmp_path
         assert proc.returncode == 0, f"node {node}:\n{out[-4000:]}"
         first = 2 * node
         assert f"ranks {first}-{first + 1} of 4), rendezvous at 127.0.0.1:{port}" in out, out
-    alone = subprocess.run([sys.executable, WORKER, *fixed, "--out", tmp_path / "one.pt"], env=env(),
-                           capture_output=True, text=True, timeout=300)
-    assert alone.returncode == 0, alone.stdout + alone.stderr
-    four, one = torch.load(tmp_path / "four.pt"), torch.load(tmp_path / "one.pt")
-    assert four["world"] == 4 and one["world"] == 1
-    assert four["losses"] == pytest.approx(one["losses"], rel=TOLERANCE, abs=0)
-    for key, want in one["state"].items():
-        got = four["state"][key].double()
-        err = (got - want.double()).abs().max().item() / max(want.double().abs().max().item(), FLOOR)
-        assert err <= TOLERANCE, key
+    assert_trains_like_one_process(tmp_path / "four.pt", 4, fixed, tmp_path)
 
 
 def test_a_failing_process_stops_the_job_at_once_naming_it():

@@ -241,8 +241,8 @@ def check_spans_across_processes(label, world, args, spans, profiles, trace_pref
         assert r.returncode == 0, r.stdout + r.stderr
         want = sum(per_rank.get(rank, 0) for per_rank in across.values())
         if want:
-            assert f"on 'across processes'" in r.stdout and f" {want} slices" in r.stdout.split("'across processes'")[1] \
-                .splitlines()[0], r.stdout
+            track = [line for line in r.stdout.splitlines() if line.strip().startswith("on 'across processes'")]
+            assert len(track) == 1 and track[0].endswith(f" {want} slices"), r.stdout
 
 
 def test_a_placement_that_does_not_match_the_pipeline_is_refused_naming_it():
