@@ -195,6 +195,10 @@ struct GraphExecutor::CompiledNode {
   Draws draws = Draws::kNone;
   int generator_argument = -1;  // kGeneratorArgument, kGeneratorOverload: its stack slot
   std::optional<c10::OperatorHandle> with_generator;  // kGeneratorOverload; kAttentionDropout: the math form
+  // A `*_like` factory (zeros_like, randint_like, ...): run without autograd, as eager's
+  // torch.* factories are, so its output never requires grad (randint_like's autograd kernel
+  // would otherwise attach a backward that fails).
+  bool factory = false;
 };
 
 // A stage forward's seeded generators: one per device it draws on, each made on first use
@@ -415,6 +419,22 @@ bool is_generator(const c10::Argument& a) {
   return unwrap_optional(a.type())->kind() == c10::TypeKind::GeneratorType;
 }
 
+// Where `with` (an overload's arguments) is `args` with one generator argument added: that
+// argument's position, or -1 when it is not.
+int generator_slot(const std::vector<c10::Argument>& args, const std::vector<c10::Argument>& with) {
+  if (with.size() != args.size() + 1) return -1;
+  int slot = -1;
+  for (std::size_t i = 0, j = 0; i < with.size(); ++i) {
+    if (slot < 0 && is_generator(with[i])) {
+      slot = static_cast<int>(i);
+      continue;
+    }
+    if (j >= args.size() || with[i].name() != args[j].name() || *with[i].type() != *args[j].type()) return -1;
+    ++j;
+  }
+  return slot;
+}
+
 // How a node that draws random numbers can draw from a seeded generator (Draws).
 void classify_draws(GraphExecutor::CompiledNode& cn, c10::Dispatcher& dispatcher) {
   const Node& n = *cn.node;
@@ -426,7 +446,7 @@ void classify_draws(GraphExecutor::CompiledNode& cn, c10::Dispatcher& dispatcher
   // Drawing nothing: a dropout probability of constant 0, or constant train=False.
   for (std::size_t i = 0; i < sargs.size() && i < n.args.size(); ++i) {
     const Argument& a = n.args[i];
-    const bool zero_p = (sargs[i].name() == "p" || sargs[i].name() == "dropout_p") &&
+    const bool zero_p = (sargs[i].name() == "p" || sargs[i].name() == "dropout_p" || sargs[i].name() == "dropout") &&
                         ((a.kind == Argument::Kind::kFloat && a.float_value == 0) ||
                          (a.kind == Argument::Kind::kInt && a.int_value == 0));
     const bool no_train = sargs[i].name() == "train" && a.kind == Argument::Kind::kBool && !a.bool_value;
@@ -454,26 +474,31 @@ void classify_draws(GraphExecutor::CompiledNode& cn, c10::Dispatcher& dispatcher
       return;
     }
   }
-  // An overload that is this one plus a generator argument (rand_like.generator).
+  // An overload that is this one plus a generator argument: its name has "generator" put
+  // in among the parts of this one's (rand_like -> rand_like.generator, randint_like.low_dtype
+  // -> randint_like.low_generator_dtype).
   cn.draws = Draws::kGlobalOnly;
-  auto other = dispatcher.findSchema({n.op, n.overload.empty() ? "generator" : n.overload + "_generator"});
-  if (!other) return;
-  const auto& oargs = other->schema().arguments();
-  if (oargs.size() != sargs.size() + 1) return;
-  for (std::size_t i = 0, j = 0; i < oargs.size(); ++i) {
-    if (is_generator(oargs[i]) && cn.generator_argument < 0) {
-      cn.generator_argument = static_cast<int>(i);
-      continue;
-    }
-    if (j >= sargs.size() || oargs[i].name() != sargs[j].name() || *oargs[i].type() != *sargs[j].type()) {
-      cn.generator_argument = -1;
-      return;
-    }
-    ++j;
+  std::vector<std::string> parts;
+  for (std::size_t start = 0; !n.overload.empty() && start <= n.overload.size();) {
+    const std::size_t end = std::min(n.overload.find('_', start), n.overload.size());
+    parts.push_back(n.overload.substr(start, end - start));
+    start = end + 1;
   }
-  if (cn.generator_argument < 0) return;
-  cn.draws = Draws::kGeneratorOverload;
-  cn.with_generator = *other;
+  for (std::size_t at = 0; at <= parts.size(); ++at) {
+    std::string name;
+    for (std::size_t k = 0; k <= parts.size(); ++k) {
+      if (k == at) name += (name.empty() ? "" : "_") + std::string("generator");
+      if (k < parts.size()) name += (name.empty() ? "" : "_") + parts[k];
+    }
+    auto other = dispatcher.findSchema({n.op, name});
+    if (!other) continue;
+    const int slot = generator_slot(sargs, other->schema().arguments());
+    if (slot < 0) continue;
+    cn.draws = Draws::kGeneratorOverload;
+    cn.generator_argument = slot;
+    cn.with_generator = *other;
+    return;
+  }
 }
 
 }  // namespace
@@ -558,6 +583,7 @@ Result<std::shared_ptr<GraphExecutor>> GraphExecutor::create(Graph graph, Tensor
                                                   std::to_string(schema.returns().size()));
     }
     if (n.nondeterministic_seeded) classify_draws(*cn, dispatcher);
+    cn->factory = n.op.size() > 5 && n.op.compare(n.op.size() - 5, 5, "_like") == 0;
     ex->compiled_.push_back(std::move(cn));
   }
   std::vector<NodeId> all(g.nodes.size());
@@ -712,7 +738,11 @@ Status GraphExecutor::execute(const std::vector<StageProgram::Step>& steps, std:
     } else {
       try {
         std::optional<c10::AutoGradMode> grad_mode;
-        if (n.grad_enabled) grad_mode.emplace(*n.grad_enabled);
+        if (cn.factory) {
+          grad_mode.emplace(false);
+        } else if (n.grad_enabled) {
+          grad_mode.emplace(*n.grad_enabled);
+        }
         if (!seeded) {
           cn.op->callBoxed(stack);
         } else if (cn.draws == Draws::kGeneratorArgument) {

@@ -211,33 +211,35 @@ def test_the_local_cluster_of_a_gpu_model_describes_the_gpu():
 
 
 def test_random_operators_without_a_generator_are_named_in_a_warning():
-    """Dropouts (plain, feature, alpha, in attention) draw reproducibly from conveyor's
-    seeded generators; an operator that takes no generator (randint_like with a dtype)
-    draws from torch's global one, and conveyor says so, naming it."""
+    """Dropouts (plain, feature, alpha, in attention) and randint_like draw reproducibly
+    from conveyor's seeded generators; an operator that takes no generator (an LSTM's
+    dropout between layers) draws from torch's global one, and conveyor says so, naming
+    it. An LSTM without dropout draws nothing and is not named."""
     import warnings
     F = torch.nn.functional
 
     class Noisy(torch.nn.Module):
-        def __init__(self, unseeded):
+        def __init__(self, lstm_dropout):
             super().__init__()
-            self.fc, self.unseeded = torch.nn.Linear(8, 8, dtype=torch.float64), unseeded
+            self.fc = torch.nn.Linear(8, 8, dtype=torch.float64)
+            self.rnn = torch.nn.LSTM(8, 8, num_layers=2, dropout=lstm_dropout, batch_first=True, dtype=torch.float64)
 
         def forward(self, x):
             h = F.alpha_dropout(F.dropout(self.fc(x), 0.2), 0.1, True)
             q = F.feature_alpha_dropout(F.dropout2d(h.view(-1, 2, 2, 2), 0.1), 0.1, True).reshape(x.shape[0], 2, 4, 1)
             h = h + F.scaled_dot_product_attention(q, q, q, dropout_p=0.3).reshape(h.shape)
-            if self.unseeded:
-                h = h * torch.randint_like(h.detach(), 0, 2, dtype=torch.float64)
-            return h.pow(2).mean()
+            h = h * torch.randint_like(h, 0, 2, dtype=torch.float64)  # h requires grad: its draw does not
+            out, _ = self.rnn(h.view(x.shape[0], 1, 8))
+            return out.pow(2).mean()
 
     x = torch.randn(8, 8, dtype=torch.float64)
-    for unseeded in (False, True):
+    for lstm_dropout in (0.0, 0.5):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            model = conveyor.Module(Noisy(unseeded), stages=2, microbatches=2)
+            model = conveyor.Module(Noisy(lstm_dropout), stages=2, microbatches=2)
             model(x).backward()
         named = [str(w.message) for w in caught if "take no generator" in str(w.message)]
-        if unseeded:
-            assert len(named) == 1 and "aten::randint_like" in named[0], [str(w.message) for w in caught]
+        if lstm_dropout:
+            assert len(named) == 1 and "aten::lstm" in named[0], [str(w.message) for w in caught]
         else:
             assert not named, named
