@@ -86,12 +86,7 @@ class InprocEndpoint final : public Endpoint {
   World& world() const { return *world_; }
 
  private:
-  Status check_peer(int peer) const {
-    if (peer >= 0 && peer < world_size() && peer != rank_) return Status::ok();
-    return Status(ErrorCode::kInvalidArgument, "member " + std::to_string(rank_) + " addressed member " +
-                                                   std::to_string(peer) + " of a world of " +
-                                                   std::to_string(world_size()) + " (itself or out of range)");
-  }
+  Status check_peer(int peer) const { return transport::check_peer(rank_, world_size(), peer); }
   std::shared_ptr<World> world_;
   int rank_;
 };

@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -160,7 +161,68 @@ class NcclMember final : public NcclGroup {
     auto type = nccl_type(call.in.scalar_type(), sums);
     if (!type.is_ok()) return done(type.status());
     const std::string what = collective_kind_name(call.kind);
-    Pending pending{std::make_unique<c10::Event>(device_.type()), {call.in, call.out}, std::move(done), what};
+    void* in = call.in.data_ptr();
+    void* out = call.out.defined() ? call.out.data_ptr() : in;
+    const std::size_t n = static_cast<std::size_t>(call.in.numel());
+    launch({call.in, call.out}, what, std::move(done), [&, t = *type](nccl_abi::Stream s) {
+      switch (call.kind) {
+        case CollectiveKind::kAllReduce: return nccl_.AllReduce(in, in, n, t, nccl_abi::kSum, comm_, s);
+        case CollectiveKind::kReduce: return nccl_.Reduce(in, in, n, t, nccl_abi::kSum, call.root, comm_, s);
+        case CollectiveKind::kBroadcast: return nccl_.Broadcast(in, in, n, t, call.root, comm_, s);
+        case CollectiveKind::kAllGather: return nccl_.AllGather(in, out, n, t, comm_, s);
+        case CollectiveKind::kReduceScatter:
+          return nccl_.ReduceScatter(in, out, static_cast<std::size_t>(call.out.numel()), t, nccl_abi::kSum, comm_, s);
+      }
+      return nccl_abi::Result{nccl_abi::kSuccess};
+    });
+  }
+
+ public:
+  void exchange(std::vector<at::Tensor> send, int to, std::vector<at::Tensor> recv, int from, Done done) override {
+    const std::string what = "point to point (" + std::to_string(send.size()) + " sends to member " +
+                             std::to_string(to) + ", " + std::to_string(recv.size()) + " receives from member " +
+                             std::to_string(from) + ")";
+    auto bad = [&](const std::string& why) {
+      return done(Status(ErrorCode::kInvalidArgument, "NCCL " + what + " on member " + std::to_string(rank_) + ": " + why));
+    };
+    if (!send.empty() && (to < 0 || to >= size_)) return bad("the peer must be a member, 0 to " + std::to_string(size_ - 1));
+    if (!recv.empty() && (from < 0 || from >= size_)) return bad("the peer must be a member, 0 to " + std::to_string(size_ - 1));
+    std::vector<nccl_abi::DataType> types;
+    for (const auto* list : {&send, &recv}) {
+      for (const at::Tensor& t : *list) {
+        if (!t.defined()) return bad("an undefined tensor");
+        if (t.device() != device_) return bad(describe_tensor(t) + ": the group's tensors live on " + device_.str());
+        if (!t.is_contiguous()) return bad("NCCL needs contiguous tensors (call .contiguous())");
+        auto type = nccl_type(t.scalar_type(), /*sums=*/false);
+        if (!type.is_ok()) return done(type.status());
+        types.push_back(*type);
+      }
+    }
+    std::vector<at::Tensor> hold = send;
+    hold.insert(hold.end(), recv.begin(), recv.end());
+    launch(std::move(hold), what, std::move(done), [&](nccl_abi::Stream s) {
+      nccl_abi::Result r = nccl_.GroupStart();
+      std::size_t k = 0;
+      for (const at::Tensor& t : send) {
+        if (r == nccl_abi::kSuccess) r = nccl_.Send(t.data_ptr(), static_cast<std::size_t>(t.numel()), types[k], to, comm_, s);
+        ++k;
+      }
+      for (const at::Tensor& t : recv) {
+        if (r == nccl_abi::kSuccess) r = nccl_.Recv(t.data_ptr(), static_cast<std::size_t>(t.numel()), types[k], from, comm_, s);
+        ++k;
+      }
+      const nccl_abi::Result ended = nccl_.GroupEnd();  // always: a group once started must end
+      return r != nccl_abi::kSuccess ? r : ended;
+    });
+  }
+
+ private:
+  // Launches `issue` (NCCL calls on the given stream) under the process-wide launch lock, on
+  // the member's stream once the caller's current stream's work is done; `done` runs on the
+  // completion thread once the kernels have finished (or at once with a launch error).
+  void launch(std::vector<at::Tensor> hold, const std::string& what, Done done,
+              const std::function<nccl_abi::Result(nccl_abi::Stream)>& issue) {
+    Pending pending{std::make_unique<c10::Event>(device_.type()), std::move(hold), std::move(done), what};
     {
       std::lock_guard<std::mutex> launch(launch_mutex());
       {
@@ -175,20 +237,7 @@ class NcclMember final : public NcclGroup {
       c10::Event inputs_ready(device_.type());
       inputs_ready.record(impl.getStream(device_));  // after what the caller queued
       inputs_ready.block(stream_);
-      auto* s = static_cast<nccl_abi::Stream>(stream_.native_handle());
-      void* in = call.in.data_ptr();
-      void* out = call.out.defined() ? call.out.data_ptr() : in;
-      const std::size_t n = static_cast<std::size_t>(call.in.numel());
-      nccl_abi::Result r = nccl_abi::kSuccess;
-      switch (call.kind) {
-        case CollectiveKind::kAllReduce: r = nccl_.AllReduce(in, in, n, *type, nccl_abi::kSum, comm_, s); break;
-        case CollectiveKind::kReduce: r = nccl_.Reduce(in, in, n, *type, nccl_abi::kSum, call.root, comm_, s); break;
-        case CollectiveKind::kBroadcast: r = nccl_.Broadcast(in, in, n, *type, call.root, comm_, s); break;
-        case CollectiveKind::kAllGather: r = nccl_.AllGather(in, out, n, *type, comm_, s); break;
-        case CollectiveKind::kReduceScatter:
-          r = nccl_.ReduceScatter(in, out, static_cast<std::size_t>(call.out.numel()), *type, nccl_abi::kSum, comm_, s);
-          break;
-      }
+      const nccl_abi::Result r = issue(static_cast<nccl_abi::Stream>(stream_.native_handle()));
       if (Status st = nccl_.check(r, what, comm_); !st.is_ok()) return pending.done(st);
       for (const at::Tensor& t : pending.hold) {
         if (t.defined()) impl.recordDataPtrOnStream(t.storage().data_ptr(), stream_);
@@ -243,7 +292,27 @@ class NcclMember final : public NcclGroup {
   std::thread completion_;  // last: starts once everything above exists
 };
 
+class NcclLane final : public Lane {
+ public:
+  NcclLane(std::shared_ptr<NcclGroup> group, int peer) : group_(std::move(group)), peer_(peer) {}
+  void send(std::vector<at::Tensor> tensors, Done done) override {
+    group_->exchange(std::move(tensors), peer_, {}, peer_, std::move(done));
+  }
+  void recv(std::vector<at::Tensor> into, Done done) override {
+    group_->exchange({}, peer_, std::move(into), peer_, std::move(done));
+  }
+  void abort(Status error) override { group_->abort(std::move(error)); }
+
+ private:
+  std::shared_ptr<NcclGroup> group_;
+  int peer_;
+};
+
 }  // namespace
+
+std::shared_ptr<Lane> make_nccl_lane(std::shared_ptr<NcclGroup> group, int peer) {
+  return std::make_shared<NcclLane>(std::move(group), peer);
+}
 
 Result<std::vector<std::uint8_t>> nccl_unique_id() {
   CONVEYOR_ASSIGN_OR_RETURN(const NcclLibrary* nccl, nccl_library());

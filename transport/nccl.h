@@ -31,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "transport/lane_endpoint.h"
 #include "transport/transport.h"
 
 namespace conveyor::transport {
@@ -52,7 +53,19 @@ class NcclGroup : public Collective {
   /// for a member that is gone.
   virtual void abort(Status error) = 0;
   virtual c10::Device device() const = 0;
+  /// Point to point, matched by order as NCCL matches it: sends `send` to member `to` and
+  /// fills `recv` (allocated by the caller) with what member `from` sends, as one NCCL group
+  /// (so a member may exchange with itself). Each tensor is one ncclSend or ncclRecv, in list
+  /// order; `from`'s sends must match these receives in order, dtype and size. Either list
+  /// may be empty (its member is then not used). Runs on the member's stream after the
+  /// caller's current stream's work, like the collectives.
+  virtual void exchange(std::vector<at::Tensor> send, int to, std::vector<at::Tensor> recv, int from, Done done) = 0;
 };
+
+/// A lane (transport/lane_endpoint.h) to and from member `peer` of `group`: every transfer
+/// one exchange() with `peer`. A lane should have its group to itself (usually a group of
+/// two: one member sends, the other receives), since NCCL orders everything on a group.
+std::shared_ptr<Lane> make_nccl_lane(std::shared_ptr<NcclGroup> group, int peer);
 
 /// Member `rank` of a group of `size` on `device` (a CUDA device of this process), joined
 /// through `unique_id` (every member passes the same one). Returns once every member has

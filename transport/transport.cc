@@ -17,6 +17,13 @@ std::string collective_kind_name(CollectiveKind kind) {
   return "collective";
 }
 
+Status check_peer(int rank, int world, int peer) {
+  if (peer >= 0 && peer < world && peer != rank) return Status::ok();
+  return Status(ErrorCode::kInvalidArgument, "member " + std::to_string(rank) + " addressed member " +
+                                                 std::to_string(peer) + " of a world of " + std::to_string(world) +
+                                                 " (itself or out of range)");
+}
+
 std::string describe_tensor(const at::Tensor& t) {
   if (!t.defined()) return "an undefined tensor";
   std::string s = std::string(c10::toString(t.scalar_type())) + "[";

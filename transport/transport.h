@@ -86,6 +86,10 @@ struct CollectiveCall {
 Status check_collective_call(const CollectiveCall& first, int first_member, const CollectiveCall& call, int member,
                              int n, std::uint64_t number);
 
+/// OK when `peer` is another member of a world of `world` than `rank`; otherwise the error
+/// every endpoint gives ("member 0 addressed member 0 of a world of 2 ...").
+Status check_peer(int rank, int world, int peer);
+
 /// "Float[2,3] on cpu" (or "an undefined tensor").
 std::string describe_tensor(const at::Tensor& t);
 

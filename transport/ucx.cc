@@ -246,12 +246,7 @@ class UcxMember final : public UcxEndpoint {
     Received done;
   };
 
-  Status check_peer(int peer) const {
-    if (peer >= 0 && peer < world_ && peer != rank_) return Status::ok();
-    return Status(ErrorCode::kInvalidArgument, "member " + std::to_string(rank_) + " addressed member " +
-                                                   std::to_string(peer) + " of a world of " + std::to_string(world_) +
-                                                   " (itself or out of range)");
-  }
+  Status check_peer(int peer) const { return transport::check_peer(rank_, world_, peer); }
   Status current_error() {
     std::lock_guard<std::mutex> lock(mu_);
     return error_;

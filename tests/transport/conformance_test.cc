@@ -12,6 +12,7 @@
 
 #include "transport/endpoint_group.h"
 #include "transport/inproc.h"
+#include "transport/lane_endpoint.h"
 #include "transport/ucx.h"
 
 namespace conveyor::transport {
@@ -24,7 +25,7 @@ struct Backend {
   std::string name;
   std::function<Result<std::vector<std::shared_ptr<Endpoint>>>(int)> endpoints;
   std::function<void(Endpoint&, Status)> abort_endpoint;
-  std::function<std::vector<std::shared_ptr<Collective>>(int)> group;  // empty: no collectives yet
+  std::function<std::vector<std::shared_ptr<Collective>>(int)> group;  // empty: point to point only
   std::function<void(const Collective&, Status)> abort_group;
 };
 
@@ -63,6 +64,29 @@ void abort_ucx_group(const Collective& member, const Status& error) {
   }
 }
 
+// Lane endpoints (headers over `control`, tensors over endpoint lanes on a second world of
+// the same kind): the matching NCCL's point to point needs, run here without NCCL.
+Result<std::vector<std::shared_ptr<Endpoint>>> make_lane_world(
+    int n, const std::function<Result<std::vector<std::shared_ptr<Endpoint>>>(int)>& world) {
+  CONVEYOR_ASSIGN_OR_RETURN(auto control, world(n));
+  CONVEYOR_ASSIGN_OR_RETURN(auto lanes, world(n));
+  std::vector<std::shared_ptr<Endpoint>> out;
+  for (int i = 0; i < n; ++i) {
+    std::map<int, std::shared_ptr<Lane>> sends, receives;
+    for (int j = 0; j < n; ++j) {
+      if (j == i) continue;
+      sends[j] = make_endpoint_lane(lanes[i], j, /*tag=*/1);
+      receives[j] = make_endpoint_lane(lanes[i], j, /*tag=*/1);
+    }
+    CONVEYOR_ASSIGN_OR_RETURN(auto member, make_lane_endpoint(control[i], at::kCPU, sends, receives, /*channel=*/5));
+    out.push_back(member);
+  }
+  return out;
+}
+Result<std::vector<std::shared_ptr<Endpoint>>> make_inproc_world(int n) {
+  return make_inproc_endpoints(std::vector<c10::Device>(static_cast<std::size_t>(n), at::kCPU));
+}
+
 std::vector<Backend> backends() {
   return {{"inproc",
            [](int n) -> Result<std::vector<std::shared_ptr<Endpoint>>> {
@@ -72,7 +96,20 @@ std::vector<Backend> backends() {
            [](const Collective& c, Status s) { abort_inproc(c, std::move(s)); }},
           {"ucx", [](int n) { return make_ucx_world_in_process(n); },
            [](Endpoint& e, Status s) { dynamic_cast<UcxEndpoint&>(e).abort(std::move(s)); }, make_ucx_group,
-           abort_ucx_group}};
+           abort_ucx_group},
+          {"lanes_inproc", [](int n) { return make_lane_world(n, make_inproc_world); },
+           [](Endpoint& e, Status s) { dynamic_cast<LaneEndpoint&>(e).abort(std::move(s)); }, nullptr, nullptr},
+          {"lanes_ucx", [](int n) { return make_lane_world(n, make_ucx_world_in_process); },
+           [](Endpoint& e, Status s) { dynamic_cast<LaneEndpoint&>(e).abort(std::move(s)); }, nullptr, nullptr}};
+}
+
+// The backends with collectives (lane endpoints are point to point only).
+std::vector<Backend> collective_backends() {
+  std::vector<Backend> out;
+  for (Backend& b : backends()) {
+    if (b.group) out.push_back(std::move(b));
+  }
+  return out;
 }
 
 // The backend's world of n members, or the test is skipped saying why it cannot run here.
@@ -88,6 +125,7 @@ std::vector<Backend> backends() {
 void PrintTo(const Backend& b, std::ostream* os) { *os << b.name; }
 
 class Conformance : public ::testing::TestWithParam<Backend> {};
+class CollectiveConformance : public ::testing::TestWithParam<Backend> {};
 
 // Runs `body(member)` for every member on a thread of its own.
 void on_threads(int n, const std::function<void(int)>& body) {
@@ -173,7 +211,7 @@ at::Tensor contribution(int i, std::int64_t n, at::ScalarType dtype = at::kDoubl
   return (at::arange(n, dtype) * (i + 1) + i).contiguous();
 }
 
-TEST_P(Conformance, CollectivesComputeTheDefinedResultOnEveryGroupSize) {
+TEST_P(CollectiveConformance, CollectivesComputeTheDefinedResultOnEveryGroupSize) {
   for (int n : {1, 2, 3, 4}) {
     GROUP_OR_SKIP(group, n);
     ASSERT_EQ(static_cast<int>(group.size()), n);
@@ -215,7 +253,7 @@ TEST_P(Conformance, CollectivesComputeTheDefinedResultOnEveryGroupSize) {
   }
 }
 
-TEST_P(Conformance, SumsAreBitwiseDeterministicInMemberOrder) {
+TEST_P(CollectiveConformance, SumsAreBitwiseDeterministicInMemberOrder) {
   // Float sums depend on order: the result equals ((x0 + x1) + x2) + x3 exactly, every run,
   // for small tensors and for large ones (which backends may reduce in parts).
   const int n = 4;
@@ -237,7 +275,7 @@ TEST_P(Conformance, SumsAreBitwiseDeterministicInMemberOrder) {
   }
 }
 
-TEST_P(Conformance, MismatchedCallsFailEveryMemberNamingBoth) {
+TEST_P(CollectiveConformance, MismatchedCallsFailEveryMemberNamingBoth) {
   GROUP_OR_SKIP(group, 2);
   std::vector<Status> got(2, Status::ok());
   on_threads(2, [&](int me) {
@@ -258,7 +296,7 @@ TEST_P(Conformance, MismatchedCallsFailEveryMemberNamingBoth) {
   EXPECT_NE(got[1].message().find("different shape"), std::string::npos) << got[1].message();
 }
 
-TEST_P(Conformance, AbortCompletesAWaitingMemberWithTheError) {
+TEST_P(CollectiveConformance, AbortCompletesAWaitingMemberWithTheError) {
   GROUP_OR_SKIP(group, 3);
   auto waiting = std::async(std::launch::async, [&] {
     at::Tensor t = at::ones({2});
@@ -271,6 +309,8 @@ TEST_P(Conformance, AbortCompletesAWaitingMemberWithTheError) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, Conformance, ::testing::ValuesIn(backends()),
+                         [](const ::testing::TestParamInfo<Backend>& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(Backends, CollectiveConformance, ::testing::ValuesIn(collective_backends()),
                          [](const ::testing::TestParamInfo<Backend>& info) { return info.param.name; });
 
 // Inproc specifics: zero-copy on the receiver's device.
@@ -316,6 +356,89 @@ TEST(Ucx, ALostPeerFailsTheReceiveWaitingOnIt) {
   ASSERT_FALSE(got.is_ok());
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
   EXPECT_NE(got.status().message().find("member 1 was lost"), std::string::npos) << got.status().message();
+}
+
+// Lane endpoint specifics. On "meta" the lane carries the meta tensors and the header the
+// host ones, inline: both paths, with undefined tensors between them.
+TEST(LaneEndpoint, DeviceTensorsGoOverTheLaneOthersInlineWithTheHeader) {
+  auto control = make_inproc_world(2);
+  auto lanes = make_inproc_endpoints({at::kMeta, at::kMeta});
+  ASSERT_TRUE(control.is_ok());
+  std::atomic<int> lane_messages{0};
+  struct CountingLane : Lane {
+    std::shared_ptr<Lane> inner;
+    std::atomic<int>* count;
+    void send(std::vector<at::Tensor> t, Done d) override { ++*count; inner->send(std::move(t), std::move(d)); }
+    void recv(std::vector<at::Tensor> t, Done d) override { inner->recv(std::move(t), std::move(d)); }
+    void abort(Status e) override { inner->abort(std::move(e)); }
+  };
+  auto counting = std::make_shared<CountingLane>();
+  counting->inner = make_endpoint_lane(lanes[0], 1, 1);
+  counting->count = &lane_messages;
+  auto sender = make_lane_endpoint((*control)[0], at::kMeta, {{1, counting}}, {}, 0);
+  auto receiver = make_lane_endpoint((*control)[1], at::kMeta, {}, {{0, make_endpoint_lane(lanes[1], 0, 1)}}, 0);
+  ASSERT_TRUE(sender.is_ok() && receiver.is_ok());
+  at::Tensor host = at::arange(5, at::kLong), device = at::empty({3, 2}, at::TensorOptions().dtype(at::kHalf).device(at::kMeta));
+  ASSERT_TRUE(wait_for([&](Done d) { (*sender)->send(1, 42, {host, at::Tensor(), device}, d); }).is_ok());
+  ASSERT_TRUE(wait_for([&](Done d) { (*sender)->send(1, 42, {host + 1}, d); }).is_ok());  // host only: no lane transfer
+  EXPECT_EQ(lane_messages, 1);
+  auto got = receive(**receiver, 0, 42);
+  ASSERT_TRUE(got.is_ok()) << got.status().to_string();
+  ASSERT_EQ(got->size(), 3u);
+  EXPECT_TRUE(at::equal((*got)[0], host));
+  EXPECT_FALSE((*got)[1].defined());
+  EXPECT_EQ((*got)[2].device(), at::Device(at::kMeta));
+  EXPECT_EQ((*got)[2].scalar_type(), at::kHalf);
+  EXPECT_EQ((*got)[2].sizes(), device.sizes());
+  auto second = receive(**receiver, 0, 42);
+  ASSERT_TRUE(second.is_ok());
+  EXPECT_TRUE(at::equal((*second)[0], host + 1));
+  // Directions without a lane are refused, naming the peer.
+  Status no_lane = wait_for([&](Done d) { (*receiver)->send(0, 1, {host}, d); });
+  EXPECT_NE(no_lane.message().find("no lane to member 0"), std::string::npos) << no_lane.message();
+}
+
+// Receives are posted on the lane as headers arrive, whatever tag the receiver asks for
+// first: a receiver that asks for the last message first still gets everything (a lane
+// matched by order alone would hand it the first message's tensors, or wait forever).
+TEST(LaneEndpoint, ReceivesInAnyTagOrderGetTheirOwnMessages) {
+  auto eps = make_lane_world(2, make_inproc_world);
+  ASSERT_TRUE(eps.is_ok());
+  for (int k = 0; k < 4; ++k) {
+    ASSERT_TRUE(wait_for([&](Done d) { (*eps)[0]->send(1, static_cast<Tag>(10 + k), {at::full({k + 1}, k, at::kFloat)}, d); }).is_ok());
+  }
+  for (int k = 3; k >= 0; --k) {
+    auto got = receive(*(*eps)[1], 0, static_cast<Tag>(10 + k));
+    ASSERT_TRUE(got.is_ok());
+    EXPECT_TRUE(at::equal((*got)[0], at::full({k + 1}, k, at::kFloat)));
+  }
+}
+
+// A header that is not one fails every receive from that peer, naming it; receives from
+// other peers go on until the endpoint is aborted.
+TEST(LaneEndpoint, ACorruptHeaderOrAFailedLaneFailsThatPeersReceives) {
+  auto control = make_inproc_world(3), lanes = make_inproc_world(3);
+  ASSERT_TRUE(control.is_ok() && lanes.is_ok());
+  auto lane = [&](int me, int peer) { return make_endpoint_lane((*lanes)[me], peer, 1); };
+  auto receiver = make_lane_endpoint((*control)[2], at::kCPU, {}, {{0, lane(2, 0)}, {1, lane(2, 1)}}, 9);
+  auto good = make_lane_endpoint((*control)[1], at::kCPU, {{2, lane(1, 2)}}, {}, 9);
+  ASSERT_TRUE(receiver.is_ok() && good.is_ok());
+  auto waiting = std::async(std::launch::async, [&] { return receive(**receiver, 0, 3); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  // Member 0 sends something that is not a lane header on the control channel.
+  ASSERT_TRUE(wait_for([&](Done d) { (*control)[0]->send(2, kLaneControlTagBit | 9, {at::ones({2})}, d); }).is_ok());
+  auto got = waiting.get();
+  ASSERT_FALSE(got.is_ok());
+  EXPECT_EQ(got.status().code(), ErrorCode::kCorrupt);
+  EXPECT_NE(got.status().message().find("from member 0"), std::string::npos) << got.status().message();
+  EXPECT_FALSE(receive(**receiver, 0, 4).is_ok());  // later receives from member 0 fail too
+  ASSERT_TRUE(wait_for([&](Done d) { (*good)->send(2, 3, {at::ones({2})}, d); }).is_ok());
+  EXPECT_TRUE(receive(**receiver, 1, 3).is_ok());
+  // Aborted (the process group lost a process): every receive fails with that error.
+  dynamic_cast<LaneEndpoint&>(**receiver).abort(Status(ErrorCode::kExecution, "process 1 was lost"));
+  auto after = receive(**receiver, 1, 3);
+  ASSERT_FALSE(after.is_ok());
+  EXPECT_NE(after.status().message().find("process 1 was lost"), std::string::npos);
 }
 
 }  // namespace
