@@ -272,6 +272,11 @@ PYBIND11_MODULE(_C, m) {
       .def("reduce_scatter", [](const NcclHandle& h, at::Tensor in, at::Tensor out) {
         h.run("reduce_scatter", [&](transport::Done d) { h.group->reduce_scatter(in, out, d); });
       }, py::arg("input"), py::arg("output"), "output becomes this member's slice of the sum of every input.")
+      .def("exchange", [](const NcclHandle& h, std::vector<at::Tensor> send, int to, std::vector<at::Tensor> recv, int from) {
+        h.run("exchange", [&](transport::Done d) { h.group->exchange(send, to, recv, from, d); });
+      }, py::arg("send"), py::arg("to"), py::arg("recv"), py::arg("from_"),
+         "Point to point, matched by order: sends each of `send` to member `to` and fills each of `recv` "
+         "(allocated by the caller) from member `from_`, as one NCCL group (a member may exchange with itself).")
       .def("abort", [](const NcclHandle& h, const std::string& why) {
         h.group->abort(Status(ErrorCode::kExecution, why));
       }, py::arg("why"), "Fails everything pending and later with `why` (ends kernels waiting for a lost member).");
@@ -336,7 +341,7 @@ PYBIND11_MODULE(_C, m) {
                        std::int64_t bucket_bytes, int intra_op_threads, const std::string& plan_json,
                        std::shared_ptr<runtime::ProcessGroup> processes, std::vector<int> rank_process,
                        double step_timeout_s, std::vector<std::vector<int>> replica_process,
-                       std::optional<std::uint64_t> seed) {
+                       std::optional<std::uint64_t> seed, const std::string& transport) {
              scheduler::ScheduleSpec spec;
              spec.kind = unwrap(scheduler::schedule_kind_from_name(schedule));
              spec.chunks = chunks;
@@ -367,6 +372,11 @@ PYBIND11_MODULE(_C, m) {
                options.step_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(step_timeout_s * 1000));
              }
              options.seed = seed;
+             if (transport == "nccl") {
+               options.transport = runtime::PipelineOptions::Transport::kNccl;
+             } else if (transport != "ucx") {
+               check(Status(ErrorCode::kInvalidArgument, "transport \"" + transport + "\" (expected \"ucx\" or \"nccl\")"));
+             }
              py::gil_scoped_release nogil;  // with processes, creation talks to the others
              return unwrap(runtime::PipelineStep::create(ex, std::move(stages), spec, std::move(options)));
            }),
@@ -375,6 +385,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("intra_op_threads") = 0, py::arg("plan") = std::string(), py::arg("processes") = nullptr,
            py::arg("rank_process") = std::vector<int>{}, py::arg("step_timeout_s") = 0.0,
            py::arg("replica_process") = std::vector<std::vector<int>>{}, py::arg("seed") = py::none(),
+           py::arg("transport") = "ucx",
            "replicas: per rank (empty: one each); bucket_bytes: gradient reduction bucket size (0: 4 MiB); "
            "intra_op_threads: torch threads per replica (0: the caller's shared out); plan: the plan document "
            "the stages come from (its prediction is what the live profile compares against); processes, "
@@ -383,7 +394,9 @@ PYBIND11_MODULE(_C, m) {
            "whose replicas run in several processes sums its gradients across them); "
            "step_timeout_s: a step that takes longer fails (0: 10 minutes); seed: random operators (dropout) "
            "of each forward draw from a generator seeded from it, the step, the stage, the microbatch and the "
-           "replica (None: drawn from torch's global generator now; across processes, process 0's).")
+           "replica (None: drawn from torch's global generator now; across processes, process 0's); transport: how "
+           "activations and gradients cross between processes, \"ucx\" (host memory) or \"nccl\" (GPU memory, "
+           "one GPU per process).")
       .def("gather_state", [](runtime::PipelineStep& step) {
         py::gil_scoped_release nogil;
         check(step.gather_state());

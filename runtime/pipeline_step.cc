@@ -80,8 +80,8 @@ Result<std::vector<at::Tensor>> to_wire(const std::vector<c10::IValue>& values, 
   return out;
 }
 
-// Tensors come back on `device` (a GPU pipeline: the message crossed in host memory), on
-// the calling thread's current stream.
+// Tensors come back on `device` (a GPU pipeline whose message crossed in host memory is
+// copied there, on the calling thread's current stream; over NCCL they are there already).
 Result<std::vector<c10::IValue>> from_wire(const std::vector<at::Tensor>& message, std::size_t expected,
                                            const std::optional<c10::Device>& device) {
   if (message.empty() || !message[0].defined() || message[0].numel() != static_cast<std::int64_t>(2 * expected) ||
@@ -240,6 +240,7 @@ struct PipelineStep::Impl {
     std::vector<ValueId> values;
   };
   using RemoteLists = std::vector<std::vector<std::vector<Remote>>>;  // [stage][replica]: per other process
+  std::shared_ptr<transport::Endpoint> remote;  // pipeline messages between processes: UCX's, or NCCL lanes
   RemoteLists activations_out;  // [s][i]: the outputs of s that another process reads from replica i
   RemoteLists gradients_out;    // [t][j]: the gradients of t's inputs that replica j hands another process
   std::vector<std::vector<int>> reads_from;  // [stage t]: the stages whose outputs t reads
@@ -787,6 +788,31 @@ struct PipelineStep::Impl {
     return Status::ok();
   }
 
+  // The endpoint pipeline messages cross processes by: the process group's (UCX), or NCCL
+  // lanes for every pair of processes a message goes between (both directions of a
+  // pipeline link: activations one way, gradients back). Collective, after distribute().
+  Status connect_remote(PipelineOptions::Transport transport) {
+    remote = processes->endpoint();
+    if (transport != PipelineOptions::Transport::kNccl) return Status::ok();
+    if (!stream_device || !stream_device->is_cuda()) {
+      return Status(ErrorCode::kInvalidArgument,
+                    std::string("transport \"nccl\" moves GPU tensors between processes, but this pipeline's model is on ") +
+                        (stream_device ? stream_device->str() : std::string("the CPU")) +
+                        "; move the model to its process's GPU, or use transport \"ucx\"");
+    }
+    std::vector<std::pair<int, int>> links;
+    for (const RemoteLists* lists : {&activations_out, &gradients_out}) {
+      for (std::size_t st = 0; st < lists->size(); ++st) {
+        for (std::size_t i = 0; i < (*lists)[st].size(); ++i) {
+          for (const Remote& to : (*lists)[st][i]) links.emplace_back(replica_process[st][i], to.process);
+        }
+      }
+    }
+    CONVEYOR_ASSIGN_OR_RETURN(auto lanes, processes->nccl_endpoint(*stream_device, links));
+    remote = std::move(lanes);
+    return Status::ok();
+  }
+
   // A send action of replica `i` (on the communication thread): what other processes read
   // of it goes to them, one message per process.
   Status send_remote(int i, const Action& a) {
@@ -794,8 +820,8 @@ struct PipelineStep::Impl {
     const bool grad = a.kind == ActionKind::kSendGradient;
     const std::vector<Remote>& destinations = (grad ? gradients_out : activations_out)[a.stage][i];
     if (stream_device && !destinations.empty()) {
-      // A GPU pipeline's messages cross in host memory: the copy (the endpoint's, on this
-      // thread's current stream) waits for the compute that made them.
+      // A GPU pipeline's messages leave after the compute that made them: the endpoint's host
+      // copy (UCX) or NCCL's stream waits for this thread's current stream, which waits for it.
       c10::Event computed(stream_device->type());
       computed.record(streams_of(a.stage, i)->compute);
       computed.block(current_stream(*stream_device));
@@ -812,7 +838,7 @@ struct PipelineStep::Impl {
         }
       }
       CONVEYOR_ASSIGN_OR_RETURN(auto message, to_wire(payload, to.values));
-      processes->endpoint()->send(to.process, message_tag(grad ? 2 : 1, a.microbatch, a.stage, i), std::move(message),
+      remote->send(to.process, message_tag(grad ? 2 : 1, a.microbatch, a.stage, i), std::move(message),
                                   [target = hook_target](Status s) {
                                     if (s) return;
                                     std::lock_guard<std::mutex> alive(target->mu);
@@ -878,7 +904,7 @@ struct PipelineStep::Impl {
       if (arrival.posted) continue;
       arrival.posted = true;
       lock.unlock();
-      processes->endpoint()->recv(key.first, key.second, [target = hook_target, n, mb, key](Result<std::vector<at::Tensor>> got) {
+      remote->recv(key.first, key.second, [target = hook_target, n, mb, key](Result<std::vector<at::Tensor>> got) {
         std::lock_guard<std::mutex> alive(target->mu);
         Impl* im = target->im;
         if (im == nullptr) return;  // the pipeline is gone
@@ -1489,6 +1515,7 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
       break;
     }
   }
+  if (options.processes) CONVEYOR_RETURN_IF_ERROR(impl->connect_remote(options.transport));
   if (impl->stream_device) {
     const c10::Device device = *impl->stream_device;
     for (int rank = 0; rank < spec.ranks; ++rank) {

@@ -63,6 +63,11 @@ struct PipelineOptions {
   std::shared_ptr<ProcessGroup> processes;
   std::vector<std::vector<int>> replica_process;
   std::vector<int> rank_process;
+  /// How activations and gradients cross between processes: over UCX (host memory, any
+  /// device; GPU tensors are copied to the host and back) or over NCCL (GPU memory: a
+  /// two-member NCCL group per direction between two processes, headers over UCX; needs
+  /// the model on a CUDA GPU, one GPU per process).
+  enum class Transport { kUcx, kNccl } transport = Transport::kUcx;
   /// A step that does not finish within this fails, naming where each replica waits.
   std::chrono::milliseconds step_timeout{std::chrono::minutes(10)};
   /// Random operators (dropout) of the forward of microbatch m of stage s, replica i, in

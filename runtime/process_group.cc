@@ -8,6 +8,7 @@
 
 #include "actors/rendezvous.h"
 #include "conveyor_config.h"
+#include "transport/nccl_library.h"
 
 namespace conveyor::runtime {
 
@@ -92,34 +93,98 @@ Status ProcessGroup::broadcast(at::Tensor tensor, int root) const {
               "a broadcast from process " + std::to_string(root));
 }
 
-Result<std::shared_ptr<transport::NcclGroup>> ProcessGroup::nccl(const c10::Device& device) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (auto it = nccl_.find(device.index()); it != nccl_.end()) return it->second;
+Status ProcessGroup::agree_on_nccl(const c10::Device& device, const std::string& what) {
   const Status can = transport::nccl_usable_on(device);  // what each process says
   at::Tensor mine = at::full({1}, can.is_ok() ? 1 : 0, at::kLong);
   at::Tensor all = at::empty({world_}, at::kLong);
-  CONVEYOR_RETURN_IF_ERROR(wait([&](transport::Done d) { all_->allgather(mine, all, d); }, "agreeing on an NCCL group"));
-  if (!can.is_ok()) return can.with_context("process " + std::to_string(rank_) + " cannot join an NCCL group");
+  CONVEYOR_RETURN_IF_ERROR(wait([&](transport::Done d) { all_->allgather(mine, all, d); }, "agreeing on " + what));
+  if (!can.is_ok()) return can.with_context("process " + std::to_string(rank_) + " cannot join " + what);
   for (int p = 0; p < world_; ++p) {
     if (all[p].item<std::int64_t>() == 0) {
-      return Status(ErrorCode::kUnsupported, "process " + std::to_string(p) +
-                                                 " cannot join an NCCL group (its own error says why); every process "
-                                                 "needs NCCL and a GPU");
+      return Status(ErrorCode::kUnsupported, "process " + std::to_string(p) + " cannot join " + what +
+                                                 " (its own error says why); every process needs NCCL and a GPU");
     }
   }
-  std::string id;
-  Status made_id = Status::ok();
-  if (rank_ == 0) {
-    auto made = transport::nccl_unique_id();
-    if (made.is_ok()) id.assign(made->begin(), made->end());
-    made_id = made.status();
+  return Status::ok();
+}
+
+// Process 0's `count` fresh NCCL unique ids, on every process.
+Result<std::vector<std::vector<std::uint8_t>>> ProcessGroup::unique_ids(int count) const {
+  std::string ids;
+  Status made = Status::ok();
+  for (int k = 0; rank_ == 0 && k < count && made.is_ok(); ++k) {
+    auto id = transport::nccl_unique_id();
+    if (id.is_ok()) ids.append(id->begin(), id->end());
+    made = id.status();
   }
-  CONVEYOR_ASSIGN_OR_RETURN(id, broadcast_bytes(0, id));
-  CONVEYOR_RETURN_IF_ERROR(made_id);
-  if (id.empty()) return Status(ErrorCode::kExecution, "process 0 could not make an NCCL unique id (its error says why)");
-  CONVEYOR_ASSIGN_OR_RETURN(auto group, transport::make_nccl_group(rank_, world_, std::vector<std::uint8_t>(id.begin(), id.end()), device));
+  if (!made.is_ok()) ids.clear();
+  CONVEYOR_ASSIGN_OR_RETURN(ids, broadcast_bytes(0, ids));
+  CONVEYOR_RETURN_IF_ERROR(made);
+  if (ids.size() != static_cast<std::size_t>(count) * transport::nccl_abi::kUniqueIdBytes) {
+    return Status(ErrorCode::kExecution, "process 0 could not make NCCL unique ids (its error says why)");
+  }
+  std::vector<std::vector<std::uint8_t>> out;
+  for (int k = 0; k < count; ++k) {
+    const auto* p = reinterpret_cast<const std::uint8_t*>(ids.data()) + k * transport::nccl_abi::kUniqueIdBytes;
+    out.emplace_back(p, p + transport::nccl_abi::kUniqueIdBytes);
+  }
+  return out;
+}
+
+Result<std::shared_ptr<transport::NcclGroup>> ProcessGroup::nccl(const c10::Device& device) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (auto it = nccl_.find(device.index()); it != nccl_.end()) return it->second;
+  CONVEYOR_RETURN_IF_ERROR(agree_on_nccl(device, "an NCCL group"));
+  CONVEYOR_ASSIGN_OR_RETURN(auto ids, unique_ids(1));
+  CONVEYOR_ASSIGN_OR_RETURN(auto group, transport::make_nccl_group(rank_, world_, ids[0], device));
   nccl_[device.index()] = group;
   return group;
+}
+
+Result<std::shared_ptr<transport::LaneEndpoint>> ProcessGroup::nccl_endpoint(const c10::Device& device,
+                                                                             std::vector<std::pair<int, int>> links) {
+  std::sort(links.begin(), links.end());
+  links.erase(std::unique(links.begin(), links.end()), links.end());
+  for (const auto& [from, to] : links) {
+    if (from < 0 || to < 0 || from >= world_ || to >= world_ || from == to) {
+      return Status(ErrorCode::kInvalidArgument, "an NCCL link from process " + std::to_string(from) + " to process " +
+                                                     std::to_string(to) + " (links join two distinct processes of 0 to " +
+                                                     std::to_string(world_ - 1) + ")");
+    }
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  const int channel = lane_endpoints_made_++;
+  CONVEYOR_RETURN_IF_ERROR(agree_on_nccl(device, "NCCL point to point"));
+  CONVEYOR_ASSIGN_OR_RETURN(auto ids, unique_ids(static_cast<int>(links.size())));
+  std::map<int, std::shared_ptr<transport::Lane>> sends, receives;
+  for (std::size_t k = 0; k < links.size(); ++k) {
+    const auto [from, to] = links[k];
+    if (rank_ != from && rank_ != to) continue;
+    const bool sending = rank_ == from;
+    const std::string what = "the NCCL link from process " + std::to_string(from) + " to process " + std::to_string(to);
+    auto made = transport::make_nccl_group(sending ? 0 : 1, 2, ids[k], device);
+    if (!made.is_ok()) {
+      return made.status().with_context(what + " (each process needs a GPU of its own: NCCL refuses two members on one)");
+    }
+    std::shared_ptr<transport::NcclGroup> group = *made;
+    // A first transfer: NCCL connects the pair now, in the links' order on every process.
+    at::Tensor first = at::zeros({1}, at::TensorOptions().dtype(at::kByte).device(device));
+    CONVEYOR_RETURN_IF_ERROR(wait(
+        [&](transport::Done d) {
+          if (sending) {
+            group->exchange({first}, 1, {}, 1, d);
+          } else {
+            group->exchange({}, 0, {first}, 0, d);
+          }
+        },
+        "the first transfer over " + what));
+    (sending ? sends[to] : receives[from]) = transport::make_nccl_lane(group, sending ? 1 : 0);
+  }
+  CONVEYOR_ASSIGN_OR_RETURN(auto endpoint,
+                            transport::make_lane_endpoint(endpoint_, device, std::move(sends), std::move(receives), channel));
+  if (failed_) endpoint->abort(Status(ErrorCode::kExecution, "the job's processes were aborted"));
+  lane_endpoints_.push_back(endpoint);
+  return endpoint;
 }
 
 Result<std::shared_ptr<transport::EndpointGroup>> ProcessGroup::subgroup(const std::vector<int>& members) {
@@ -147,6 +212,7 @@ void ProcessGroup::abort(Status error) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [index, group] : nccl_) group->abort(error);
+    for (auto& endpoint : lane_endpoints_) endpoint->abort(error);  // and their NCCL links
     for (auto& group : subgroups_) group->abort(error);
   }
   all_->abort(error);

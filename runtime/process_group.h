@@ -20,6 +20,7 @@
 
 #include "common/status.h"
 #include "transport/endpoint_group.h"
+#include "transport/lane_endpoint.h"
 #include "transport/nccl.h"
 #include "transport/ucx.h"
 
@@ -59,6 +60,14 @@ class ProcessGroup {
   /// fails them all, named, instead of leaving them waiting in NCCL), process 0 makes the
   /// unique id and the group hands it out. Collective: every process asks, in one order.
   Result<std::shared_ptr<transport::NcclGroup>> nccl(const c10::Device& device);
+  /// An endpoint for tensors on `device` (this process's GPU) between processes over NCCL
+  /// (transport/lane_endpoint.h): a two-member NCCL group per ordered pair (sender, receiver)
+  /// of `links` this process is in, messages' headers and host tensors over UCX. Collective:
+  /// every process calls it with the same links, in one order with the job's other
+  /// collective calls. Groups are made in the links' sorted order, each with a first
+  /// transfer, so NCCL's connection set-up never waits in a cycle between processes.
+  Result<std::shared_ptr<transport::LaneEndpoint>> nccl_endpoint(const c10::Device& device,
+                                                                 std::vector<std::pair<int, int>> links);
   /// A collective group over `members` (process ranks, ascending; member i is members[i]),
   /// for work that spans some processes only (a stage's replicas in several processes).
   /// Collective by order: every process makes every group of the job in the same order,
@@ -84,6 +93,12 @@ class ProcessGroup {
   std::map<int, std::shared_ptr<transport::NcclGroup>> nccl_;  // by device index
   int groups_made_ = 0;  // subgroups made so far (the next one's id is this + 1)
   std::vector<std::shared_ptr<transport::EndpointGroup>> subgroups_;
+  int lane_endpoints_made_ = 0;  // the next one's channel is this
+  std::vector<std::shared_ptr<transport::LaneEndpoint>> lane_endpoints_;
+  // Every process says whether it can hold an NCCL member on `device`; OK when all can.
+  Status agree_on_nccl(const c10::Device& device, const std::string& what);
+  // Process 0's `count` fresh NCCL unique ids, handed to every process.
+  Result<std::vector<std::vector<std::uint8_t>>> unique_ids(int count) const;
 };
 
 }  // namespace conveyor::runtime

@@ -116,11 +116,6 @@ Result<JobConfig> parse_job_config(const std::string& content, const std::string
     c.timeout_s = seconds(t, "timeout", c.timeout_s);
     c.grace_s = seconds(t, "grace", c.grace_s);
     c.transport = text(t, "transport", "ucx", {"ucx", "nccl"});
-    if (c.transport == "nccl") {
-      throw TomlError(t.get("transport")->source(),
-                      "transport = \"nccl\": pipeline transfers between processes go over UCX (GPU tensors through host "
-                      "memory); NCCL serves GPU collectives only so far. Use \"ucx\"");
-    }
     c.plan = text(t, "plan", "auto");
     if (c.plan != "auto" && access(c.plan.c_str(), R_OK) != 0) {
       throw TomlError(t.get("plan")->source(), "plan = \"" + c.plan + "\": no such readable file (or \"auto\")");
@@ -179,6 +174,7 @@ int launch(const JobConfig& c, const std::vector<std::string>& command) {
       setenv("CONVEYOR_TIMEOUT", timeout.c_str(), 1);
       setenv("CONVEYOR_PLAN", c.plan.c_str(), 1);
       setenv("CONVEYOR_SCHEDULE", c.schedule.c_str(), 1);
+      setenv("CONVEYOR_TRANSPORT", c.transport.c_str(), 1);
       if (!c.trace.empty()) setenv("CONVEYOR_TRACE", c.trace.c_str(), 1);
       // The cores shared out between the processes (fewer if the caller asked for fewer).
       const char* inherited = std::getenv("OMP_NUM_THREADS");

@@ -66,7 +66,7 @@ def world():
 
 def launch_settings() -> dict:
     """What `conveyor launch` (or its job config) asks of every process: `schedule`, `plan` (a
-    file; absent for "auto") and `trace` (this process's own file), where set."""
+    file; absent for "auto"), `transport` and `trace` (this process's own file), where set."""
     out = {}
     schedule = os.environ.get("CONVEYOR_SCHEDULE")
     if schedule:
@@ -74,6 +74,11 @@ def launch_settings() -> dict:
     plan = os.environ.get("CONVEYOR_PLAN")
     if plan and plan != "auto":
         out["plan"] = plan
+    transport = os.environ.get("CONVEYOR_TRANSPORT")
+    if transport:
+        if transport not in ("ucx", "nccl"):
+            raise ConveyorValueError(f"CONVEYOR_TRANSPORT={transport!r}: expected ucx or nccl")
+        out["transport"] = transport
     trace = os.environ.get("CONVEYOR_TRACE")
     if trace:
         found = world()

@@ -178,7 +178,7 @@ class Module(torch.nn.Module):
                  stages: int | list | None = None, replicas: int | None = None, microbatches: int | None = None,
                  schedule: str = "auto", devices: int | None = None, cluster: str | None = None,
                  trace: str | os.PathLike | None = None, loss_fn=None, seed: int = 0, timeout: float | None = None,
-                 plan: str | os.PathLike | None = None):
+                 plan: str | os.PathLike | None = None, transport: str | None = None):
         super().__init__()
         # What `conveyor launch` (or its job config) asks of every process, where not given here.
         launched = distributed.launch_settings()
@@ -188,6 +188,11 @@ class Module(torch.nn.Module):
             plan = launched.get("plan")
         if trace is None:
             trace = launched.get("trace")
+        if transport is None:
+            transport = launched.get("transport", "ucx")
+        if transport not in ("ucx", "nccl"):
+            raise ConveyorValueError(f"transport={transport!r}: expected 'ucx' (host memory) or 'nccl' (GPU memory, "
+                                     "one GPU per process)")
         if schedule not in ("auto", "gpipe", "1f1b", "interleaved", "zb-h1"):
             raise ConveyorValueError(f"unknown schedule {schedule!r} (expected auto, gpipe, 1f1b, interleaved or zb-h1)")
         if isinstance(replicas, int) and replicas < 1 or isinstance(replicas, list) and (
@@ -208,6 +213,7 @@ class Module(torch.nn.Module):
         self._seed = seed
         self._plan_file = plan
         self._trace = trace
+        self._transport = transport
         self._timeout = float(timeout) if timeout is not None else distributed.default_timeout()
         if self._timeout <= 0:
             raise ConveyorValueError(f"timeout={timeout}: the timeout must be positive (seconds)")
@@ -395,7 +401,8 @@ class Module(torch.nn.Module):
             where = [[0] * k for k in replicas]
             for w, (r, i) in enumerate(workers):
                 where[r][i] = w * n // len(workers)
-        return dict(processes=self._group, replica_process=where, step_timeout_s=self._timeout)
+        return dict(processes=self._group, replica_process=where, step_timeout_s=self._timeout,
+                    transport=self._transport)
 
     def _pipeline(self, graph, plan):
         chunks = plan.document["chunks"]

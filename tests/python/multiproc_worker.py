@@ -67,7 +67,11 @@ def main():
     ap.add_argument("--dropout", type=float, default=None, help="the zoo case's dropout probability (transformers)")
     ap.add_argument("--trace", default="", help="writes the last step's trace to TRACE.rankN.pftrace")
     ap.add_argument("--device", default="cpu", help="where the model and its inputs live (cuda: every process on its GPU)")
+    ap.add_argument("--transport", default="ucx", choices=["ucx", "nccl"], help="how pipeline messages cross processes")
+    ap.add_argument("--gpu-per-process", action="store_true", help="cuda: process r on GPU r (NCCL needs one each)")
     args = ap.parse_args()
+    if args.device == "cuda" and args.gpu_per_process:
+        args.device = f"cuda:{int(os.environ.get('RANK', '0')) % torch.cuda.device_count()}"
 
     case_options = {} if args.dropout is None else {"dropout": args.dropout}
     torch.manual_seed(0)
@@ -92,7 +96,7 @@ def main():
                                 int(os.environ["MASTER_PORT"]), job=args.job or args.case, timeout_s=args.timeout,
                                 version=args.version)
         extra = dict(processes=group, replica_process=placement(replicas, world, args.placement),
-                     step_timeout_s=args.timeout)
+                     step_timeout_s=args.timeout, transport=args.transport)
     else:
         rank = 0
     total = sum(p.numel() for p in model.parameters())

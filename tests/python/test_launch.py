@@ -121,18 +121,18 @@ def test_a_failing_process_stops_the_job_at_once_naming_it():
 
 def test_every_process_gets_the_environment_of_its_rank(tmp_path):
     script = ("import os\nkeys = ['RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR', 'CONVEYOR_TIMEOUT',"
-              " 'CONVEYOR_SCHEDULE']\nopen(os.path.join(os.environ['OUT'], os.environ['RANK']), 'w').write("
+              " 'CONVEYOR_SCHEDULE', 'CONVEYOR_TRANSPORT']\nopen(os.path.join(os.environ['OUT'], os.environ['RANK']), 'w').write("
               "' '.join(os.environ[k] for k in keys) + ' ' + str(int(os.environ['MASTER_PORT']) > 0))\n")
     config = tmp_path / "job.toml"
-    config.write_text('[job]\nprocesses = 2\ntimeout = 42\nschedule = "1f1b"\n')
+    config.write_text('[job]\nprocesses = 2\ntimeout = 42\nschedule = "1f1b"\ntransport = "nccl"\n')
     os.environ["OUT"] = str(tmp_path)
     try:
         code, out = launch("--config", config, "--", sys.executable, "-c", script, timeout=60)
     finally:
         del os.environ["OUT"]
     assert code == 0, out
-    assert (tmp_path / "0").read_text() == "0 0 2 2 127.0.0.1 42 1f1b True"
-    assert (tmp_path / "1").read_text() == "1 1 2 2 127.0.0.1 42 1f1b True"
+    assert (tmp_path / "0").read_text() == "0 0 2 2 127.0.0.1 42 1f1b nccl True"
+    assert (tmp_path / "1").read_text() == "1 1 2 2 127.0.0.1 42 1f1b nccl True"
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -140,7 +140,7 @@ def test_every_process_gets_the_environment_of_its_rank(tmp_path):
     ('[job]\nprocesses = "two"\n', "job.toml:2: processes must be a whole number from 1 to 4096"),
     ('[job]\n\ntimeout = -1\n', "job.toml:3: timeout must be a number of seconds > 0"),
     ('[job]\nschedule = "fast"\n', 'job.toml:2: schedule = "fast" (expected one of auto, gpipe, 1f1b, interleaved, zb-h1)'),
-    ('[job]\ntransport = "nccl"\n', "job.toml:2: transport = \"nccl\": pipeline transfers between processes go over UCX"),
+    ('[job]\ntransport = "tcp"\n', 'job.toml:2: transport = "tcp" (expected one of ucx, nccl)'),
     ('[job]\nplan = "missing.json"\n', 'job.toml:2: plan = "missing.json": no such readable file'),
     ('[job]\nhosts = []\n', "job.toml:2: hosts must be a non-empty list"),
     ('[jobs]\n', "job.toml:1: unknown key 'jobs' in the job config"),

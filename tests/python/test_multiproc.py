@@ -245,6 +245,61 @@ def check_spans_across_processes(label, world, args, spans, profiles, trace_pref
             assert len(track) == 1 and track[0].endswith(f" {want} slices"), r.stdout
 
 
+@needs_ucx
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs a GPU per process: 2 GPUs (fewer visible)")
+@pytest.mark.parametrize("name, extra", [("mlp", []), ("gpt2", []),
+                                         ("t5", ["--placement", "replicas"]), ("bert", [])])
+def test_gpu_pipelines_across_processes_over_nccl_train_like_one_process(name, extra, tmp_path):
+    """transport nccl: activations and gradients cross between the processes' GPUs over NCCL
+    (a two-member group per direction, headers over UCX), bit for bit what UCX carries: the
+    same results as one process running the plan. t5 with placement "replicas" spreads each
+    stage's replicas over both processes, so every stage sends both ways."""
+    args = ["--case", name, "--stages", "4", "--steps", "3", "--device", "cuda", *CASES[name], *extra]
+    run_single(args, tmp_path / "one.pt")
+    reference = torch.load(tmp_path / "one.pt")
+    results = run_world(2, [*args, "--transport", "nccl", "--gpu-per-process"], tmp_path / "2.pt")
+    for rank, (code, text) in enumerate(results):
+        assert code == 0, f"{name} over NCCL: process {rank} failed:\n{text[-3000:]}"
+    got = torch.load(tmp_path / "2.pt")
+    assert got["losses"] == pytest.approx(reference["losses"], rel=TOLERANCE, abs=0)
+    for key, want in reference["state"].items():
+        assert rel(got["state"][key].to(want.device), want) <= TOLERANCE, f"{name} over NCCL: {key}"
+
+
+@needs_ucx
+@pytest.mark.skipif(torch.cuda.device_count() != 1, reason="checks two processes on one GPU (needs exactly one)")
+def test_nccl_transport_with_two_processes_on_one_gpu_fails_naming_why(tmp_path):
+    """NCCL refuses two members of a group on one GPU: both processes fail, saying each
+    needs a GPU of its own (UCX, the default, runs them: see the test above)."""
+    args = ["--case", "mlp", "--stages", "2", "--steps", "1", "--device", "cuda", "--transport", "nccl",
+            "--timeout", "60"]
+    for rank, (code, text) in enumerate(run_world(2, args, tmp_path / "2.pt", timeout=180)):
+        assert code != 0, f"process {rank} ran two NCCL members on one GPU:\n{text[-2000:]}"
+        assert "GPU of its own" in text, text[-2000:]
+
+
+@needs_ucx
+def test_nccl_transport_refuses_a_model_on_the_cpu_naming_it():
+    import conveyor
+    from conveyor import zoo
+    from conveyor.errors import ConveyorError
+    from conveyor.module import _loss_wrapper
+    case = zoo.CASES["mlp"](batch=8)
+    graph = conveyor.capture(_loss_wrapper(case.model, case.loss, case.args, case.kwargs), case.args, case.kwargs)
+    stages = graph.random_partition(2, seed=0, keep_node_order=True)
+    job = _C.ProcessGroup(0, 1, "127.0.0.1", free_port(), "transport-test", 30.0)
+    try:
+        with pytest.raises(ConveyorError, match='transport "nccl" moves GPU tensors between processes, but this '
+                                                "pipeline's model is on the CPU"):
+            _C.PipelineStep(graph.executor, stages, "1f1b", 2, 1, [1, 1], processes=job, rank_process=[0, 0],
+                            transport="nccl")
+        with pytest.raises(ConveyorError, match='transport "tcp"'):
+            _C.PipelineStep(graph.executor, stages, "1f1b", 2, 1, [1, 1], processes=job, rank_process=[0, 0],
+                            transport="tcp")
+    finally:
+        job.close()
+
+
 def test_a_placement_that_does_not_match_the_pipeline_is_refused_naming_it():
     if UCX_PROBLEM:
         pytest.skip(f"UCX cannot start here: {UCX_PROBLEM}")

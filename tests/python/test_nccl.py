@@ -95,6 +95,26 @@ def test_every_collective_on_one_member(dtype):
 
 
 @needs_gpu
+def test_point_to_point_exchange_with_itself_moves_every_tensor_in_order():
+    """What a lane between processes does (ncclSend/ncclRecv grouped), on the one member one
+    GPU can hold: several tensors of several dtypes, bools included, written on the current
+    stream just before; a send alone or a receive alone is refused by nothing but NCCL's
+    matching, so the self exchange pairs them in one group."""
+    group = one_member_group()
+    base = torch.arange(1 << 16, device="cuda")
+    send = [(base * 3).float().view(256, 256), (base % 2).bool()[:1000], base.double()[:7], (base * 5)[:0]]
+    recv = [torch.empty_like(t) for t in send]
+    group.exchange(send, 0, recv, 0)
+    for a, b in zip(send, recv):
+        assert torch.equal(a, b)
+    group.exchange([], 0, [], 0)  # nothing to move: completes
+    with pytest.raises(ConveyorError, match="contiguous"):
+        group.exchange([torch.ones(4, 4, device="cuda").t()], 0, [torch.empty(16, device="cuda")], 0)
+    with pytest.raises(ConveyorError, match="must be a member"):
+        group.exchange([torch.ones(4, device="cuda")], 1, [torch.empty(4, device="cuda")], 1)
+
+
+@needs_gpu
 def test_a_group_refuses_what_nccl_cannot_do_and_fails_after_abort():
     group = one_member_group()
     with pytest.raises(ConveyorError, match="cannot sum Bool"):
