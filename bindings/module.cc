@@ -332,7 +332,19 @@ PYBIND11_MODULE(_C, m) {
         py::gil_scoped_release nogil;
         return NcclHandle{unwrap(g.nccl(dev)), g.timeout()};
       }, py::arg("device"), "The NCCL group over every process on this process's CUDA device (member i is process i); "
-         "made on first use. Every process calls it, in the same order.");
+         "made on first use. Every process calls it, in the same order.")
+      .def("nccl_subgroup", [](runtime::ProcessGroup& g, std::vector<int> members, const std::string& device) -> py::object {
+        auto dev = c10::Device(device);
+        std::shared_ptr<transport::NcclGroup> group;
+        {
+          py::gil_scoped_release nogil;
+          group = unwrap(g.nccl_subgroup(members, dev));
+        }
+        if (!group) return py::none();
+        return py::cast(NcclHandle{group, g.timeout()});
+      }, py::arg("members"), py::arg("device"),
+         "An NCCL group over some processes (ascending ranks; member i is members[i]) on this process's CUDA "
+         "device; None where this process is not a member. Every process calls it for every such group, in one order.");
 
   py::class_<runtime::PipelineStep>(m, "PipelineStep",
                                     "One pipelined training step over stages of a graph, in this process.")

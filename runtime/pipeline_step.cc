@@ -253,7 +253,7 @@ struct PipelineStep::Impl {
   // by waiting for those sums. Buffers such stages read go from their owner to the other
   // processes that read them after every step (so every replica starts the next step from
   // replica 0's, as in one process); only buffers the model writes.
-  std::vector<std::shared_ptr<transport::EndpointGroup>> stage_across;  // [stage]
+  std::vector<std::shared_ptr<transport::Collective>> stage_across;  // [stage]: over UCX, or NCCL on GPUs
   struct Across {
     std::mutex mu;
     std::condition_variable cv;
@@ -790,7 +790,9 @@ struct PipelineStep::Impl {
 
   // The endpoint pipeline messages cross processes by: the process group's (UCX), or NCCL
   // lanes for every pair of processes a message goes between (both directions of a
-  // pipeline link: activations one way, gradients back). Collective, after distribute().
+  // pipeline link: activations one way, gradients back), and then the stages that span
+  // processes sum their gradients in NCCL groups instead of UCX ones. Collective, after
+  // distribute().
   Status connect_remote(PipelineOptions::Transport transport) {
     remote = processes->endpoint();
     if (transport != PipelineOptions::Transport::kNccl) return Status::ok();
@@ -810,6 +812,14 @@ struct PipelineStep::Impl {
     }
     CONVEYOR_ASSIGN_OR_RETURN(auto lanes, processes->nccl_endpoint(*stream_device, links));
     remote = std::move(lanes);
+    // Stages whose replicas span processes sum their gradients across them on the GPUs too.
+    for (std::size_t st = 0; st < replica_process.size(); ++st) {
+      const std::set<int> spanned(replica_process[st].begin(), replica_process[st].end());
+      if (spanned.size() < 2) continue;
+      CONVEYOR_ASSIGN_OR_RETURN(auto group, processes->nccl_subgroup(std::vector<int>(spanned.begin(), spanned.end()),
+                                                                     *stream_device));
+      stage_across[st] = std::move(group);
+    }
     return Status::ok();
   }
 

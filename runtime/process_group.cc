@@ -187,13 +187,39 @@ Result<std::shared_ptr<transport::LaneEndpoint>> ProcessGroup::nccl_endpoint(con
   return endpoint;
 }
 
-Result<std::shared_ptr<transport::EndpointGroup>> ProcessGroup::subgroup(const std::vector<int>& members) {
+Status ProcessGroup::check_members(const std::vector<int>& members) const {
   for (std::size_t k = 0; k < members.size(); ++k) {
     if (members[k] < 0 || members[k] >= world_ || (k > 0 && members[k] <= members[k - 1])) {
       return Status(ErrorCode::kInvalidArgument, "a process group's members must be distinct processes of the job (0 to " +
                                                      std::to_string(world_ - 1) + "), in ascending order");
     }
   }
+  return Status::ok();
+}
+
+Result<std::shared_ptr<transport::NcclGroup>> ProcessGroup::nccl_subgroup(const std::vector<int>& members,
+                                                                          const c10::Device& device) {
+  CONVEYOR_RETURN_IF_ERROR(check_members(members));
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string names;
+  for (int m : members) names += (names.empty() ? "" : ", ") + std::to_string(m);
+  const std::string what = "an NCCL group of processes " + names;
+  CONVEYOR_RETURN_IF_ERROR(agree_on_nccl(device, what));
+  CONVEYOR_ASSIGN_OR_RETURN(auto ids, unique_ids(1));
+  auto me = std::find(members.begin(), members.end(), rank_);
+  if (me == members.end()) return std::shared_ptr<transport::NcclGroup>();
+  auto made = transport::make_nccl_group(static_cast<int>(me - members.begin()), static_cast<int>(members.size()),
+                                         ids[0], device);
+  if (!made.is_ok()) {
+    return made.status().with_context(what + " (each process needs a GPU of its own: NCCL refuses two members on one)");
+  }
+  if (failed_) (*made)->abort(Status(ErrorCode::kExecution, "the job's processes were aborted"));
+  nccl_subgroups_.push_back(*made);
+  return *made;
+}
+
+Result<std::shared_ptr<transport::EndpointGroup>> ProcessGroup::subgroup(const std::vector<int>& members) {
+  CONVEYOR_RETURN_IF_ERROR(check_members(members));
   std::lock_guard<std::mutex> lock(mu_);
   const int id = ++groups_made_;  // 0 is the group over every process
   if (id >= (1 << 15)) {
@@ -212,6 +238,7 @@ void ProcessGroup::abort(Status error) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [index, group] : nccl_) group->abort(error);
+    for (auto& group : nccl_subgroups_) group->abort(error);
     for (auto& endpoint : lane_endpoints_) endpoint->abort(error);  // and their NCCL links
     for (auto& group : subgroups_) group->abort(error);
   }

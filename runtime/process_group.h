@@ -68,6 +68,12 @@ class ProcessGroup {
   /// transfer, so NCCL's connection set-up never waits in a cycle between processes.
   Result<std::shared_ptr<transport::LaneEndpoint>> nccl_endpoint(const c10::Device& device,
                                                                  std::vector<std::pair<int, int>> links);
+  /// An NCCL group over `members` (process ranks, ascending; member i is members[i]) on
+  /// `device` (this process's GPU): a stage's replicas in several processes summing their
+  /// gradients on their GPUs. Collective: every process calls it for every such group, in
+  /// one order, members or not (process 0 makes the unique id and every process passes it
+  /// on); a non-member gets null.
+  Result<std::shared_ptr<transport::NcclGroup>> nccl_subgroup(const std::vector<int>& members, const c10::Device& device);
   /// A collective group over `members` (process ranks, ascending; member i is members[i]),
   /// for work that spans some processes only (a stage's replicas in several processes).
   /// Collective by order: every process makes every group of the job in the same order,
@@ -93,10 +99,13 @@ class ProcessGroup {
   std::map<int, std::shared_ptr<transport::NcclGroup>> nccl_;  // by device index
   int groups_made_ = 0;  // subgroups made so far (the next one's id is this + 1)
   std::vector<std::shared_ptr<transport::EndpointGroup>> subgroups_;
+  std::vector<std::shared_ptr<transport::NcclGroup>> nccl_subgroups_;
   int lane_endpoints_made_ = 0;  // the next one's channel is this
   std::vector<std::shared_ptr<transport::LaneEndpoint>> lane_endpoints_;
   // Every process says whether it can hold an NCCL member on `device`; OK when all can.
   Status agree_on_nccl(const c10::Device& device, const std::string& what);
+  // OK when `members` are distinct processes of the job, in ascending order.
+  Status check_members(const std::vector<int>& members) const;
   // Process 0's `count` fresh NCCL unique ids, handed to every process.
   Result<std::vector<std::vector<std::uint8_t>>> unique_ids(int count) const;
 };

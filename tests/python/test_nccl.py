@@ -65,6 +65,10 @@ def test_a_job_without_gpus_cannot_make_its_nccl_group(one_process_job):
         one_process_job.nccl("cpu")
     with pytest.raises(ConveyorError, match="NCCL needs a GPU"):
         one_process_job.nccl("cuda:0")
+    with pytest.raises(ConveyorError, match="cannot join an NCCL group of processes 0"):
+        one_process_job.nccl_subgroup([0], "cpu")
+    with pytest.raises(ConveyorError, match="distinct processes of the job"):
+        one_process_job.nccl_subgroup([0, 0], "cpu")
 
 
 def one_member_group():
@@ -129,6 +133,18 @@ def test_a_group_refuses_what_nccl_cannot_do_and_fails_after_abort():
     group.abort("a member was lost")
     with pytest.raises(ConveyorError, match="a member was lost"):
         group.allreduce(torch.ones(4, device="cuda"))
+
+
+@needs_gpu
+def test_a_one_process_job_makes_nccl_subgroups_in_order(one_process_job):
+    """What a stage whose replicas span processes sums its gradients in (transport nccl)."""
+    first = one_process_job.nccl_subgroup([0], "cuda:0")
+    second = one_process_job.nccl_subgroup([0], "cuda:0")  # a group of its own, not the first again
+    for group in (first, second):
+        assert (group.rank, group.size) == (0, 1)
+        t = torch.arange(4096, dtype=torch.float64, device="cuda")
+        group.allreduce(t)
+        assert torch.equal(t, torch.arange(4096, dtype=torch.float64, device="cuda"))
 
 
 @needs_gpu
