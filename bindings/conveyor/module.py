@@ -41,6 +41,8 @@ process 0's is used). The masks are not eager's: eager draws one stream in execu
     plan          a plan document (`conveyor plan --out`, Plan.save) to run instead of planning
     timeout       seconds any wait between processes may take (rendezvous, a step); default
                   CONVEYOR_TIMEOUT or 300
+    transport     across processes: "ucx" (host memory; the default, or CONVEYOR_TRANSPORT)
+                  or "nccl" (GPU to GPU, one GPU per process)
 """
 from __future__ import annotations
 
