@@ -93,16 +93,16 @@ class LaneEndpointImpl final : public LaneEndpoint, public std::enable_shared_fr
     std::vector<at::Tensor> message{at::Tensor()}, on_lane;
     try {
       for (const at::Tensor& t : tensors) {
-      if (!t.defined()) {
-        header.push_back(kUndefined);
-      } else if (t.device() == device_) {
-        header.insert(header.end(), {kOnLane, static_cast<std::int64_t>(t.scalar_type()), t.dim()});
-        header.insert(header.end(), t.sizes().begin(), t.sizes().end());
-        on_lane.push_back(t.detach().contiguous());
-      } else {
-        header.push_back(kInline);
-        message.push_back(t);
-      }
+        if (!t.defined()) {
+          header.push_back(kUndefined);
+        } else if (t.device() == device_) {
+          header.insert(header.end(), {kOnLane, static_cast<std::int64_t>(t.scalar_type()), t.dim()});
+          header.insert(header.end(), t.sizes().begin(), t.sizes().end());
+          on_lane.push_back(t.detach().contiguous());
+        } else {
+          header.push_back(kInline);
+          message.push_back(t);
+        }
       }
       message[0] = at::tensor(header, at::kLong);
     } catch (const std::exception& e) {  // making a tensor contiguous (out of device memory, say)
