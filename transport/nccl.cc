@@ -107,6 +107,42 @@ class NcclMember final : public NcclGroup {
     run({CollectiveKind::kReduceScatter, 0, in, out}, std::move(done));
   }
 
+  void exchange(std::vector<at::Tensor> send, int to, std::vector<at::Tensor> recv, int from, Done done) override {
+    const std::string what = "point to point (" + std::to_string(send.size()) + " sends to member " +
+                             std::to_string(to) + ", " + std::to_string(recv.size()) + " receives from member " +
+                             std::to_string(from) + ")";
+    auto bad = [&](const std::string& why) {
+      return done(Status(ErrorCode::kInvalidArgument, "NCCL " + what + " on member " + std::to_string(rank_) + ": " + why));
+    };
+    if (!send.empty() && (to < 0 || to >= size_)) return bad("the peer must be a member, 0 to " + std::to_string(size_ - 1));
+    if (!recv.empty() && (from < 0 || from >= size_)) return bad("the peer must be a member, 0 to " + std::to_string(size_ - 1));
+    std::vector<nccl_abi::DataType> types;
+    for (const auto* list : {&send, &recv}) {
+      for (const at::Tensor& t : *list) {
+        if (std::string why = unusable(t); !why.empty()) return bad(why);
+        auto type = nccl_type(t.scalar_type(), /*sums=*/false);
+        if (!type.is_ok()) return done(type.status());
+        types.push_back(*type);
+      }
+    }
+    std::vector<at::Tensor> hold = send;
+    hold.insert(hold.end(), recv.begin(), recv.end());
+    launch(std::move(hold), what, std::move(done), [&](nccl_abi::Stream s) {
+      nccl_abi::Result r = nccl_.GroupStart();
+      std::size_t k = 0;
+      for (const at::Tensor& t : send) {
+        if (r == nccl_abi::kSuccess) r = nccl_.Send(t.data_ptr(), static_cast<std::size_t>(t.numel()), types[k], to, comm_, s);
+        ++k;
+      }
+      for (const at::Tensor& t : recv) {
+        if (r == nccl_abi::kSuccess) r = nccl_.Recv(t.data_ptr(), static_cast<std::size_t>(t.numel()), types[k], from, comm_, s);
+        ++k;
+      }
+      const nccl_abi::Result ended = nccl_.GroupEnd();  // always: a group once started must end
+      return r != nccl_abi::kSuccess ? r : ended;
+    });
+  }
+
   void abort(Status error) override {
     std::lock_guard<std::mutex> launch(launch_mutex());
     {
@@ -127,6 +163,14 @@ class NcclMember final : public NcclGroup {
     std::string what;
   };
 
+  // Why `t` cannot be one of this member's NCCL buffers; empty when it can.
+  std::string unusable(const at::Tensor& t) const {
+    if (!t.defined()) return "an undefined tensor";
+    if (t.device() != device_) return "the group's tensors live on " + device_.str();
+    if (!t.is_contiguous()) return "NCCL needs contiguous tensors (call .contiguous())";
+    return "";
+  }
+
   // The member's own arguments, before anything launches.
   Status check(const CollectiveCall& call) const {
     auto bad = [&](const std::string& why) {
@@ -136,9 +180,7 @@ class NcclMember final : public NcclGroup {
       const bool needed = t == &call.in || call.kind == CollectiveKind::kAllGather ||
                           call.kind == CollectiveKind::kReduceScatter;
       if (!needed) continue;
-      if (!t->defined()) return bad("an undefined tensor");
-      if (t->device() != device_) return bad("the group's tensors live on " + device_.str());
-      if (!t->is_contiguous()) return bad("NCCL needs contiguous tensors (call .contiguous())");
+      if (std::string why = unusable(*t); !why.empty()) return bad(why);
       if (t->scalar_type() != call.in.scalar_type()) return bad("in and out differ in dtype");
     }
     if ((call.kind == CollectiveKind::kReduce || call.kind == CollectiveKind::kBroadcast) &&
@@ -177,46 +219,6 @@ class NcclMember final : public NcclGroup {
     });
   }
 
- public:
-  void exchange(std::vector<at::Tensor> send, int to, std::vector<at::Tensor> recv, int from, Done done) override {
-    const std::string what = "point to point (" + std::to_string(send.size()) + " sends to member " +
-                             std::to_string(to) + ", " + std::to_string(recv.size()) + " receives from member " +
-                             std::to_string(from) + ")";
-    auto bad = [&](const std::string& why) {
-      return done(Status(ErrorCode::kInvalidArgument, "NCCL " + what + " on member " + std::to_string(rank_) + ": " + why));
-    };
-    if (!send.empty() && (to < 0 || to >= size_)) return bad("the peer must be a member, 0 to " + std::to_string(size_ - 1));
-    if (!recv.empty() && (from < 0 || from >= size_)) return bad("the peer must be a member, 0 to " + std::to_string(size_ - 1));
-    std::vector<nccl_abi::DataType> types;
-    for (const auto* list : {&send, &recv}) {
-      for (const at::Tensor& t : *list) {
-        if (!t.defined()) return bad("an undefined tensor");
-        if (t.device() != device_) return bad(describe_tensor(t) + ": the group's tensors live on " + device_.str());
-        if (!t.is_contiguous()) return bad("NCCL needs contiguous tensors (call .contiguous())");
-        auto type = nccl_type(t.scalar_type(), /*sums=*/false);
-        if (!type.is_ok()) return done(type.status());
-        types.push_back(*type);
-      }
-    }
-    std::vector<at::Tensor> hold = send;
-    hold.insert(hold.end(), recv.begin(), recv.end());
-    launch(std::move(hold), what, std::move(done), [&](nccl_abi::Stream s) {
-      nccl_abi::Result r = nccl_.GroupStart();
-      std::size_t k = 0;
-      for (const at::Tensor& t : send) {
-        if (r == nccl_abi::kSuccess) r = nccl_.Send(t.data_ptr(), static_cast<std::size_t>(t.numel()), types[k], to, comm_, s);
-        ++k;
-      }
-      for (const at::Tensor& t : recv) {
-        if (r == nccl_abi::kSuccess) r = nccl_.Recv(t.data_ptr(), static_cast<std::size_t>(t.numel()), types[k], from, comm_, s);
-        ++k;
-      }
-      const nccl_abi::Result ended = nccl_.GroupEnd();  // always: a group once started must end
-      return r != nccl_abi::kSuccess ? r : ended;
-    });
-  }
-
- private:
   // Launches `issue` (NCCL calls on the given stream) under the process-wide launch lock, on
   // the member's stream once the caller's current stream's work is done; `done` runs on the
   // completion thread once the kernels have finished (or at once with a launch error).
