@@ -173,6 +173,18 @@ Graph parse_graph(const json& doc) {
     if (!it->is_object()) throw ParseError("/symbols", "expected an object");
     for (const auto& [k, v] : it->items()) g.symbols[k] = as_string(v, "/symbols/" + k);
   }
+  if (auto it = doc.find("ranges"); it != doc.end()) {
+    if (!it->is_object()) throw ParseError("/ranges", "expected an object");
+    for (const auto& [k, v] : it->items()) {
+      const std::string p = "/ranges/" + k;
+      if (!v.is_object()) throw ParseError(p, "expected an object {\"min\": n, \"max\": n}");
+      Graph::Range r;
+      if (auto lo = v.find("min"); lo != v.end()) r.min = as_int(*lo, p + "/min");
+      if (auto hi = v.find("max"); hi != v.end()) r.max = as_int(*hi, p + "/max");
+      if (r.min < 0 || r.max < r.min) throw ParseError(p, "expected 0 <= min <= max");
+      g.ranges[k] = r;
+    }
+  }
   const auto& values = as_array(field(doc, "", "values"), "/values");
   for (std::size_t i = 0; i < values.size(); ++i) {
     std::string p = "/values/" + std::to_string(i);
@@ -297,6 +309,16 @@ std::string Graph::to_json() const {
   doc["version"] = version;
   doc["producer"] = producer;
   doc["symbols"] = symbols;
+  if (!ranges.empty()) {
+    json r = json::object();
+    for (const auto& [k, range] : ranges) {
+      json jr = json::object();
+      if (range.min > 0) jr["min"] = range.min;
+      if (range.max != std::numeric_limits<std::int64_t>::max()) jr["max"] = range.max;
+      r[k] = jr;
+    }
+    doc["ranges"] = r;
+  }
   json values_j = json::array();
   for (const auto& v : values) {
     json jv = {{"id", v.id}, {"kind", value_kind_name(v.kind)}};

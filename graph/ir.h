@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <optional>
 #include <string>
@@ -116,6 +117,12 @@ struct Graph {
   std::vector<Node> nodes;       ///< indexed by NodeId, in a topological order
   std::vector<ValueId> outputs;
   std::map<std::string, std::string> symbols;  ///< symbol -> role ("batch")
+  /// The sizes a symbol may take where the model's guards bound it (a kernel chosen by size,
+  /// a Python branch on it): the graph holds for min <= size <= max only. Absent: unbounded.
+  struct Range {
+    std::int64_t min = 0, max = std::numeric_limits<std::int64_t>::max();
+  };
+  std::map<std::string, Range> ranges;  ///< symbol -> range
   std::string extra_json = "{}";  ///< front-end data conveyor carries unchanged (pytree specs)
 
   /// Parses and validates a graph JSON document.

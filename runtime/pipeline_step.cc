@@ -131,6 +131,7 @@ struct PipelineStep::Impl {
   std::int64_t bucket_bytes = 4 << 20;
   int intra_op_threads = 0;
   std::vector<bool> batched_input;  // per graph input: split along dim 0
+  graph::Graph::Range batch_range;   // the share sizes the graph holds for (capture's guards)
   std::map<ValueId, int> input_index;
   std::vector<int> producer;    // per value: the stage defining it, -1 for inputs and bindings
   std::vector<int> batch_dim;   // per value: its batch dimension, -1 when it has none
@@ -1303,7 +1304,12 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
   }
   std::set<std::string> batch_symbols;
   for (const auto& [symbol, role] : g.symbols) {
-    if (role == "batch") batch_symbols.insert(symbol);
+    if (role != "batch") continue;
+    batch_symbols.insert(symbol);
+    if (auto r = g.ranges.find(symbol); r != g.ranges.end()) {
+      impl->batch_range.min = std::max(impl->batch_range.min, r->second.min);
+      impl->batch_range.max = std::min(impl->batch_range.max, r->second.max);
+    }
   }
   std::vector<bool> on_batch(g.values.size(), false);  // depends on a batched input
   // Depends on a batched input's data, and holds positions within a share (made from
@@ -1633,6 +1639,28 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
                   "the batch has " + std::to_string(batch) + " samples: " + std::to_string(m) +
                       " microbatches leave " + std::to_string(batch / m) + " per microbatch, fewer than the " +
                       std::to_string(most) + " replicas of a stage; use a larger batch, fewer microbatches or fewer replicas");
+  }
+  {
+    // Each replica runs a share of a microbatch; the graph holds only for the sizes its
+    // capture allowed (a kernel chosen by size, a branch on the batch size).
+    const int fewest = *std::min_element(im.stage_replicas.begin(), im.stage_replicas.end());
+    const std::int64_t largest = ((batch + m - 1) / m + fewest - 1) / fewest, smallest = batch / m / most;
+    const std::string split = " (a batch of " + std::to_string(batch) + " in " + std::to_string(m) +
+                              " microbatches, shared by up to " + std::to_string(most) + " replicas)";
+    if (largest > im.batch_range.max) {
+      return Status(ErrorCode::kInvalidArgument,
+                    "the model's graph holds for at most " + std::to_string(im.batch_range.max) +
+                        " samples at once (capture found a guard on the batch size: a kernel chosen by size or a "
+                        "branch on it), but a replica would run " + std::to_string(largest) + split +
+                        "; use more microbatches or replicas, or a smaller batch");
+    }
+    if (smallest < im.batch_range.min) {
+      return Status(ErrorCode::kInvalidArgument,
+                    "the model's graph holds for at least " + std::to_string(im.batch_range.min) +
+                        " samples at once (capture found a guard on the batch size: a kernel chosen by size or a "
+                        "branch on it), but a replica would run " + std::to_string(smallest) + split +
+                        "; use fewer microbatches or replicas, or a larger batch");
+    }
   }
   im.batch = batch;
   im.micro_inputs.assign(static_cast<std::size_t>(m), {});

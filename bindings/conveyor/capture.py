@@ -118,9 +118,10 @@ def _traceback_lines(exc: BaseException) -> list[str]:
     return traceback.format_exception(type(exc), exc, exc.__traceback__)
 
 
-def _batch_dynamic_shapes(model, args, kwargs, batch: int):
-    """dynamic_shapes marking dim 0 of every tensor whose dim 0 equals the batch size."""
-    dim = Dim("batch")
+def _batch_dynamic_shapes(model, args, kwargs, batch: int, bounds: dict[str, int] | None = None):
+    """dynamic_shapes marking dim 0 of every tensor whose dim 0 equals the batch size, as one
+    Dim("batch") within `bounds` (min, max) where given."""
+    dim = Dim("batch", **(bounds or {}))
 
     def spec(x):
         if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch:
@@ -141,6 +142,19 @@ def _batch_dynamic_shapes(model, args, kwargs, batch: int):
     return out
 
 
+_SUGGESTED_BATCH = re.compile(r"batch = Dim\('batch'((?:, (?:min|max)=\d+)*)\)")
+
+
+def _suggested_batch_bounds(text: str) -> dict[str, int] | None:
+    """The range torch.export suggests for the batch when the model's guards bound it (a
+    kernel chosen by size, as cuDNN's BatchNorm is up to 880801 samples, or a Python branch
+    on the batch size): {"min": .., "max": ..}; None when it suggests a fixed size instead."""
+    found = _SUGGESTED_BATCH.search(text)
+    if not found:
+        return None
+    return {k: int(v) for k, v in re.findall(r"(min|max)=(\d+)", found.group(1))}
+
+
 def _export(model, args, kwargs, dynamic_batch: bool) -> tuple[ExportedProgram, bool]:
     leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
     if not leaves:
@@ -151,25 +165,39 @@ def _export(model, args, kwargs, dynamic_batch: bool) -> tuple[ExportedProgram, 
             f"cannot capture {type(model).__name__} with a batch of {batch}: capture with an "
             "example batch of at least 2 so the batch dimension can stay symbolic")
     if dynamic_batch and batch is not None:
-        try:
-            shapes = _batch_dynamic_shapes(model, args, kwargs, batch)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                return torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False), True
-        except Exception as exc:  # noqa: BLE001 - retried below, then reported
-            text = str(exc)
-            specialization = "batch" in text and ("specializ" in text or "constraint" in text.lower()
-                                                  or "Constraints violated" in text)
-            if not specialization:
-                raise _capture_failure(model, exc) from exc
-            warnings.warn(f"conveyor: {type(model).__name__} specializes its batch size; captured "
-                          f"with a fixed batch of {batch} (microbatching will need that size)")
+        bounds: dict[str, int] = {}
+        for _ in range(4):  # each retry narrows the range to what the model's guards allow
+            try:
+                shapes = _batch_dynamic_shapes(model, args, kwargs, batch, bounds)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    return torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False), True
+            except Exception as exc:  # noqa: BLE001 - retried below, then reported
+                text = str(exc)
+                specialization = "batch" in text and ("specializ" in text or "constraint" in text.lower()
+                                                      or "Constraints violated" in text)
+                if not specialization:
+                    raise _capture_failure(model, exc) from exc
+                narrower = _suggested_batch_bounds(text)
+                if narrower is None or narrower == bounds:
+                    break
+                bounds = narrower
+        warnings.warn(f"conveyor: {type(model).__name__} specializes its batch size; captured "
+                      f"with a fixed batch of {batch} (microbatching will need that size)")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return torch.export.export(model, args, kwargs, strict=False), False
     except Exception as exc:  # noqa: BLE001
         raise _capture_failure(model, exc) from exc
+
+
+def _finite_int(bound) -> int | None:
+    """A range bound as an int; None for an infinite one."""
+    try:
+        return int(bound) if bound.is_finite else None
+    except (TypeError, ValueError, OverflowError, AttributeError):
+        return None
 
 
 class _Builder:
@@ -184,6 +212,7 @@ class _Builder:
         self.bindings: list[dict] = []
         self.tensors: dict[str, torch.Tensor] = {}
         self.symbols: dict[str, str] = {}
+        self.ranges: dict[str, dict[str, int]] = {}  # symbol -> the sizes the graph holds for
         self.env: dict[torch.fx.Node, Any] = {}  # fx node -> value id, or list of them
 
     # -- values ---------------------------------------------------------------------------
@@ -363,6 +392,22 @@ class _Builder:
         out = next(n for n in sub.graph.nodes if n.op == "output")
         self.env[node] = [self.env[o] for o in out.args[0]]
 
+    def batch_bounds(self, symbol: str) -> dict[str, int]:
+        """The batch sizes the graph was captured for, where the model's guards bound them:
+        {"max": n} and {"min": n} above 2 (export's own floor for a dynamic size, which
+        conveyor's executor does not need: it runs shares of one sample)."""
+        for sym, vr in self.ep.range_constraints.items():
+            if str(sym) != symbol:
+                continue
+            out = {}
+            lower, upper = _finite_int(vr.lower), _finite_int(vr.upper)
+            if lower is not None and lower > 2:
+                out["min"] = lower
+            if upper is not None:
+                out["max"] = upper
+            return out
+        return {}
+
     # -- whole program --------------------------------------------------------------------
     def build(self, dynamic: bool) -> tuple[dict, dict[str, torch.Tensor]]:
         ep = self.ep
@@ -424,11 +469,15 @@ class _Builder:
             shape0 = self.values[self.inputs[0]["value"]].get("shape") or []
             if shape0 and isinstance(shape0[0], str):
                 self.symbols[shape0[0]] = "batch"
+                bounds = self.batch_bounds(shape0[0])
+                if bounds:
+                    self.ranges[shape0[0]] = bounds
         doc = {
             "format": "conveyor.graph",
             "version": 1,
             "producer": {"conveyor": "0.1.0", "torch": torch.__version__},
             "symbols": self.symbols,
+            **({"ranges": self.ranges} if self.ranges else {}),
             "values": self.values,
             "inputs": self.inputs,
             "bindings": self.bindings,

@@ -29,6 +29,32 @@ TEST(GraphJson, RoundTripsEveryField) {
   EXPECT_EQ(parsed->symbols.at("s0"), "batch");
 }
 
+TEST(GraphJson, BatchRangesRoundTripAndMalformedOnesNameThePath) {
+  Graph g = mlp_graph();
+  g.ranges["s0"] = Graph::Range{3, 880801};
+  auto parsed = Graph::from_json(g.to_json());
+  ASSERT_TRUE(parsed.is_ok()) << parsed.status().to_string();
+  EXPECT_EQ(parsed->ranges.at("s0").min, 3);
+  EXPECT_EQ(parsed->ranges.at("s0").max, 880801);
+  EXPECT_EQ(parsed->to_json(), g.to_json());
+
+  g.ranges["s0"] = Graph::Range{0, 64};  // only a maximum
+  parsed = Graph::from_json(g.to_json());
+  ASSERT_TRUE(parsed.is_ok()) << parsed.status().to_string();
+  EXPECT_EQ(parsed->ranges.at("s0").min, 0);
+  EXPECT_EQ(parsed->ranges.at("s0").max, 64);
+
+  std::string text = g.to_json();
+  const auto pos = text.find("{\"max\":64}");
+  ASSERT_NE(pos, std::string::npos) << text;
+  text.replace(pos, 10, "{\"max\":-1}");
+  auto bad = Graph::from_json(text);
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_EQ(bad.status().code(), ErrorCode::kFormat);
+  EXPECT_NE(bad.status().message().find("/ranges/s0"), std::string::npos) << bad.status().message();
+  EXPECT_NE(bad.status().message().find("0 <= min <= max"), std::string::npos) << bad.status().message();
+}
+
 TEST(GraphJson, SpecialFloatsSurvive) {
   Graph g = mlp_graph();
   g.nodes[3].args[1] = Argument::of_list({Argument::of_float(-std::numeric_limits<double>::infinity()),

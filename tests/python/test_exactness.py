@@ -130,6 +130,45 @@ def test_batch_size_is_symbolic(rel_err):
         assert rel_err(out.loss, case.model(**kwargs).loss) <= TOLERANCE
 
 
+class BoundedByBatch(torch.nn.Module):
+    """Branches on the batch size, as torch's cuDNN BatchNorm does (up to 880801 samples):
+    the graph holds only within the bounds the branch checks."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        if 3 <= x.shape[0] <= 1000:
+            return (self.fc(x) - y).pow(2).mean()
+        return self.fc(x).sum()
+
+
+def test_a_bounded_batch_stays_symbolic_within_its_bounds_and_shares_outside_are_refused():
+    torch.manual_seed(0)
+    model = BoundedByBatch()
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    graph = conveyor.capture(model, (x, y))
+    symbol = next(s for s, role in graph.document["symbols"].items() if role == "batch")
+    assert graph.document["ranges"] == {symbol: {"min": 3, "max": 1000}}  # read back from the C++ IR
+    partition = graph.random_partition(2, seed=1, keep_node_order=False)
+
+    def step(batch, microbatches):
+        xb, yb = torch.randn(batch, 4), torch.randn(batch, 4)
+        run = conveyor._C.PipelineStep(graph.executor, partition, "1f1b", microbatches, 1, [1, 1], 0, 1)
+        # Eager on each microbatch: the whole batch of 2000 would take the other branch.
+        eager = sum(model(a, b) for a, b in zip(xb.tensor_split(microbatches), yb.tensor_split(microbatches)))
+        return run.run(graph.flatten_inputs((xb, yb), {}))[0], eager / microbatches
+
+    for batch, m in ((2000, 2), (12, 4)):  # shares of 1000 and 3: inside
+        loss, eager = step(batch, m)
+        assert abs(loss.item() - eager.item()) <= 1e-5 * abs(eager.item())
+    with pytest.raises(conveyor.ConveyorValueError, match="at most 1000 samples.*would run 2000.*more microbatches"):
+        step(2000, 1)
+    with pytest.raises(conveyor.ConveyorValueError, match="at least 3 samples.*would run 2.*fewer microbatches"):
+        step(8, 4)
+
+
 def test_no_grad_and_multiple_outputs():
     torch.manual_seed(0)
 
