@@ -116,7 +116,9 @@ class LaneEndpointImpl final : public LaneEndpoint, public std::enable_shared_fr
       Done done;
     };
     auto both = std::make_shared<Both>();
-    both->left = on_lane.empty() ? 1 : 2;
+    // One more than the parts: the caller's own, given back once the order lock is released,
+    // so `done` never runs under it (a part may fail at once, inside the send call).
+    both->left = (on_lane.empty() ? 1 : 2) + 1;
     both->done = std::move(done);
     auto part = [both](Status s) {
       std::unique_lock<std::mutex> lock(both->mu);
@@ -126,10 +128,13 @@ class LaneEndpointImpl final : public LaneEndpoint, public std::enable_shared_fr
       lock.unlock();
       both->done(result);
     };
-    // Headers and lane transfers to one peer in one order.
-    std::lock_guard<std::mutex> order(*send_order_.at(peer));
-    control_->send(peer, control_tag_, std::move(message), part);
-    if (!on_lane.empty()) lane->second->send(std::move(on_lane), part);
+    {
+      // Headers and lane transfers to one peer in one order.
+      std::lock_guard<std::mutex> order(*send_order_.at(peer));
+      control_->send(peer, control_tag_, std::move(message), part);
+      if (!on_lane.empty()) lane->second->send(std::move(on_lane), part);
+    }
+    part(Status::ok());
   }
 
   void recv(int peer, Tag tag, Received done) override {
