@@ -245,13 +245,16 @@ PYBIND11_MODULE(_C, m) {
   py::class_<NcclHandle>(m, "NcclGroup",
                          "A member of an NCCL group on one CUDA device (transport/nccl.h): collectives on the member's "
                          "own stream, after the work queued on the current stream; each call returns once its result "
-                         "is in the tensor. A call that does not finish within timeout_s aborts the group.")
+                         "is in the tensor. Joining fails when the other members have not joined within timeout_s; a call that "
+                         "does not finish within timeout_s aborts the group.")
       .def(py::init([](int rank, int size, const py::bytes& unique_id, const std::string& device, double timeout_s) {
              std::string id = unique_id;
              auto dev = c10::Device(device);
+             const std::chrono::milliseconds timeout(static_cast<std::int64_t>(timeout_s * 1000));
              py::gil_scoped_release nogil;
-             return NcclHandle{unwrap(transport::make_nccl_group(rank, size, std::vector<std::uint8_t>(id.begin(), id.end()), dev)),
-                               std::chrono::milliseconds(static_cast<std::int64_t>(timeout_s * 1000))};
+             return NcclHandle{unwrap(transport::make_nccl_group(rank, size, std::vector<std::uint8_t>(id.begin(), id.end()),
+                                                                 dev, transport::NcclJoin{timeout, {}})),
+                               timeout};
            }),
            py::arg("rank"), py::arg("size"), py::arg("unique_id"), py::arg("device"), py::arg("timeout_s") = 300.0)
       .def_property_readonly("rank", [](const NcclHandle& h) { return h.group->rank(); })

@@ -131,12 +131,28 @@ Result<std::vector<std::vector<std::uint8_t>>> ProcessGroup::unique_ids(int coun
   return out;
 }
 
-Result<std::shared_ptr<transport::NcclGroup>> ProcessGroup::nccl(const c10::Device& device) {
+transport::NcclJoin ProcessGroup::join() const {
+  return transport::NcclJoin{timeout_, [this] { return failed_.load(); }};
+}
+
+template <class Group>
+void ProcessGroup::keep(std::vector<std::shared_ptr<Group>>& kept, const std::shared_ptr<Group>& group) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (auto it = nccl_.find(device.index()); it != nccl_.end()) return it->second;
+  kept.push_back(group);
+  if (failed_) group->abort(abort_error_);
+}
+
+Result<std::shared_ptr<transport::NcclGroup>> ProcessGroup::nccl(const c10::Device& device) {
+  std::lock_guard<std::mutex> making(making_);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = nccl_.find(device.index()); it != nccl_.end()) return it->second;
+  }
   CONVEYOR_RETURN_IF_ERROR(agree_on_nccl(device, "an NCCL group"));
   CONVEYOR_ASSIGN_OR_RETURN(auto ids, unique_ids(1));
-  CONVEYOR_ASSIGN_OR_RETURN(auto group, transport::make_nccl_group(rank_, world_, ids[0], device));
+  CONVEYOR_ASSIGN_OR_RETURN(auto group, transport::make_nccl_group(rank_, world_, ids[0], device, join()));
+  keep(nccl_groups_, group);
+  std::lock_guard<std::mutex> lock(mu_);
   nccl_[device.index()] = group;
   return group;
 }
@@ -152,7 +168,7 @@ Result<std::shared_ptr<transport::LaneEndpoint>> ProcessGroup::nccl_endpoint(con
                                                      std::to_string(world_ - 1) + ")");
     }
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> making(making_);
   const int channel = lane_endpoints_made_++;
   CONVEYOR_RETURN_IF_ERROR(agree_on_nccl(device, "NCCL point to point"));
   CONVEYOR_ASSIGN_OR_RETURN(auto ids, unique_ids(static_cast<int>(links.size())));
@@ -162,11 +178,12 @@ Result<std::shared_ptr<transport::LaneEndpoint>> ProcessGroup::nccl_endpoint(con
     if (rank_ != from && rank_ != to) continue;
     const bool sending = rank_ == from;
     const std::string what = "the NCCL link from process " + std::to_string(from) + " to process " + std::to_string(to);
-    auto made = transport::make_nccl_group(sending ? 0 : 1, 2, ids[k], device);
+    auto made = transport::make_nccl_group(sending ? 0 : 1, 2, ids[k], device, join());
     if (!made.is_ok()) {
       return made.status().with_context(what + " (each process needs a GPU of its own: NCCL refuses two members on one)");
     }
     std::shared_ptr<transport::NcclGroup> group = *made;
+    keep(nccl_groups_, group);  // abort() ends its first transfer too
     // A first transfer: NCCL connects the pair now, in the links' order on every process.
     at::Tensor first = at::zeros({1}, at::TensorOptions().dtype(at::kByte).device(device));
     CONVEYOR_RETURN_IF_ERROR(wait(
@@ -182,8 +199,7 @@ Result<std::shared_ptr<transport::LaneEndpoint>> ProcessGroup::nccl_endpoint(con
   }
   CONVEYOR_ASSIGN_OR_RETURN(auto endpoint,
                             transport::make_lane_endpoint(endpoint_, device, std::move(sends), std::move(receives), channel));
-  if (failed_) endpoint->abort(Status(ErrorCode::kExecution, "the job's processes were aborted"));
-  lane_endpoints_.push_back(endpoint);
+  keep(lane_endpoints_, endpoint);
   return endpoint;
 }
 
@@ -200,7 +216,7 @@ Status ProcessGroup::check_members(const std::vector<int>& members) const {
 Result<std::shared_ptr<transport::NcclGroup>> ProcessGroup::nccl_subgroup(const std::vector<int>& members,
                                                                           const c10::Device& device) {
   CONVEYOR_RETURN_IF_ERROR(check_members(members));
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> making(making_);
   std::string names;
   for (int m : members) names += (names.empty() ? "" : ", ") + std::to_string(m);
   const std::string what = "an NCCL group of processes " + names;
@@ -209,12 +225,11 @@ Result<std::shared_ptr<transport::NcclGroup>> ProcessGroup::nccl_subgroup(const 
   auto me = std::find(members.begin(), members.end(), rank_);
   if (me == members.end()) return std::shared_ptr<transport::NcclGroup>();
   auto made = transport::make_nccl_group(static_cast<int>(me - members.begin()), static_cast<int>(members.size()),
-                                         ids[0], device);
+                                         ids[0], device, join());
   if (!made.is_ok()) {
     return made.status().with_context(what + " (each process needs a GPU of its own: NCCL refuses two members on one)");
   }
-  if (failed_) (*made)->abort(Status(ErrorCode::kExecution, "the job's processes were aborted"));
-  nccl_subgroups_.push_back(*made);
+  keep(nccl_groups_, *made);
   return *made;
 }
 
@@ -228,18 +243,18 @@ Result<std::shared_ptr<transport::EndpointGroup>> ProcessGroup::subgroup(const s
   }
   if (std::find(members.begin(), members.end(), rank_) == members.end()) return std::shared_ptr<transport::EndpointGroup>();
   CONVEYOR_ASSIGN_OR_RETURN(auto group, transport::make_endpoint_group(endpoint_, members, id));
-  if (failed_) group->abort(Status(ErrorCode::kExecution, "the job's processes were aborted"));
+  if (failed_) group->abort(abort_error_);
   subgroups_.push_back(group);
   return group;
 }
 
 void ProcessGroup::abort(Status error) {
-  failed_ = true;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (auto& [index, group] : nccl_) group->abort(error);
-    for (auto& group : nccl_subgroups_) group->abort(error);
-    for (auto& endpoint : lane_endpoints_) endpoint->abort(error);  // and their NCCL links
+    if (!failed_) abort_error_ = error;
+    failed_ = true;  // an NCCL join under way gives up (join())
+    for (auto& group : nccl_groups_) group->abort(error);
+    for (auto& endpoint : lane_endpoints_) endpoint->abort(error);
     for (auto& group : subgroups_) group->abort(error);
   }
   all_->abort(error);

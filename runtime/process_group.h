@@ -11,6 +11,7 @@
 
 #include <c10/core/Device.h>
 
+#include <atomic>
 #include <chrono>
 #include <map>
 #include <memory>
@@ -94,14 +95,25 @@ class ProcessGroup {
   std::shared_ptr<transport::UcxEndpoint> endpoint_;
   std::shared_ptr<transport::EndpointGroup> all_;
   std::shared_ptr<void> rendezvous_;  // process 0: the published rendezvous actor
-  bool closed_ = false, failed_ = false;
-  std::mutex mu_;  // NCCL groups and subgroups
+  bool closed_ = false;
+  std::atomic<bool> failed_{false};
+  // NCCL groups are made one at a time, in the caller's order (every process makes them in
+  // the same order), without holding mu_: abort() takes mu_ and must not wait for a join.
+  std::mutex making_;
+  std::mutex mu_;  // the groups, subgroups and endpoints made so far
   std::map<int, std::shared_ptr<transport::NcclGroup>> nccl_;  // by device index
   int groups_made_ = 0;  // subgroups made so far (the next one's id is this + 1)
   std::vector<std::shared_ptr<transport::EndpointGroup>> subgroups_;
-  std::vector<std::shared_ptr<transport::NcclGroup>> nccl_subgroups_;
+  std::vector<std::shared_ptr<transport::NcclGroup>> nccl_groups_;  // every NCCL group made: the whole,
+                                                                   // subgroups and point to point links
+  Status abort_error_ = Status::ok();  // what abort() was given first
   int lane_endpoints_made_ = 0;  // the next one's channel is this
   std::vector<std::shared_ptr<transport::LaneEndpoint>> lane_endpoints_;
+  // How an NCCL join of this process waits: the group's timeout, given up on abort().
+  transport::NcclJoin join() const;
+  // Keeps `group` for abort(), aborting it at once if the job already failed.
+  template <class Group>
+  void keep(std::vector<std::shared_ptr<Group>>& kept, const std::shared_ptr<Group>& group);
   // Every process says whether it can hold an NCCL member on `device`; OK when all can.
   Status agree_on_nccl(const c10::Device& device, const std::string& what);
   // OK when `members` are distinct processes of the job, in ascending order.

@@ -15,6 +15,7 @@
 #include <optional>
 #include <thread>
 
+#include "common/blocking_call.h"
 #include "transport/nccl_library.h"
 
 namespace conveyor::transport {
@@ -336,7 +337,7 @@ Result<std::string> nccl_description() {
 }
 
 Result<std::shared_ptr<NcclGroup>> make_nccl_group(int rank, int size, const std::vector<std::uint8_t>& unique_id,
-                                                   c10::Device device) {
+                                                   c10::Device device, NcclJoin join) {
   if (size < 1 || rank < 0 || rank >= size) {
     return Status(ErrorCode::kInvalidArgument, "an NCCL group member needs 0 <= rank < size, not rank " +
                                                    std::to_string(rank) + " of " + std::to_string(size));
@@ -350,13 +351,32 @@ Result<std::shared_ptr<NcclGroup>> make_nccl_group(int rank, int size, const std
   CONVEYOR_ASSIGN_OR_RETURN(const NcclLibrary* nccl, nccl_library());
   nccl_abi::UniqueId id{};
   std::memcpy(id.internal, unique_id.data(), unique_id.size());
-  nccl_abi::Comm comm = nullptr;
-  {
-    c10::DeviceGuard on_device(device);  // NCCL joins on the current device
-    CONVEYOR_RETURN_IF_ERROR(nccl->check(nccl->CommInitRank(&comm, size, id, rank),
-                                         "joining a group of " + std::to_string(size) + " as member " +
-                                             std::to_string(rank) + " on " + device.str()));
+  const std::string what = "joining a group of " + std::to_string(size) + " as member " + std::to_string(rank) +
+                           " on " + device.str();
+  // NCCL's blocking join, on a thread of its own so that the wait can end (see the header).
+  using Joined = std::pair<nccl_abi::Result, nccl_abi::Comm>;
+  auto joined = wait_for_blocking_call<Joined>(
+      [nccl, size, id, rank, device] {
+        nccl_abi::Comm comm = nullptr;
+        c10::DeviceGuard on_device(device);  // NCCL joins on the current device
+        const nccl_abi::Result r = nccl->CommInitRank(&comm, size, id, rank);
+        return Joined{r, comm};
+      },
+      [nccl](Joined late) {  // joined after the caller gave up: nobody holds it
+        if (late.first == nccl_abi::kSuccess) nccl->CommAbort(late.second);
+      },
+      join.timeout, join.abandoned);
+  if (joined.end == BlockingCallEnd::kAbandoned) {
+    return Status(ErrorCode::kExecution, "NCCL " + what + ": given up, the job was aborted");
   }
+  if (joined.end == BlockingCallEnd::kTimedOut) {
+    return Status(ErrorCode::kExecution,
+                  "NCCL " + what + ": the other members did not all join within " + std::to_string(join.timeout.count()) +
+                      " ms (a process died, never started, or waits elsewhere; every member must join with the "
+                      "same id, in the same order of groups); raise the job's timeout if they are only slow");
+  }
+  const auto [result, comm] = *joined.value;
+  CONVEYOR_RETURN_IF_ERROR(nccl->check(result, what));
   return std::shared_ptr<NcclGroup>(std::make_shared<NcclMember>(*nccl, comm, rank, size, device));
 }
 

@@ -26,7 +26,9 @@
 
 #include <c10/core/Device.h>
 
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -67,12 +69,22 @@ class NcclGroup : public Collective {
 /// two: one member sends, the other receives), since NCCL orders everything on a group.
 std::shared_ptr<Lane> make_nccl_lane(std::shared_ptr<NcclGroup> group, int peer);
 
+/// How long joining a group may wait for the other members, and when to give up early.
+struct NcclJoin {
+  std::chrono::milliseconds timeout{std::chrono::seconds(300)};
+  /// Asked every few milliseconds while waiting: true gives up (the job was aborted).
+  std::function<bool()> abandoned;
+};
+
 /// Member `rank` of a group of `size` on `device` (a CUDA device of this process), joined
 /// through `unique_id` (every member passes the same one). Returns once every member has
-/// joined (NCCL's initialization waits for them all). Errors, naming what to do, where NCCL
-/// cannot be loaded, the device is not a CUDA device this process has, or the arguments are
-/// out of range.
+/// joined (NCCL's initialization waits for them all), or with an error naming the group when
+/// they have not within `join.timeout` or `join.abandoned` says so. NCCL's blocking join runs
+/// on a thread of its own, which is left behind when the caller gives up (NCCL cannot stop a
+/// blocking join; a member that joins late is then aborted); the caller's process is
+/// expected to end on that error. Errors, naming what to do, where NCCL cannot be loaded,
+/// the device is not a CUDA device this process has, or the arguments are out of range.
 Result<std::shared_ptr<NcclGroup>> make_nccl_group(int rank, int size, const std::vector<std::uint8_t>& unique_id,
-                                                   c10::Device device);
+                                                   c10::Device device, NcclJoin join = {});
 
 }  // namespace conveyor::transport

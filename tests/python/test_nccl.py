@@ -154,3 +154,31 @@ def test_a_one_process_job_makes_its_nccl_group(one_process_job):
     group.allreduce(t)
     assert torch.equal(t, torch.full_like(t, 2.0))
     assert one_process_job.nccl("cuda:0").device == "cuda:0"  # made once
+
+
+@needs_gpu
+def test_a_member_whose_peers_never_join_gives_up_within_the_timeout_naming_the_group():
+    """Member 0 of a group of 2 whose member 1 never comes: NCCL's join would wait forever;
+    conveyor's gives up after the timeout with an error naming the group. In a process of its
+    own: NCCL's join thread stays behind, blocked, until that process exits."""
+    import subprocess
+    import sys
+    import time
+    code = (
+        "import sys, time, torch\n"
+        "from conveyor import _C\n"
+        "start = time.monotonic()\n"
+        "try:\n"
+        "    _C.NcclGroup(0, 2, _C.nccl_unique_id(), 'cuda:0', timeout_s=2.0)\n"
+        "except Exception as e:\n"
+        "    print(f'{time.monotonic() - start:.1f}', e)\n"
+        "    sys.exit(3)\n"
+    )
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, done.stdout + done.stderr
+    waited, _, message = done.stdout.partition(" ")
+    assert 2.0 <= float(waited) < 10.0, done.stdout
+    assert "joining a group of 2 as member 0 on cuda:0" in message, message
+    assert "did not all join within 2000 ms" in message, message
+    assert time.monotonic() - start < 60
