@@ -9,7 +9,14 @@ The one-process run holds both workers on two threads; across processes each pro
 half the machine's cores. Prints the throughputs and the ratio (two processes / one; above
 1: faster).
 
+On a GPU machine, `--device cuda`: each process runs on its own GPU where there are two (on
+the one GPU otherwise), the one-process run on the first; `--transport nccl` sends the
+activations and gradients GPU to GPU over NCCL and sums the data-parallel gradients in an
+NCCL group (needs a GPU per process: NCCL refuses two members on one GPU), `ucx` (the
+default) through host memory.
+
     ./run bench multiproc [--iters 10] [--layers 8] [--hidden 256] [--batch 16] [--seq 64]
+                          [--device cpu|cuda] [--transport ucx|nccl]
 """
 import argparse
 import os
@@ -33,9 +40,9 @@ warnings.filterwarnings("ignore")
 LAYOUTS = {"pipeline": (2, [1, 1], [[0], [1]]), "data parallel": (1, [2], [[0, 1]])}
 
 
-def time_steps(args, layout, extra) -> float:
+def time_steps(args, layout, extra, device="cpu") -> float:
     """Median seconds per step (after one warm-up step) of the layout's 1F1B pipeline."""
-    _, wrapped, graph, inputs = gpt2_case.captured(args)
+    _, wrapped, graph, inputs = gpt2_case.captured(args, device=device)
     stage_count, replicas, _ = LAYOUTS[layout]
     stages = graph.random_partition(stage_count, seed=0, keep_node_order=True)
     step = _C.PipelineStep(graph.executor, stages, "1f1b", args.microbatches, 1, replicas, **extra)
@@ -45,6 +52,8 @@ def time_steps(args, layout, extra) -> float:
         optimizer.zero_grad(set_to_none=True)
         start = time.perf_counter()
         step.run(inputs)
+        if device != "cpu":
+            torch.cuda.synchronize(device)
         if k:
             times.append(time.perf_counter() - start)
         optimizer.step()
@@ -55,8 +64,10 @@ def worker(args):
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     group = _C.ProcessGroup(rank, world, "127.0.0.1", int(os.environ["MASTER_PORT"]), job="bench-multiproc",
                             timeout_s=300)
+    device = f"cuda:{rank % torch.cuda.device_count()}" if args.device == "cuda" else "cpu"
     for layout in LAYOUTS:
-        t = time_steps(args, layout, dict(processes=group, replica_process=LAYOUTS[layout][2]))
+        t = time_steps(args, layout, dict(processes=group, replica_process=LAYOUTS[layout][2],
+                                          transport=args.transport), device)
         if rank == 0:
             print(f"RESULT {layout}: {t}", flush=True)
 
@@ -65,11 +76,19 @@ def main():
     ap = argparse.ArgumentParser()
     gpt2_case.add_arguments(ap, hidden=256, seq=64, batch=16)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--transport", choices=["ucx", "nccl"], default="ucx")
     args = ap.parse_args()
     if args.worker:
         return worker(args)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.device == "cuda" and gpus == 0:
+        sys.exit("multiproc: --device cuda needs a CUDA GPU, and this machine has none visible")
+    if args.transport == "nccl" and (args.device != "cuda" or gpus < 2):
+        sys.exit(f"multiproc: --transport nccl needs --device cuda and a GPU per process (2); this machine has "
+                 f"{gpus} visible, and NCCL refuses two members on one GPU")
     cores = os.cpu_count() or 2
-    one = {layout: time_steps(args, layout, {}) for layout in LAYOUTS}
+    one = {layout: time_steps(args, layout, {}, "cuda:0" if args.device == "cuda" else "cpu") for layout in LAYOUTS}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -90,12 +109,17 @@ def main():
     two = {line[len("RESULT "):].split(":")[0]: float(line.split(":")[1])
            for line in outputs[0].splitlines() if line.startswith("RESULT")}
     samples = args.batch
+    where = (f"{cores} cores" if args.device == "cpu" else
+             f"{torch.cuda.get_device_name(0)}, {min(gpus, 2)} GPU{'s' if gpus > 1 else ''} for 2 processes")
+    over = "NCCL, GPU to GPU" if args.transport == "nccl" else "UCX over loopback"
     print(f"GPT-2 {args.layers} layers x {args.hidden}, batch {args.batch} x {args.seq}, 1F1B, "
-          f"{args.microbatches} microbatches, {cores} cores; median of {args.iters} steps")
+          f"{args.microbatches} microbatches, {where}; median of {args.iters} steps")
     for layout in LAYOUTS:
         print(f"{layout}:")
-        print(f"  1 process  (2 worker threads):   {one[layout] * 1e3:9.2f} ms/step  {samples / one[layout]:8.1f} samples/s")
-        print(f"  2 processes (UCX over loopback): {two[layout] * 1e3:9.2f} ms/step  {samples / two[layout]:8.1f} samples/s")
+        labels = ("1 process (2 workers):", f"2 processes ({over}):")
+        width = max(map(len, labels))
+        for label, t in zip(labels, (one[layout], two[layout])):
+            print(f"  {label:<{width}} {t * 1e3:9.2f} ms/step  {samples / t:8.1f} samples/s")
         print(f"  ratio (2 processes / 1 process throughput): {one[layout] / two[layout]:.3f}x")
 
 
