@@ -76,6 +76,14 @@ def _loss_of(output: Any) -> torch.Tensor:
         "(or an object with .loss), or pass loss_fn=")
 
 
+def _least_share(graph) -> int:
+    """The fewest samples the captured graph holds for (its batch range's min, docs/formats.md);
+    1 where the model sets no bound."""
+    ranges = graph.document.get("ranges", {})
+    return max([1] + [ranges[s].get("min", 1) for s, role in graph.document["symbols"].items()
+                      if role == "batch" and s in ranges])
+
+
 def _loss_wrapper(model: torch.nn.Module, loss_fn, args: tuple, kwargs: dict) -> torch.nn.Module:
     """The model with its scalar loss as the only output and the same argument names (the
     capture needs a plain signature)."""
@@ -286,6 +294,7 @@ class Module(torch.nn.Module):
                           "them (dropout of every kind, attention dropout, rand, randn and bernoulli draw reproducibly)", stacklevel=3)
         inputs = graph.flatten_inputs(args, kwargs)
         batch = next((t.shape[0] for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0), 1)
+        least = _least_share(graph)  # samples a replica must run at once (the model's own bound)
         replicas = None
         if self._world is not None:
             self._devices = self._world[1]
@@ -303,7 +312,7 @@ class Module(torch.nn.Module):
             replicas = (self._replicas if isinstance(self._replicas, list) else [self._replicas or 1] * ranks)
             if len(replicas) != ranks:
                 raise ConveyorValueError(f"replicas has {len(replicas)} counts but the pipeline has {ranks} ranks")
-            m = self._microbatches or min(batch // max(replicas), 2 * ranks)
+            m = self._microbatches or max(1, min(batch // (max(replicas) * least), 2 * ranks))
         elif self._plan_file is not None:
             self.plan = _read_plan(self._plan_file)
             self._step = self._pipeline(graph, self.plan)
@@ -312,7 +321,8 @@ class Module(torch.nn.Module):
         else:
             m_hint = self._microbatches or 0
             # Microbatches keep at least two samples (BatchNorm needs them), unless fixed.
-            sample = max(1, batch // m_hint) if m_hint else min(batch, max(2, batch // (2 * self._devices)))
+            sample = max(1, batch // m_hint) if m_hint else min(batch, max(2, least, batch // (2 * self._devices)))
+            most_microbatches = max(1, batch // max(2, least))
             small = [a[:sample] if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == batch else a
                      for a in args]
             small_kw = {k: (v[:sample] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch else v)
@@ -340,7 +350,7 @@ class Module(torch.nn.Module):
                     # Process 0 plans for one device per process; every process runs that plan.
                     if self._group.rank == 0:
                         made = make_plan(graph, prof, cluster, batch=batch, microbatches=m_hint, schedules=schedules,
-                                         max_replicas=max_replicas, max_microbatches=max(1, batch // 2))
+                                         max_replicas=max_replicas, max_microbatches=most_microbatches)
                         sent = (json.dumps(made.document) + "\0" + made.table).encode()
                     else:
                         sent = b""
@@ -355,7 +365,11 @@ class Module(torch.nn.Module):
                     self._step = self._pipeline(graph, self.plan)
             else:
                 self.plan = make_plan(graph, prof, cluster, batch=batch, microbatches=m_hint, schedules=schedules,
-                                      max_replicas=cap, max_microbatches=max(1, batch // 2))
+                                      max_replicas=cap, max_microbatches=most_microbatches)
+            if self._group is None and self._step is None and batch // self.plan.microbatches // max(self.plan.replicas) < least:
+                # Replicas would split a microbatch below what the model runs: one replica per stage.
+                self.plan = make_plan(graph, prof, cluster, batch=batch, microbatches=m_hint, schedules=schedules,
+                                      max_replicas=1, max_microbatches=most_microbatches)
             try:
                 if self._step is None:
                     self._step = self._pipeline(graph, self.plan)
@@ -363,7 +377,7 @@ class Module(torch.nn.Module):
                 # Replica counts that differ across a cut through a value with no batch
                 # dimension: plan again with one replica per stage.
                 self.plan = make_plan(graph, prof, cluster, batch=batch, microbatches=m_hint, schedules=schedules,
-                                      max_replicas=1, max_microbatches=max(1, batch // 2))
+                                      max_replicas=1, max_microbatches=most_microbatches)
                 self._step = self._pipeline(graph, self.plan)
             stage_nodes, replicas = self.plan.stage_nodes, self.plan.replicas
             schedule, m, chunks = self.plan.schedule, self.plan.microbatches, self.plan.document["chunks"]

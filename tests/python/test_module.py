@@ -243,3 +243,31 @@ def test_random_operators_without_a_generator_are_named_in_a_warning():
             assert len(named) == 1 and "aten::lstm" in named[0], [str(w.message) for w in caught]
         else:
             assert not named, named
+
+
+class NeedsFourSamples(torch.nn.Module):
+    """Refuses fewer than four samples at once (a Python check on the batch size): capture
+    records the bound, and the automatic plan keeps every replica's share at four or more."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(6)])
+
+    def forward(self, x, y):
+        if x.shape[0] < 4:
+            raise ValueError("at least four samples")
+        return (self.body(x) - y).pow(2).mean()
+
+
+@pytest.mark.parametrize("stages", [None, 2])
+def test_plans_keep_shares_within_the_batch_range_the_model_allows(stages):
+    torch.manual_seed(0)
+    net = NeedsFourSamples()
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    with torch.no_grad():
+        want = net(x, y).item()  # every share's loss is a mean: weighted by size, the batch's
+    model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.01), stages=stages)
+    loss = model.train_step(x, y)
+    _, _, m, _, replicas = model._layout
+    assert 8 // m // max(replicas) >= 4, model._layout
+    assert abs(loss.item() - want) <= 1e-5 * abs(want)
