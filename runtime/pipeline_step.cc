@@ -1645,21 +1645,19 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
     // capture allowed (a kernel chosen by size, a branch on the batch size).
     const int fewest = *std::min_element(im.stage_replicas.begin(), im.stage_replicas.end());
     const std::int64_t largest = ((batch + m - 1) / m + fewest - 1) / fewest, smallest = batch / m / most;
-    const std::string split = " (a batch of " + std::to_string(batch) + " in " + std::to_string(m) +
-                              " microbatches, shared by up to " + std::to_string(most) + " replicas)";
-    if (largest > im.batch_range.max) {
+    auto outside = [&](const char* bound, std::int64_t limit, std::int64_t share, const char* change) {
       return Status(ErrorCode::kInvalidArgument,
-                    "the model's graph holds for at most " + std::to_string(im.batch_range.max) +
+                    std::string("the model's graph holds for ") + bound + " " + std::to_string(limit) +
                         " samples at once (capture found a guard on the batch size: a kernel chosen by size or a "
-                        "branch on it), but a replica would run " + std::to_string(largest) + split +
-                        "; use more microbatches or replicas, or a smaller batch");
+                        "branch on it), but a replica would run " + std::to_string(share) + " (a batch of " +
+                        std::to_string(batch) + " in " + std::to_string(m) + " microbatches, shared by up to " +
+                        std::to_string(most) + " replicas); use " + change);
+    };
+    if (largest > im.batch_range.max) {
+      return outside("at most", im.batch_range.max, largest, "more microbatches or replicas, or a smaller batch");
     }
     if (smallest < im.batch_range.min) {
-      return Status(ErrorCode::kInvalidArgument,
-                    "the model's graph holds for at least " + std::to_string(im.batch_range.min) +
-                        " samples at once (capture found a guard on the batch size: a kernel chosen by size or a "
-                        "branch on it), but a replica would run " + std::to_string(smallest) + split +
-                        "; use fewer microbatches or replicas, or a larger batch");
+      return outside("at least", im.batch_range.min, smallest, "fewer microbatches or replicas, or a larger batch");
     }
   }
   im.batch = batch;

@@ -143,16 +143,12 @@ void ProcessGroup::keep(std::vector<std::shared_ptr<Group>>& kept, const std::sh
 }
 
 Result<std::shared_ptr<transport::NcclGroup>> ProcessGroup::nccl(const c10::Device& device) {
-  std::lock_guard<std::mutex> making(making_);
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (auto it = nccl_.find(device.index()); it != nccl_.end()) return it->second;
-  }
+  std::lock_guard<std::mutex> making(making_);  // nccl_ changes only under it
+  if (auto it = nccl_.find(device.index()); it != nccl_.end()) return it->second;
   CONVEYOR_RETURN_IF_ERROR(agree_on_nccl(device, "an NCCL group"));
   CONVEYOR_ASSIGN_OR_RETURN(auto ids, unique_ids(1));
   CONVEYOR_ASSIGN_OR_RETURN(auto group, transport::make_nccl_group(rank_, world_, ids[0], device, join()));
   keep(nccl_groups_, group);
-  std::lock_guard<std::mutex> lock(mu_);
   nccl_[device.index()] = group;
   return group;
 }
@@ -235,7 +231,7 @@ Result<std::shared_ptr<transport::NcclGroup>> ProcessGroup::nccl_subgroup(const 
 
 Result<std::shared_ptr<transport::EndpointGroup>> ProcessGroup::subgroup(const std::vector<int>& members) {
   CONVEYOR_RETURN_IF_ERROR(check_members(members));
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> making(making_);
   const int id = ++groups_made_;  // 0 is the group over every process
   if (id >= (1 << 15)) {
     return Status(ErrorCode::kUnsupported, "the job has made " + std::to_string(id) +
@@ -243,8 +239,7 @@ Result<std::shared_ptr<transport::EndpointGroup>> ProcessGroup::subgroup(const s
   }
   if (std::find(members.begin(), members.end(), rank_) == members.end()) return std::shared_ptr<transport::EndpointGroup>();
   CONVEYOR_ASSIGN_OR_RETURN(auto group, transport::make_endpoint_group(endpoint_, members, id));
-  if (failed_) group->abort(abort_error_);
-  subgroups_.push_back(group);
+  keep(subgroups_, group);
   return group;
 }
 

@@ -97,18 +97,19 @@ class ProcessGroup {
   std::shared_ptr<void> rendezvous_;  // process 0: the published rendezvous actor
   bool closed_ = false;
   std::atomic<bool> failed_{false};
-  // NCCL groups are made one at a time, in the caller's order (every process makes them in
-  // the same order), without holding mu_: abort() takes mu_ and must not wait for a join.
+  // Groups are made one at a time under making_, in the caller's order (every process makes
+  // them in the same order), without holding mu_: abort() takes mu_ and must not wait for an
+  // NCCL join. making_ guards what only makers touch; mu_ what abort() reads.
   std::mutex making_;
-  std::mutex mu_;  // the groups, subgroups and endpoints made so far
-  std::map<int, std::shared_ptr<transport::NcclGroup>> nccl_;  // by device index
-  int groups_made_ = 0;  // subgroups made so far (the next one's id is this + 1)
+  std::map<int, std::shared_ptr<transport::NcclGroup>> nccl_;  // the whole job's, by device index
+  int groups_made_ = 0;          // subgroups made so far (the next one's id is this + 1)
+  int lane_endpoints_made_ = 0;  // the next one's channel is this
+  std::mutex mu_;
   std::vector<std::shared_ptr<transport::EndpointGroup>> subgroups_;
   std::vector<std::shared_ptr<transport::NcclGroup>> nccl_groups_;  // every NCCL group made: the whole,
                                                                    // subgroups and point to point links
-  Status abort_error_ = Status::ok();  // what abort() was given first
-  int lane_endpoints_made_ = 0;  // the next one's channel is this
   std::vector<std::shared_ptr<transport::LaneEndpoint>> lane_endpoints_;
+  Status abort_error_ = Status::ok();  // what abort() was given first
   // How an NCCL join of this process waits: the group's timeout, given up on abort().
   transport::NcclJoin join() const;
   // Keeps `group` for abort(), aborting it at once if the job already failed.

@@ -345,12 +345,15 @@ class Module(torch.nn.Module):
             cap = self._replicas or 0
             cluster = self._cluster or _local_cluster(self._devices, self._threads_per_device(),
                                                       _model_gpu_memory(self.module), one_gpu=self._group is None)
+            def planned(max_replicas: int) -> Plan:
+                return make_plan(graph, prof, cluster, batch=batch, microbatches=m_hint, schedules=schedules,
+                                 max_replicas=max_replicas, max_microbatches=most_microbatches)
+
             if self._group is not None:
                 def shared_plan(max_replicas: int) -> Plan:
                     # Process 0 plans for one device per process; every process runs that plan.
                     if self._group.rank == 0:
-                        made = make_plan(graph, prof, cluster, batch=batch, microbatches=m_hint, schedules=schedules,
-                                         max_replicas=max_replicas, max_microbatches=most_microbatches)
+                        made = planned(max_replicas)
                         sent = (json.dumps(made.document) + "\0" + made.table).encode()
                     else:
                         sent = b""
@@ -364,20 +367,17 @@ class Module(torch.nn.Module):
                     self.plan = shared_plan(1)
                     self._step = self._pipeline(graph, self.plan)
             else:
-                self.plan = make_plan(graph, prof, cluster, batch=batch, microbatches=m_hint, schedules=schedules,
-                                      max_replicas=cap, max_microbatches=most_microbatches)
-            if self._group is None and self._step is None and batch // self.plan.microbatches // max(self.plan.replicas) < least:
-                # Replicas would split a microbatch below what the model runs: one replica per stage.
-                self.plan = make_plan(graph, prof, cluster, batch=batch, microbatches=m_hint, schedules=schedules,
-                                      max_replicas=1, max_microbatches=most_microbatches)
+                self.plan = planned(cap)
+                if batch // self.plan.microbatches // max(self.plan.replicas) < least:
+                    # Replicas would split a microbatch below what the model runs: one replica per stage.
+                    self.plan = planned(1)
             try:
                 if self._step is None:
                     self._step = self._pipeline(graph, self.plan)
             except UnsupportedError:
                 # Replica counts that differ across a cut through a value with no batch
                 # dimension: plan again with one replica per stage.
-                self.plan = make_plan(graph, prof, cluster, batch=batch, microbatches=m_hint, schedules=schedules,
-                                      max_replicas=1, max_microbatches=most_microbatches)
+                self.plan = planned(1)
                 self._step = self._pipeline(graph, self.plan)
             stage_nodes, replicas = self.plan.stage_nodes, self.plan.replicas
             schedule, m, chunks = self.plan.schedule, self.plan.microbatches, self.plan.document["chunks"]
