@@ -1,5 +1,6 @@
 #include "partitioner/cost_graph.h"
 
+#include <algorithm>
 #include <cmath>
 #include <set>
 
@@ -33,6 +34,7 @@ bool finite_nonneg(double v) { return std::isfinite(v) && v >= 0; }
 Status CostGraph::validate() const {
   auto bad = [&](const std::string& msg) { return Status(ErrorCode::kInvalidGraph, "cost graph '" + name + "': " + msg); };
   if (microbatch < 1) return bad("microbatch must be at least 1");
+  if (min_share < 1) return bad("min_share must be at least 1");
   if (ops.empty()) return bad("it has no operators");
   for (std::size_t v = 0; v < values.size(); ++v) {
     const auto& val = values[v];
@@ -89,6 +91,10 @@ Result<CostGraph> CostGraph::from_json(std::string_view text) {
     if (doc.contains("microbatch")) {
       g.microbatch = static_cast<int>(as_int(doc["microbatch"], "/microbatch"));
       if (g.microbatch < 1) throw JsonError("/microbatch", "expected at least 1");
+    }
+    if (doc.contains("min_share")) {
+      g.min_share = static_cast<int>(as_int(doc["min_share"], "/min_share"));
+      if (g.min_share < 1) throw JsonError("/min_share", "expected at least 1");
     }
     if (doc.contains("params")) {
       const auto& ps = as_array(doc["params"], "/params");
@@ -182,6 +188,7 @@ std::string CostGraph::to_json() const {
   doc["name"] = name;
   if (!device.empty()) doc["device"] = device;
   doc["microbatch"] = microbatch;
+  if (min_share > 1) doc["min_share"] = min_share;
   json ps = json::array();
   for (const auto& p : params) ps.push_back({{"name", p.name}, {"bytes", p.bytes}});
   doc["params"] = std::move(ps);
@@ -295,6 +302,12 @@ Result<CostGraph> cost_graph_from_profile(const graph::Graph& g, const Profile& 
   CostGraph c;
   c.device = profile.device;
   c.microbatch = profile.microbatch;
+  for (const auto& [symbol, role] : g.symbols) {
+    if (role != "batch") continue;
+    if (auto r = g.ranges.find(symbol); r != g.ranges.end()) {
+      c.min_share = static_cast<int>(std::max<std::int64_t>(c.min_share, r->second.min));
+    }
+  }
   c.name = g.producer.count("model") ? g.producer.at("model") : "graph";
   // Parameters and buffers: one entry per binding (tied names share it).
   std::vector<int> param_of_value(g.values.size(), -1);

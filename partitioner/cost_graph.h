@@ -43,6 +43,10 @@ struct CostGraph {
   std::string name;
   std::string device;   ///< where the costs were measured
   int microbatch = 1;   ///< samples per microbatch the costs were measured at
+  /// Samples a replica must run at once: the least size of the captured graph's batch range
+  /// (a kernel chosen by size, a branch on the batch). The planner keeps every share at least
+  /// this large.
+  int min_share = 1;
   std::vector<CostOp> ops;  ///< in a topological order: an op reads only values of earlier ops
   std::vector<CostValue> values;
   std::vector<CostParam> params;

@@ -323,9 +323,12 @@ struct StageEval {
 class Model {
  public:
   Model(const Cluster& cluster, const PlanOptions& options, int microbatches, ScheduleKind kind, double profile_mb,
-        double memory_override = 0)
+        int min_share = 1, double memory_override = 0)
       : cluster_(cluster), options_(options), m_(microbatches), kind_(kind), memory_override_(memory_override) {
     n_ = static_cast<int>(cluster.devices.size());
+    // Replicas split a microbatch evenly: each must keep at least `min_share` samples.
+    max_replicas_ = std::max(1, (options.batch / microbatches) / std::max(1, min_share));
+    if (options.max_replicas > 0) max_replicas_ = std::min(max_replicas_, options.max_replicas);
     scale_ = (static_cast<double>(options.batch) / microbatches) / profile_mb;
     speed_prefix_.assign(static_cast<std::size_t>(n_) + 1, 0);
     std::vector<double> mem(n_), speed(n_);
@@ -339,7 +342,7 @@ class Model {
   }
 
   int devices() const { return n_; }
-  int max_replicas() const { return options_.max_replicas > 0 ? options_.max_replicas : n_; }
+  int max_replicas() const { return max_replicas_; }
   int microbatches() const { return m_; }
   ScheduleKind kind() const { return kind_; }
   double scale() const { return scale_; }
@@ -385,6 +388,7 @@ class Model {
   int m_;
   ScheduleKind kind_;
   double memory_override_;
+  int max_replicas_ = 1;
   int n_ = 0;
   double scale_ = 1;
   std::vector<double> speed_prefix_;
@@ -732,11 +736,12 @@ Solution translate(const Solution& sol, const CutStates& from, const CutStates& 
 
 // ---------------------------------------------------------------------------------------
 
-std::vector<int> microbatch_candidates(const PlanOptions& o) {
+// Microbatch counts to search: each microbatch keeps at least `min_share` samples.
+std::vector<int> microbatch_candidates(const PlanOptions& o, int min_share) {
   if (o.microbatches > 0) return {o.microbatches};
   std::vector<int> out;
   for (int m : {1, 2, 4, 8, 16, 32, 64, 128, 256}) {
-    if (m <= o.batch && m <= o.max_microbatches) out.push_back(m);
+    if (m <= o.batch / std::max(1, min_share) && m <= o.max_microbatches) out.push_back(m);
   }
   return out;
 }
@@ -924,6 +929,20 @@ Result<Plan> make_plan(const CostGraph& g, const Cluster& cluster, const PlanOpt
                                                    " samples) is smaller than the microbatch count (" +
                                                    std::to_string(options.microbatches) + ")");
   }
+  if (options.batch < g.min_share) {
+    return Status(ErrorCode::kInvalidArgument,
+                  "the batch (" + std::to_string(options.batch) + " samples) is smaller than the " +
+                      std::to_string(g.min_share) + " samples '" + g.name +
+                      "' runs at once (its captured batch range); use a batch of at least " +
+                      std::to_string(g.min_share));
+  }
+  if (options.microbatches > 0 && options.batch / options.microbatches < g.min_share) {
+    return Status(ErrorCode::kInvalidArgument,
+                  std::to_string(options.microbatches) + " microbatches of a batch of " +
+                      std::to_string(options.batch) + " leave fewer than the " + std::to_string(g.min_share) +
+                      " samples '" + g.name + "' runs at once (its captured batch range); use at most " +
+                      std::to_string(options.batch / g.min_share) + " microbatches or a larger batch");
+  }
   CONVEYOR_ASSIGN_OR_RETURN(Units units, make_units(g));
 
   // Cut states: every downset when there are few enough, block prefixes otherwise.
@@ -952,9 +971,9 @@ Result<Plan> make_plan(const CostGraph& g, const Cluster& cluster, const PlanOpt
   }
   const auto wanted = schedule_candidates(options);
   auto want = [&](ScheduleKind k) { return std::find(wanted.begin(), wanted.end(), k) != wanted.end(); };
-  for (int m : microbatch_candidates(options)) {
+  for (int m : microbatch_candidates(options, g.min_share)) {
     for (ScheduleKind mk : memory_kinds) {
-      Model model(cluster, options, m, mk, g.microbatch);
+      Model model(cluster, options, m, mk, g.microbatch, g.min_share);
       const int j_states = mk == ScheduleKind::kGPipe ? 1 : std::max(1, std::min(m, n));
       const CutStates* states = have_downsets ? &exact_states : &linear;
       bool exact = options.search == SearchMode::kExact ||
@@ -1006,12 +1025,12 @@ Result<Plan> make_plan(const CostGraph& g, const Cluster& cluster, const PlanOpt
   if (candidates.empty()) {
     // Find the smallest uniform memory per device for which a plan exists.
     double lo = 0, hi = 0;
-    const int m = microbatch_candidates(options).empty() ? 1 : microbatch_candidates(options).back();
+    const int m = microbatch_candidates(options, g.min_share).empty() ? 1 : microbatch_candidates(options, g.min_share).back();
     for (const auto& unit : units.units) hi += unit.params * (2 + options.optimizer_bytes_per_param_byte) + unit.saved * options.batch + unit.work;
     hi = std::max(hi * 4, 1.0);
     for (int it = 0; it < 60; ++it) {
       const double mid = (lo + hi) / 2;
-      Model model(cluster, options, m, ScheduleKind::kOneFOneB, g.microbatch, mid);
+      Model model(cluster, options, m, ScheduleKind::kOneFOneB, g.microbatch, g.min_share, mid);
       BottleneckSearch search(units, linear, model);
       if (search.feasible(kInf, nullptr)) hi = mid; else lo = mid;
       if (hi - lo < 1e-3 * hi) break;
@@ -1077,7 +1096,15 @@ Result<double> candidate_objective(const CostGraph& g, const Cluster& cluster, c
     cs.sets.push_back(b);
   }
   fill_sums(units, cs);
-  Model model(cluster, options, c.microbatches, memory_kind(c.schedule), g.microbatch);
+  Model model(cluster, options, c.microbatches, memory_kind(c.schedule), g.microbatch, g.min_share);
+  for (int r : c.replicas) {
+    if (r > model.max_replicas()) {
+      return Status(ErrorCode::kInvalidArgument,
+                    std::to_string(r) + " replicas would split a microbatch of " +
+                        std::to_string(options.batch / c.microbatches) + " samples below " +
+                        std::to_string(g.min_share) + " samples each");
+    }
+  }
   Solution sol;
   for (std::size_t s = 0; s < c.stages.size(); ++s) sol.cuts.emplace_back(static_cast<int>(s), static_cast<int>(s) + 1);
   sol.replicas = c.replicas;

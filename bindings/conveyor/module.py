@@ -368,9 +368,6 @@ class Module(torch.nn.Module):
                     self._step = self._pipeline(graph, self.plan)
             else:
                 self.plan = planned(cap)
-                if batch // self.plan.microbatches // max(self.plan.replicas) < least:
-                    # Replicas would split a microbatch below what the model runs: one replica per stage.
-                    self.plan = planned(1)
             try:
                 if self._step is None:
                     self._step = self._pipeline(graph, self.plan)

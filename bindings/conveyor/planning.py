@@ -259,7 +259,8 @@ def plan(graph: Graph, profile_doc: dict, cluster: str | os.PathLike, *, batch: 
          schedules: list[str] | None = None, optimizer_state: float = 2.0, max_replicas: int = 0,
          max_microbatches: int = 0) -> Plan:
     """Plans `graph` on `cluster` (a TOML file path or TOML text) for `batch` samples a step;
-    `max_replicas` caps the replicas per stage (0: no cap)."""
+    `max_replicas` caps the replicas per stage (0: no cap). Every replica's share of a
+    microbatch keeps at least the least batch the graph holds for (its batch range)."""
     text = str(cluster)
     if "\n" not in text and os.path.exists(text):
         text = Path(text).read_text()

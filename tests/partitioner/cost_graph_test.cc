@@ -63,6 +63,7 @@ TEST(CostGraph, ErrorsNameThePathAndTheFix) {
   expect_error(with("\"params\": [0]", "\"params\": [3]"), "/ops/0/params/0");
   expect_error(with("[1, 1]", "[1, 5]"), "has no output 5");
   expect_error(with("\"backward_weight_s\": 0.001", "\"backward_weight_s\": 0.5"), "cannot exceed");
+  expect_error(with("\"microbatch\": 2", "\"microbatch\": 2, \"min_share\": 0"), "/min_share");
   expect_error(doc.substr(0, 80), "not valid JSON");
   expect_error(with("\"forward_s\": 0.001, \"backward_s\": 0.002,", ""), "missing field 'forward_s'");
 }

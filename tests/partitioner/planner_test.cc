@@ -328,5 +328,38 @@ TEST(Planner, PrefersPipelinesWhenReplicasCannotHoldTheModel) {
   for (const auto& s : plan->stages) EXPECT_LE(s.memory_bytes, 10e9);
 }
 
+TEST(Planner, EveryReplicaKeepsTheSamplesTheModelRunsAtOnce) {
+  // Light layers on fast links: without a bound the plan replicates down to a sample or two.
+  CostGraph g = uniform_chain(8, 1e-3, 2e-3, 1e3, 1e3);
+  Cluster cluster = Cluster::uniform(1, 4, 1e9, 1.0, fast_link(), fast_link());
+  PlanOptions o;
+  o.batch = 8;
+  auto smallest_share = [&](const Plan& p) {
+    int least = o.batch;
+    for (const auto& s : p.stages) least = std::min(least, o.batch / p.microbatches / s.replicas);
+    return least;
+  };
+  auto free = make_plan(g, cluster, o);
+  ASSERT_TRUE(free.is_ok()) << free.status().to_string();
+  ASSERT_LT(smallest_share(*free), 4) << free->table();  // the bound below changes the plan
+  g.min_share = 4;
+  auto bound = make_plan(g, cluster, o);
+  ASSERT_TRUE(bound.is_ok()) << bound.status().to_string();
+  EXPECT_GE(smallest_share(*bound), 4) << bound->table();
+  auto back = CostGraph::from_json(g.to_json());
+  ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+  EXPECT_EQ(back->min_share, 4);
+  // Asked microbatches that split below the bound, or a batch below it: errors naming both.
+  o.microbatches = 4;
+  auto split = make_plan(g, cluster, o);
+  ASSERT_FALSE(split.is_ok());
+  EXPECT_NE(split.status().message().find("use at most 2 microbatches"), std::string::npos) << split.status().message();
+  o.microbatches = 0;
+  o.batch = 2;
+  auto tiny = make_plan(g, cluster, o);
+  ASSERT_FALSE(tiny.is_ok());
+  EXPECT_NE(tiny.status().message().find("batch of at least 4"), std::string::npos) << tiny.status().message();
+}
+
 }  // namespace
 }  // namespace conveyor::partitioner

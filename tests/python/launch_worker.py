@@ -14,6 +14,28 @@ import conveyor
 from conveyor import zoo
 
 
+class NeedsFourSamples(torch.nn.Module):
+    """Refuses fewer than four samples at once (a Python check on the batch size): capture
+    records the bound and every plan must keep each replica's share at four or more."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(6)]).double()
+
+    def forward(self, x, y):
+        if x.shape[0] < 4:
+            raise ValueError("at least four samples")
+        return (self.body(x) - y).pow(2).mean()
+
+
+def bounded(batch=8):
+    return zoo.ZooCase("bounded", NeedsFourSamples(), (torch.randn(batch, 16, dtype=torch.float64),
+                                                       torch.randn(batch, 16, dtype=torch.float64)), {})
+
+
+CASES = dict(zoo.CASES, bounded=bounded)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", default="gpt2")
@@ -26,7 +48,7 @@ def main():
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.manual_seed(0)
-    case = zoo.CASES[args.case](batch=args.batch)
+    case = CASES[args.case](batch=args.batch)
     optimizer = torch.optim.SGD(case.model.parameters(), lr=0.1)
     model = conveyor.Module(case.model, optimizer, loss_fn=case.loss, plan=args.plan, stages=args.stages,
                             replicas=args.replicas, microbatches=args.microbatches)

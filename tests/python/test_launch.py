@@ -2,6 +2,7 @@
 plan) under the launcher trains exactly like one process running the plan process 0 made; a
 failing process stops the job at once, named; bad configs are refused naming the line.
 Loopback only; every process started is reaped (the launcher reaps its own)."""
+import json
 import os
 import signal
 import subprocess
@@ -70,6 +71,20 @@ def test_the_same_script_under_the_launcher_trains_like_one_process_running_its_
         assert check.returncode == 0, check.stdout + check.stderr
         assert "valid Perfetto trace" in check.stdout
     assert_trains_like_one_process(tmp_path / "two.pt", 2, ["--plan", tmp_path / "two.pt.plan.json"], tmp_path)
+
+
+@pytest.mark.skipif(bool(_C.ucx_status()), reason=f"UCX cannot start here: {_C.ucx_status()}")
+def test_the_plan_process_0_makes_keeps_every_share_within_the_batch_range(tmp_path):
+    """A model that runs at least 4 samples at once, batch 8 in 2 microbatches over 2
+    processes: replicating a stage over both would leave 2 samples a replica, so the plan
+    does not, and the job trains like one process running it."""
+    asked = ["--case", "bounded", "--batch", "8", "--microbatches", "2"]
+    code, out = launch("-n", 2, "--", sys.executable, WORKER, *asked, "--out", tmp_path / "two.pt")
+    assert code == 0, out[-4000:]
+    plan = json.loads((tmp_path / "two.pt.plan.json").read_text())
+    assert all(8 // plan["microbatches"] // stage["replicas"] >= 4 for stage in plan["stages"]), plan
+    assert_trains_like_one_process(tmp_path / "two.pt", 2, ["--case", "bounded", "--batch", "8", "--plan",
+                                                            tmp_path / "two.pt.plan.json"], tmp_path)
 
 
 @pytest.mark.skipif(bool(_C.ucx_status()), reason=f"UCX cannot start here: {_C.ucx_status()}")
