@@ -10,6 +10,7 @@
 #include <torch/csrc/autograd/function.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <map>
 #include <unordered_map>
@@ -792,11 +793,69 @@ Status GraphExecutor::execute(const std::vector<StageProgram::Step>& steps, std:
   return Status::ok();
 }
 
+namespace {
+
+bool is_plain_symbol(const std::string& s) {
+  return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; });
+}
+
+// The user's tensors against what the graph was captured for: every fixed size and dtype,
+// one size per symbol across inputs, and the sizes the symbol's range allows. (Only the
+// batch stays symbolic in capture; any other size is part of the graph.)
+Status check_graph_inputs(const Graph& g, const std::vector<c10::IValue>& inputs) {
+  std::map<std::string, std::pair<std::int64_t, std::size_t>> seen;  // symbol -> (size, input)
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    const Value& v = g.values[g.inputs[i].value];
+    if (v.kind != ValueKind::kTensor || !inputs[i].isTensor()) continue;
+    const at::Tensor& t = inputs[i].toTensor();
+    const std::string which = "input " + std::to_string(i) + " ('" + g.inputs[i].name + "')";
+    bool shape_ok = t.dim() == static_cast<std::int64_t>(v.shape.size());
+    for (std::size_t d = 0; shape_ok && d < v.shape.size(); ++d) {
+      shape_ok = v.shape[d].is_symbolic() || v.shape[d].size == t.size(static_cast<std::int64_t>(d));
+    }
+    if (!shape_ok) {
+      return Status(ErrorCode::kInvalidArgument,
+                    which + " has shape " + shape_string(t) + " but the graph was captured for " +
+                        shape_string(v.shape) +
+                        " (only the batch, the symbolic size, may change); pass that shape or capture the model "
+                        "again with this one");
+    }
+    if (scalar_type_name(t.scalar_type()) != v.dtype) {
+      return Status(ErrorCode::kInvalidArgument, which + " has dtype " + scalar_type_name(t.scalar_type()) +
+                                                     " but the graph was captured with " + v.dtype +
+                                                     "; convert it, or capture the model again with this dtype");
+    }
+    for (std::size_t d = 0; d < v.shape.size(); ++d) {
+      const std::string& sym = v.shape[d].symbol;
+      if (!is_plain_symbol(sym)) continue;
+      const std::int64_t size = t.size(static_cast<std::int64_t>(d));
+      auto [it, fresh] = seen.try_emplace(sym, size, i);
+      if (!fresh && it->second.first != size) {
+        return Status(ErrorCode::kInvalidArgument,
+                      "inputs " + std::to_string(it->second.second) + " and " + std::to_string(i) +
+                          " disagree on size " + sym + ": " + std::to_string(it->second.first) + " and " +
+                          std::to_string(size) + "; every batched input must hold the same batch");
+      }
+      if (!fresh) continue;
+      if (auto r = g.ranges.find(sym); r != g.ranges.end() && (size < r->second.min || size > r->second.max)) {
+        return Status(ErrorCode::kInvalidArgument,
+                      which + " has " + sym + " = " + std::to_string(size) + " but the graph holds for " +
+                          std::to_string(r->second.min) + " <= " + sym + " <= " + std::to_string(r->second.max) +
+                          " only (the model's guards bound it at capture); pass a size within that range");
+      }
+    }
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
 Result<std::vector<c10::IValue>> GraphExecutor::run(std::vector<c10::IValue> inputs) const {
   if (inputs.size() != graph_.inputs.size()) {
     return Status(ErrorCode::kInvalidArgument, "the graph takes " + std::to_string(graph_.inputs.size()) +
                                                    " inputs but got " + std::to_string(inputs.size()));
   }
+  CONVEYOR_RETURN_IF_ERROR(check_graph_inputs(graph_, inputs));
   std::vector<c10::IValue> values(graph_.values.size());
   for (std::size_t i = 0; i < inputs.size(); ++i) values[graph_.inputs[i].value] = std::move(inputs[i]);
   CONVEYOR_RETURN_IF_ERROR(execute(whole_graph_steps_, values));

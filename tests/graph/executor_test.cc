@@ -168,10 +168,49 @@ TEST(GraphExecutor, MissingOrMismatchedTensorsAreReported) {
   EXPECT_NE(dtype.status().message().find("dtype float32 but the graph expects float64"), std::string::npos);
 }
 
-TEST(GraphExecutor, OperatorFailuresNameTheNodeAndSource) {
-  auto ex = GraphExecutor::create(testing::mlp_graph(), mlp_tensors());
+TEST(GraphExecutor, InputsAreCheckedAgainstTheCapturedShapesDtypesAndRanges) {
+  Graph g = testing::mlp_graph();
+  g.ranges["s0"] = {2, 16};
+  auto ex = GraphExecutor::create(g, mlp_tensors());
   ASSERT_TRUE(ex.is_ok());
-  auto out = (*ex)->run({torch::randn({2, 7}, torch::kDouble)});
+  auto expect_refused = [&](const at::Tensor& x, const std::string& says) {
+    auto out = (*ex)->run({x});
+    ASSERT_FALSE(out.is_ok());
+    EXPECT_EQ(out.status().code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(out.status().message().find(says), std::string::npos) << out.status().message();
+  };
+  expect_refused(torch::randn({2, 7}, torch::kDouble), "input 0 ('x') has shape [2, 7] but the graph was captured for [s0, 4]");
+  expect_refused(torch::randn({2, 4, 1}, torch::kDouble), "has shape [2, 4, 1]");
+  expect_refused(torch::randn({2, 4}, torch::kFloat), "has dtype float32 but the graph was captured with float64");
+  expect_refused(torch::randn({1, 4}, torch::kDouble), "has s0 = 1 but the graph holds for 2 <= s0 <= 16 only");
+  expect_refused(torch::randn({17, 4}, torch::kDouble), "has s0 = 17");
+  for (std::int64_t batch : {2, 16}) EXPECT_TRUE((*ex)->run({torch::randn({batch, 4}, torch::kDouble)}).is_ok());
+}
+
+TEST(GraphExecutor, InputsThatDisagreeOnTheBatchAreRefused) {
+  testing::GraphBuilder b;
+  ValueId x = b.input("x", {testing::sym("s0"), testing::fixed(4)});
+  ValueId y = b.input("y", {testing::sym("s0"), testing::fixed(4)});
+  b.output(b.op("aten::mul", "Tensor", {testing::v(x), testing::v(y)}, {testing::sym("s0"), testing::fixed(4)}));
+  auto ex = GraphExecutor::create(b.build(), {});
+  ASSERT_TRUE(ex.is_ok()) << ex.status().to_string();
+  auto out = (*ex)->run({torch::randn({3, 4}, torch::kDouble), torch::randn({2, 4}, torch::kDouble)});
+  ASSERT_FALSE(out.is_ok());
+  EXPECT_NE(out.status().message().find("inputs 0 and 1 disagree on size s0: 3 and 2"), std::string::npos)
+      << out.status().message();
+}
+
+TEST(GraphExecutor, OperatorFailuresNameTheNodeAndSource) {
+  // Shapes as the graph declares them, but fc1's weight does not fit the input: linear fails.
+  testing::GraphBuilder b;
+  ValueId x = b.input("x", {testing::sym("s0"), testing::fixed(4)});
+  ValueId w = b.parameter("w", {testing::fixed(8), testing::fixed(5)});
+  ValueId h = b.op("aten::linear", "", {testing::v(x), testing::v(w), Argument::none()},
+                   {testing::sym("s0"), testing::fixed(8)});
+  b.output(b.op("aten::sum", "", {testing::v(h), Argument::none()}, {}));
+  auto ex = GraphExecutor::create(b.build(), {{"w", torch::randn({8, 5}, torch::kDouble)}});
+  ASSERT_TRUE(ex.is_ok()) << ex.status().to_string();
+  auto out = (*ex)->run({torch::randn({2, 4}, torch::kDouble)});
   ASSERT_FALSE(out.is_ok());
   EXPECT_EQ(out.status().code(), ErrorCode::kExecution);
   EXPECT_NE(out.status().message().find("node 0 (aten::linear, from test_graphs.cc:0) failed"), std::string::npos)

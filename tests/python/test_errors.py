@@ -166,11 +166,24 @@ def test_bad_stage_cuts(saved):
 
 def test_wrong_inputs_and_runtime_failures(saved):
     case, graph, _ = saved
+    x, target = case.args
     with pytest.raises(conveyor.ConveyorValueError, match="structured differently"):
-        graph(case.args[0])
+        graph(x)
+    with pytest.raises(conveyor.ConveyorValueError,
+                       match=r"input 0 \('x'\) has shape \[8, 5\] but the graph was captured for \[s\w+, 16\]"):
+        graph(torch.randn(8, 5, dtype=torch.float64), target)
+    with pytest.raises(conveyor.ConveyorValueError, match="has dtype float32 but the graph was captured with float64"):
+        graph(x.float(), target)
+    with pytest.raises(conveyor.ConveyorValueError, match="inputs 0 and 1 disagree on size .*: 8 and 6"):
+        graph(x, target[:6])
+    # Right shapes and dtypes, wrong values: the failing operator and its source line.
+    torch.manual_seed(0)
+    cnn = zoo.cnn_batchnorm()
+    cnn_graph = conveyor.capture(cnn.model, cnn.args)
     with pytest.raises(conveyor.ExecutionError) as info:
-        graph(torch.randn(8, 5, dtype=torch.float64), case.args[1])
-    assert "aten::linear" in str(info.value) and "zoo.py" in str(info.value)
+        cnn_graph(cnn.args[0], torch.full_like(cnn.args[1], 99))  # 5 classes
+    assert "cross_entropy" in str(info.value) or "nll_loss" in str(info.value), str(info.value)
+    assert "zoo.py" in str(info.value), str(info.value)
 
 
 def test_binding_to_the_wrong_model(saved):

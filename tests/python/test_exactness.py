@@ -167,6 +167,12 @@ def test_a_bounded_batch_stays_symbolic_within_its_bounds_and_shares_outside_are
         step(2000, 1)
     with pytest.raises(conveyor.ConveyorValueError, match="at least 3 samples.*would run 2.*fewer microbatches"):
         step(8, 4)
+    # Called whole, the graph checks the same range.
+    assert abs(graph(x, y).item() - model(x, y).item()) <= 1e-6 * abs(model(x, y).item())
+    for outside in (2, 2000):
+        with pytest.raises(conveyor.ConveyorValueError, match=rf"has {symbol} = {outside} but the graph holds for "
+                                                              rf"3 <= {symbol} <= 1000 only"):
+            graph(torch.randn(outside, 4), torch.randn(outside, 4))
 
 
 def test_no_grad_and_multiple_outputs():
