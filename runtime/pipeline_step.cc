@@ -1638,7 +1638,9 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
     return Status(ErrorCode::kInvalidArgument,
                   "the batch has " + std::to_string(batch) + " samples: " + std::to_string(m) +
                       " microbatches leave " + std::to_string(batch / m) + " per microbatch, fewer than the " +
-                      std::to_string(most) + " replicas of a stage; use a larger batch, fewer microbatches or fewer replicas");
+                      std::to_string(most) +
+                      " replicas of a stage; use a larger batch, fewer microbatches or fewer replicas (a data "
+                      "loader's smaller last batch can be dropped: drop_last=True)");
   }
   {
     // Each replica runs a share of a microbatch; the graph holds only for the sizes its

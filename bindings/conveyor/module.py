@@ -232,6 +232,7 @@ class Module(torch.nn.Module):
         self._steps_run = 0
         self._graph = None
         self._step = None
+        self._small_steps: dict[int, Any] = {}  # microbatches -> pipeline for batches too small for the plan
         self.plan = None
 
     # -- the model's own state --------------------------------------------------------
@@ -383,6 +384,8 @@ class Module(torch.nn.Module):
                                          **self._placement(replicas))
         self._graph = graph
         self._layout = (len(stage_nodes), schedule, m, chunks, replicas)
+        self._stage_nodes = stage_nodes
+        self._built_batch = batch
 
     def _threads_per_device(self) -> int:
         if self._world is not None:
@@ -438,7 +441,7 @@ class Module(torch.nn.Module):
         for p in params:
             p.grad = None
         try:
-            loss, _, _ = self._step.run(inputs)
+            loss, _, _ = self._step_for(inputs).run(inputs)
             stash = [p.grad for p in params]
         finally:
             for p, g in zip(params, saved):
@@ -447,6 +450,29 @@ class Module(torch.nn.Module):
         if self._trace is not None and self._steps_run <= 2:  # the second step: past warm-up
             self._step.write_trace(str(self._trace))
         return _PipelinedLoss.apply(loss, stash, *params)
+
+    def _step_for(self, inputs: list):
+        """The pipeline that runs this batch: the plan's. On one process, a batch smaller than
+        the one the pipeline was built for and too small to give every replica of every
+        microbatch the samples the model runs at once (a data loader's last batch) runs on the
+        same stages with one replica each and as many microbatches as it allows: the same
+        gradient accumulation over the same batch. Across processes, or for the batch the
+        pipeline was built for, the plan's pipeline refuses it, naming what to change."""
+        _, schedule, m, chunks, replicas = self._layout
+        batch = next((t.shape[0] for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+        least = _least_share(self._graph)
+        if (batch is None or self._group is not None or batch >= self._built_batch
+                or batch // m // max(replicas) >= least):
+            return self._step
+        ranks = len(replicas)
+        fitting = [k for k in range(min(m, batch // least), 0, -1) if chunks == 1 or k % ranks == 0]
+        if not fitting:
+            return self._step  # nothing runs it: the plan's pipeline names the sizes
+        k = fitting[0]
+        if k not in self._small_steps:
+            self._small_steps[k] = _C.PipelineStep(self._graph.executor, self._stage_nodes, schedule, k, chunks,
+                                                   [1] * ranks)
+        return self._small_steps[k]
 
     @property
     def microbatches(self) -> int:
