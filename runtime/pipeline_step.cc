@@ -3,11 +3,13 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
+#include <ATen/autocast_mode.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/StreamGuard.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <future>
@@ -40,6 +42,52 @@ Share share_of(std::int64_t length, int replicas, int i) {
   const std::int64_t base = length / replicas, extra = length % replicas;
   return {i * base + std::min<std::int64_t>(i, extra), base + (i < extra ? 1 : 0)};
 }
+
+/// The autocast (torch.autocast) of one thread for the device types a model runs on.
+struct AutocastState {
+  static constexpr std::array<c10::DeviceType, 2> kTypes{c10::DeviceType::CPU, c10::DeviceType::CUDA};
+  std::array<bool, 2> enabled{};
+  std::array<at::ScalarType, 2> dtype{at::kBFloat16, at::kHalf};
+
+  static AutocastState of_this_thread() {
+    AutocastState s;
+    for (std::size_t i = 0; i < kTypes.size(); ++i) {
+      s.enabled[i] = at::autocast::is_autocast_enabled(kTypes[i]);
+      s.dtype[i] = at::autocast::get_autocast_dtype(kTypes[i]);
+    }
+    return s;
+  }
+  bool any() const { return enabled[0] || enabled[1]; }
+  void apply() const {
+    for (std::size_t i = 0; i < kTypes.size(); ++i) {
+      at::autocast::set_autocast_enabled(kTypes[i], enabled[i]);
+      at::autocast::set_autocast_dtype(kTypes[i], dtype[i]);
+    }
+  }
+};
+
+/// Runs a replica's forward under the caller's autocast, as eager's forward runs under the
+/// user's `torch.autocast`; the weight casts it cached go with it (eager clears them when
+/// the outermost autocast region ends, so an optimizer step is never served stale copies).
+class AutocastScope {
+ public:
+  explicit AutocastScope(const AutocastState& wanted) : active_(wanted.any()) {
+    if (!active_) return;
+    previous_ = AutocastState::of_this_thread();
+    wanted.apply();
+  }
+  ~AutocastScope() {
+    if (!active_) return;
+    at::autocast::clear_cache();
+    previous_.apply();
+  }
+  AutocastScope(const AutocastScope&) = delete;
+  AutocastScope& operator=(const AutocastScope&) = delete;
+
+ private:
+  bool active_;
+  AutocastState previous_;
+};
 
 void add_into(at::Tensor& acc, const at::Tensor& g) {
   if (!g.defined()) return;
@@ -220,6 +268,7 @@ struct PipelineStep::Impl {
   std::map<std::pair<int, int>, at::Tensor> losses;       // (mb, replica) -> loss of that share
   double grad_scale = 1;
   int replica_threads = 1;    // intra-op threads of each replica this step
+  AutocastState caller_autocast;  // the caller's torch.autocast this step: forwards run under it
   scheduler::RunResult last;  // the last step's measured actions
   std::pair<int, int> last_reduction{0, 0};  // buckets, of which reduced during backward
   std::unique_ptr<actors::Coordinator> coordinator;  // the replicas' actors, for the pipeline's life
@@ -1562,7 +1611,14 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
       on_compute.emplace(rs->compute);
       start = rs->events.record(rs->compute);
     }
-    Status s = im->compute(replica, a);
+    Status s = Status::ok();
+    {
+      // Forward under the caller's autocast; backward without, as eager's loss.backward()
+      // outside the autocast region.
+      const bool forward = a.kind == ActionKind::kForward;
+      AutocastScope autocast(forward ? im->caller_autocast : AutocastState{});
+      s = im->compute(replica, a);
+    }
     if (rs != nullptr) {
       c10::Event* end = rs->events.record(rs->compute);
       im->timed[im->first_worker[rank] + replica].push_back({rank, replica, a, start, end});
@@ -1743,6 +1799,7 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
   for (int r : im.rank_replicas) workers += r;
   const int threads = im.intra_op_threads > 0 ? im.intra_op_threads : std::max(1, caller_threads / workers);
   im.replica_threads = threads;
+  im.caller_autocast = AutocastState::of_this_thread();
   // The buckets reduced during backward join the measured spans (the trace, the live
   // profile) before the step's profile goes to the partitioner actor.
   std::pair<int, int> reduction{0, 0};

@@ -198,6 +198,44 @@ def test_a_last_batch_too_small_for_the_plan_trains_like_eager(schedule, stages)
     assert model._layout[2] == 2 and model._layout[4] == [2] * (stages // (2 if schedule == "interleaved" else 1))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)"))])
+def test_forwards_run_under_the_callers_autocast_like_eager(device):
+    """`with torch.autocast(...)` around the call reaches every stage's forward on the
+    replicas' threads (bfloat16 matmuls, as eager's), not their backward; and every step
+    casts the weights afresh after the optimizer changed them."""
+    torch.manual_seed(0)
+    case = zoo.mlp(batch=8, dtype=torch.float32)
+    case.model.to(device)
+    case.args = tuple(a.to(device) for a in case.args)
+    ref = copy.deepcopy(case.model)
+    opt = torch.optim.SGD(case.model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    model = conveyor.Module(case.model, opt, stages=2, microbatches=2)
+    x, y = case.args
+    for step in range(3):
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = model(x, y)
+        loss.backward()
+        want = 0
+        for xs, ys in zip(x.tensor_split(2), y.tensor_split(2)):
+            with torch.autocast(device, dtype=torch.bfloat16):
+                part = ref(xs, ys) * 0.5
+            part.backward()
+            want = want + part.detach()
+        with torch.no_grad():
+            full_precision = ref(x, y)
+        assert abs(loss.item() - want.item()) <= 1e-6 * abs(want.item()), (step, loss.item(), want.item())
+        assert abs(loss.item() - full_precision.item()) > 1e-5 * abs(want.item()), "autocast did not apply"
+        for (n, p), (_, q) in zip(case.model.named_parameters(), ref.named_parameters()):
+            assert p.grad.dtype == torch.float32
+            assert (p.grad - q.grad).abs().max().item() <= 1e-5 * max(q.grad.abs().max().item(), 1e-6), (step, n)
+        opt.step()
+        ref_opt.step()
+
+
 def test_bad_input_gets_clear_errors():
     torch.manual_seed(0)
     case = zoo.mlp(batch=3)
