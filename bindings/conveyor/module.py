@@ -5,6 +5,12 @@
     loss.backward()                # the parameter gradients, scaled by the incoming gradient
     optimizer.step()               # updates the model's own parameters
 
+A model whose forward returns outputs, not a loss, takes `loss_fn=`: the call's `target=`
+keyword then goes to `loss_fn(output, target)`, as in `criterion(model(x), y)`:
+
+    model = conveyor.Module(net, optimizer, loss_fn=torch.nn.CrossEntropyLoss())
+    loss = model(x, target=y)
+
 On the first call the model is captured, profiled on one microbatch and planned on the
 local machine (its CPU split into `devices` virtual devices, or the machines a `cluster`
 file describes), unless `stages` fixes the cut. Every stage replica runs on its own
@@ -86,12 +92,15 @@ def _least_share(graph) -> int:
 
 def _loss_wrapper(model: torch.nn.Module, loss_fn, args: tuple, kwargs: dict) -> torch.nn.Module:
     """The model with its scalar loss as the only output and the same argument names (the
-    capture needs a plain signature)."""
+    capture needs a plain signature). With `loss_fn`, a `target=` keyword goes to
+    `loss_fn(output, target)` rather than to the model (torch.distributed.pipelining's
+    `step(target=)` convention): `loss = model(x, target=y)` for `criterion(model(x), y)`."""
     pos = [f"arg{i}" for i in range(len(args))]
-    call = ", ".join(pos + [f"{k}={k}" for k in kwargs])
+    to_loss = loss_fn is not None and "target" in kwargs
+    call = ", ".join(pos + [f"{k}={k}" for k in kwargs if not (to_loss and k == "target")])
     namespace: dict = {}
     exec(f"def forward(self, {', '.join(pos + list(kwargs))}):\n"
-         f"    return self._loss(self.model({call}))", namespace)
+         f"    return self._loss(self.model({call}){', target' if to_loss else ''})", namespace)
     cls = type(f"{type(model).__name__}Loss", (torch.nn.Module,), {"forward": namespace["forward"]})
     wrapper = cls()
     wrapper.model = model

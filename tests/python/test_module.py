@@ -236,6 +236,26 @@ def test_forwards_run_under_the_callers_autocast_like_eager(device):
         ref_opt.step()
 
 
+def test_a_loss_fn_takes_the_calls_target_like_a_criterion():
+    """`loss_fn=CrossEntropyLoss()` and `model(x, target=y)`: the target is split into
+    microbatches with the input and reaches the criterion, not the model; the result is
+    eager's `criterion(net(x), y)` accumulated over the same microbatches."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
+                              torch.nn.Linear(32, 5)).double()
+    ref = copy.deepcopy(net)
+    criterion = torch.nn.CrossEntropyLoss()
+    model = conveyor.Module(net, stages=3, microbatches=4, loss_fn=criterion)
+    x, y = torch.randn(8, 12, dtype=torch.float64), torch.randint(0, 5, (8,))
+    loss = model(x, target=y)
+    loss.backward()
+    want = sum(criterion(ref(xs), ys) * 0.25 for xs, ys in zip(x.tensor_split(4), y.tensor_split(4)))
+    want.backward()
+    assert abs(loss.item() - want.item()) <= 1e-12 * abs(want.item())
+    for (n, p), (_, q) in zip(net.named_parameters(), ref.named_parameters()):
+        assert (p.grad - q.grad).abs().max().item() <= 1e-12 * max(q.grad.abs().max().item(), 1e-6), n
+
+
 def test_bad_input_gets_clear_errors():
     torch.manual_seed(0)
     case = zoo.mlp(batch=3)
