@@ -402,6 +402,15 @@ std::string shape_string(const at::Tensor& t) {
   return s + "]";
 }
 
+// The tensor has the shape's rank and every fixed size of it (symbolic sizes: any).
+bool fits_shape(const at::Tensor& t, const std::vector<Dim>& shape) {
+  if (t.dim() != static_cast<std::int64_t>(shape.size())) return false;
+  for (std::size_t d = 0; d < shape.size(); ++d) {
+    if (!shape[d].is_symbolic() && shape[d].size != t.size(static_cast<std::int64_t>(d))) return false;
+  }
+  return true;
+}
+
 std::string shape_string(const std::vector<Dim>& shape) {
   std::string s = "[";
   for (std::size_t i = 0; i < shape.size(); ++i) {
@@ -521,11 +530,7 @@ Result<std::shared_ptr<GraphExecutor>> GraphExecutor::create(Graph graph, Tensor
     }
     const at::Tensor& t = it->second;
     const Value& v = g.values[b.value];
-    bool shape_ok = t.dim() == static_cast<std::int64_t>(v.shape.size());
-    for (std::size_t d = 0; shape_ok && d < v.shape.size(); ++d) {
-      shape_ok = v.shape[d].is_symbolic() || v.shape[d].size == t.size(static_cast<std::int64_t>(d));
-    }
-    if (!shape_ok) {
+    if (!fits_shape(t, v.shape)) {
       return Status(ErrorCode::kInvalidArgument, "tensor '" + b.name + "' has shape " + shape_string(t) +
                                                      " but the graph expects " + shape_string(v.shape));
     }
@@ -809,11 +814,7 @@ Status check_graph_inputs(const Graph& g, const std::vector<c10::IValue>& inputs
     if (v.kind != ValueKind::kTensor || !inputs[i].isTensor()) continue;
     const at::Tensor& t = inputs[i].toTensor();
     const std::string which = "input " + std::to_string(i) + " ('" + g.inputs[i].name + "')";
-    bool shape_ok = t.dim() == static_cast<std::int64_t>(v.shape.size());
-    for (std::size_t d = 0; shape_ok && d < v.shape.size(); ++d) {
-      shape_ok = v.shape[d].is_symbolic() || v.shape[d].size == t.size(static_cast<std::int64_t>(d));
-    }
-    if (!shape_ok) {
+    if (!fits_shape(t, v.shape)) {
       return Status(ErrorCode::kInvalidArgument,
                     which + " has shape " + shape_string(t) + " but the graph was captured for " +
                         shape_string(v.shape) +

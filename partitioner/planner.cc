@@ -1025,7 +1025,8 @@ Result<Plan> make_plan(const CostGraph& g, const Cluster& cluster, const PlanOpt
   if (candidates.empty()) {
     // Find the smallest uniform memory per device for which a plan exists.
     double lo = 0, hi = 0;
-    const int m = microbatch_candidates(options, g.min_share).empty() ? 1 : microbatch_candidates(options, g.min_share).back();
+    const std::vector<int> counts = microbatch_candidates(options, g.min_share);
+    const int m = counts.empty() ? 1 : counts.back();
     for (const auto& unit : units.units) hi += unit.params * (2 + options.optimizer_bytes_per_param_byte) + unit.saved * options.batch + unit.work;
     hi = std::max(hi * 4, 1.0);
     for (int it = 0; it < 60; ++it) {
