@@ -90,6 +90,11 @@ def _least_share(graph) -> int:
                       if role == "batch" and s in ranges])
 
 
+def _batch_of(inputs: list) -> int | None:
+    """The batch size of a call: dim 0 of its first tensor that has dimensions."""
+    return next((t.shape[0] for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+
+
 def _loss_wrapper(model: torch.nn.Module, loss_fn, args: tuple, kwargs: dict) -> torch.nn.Module:
     """The model with its scalar loss as the only output and the same argument names (the
     capture needs a plain signature). With `loss_fn`, a `target=` keyword goes to
@@ -303,7 +308,7 @@ class Module(torch.nn.Module):
                           "draw from torch's global one: their draws depend on thread timing and on which process runs "
                           "them (dropout of every kind, attention dropout, rand, randn and bernoulli draw reproducibly)", stacklevel=3)
         inputs = graph.flatten_inputs(args, kwargs)
-        batch = next((t.shape[0] for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0), 1)
+        batch = _batch_of(inputs) or 1
         least = _least_share(graph)  # samples a replica must run at once (the model's own bound)
         replicas = None
         if self._world is not None:
@@ -394,7 +399,7 @@ class Module(torch.nn.Module):
         self._graph = graph
         self._layout = (len(stage_nodes), schedule, m, chunks, replicas)
         self._stage_nodes = stage_nodes
-        self._built_batch = batch
+        self._built_batch, self._least = batch, least
 
     def _threads_per_device(self) -> int:
         if self._world is not None:
@@ -468,8 +473,7 @@ class Module(torch.nn.Module):
         gradient accumulation over the same batch. Across processes, or for the batch the
         pipeline was built for, the plan's pipeline refuses it, naming what to change."""
         _, schedule, m, chunks, replicas = self._layout
-        batch = next((t.shape[0] for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0), None)
-        least = _least_share(self._graph)
+        batch, least = _batch_of(inputs), self._least
         if (batch is None or self._group is not None or batch >= self._built_batch
                 or batch // m // max(replicas) >= least):
             return self._step

@@ -20,7 +20,7 @@ class NeedsFourSamples(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.body = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(6)]).double()
+        self.body = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(6)])
 
     def forward(self, x, y):
         if x.shape[0] < 4:
@@ -29,7 +29,7 @@ class NeedsFourSamples(torch.nn.Module):
 
 
 def bounded(batch=8):
-    return zoo.ZooCase("bounded", NeedsFourSamples(), (torch.randn(batch, 16, dtype=torch.float64),
+    return zoo.ZooCase("bounded", NeedsFourSamples().double(), (torch.randn(batch, 16, dtype=torch.float64),
                                                        torch.randn(batch, 16, dtype=torch.float64)), {})
 
 

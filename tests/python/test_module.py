@@ -10,6 +10,7 @@ import conveyor
 from conveyor import zoo
 
 from conftest import split_batch
+from launch_worker import NeedsFourSamples  # refuses fewer than four samples at once
 
 
 @pytest.fixture(autouse=True)
@@ -330,20 +331,6 @@ def test_random_operators_without_a_generator_are_named_in_a_warning():
             assert len(named) == 1 and "aten::lstm" in named[0], [str(w.message) for w in caught]
         else:
             assert not named, named
-
-
-class NeedsFourSamples(torch.nn.Module):
-    """Refuses fewer than four samples at once (a Python check on the batch size): capture
-    records the bound, and the automatic plan keeps every replica's share at four or more."""
-
-    def __init__(self):
-        super().__init__()
-        self.body = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(6)])
-
-    def forward(self, x, y):
-        if x.shape[0] < 4:
-            raise ValueError("at least four samples")
-        return (self.body(x) - y).pow(2).mean()
 
 
 @pytest.mark.parametrize("stages", [None, 2])

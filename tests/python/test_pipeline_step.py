@@ -179,7 +179,7 @@ def test_stages_with_different_replica_counts_redistribute(name, device, rel_err
     torch.manual_seed(0)
     case = on_device(zoo.CASES[name](batch=12), device)
     wrapped, initial, graph, inputs = captured(case)
-    ran = 0
+    ran, counts = 0, [2, 1, 3]
     # Random cuts often pass a value that cannot be redistributed (no batch dimension, or
     # positions within a share such as an attention mask's arange(batch)); those are refused.
     for seed in range(32):
@@ -188,7 +188,7 @@ def test_stages_with_different_replica_counts_redistribute(name, device, rel_err
         for schedule in ("1f1b", "zb-h1"):
             partition = graph.random_partition(3, seed=seed)
             try:
-                step = _C.PipelineStep(graph.executor, partition, schedule, 2, 1, [2, 1, 3])
+                step = _C.PipelineStep(graph.executor, partition, schedule, 2, 1, counts)
             except conveyor.UnsupportedError as e:
                 assert "same number of replicas" in str(e)
                 continue
@@ -200,7 +200,7 @@ def test_stages_with_different_replica_counts_redistribute(name, device, rel_err
             # loss runs in float32 even in a float64 model (transformers' loss casts the
             # logits with .float()), and on CUDA float32 sums round in float32 (the CPU's in
             # double), so one loss over 6 samples and three over 2 differ there by 1e-7.
-            parts = 2 * [2, 1, 3][stage_returning_the_loss(graph, partition)]
+            parts = 2 * counts[stage_returning_the_loss(graph, partition)]
             got, ref_loss = pipelined_grads_then_eager(wrapped, case, parts, 12)
             assert rel_err(loss, ref_loss) <= TOLERANCE
             for n, p in wrapped.named_parameters():
