@@ -49,6 +49,37 @@ struct ReplicaStreams {
   EventPool events;
 };
 
+/// Every stream of one pipeline on a device with streams: each replica's (rank-major,
+/// every replica of every rank, also those other processes run: arrivals from them land on
+/// their compute stream here), a collective stream and event pool per stage, and the step's
+/// own events.
+class PipelineStreams {
+ public:
+  PipelineStreams(const c10::Device& device, const std::vector<int>& rank_replicas, int stages);
+  const c10::Device& device() const { return device_; }
+  ReplicaStreams& of_rank(int rank, int replica) { return *replicas_[first_[rank] + replica]; }
+  const c10::Stream& collective(int stage) const { return collective_[stage]; }
+  /// The collective stream's events (reductions' timing, accumulation marks); callers
+  /// serialize their use of one stage's pool.
+  EventPool& collective_events(int stage) { return *collective_events_[stage]; }
+  /// Rewinds every pool and makes every stream start after the work queued so far on the
+  /// calling thread's current stream (the step's inputs, the last optimizer step); returns
+  /// the event the step's device times count from.
+  c10::Event* start_step();
+
+ private:
+  c10::Device device_;
+  std::vector<int> first_;  // per rank: its replica 0's index in replicas_
+  std::vector<std::unique_ptr<ReplicaStreams>> replicas_;
+  std::vector<c10::Stream> collective_;
+  std::vector<std::unique_ptr<EventPool>> collective_events_;
+  EventPool step_events_;
+};
+
+/// How many times this process made the host wait for a device (synchronize_device), for
+/// the tests that count a step's host waits.
+std::int64_t host_waits();
+
 /// The stream current on the calling thread for `device`.
 c10::Stream current_stream(const c10::Device& device);
 /// A stream from `device`'s pool (for a collective).

@@ -1,23 +1,17 @@
-// One pipelined training step in one process: a captured graph cut into stages, each stage
-// run by one or more replicas, its batch sliced into microbatches and each microbatch into
-// one share per replica, the schedule's action lists run step by step (scheduler::StepRun) with each F,
-// B, Bi and W bound to the replica's stage program, on the replica's StageReplica actor (a
-// thread of its own for the pipeline's life; actors::Coordinator).
+// One pipelined training step: a captured graph cut into stages, each stage run by one or
+// more replicas, its batch sliced into microbatches and each microbatch into one share per
+// replica, the schedule's action lists walked by the replicas' actors (runtime/coordinator.h).
 //
-// Data path. Activations and gradients pass between stages in memory: zero-copy from
-// replica i to replica i when both stages have as many replicas; otherwise the producing
-// replicas' shares are joined along the value's batch dimension and the consumer reads its
-// own share of that (a redistribution: one copy). Parameter gradients accumulate into each
-// replica's `.grad`; replica 0 is the user's model itself, the others are separate autograd
-// leaves sharing the parameters' storage (so an optimizer step reaches them all) with their
-// own buffers. The replicas' gradients are summed into the user's `.grad` bucket by bucket
-// on the communication thread, each bucket as soon as every replica's last backward of the
-// step has accumulated it (the stage's allreduce takes whatever is left); parameters used
-// by several stages (tied weights) are summed after the step. Each microbatch share's loss is weighted by its share of the batch, so a step
-// equals eager training with gradient accumulation over the same shares.
-//
-// Zero-bubble schedules split each backward: Bi (StageProgram::backward_input) hands the
-// input gradient on at once, W (backward_weight) fills idle time with the weight gradients.
+// PipelineStep only wires and runs. The owners of a step's state, each with its own lock:
+// - PipelineLayout / BatchLayout: the immutable shape (stages, replicas, where the batch is);
+// - Placement: which process runs each replica, what crosses between processes;
+// - ValueStore: the step's values and gradients between stages;
+// - StageReplica: one replica's compute (programs, streams, autocast, seeded draws);
+// - GradientReducer: the replicas' gradient sums, in buckets during backward;
+// - RemoteExchange: messages between processes, in the wire format;
+// - ModelState: the replicas' buffers, and what this process holds of the model.
+// docs/design.md ("A pipelined step") says how a step flows between them, and
+// docs/thread_model.md on which threads.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -28,17 +22,18 @@
 #include <string>
 #include <vector>
 
-#include "actors/coordinator.h"
+#include "runtime/coordinator.h"
+#include "runtime/device_streams.h"
 #include "common/status.h"
 #include "graph/executor.h"
 #include "runtime/process_group.h"
-#include "scheduler/runner.h"
+#include "runtime/step_run.h"
 
 namespace conveyor::runtime {
 
 struct StepResult {
   at::Tensor loss;                  ///< the batch's loss: microbatch losses weighted by size, detached
-  scheduler::RunResult measured;    ///< every action's measured span
+  runtime::RunResult measured;    ///< every action's measured span
   /// Gradient buckets of replicated stages, and how many of them were reduced while the
   /// stage's last backward was still running (the rest at the stage's allreduce).
   int buckets = 0, buckets_reduced_during_backward = 0;
@@ -107,11 +102,11 @@ class PipelineStep {
 
   /// The last step's measured actions. On a device with streams, compute actions and
   /// reductions carry the device's times (from events on their streams), not the host's.
-  const scheduler::RunResult& last_step() const;
+  const runtime::RunResult& last_step() const;
 
   /// Every step's measured actions reach the pipeline's PartitionerActor: its comparison
   /// of the measured steps with the prediction, per stage.
-  Result<actors::ProfileReport> profile_report() const;
+  Result<runtime::ProfileReport> profile_report() const;
 
   /// Writes the last step's measured actions as a Perfetto trace: a track per rank and
   /// replica with its compute, send and collective streams, flows from each transfer to its

@@ -6,7 +6,7 @@
 #include <optional>
 #include <numeric>
 
-#include "actors/rendezvous.h"
+#include "runtime/rendezvous.h"
 #include "conveyor_config.h"
 #include "transport/nccl_library.h"
 
@@ -23,7 +23,7 @@ Result<std::shared_ptr<ProcessGroup>> ProcessGroup::create(const ProcessGroupOpt
   }
   CONVEYOR_ASSIGN_OR_RETURN(group->endpoint_, transport::make_ucx_endpoint(options.rank, options.world, "process"));
   const auto address = group->endpoint_->address();
-  actors::JoinRequest join;
+  runtime::JoinRequest join;
   join.rank = options.rank;
   join.world = options.world;
   join.host = options.host;
@@ -32,13 +32,13 @@ Result<std::shared_ptr<ProcessGroup>> ProcessGroup::create(const ProcessGroupOpt
   join.job = options.job;
   join.address.assign(address.begin(), address.end());
   join.timeout = options.timeout;
-  CONVEYOR_ASSIGN_OR_RETURN(auto met, actors::rendezvous(join));
+  CONVEYOR_ASSIGN_OR_RETURN(auto met, runtime::rendezvous(join));
   for (int peer = 0; peer < options.world; ++peer) {
     if (peer == options.rank) continue;
     const std::string& a = met->addresses()[peer];
     CONVEYOR_RETURN_IF_ERROR(group->endpoint_->connect(peer, std::vector<std::uint8_t>(a.begin(), a.end())));
   }
-  group->rendezvous_ = std::shared_ptr<actors::Rendezvous>(std::move(met));
+  group->rendezvous_ = std::shared_ptr<runtime::Rendezvous>(std::move(met));
   std::vector<int> everyone(static_cast<std::size_t>(options.world));
   std::iota(everyone.begin(), everyone.end(), 0);
   CONVEYOR_ASSIGN_OR_RETURN(group->all_, transport::make_endpoint_group(group->endpoint_, everyone, /*group_id=*/0));

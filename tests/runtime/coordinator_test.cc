@@ -1,4 +1,4 @@
-#include "actors/coordinator.h"
+#include "runtime/coordinator.h"
 
 #include <gtest/gtest.h>
 
@@ -13,7 +13,8 @@
 
 #include "trace/simulation_trace.h"
 
-namespace conveyor::scheduler {
+namespace conveyor::runtime {
+using namespace scheduler;  // the schedules the runner walks
 // (The tests name the scheduler's types unqualified; the actors run them.)
 namespace {
 
@@ -104,7 +105,7 @@ struct Recorder {
 
 Result<RunResult> run_once(const Schedule& schedule, RunnerHooks hooks, std::vector<int> replicas = {},
                            std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
-  CONVEYOR_ASSIGN_OR_RETURN(auto coordinator, actors::Coordinator::create(schedule, std::move(hooks), std::move(replicas)));
+  CONVEYOR_ASSIGN_OR_RETURN(auto coordinator, runtime::Coordinator::create(schedule, std::move(hooks), std::move(replicas)));
   return coordinator->run_step(timeout);
 }
 
@@ -128,7 +129,7 @@ TEST(Coordinator, EveryScheduleRunsInDependencyOrderOnPersistentReplicaThreads) 
       }
       return inner(r, i, a);
     };
-    auto coordinator = actors::Coordinator::create(*schedule, hooks);
+    auto coordinator = runtime::Coordinator::create(*schedule, hooks);
     ASSERT_TRUE(coordinator.is_ok()) << coordinator.status().to_string();
     for (int repeat = 0; repeat < 5; ++repeat) {
       rec.reset();
@@ -246,7 +247,7 @@ TEST(Coordinator, ReplicatedRanksWaitForTheirProducersAndReduceOnce) {
       }
     }
   }
-  auto refused = actors::Coordinator::create(*make_schedule({ScheduleKind::kOneFOneB, 2, 2}),
+  auto refused = runtime::Coordinator::create(*make_schedule({ScheduleKind::kOneFOneB, 2, 2}),
                                              RunnerHooks{[](int, int, const Action&) { return Status::ok(); }}, {1, 0});
   ASSERT_FALSE(refused.is_ok());
   EXPECT_NE(refused.status().message().find("rank 1 has 0 replicas"), std::string::npos);
@@ -332,14 +333,14 @@ TEST(Coordinator, ReplicasPlacedInOtherProcessesAreReachedThroughTheHooks) {
       };
       return hooks;
     };
-    std::vector<std::unique_ptr<actors::Coordinator>> processes;
+    std::vector<std::unique_ptr<runtime::Coordinator>> processes;
     for (int process = 0; process < 2; ++process) {
       LocalReplicas local;
       for (int r = 0; r < 2; ++r) {
         local.emplace_back();
         for (int i = 0; i < replicas[r]; ++i) local.back().push_back(process_of(r, i) == process);
       }
-      auto made = actors::Coordinator::create(*schedule, hooks_of(process), replicas, std::nullopt, local);
+      auto made = runtime::Coordinator::create(*schedule, hooks_of(process), replicas, std::nullopt, local);
       ASSERT_TRUE(made.is_ok()) << made.status().to_string();
       processes.push_back(std::move(*made));
     }
@@ -358,7 +359,7 @@ TEST(Coordinator, ReplicasPlacedInOtherProcessesAreReachedThroughTheHooks) {
       EXPECT_EQ(reductions[1][s], replicas[s] > 1 ? 1 : 0);
     }
   }
-  auto misplaced = actors::Coordinator::create(*schedule, RunnerHooks{[](int, int, const Action&) { return Status::ok(); }},
+  auto misplaced = runtime::Coordinator::create(*schedule, RunnerHooks{[](int, int, const Action&) { return Status::ok(); }},
                                                {2, 1}, std::nullopt, LocalReplicas{{true}, {true}});
   ASSERT_FALSE(misplaced.is_ok());
   EXPECT_NE(misplaced.status().message().find("rank 0 has 2 replicas but 1 are placed"), std::string::npos);
@@ -397,7 +398,7 @@ TEST(Coordinator, AHookThatNeverReturnsTimesOutNamingWhereRanksWaitAndFailsLater
   };
   hooks.transfer = [rec](int r, int, const Action& a) { return rec->transfer(r, a); };
   hooks.allreduce = [rec](int r, int, const Action& a) { return rec->allreduce(r, a); };
-  auto coordinator = actors::Coordinator::create(*schedule, hooks);
+  auto coordinator = runtime::Coordinator::create(*schedule, hooks);
   ASSERT_TRUE(coordinator.is_ok());
   auto result = (*coordinator)->run_step(std::chrono::milliseconds(300));
   ASSERT_FALSE(result.is_ok());
@@ -448,7 +449,7 @@ TEST(Coordinator, LiveProfilesCompareEachStageWithThePrediction) {
     std::this_thread::sleep_for(std::chrono::duration<double>(s));
     return Status::ok();
   };
-  auto coordinator = actors::Coordinator::create(*schedule, hooks, {}, *predicted);
+  auto coordinator = runtime::Coordinator::create(*schedule, hooks, {}, *predicted);
   ASSERT_TRUE(coordinator.is_ok());
   auto empty = (*coordinator)->profile_report();
   ASSERT_TRUE(empty.is_ok());
@@ -477,4 +478,4 @@ TEST(Coordinator, LiveProfilesCompareEachStageWithThePrediction) {
 }
 
 }  // namespace
-}  // namespace conveyor::scheduler
+}  // namespace conveyor::runtime

@@ -1,11 +1,11 @@
-#include "actors/coordinator.h"
+#include "runtime/coordinator.h"
 
 #include <caf/io/middleman.hpp>
 #include <thread>
 
-#include "actors/messages.h"
+#include "runtime/actor_messages.h"
 
-namespace conveyor::actors {
+namespace conveyor::runtime {
 
 caf::actor_system& actor_system() {
   static caf::actor_system* system = [] {
@@ -44,12 +44,12 @@ caf::behavior coordinator(caf::event_based_actor* self, std::vector<caf::actor> 
 
 struct Coordinator::Impl {
   scheduler::Schedule schedule;
-  scheduler::RunnerHooks hooks;
+  runtime::RunnerHooks hooks;
   std::vector<int> replicas;
-  scheduler::LocalReplicas local;
+  runtime::LocalReplicas local;
   std::vector<caf::actor> replica_actors;
   caf::actor coordinator, partitioner;
-  std::shared_ptr<scheduler::StepRun> failed;  // the last step, if it failed
+  std::shared_ptr<runtime::StepRun> failed;  // the last step, if it failed
 
   ~Impl() {
     for (auto& a : replica_actors) caf::anon_send_exit(a, caf::exit_reason::user_shutdown);
@@ -61,12 +61,12 @@ struct Coordinator::Impl {
 Coordinator::Coordinator(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Coordinator::~Coordinator() = default;
 
-Result<std::unique_ptr<Coordinator>> Coordinator::create(scheduler::Schedule schedule, scheduler::RunnerHooks hooks,
+Result<std::unique_ptr<Coordinator>> Coordinator::create(scheduler::Schedule schedule, runtime::RunnerHooks hooks,
                                                          std::vector<int> replicas,
                                                          std::optional<scheduler::SimulationResult> predicted,
-                                                         scheduler::LocalReplicas local) {
+                                                         runtime::LocalReplicas local) {
   // A step validates the schedule, hooks and counts: check them now, before any actor exists.
-  auto probe = scheduler::StepRun::create(schedule, hooks, replicas, local);
+  auto probe = runtime::StepRun::create(schedule, hooks, replicas, local);
   if (!probe) return probe.status();
   auto impl = std::make_unique<Impl>();
   impl->schedule = std::move(schedule);
@@ -86,8 +86,8 @@ Result<std::unique_ptr<Coordinator>> Coordinator::create(scheduler::Schedule sch
   return std::unique_ptr<Coordinator>(new Coordinator(std::move(impl)));
 }
 
-Result<scheduler::RunResult> Coordinator::run_step(std::chrono::milliseconds timeout,
-                                                   const std::function<void(scheduler::RunResult&)>& complete) {
+Result<runtime::RunResult> Coordinator::run_step(std::chrono::milliseconds timeout,
+                                                   const std::function<void(runtime::RunResult&)>& complete) {
   if (impl_->failed) {
     // A replica still inside a hook of the failed step would leave this step waiting for it.
     for (int w : impl_->failed->stuck()) {
@@ -98,13 +98,13 @@ Result<scheduler::RunResult> Coordinator::run_step(std::chrono::milliseconds tim
     }
     impl_->failed.reset();
   }
-  auto step = scheduler::StepRun::create(impl_->schedule, impl_->hooks, impl_->replicas, impl_->local);
+  auto step = runtime::StepRun::create(impl_->schedule, impl_->hooks, impl_->replicas, impl_->local);
   if (!step) return step.status();
   caf::anon_send(impl_->coordinator, step_atom::value, *step);
   auto measured = (*step)->wait(timeout);
   if (!measured) impl_->failed = *step;
   if (measured && complete) complete(*measured);
-  if (measured) caf::anon_send(impl_->partitioner, profile_atom::value, std::make_shared<const scheduler::RunResult>(*measured));
+  if (measured) caf::anon_send(impl_->partitioner, profile_atom::value, std::make_shared<const runtime::RunResult>(*measured));
   return measured;
 }
 
@@ -119,4 +119,4 @@ Result<ProfileReport> Coordinator::profile_report(std::chrono::milliseconds time
   return out;
 }
 
-}  // namespace conveyor::actors
+}  // namespace conveyor::runtime

@@ -1,4 +1,4 @@
-#include "scheduler/runner.h"
+#include "runtime/step_run.h"
 
 #include <asio/co_spawn.hpp>
 #include <asio/detached.hpp>
@@ -17,7 +17,15 @@
 #include <thread>
 #include <tuple>
 
-namespace conveyor::scheduler {
+#include "runtime/comm_thread_impl.h"
+
+namespace conveyor::runtime {
+
+using scheduler::ActionKind;
+using scheduler::ActionList;
+using scheduler::action_text;
+using scheduler::partner_replicas;
+using scheduler::validate_schedule;
 
 namespace {
 using Clock = std::chrono::steady_clock;
@@ -27,47 +35,6 @@ using Channel = asio::experimental::concurrent_channel<void(asio::error_code, in
 // an allreduce), sending stage, sending replica, receiving replica.
 using Key = std::tuple<int, int, int, int, int>;
 }  // namespace
-
-// ---- the communication thread ----------------------------------------------------------
-
-struct CommThread::Impl {
-  asio::io_context io{1};
-  asio::executor_work_guard<asio::io_context::executor_type> guard = asio::make_work_guard(io);
-  std::thread thread;
-  std::atomic<bool> exited{false};
-  std::atomic<bool> abandoned{false};  // a transfer hook never returned: serve no more steps
-};
-
-CommThread::CommThread() : impl_(std::make_unique<Impl>()) {
-  Impl* impl = impl_.get();
-  impl->thread = std::thread([impl] {
-    impl->io.run();
-    impl->exited = true;
-  });
-}
-
-CommThread::~CommThread() {
-  impl_->guard.reset();
-  impl_->io.stop();
-  const auto deadline = Clock::now() + std::chrono::seconds(1);
-  while (!impl_->exited && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  if (impl_->exited) {
-    impl_->thread.join();
-  } else {
-    impl_->thread.detach();
-    (void)impl_.release();  // the stuck hook's thread still runs on it: leave it be
-  }
-}
-
-void CommThread::post(std::function<void()> work) { asio::post(impl_->io, std::move(work)); }
-
-std::shared_ptr<CommThread> CommThread::process() {
-  static std::mutex mu;
-  static std::shared_ptr<CommThread> current;
-  std::lock_guard<std::mutex> lock(mu);
-  if (!current || current->impl_->abandoned) current.reset(new CommThread());
-  return current;
-}
 
 // ---- one step --------------------------------------------------------------------------
 
@@ -369,4 +336,4 @@ std::vector<int> StepRun::stuck() const {
   return out;
 }
 
-}  // namespace conveyor::scheduler
+}  // namespace conveyor::runtime

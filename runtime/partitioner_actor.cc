@@ -3,9 +3,9 @@
 #include <cstdio>
 #include <map>
 
-#include "actors/messages.h"
+#include "runtime/actor_messages.h"
 
-namespace conveyor::actors {
+namespace conveyor::runtime {
 
 namespace {
 
@@ -156,4 +156,4 @@ std::string ProfileReport::table() const {
   return out + "\n";
 }
 
-}  // namespace conveyor::actors
+}  // namespace conveyor::runtime

@@ -1,12 +1,12 @@
-#include "actors/rendezvous.h"
+#include "runtime/rendezvous.h"
 
 #include <caf/io/all.hpp>
 #include <nlohmann/json.hpp>
 #include <thread>
 
-#include "actors/messages.h"
+#include "runtime/actor_messages.h"
 
-namespace conveyor::actors {
+namespace conveyor::runtime {
 
 namespace {
 
@@ -208,4 +208,4 @@ Result<std::unique_ptr<Rendezvous>> rendezvous(const JoinRequest& req) {
   return std::make_unique<Rendezvous>(std::move(impl), std::move(addresses));
 }
 
-}  // namespace conveyor::actors
+}  // namespace conveyor::runtime

@@ -14,7 +14,7 @@
 
 #include "common/status.h"
 
-namespace conveyor::actors {
+namespace conveyor::runtime {
 
 struct JoinRequest {
   int rank = 0, world = 1;
@@ -46,4 +46,4 @@ class Rendezvous {
 /// world size that differs, a port process 0 cannot bind.
 Result<std::unique_ptr<Rendezvous>> rendezvous(const JoinRequest& request);
 
-}  // namespace conveyor::actors
+}  // namespace conveyor::runtime

@@ -6,18 +6,18 @@
 #include <caf/all.hpp>
 #include <memory>
 
-#include "actors/coordinator.h"
-#include "scheduler/runner.h"
+#include "runtime/coordinator.h"
+#include "runtime/step_run.h"
 
-namespace conveyor::actors {
+namespace conveyor::runtime {
 
 using step_atom = caf::atom_constant<caf::atom("step")>;        // coordinator: run this step
 using run_atom = caf::atom_constant<caf::atom("run")>;          // replica: walk your list of this step
 using profile_atom = caf::atom_constant<caf::atom("profile")>;  // partitioner: a measured step
 using report_atom = caf::atom_constant<caf::atom("report")>;    // partitioner: how far from the plan?
 
-using StepPtr = std::shared_ptr<scheduler::StepRun>;
-using MeasuredPtr = std::shared_ptr<const scheduler::RunResult>;
+using StepPtr = std::shared_ptr<runtime::StepRun>;
+using MeasuredPtr = std::shared_ptr<const runtime::RunResult>;
 
 /// The process's actor system, started on first use and never destroyed: a replica stuck in
 /// a hook that never returns keeps its thread, and destroying the system would wait for it.
@@ -33,8 +33,8 @@ caf::behavior stage_replica(caf::event_based_actor* self, int rank, int replica)
 caf::behavior partitioner_actor(caf::event_based_actor* self, scheduler::ScheduleSpec spec, std::vector<int> replicas,
                                 std::shared_ptr<const scheduler::SimulationResult> predicted);
 
-}  // namespace conveyor::actors
+}  // namespace conveyor::runtime
 
-CAF_ALLOW_UNSAFE_MESSAGE_TYPE(conveyor::actors::StepPtr)
-CAF_ALLOW_UNSAFE_MESSAGE_TYPE(conveyor::actors::MeasuredPtr)
-CAF_ALLOW_UNSAFE_MESSAGE_TYPE(conveyor::actors::ProfileReport)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(conveyor::runtime::StepPtr)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(conveyor::runtime::MeasuredPtr)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(conveyor::runtime::ProfileReport)

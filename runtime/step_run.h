@@ -12,7 +12,7 @@
 // the rank and the action.
 //
 // Where each replica's walk runs is also the caller's: StepRun::run_replica runs on the
-// thread that owns the replica (actors::Coordinator gives every replica a StageReplica actor
+// thread that owns the replica (runtime::Coordinator gives every replica a StageReplica actor
 // with a thread of its own that lives as long as the pipeline). Torch-free.
 #pragma once
 
@@ -25,9 +25,14 @@
 
 #include "common/status.h"
 #include "scheduler/schedule.h"
+#include "runtime/comm_thread.h"
 #include "scheduler/simulator.h"
 
-namespace conveyor::scheduler {
+namespace conveyor::runtime {
+
+using scheduler::Action;
+using scheduler::Schedule;
+using scheduler::Span;
 
 struct RunnerHooks {
   /// F, B, Bi, W and the optimizer step of one replica of `rank`; runs on its compute thread.
@@ -50,29 +55,6 @@ struct RunResult {
   double step_time_s = 0;
   std::vector<Span> spans;  ///< measured, seconds from the start of the step (Span as in the simulator)
   std::chrono::steady_clock::time_point start;  ///< when the step started (spans count from here)
-};
-
-/// The process's communication thread: an Asio event loop that runs every transfer and
-/// collective of every pipeline in the process, in the order they are posted.
-class CommThread {
- public:
-  /// The process's thread, started on first use. If a transfer hook never returned (the step
-  /// that posted it timed out and gave the thread up), the next call starts a fresh thread
-  /// and leaves the stuck one behind.
-  static std::shared_ptr<CommThread> process();
-  ~CommThread();
-  CommThread(const CommThread&) = delete;
-
-  /// Runs `work` on the thread, after everything posted before it.
-  void post(std::function<void()> work);
-  CommThread& operator=(const CommThread&) = delete;
-
-  struct Impl;
-  Impl& impl() { return *impl_; }
-
- private:
-  CommThread();
-  std::unique_ptr<Impl> impl_;
 };
 
 /// Per rank, per replica: whether this process runs it.
@@ -117,4 +99,4 @@ class StepRun {
   std::shared_ptr<State> st_;
 };
 
-}  // namespace conveyor::scheduler
+}  // namespace conveyor::runtime

@@ -4,7 +4,7 @@
 // Each StageReplica is a detached actor: a thread of its own that lives as long as the
 // pipeline, so torch's intra-op thread pools (and, on CUDA, the device binding and streams)
 // are set up once, not per step. A step is a message: the Coordinator sends every replica
-// its part of the step (scheduler::StepRun), each replica walks its action list on its
+// its part of the step (runtime::StepRun), each replica walks its action list on its
 // thread, transfers and collectives run on the process's communication thread. The
 // Coordinator tracks which replicas are still inside a step, so a replica left behind by a
 // hook that never returned fails the next step at once instead of hanging it.
@@ -26,10 +26,10 @@
 #include <vector>
 
 #include "common/status.h"
-#include "scheduler/runner.h"
+#include "runtime/step_run.h"
 #include "scheduler/simulator.h"
 
-namespace conveyor::actors {
+namespace conveyor::runtime {
 
 /// One stage's measured times against the plan's prediction. Per microbatch, a stage's
 /// replicas work on their shares at once: a microbatch's time is its slowest replica's.
@@ -59,10 +59,10 @@ class Coordinator {
   /// Spawns the actor graph for `schedule` with `replicas` per rank (empty: one each): the
   /// replicas `local` marks (per rank and replica; empty: all; the others run in other processes).
   /// `predicted`: the simulator's result for the same plan, for the partitioner's report.
-  static Result<std::unique_ptr<Coordinator>> create(scheduler::Schedule schedule, scheduler::RunnerHooks hooks,
+  static Result<std::unique_ptr<Coordinator>> create(scheduler::Schedule schedule, runtime::RunnerHooks hooks,
                                                      std::vector<int> replicas = {},
                                                      std::optional<scheduler::SimulationResult> predicted = {},
-                                                     scheduler::LocalReplicas local = {});
+                                                     runtime::LocalReplicas local = {});
   ~Coordinator();
   Coordinator(const Coordinator&) = delete;
   Coordinator& operator=(const Coordinator&) = delete;
@@ -73,8 +73,8 @@ class Coordinator {
   /// then keeps its replica's thread (this returns instead of hanging); later steps fail at
   /// once naming that replica. `complete` may add to a successful step's measurement
   /// (work the hooks did off the schedule) before it goes to the PartitionerActor.
-  Result<scheduler::RunResult> run_step(std::chrono::milliseconds timeout = std::chrono::minutes(10),
-                                        const std::function<void(scheduler::RunResult&)>& complete = {});
+  Result<runtime::RunResult> run_step(std::chrono::milliseconds timeout = std::chrono::minutes(10),
+                                        const std::function<void(runtime::RunResult&)>& complete = {});
 
   /// The PartitionerActor's comparison of the measured steps with the prediction.
   Result<ProfileReport> profile_report(std::chrono::milliseconds timeout = std::chrono::seconds(10)) const;
@@ -85,4 +85,4 @@ class Coordinator {
   std::unique_ptr<Impl> impl_;
 };
 
-}  // namespace conveyor::actors
+}  // namespace conveyor::runtime

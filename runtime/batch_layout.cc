@@ -1,0 +1,197 @@
+#include "runtime/batch_layout.h"
+
+#include <algorithm>
+#include <set>
+#include <string>
+
+#include "graph/partition.h"
+
+namespace conveyor::runtime {
+
+using graph::NodeId;
+using graph::ValueId;
+
+Share share_of(std::int64_t length, int replicas, int i) {
+  const std::int64_t base = length / replicas, extra = length % replicas;
+  return {i * base + std::min<std::int64_t>(i, extra), base + (i < extra ? 1 : 0)};
+}
+
+namespace {
+
+// A dimension "k*s" at the front, made by flattening a batch-first tensor (view, reshape,
+// flatten), possibly followed by ops that keep the shape: samples stay contiguous runs of
+// k elements, so a share is a run of k * its samples. Other products are not split.
+void find_flattened_batches(const graph::Graph& g, const std::set<std::string>& batch_symbols, BatchLayout& out) {
+  const std::vector<NodeId> defined_by = g.producers();
+  for (const auto& v : g.values) {
+    if (out.batch_dim[v.id] >= 0 || v.shape.empty()) continue;
+    const std::string& d0 = v.shape[0].symbol;
+    const auto star = d0.find('*');
+    if (star == std::string::npos) continue;
+    std::string k = d0.substr(0, star), sym = d0.substr(star + 1);
+    if (batch_symbols.count(k)) std::swap(k, sym);
+    if (!batch_symbols.count(sym) || k.empty() || k.find_first_not_of("0123456789") != std::string::npos) continue;
+    ValueId at = v.id;
+    for (int hops = 0; hops < 64 && at >= 0 && defined_by[at] >= 0; ++hops) {
+      const graph::Node& n = g.nodes[defined_by[at]];
+      const auto ins = graph::Graph::node_inputs(n);
+      if (ins.empty()) break;
+      const graph::Value& x = g.values[ins[0]];
+      if (n.op == "aten::view" || n.op == "aten::reshape" || n.op == "aten::_unsafe_view" || n.op == "aten::flatten") {
+        if (out.batch_dim[x.id] == 0) {
+          out.batch_dim[v.id] = 0;
+          out.batch_scale[v.id] = std::stoll(k);
+        }
+        break;
+      }
+      bool same_shape = x.shape.size() == g.values[at].shape.size();
+      for (std::size_t d = 0; same_shape && d < x.shape.size(); ++d) {
+        same_shape = x.shape[d].symbol == g.values[at].shape[d].symbol && x.shape[d].size == g.values[at].shape[d].size;
+      }
+      if (!same_shape) break;
+      at = x.id;
+    }
+  }
+}
+
+}  // namespace
+
+Result<BatchLayout> BatchLayout::analyze(const graph::Graph& g, const std::vector<std::vector<NodeId>>& stages,
+                                         const std::vector<int>& stage_replicas) {
+  if (g.outputs.size() != 1 || g.values[g.outputs[0]].kind != graph::ValueKind::kTensor ||
+      !g.values[g.outputs[0]].shape.empty()) {
+    return Status(ErrorCode::kInvalidArgument,
+                  "the model's forward must return one scalar loss to be trained pipelined (it returns " +
+                      std::to_string(g.outputs.size()) +
+                      " values); compute the loss inside forward, or wrap the model so that it does");
+  }
+  const int num_stages = static_cast<int>(stages.size());
+  BatchLayout out;
+  out.loss = g.outputs[0];
+  out.producer.assign(g.values.size(), -1);
+  for (int s = 0; s < num_stages; ++s) {
+    for (NodeId n : stages[s]) {
+      for (ValueId v : graph::Graph::node_outputs(g.nodes[n])) out.producer[v] = s;
+    }
+  }
+  std::set<std::string> batch_symbols;
+  for (const auto& [symbol, role] : g.symbols) {
+    if (role != "batch") continue;
+    batch_symbols.insert(symbol);
+    if (auto r = g.ranges.find(symbol); r != g.ranges.end()) {
+      out.range.min = std::max(out.range.min, r->second.min);
+      out.range.max = std::min(out.range.max, r->second.max);
+    }
+  }
+  std::vector<bool> on_batch(g.values.size(), false);  // depends on a batched input
+  // Depends on a batched input's data, and holds positions within a share (made from
+  // arange(batch) and no data): such positions mean nothing once shares are joined and split.
+  std::vector<bool> on_batch_data(g.values.size(), false), share_positions(g.values.size(), false);
+  for (std::size_t i = 0; i < g.inputs.size(); ++i) {
+    const graph::Value& v = g.values[g.inputs[i].value];
+    out.input_index[g.inputs[i].value] = static_cast<int>(i);
+    const bool batched = v.kind == graph::ValueKind::kTensor && !v.shape.empty() && batch_symbols.count(v.shape[0].symbol) > 0;
+    out.batched_input.push_back(batched);
+    on_batch[g.inputs[i].value] = batched;
+    on_batch_data[g.inputs[i].value] = batched;
+  }
+  out.batch_dim.assign(g.values.size(), -1);
+  for (const auto& v : g.values) {
+    for (std::size_t d = 0; d < v.shape.size(); ++d) {
+      if (batch_symbols.count(v.shape[d].symbol)) {
+        out.batch_dim[v.id] = static_cast<int>(d);
+        break;
+      }
+    }
+  }
+  out.batch_scale.assign(g.values.size(), 1);
+  find_flattened_batches(g, batch_symbols, out);
+  out.is_batch_size.assign(g.values.size(), false);
+  for (const auto& node : g.nodes) {
+    const auto ins = graph::Graph::node_inputs(node);
+    const auto outs = graph::Graph::node_outputs(node);
+    if (node.op == "aten::sym_size" && ins.size() == 1 && outs.size() == 1 && node.args.size() == 2 &&
+        node.args[1].kind == graph::Argument::Kind::kInt) {
+      // The size of one dimension: the batch size (a share's own on each replica) or a
+      // size that no replica changes.
+      const auto& shape = g.values[ins[0]].shape;
+      std::int64_t d = node.args[1].int_value;
+      if (d < 0) d += static_cast<std::int64_t>(shape.size());
+      out.is_batch_size[outs[0]] = d >= 0 && d == out.batch_dim[ins[0]];
+      on_batch[outs[0]] = out.is_batch_size[outs[0]];
+      continue;
+    }
+    bool depends = false, on_data = false, positions = false;
+    for (ValueId in : ins) {
+      depends = depends || on_batch[in];
+      on_data = on_data || on_batch_data[in];
+      positions = positions || share_positions[in] || (node.op == "aten::arange" && out.is_batch_size[in]);
+    }
+    for (ValueId o : outs) {
+      on_batch[o] = depends;
+      on_batch_data[o] = on_data;
+      share_positions[o] = positions && !on_data;
+    }
+  }
+  // Between stages with different replica counts a value is redistributed along its batch
+  // dimension, or, when it does not depend on the batch, taken from any replica.
+  for (int s = 0; s < num_stages; ++s) {
+    for (ValueId v : graph::stage_boundary(g, stages[s]).inputs) {
+      const int p = out.producer[v];
+      if (p < 0 || stage_replicas[p] == stage_replicas[s] || !on_batch[v] || out.is_batch_size[v]) continue;
+      const graph::Value& val = g.values[v];
+      int batch_dims = 0;
+      bool other_symbolic = false;
+      for (std::size_t d = 0; d < val.shape.size(); ++d) {
+        if (batch_symbols.count(val.shape[d].symbol) || (d == 0 && out.batch_scale[v] > 1)) {
+          ++batch_dims;
+        } else if (val.shape[d].is_symbolic()) {
+          other_symbolic = true;
+        }
+      }
+      if (val.kind != graph::ValueKind::kTensor || batch_dims != 1 || other_symbolic || share_positions[v]) {
+        return Status(ErrorCode::kUnsupported,
+                      "value " + std::to_string(v) + " ('" + val.name + "') passes from stage " + std::to_string(p) +
+                          " (" + std::to_string(stage_replicas[p]) + " replicas) to stage " + std::to_string(s) + " (" +
+                          std::to_string(stage_replicas[s]) +
+                          " replicas) but has no plain batch dimension to redistribute along (or holds "
+                          "positions within a share, like arange(batch)); give both "
+                          "stages the same number of replicas, or cut the model elsewhere");
+      }
+    }
+  }
+  return out;
+}
+
+Status BatchLayout::check_step(std::int64_t batch, int m, const std::vector<int>& stage_replicas) const {
+  if (batch < m) {
+    return Status(ErrorCode::kInvalidArgument, "the batch has " + std::to_string(batch) + " samples, fewer than the " +
+                                                   std::to_string(m) +
+                                                   " microbatches; use a larger batch or fewer microbatches");
+  }
+  const int most = *std::max_element(stage_replicas.begin(), stage_replicas.end());
+  if (batch / m < most) {
+    return Status(ErrorCode::kInvalidArgument,
+                  "the batch has " + std::to_string(batch) + " samples: " + std::to_string(m) + " microbatches leave " +
+                      std::to_string(batch / m) + " per microbatch, fewer than the " + std::to_string(most) +
+                      " replicas of a stage; use a larger batch, fewer microbatches or fewer replicas (a data "
+                      "loader's smaller last batch can be dropped: drop_last=True)");
+  }
+  // Each replica runs a share of a microbatch; the graph holds only for the sizes its
+  // capture allowed (a kernel chosen by size, a branch on the batch size).
+  const int fewest = *std::min_element(stage_replicas.begin(), stage_replicas.end());
+  const std::int64_t largest = ((batch + m - 1) / m + fewest - 1) / fewest, smallest = batch / m / most;
+  auto outside = [&](const char* bound, std::int64_t limit, std::int64_t share, const char* change) {
+    return Status(ErrorCode::kInvalidArgument,
+                  std::string("the model's graph holds for ") + bound + " " + std::to_string(limit) +
+                      " samples at once (capture found a guard on the batch size: a kernel chosen by size or a "
+                      "branch on it), but a replica would run " + std::to_string(share) + " (a batch of " +
+                      std::to_string(batch) + " in " + std::to_string(m) + " microbatches, shared by up to " +
+                      std::to_string(most) + " replicas); use " + change);
+  };
+  if (largest > range.max) return outside("at most", range.max, largest, "more microbatches or replicas, or a smaller batch");
+  if (smallest < range.min) return outside("at least", range.min, smallest, "fewer microbatches or replicas, or a larger batch");
+  return Status::ok();
+}
+
+}  // namespace conveyor::runtime

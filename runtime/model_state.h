@@ -1,0 +1,70 @@
+// The model's parameters and buffers as the pipeline holds them: the replicas' copies of the
+// buffers (refreshed from the user's before each step, their gradients emptied), and across
+// processes what this process holds of the model. While it trains, a process keeps only the
+// tensors its stages read: the others are released (0 elements; the same Python objects, so
+// optimizers and state_dict() still find them) and gather() brings every tensor back whole
+// from its owner. Written buffers of stages replicated across processes go from their owner
+// to the other processes that read them after every step.
+//
+/// @note Runs on the caller's thread, between steps.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "graph/executor.h"
+#include "runtime/pipeline_layout.h"
+#include "runtime/placement.h"
+#include "runtime/process_group.h"
+#include "transport/endpoint_group.h"
+
+namespace conveyor::runtime {
+
+class ModelState {
+ public:
+  /// `executors`: one per replica index (0 is the user's model). `processes`: the job's
+  /// processes (null in one process); the buffer groups are made here, collectively.
+  static Result<std::unique_ptr<ModelState>> create(const PipelineLayout& layout, const Placement& placement,
+                                                    std::vector<std::shared_ptr<const graph::GraphExecutor>> executors,
+                                                    std::shared_ptr<ProcessGroup> processes);
+
+  /// Before a step: replicas start from the user's buffers with empty gradients, and this
+  /// process holds only what its stages read.
+  void begin_step();
+  /// Every parameter and buffer becomes its owner's, whole, on every process (collective).
+  Status gather();
+  /// Frees what no local stage reads (every replica's handle on it).
+  void release();
+  /// After a step: written buffers of stages replicated across processes become their
+  /// owner's wherever they are read (collective).
+  Status sync_buffers();
+  /// The sizes of a tensor released here (null: held, or nothing is released).
+  const std::vector<std::int64_t>* released_sizes(const std::string& name) const;
+
+ private:
+  ModelState(const PipelineLayout& layout, const Placement& placement) : layout_(layout), placement_(placement) {}
+  void materialize();  // gives the released tensors their shapes back (contents: gather's broadcast)
+
+  struct NotHere {
+    std::string name;
+    std::vector<std::int64_t> sizes;
+  };
+  struct BufferGroup {
+    std::string name;
+    std::shared_ptr<transport::EndpointGroup> group;  // null: this process does not read it
+    int root = 0;
+  };
+  const PipelineLayout& layout_;
+  const Placement& placement_;
+  std::vector<std::shared_ptr<const graph::GraphExecutor>> executors_;
+  std::shared_ptr<ProcessGroup> processes_;
+  std::vector<NotHere> not_here_;
+  std::vector<BufferGroup> buffer_groups_;
+  bool released_ = false;
+};
+
+}  // namespace conveyor::runtime

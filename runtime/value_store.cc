@@ -1,0 +1,261 @@
+#include "runtime/value_store.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/StreamGuard.h>
+
+#include <optional>
+
+namespace conveyor::runtime {
+
+using graph::ValueId;
+
+namespace {
+
+void add_into(at::Tensor& acc, const at::Tensor& g) {
+  if (!g.defined()) return;
+  acc = acc.defined() ? acc + g : g;
+}
+
+}  // namespace
+
+ReplicaStreams* ValueStore::streams_of(int stage, int i) const {
+  return streams_ == nullptr ? nullptr : &streams_->of_rank(layout_.rank_of(stage), i);
+}
+
+Status ValueStore::begin_step(const std::vector<c10::IValue>& inputs, std::int64_t batch) {
+  const int m = layout_.microbatches();
+  std::lock_guard<std::mutex> lock(mu_);
+  batch_ = batch;
+  micro_inputs_.assign(static_cast<std::size_t>(m), {});
+  micro_length_.assign(static_cast<std::size_t>(m), 0);
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    std::vector<at::Tensor> parts;
+    if (layout_.batch.batched_input[i] && inputs[i].isTensor()) {
+      const at::Tensor& t = inputs[i].toTensor();
+      if (t.size(0) != batch) {
+        return Status(ErrorCode::kInvalidArgument, "input " + std::to_string(i) + " has " + std::to_string(t.size(0)) +
+                                                       " samples, input 0 has " + std::to_string(batch));
+      }
+      parts = t.tensor_split(m, 0);
+    }
+    for (int mb = 0; mb < m; ++mb) {
+      micro_inputs_[mb].push_back(parts.empty() ? inputs[i] : c10::IValue(parts[mb]));
+      if (!parts.empty()) micro_length_[mb] = parts[mb].size(0);
+    }
+  }
+  losses_.clear();
+  return Status::ok();
+}
+
+void ValueStore::end_step() {
+  std::lock_guard<std::mutex> lock(mu_);
+  values_.clear();
+  value_ready_.clear();
+  joined_.clear();
+  joined_ready_.clear();
+  grads_.clear();
+  grad_ready_.clear();
+  joined_grads_.clear();
+  joined_grad_ready_.clear();
+  micro_inputs_.clear();
+}
+
+Result<std::vector<c10::IValue>> ValueStore::read(const std::vector<ValueId>& ids, int mb, int stage, int i) {
+  ReplicaStreams* rs = streams_of(stage, i);
+  auto ready_on_compute = [&](c10::IValue x, c10::Event* ready) {
+    if (rs != nullptr) {
+      if (ready != nullptr) ready->block(rs->compute);
+      if (x.isTensor()) used_on(x.toTensor(), rs->compute);
+    }
+    return x;
+  };
+  const int rc = layout_.stage_replicas[stage];
+  const BatchLayout& bl = layout_.batch;
+  std::vector<c10::IValue> out;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (ValueId v : ids) {
+    auto produced = [&](int r) -> c10::Event* {
+      auto rt = value_ready_.find({v, mb});
+      return rt == value_ready_.end() || r >= static_cast<int>(rt->second.size()) ? nullptr : rt->second[r];
+    };
+    if (auto gi = bl.input_index.find(v); gi != bl.input_index.end()) {
+      const c10::IValue& whole = micro_inputs_[mb][gi->second];
+      if (!bl.batched_input[gi->second] || !whole.isTensor()) {
+        out.push_back(whole);
+        continue;
+      }
+      const Share s = share_of(micro_length_[mb], rc, i);
+      out.emplace_back(whole.toTensor().narrow(0, s.offset, s.length));
+      continue;
+    }
+    auto it = values_.find({v, mb});
+    if (it == values_.end()) {
+      return Status(ErrorCode::kInternal, "value " + std::to_string(v) + " of microbatch " + std::to_string(mb) +
+                                              " was not produced yet");
+    }
+    const auto& shares = it->second;
+    const int rp = layout_.stage_replicas[bl.producer[v]];
+    if (rp == rc) {
+      out.push_back(ready_on_compute(shares[i], produced(i)));
+      continue;
+    }
+    if (bl.is_batch_size[v]) {
+      out.emplace_back(share_of(micro_length_[mb], rc, i).length);
+      continue;
+    }
+    if (bl.batch_dim[v] < 0) {  // the same on every replica (checked when the layout was made)
+      out.push_back(ready_on_compute(shares[0], produced(0)));
+      continue;
+    }
+    auto [jt, fresh] = joined_.emplace(Key{v, mb}, c10::IValue());
+    if (fresh) {  // joined on the recv stream of the first replica to read it
+      std::optional<c10::StreamGuard> on_recv;
+      if (rs != nullptr) {
+        for (int r = 0; r < rp; ++r) {
+          if (c10::Event* e = produced(r)) e->block(rs->recv);
+        }
+        on_recv.emplace(rs->recv);
+      }
+      std::vector<at::Tensor> parts;
+      bool needs_grad = false;
+      for (const auto& s : shares) {
+        parts.push_back(s.toTensor().detach());
+        needs_grad = needs_grad || s.toTensor().requires_grad();
+        if (rs != nullptr) used_on(parts.back(), rs->recv);
+      }
+      at::Tensor whole = at::cat(parts, bl.batch_dim[v]);
+      if (needs_grad) whole.requires_grad_(true);  // so consumers' inputs ask for gradients
+      jt->second = whole;
+      if (rs != nullptr) joined_ready_[{v, mb}] = rs->events.record(rs->recv);
+    }
+    const Share s = share_of(micro_length_[mb], rc, i);
+    const std::int64_t k = bl.batch_scale[v];
+    auto jr = joined_ready_.find({v, mb});
+    out.push_back(ready_on_compute(c10::IValue(jt->second.toTensor().narrow(bl.batch_dim[v], k * s.offset, k * s.length)),
+                                   jr == joined_ready_.end() ? nullptr : jr->second));
+  }
+  return out;
+}
+
+void ValueStore::put(const std::vector<ValueId>& ids, std::vector<c10::IValue> values, int mb, int stage, int i,
+                     c10::Event* ready) {
+  std::lock_guard<std::mutex> lock(mu_);
+  put_locked(ids, values, mb, stage, i, ready);
+}
+
+void ValueStore::put_arrived(const std::vector<ValueId>& ids, std::vector<c10::IValue> values, int mb, int stage, int i) {
+  ReplicaStreams* rs = streams_of(stage, i);
+  std::lock_guard<std::mutex> lock(mu_);  // also the sender's event pool: arrivals may come on several threads
+  put_locked(ids, values, mb, stage, i, rs != nullptr ? rs->events.record(rs->compute) : nullptr);
+}
+
+void ValueStore::put_locked(const std::vector<ValueId>& ids, std::vector<c10::IValue>& values, int mb, int stage, int i,
+                            c10::Event* ready) {
+  for (std::size_t k = 0; k < ids.size(); ++k) {
+    const ValueId v = ids[k];
+    if (v == layout_.batch.loss) losses_[{mb, i}] = values[k].toTensor().detach();
+    auto& shares = values_[{v, mb}];
+    shares.resize(static_cast<std::size_t>(layout_.stage_replicas[stage]));
+    shares[i] = std::move(values[k]);
+    if (ready != nullptr) {
+      auto& r = value_ready_[{v, mb}];
+      r.resize(shares.size(), nullptr);
+      r[i] = ready;
+    }
+  }
+}
+
+c10::IValue ValueStore::produced(ValueId v, int mb, int i) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return values_.at({v, mb})[i];
+}
+
+void ValueStore::add_gradient(ValueId v, int mb, int stage, int i, const at::Tensor& g) {
+  const BatchLayout& bl = layout_.batch;
+  const int rp = layout_.stage_replicas[bl.producer[v]], rc = layout_.stage_replicas[stage];
+  ReplicaStreams* rs = streams_of(stage, i);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& slots = grads_[{v, mb}];
+  slots.resize(static_cast<std::size_t>(rp));
+  if (rp == rc || bl.batch_dim[v] < 0) {
+    const int slot = rp == rc ? i : 0;
+    if (rs == nullptr) return add_into(slots[slot], g);
+    auto& ready = grad_ready_[{v, mb}];
+    ready.resize(static_cast<std::size_t>(rp), nullptr);
+    if (slots[slot].defined() && ready[slot] != nullptr) {  // another stage's gradient of it
+      ready[slot]->block(rs->compute);
+      used_on(slots[slot], rs->compute);
+    }
+    add_into(slots[slot], g);
+    ready[slot] = rs->events.record(rs->compute);
+    return;
+  }
+  std::optional<c10::StreamGuard> on_send;
+  if (rs != nullptr) {
+    rs->events.record(rs->compute)->block(rs->send);
+    auto jr = joined_grad_ready_.find({v, mb});
+    if (jr != joined_grad_ready_.end()) jr->second->block(rs->send);
+    on_send.emplace(rs->send);
+    used_on(g, rs->send);
+  }
+  at::Tensor& whole = joined_grads_[{v, mb}];
+  if (!whole.defined()) whole = zeros_like_joined(v, mb);
+  if (!whole.defined()) return;  // no share of the value is here: no replica here reads this gradient
+  const Share s = share_of(micro_length_[mb], rc, i);
+  whole.narrow(bl.batch_dim[v], bl.batch_scale[v] * s.offset, bl.batch_scale[v] * s.length).add_(g);
+  if (rs != nullptr) {
+    used_on(whole, rs->send);
+    joined_grad_ready_[{v, mb}] = rs->events.record(rs->send);
+  }
+}
+
+// Zeros shaped like value `v` of microbatch `mb` with its producers' shares joined (the join
+// itself is in the reading process, which may be another one, and this process may hold
+// some of the shares only): a share's shape, the whole microbatch along the batch dimension.
+at::Tensor ValueStore::zeros_like_joined(ValueId v, int mb) const {
+  auto jt = joined_.find({v, mb});
+  if (jt != joined_.end()) return at::zeros_like(jt->second.toTensor());
+  for (const auto& share : values_.at({v, mb})) {
+    if (!share.isTensor()) continue;
+    std::vector<std::int64_t> sizes = share.toTensor().sizes().vec();
+    sizes[layout_.batch.batch_dim[v]] = layout_.batch.batch_scale[v] * micro_length_[mb];
+    return at::zeros(sizes, share.toTensor().options());
+  }
+  return at::Tensor();
+}
+
+at::Tensor ValueStore::take_gradient(ValueId v, int mb, int i) {
+  const BatchLayout& bl = layout_.batch;
+  ReplicaStreams* rs = streams_of(bl.producer[v], i);
+  std::lock_guard<std::mutex> lock(mu_);
+  at::Tensor g;
+  auto it = grads_.find({v, mb});
+  if (it != grads_.end() && i < static_cast<int>(it->second.size())) g = std::move(it->second[i]);
+  if (rs != nullptr) {
+    auto rt = grad_ready_.find({v, mb});
+    if (rt != grad_ready_.end() && i < static_cast<int>(rt->second.size()) && rt->second[i] != nullptr) {
+      rt->second[i]->block(rs->compute);
+    }
+    auto jr = joined_grad_ready_.find({v, mb});
+    if (jr != joined_grad_ready_.end()) jr->second->block(rs->compute);
+    used_on(g, rs->compute);
+  }
+  auto jt = joined_grads_.find({v, mb});
+  if (jt != joined_grads_.end()) {
+    const Share s = share_of(micro_length_[mb], layout_.stage_replicas[bl.producer[v]], i);
+    add_into(g, jt->second.narrow(bl.batch_dim[v], bl.batch_scale[v] * s.offset, bl.batch_scale[v] * s.length));
+  }
+  return g;
+}
+
+double ValueStore::weight(int mb, int replicas, int i) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<double>(share_of(micro_length_[mb], replicas, i).length) / static_cast<double>(batch_);
+}
+
+std::map<std::pair<int, int>, at::Tensor> ValueStore::losses() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return losses_;
+}
+
+}  // namespace conveyor::runtime

@@ -1,0 +1,98 @@
+// A step's values and gradients between stages: the one place a value goes from the replica
+// that produced it (a forward here, or a message from another process) to every replica
+// that reads it, and a gradient from the replica that computed it back to the producer's.
+// The runner's channels only say when to read; what is read, and where on the device it
+// is ready, lives here.
+//
+// Between stages with as many replicas, replica i's value goes to replica i, zero-copy;
+// between different counts the producers' shares are joined along the value's batch
+// dimension (on the first reader's recv stream) and each reader takes its own share of
+// that, and the readers' gradients are added into one whole-microbatch gradient (on their
+// send streams) that each producer takes its share of. On a device with streams every
+// entry carries the event after which it is ready, and a reader's compute stream waits on
+// it (never the host).
+//
+/// @note Thread-safe: every method takes the store's lock. Reads and writes name the
+/// reading or writing replica, whose compute stream must be current on the calling thread.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+#include <c10/core/Event.h>
+
+#include <map>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "common/status.h"
+#include "runtime/device_streams.h"
+#include "runtime/pipeline_layout.h"
+
+namespace conveyor::runtime {
+
+/// The values and gradients of one step, by (value, microbatch).
+class ValueStore {
+ public:
+  /// `streams`: the pipeline's streams on a device that has them; null on the CPU.
+  ValueStore(const PipelineLayout& layout, PipelineStreams* streams) : layout_(layout), streams_(streams) {}
+
+  /// A new step over `inputs` (the graph's flattened inputs, the whole batch of `batch`
+  /// samples): the batched ones are split into the schedule's microbatches. Drops what
+  /// the last step left.
+  Status begin_step(const std::vector<c10::IValue>& inputs, std::int64_t batch);
+  /// Drops every value and gradient of the step (once the device is done with them).
+  void end_step();
+
+  /// The values `ids` of microbatch `mb` as replica `i` of `stage` sees them: its share of
+  /// graph inputs and of joined values.
+  Result<std::vector<c10::IValue>> read(const std::vector<graph::ValueId>& ids, int mb, int stage, int i);
+  /// Replica `i` of `stage` produced `values` (for `ids`) of microbatch `mb`, ready after
+  /// `ready` on the device (null: at once). The loss is kept for the step's total.
+  void put(const std::vector<graph::ValueId>& ids, std::vector<c10::IValue> values, int mb, int stage, int i,
+           c10::Event* ready);
+  /// The same for values that arrived from replica `i` of `stage` in another process: they
+  /// are ready after what is queued now on that replica's compute stream here (current).
+  void put_arrived(const std::vector<graph::ValueId>& ids, std::vector<c10::IValue> values, int mb, int stage, int i);
+  /// What replica `i` of the producing stage made of value `v` (to send it elsewhere).
+  c10::IValue produced(graph::ValueId v, int mb, int i);
+
+  /// Adds the gradient `g` that replica `i` of reading `stage` computed for its input `v`
+  /// (on that replica's compute stream, current).
+  void add_gradient(graph::ValueId v, int mb, int stage, int i, const at::Tensor& g);
+  /// The gradient of output `v` for replica `i` of its producing stage: what every reader
+  /// handed back (undefined: none). Taken: a second call returns what arrived since.
+  at::Tensor take_gradient(graph::ValueId v, int mb, int i);
+
+  /// Replica `i` of `replicas`' share of microbatch `mb`, as a fraction of the batch: the
+  /// weight of its loss.
+  double weight(int mb, int replicas, int i) const;
+  /// Each share's loss this step, by (microbatch, replica): only the shares run here.
+  std::map<std::pair<int, int>, at::Tensor> losses() const;
+  std::int64_t batch() const { return batch_; }
+
+ private:
+  using Key = std::pair<graph::ValueId, int>;  // (value, microbatch)
+  ReplicaStreams* streams_of(int stage, int i) const;
+  at::Tensor zeros_like_joined(graph::ValueId v, int mb) const;  // holds mu_
+  void put_locked(const std::vector<graph::ValueId>& ids, std::vector<c10::IValue>& values, int mb, int stage, int i,
+                  c10::Event* ready);
+
+  const PipelineLayout& layout_;
+  PipelineStreams* streams_;
+  mutable std::mutex mu_;
+  std::int64_t batch_ = 0;
+  std::vector<std::int64_t> micro_length_;               // samples per microbatch
+  std::vector<std::vector<c10::IValue>> micro_inputs_;    // [mb][graph input], whole microbatch
+  std::map<Key, std::vector<c10::IValue>> values_;        // per producing replica
+  std::map<Key, std::vector<c10::Event*>> value_ready_;   // per producing replica
+  std::map<Key, c10::IValue> joined_;                     // the producers' shares joined
+  std::map<Key, c10::Event*> joined_ready_;
+  std::map<Key, std::vector<at::Tensor>> grads_;          // per producing replica
+  std::map<Key, std::vector<c10::Event*>> grad_ready_;
+  std::map<Key, at::Tensor> joined_grads_;                // whole-microbatch gradients
+  std::map<Key, c10::Event*> joined_grad_ready_;
+  std::map<std::pair<int, int>, at::Tensor> losses_;      // (mb, replica)
+};
+
+}  // namespace conveyor::runtime
