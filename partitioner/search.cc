@@ -1,0 +1,155 @@
+#include "partitioner/search.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <numeric>
+#include <unordered_map>
+
+namespace conveyor::partitioner::detail {
+
+double exact_work(const CutStates& cs, int n, int j_states) {
+  // Every state against every smaller one (for downsets an upper bound on the nested pairs).
+  const double c = static_cast<double>(cs.sets.size());
+  return c * (c - 1) / 2 * n * j_states * (n + 1) / 2.0;
+}
+
+StagePairs stage_pairs(const Units& u, const CutStates& cs) {
+  StagePairs p;
+  const int c_count = static_cast<int>(cs.sets.size());
+  for (int outer = c_count - 1; outer > 0; --outer) {
+    for (int inner = outer - 1; inner >= 0; --inner) {
+      if (!cs.linear && (!subset(cs.sets[inner], cs.sets[outer]) || cs.sets[inner] == cs.sets[outer])) continue;
+      p.outer.push_back(outer);
+      p.inner.push_back(inner);
+      p.sums.push_back(stage_sums(u, cs, outer, inner));
+    }
+  }
+  return p;
+}
+
+Solution exact_search(const CutStates& cs, const StagePairs& pairs, const Model& model, const Solution& incumbent) {
+  const int n = model.devices();
+  const int c_count = static_cast<int>(cs.sets.size());
+  const int j_states = model.kind() == ScheduleKind::kGPipe ? 1 : std::max(1, std::min(model.microbatches(), n));
+  auto idx = [&](int c, int used, int j) {
+    return (static_cast<std::size_t>(c) * (n + 1) + used) * j_states + j;
+  };
+  const double bound = incumbent.objective;
+  std::vector<std::vector<int>> fronts(static_cast<std::size_t>(c_count) * (n + 1) * j_states);
+  std::vector<Entry> arena;
+  arena.push_back({0, 0, 0, -1, c_count - 1, 0});
+  fronts[idx(c_count - 1, 0, 0)].push_back(0);
+  // `rest`: a lower bound on the time of the stages still to come (their work spread over
+  // every device left), which each of the sum and the slowest stage must still absorb.
+  auto insert = [&](std::vector<int>& front, const Entry& e, double rest) {
+    if (model.objective(e.sum + rest, std::max(e.max_stage, rest), e.max_ar) >= bound) return;
+    for (int k : front) {
+      const Entry& o = arena[k];
+      if (o.sum <= e.sum && o.max_stage <= e.max_stage && o.max_ar <= e.max_ar) return;
+    }
+    std::erase_if(front, [&](int k) {
+      const Entry& o = arena[k];
+      return e.sum <= o.sum && e.max_stage <= o.max_stage && e.max_ar <= o.max_ar;
+    });
+    front.push_back(static_cast<int>(arena.size()));
+    arena.push_back(e);
+  };
+  // Pairs come grouped by outer state, descending: every state is complete before it is left.
+  for (std::size_t p = 0; p < pairs.sums.size(); ++p) {
+    const int outer = pairs.outer[p], inner = pairs.inner[p];
+    const StageSums& ss = pairs.sums[p];
+    for (int used = 0; used < n; ++used) {
+      for (int j = 0; j < j_states; ++j) {
+        const auto& front = fronts[idx(outer, used, j)];
+        if (front.empty()) continue;
+        const int jn = std::min(j + 1, j_states - 1);
+        for (int r = 1; r <= std::min(n - used, model.max_replicas()); ++r) {
+          const int left = n - used - r;  // devices for the stages before this one
+          const double rest_work = (cs.fwd[inner] + cs.bwd[inner]) * model.scale();
+          if (rest_work > 0 && left == 0) continue;
+          const double rest = rest_work > 0 ? rest_work / model.speed(0, left) : 0;
+          const StageEval e = model.eval(ss, left, r, j, used > 0);
+          if (!e.fits()) continue;
+          auto& target = fronts[idx(inner, used + r, jn)];
+          for (std::size_t k = 0; k < front.size(); ++k) {
+            const Entry prev = arena[front[k]];
+            insert(target,
+                   {prev.sum + e.compute + e.comm, std::max({prev.max_stage, e.compute, e.comm}),
+                    std::max(prev.max_ar, e.allreduce), front[k], inner, r},
+                   rest);
+          }
+        }
+      }
+    }
+  }
+  Solution best;
+  int best_entry = -1;
+  for (int used = 1; used <= n; ++used) {
+    for (int j = 0; j < j_states; ++j) {
+      for (int k : fronts[idx(0, used, j)]) {
+        const Entry& e = arena[k];
+        double obj = model.objective(e.sum, e.max_stage, e.max_ar);
+        if (obj < best.objective) {
+          best.objective = obj;
+          best_entry = k;
+        }
+      }
+    }
+  }
+  if (best_entry < 0) return incumbent;
+  for (int k = best_entry; k >= 0 && arena[k].prev >= 0; k = arena[k].prev) {
+    best.cuts.emplace_back(arena[k].cut, arena[arena[k].prev].cut);
+    best.replicas.push_back(arena[k].r);
+  }
+  return best;
+}
+
+Solution bottleneck_search(const Units& u, const CutStates& cs, const Model& model) {
+  Solution overall;
+  for (double ar_factor : {kInf, 4.0 * model.microbatches(), 1.0 * model.microbatches(), 0.25 * model.microbatches()}) {
+    BottleneckSearch search(u, cs, model);
+    search.limit_allreduce(ar_factor);
+    Solution sol;
+    if (!search.feasible(kInf, &sol)) continue;
+    std::vector<StageEval> evals;
+    if (!score(u, cs, model, sol, &evals)) continue;
+    double hi = 0;
+    for (const auto& e : evals) hi = std::max({hi, e.compute, e.comm});
+    if (std::isfinite(ar_factor)) {  // with a limit, start where it holds
+      double worst_ar = 0;
+      for (const auto& e : evals) worst_ar = std::max(worst_ar, e.allreduce);
+      hi = std::max(hi, worst_ar / ar_factor);
+      if (!search.feasible(hi, &sol)) continue;
+    }
+    double lo = 0;
+    Solution best = sol;
+    for (int it = 0; it < 40 && hi - lo > 2e-3 * hi; ++it) {
+      double mid = (lo + hi) / 2;
+      Solution trial;
+      if (search.feasible(mid, &trial)) {
+        hi = mid;
+        best = std::move(trial);
+      } else {
+        lo = mid;
+      }
+    }
+    auto obj = score(u, cs, model, best);
+    best.objective = obj ? *obj : kInf;
+    if (best.objective < overall.objective) overall = std::move(best);
+  }
+  return overall;
+}
+
+Solution translate(const Solution& sol, const CutStates& from, const CutStates& to) {
+  std::unordered_map<Bits, int, BitsHash> index;
+  for (std::size_t k = 0; k < to.sets.size(); ++k) index.emplace(to.sets[k], static_cast<int>(k));
+  Solution out = sol;
+  for (auto& [inner, outer] : out.cuts) {
+    inner = index.at(from.sets[inner]);
+    outer = index.at(from.sets[outer]);
+  }
+  return out;
+}
+
+}  // namespace conveyor::partitioner::detail

@@ -1,0 +1,121 @@
+// The cost model of one stage (docs/planner.md): its compute, transfer, allreduce and memory
+// on a range of devices, and a searched solution's score.
+// Internal to the planner (partitioner/planner.cc and its searches): namespace detail.
+#pragma once
+
+#include <vector>
+
+#include "partitioner/search_space.h"
+
+namespace conveyor::partitioner::detail {
+
+/// The cost model of one stage (docs/planner.md).
+
+struct StageSums {
+  double fwd = 0, bwd = 0, bwd_w = 0, saved = 0, params = 0, work = 0;
+  double in_bytes = 0, out_bytes = 0;  // cut bytes before and after the stage, at profile size
+};
+
+struct StageEval {
+  double compute = 0;    // (F + B) per microbatch
+  double comm = 0;       // activation and gradient across the cut after the stage
+  double allreduce = 0;
+  double need = 0;       // bytes per device: static + activations in flight + transient
+  double static_bytes = 0;     // per device: weights, gradients, optimizer state
+  double transient_bytes = 0;  // per device: working memory and transfer buffers
+  double capacity = 0;   // the smallest memory among the stage's devices
+  double speed = 0;
+  double max_share = 1;
+  int in_flight = 0;
+  bool fits() const { return need <= capacity; }
+};
+
+class Model {
+ public:
+  Model(const Cluster& cluster, const PlanOptions& options, int microbatches, ScheduleKind kind, double profile_mb,
+        int min_share = 1, double memory_override = 0)
+      : cluster_(cluster), options_(options), m_(microbatches), kind_(kind), memory_override_(memory_override) {
+    n_ = static_cast<int>(cluster.devices.size());
+    // Replicas split a microbatch evenly: each must keep at least `min_share` samples.
+    max_replicas_ = std::max(1, (options.batch / microbatches) / std::max(1, min_share));
+    if (options.max_replicas > 0) max_replicas_ = std::min(max_replicas_, options.max_replicas);
+    scale_ = (static_cast<double>(options.batch) / microbatches) / profile_mb;
+    speed_prefix_.assign(static_cast<std::size_t>(n_) + 1, 0);
+    std::vector<double> mem(n_), speed(n_);
+    for (int d = 0; d < n_; ++d) {
+      speed_prefix_[d + 1] = speed_prefix_[d] + cluster.devices[d].speed;
+      mem[d] = cluster.devices[d].memory_bytes;
+      speed[d] = cluster.devices[d].speed;
+    }
+    min_memory_.build(mem, true);
+    max_speed_.build(speed, false);
+  }
+
+  int devices() const { return n_; }
+  int max_replicas() const { return max_replicas_; }
+  int microbatches() const { return m_; }
+  ScheduleKind kind() const { return kind_; }
+  double scale() const { return scale_; }
+  double speed(int first, int r) const { return speed_prefix_[first + r] - speed_prefix_[first]; }
+
+  int in_flight(int stages_after) const {
+    return kind_ == ScheduleKind::kGPipe ? m_ : std::min(m_, stages_after + 1);
+  }
+
+  double comm_time(double out_bytes, int last_device, int r) const {
+    if (last_device + 1 >= n_ || out_bytes <= 0) return 0;
+    const Link& l = cluster_.link(last_device, last_device + 1);
+    double t = l.latency_s + (l.bandwidth_bytes_per_s > 0 ? out_bytes * scale_ / (l.bandwidth_bytes_per_s * r) : 0);
+    return 2 * t;  // the activation forward, its gradient back
+  }
+
+  StageEval eval(const StageSums& s, int first, int r, int stages_after, bool has_next) const {
+    StageEval e;
+    e.speed = speed(first, r);
+    e.max_share = max_speed_.query(first, r) / e.speed;
+    e.compute = (s.fwd + s.bwd) * scale_ / e.speed;
+    e.comm = has_next ? comm_time(s.out_bytes, first + r - 1, r) : 0;
+    if (r > 1) {
+      const Link& l = cluster_.same_node(first, first + r - 1) ? cluster_.intra_node : cluster_.inter_node;
+      const double ring = 2.0 * (r - 1) / r;
+      e.allreduce = ring * (l.bandwidth_bytes_per_s > 0 ? s.params / l.bandwidth_bytes_per_s : 0) + 2.0 * (r - 1) * l.latency_s;
+    }
+    e.in_flight = in_flight(stages_after);
+    e.static_bytes = s.params * (2 + options_.optimizer_bytes_per_param_byte);
+    e.transient_bytes = (s.work + 2 * (s.in_bytes + s.out_bytes)) * scale_ * e.max_share;
+    e.need = e.static_bytes + e.in_flight * s.saved * scale_ * e.max_share + e.transient_bytes;
+    e.capacity = memory_override_ > 0 ? memory_override_ : min_memory_.query(first, r);
+    return e;
+  }
+
+  double objective(double sum, double max_stage, double max_allreduce) const {
+    return sum + (m_ - 1) * max_stage + max_allreduce;
+  }
+
+ private:
+  const Cluster& cluster_;
+  const PlanOptions& options_;
+  int m_;
+  ScheduleKind kind_;
+  double memory_override_;
+  int max_replicas_ = 1;
+  int n_ = 0;
+  double scale_ = 1;
+  std::vector<double> speed_prefix_;
+  RangeTable min_memory_, max_speed_;
+};
+
+StageSums stage_sums(const Units& u, const CutStates& cs, int outer, int inner);
+
+/// A searched pipeline: stages as (outer, inner) cut states, pipeline order, and replicas.
+struct Solution {
+  std::vector<std::pair<int, int>> cuts;  // (inner, outer): the stage is outer \ inner
+  std::vector<int> replicas;
+  double objective = kInf;
+};
+
+/// Scores a solution exactly as the searches do (used to report and to cross-check).
+Result<double> score(const Units& u, const CutStates& cs, const Model& model, const Solution& sol,
+                     std::vector<StageEval>* evals = nullptr);
+
+}  // namespace conveyor::partitioner::detail
