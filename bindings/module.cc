@@ -460,7 +460,7 @@ PYBIND11_MODULE(_C, m) {
       .def("last_reduction", &runtime::PipelineStep::last_reduction,
            "(buckets, reduced during backward) of the last step's gradient reduction across replicas.")
       .def("profile_report", [](const runtime::PipelineStep& step) {
-        actors::ProfileReport r;
+        runtime::ProfileReport r;
         {
           py::gil_scoped_release nogil;
           r = unwrap(step.profile_report());
