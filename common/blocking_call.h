@@ -16,9 +16,11 @@
 
 namespace conveyor {
 
+/// How a waited-for blocking call ended.
 enum class BlockingCallEnd { kReturned, kTimedOut, kAbandoned };
 
 template <class T>
+/// The end of a blocking call, and its result when it returned in time.
 struct BlockingCallResult {
   BlockingCallEnd end = BlockingCallEnd::kReturned;
   std::optional<T> value;  ///< the call's result when it returned in time

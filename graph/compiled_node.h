@@ -31,7 +31,9 @@ enum class SymOp : std::uint8_t {
 
 /// How one stack slot of an operator call is filled.
 struct ArgPlan {
+  /// A literal, a value computed at run time, or a list of either.
   enum class Kind : std::uint8_t { kConstant, kValue, kList };
+  /// How a run-time value is converted to what the schema slot holds.
   enum class Convert : std::uint8_t { kNone, kWrapNumber, kToDouble };
   Kind kind = Kind::kConstant;
   Convert convert = Convert::kNone;

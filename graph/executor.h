@@ -76,6 +76,7 @@ class StageProgram {
 
  private:
   friend class GraphExecutor;
+  /// One node of a stage in execution order, and the values dead after it.
   struct Step {
     std::size_t compiled;  ///< index into the executor's compiled nodes
     std::vector<ValueId> release;  ///< values dead after this step

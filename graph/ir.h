@@ -21,6 +21,7 @@ using NodeId = std::int32_t;
 /// Current version of the graph JSON document; readers reject newer versions.
 inline constexpr int kGraphFormatVersion = 1;
 
+/// What a value is: a tensor or a symbolic scalar.
 enum class ValueKind : std::uint8_t { kTensor, kInt, kFloat, kBool };
 
 /// One dimension of a tensor shape: a constant or a symbolic expression ("s0", "2*s0").
@@ -42,6 +43,7 @@ struct Value {
 
 /// One argument of an operator call, normalized against the operator's schema.
 struct Argument {
+  /// What the argument holds.
   enum class Kind : std::uint8_t {
     kValue, kInt, kFloat, kBool, kString, kNone, kDtype, kDevice, kLayout, kMemoryFormat, kList
   };
@@ -66,6 +68,7 @@ struct Argument {
 
 /// Where one schema return goes: a value, a list of values (Tensor[] returns), or nowhere.
 struct Return {
+  /// Where the return goes.
   enum class Kind : std::uint8_t { kValue, kList, kUnused };
   Kind kind = Kind::kUnused;
   ValueId value = -1;
@@ -94,6 +97,7 @@ struct Node {
 
 /// A graph input bound by name to a tensor the model owns.
 struct Binding {
+  /// What the bound tensor is to the model.
   enum class Kind : std::uint8_t { kParameter, kBuffer, kConstant };
   ValueId value = -1;
   std::string name;  ///< fully-qualified name in the model ("encoder.layer.0.weight")

@@ -10,6 +10,7 @@
 
 namespace conveyor::partitioner {
 
+/// One device of a cluster: its memory, relative speed and node.
 struct Device {
   int node = 0;              ///< index of its machine
   int local = 0;             ///< index within the machine
@@ -17,11 +18,13 @@ struct Device {
   double speed = 1;          ///< relative to the device the profile was measured on
 };
 
+/// A link between devices: bandwidth and latency.
 struct Link {
   double bandwidth_bytes_per_s = 0;  ///< 0: free (no transfer cost)
   double latency_s = 0;
 };
 
+/// The devices a plan is made for, and the links between them.
 struct Cluster {
   std::string name;
   std::vector<Device> devices;  ///< node-major: the planner places stages on consecutive devices

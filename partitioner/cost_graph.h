@@ -34,11 +34,13 @@ struct CostValue {
   double bytes = 0;  ///< per microbatch
 };
 
+/// A parameter (or tied set) that operators read: its bytes, for memory and allreduce.
 struct CostParam {
   std::string name;
   double bytes = 0;
 };
 
+/// What the planner plans: operators with measured costs, and the bytes between them.
 struct CostGraph {
   std::string name;
   std::string device;   ///< where the costs were measured
@@ -69,6 +71,7 @@ struct NodeProfile {
   double forward_s = 0, backward_s = 0, backward_weight_s = 0;
   double saved_bytes = 0, work_bytes = 0;
 };
+/// Measured costs of a captured graph's nodes at one microbatch size.
 struct Profile {
   std::string graph_hash;  ///< graph_hash() of the graph it was measured on
   std::string device;

@@ -196,6 +196,20 @@ Result<scheduler::SimulationResult> Plan::simulate() const {
   return scheduler::simulate(sched, stage_costs(), links);
 }
 
+Result<scheduler::SimulationResult> Plan::simulate_as_built(const scheduler::ScheduleSpec& built) const {
+  const auto planned = schedule_spec();
+  if (planned.kind != built.kind || planned.ranks != built.ranks || planned.chunks != built.chunks ||
+      planned.microbatches != built.microbatches) {
+    return Status(ErrorCode::kInvalidArgument,
+                  "the plan describes a different pipeline (" + std::to_string(planned.stages()) + " stages, " +
+                      std::string(scheduler::schedule_kind_name(planned.kind)) + ", " +
+                      std::to_string(planned.microbatches) + " microbatches) than the one built (" +
+                      std::to_string(built.stages()) + " stages, " + std::string(scheduler::schedule_kind_name(built.kind)) +
+                      ", " + std::to_string(built.microbatches) + " microbatches); pass the plan the stages came from");
+  }
+  return simulate();
+}
+
 Result<Plan> make_plan(const CostGraph& g, const Cluster& cluster, const PlanOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();
   CONVEYOR_RETURN_IF_ERROR(g.validate());

@@ -15,12 +15,14 @@
 
 namespace conveyor::partitioner {
 
+/// Which search the planner runs.
 enum class SearchMode : std::uint8_t {
   kAuto,        ///< exact when its work fits `exact_budget`, else bottleneck
   kExact,       ///< Pareto DP over all convex stages (downsets, or block prefixes when too many)
   kBottleneck,  ///< bisection on the slowest stage over block prefixes (large problems)
 };
 
+/// What the planner may choose and within which limits.
 struct PlanOptions {
   int batch = 0;           ///< samples per training step (required)
   int microbatches = 0;    ///< 0: the planner chooses
@@ -54,6 +56,7 @@ struct StagePlan {
   int in_flight = 0;               ///< microbatches whose activations are alive at once
 };
 
+/// A plan: stages, replicas and devices, schedule and microbatches, with its predictions.
 struct Plan {
   std::string graph_name, cluster_name;
   int batch = 0, microbatches = 1;
@@ -74,6 +77,9 @@ struct Plan {
   std::vector<scheduler::StageCost> stage_costs() const;
   std::vector<scheduler::LinkCost> link_costs() const;
   Result<scheduler::SimulationResult> simulate() const;
+  /// The same, for a pipeline built from this plan: an error naming both when `built`
+  /// (schedule, ranks, chunks, microbatches) is not the plan's.
+  Result<scheduler::SimulationResult> simulate_as_built(const scheduler::ScheduleSpec& built) const;
   /// The readable table `conveyor plan` prints.
   std::string table() const;
   std::string to_json() const;

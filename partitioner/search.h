@@ -14,6 +14,7 @@ namespace conveyor::partitioner::detail {
 /// The objective sum + (m-1) max + max-allreduce is monotone in each of (sum, max stage,
 /// max allreduce), so keeping every non-dominated triple per state is exact.
 
+/// A non-dominated (sum, slowest stage, largest allreduce) of the exact search, with its parent.
 struct Entry {
   double sum, max_stage, max_ar;
   int prev;   // entry of the state before this stage was added (-1: start)
@@ -38,6 +39,7 @@ Solution exact_search(const CutStates& cs, const StagePairs& pairs, const Model&
 /// DP over block prefixes finds the fewest devices that keep every stage under T and in
 /// memory, each stage taking the fewest replicas that do.
 
+/// The fewest devices that keep every stage under a time T, over block prefixes.
 class BottleneckSearch {
  public:
   BottleneckSearch(const Units& u, const CutStates& cs, const Model& model) : u_(u), cs_(cs), model_(model) {

@@ -19,17 +19,20 @@ inline constexpr double kInf = std::numeric_limits<double>::infinity();
 
 /// Units: operators of one group contracted into one node; the planner never splits a unit.
 
+/// Operators the planner never splits, with their summed costs.
 struct Unit {
   std::vector<int> ops;
   double fwd = 0, bwd = 0, bwd_w = 0, saved = 0, work = 0, params = 0;
 };
 
+/// A value between units: its producer, its bytes, its readers.
 struct Edge {
   int from = 0;
   double bytes = 0;
   std::vector<int> to;  // reading units other than `from`
 };
 
+/// A cost graph contracted into units, in a topological order.
 struct Units {
   std::vector<Unit> units;       // in a topological order
   std::vector<int> unit_of_op;
@@ -46,6 +49,7 @@ Result<Units> make_units(const CostGraph& g);
 
 using Bits = std::vector<std::uint64_t>;
 
+/// Hashes a unit set.
 struct BitsHash {
   std::size_t operator()(const Bits& b) const {
     std::uint64_t h = 1469598103934665603ull;
@@ -63,6 +67,7 @@ inline bool subset(const Bits& a, const Bits& b) {  // a ⊆ b
   return true;
 }
 
+/// Min or max over device ranges in O(1) (a sparse table).
 struct RangeTable {  // min or max over device ranges in O(1)
   std::vector<std::vector<double>> t;
   bool is_min = true;
@@ -85,6 +90,7 @@ struct RangeTable {  // min or max over device ranges in O(1)
   }
 };
 
+/// The cut states a search moves between, with the sums over each.
 struct CutStates {
   bool linear = false;
   std::vector<Bits> sets;               // ascending by size; [0] empty, back() everything

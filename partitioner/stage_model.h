@@ -11,11 +11,13 @@ namespace conveyor::partitioner::detail {
 
 /// The cost model of one stage (docs/planner.md).
 
+/// A stage's summed costs at profile size.
 struct StageSums {
   double fwd = 0, bwd = 0, bwd_w = 0, saved = 0, params = 0, work = 0;
   double in_bytes = 0, out_bytes = 0;  // cut bytes before and after the stage, at profile size
 };
 
+/// A stage on a range of devices: its times and its memory.
 struct StageEval {
   double compute = 0;    // (F + B) per microbatch
   double comm = 0;       // activation and gradient across the cut after the stage
@@ -30,6 +32,7 @@ struct StageEval {
   bool fits() const { return need <= capacity; }
 };
 
+/// The cost model for one microbatch count and schedule (docs/planner.md).
 class Model {
  public:
   Model(const Cluster& cluster, const PlanOptions& options, int microbatches, ScheduleKind kind, double profile_mb,

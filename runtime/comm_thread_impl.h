@@ -11,6 +11,7 @@
 
 namespace conveyor::runtime {
 
+/// The event loop and its thread; `abandoned` once a stuck hook made the process give it up.
 struct CommThread::Impl {
   asio::io_context io{1};
   asio::executor_work_guard<asio::io_context::executor_type> guard = asio::make_work_guard(io);

@@ -45,6 +45,7 @@ struct StageProfile {
   double compute_ratio() const;
 };
 
+/// The PartitionerActor's comparison of the measured steps with the plan's prediction.
 struct ProfileReport {
   int steps = 0;                ///< steps measured (the first is left out once there are more: warm-up)
   double measured_step_s = 0;   ///< mean over those steps
@@ -54,6 +55,7 @@ struct ProfileReport {
   std::string table() const;
 };
 
+/// The actor graph of one pipeline in this process: runs its steps on the replicas' threads.
 class Coordinator {
  public:
   /// Spawns the actor graph for `schedule` with `replicas` per rank (empty: one each): the

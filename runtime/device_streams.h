@@ -42,6 +42,7 @@ class EventPool {
   std::size_t next_ = 0;
 };
 
+/// One replica's compute, send and recv streams and its event pool.
 struct ReplicaStreams {
   /// Streams from `device`'s pool; `device` must have streams.
   explicit ReplicaStreams(const c10::Device& device);

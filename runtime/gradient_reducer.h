@@ -47,6 +47,7 @@ using TensorLookup = std::function<const at::Tensor*(int replica, const std::str
 /// The gradient sums of one pipeline across its replicas and processes.
 class GradientReducer {
  public:
+  /// Where the sums beyond this process go.
   struct Groups {
     /// [stage]: the group summing the stage's buckets across its processes (null: the
     /// stage runs in one process, or not here).

@@ -91,6 +91,40 @@ Status ModelState::sync_buffers() {
   return Status::ok();
 }
 
+void ModelState::set_gradients_aside() {
+  aside_.clear();
+  for (const auto& name : layout_.trainable) {
+    const at::Tensor* p = executors_[0]->tensor(name);
+    if (p == nullptr) continue;
+    aside_.emplace_back(*p, p->grad());
+    p->mutable_grad().reset();
+  }
+}
+
+std::shared_ptr<HeldGradients> ModelState::hold_step_gradients() {
+  auto held = std::make_shared<HeldGradients>();
+  for (auto& [p, before] : aside_) {
+    if (p.grad().defined()) held->grads_.emplace_back(p, p.grad());
+    p.mutable_grad() = std::move(before);
+  }
+  aside_.clear();
+  return held;
+}
+
+void HeldGradients::apply(const at::Tensor& scale) {
+  c10::NoGradGuard no_grad;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [p, g] : grads_) {
+    at::Tensor scaled = g * scale.to(g.device(), g.scalar_type());
+    if (p.grad().defined()) {
+      p.mutable_grad() = p.grad() + scaled;
+    } else {
+      p.mutable_grad() = std::move(scaled);
+    }
+  }
+  grads_.clear();
+}
+
 const std::vector<std::int64_t>* ModelState::released_sizes(const std::string& name) const {
   if (!released_) return nullptr;
   for (const auto& t : not_here_) {

@@ -12,6 +12,8 @@
 #include <ATen/core/Tensor.h>
 
 #include <memory>
+#include <mutex>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -24,6 +26,20 @@
 
 namespace conveyor::runtime {
 
+/// The gradients one step held back from `.grad` until its loss's backward.
+class HeldGradients {
+ public:
+  /// Adds them, times `scale` (a scalar tensor: the loss's incoming gradient), into the
+  /// parameters' `.grad`; a second call adds nothing.
+  void apply(const at::Tensor& scale);
+
+ private:
+  friend class ModelState;
+  std::mutex mu_;
+  std::vector<std::pair<at::Tensor, at::Tensor>> grads_;  // (parameter, the step's gradient)
+};
+
+/// The model's tensors as this process holds them for the pipeline.
 class ModelState {
  public:
   /// `executors`: one per replica index (0 is the user's model). `processes`: the job's
@@ -42,6 +58,10 @@ class ModelState {
   /// After a step: written buffers of stages replicated across processes become their
   /// owner's wherever they are read (collective).
   Status sync_buffers();
+  /// Sets the user's gradients aside so that a step accumulates into empty `.grad`s.
+  void set_gradients_aside();
+  /// After such a step: its gradients are held, and `.grad` is what it was before it.
+  std::shared_ptr<HeldGradients> hold_step_gradients();
   /// The sizes of a tensor released here (null: held, or nothing is released).
   const std::vector<std::int64_t>* released_sizes(const std::string& name) const;
 
@@ -65,6 +85,7 @@ class ModelState {
   std::vector<NotHere> not_here_;
   std::vector<BufferGroup> buffer_groups_;
   bool released_ = false;
+  std::vector<std::pair<at::Tensor, at::Tensor>> aside_;  // (parameter, its .grad before the step)
 };
 
 }  // namespace conveyor::runtime

@@ -46,6 +46,7 @@ struct PipelineStep::Impl {
   std::chrono::steady_clock::time_point step_start_host;
   RunResult last;
   std::pair<int, int> last_reduction{0, 0};
+  std::shared_ptr<HeldGradients> held;  // the last run's, with hold_gradients
   std::unique_ptr<Coordinator> coordinator;  // the replicas' actors; destroyed first
 
   ~Impl() { coordinator.reset(); }  // no replica runs a hook any more
@@ -247,7 +248,7 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
   return step;
 }
 
-Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, double grad_scale) {
+Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, double grad_scale, bool hold_gradients) {
   Impl& im = *impl_;
   const PipelineLayout& layout = im.layout;
   if (im.out_of_step) {
@@ -266,6 +267,7 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
   CONVEYOR_RETURN_IF_ERROR(layout.batch.check_step(batch, layout.microbatches(), layout.stage_replicas));
   CONVEYOR_RETURN_IF_ERROR(im.store->begin_step(inputs, batch));
   im.state->begin_step();
+  if (hold_gradients) im.state->set_gradients_aside();
   // Each replica's compute thread gets its share of the caller's intra-op threads: the
   // caller's count over the replicas this process runs (they would otherwise each start a
   // full-size pool and oversubscribe the cores).
@@ -330,6 +332,7 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
   };
   Status finished = finish();
   im.store->end_step();
+  if (hold_gradients) im.held = im.state->hold_step_gradients();
   CONVEYOR_RETURN_IF_ERROR(finished);
   StepResult out;
   std::tie(out.buckets, out.buckets_reduced_during_backward) = im.reducer->counts();
@@ -384,6 +387,8 @@ Result<at::Tensor> PipelineStep::Impl::total_loss() {
   }
   return total;
 }
+
+std::shared_ptr<HeldGradients> PipelineStep::take_held_gradients() { return std::move(impl_->held); }
 
 std::vector<std::pair<std::string, int>> PipelineStep::owners() const { return impl_->placement.owners; }
 

@@ -24,6 +24,7 @@
 
 #include "runtime/coordinator.h"
 #include "runtime/device_streams.h"
+#include "runtime/model_state.h"
 #include "common/status.h"
 #include "graph/executor.h"
 #include "runtime/process_group.h"
@@ -31,6 +32,7 @@
 
 namespace conveyor::runtime {
 
+/// What one step returns: the batch's loss and the measured actions.
 struct StepResult {
   at::Tensor loss;                  ///< the batch's loss: microbatch losses weighted by size, detached
   runtime::RunResult measured;    ///< every action's measured span
@@ -39,6 +41,7 @@ struct StepResult {
   int buckets = 0, buckets_reduced_during_backward = 0;
 };
 
+/// How a pipeline is built: replicas, buckets, threads, processes, transport, timeout, seed.
 struct PipelineOptions {
   /// Replicas per rank (a rank's stages all have its count); empty: one each.
   std::vector<int> replicas;
@@ -73,6 +76,7 @@ struct PipelineOptions {
   std::optional<std::uint64_t> seed;
 };
 
+/// One pipelined training step over stages of a graph, run again for every batch.
 class PipelineStep {
  public:
   /// `stages`: node lists in pipeline order (a valid partition); `spec`: the schedule
@@ -83,8 +87,13 @@ class PipelineStep {
 
   /// Runs forward and backward of every microbatch. `inputs` are the whole batch (the
   /// graph's flattened inputs); tensors whose first dimension is the batch are split.
-  /// Gradients reach the parameters scaled by `grad_scale` (the incoming loss gradient).
-  Result<StepResult> run(const std::vector<c10::IValue>& inputs, double grad_scale = 1.0);
+  /// Gradients reach the parameters' `.grad` scaled by `grad_scale` (the incoming loss
+  /// gradient, when the caller knows it). With `hold_gradients` they are held instead, and
+  /// `.grad` keeps what it had, until apply_held_gradients (a loss whose backward comes
+  /// later, with a gradient of its own: torch.autograd's, a GradScaler's).
+  Result<StepResult> run(const std::vector<c10::IValue>& inputs, double grad_scale = 1.0, bool hold_gradients = false);
+  /// The gradients the last run held (hold_gradients), taken: each call to run holds its own.
+  std::shared_ptr<HeldGradients> take_held_gradients();
 
   /// Many processes: every parameter and buffer becomes its owner's (the process of the
   /// first stage that reads it), on every process, and whole: while it trains, a process

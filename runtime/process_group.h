@@ -27,6 +27,7 @@
 
 namespace conveyor::runtime {
 
+/// Who this process is in the job and where the job meets.
 struct ProcessGroupOptions {
   int rank = 0, world = 1;
   std::string host = "127.0.0.1";  ///< MASTER_ADDR
@@ -36,6 +37,7 @@ struct ProcessGroupOptions {
   std::chrono::milliseconds timeout{std::chrono::seconds(120)};  ///< rendezvous and every later wait
 };
 
+/// The processes of one job, connected every one to every other.
 class ProcessGroup {
  public:
   /// Joins the job: rendezvous, UCX connections to every other process, and a first

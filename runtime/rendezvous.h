@@ -16,6 +16,7 @@
 
 namespace conveyor::runtime {
 
+/// What a process tells the rendezvous when it joins.
 struct JoinRequest {
   int rank = 0, world = 1;
   std::string host = "127.0.0.1";  ///< where process 0 publishes (MASTER_ADDR)

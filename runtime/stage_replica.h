@@ -67,6 +67,7 @@ class StageReplica {
   /// stream between two timing events, with streams.
   Status compute(const scheduler::Action& a);
 
+  /// A compute action with its events on the replica's compute stream.
   struct Timed {
     scheduler::Action action;
     c10::Event *start, *end;

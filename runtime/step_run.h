@@ -34,6 +34,7 @@ using scheduler::Action;
 using scheduler::Schedule;
 using scheduler::Span;
 
+/// What the runner calls for each kind of action (the runtime binds them to tensors).
 struct RunnerHooks {
   /// F, B, Bi, W and the optimizer step of one replica of `rank`; runs on its compute thread.
   std::function<Status(int rank, int replica, const Action&)> compute;
@@ -51,6 +52,7 @@ struct RunnerHooks {
   std::function<void(int rank, int replica, const Action&, std::function<void(Status)> arrived)> receive;
 };
 
+/// A step's measured actions, as the simulator reports predicted ones.
 struct RunResult {
   double step_time_s = 0;
   std::vector<Span> spans;  ///< measured, seconds from the start of the step (Span as in the simulator)

@@ -16,12 +16,14 @@
 
 namespace conveyor::scheduler {
 
+/// The schedules conveyor generates action lists for.
 enum class ScheduleKind : std::uint8_t { kGPipe, kOneFOneB, kInterleaved, kZeroBubbleH1 };
 
 /// Parses "gpipe", "1f1b", "interleaved" or "zb-h1".
 Result<ScheduleKind> schedule_kind_from_name(std::string_view name);
 std::string_view schedule_kind_name(ScheduleKind kind);
 
+/// What one action of a rank's list does.
 enum class ActionKind : std::uint8_t {
   kForward,         ///< F: forward of one microbatch
   kBackward,        ///< B: backward of one microbatch (input and weight gradients)

@@ -46,6 +46,7 @@ struct Span {
   int replica = 0;  ///< which replica of the rank's stage group (measured runs; 0 in simulations)
 };
 
+/// A simulated step: its time, every action's span and each rank's peak memory.
 struct SimulationResult {
   double step_time_s = 0;
   double bubble_fraction = 0;        ///< idle share of ranks x time until the last backward ends

@@ -17,6 +17,7 @@
 
 namespace conveyor::trace {
 
+/// A Perfetto trace being built: tracks, slices, instants, counters and flows.
 class PerfettoTrace {
  public:
   /// Declares a track (a row in the UI); `parent` nests it under another track.

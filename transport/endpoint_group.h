@@ -27,6 +27,7 @@ namespace conveyor::transport {
 /// Tags at and above this bit belong to collectives; point-to-point users stay below it.
 constexpr Tag kCollectiveTagBit = Tag{1} << 47;
 
+/// A Collective over any Endpoint: each operation a fixed exchange of tagged messages.
 class EndpointGroup : public Collective {
  public:
   /// Fails every pending and later operation of this member with `error`.

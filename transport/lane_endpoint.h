@@ -51,6 +51,7 @@ class Lane {
 /// lane endpoint run where NCCL cannot (the conformance suite, on the CPU).
 std::shared_ptr<Lane> make_endpoint_lane(std::shared_ptr<Endpoint> endpoint, int peer, Tag tag);
 
+/// Tagged messages whose tensors travel over ordered lanes (NCCL point to point).
 class LaneEndpoint : public Endpoint {
  public:
   /// Fails every pending and later operation with `error`, and aborts the lanes.

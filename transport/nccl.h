@@ -49,6 +49,7 @@ Status nccl_usable_on(const c10::Device& device);
 /// "NCCL 2.28.9 (path)" when NCCL can be loaded, or why not.
 Result<std::string> nccl_description();
 
+/// One member of an NCCL group on one CUDA device.
 class NcclGroup : public Collective {
  public:
   /// Fails every pending and later operation with `error`, ending NCCL's kernels that wait

@@ -32,6 +32,7 @@ constexpr DataType kInt8 = 0, kUint8 = 1, kInt32 = 2, kUint32 = 3, kInt64 = 4, k
 using RedOp = int;
 constexpr RedOp kSum = 0;
 constexpr std::size_t kUniqueIdBytes = 128;
+/// NCCL's unique id, as bytes.
 struct UniqueId {
   char internal[kUniqueIdBytes];
 };

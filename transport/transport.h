@@ -29,6 +29,7 @@ using Tag = std::uint64_t;
 using Done = std::function<void(Status)>;
 using Received = std::function<void(Result<std::vector<at::Tensor>>)>;
 
+/// Tagged point-to-point messages of tensors between members of a world.
 class Endpoint {
  public:
   virtual ~Endpoint() = default;
@@ -43,6 +44,7 @@ class Endpoint {
   virtual void recv(int peer, Tag tag, Received done) = 0;
 };
 
+/// The collective operations.
 enum class CollectiveKind : std::uint8_t { kAllReduce, kReduce, kBroadcast, kAllGather, kReduceScatter };
 std::string collective_kind_name(CollectiveKind kind);
 

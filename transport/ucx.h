@@ -21,6 +21,7 @@ class UcxEndpoint;
 /// ("process 2 was lost"). Errors when UCX cannot start (no transport).
 Result<std::shared_ptr<UcxEndpoint>> make_ucx_endpoint(int rank, int world_size, std::string noun = "member");
 
+/// An Endpoint over UCX, driven by a progress thread of its own.
 class UcxEndpoint : public Endpoint {
  public:
   /// This member's worker address, for its peers' connect().

@@ -114,23 +114,19 @@ def _loss_wrapper(model: torch.nn.Module, loss_fn, args: tuple, kwargs: dict) ->
 
 
 class _PipelinedLoss(torch.autograd.Function):
-    """The step already ran backward; backward() hands the stashed gradients to the
-    parameters, scaled by the incoming gradient (so loss scaling keeps working)."""
+    """The step already ran backward and held its gradients; backward() adds them to the
+    parameters' .grad, scaled by the incoming gradient (so loss scaling keeps working). The
+    parameters are inputs only so that the loss asks for a backward."""
 
     @staticmethod
-    def forward(ctx, loss, stash, *params):
-        ctx.stash = stash
-        ctx.params = params
+    def forward(ctx, loss, held, *params):
+        ctx.held = held
         return loss.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        for p, g in zip(ctx.params, ctx.stash):
-            if g is None:
-                continue
-            g = g * grad.to(g.dtype)
-            p.grad = g if p.grad is None else p.grad + g
-        return (None, None) + (None,) * len(ctx.params)
+        ctx.held.apply(grad)
+        return (None, None) + (None,) * (len(ctx.needs_input_grad) - 2)
 
 
 def _local_cluster(devices: int, threads: int, gpu_memory: int | None = None, one_gpu: bool = True) -> str:
@@ -394,8 +390,7 @@ class Module(torch.nn.Module):
             stage_nodes, replicas = self.plan.stage_nodes, self.plan.replicas
             schedule, m, chunks = self.plan.schedule, self.plan.microbatches, self.plan.document["chunks"]
         if self._step is None:
-            self._step = _C.PipelineStep(graph.executor, stage_nodes, schedule, m, chunks, replicas,
-                                         **self._placement(replicas))
+            self._step = self._make_pipeline(graph, stage_nodes, schedule, m, chunks, replicas)
         self._graph = graph
         self._layout = (len(stage_nodes), schedule, m, chunks, replicas)
         self._stage_nodes = stage_nodes
@@ -435,11 +430,19 @@ class Module(torch.nn.Module):
                     transport=self._transport)
 
     def _pipeline(self, graph, plan):
+        """The plan's pipeline."""
         chunks = plan.document["chunks"]
-        ranks = len(plan.stage_nodes) // chunks
-        return _C.PipelineStep(graph.executor, plan.stage_nodes, plan.schedule, plan.microbatches, chunks,
-                               plan.replicas[:ranks], plan=json.dumps(plan.document),
-                               **self._placement(plan.replicas[:ranks], plan))
+        return self._make_pipeline(graph, plan.stage_nodes, plan.schedule, plan.microbatches, chunks,
+                                   plan.replicas[:len(plan.stage_nodes) // chunks], plan=plan)
+
+    def _make_pipeline(self, graph, stage_nodes: list, schedule: str, microbatches: int, chunks: int,
+                       replicas: list, plan=None, across_processes: bool = True):
+        """The one place a pipeline is built: `stage_nodes` under `schedule`, with `replicas`
+        per rank; `plan` (when the stages come from one) is what the live profile compares
+        against; across processes, every replica on the process _placement gives it."""
+        placement = self._placement(replicas, plan) if across_processes else {}
+        return _C.PipelineStep(graph.executor, stage_nodes, schedule, microbatches, chunks, replicas,
+                               plan=json.dumps(plan.document) if plan is not None else "", **placement)
 
     # -- running ----------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -450,20 +453,17 @@ class Module(torch.nn.Module):
             self._gather()  # across processes, every part of the model from its owner
             with torch.no_grad():
                 return self._graph(*args, **kwargs)
+        step = self._step_for(inputs)
+        loss = self._run(step, inputs, hold_gradients=True)
         params = [p for p in self.module.parameters() if p.requires_grad]
-        saved = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        try:
-            loss, _, _ = self._step_for(inputs).run(inputs)
-            stash = [p.grad for p in params]
-        finally:
-            for p, g in zip(params, saved):
-                p.grad = g
+        return _PipelinedLoss.apply(loss, step.take_held_gradients(), *params)
+
+    def _run(self, step, inputs: list, hold_gradients: bool) -> torch.Tensor:
+        loss, _, _ = step.run(inputs, hold_gradients=hold_gradients)
         self._steps_run += 1
         if self._trace is not None and self._steps_run <= 2:  # the second step: past warm-up
             self._step.write_trace(str(self._trace))
-        return _PipelinedLoss.apply(loss, stash, *params)
+        return loss
 
     def _step_for(self, inputs: list):
         """The pipeline that runs this batch: the plan's. On one process, a batch smaller than
@@ -483,8 +483,8 @@ class Module(torch.nn.Module):
             return self._step  # nothing runs it: the plan's pipeline names the sizes
         k = fitting[0]
         if k not in self._small_steps:
-            self._small_steps[k] = _C.PipelineStep(self._graph.executor, self._stage_nodes, schedule, k, chunks,
-                                                   [1] * ranks)
+            self._small_steps[k] = self._make_pipeline(self._graph, self._stage_nodes, schedule, k, chunks, [1] * ranks,
+                                                       across_processes=False)
         return self._small_steps[k]
 
     @property
@@ -515,8 +515,13 @@ class Module(torch.nn.Module):
         if self.optimizer is None:
             raise ConveyorValueError("train_step needs the optimizer: conveyor.Module(model, optimizer)")
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self(*args, **kwargs)
-        loss.backward()
+        if self._graph is None:
+            self._build(args, kwargs)
+        if not self.training:
+            raise ConveyorValueError("train_step trains: call model.train() first")
+        inputs = self._graph.flatten_inputs(args, kwargs)
+        # The loss's gradient is 1 here: the step's gradients go straight to .grad.
+        loss = self._run(self._step_for(inputs), inputs, hold_gradients=False)
         self.optimizer.step()
         return loss.detach()
 

@@ -1,5 +1,9 @@
 """The executor on CUDA: the same exactness as on the CPU (needs a GPU; skipped without)."""
 import copy
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -36,3 +40,43 @@ def test_cuda_matches_eager(name, num_stages, rel_err):
             assert err <= 1e-9, f"{n} differs by {err:.2e}"
     for (n, b), (_, c) in zip(model.named_buffers(), ref.named_buffers()):
         assert rel_err(b, c) <= 1e-9, n
+
+
+def test_a_pipelined_step_makes_the_host_wait_for_the_device_once():
+    """docs/thread_model.md: the host waits for the device once per step, whatever the
+    replicas do (redistribution, bucketed sums during backward): conveyor's own device
+    synchronizations count one a step, and torch's sync debug mode, which reports every other
+    synchronizing CUDA call (an item(), a blocking copy, a stream synchronize) on any thread,
+    reports none (the device synchronize through c10's guard is not among those it reports).
+    In a process of its own, so the debug mode reaches no other test."""
+    script = textwrap.dedent("""
+        import torch, conveyor
+        from conveyor import _C, zoo
+
+        torch.manual_seed(0)
+        case = zoo.mlp(batch=16)  # returns its loss
+        model = case.model.cuda()
+        args = tuple(a.cuda() for a in case.args)
+        graph = conveyor.capture(model, args)
+        step = _C.PipelineStep(graph.executor, graph.random_partition(2, seed=0), "1f1b", 4, 1, [2, 1],
+                               bucket_bytes=64)
+        inputs = graph.flatten_inputs(args, {})
+        for _ in range(2):
+            step.run(inputs)  # warm-up: the allocator, the streams' event pools
+        torch.cuda.synchronize()
+        before = _C.host_waits()
+        torch.cuda.set_sync_debug_mode("warn")
+        for _ in range(3):
+            step.run(inputs)
+        torch.cuda.set_sync_debug_mode(0)
+        print("HOST_WAITS", _C.host_waits() - before, "REDUCED_EARLY", step.last_reduction()[1])
+    """)
+    env = dict(os.environ, PYTHONWARNINGS="always")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(l for l in done.stdout.splitlines() if l.startswith("HOST_WAITS"))
+    words = line.split()
+    assert int(words[1]) == 3, line
+    assert int(words[3]) > 0, "the replicated stage's buckets were summed during backward"
+    synchronizing = done.stderr.count("called a synchronizing CUDA operation")
+    assert synchronizing == 0, f"{synchronizing} other synchronizing CUDA calls in 3 steps:\n{done.stderr[-3000:]}"

@@ -120,6 +120,45 @@ def test_backward_scales_gradients_and_state_stays_the_models():
         assert torch.allclose(model(*case.args), case.model(*case.args), rtol=1e-12)
 
 
+def test_each_call_holds_its_gradients_until_its_loss_backward():
+    """Two calls before one backward (accumulating over two batches by hand) sum both
+    calls' gradients, each scaled by its loss's incoming gradient; gradients already in
+    .grad stay and are added to; a call whose loss never goes backward leaves .grad alone."""
+    torch.manual_seed(0)
+    case = zoo.mlp(batch=8)
+    eager = copy.deepcopy(case.model)
+    model = conveyor.Module(case.model, stages=2, microbatches=4)
+    x, y = case.args
+    x2, y2 = torch.randn_like(x), torch.randn_like(y)
+    model(x, y)  # never goes backward
+    assert all(p.grad is None for p in case.model.parameters())
+    for p, q in zip(case.model.parameters(), eager.parameters()):
+        p.grad = torch.ones_like(p)
+        q.grad = torch.ones_like(q)
+    (model(x, y) * 2 + model(x2, y2) * 0.5).backward()
+    (eager(x, y) * 2 + eager(x2, y2) * 0.5).backward()
+    for (n, p), q in zip(case.model.named_parameters(), eager.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-12, atol=1e-15), n
+
+
+def test_train_step_trains_like_eager():
+    torch.manual_seed(0)
+    case = zoo.mlp(batch=8)
+    eager = copy.deepcopy(case.model)
+    opt = torch.optim.SGD(case.model.parameters(), lr=0.1, momentum=0.9)
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1, momentum=0.9)
+    model = conveyor.Module(case.model, opt, stages=2, microbatches=4)
+    for _ in range(3):
+        loss = model.train_step(*case.args)
+        eager_opt.zero_grad(set_to_none=True)
+        want = eager(*case.args)
+        want.backward()
+        eager_opt.step()
+        assert torch.allclose(loss, want.detach(), rtol=1e-12)
+    for (n, p), q in zip(case.model.named_parameters(), eager.parameters()):
+        assert torch.allclose(p, q, rtol=1e-12, atol=1e-15), n
+
+
 def test_trace_of_a_real_step_decodes(tmp_path):
     import os
     import subprocess

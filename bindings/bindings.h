@@ -1,0 +1,88 @@
+// What the binding translation units share (internal to bindings/): a Status becomes a
+// Python exception here and only here (StatusError, turned into the class conveyor/errors.py
+// names for its code by the translator in module.cc), and values cross between Python and
+// C++ (to_ivalue, to_py). Each area binds itself: graph_bindings.cc (the IR, the file format,
+// the executor, planning), process_bindings.cc (UCX, NCCL, the job's processes),
+// pipeline_bindings.cc (PipelineStep).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/status.h"
+#include "graph/ir.h"
+
+namespace conveyor::bindings {
+
+namespace py = pybind11;
+
+/// A failed Status on its way to Python.
+struct StatusError : std::exception {
+  explicit StatusError(Status s) : status(std::move(s)) {}
+  const char* what() const noexcept override { return status.message().c_str(); }
+  Status status;
+};
+
+[[noreturn]] inline void raise(const Status& st) { throw StatusError(st); }
+inline void check(const Status& st) {
+  if (!st.is_ok()) raise(st);
+}
+template <typename T>
+T unwrap(Result<T> r) {
+  if (!r.is_ok()) raise(r.status());
+  return std::move(r).value();
+}
+
+/// A Python value (tensor, int, float, bool, None) as an IValue; a TypeError otherwise.
+inline c10::IValue to_ivalue(py::handle h) {
+  if (h.is_none()) return {};
+  if (THPVariable_Check(h.ptr())) return THPVariable_Unpack(h.ptr());
+  if (PyBool_Check(h.ptr())) return h.cast<bool>();
+  if (PyLong_Check(h.ptr())) return h.cast<std::int64_t>();
+  if (PyFloat_Check(h.ptr())) return h.cast<double>();
+  throw py::type_error("conveyor: expected a tensor, int, float, bool or None, got " +
+                       std::string(py::str(py::type::handle_of(h))));
+}
+
+inline std::vector<c10::IValue> to_ivalues(const py::sequence& seq) {
+  std::vector<c10::IValue> out;
+  out.reserve(seq.size());
+  for (auto item : seq) out.push_back(to_ivalue(item));
+  return out;
+}
+
+inline py::object to_py(const c10::IValue& v) {
+  if (v.isTensor()) return py::cast(v.toTensor());
+  if (v.isNone()) return py::none();
+  if (v.isBool()) return py::bool_(v.toBool());
+  if (v.isInt()) return py::int_(v.toInt());
+  if (v.isDouble()) return py::float_(v.toDouble());
+  if (v.isList()) {
+    py::list l;
+    for (const auto& item : v.toListRef()) l.append(to_py(item));
+    return l;
+  }
+  throw py::type_error("conveyor: cannot convert value of type " + v.tagKind() + " to Python");
+}
+
+inline py::list to_py_list(const std::vector<c10::IValue>& values) {
+  py::list l;
+  for (const auto& v : values) l.append(to_py(v));
+  return l;
+}
+
+/// Torch-free graph structure, for planning and inspection without tensors.
+struct PyGraph {
+  graph::Graph graph;
+};
+
+using Stages = std::vector<std::vector<graph::NodeId>>;
+
+void bind_graph(py::module_& m);
+void bind_processes(py::module_& m);
+void bind_pipeline(py::module_& m);
+
+}  // namespace conveyor::bindings

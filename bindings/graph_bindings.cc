@@ -1,0 +1,160 @@
+// conveyor._C: the graph IR, the graph file format, the executor and planning.
+#include "bindings/bindings.h"
+
+#include "graph/executor.h"
+#include "graph/format.h"
+#include "graph/partition.h"
+#include "partitioner/planner.h"
+
+namespace conveyor::bindings {
+
+using namespace conveyor::graph;
+
+namespace {
+
+TensorBlob blob_of(const std::string& name, const at::Tensor& tensor) {
+  at::Tensor t = tensor.detach().to(at::kCPU).contiguous();
+  TensorBlob b;
+  b.name = name;
+  b.dtype = scalar_type_name(t.scalar_type());
+  b.shape.assign(t.sizes().begin(), t.sizes().end());
+  b.bytes.assign(static_cast<const char*>(t.data_ptr()), t.nbytes());
+  return b;
+}
+
+at::Tensor tensor_of(const TensorBlob& b) {
+  auto type = unwrap(scalar_type_from_name(b.dtype));
+  at::Tensor t = at::empty(b.shape, at::TensorOptions().dtype(type));
+  if (t.nbytes() != b.bytes.size()) {
+    raise(Status(ErrorCode::kCorrupt, "tensor '" + b.name + "' has " + std::to_string(b.bytes.size()) +
+                                          " bytes, its shape and dtype need " + std::to_string(t.nbytes())));
+  }
+  std::memcpy(t.data_ptr(), b.bytes.data(), b.bytes.size());
+  return t;
+}
+
+}  // namespace
+
+void bind_graph(py::module_& m) {
+  py::class_<PyGraph>(m, "GraphIR", "A validated conveyor graph (structure only, no tensors).")
+      .def(py::init([](const std::string& text) { return PyGraph{unwrap(Graph::from_json(text))}; }),
+           py::arg("json"))
+      .def("to_json", [](const PyGraph& g) { return g.graph.to_json(); })
+      .def_property_readonly("num_nodes", [](const PyGraph& g) { return g.graph.nodes.size(); })
+      .def_property_readonly("num_values", [](const PyGraph& g) { return g.graph.values.size(); })
+      .def("atomic_groups", [](const PyGraph& g) { return atomic_groups(g.graph); })
+      .def("check_stage", [](const PyGraph& g, const std::vector<NodeId>& nodes) {
+        check(check_stage(g.graph, nodes));
+      })
+      .def("check_partition", [](const PyGraph& g, const Stages& stages) {
+        check(check_partition(g.graph, stages));
+      })
+      .def("stage_boundary", [](const PyGraph& g, const std::vector<NodeId>& nodes) {
+        auto b = stage_boundary(g.graph, nodes);
+        return py::make_tuple(b.inputs, b.outputs);
+      })
+      .def("random_partition",
+           [](const PyGraph& g, int num_stages, std::uint64_t seed, bool keep_node_order) {
+             return unwrap(random_partition(g.graph, num_stages, seed, keep_node_order));
+           },
+           py::arg("num_stages"), py::arg("seed") = 0, py::arg("keep_node_order") = false);
+
+  m.def("save_graph_file",
+        [](const std::string& path, const PyGraph& g, const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+          std::vector<TensorBlob> blobs;
+          blobs.reserve(tensors.size());
+          for (const auto& [name, t] : tensors) blobs.push_back(blob_of(name, t));
+          py::gil_scoped_release nogil;
+          check(save_graph_file(path, g.graph, blobs));
+        },
+        py::arg("path"), py::arg("graph"), py::arg("tensors"));
+
+  m.def("load_graph_file", [](const std::string& path) {
+    GraphFile file;
+    {
+      py::gil_scoped_release nogil;
+      file = unwrap(load_graph_file(path));
+    }
+    py::list tensors;
+    for (const auto& b : file.tensors) tensors.append(py::make_tuple(b.name, tensor_of(b)));
+    return py::make_tuple(PyGraph{std::move(file.graph)}, tensors);
+  });
+
+  py::class_<StageActivation>(m, "StageActivation", "What a stage keeps from forward for backward.")
+      .def_property_readonly("outputs", [](const StageActivation& a) { return to_py_list(a.outputs); });
+
+  py::class_<StageProgram, std::shared_ptr<StageProgram>>(m, "StageProgram",
+                                                          "A compiled convex set of nodes.")
+      .def_property_readonly("nodes", &StageProgram::nodes)
+      .def_property_readonly("inputs", &StageProgram::inputs)
+      .def_property_readonly("outputs", &StageProgram::outputs)
+      .def("forward", [](const StageProgram& s, const py::sequence& inputs, std::optional<std::uint64_t> seed) {
+        auto values = to_ivalues(inputs);
+        py::gil_scoped_release nogil;
+        return unwrap(s.forward(std::move(values), seed));
+      }, py::arg("inputs"), py::arg("seed") = py::none(),
+      "Runs the stage; with seed, its random operators draw from generators seeded with it.")
+      .def("backward", [](const StageProgram& s, StageActivation& act, const py::sequence& grads) {
+        auto values = to_ivalues(grads);
+        std::vector<c10::IValue> out;
+        {
+          py::gil_scoped_release nogil;
+          out = unwrap(s.backward(act, std::move(values)));
+        }
+        return to_py_list(out);
+      });
+
+  py::class_<GraphExecutor, std::shared_ptr<GraphExecutor>>(m, "GraphExecutor",
+                                                            "Runs a graph or its stages through the dispatcher.")
+      .def(py::init([](const PyGraph& g, const std::unordered_map<std::string, at::Tensor>& tensors) {
+             TensorMap map(tensors.begin(), tensors.end());
+             return unwrap(GraphExecutor::create(g.graph, std::move(map)));
+           }),
+           py::arg("graph"), py::arg("tensors"))
+      .def("unseeded_random_nodes", &GraphExecutor::unseeded_random_nodes,
+           "Nodes that draw random numbers but take no seeded generator (they draw from torch's global one).")
+      .def("run", [](const GraphExecutor& ex, const py::sequence& inputs) {
+        auto values = to_ivalues(inputs);
+        std::vector<c10::IValue> out;
+        {
+          py::gil_scoped_release nogil;
+          out = unwrap(ex.run(std::move(values)));
+        }
+        return to_py_list(out);
+      })
+      .def("stage", [](const GraphExecutor& ex, std::vector<NodeId> nodes) {
+        return std::const_pointer_cast<StageProgram>(unwrap(ex.stage(std::move(nodes))));
+      });
+
+  // Planning (torch-free C++ behind it): documents in, documents out.
+  m.def("graph_hash", [](const PyGraph& g) { return partitioner::graph_hash(g.graph); },
+        "The hash profiles are keyed by.");
+  m.def(
+      "plan",
+      [](const PyGraph& g, const std::string& profile_json, const std::string& cluster_toml, int batch,
+         int microbatches, const std::vector<std::string>& schedules, double optimizer_state, int max_replicas,
+         int max_microbatches) {
+        auto profile = unwrap(partitioner::Profile::from_json(profile_json));
+        auto costs = unwrap(partitioner::cost_graph_from_profile(g.graph, profile));
+        auto cluster = unwrap(partitioner::Cluster::from_toml(cluster_toml, "cluster"));
+        partitioner::PlanOptions o;
+        o.batch = batch;
+        o.microbatches = microbatches;
+        o.optimizer_bytes_per_param_byte = optimizer_state;
+        o.max_replicas = max_replicas;
+        if (max_microbatches > 0) o.max_microbatches = max_microbatches;
+        for (const auto& name : schedules) o.schedules.push_back(unwrap(scheduler::schedule_kind_from_name(name)));
+        partitioner::Plan plan;
+        {
+          py::gil_scoped_release nogil;
+          plan = unwrap(partitioner::make_plan(costs, cluster, o));
+        }
+        return py::make_tuple(plan.to_json(), plan.table());
+      },
+      py::arg("graph"), py::arg("profile"), py::arg("cluster"), py::arg("batch"), py::arg("microbatches") = 0,
+      py::arg("schedules") = std::vector<std::string>{}, py::arg("optimizer_state") = 2.0, py::arg("max_replicas") = 0,
+      py::arg("max_microbatches") = 0,
+      "Plans a captured graph from its profile on a cluster (TOML text); returns (plan JSON, table).");
+}
+
+}  // namespace conveyor::bindings

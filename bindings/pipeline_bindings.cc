@@ -1,0 +1,163 @@
+// conveyor._C: PipelineStep, a pipelined training step in this process (and its part of a job).
+#include "bindings/bindings.h"
+
+#include <optional>
+
+#include "partitioner/planner.h"
+#include "runtime/pipeline_step.h"
+
+namespace conveyor::bindings {
+
+using namespace conveyor::graph;
+
+void bind_pipeline(py::module_& m) {
+  m.def("host_waits", &runtime::host_waits,
+        "How many times this process's pipelines made the host wait for a device (docs/thread_model.md: once a step).");
+  py::class_<runtime::HeldGradients, std::shared_ptr<runtime::HeldGradients>>(
+      m, "HeldGradients", "The gradients one step held back from .grad until its loss's backward.")
+      .def("apply", [](runtime::HeldGradients& held, const at::Tensor& scale) {
+        py::gil_scoped_release nogil;
+        held.apply(scale);
+      }, py::arg("scale"), "Adds them, times scale (the loss's incoming gradient), into .grad; once.");
+
+  py::class_<runtime::PipelineStep>(m, "PipelineStep",
+                                    "One pipelined training step over stages of a graph, in this process.")
+      .def(py::init([](const std::shared_ptr<GraphExecutor>& ex, std::vector<std::vector<NodeId>> stages,
+                       const std::string& schedule, int microbatches, int chunks, std::vector<int> replicas,
+                       std::int64_t bucket_bytes, int intra_op_threads, const std::string& plan_json,
+                       std::shared_ptr<runtime::ProcessGroup> processes, std::vector<int> rank_process,
+                       double step_timeout_s, std::vector<std::vector<int>> replica_process,
+                       std::optional<std::uint64_t> seed, const std::string& transport) {
+             scheduler::ScheduleSpec spec;
+             spec.kind = unwrap(scheduler::schedule_kind_from_name(schedule));
+             spec.chunks = chunks;
+             spec.ranks = static_cast<int>(stages.size()) / std::max(chunks, 1);
+             spec.microbatches = microbatches;
+             runtime::PipelineOptions options;
+             if (!plan_json.empty()) {
+               // The plan this pipeline runs: its simulated step is the live profile's reference.
+               options.predicted = unwrap(unwrap(partitioner::Plan::from_json(plan_json)).simulate_as_built(spec));
+             }
+             options.replicas = std::move(replicas);
+             if (bucket_bytes > 0) options.bucket_bytes = bucket_bytes;
+             options.intra_op_threads = intra_op_threads;
+             options.processes = std::move(processes);
+             options.rank_process = std::move(rank_process);
+             options.replica_process = std::move(replica_process);
+             if (step_timeout_s > 0) {
+               options.step_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(step_timeout_s * 1000));
+             }
+             options.seed = seed;
+             if (transport == "nccl") {
+               options.transport = runtime::PipelineOptions::Transport::kNccl;
+             } else if (transport != "ucx") {
+               check(Status(ErrorCode::kInvalidArgument, "transport \"" + transport + "\" (expected \"ucx\" or \"nccl\")"));
+             }
+             py::gil_scoped_release nogil;  // with processes, creation talks to the others
+             return unwrap(runtime::PipelineStep::create(ex, std::move(stages), spec, std::move(options)));
+           }),
+           py::arg("executor"), py::arg("stages"), py::arg("schedule") = "1f1b", py::arg("microbatches") = 1,
+           py::arg("chunks") = 1, py::arg("replicas") = std::vector<int>{}, py::arg("bucket_bytes") = 0,
+           py::arg("intra_op_threads") = 0, py::arg("plan") = std::string(), py::arg("processes") = nullptr,
+           py::arg("rank_process") = std::vector<int>{}, py::arg("step_timeout_s") = 0.0,
+           py::arg("replica_process") = std::vector<std::vector<int>>{}, py::arg("seed") = py::none(),
+           py::arg("transport") = "ucx",
+           "replicas: per rank (empty: one each); bucket_bytes: gradient reduction bucket size (0: 4 MiB); "
+           "intra_op_threads: torch threads per replica (0: the caller's shared out); plan: the plan document "
+           "the stages come from (its prediction is what the live profile compares against); processes, "
+           "rank_process: run across the job's processes, pipeline rank r on process rank_process[r]; "
+           "replica_process: the same per replica, replica i of rank r on process replica_process[r][i] (a stage "
+           "whose replicas run in several processes sums its gradients across them); "
+           "step_timeout_s: a step that takes longer fails (0: 10 minutes); seed: random operators (dropout) "
+           "of each forward draw from a generator seeded from it, the step, the stage, the microbatch and the "
+           "replica (None: drawn from torch's global generator now; across processes, process 0's); transport: how "
+           "activations and gradients cross between processes, \"ucx\" (host memory) or \"nccl\" (GPU memory, "
+           "one GPU per process).")
+      .def("gather_state", [](runtime::PipelineStep& step) {
+        py::gil_scoped_release nogil;
+        check(step.gather_state());
+      }, "Many processes: every parameter and buffer becomes its owner's, whole, on every process (collective; "
+         "the next step releases what this process's stages do not read).")
+      .def("owners", [](const runtime::PipelineStep& step) {
+        py::dict out;
+        for (const auto& [name, process] : step.owners()) out[py::str(name)] = process;
+        return out;
+      }, "Many processes: {parameter or buffer name: the process that owns it} (empty in one process).")
+      .def(
+          "run",
+          [](runtime::PipelineStep& step, const py::sequence& inputs, double grad_scale, bool hold_gradients) {
+            std::vector<c10::IValue> values;
+            for (auto h : inputs) values.push_back(to_ivalue(h));
+            runtime::StepResult r;
+            {
+              py::gil_scoped_release nogil;
+              r = unwrap(step.run(values, grad_scale, hold_gradients));
+            }
+            return py::make_tuple(r.loss, r.measured.step_time_s, r.measured.spans.size());
+          },
+          py::arg("inputs"), py::arg("grad_scale") = 1.0, py::arg("hold_gradients") = false,
+          "Runs every microbatch forward and backward; returns (loss, measured seconds, actions timed). Gradients "
+          "reach .grad times grad_scale; with hold_gradients they are held, and .grad keeps what it had, until "
+          "take_held_gradients.")
+      .def("take_held_gradients", &runtime::PipelineStep::take_held_gradients,
+           "The gradients the last run held (hold_gradients=True): each run holds its own until applied.")
+      .def("write_trace", [](const runtime::PipelineStep& step, const std::string& path) {
+        check(step.write_trace(path));
+      }, "Writes the last step's measured actions as a Perfetto trace.")
+      .def("spans", [](const runtime::PipelineStep& step) {
+        py::list out;
+        for (const auto& s : step.last_step().spans) {
+          static const char* streams[] = {"compute", "send", "collective", "across processes"};
+          py::dict d;
+          d["rank"] = s.rank;
+          d["replica"] = s.replica;
+          d["stream"] = streams[static_cast<int>(s.stream)];
+          d["action"] = scheduler::action_text(s.action);
+          d["stage"] = s.action.stage;
+          d["microbatch"] = s.action.microbatch;
+          d["start_s"] = s.start_s;
+          d["end_s"] = s.end_s;
+          out.append(std::move(d));
+        }
+        return out;
+      }, "The last step's measured actions: rank, replica, stream, action, stage, microbatch, start_s, end_s "
+         "(seconds from the step's start; on CUDA the device's times).")
+      .def("last_reduction", &runtime::PipelineStep::last_reduction,
+           "(buckets, reduced during backward) of the last step's gradient reduction across replicas.")
+      .def("profile_report", [](const runtime::PipelineStep& step) {
+        runtime::ProfileReport r;
+        {
+          py::gil_scoped_release nogil;
+          r = unwrap(step.profile_report());
+        }
+        py::list stages;
+        for (const auto& s : r.stages) {
+          py::dict d;
+          d["stage"] = s.stage;
+          d["rank"] = s.rank;
+          d["replicas"] = s.replicas;
+          d["forward_s"] = s.forward_s;
+          d["backward_s"] = s.backward_s;
+          d["backward_weight_s"] = s.backward_weight_s;
+          d["send_s"] = s.send_s;
+          d["allreduce_s"] = s.allreduce_s;
+          d["predicted_forward_s"] = s.predicted_forward_s;
+          d["predicted_backward_s"] = s.predicted_backward_s;
+          d["predicted_backward_weight_s"] = s.predicted_backward_weight_s;
+          d["predicted_send_s"] = s.predicted_send_s;
+          d["predicted_allreduce_s"] = s.predicted_allreduce_s;
+          d["compute_ratio"] = s.compute_ratio();
+          stages.append(d);
+        }
+        py::dict out;
+        out["steps"] = r.steps;
+        out["measured_step_s"] = r.measured_step_s;
+        out["predicted_step_s"] = r.predicted_step_s;
+        out["stages"] = stages;
+        out["table"] = r.table();
+        return out;
+      }, "The live profile: every step's measured actions against the plan's prediction, per stage.");
+
+}
+
+}  // namespace conveyor::bindings

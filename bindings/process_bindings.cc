@@ -1,0 +1,161 @@
+// conveyor._C: UCX and NCCL as this machine has them, NCCL groups, and the processes of a job.
+#include "bindings/bindings.h"
+
+#include <chrono>
+#include <functional>
+#include <optional>
+
+#include "runtime/process_group.h"
+#include "transport/nccl.h"
+#include "transport/ucx.h"
+
+namespace conveyor::bindings {
+
+using namespace conveyor::graph;
+
+namespace {
+
+// A Python handle on an NCCL group member: each call waits for its operation (without the
+// GIL) and aborts the group when it does not finish in time.
+struct NcclHandle {
+  std::shared_ptr<transport::NcclGroup> group;
+  std::chrono::milliseconds timeout;
+  void run(const std::string& what, const std::function<void(transport::Done)>& issue) const {
+    py::gil_scoped_release nogil;
+    std::optional<Status> done = transport::wait_within(issue, timeout);
+    if (!done) {
+      Status late(ErrorCode::kExecution, "NCCL " + what + " did not complete within " + std::to_string(timeout.count()) +
+                                             " ms (a member that hangs or is gone); the group is aborted");
+      group->abort(late);  // ends NCCL's kernels; the operation then completes with `late`
+      check(late);
+    }
+    check(*done);
+  }
+};
+
+}  // namespace
+
+void bind_processes(py::module_& m) {
+  m.def("ucx_status", [] {
+    auto probe = transport::make_ucx_endpoint(0, 1);
+    return probe.is_ok() ? std::string() : probe.status().message();
+  }, "Empty when UCX can start here (processes can be connected); otherwise why not.");
+
+  m.def("nccl_status", [] {
+    auto described = transport::nccl_description();
+    return py::make_tuple(described.is_ok(), described.is_ok() ? *described : described.status().message());
+  }, "(True, 'NCCL 2.28.9 (path)') when NCCL can be loaded here (no GPU needed for that); (False, why not).");
+  m.def("nccl_unique_id", [] {
+    auto id = unwrap(transport::nccl_unique_id());
+    return py::bytes(reinterpret_cast<const char*>(id.data()), id.size());
+  }, "A fresh unique id for a new NCCL group (128 bytes): one member makes it, every member passes it to NcclGroup.");
+
+  py::class_<NcclHandle>(m, "NcclGroup",
+                         "A member of an NCCL group on one CUDA device (transport/nccl.h): collectives on the member's "
+                         "own stream, after the work queued on the current stream; each call returns once its result "
+                         "is in the tensor. Joining fails when the other members have not joined within timeout_s; a call that "
+                         "does not finish within timeout_s aborts the group.")
+      .def(py::init([](int rank, int size, const py::bytes& unique_id, const std::string& device, double timeout_s) {
+             std::string id = unique_id;
+             auto dev = c10::Device(device);
+             const std::chrono::milliseconds timeout(static_cast<std::int64_t>(timeout_s * 1000));
+             py::gil_scoped_release nogil;
+             return NcclHandle{unwrap(transport::make_nccl_group(rank, size, std::vector<std::uint8_t>(id.begin(), id.end()),
+                                                                 dev, transport::NcclJoin{timeout, {}})),
+                               timeout};
+           }),
+           py::arg("rank"), py::arg("size"), py::arg("unique_id"), py::arg("device"), py::arg("timeout_s") = 300.0)
+      .def_property_readonly("rank", [](const NcclHandle& h) { return h.group->rank(); })
+      .def_property_readonly("size", [](const NcclHandle& h) { return h.group->size(); })
+      .def_property_readonly("device", [](const NcclHandle& h) { return h.group->device().str(); })
+      .def("allreduce", [](const NcclHandle& h, at::Tensor t) {
+        h.run("allreduce", [&](transport::Done d) { h.group->allreduce(t, d); });
+      }, py::arg("tensor"), "tensor becomes the sum over the members, in place.")
+      .def("reduce", [](const NcclHandle& h, at::Tensor t, int root) {
+        h.run("reduce", [&](transport::Done d) { h.group->reduce(t, root, d); });
+      }, py::arg("tensor"), py::arg("root"), "root's tensor becomes the sum, in place.")
+      .def("broadcast", [](const NcclHandle& h, at::Tensor t, int root) {
+        h.run("broadcast", [&](transport::Done d) { h.group->broadcast(t, root, d); });
+      }, py::arg("tensor"), py::arg("root"), "tensor becomes root's, in place.")
+      .def("allgather", [](const NcclHandle& h, at::Tensor in, at::Tensor out) {
+        h.run("allgather", [&](transport::Done d) { h.group->allgather(in, out, d); });
+      }, py::arg("input"), py::arg("output"), "output (size times input, dim 0) becomes every member's input, in member order.")
+      .def("reduce_scatter", [](const NcclHandle& h, at::Tensor in, at::Tensor out) {
+        h.run("reduce_scatter", [&](transport::Done d) { h.group->reduce_scatter(in, out, d); });
+      }, py::arg("input"), py::arg("output"), "output becomes this member's slice of the sum of every input.")
+      .def("exchange", [](const NcclHandle& h, std::vector<at::Tensor> send, int to, std::vector<at::Tensor> recv, int from) {
+        h.run("exchange", [&](transport::Done d) { h.group->exchange(send, to, recv, from, d); });
+      }, py::arg("send"), py::arg("to"), py::arg("recv"), py::arg("from_"),
+         "Point to point, matched by order: sends each of `send` to member `to` and fills each of `recv` "
+         "(allocated by the caller) from member `from_`, as one NCCL group (a member may exchange with itself).")
+      .def("abort", [](const NcclHandle& h, const std::string& why) {
+        h.group->abort(Status(ErrorCode::kExecution, why));
+      }, py::arg("why"), "Fails everything pending and later with `why` (ends kernels waiting for a lost member).");
+
+  py::class_<runtime::ProcessGroup, std::shared_ptr<runtime::ProcessGroup>>(
+      m, "ProcessGroup", "The processes of one job: rendezvous (CAF remote actors), UCX between every two.")
+      .def(py::init([](int rank, int world, const std::string& host, int port, const std::string& job, double timeout_s,
+                       const std::string& version) {
+             runtime::ProcessGroupOptions o;
+             o.rank = rank;
+             o.world = world;
+             o.host = host;
+             o.port = port;
+             o.job = job;
+             o.version = version;
+             o.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(timeout_s * 1000));
+             py::gil_scoped_release nogil;
+             return unwrap(runtime::ProcessGroup::create(o));
+           }),
+           py::arg("rank"), py::arg("world_size"), py::arg("host") = "127.0.0.1", py::arg("port") = 29500,
+           py::arg("job") = "", py::arg("timeout_s") = 120.0, py::arg("version") = "",
+           "Joins the job: process 0 listens at host:port, the others connect; every process connects to every "
+           "other over UCX. job: a fingerprint every process must share. timeout_s: the rendezvous and every "
+           "later wait. version: the conveyor version to announce (empty: this build's; tests of mismatches).")
+      .def("close", [](runtime::ProcessGroup& g) {
+        py::gil_scoped_release nogil;
+        g.close();
+      }, "Leaves the job in step with the others (a last exchange, then connections flushed as they close).")
+      .def("abort", [](runtime::ProcessGroup& g, const std::string& why) {
+        g.abort(Status(ErrorCode::kExecution, why));
+      }, py::arg("why"), "Gives up: everything pending and later fails with `why`; close() then only closes.")
+      .def_property_readonly("rank", &runtime::ProcessGroup::rank)
+      .def_property_readonly("world_size", &runtime::ProcessGroup::world_size)
+      .def("broadcast_bytes", [](const runtime::ProcessGroup& g, int root, const py::bytes& data) {
+        std::string in = data;
+        std::string out;
+        {
+          py::gil_scoped_release nogil;
+          out = unwrap(g.broadcast_bytes(root, in));
+        }
+        return py::bytes(out);
+      }, py::arg("root"), py::arg("data"), "root's bytes, on every process.")
+      .def("broadcast", [](const runtime::ProcessGroup& g, at::Tensor t, int root) {
+        py::gil_scoped_release nogil;
+        check(g.broadcast(std::move(t), root));
+      }, py::arg("tensor"), py::arg("root"), "tensor becomes process root's, in place, on every process.")
+      .def("allreduce", [](const runtime::ProcessGroup& g, at::Tensor t) {
+        py::gil_scoped_release nogil;
+        check(g.wait([&](transport::Done d) { g.all().allreduce(t, d); }, "an allreduce"));
+      }, py::arg("tensor"), "tensor becomes the sum over the processes (in process order), in place.")
+      .def("nccl", [](runtime::ProcessGroup& g, const std::string& device) {
+        auto dev = c10::Device(device);
+        py::gil_scoped_release nogil;
+        return NcclHandle{unwrap(g.nccl(dev)), g.timeout()};
+      }, py::arg("device"), "The NCCL group over every process on this process's CUDA device (member i is process i); "
+         "made on first use. Every process calls it, in the same order.")
+      .def("nccl_subgroup", [](runtime::ProcessGroup& g, std::vector<int> members, const std::string& device) -> py::object {
+        auto dev = c10::Device(device);
+        std::shared_ptr<transport::NcclGroup> group;
+        {
+          py::gil_scoped_release nogil;
+          group = unwrap(g.nccl_subgroup(members, dev));
+        }
+        if (!group) return py::none();
+        return py::cast(NcclHandle{group, g.timeout()});
+      }, py::arg("members"), py::arg("device"),
+         "An NCCL group over some processes (ascending ranks; member i is members[i]) on this process's CUDA "
+         "device; None where this process is not a member. Every process calls it for every such group, in one order.");
+}
+
+}  // namespace conveyor::bindings
