@@ -99,67 +99,60 @@ TEST(GradientReducer, BucketsAreSummedDuringTheLastBackwardIntoTheUsersGradients
   EXPECT_FALSE(torch::allclose(only_replica_0, eager["fc1.weight"].grad()));
 }
 
-TEST(GradientReducer, ASlowSumAcrossProcessesDoesNotHoldUpTheCommunicationThread) {
+// One stage of two replicas: replica 0 here (process 0), replica 1 in process 1 (played by
+// member 1 of an in-process group), so the stage sums its gradients across processes.
+struct AcrossTwoProcesses {
   graph::TensorMap user = mlp_tensors();
-  auto ex0 = graph::GraphExecutor::create(graph::testing::mlp_graph(), user);
-  ASSERT_TRUE(ex0.is_ok());
-  const PipelineLayout layout = one_stage(2);
-  // Replica 0 here (process 0), replica 1 in process 1: the stage sums across processes.
-  auto placement = Placement::across(graph::testing::mlp_graph(), layout, 0, 2, {{0, 1}});
-  ASSERT_TRUE(placement.is_ok()) << placement.status().to_string();
-  auto pair = transport::make_inproc_group(2);  // member 1 plays process 1, and comes late
-  GradientReducer::Groups groups;
-  groups.across = {pair[0]};
-  groups.timeout = std::chrono::seconds(10);
-  auto reducer = GradientReducer::create(
-      layout, *placement, [&](int, const std::string& name) { return (*ex0)->tensor(name); }, nullptr,
-      std::int64_t{4} << 20, groups, nullptr);
-  ASSERT_TRUE(reducer.is_ok()) << reducer.status().to_string();
-  (*reducer)->begin_step();
-  backward_share(**reducer, **ex0, 0, torch::randn({3, 4}, torch::kDouble));  // posts the bucket's sum
+  std::shared_ptr<graph::GraphExecutor> ex0;
+  PipelineLayout layout = one_stage(2);
+  Placement placement;
+  std::vector<std::shared_ptr<transport::Collective>> pair = transport::make_inproc_group(2);
+  std::unique_ptr<GradientReducer> reducer;
+
+  explicit AcrossTwoProcesses(std::chrono::milliseconds timeout) {
+    ex0 = *graph::GraphExecutor::create(graph::testing::mlp_graph(), user);
+    placement = *Placement::across(graph::testing::mlp_graph(), layout, 0, 2, {{0, 1}});
+    GradientReducer::Groups groups;
+    groups.across = {pair[0]};
+    groups.timeout = timeout;
+    reducer = *GradientReducer::create(
+        layout, placement, [this](int, const std::string& name) { return ex0->tensor(name); }, nullptr,
+        std::int64_t{4} << 20, groups, nullptr);
+    reducer->begin_step();
+    backward_share(*reducer, *ex0, 0, torch::randn({3, 4}, torch::kDouble));  // posts the bucket's sum
+  }
+};
+
+TEST(GradientReducer, ASlowSumAcrossProcessesDoesNotHoldUpTheCommunicationThread) {
+  AcrossTwoProcesses job(std::chrono::seconds(10));
   std::map<std::string, at::Tensor> own;
-  for (const auto& name : kMlpParameters) own[name] = user[name].grad().clone();
+  for (const auto& name : kMlpParameters) own[name] = job.user[name].grad().clone();
 
   // A transfer posted after the sum runs at once, though the sum waits for process 1.
   const auto posted = Clock::now();
   const auto ran = on_comm_thread([] { return Clock::now(); });
   EXPECT_LT(ran - posted, std::chrono::milliseconds(500));
-  EXPECT_TRUE((*reducer)->across_pending());
+  EXPECT_TRUE(job.reducer->across_pending());
 
   // Process 1 arrives with gradients of its own (all twos) and a count of one.
   std::int64_t numel = 0;
-  for (const auto& name : kMlpParameters) numel += user[name].numel();
+  for (const auto& name : kMlpParameters) numel += job.user[name].numel();
   at::Tensor theirs = torch::full({numel + 1}, 2.0, torch::kDouble);
   theirs[numel] = 1;
   std::promise<Status> late;
-  pair[1]->allreduce(theirs, [&late](Status s) { late.set_value(s); });
+  job.pair[1]->allreduce(theirs, [&late](Status s) { late.set_value(s); });
   ASSERT_TRUE(late.get_future().get().is_ok());
-  ASSERT_TRUE((*reducer)->wait_across().is_ok());
-  ASSERT_TRUE((*reducer)->write_across().is_ok());
+  ASSERT_TRUE(job.reducer->wait_across().is_ok());
+  ASSERT_TRUE(job.reducer->write_across().is_ok());
   for (const auto& name : kMlpParameters) {
-    EXPECT_TRUE(torch::allclose(user[name].grad(), own[name] + 2.0, 1e-12, 1e-12)) << name;
+    EXPECT_TRUE(torch::allclose(job.user[name].grad(), own[name] + 2.0, 1e-12, 1e-12)) << name;
   }
 }
 
 TEST(GradientReducer, AProcessThatNeverSumsFailsTheWaitNamingIt) {
-  graph::TensorMap user = mlp_tensors();
-  auto ex0 = graph::GraphExecutor::create(graph::testing::mlp_graph(), user);
-  ASSERT_TRUE(ex0.is_ok());
-  const PipelineLayout layout = one_stage(2);
-  auto placement = Placement::across(graph::testing::mlp_graph(), layout, 0, 2, {{0, 1}});
-  ASSERT_TRUE(placement.is_ok());
-  auto pair = transport::make_inproc_group(2);
-  GradientReducer::Groups groups;
-  groups.across = {pair[0]};
-  groups.timeout = std::chrono::milliseconds(200);
-  auto reducer = GradientReducer::create(
-      layout, *placement, [&](int, const std::string& name) { return (*ex0)->tensor(name); }, nullptr,
-      std::int64_t{4} << 20, groups, nullptr);
-  ASSERT_TRUE(reducer.is_ok());
-  (*reducer)->begin_step();
-  backward_share(**reducer, **ex0, 0, torch::randn({3, 4}, torch::kDouble));
+  AcrossTwoProcesses job(std::chrono::milliseconds(200));
   on_comm_thread([] { return 0; });
-  const Status waited = (*reducer)->wait_across();
+  const Status waited = job.reducer->wait_across();
   ASSERT_FALSE(waited.is_ok());
   EXPECT_NE(waited.message().find("process 0: summing the gradients of replicas in other processes did not complete"),
             std::string::npos)
