@@ -188,7 +188,7 @@ void GradientReducer::reduce_early(int stage, int bucket) {
   b.start = start;
   b.end = std::chrono::steady_clock::now();
   if (streams_ != nullptr) b.gpu_end = streams_->collective_events(stage).record(streams_->collective(stage));
-  if (!s && error_.is_ok()) error_ = s;
+  if (!s.is_ok() && error_.is_ok()) error_ = s;
 }
 
 Status GradientReducer::finish_stage(int stage, const std::vector<c10::Event*>& final_done) {
@@ -208,7 +208,7 @@ Status GradientReducer::finish_stage(int stage, const std::vector<c10::Event*>& 
       buckets_[stage][k].state = 2;  // a posted reduction not run yet finds it done
     }
     result = reduce_bucket(stage, k);
-    if (!result) break;
+    if (!result.is_ok()) break;
   }
   std::lock_guard<std::mutex> lock(mu_);
   if (streams_ != nullptr) {
@@ -254,7 +254,7 @@ void GradientReducer::issue_across(int stage) {
                                                              start = std::chrono::steady_clock::now()](Status s) {
       std::lock_guard<std::mutex> lock(state->mu);
       state->times.push_back({stage, index, start, std::chrono::steady_clock::now()});
-      if (!s && state->error.is_ok()) state->error = std::move(s);
+      if (!s.is_ok() && state->error.is_ok()) state->error = std::move(s);
       --state->pending;
       state->cv.notify_all();
     });
@@ -336,7 +336,7 @@ Result<at::Tensor> GradientReducer::sum_replicas(const std::vector<std::string>&
   for (std::size_t k = 0; k < members.size(); ++k) {
     group[k]->reduce(flat_per_member[k], /*root=*/0, [pending](Status s) {
       std::lock_guard<std::mutex> lock(pending->mu);
-      if (!s && pending->first.is_ok()) pending->first = std::move(s);
+      if (!s.is_ok() && pending->first.is_ok()) pending->first = std::move(s);
       if (--pending->left == 0) pending->all.set_value();
     });
   }

@@ -318,7 +318,7 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
     if (!measured) return measured.status();
     CONVEYOR_RETURN_IF_ERROR(send_error);
     if (im.processes) {
-      if (!across_status) {
+      if (!across_status.is_ok()) {
         im.out_of_step = true;
         im.processes->abort(across_status);
         return across_status;
@@ -326,8 +326,8 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
       CONVEYOR_RETURN_IF_ERROR(im.reducer->write_across());
     }
     Status s = im.reducer->reduce_tied();
-    if (s && im.processes) s = im.state->sync_buffers();
-    if (!s && im.processes) im.out_of_step = true;
+    if (s.is_ok() && im.processes) s = im.state->sync_buffers();
+    if (!s.is_ok() && im.processes) im.out_of_step = true;
     return s;
   };
   Status finished = finish();
@@ -373,7 +373,7 @@ Result<at::Tensor> PipelineStep::Impl::total_loss() {
   }
   Status s = processes->wait([&](transport::Done d) { processes->all().allreduce(carrier, d); },
                              "handing every process the step's loss");
-  if (!s) {
+  if (!s.is_ok()) {
     out_of_step = true;
     return s;
   }
