@@ -34,7 +34,9 @@ struct LinkCost {
   }
 };
 
-/// One slice of the simulated timeline.
+/// One slice of a step's timeline, simulated or measured: one type for both, so the trace
+/// writer and the live profile compare a plan's prediction with its run action by action
+/// (the replica and the across-processes stream only occur in measured steps).
 struct Span {
   /// kAcrossProcesses: the part of a stage's gradient sum that crosses processes (a
   /// bucket's sum with the stage's replicas in other processes), one span per bucket.
