@@ -33,11 +33,14 @@ def run_once(source: pathlib.Path, build: pathlib.Path, name: str, args: list[st
 
 
 def figures(output: str, keep: re.Pattern) -> dict[str, list[float]]:
-    """Per matching line, its text with the numbers blanked (the key) and its numbers."""
-    out = {}
+    """Per matching line, its text with the numbers blanked (the key, after the section
+    heading it falls under: the last line ending in ':' without numbers) and its numbers."""
+    out, section = {}, ""
     for line in output.splitlines():
-        if keep.search(line) and NUMBER.search(line):
-            key = NUMBER.sub("#", line.strip())
+        if line.rstrip().endswith(":") and not NUMBER.search(line):
+            section = line.strip()
+        elif keep.search(line) and NUMBER.search(line):
+            key = (section + " " if section else "") + NUMBER.sub("#", line.strip())
             out.setdefault(key, [float(x) for x in NUMBER.findall(line)])
     return out
 
