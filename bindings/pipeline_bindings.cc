@@ -136,16 +136,16 @@ void bind_pipeline(py::module_& m) {
           d["stage"] = s.stage;
           d["rank"] = s.rank;
           d["replicas"] = s.replicas;
-          d["forward_s"] = s.forward_s;
-          d["backward_s"] = s.backward_s;
-          d["backward_weight_s"] = s.backward_weight_s;
-          d["send_s"] = s.send_s;
-          d["allreduce_s"] = s.allreduce_s;
-          d["predicted_forward_s"] = s.predicted_forward_s;
-          d["predicted_backward_s"] = s.predicted_backward_s;
-          d["predicted_backward_weight_s"] = s.predicted_backward_weight_s;
-          d["predicted_send_s"] = s.predicted_send_s;
-          d["predicted_allreduce_s"] = s.predicted_allreduce_s;
+          const std::pair<const char*, std::pair<double, double>> times[] = {  // (measured, predicted)
+              {"forward_s", {s.forward_s, s.predicted_forward_s}},
+              {"backward_s", {s.backward_s, s.predicted_backward_s}},
+              {"backward_weight_s", {s.backward_weight_s, s.predicted_backward_weight_s}},
+              {"send_s", {s.send_s, s.predicted_send_s}},
+              {"allreduce_s", {s.allreduce_s, s.predicted_allreduce_s}}};
+          for (const auto& [name, measured_predicted] : times) {
+            d[name] = measured_predicted.first;
+            d[py::str(std::string("predicted_") + name)] = measured_predicted.second;
+          }
           d["compute_ratio"] = s.compute_ratio();
           stages.append(d);
         }

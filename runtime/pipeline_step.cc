@@ -351,7 +351,6 @@ Result<at::Tensor> PipelineStep::Impl::total_loss() {
   const int m = layout.microbatches();
   const int loss_stage = layout.batch.producer[layout.batch.loss], loss_replicas = layout.stage_replicas[loss_stage];
   const auto losses = store->losses();
-  auto add_into = [](at::Tensor& acc, const at::Tensor& g) { acc = acc.defined() ? acc + g : g; };
   at::Tensor total;
   std::map<std::pair<int, int>, at::Tensor> weighted;  // (mb, replica), this process's
   for (int mb = 0; mb < m; ++mb) {

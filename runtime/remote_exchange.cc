@@ -112,12 +112,12 @@ Status RemoteExchange::send(int i, const Action& a) {
     computed.record(streams_->of_rank(layout_.rank_of(a.stage), i).compute);
     computed.block(current_stream(streams_->device()));
   }
-  std::map<ValueId, at::Tensor> computed;
+  std::map<ValueId, at::Tensor> gradients;  // what this replica handed back for other processes
   if (grad) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = handed_back_.find({a.stage, a.microbatch, i});
     if (it != handed_back_.end()) {
-      computed = std::move(it->second);
+      gradients = std::move(it->second);
       handed_back_.erase(it);
     }
   }
@@ -125,8 +125,8 @@ Status RemoteExchange::send(int i, const Action& a) {
     std::vector<c10::IValue> payload;
     for (ValueId v : to.values) {
       if (grad) {
-        auto it = computed.find(v);
-        payload.emplace_back(it != computed.end() ? it->second : at::Tensor());
+        auto it = gradients.find(v);
+        payload.emplace_back(it != gradients.end() ? it->second : at::Tensor());
       } else {
         payload.push_back(store_.produced(v, a.microbatch, i));
       }

@@ -40,11 +40,6 @@ class AutocastScope {
   AutocastState previous_;
 };
 
-void add_into(at::Tensor& acc, const at::Tensor& g) {
-  if (!g.defined()) return;
-  acc = acc.defined() ? acc + g : g;
-}
-
 }  // namespace
 
 AutocastState AutocastState::of_this_thread() {

@@ -9,14 +9,10 @@ namespace conveyor::runtime {
 
 using graph::ValueId;
 
-namespace {
-
 void add_into(at::Tensor& acc, const at::Tensor& g) {
   if (!g.defined()) return;
   acc = acc.defined() ? acc + g : g;
 }
-
-}  // namespace
 
 ReplicaStreams* ValueStore::streams_of(int stage, int i) const {
   return streams_ == nullptr ? nullptr : &streams_->of_rank(layout_.rank_of(stage), i);

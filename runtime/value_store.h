@@ -31,6 +31,9 @@
 
 namespace conveyor::runtime {
 
+/// `acc` += `g`, where an undefined tensor is nothing yet (a gradient no one computed).
+void add_into(at::Tensor& acc, const at::Tensor& g);
+
 /// The values and gradients of one step, by (value, microbatch).
 class ValueStore {
  public:
@@ -69,7 +72,6 @@ class ValueStore {
   double weight(int mb, int replicas, int i) const;
   /// Each share's loss this step, by (microbatch, replica): only the shares run here.
   std::map<std::pair<int, int>, at::Tensor> losses() const;
-  std::int64_t batch() const { return batch_; }
 
  private:
   using Key = std::pair<graph::ValueId, int>;  // (value, microbatch)
