@@ -32,6 +32,10 @@ struct PlanOptions {
   std::vector<scheduler::ScheduleKind> schedules;
   /// Optimizer state per parameter byte (Adam keeps two moments: 2; SGD with momentum: 1).
   double optimizer_bytes_per_param_byte = 2;
+  /// Replicas split each microbatch evenly (as conveyor's runtime does): a stage runs at
+  /// its replica count times its slowest device's speed. Off: shares proportional to the
+  /// devices' speeds (the plan's `shares`), a stage at the sum of their speeds.
+  bool even_shares = false;
   SearchMode search = SearchMode::kAuto;
   int max_downsets = 1500;   ///< more convex cut states than this: stages cut a linear order of blocks
   int max_blocks = 192;      ///< blocks of that linear order

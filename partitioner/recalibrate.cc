@@ -1,52 +1,153 @@
 #include "partitioner/recalibrate.h"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
+
+#include "partitioner/stage_model.h"
 
 namespace conveyor::partitioner {
 
 namespace {
 
-// measured / predicted, or 1 where either says nothing.
-double ratio(double measured, double predicted) { return measured > 0 && predicted > 0 ? measured / predicted : 1.0; }
+// The median of the ratios measured / predicted over the stages where both are known; 1 if none.
+double common_ratio(const std::vector<double>& measured, const std::vector<double>& predicted) {
+  std::vector<double> r;
+  for (std::size_t s = 0; s < measured.size(); ++s) {
+    if (measured[s] > 0 && predicted[s] > 0) r.push_back(measured[s] / predicted[s]);
+  }
+  if (r.empty()) return 1.0;
+  std::sort(r.begin(), r.end());
+  const std::size_t n = r.size();
+  return n % 2 ? r[n / 2] : (r[n / 2 - 1] + r[n / 2]) / 2;
+}
+
+Status check_time(double x, std::size_t stage) {
+  if (std::isfinite(x) && x >= 0) return Status::ok();
+  return Status(ErrorCode::kInvalidArgument, "stage " + std::to_string(stage) + " measured a time of " +
+                                                 std::to_string(x) + " s (times are finite and not negative)");
+}
+
+Status check_devices(const StagePlan& p, std::size_t stage, int devices) {
+  if (p.first_device >= 0 && p.replicas >= 1 && p.first_device + p.replicas <= devices) return Status::ok();
+  return Status(ErrorCode::kInvalidArgument, "stage " + std::to_string(stage) + " of the plan runs on devices " +
+                                                 std::to_string(p.first_device) + ".." +
+                                                 std::to_string(p.first_device + p.replicas - 1) +
+                                                 ", outside the cluster's " + std::to_string(devices));
+}
 
 }  // namespace
 
-Result<CostGraph> recalibrate(const CostGraph& costs, const Plan& plan, const std::vector<StageMeasurement>& measured) {
-  if (measured.size() != plan.stages.size()) {
+Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasurement>& measured, int devices) {
+  const std::size_t stages = plan.stages.size();
+  if (measured.size() != stages) {
     return Status(ErrorCode::kInvalidArgument, "measurements of " + std::to_string(measured.size()) +
-                                                   " stages for a plan of " + std::to_string(plan.stages.size()));
+                                                   " stages for a plan of " + std::to_string(stages));
   }
-  CostGraph out = costs;
-  for (std::size_t s = 0; s < plan.stages.size(); ++s) {
-    const StagePlan& predicted = plan.stages[s];
+  // Split: backward_s measured the input half, which the plan predicts as the whole backward
+  // less its weight half; whole: both halves move together.
+  const bool split = std::any_of(measured.begin(), measured.end(), [](const auto& m) { return m.backward_weight_s > 0; });
+  std::vector<double> mf, mb, mw, pf, pb, pw;
+  for (std::size_t s = 0; s < stages; ++s) {
     const StageMeasurement& m = measured[s];
-    for (double x : {m.forward_s, m.backward_s, m.backward_weight_s}) {
-      if (!std::isfinite(x) || x < 0) {
-        return Status(ErrorCode::kInvalidArgument, "stage " + std::to_string(s) + " measured a time of " +
-                                                       std::to_string(x) + " s (times are finite and not negative)");
-      }
+    for (double x : {m.forward_s, m.backward_s, m.backward_weight_s}) CONVEYOR_RETURN_IF_ERROR(check_time(x, s));
+    for (double x : m.replica_compute_s) CONVEYOR_RETURN_IF_ERROR(check_time(x, s));
+    const StagePlan& p = plan.stages[s];
+    CONVEYOR_RETURN_IF_ERROR(check_devices(p, s, devices));
+    mf.push_back(m.forward_s);
+    mb.push_back(m.backward_s);
+    mw.push_back(m.backward_weight_s);
+    pf.push_back(p.forward_s);
+    pb.push_back(split ? p.backward_s - p.backward_weight_s : p.backward_s);
+    pw.push_back(split ? p.backward_weight_s : 0);
+  }
+  Factors f;
+  f.forward = common_ratio(mf, pf);
+  f.backward = common_ratio(mb, pb);
+  f.weight = split ? common_ratio(mw, pw) : f.backward;
+  // Per device: what its replicas measured over what the common-corrected model predicts.
+  std::vector<double> device_measured(devices, 0), device_predicted(devices, 0);
+  for (std::size_t s = 0; s < stages; ++s) {
+    const StagePlan& p = plan.stages[s];
+    const StageMeasurement& m = measured[s];
+    const double predicted = pf[s] * f.forward + pb[s] * f.backward + pw[s] * f.weight;
+    const double whole = m.forward_s + m.backward_s + m.backward_weight_s;
+    for (int i = 0; i < p.replicas; ++i) {
+      const double mine = i < static_cast<int>(m.replica_compute_s.size()) ? m.replica_compute_s[i] : whole;
+      if (mine <= 0 || predicted <= 0) continue;  // not measured here
+      device_measured[p.first_device + i] += mine;
+      device_predicted[p.first_device + i] += predicted;
     }
-    const double forward = ratio(m.forward_s, predicted.forward_s);
-    const bool split = m.backward_weight_s > 0;
-    // Split: backward_s measured the input half, which the plan predicts as the whole
-    // backward less its weight half; whole: both halves move together.
-    const double input = split ? ratio(m.backward_s, predicted.backward_s - predicted.backward_weight_s)
-                               : ratio(m.backward_s, predicted.backward_s);
-    const double weight = split ? ratio(m.backward_weight_s, predicted.backward_weight_s) : input;
-    for (int id : predicted.ops) {
-      if (id < 0 || id >= static_cast<int>(out.ops.size())) {
+  }
+  f.speed.assign(devices, 1.0);
+  for (int d = 0; d < devices; ++d) {
+    if (device_predicted[d] > 0 && device_measured[d] > 0) f.speed[d] = device_predicted[d] / device_measured[d];
+  }
+  return f;
+}
+
+Factors settle(const Factors& factors, double tolerance) {
+  Factors out = factors;
+  auto within = [](double x, double t) { return std::abs(x - 1) <= t; };
+  for (double* k : {&out.forward, &out.backward, &out.weight}) {
+    if (within(*k, tolerance / 2)) *k = 1;
+  }
+  for (double& s : out.speed) {
+    if (within(s, tolerance)) s = 1;
+  }
+  return out;
+}
+
+void apply_factors(const Factors& factors, CostGraph& costs, Cluster& cluster) {
+  for (CostOp& op : costs.ops) {
+    const double weight_s = op.backward_weight_s * factors.weight;
+    op.forward_s *= factors.forward;
+    op.backward_s = (op.backward_s - op.backward_weight_s) * factors.backward + weight_s;
+    op.backward_weight_s = weight_s;
+  }
+  for (std::size_t d = 0; d < cluster.devices.size() && d < factors.speed.size(); ++d) {
+    cluster.devices[d].speed *= factors.speed[d];
+  }
+}
+
+Result<Plan> reprice(const CostGraph& costs, const Cluster& cluster, const PlanOptions& options, const Plan& plan) {
+  Plan out = plan;
+  out.devices = cluster.devices;
+  PlanOptions o = options;
+  o.batch = plan.batch > 0 ? plan.batch : options.batch;
+  const detail::Model model(cluster, o, std::max(plan.microbatches, 1), plan.schedule, costs.microbatch,
+                            costs.min_share);
+  for (std::size_t s = 0; s < out.stages.size(); ++s) {
+    StagePlan& p = out.stages[s];
+    CONVEYOR_RETURN_IF_ERROR(check_devices(p, s, static_cast<int>(cluster.devices.size())));
+    double fwd = 0, bwd = 0, bwd_w = 0;
+    for (int id : p.ops) {
+      if (id < 0 || id >= static_cast<int>(costs.ops.size())) {
         return Status(ErrorCode::kInvalidArgument, "stage " + std::to_string(s) + " of the plan has operator " +
                                                        std::to_string(id) + ", outside the cost graph's " +
-                                                       std::to_string(out.ops.size()));
+                                                       std::to_string(costs.ops.size()));
       }
-      CostOp& op = out.ops[id];
-      const double weight_s = op.backward_weight_s * weight;
-      op.forward_s *= forward;
-      op.backward_s = (op.backward_s - op.backward_weight_s) * input + weight_s;
-      op.backward_weight_s = weight_s;
+      fwd += costs.ops[id].forward_s;
+      bwd += costs.ops[id].backward_s;
+      bwd_w += costs.ops[id].backward_weight_s;
     }
+    const double speed = model.speed(p.first_device, p.replicas);
+    p.forward_s = fwd * model.scale() / speed;
+    p.backward_s = bwd * model.scale() / speed;
+    p.backward_weight_s = bwd_w * model.scale() / speed;
   }
+  CONVEYOR_ASSIGN_OR_RETURN(auto sim, out.simulate());
+  out.predicted_step_s = sim.step_time_s;
+  out.bubble_fraction = sim.bubble_fraction;
+  return out;
+}
+
+Result<Calibration> recalibrate(const CostGraph& costs, const Cluster& cluster, const PlanOptions& options,
+                                const Plan& plan, const std::vector<StageMeasurement>& measured, double tolerance) {
+  CONVEYOR_ASSIGN_OR_RETURN(Factors raw, measure_factors(plan, measured, static_cast<int>(cluster.devices.size())));
+  Calibration out{costs, cluster, plan, settle(raw, tolerance)};
+  apply_factors(out.factors, out.costs, out.cluster);
+  CONVEYOR_ASSIGN_OR_RETURN(out.running, reprice(out.costs, out.cluster, options, plan));
   return out;
 }
 

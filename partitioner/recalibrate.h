@@ -1,11 +1,12 @@
-// A running plan's cost graph corrected by what its stages measured (the live profile): the
-// first step of re-planning (docs/planner.md, "Recalibration"). The planner then plans again
-// on the corrected costs. Torch-free.
+// A running plan's planning inputs corrected by what its stages measured (the live profile):
+// the first step of re-planning (docs/planner.md, "Re-planning"). The planner then plans
+// again on the corrected costs and devices. Torch-free.
 #pragma once
 
 #include <vector>
 
 #include "common/status.h"
+#include "partitioner/cluster.h"
 #include "partitioner/cost_graph.h"
 #include "partitioner/planner.h"
 
@@ -13,17 +14,52 @@ namespace conveyor::partitioner {
 
 /// What one stage of a running plan measured, per microbatch (its slowest replica's time,
 /// as the live profile reports it): forward, backward (the input half under split-backward
-/// schedules) and the weight gradient (0 unless the backward is split).
+/// schedules) and the weight gradient (0 unless the backward is split); and per replica its
+/// own compute (F + B + W) per microbatch, when known (empty: every replica as the stage).
 struct StageMeasurement {
   double forward_s = 0, backward_s = 0, backward_weight_s = 0;
+  std::vector<double> replica_compute_s;
 };
 
-/// `costs` with every operator of stage s of `plan` (made from `costs`) scaled, per kind of
-/// work, by what stage s measured over what the plan predicted for it: forward by forward;
-/// backward by backward, or under a split backward its input half by the input half and its
-/// weight half by the weight half. A kind without a measurement or a prediction keeps its
-/// cost. Errors: a measurement count other than the plan's stages, an operator id outside
-/// the cost graph, a negative or non-finite measurement.
-Result<CostGraph> recalibrate(const CostGraph& costs, const Plan& plan, const std::vector<StageMeasurement>& measured);
+/// How far the planning inputs are from what ran: measured over predicted per kind of work,
+/// common to the stages (the profile's error: another microbatch size, thread count or
+/// machine), and per device its speed's multiplier (a straggler: below 1).
+struct Factors {
+  double forward = 1, backward = 1, weight = 1;
+  std::vector<double> speed;  ///< per device; empty: all 1
+};
+
+/// The factors `measured` shows against `plan`'s predictions: each kind's median ratio over
+/// the stages; for each device, what its replicas measured beyond that (over the corrected
+/// prediction), as a speed multiplier. `devices`: the cluster's device count. Errors: a
+/// measurement count other than the plan's stages, a stage on devices outside the cluster,
+/// a negative or non-finite measurement.
+Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasurement>& measured, int devices);
+
+/// `factors` with what is within the tolerance taken as noise (set to 1): a kind's factor
+/// within half of it, a device's speed within it.
+Factors settle(const Factors& factors, double tolerance);
+
+/// `costs` with every operator scaled per kind, and `cluster` with every device's speed scaled.
+void apply_factors(const Factors& factors, CostGraph& costs, Cluster& cluster);
+
+/// `plan`'s layout (stages, devices, microbatches, schedule) priced on `costs` and `cluster`
+/// as the planner prices it: its stage times, its devices and its simulated step. Errors: an
+/// operator outside the cost graph, a device outside the cluster.
+Result<Plan> reprice(const CostGraph& costs, const Cluster& cluster, const PlanOptions& options, const Plan& plan);
+
+/// The corrected inputs, and the factors that made them.
+struct Calibration {
+  CostGraph costs;   ///< every operator scaled per kind by the common factor
+  Cluster cluster;   ///< devices that ran off the common factor: their speed corrected
+  Plan running;      ///< the running plan, priced on the corrected inputs
+  Factors factors;   ///< what was applied (settled: noise left out)
+};
+
+/// One measurement's correction of `costs` and `cluster`, from which `plan` was made:
+/// measure_factors, settle, apply_factors, reprice.
+Result<Calibration> recalibrate(const CostGraph& costs, const Cluster& cluster, const PlanOptions& options,
+                                const Plan& plan, const std::vector<StageMeasurement>& measured,
+                                double tolerance = 0.1);
 
 }  // namespace conveyor::partitioner

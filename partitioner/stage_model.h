@@ -52,14 +52,24 @@ class Model {
     }
     min_memory_.build(mem, true);
     max_speed_.build(speed, false);
+    min_speed_.build(speed, true);
   }
 
   int devices() const { return n_; }
+  const PlanOptions& options() const { return options_; }
   int max_replicas() const { return max_replicas_; }
   int microbatches() const { return m_; }
   ScheduleKind kind() const { return kind_; }
   double scale() const { return scale_; }
-  double speed(int first, int r) const { return speed_prefix_[first + r] - speed_prefix_[first]; }
+  /// The speed of a stage on devices [first, first + r): the sum of theirs, or with even
+  /// shares r times the slowest's (every replica waits for it).
+  double speed(int first, int r) const {
+    return options_.even_shares ? r * min_speed_.query(first, r) : speed_prefix_[first + r] - speed_prefix_[first];
+  }
+  /// The largest share of a microbatch one of those devices takes.
+  double max_share(int first, int r) const {
+    return options_.even_shares ? 1.0 / r : max_speed_.query(first, r) / speed(first, r);
+  }
 
   int in_flight(int stages_after) const {
     return kind_ == ScheduleKind::kGPipe ? m_ : std::min(m_, stages_after + 1);
@@ -75,7 +85,7 @@ class Model {
   StageEval eval(const StageSums& s, int first, int r, int stages_after, bool has_next) const {
     StageEval e;
     e.speed = speed(first, r);
-    e.max_share = max_speed_.query(first, r) / e.speed;
+    e.max_share = max_share(first, r);
     e.compute = (s.fwd + s.bwd) * scale_ / e.speed;
     e.comm = has_next ? comm_time(s.out_bytes, first + r - 1, r) : 0;
     if (r > 1) {
@@ -105,7 +115,7 @@ class Model {
   int n_ = 0;
   double scale_ = 1;
   std::vector<double> speed_prefix_;
-  RangeTable min_memory_, max_speed_;
+  RangeTable min_memory_, max_speed_, min_speed_;
 };
 
 StageSums stage_sums(const Units& u, const CutStates& cs, int outer, int inner);

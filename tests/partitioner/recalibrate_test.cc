@@ -1,5 +1,6 @@
-// Recalibration: a running plan's measured stage times correct the cost graph, and the
-// planner, planning again on the corrected costs, moves work off the stage that ran slow.
+// Recalibration: a running plan's measured stage times correct the planning inputs. What all
+// stages share goes to the operators (the profile was off); what one device measures beyond
+// that goes to its speed (a straggler); deviations within the tolerance change nothing.
 #include "partitioner/recalibrate.h"
 
 #include <gtest/gtest.h>
@@ -13,86 +14,136 @@ using scheduler::ScheduleKind;
 
 Link fast_link() { return {100e9, 1e-6}; }
 
-PlanOptions two_stage_1f1b() {
+Cluster devices(int n) { return Cluster::uniform(1, n, 16e9, 1.0, fast_link(), fast_link()); }
+
+PlanOptions pipeline_1f1b(int batch = 8) {
   PlanOptions o;
-  o.batch = 8;
+  o.batch = batch;
   o.microbatches = 4;
   o.max_replicas = 1;
   o.schedules = {ScheduleKind::kOneFOneB};
   return o;
 }
 
-Plan plan_of(const CostGraph& g) {
-  auto plan = make_plan(g, Cluster::uniform(1, 2, 16e9, 1.0, fast_link(), fast_link()), two_stage_1f1b());
+Plan plan_of(const CostGraph& g, const Cluster& cluster, const PlanOptions& o = pipeline_1f1b()) {
+  auto plan = make_plan(g, cluster, o);
   EXPECT_TRUE(plan.is_ok()) << plan.status().to_string();
   return *plan;
 }
 
-// What each stage of `plan` measures when the stage runs `slower` times its prediction.
+// What each stage of `plan` measures when it runs `slower` times its prediction.
 std::vector<StageMeasurement> measured_at(const Plan& plan, const std::vector<double>& slower, bool split) {
   std::vector<StageMeasurement> out;
   for (std::size_t s = 0; s < plan.stages.size(); ++s) {
     const StagePlan& p = plan.stages[s];
     out.push_back(split ? StageMeasurement{p.forward_s * slower[s], (p.backward_s - p.backward_weight_s) * slower[s],
-                                           p.backward_weight_s * slower[s]}
-                        : StageMeasurement{p.forward_s * slower[s], p.backward_s * slower[s], 0});
+                                           p.backward_weight_s * slower[s], {}}
+                        : StageMeasurement{p.forward_s * slower[s], p.backward_s * slower[s], 0, {}});
   }
   return out;
 }
 
-TEST(Recalibrate, AStageThatRanSlowGetsItsOperatorsScaledAndThePlannerMovesWorkOffIt) {
+TEST(Recalibrate, WhatEveryStageMeasuresAlikeCorrectsTheOperatorsNotTheDevices) {
   const CostGraph g = testing::uniform_chain(8, 1e-3, 2e-3, 1e6, 1e6);
-  const Plan plan = plan_of(g);
-  ASSERT_EQ(plan.stages.size(), 2u);
-  ASSERT_EQ(plan.stages[0].ops.size(), 4u);  // equal work: an even cut
-  auto corrected = recalibrate(g, plan, measured_at(plan, {3.0, 1.0}, /*split=*/false));
-  ASSERT_TRUE(corrected.is_ok()) << corrected.status().to_string();
-  for (int id : plan.stages[0].ops) {
-    EXPECT_NEAR(corrected->ops[id].forward_s, 3e-3, 1e-12);
-    EXPECT_NEAR(corrected->ops[id].backward_s, 6e-3, 1e-12);
-    EXPECT_NEAR(corrected->ops[id].backward_weight_s, 3e-3, 1e-12);
-  }
-  for (int id : plan.stages[1].ops) EXPECT_NEAR(corrected->ops[id].forward_s, 1e-3, 1e-12);
-  // Stage 0's four operators now cost 3 units each, stage 1's 1: the best cut gives stage 0
-  // three (9 against 7 units), and on the corrected costs it beats the old cut.
-  const Plan again = plan_of(*corrected);
-  ASSERT_EQ(again.stages.size(), 2u);
-  EXPECT_EQ(again.stages[0].ops.size(), 3u);
-  const Cluster cluster = Cluster::uniform(1, 2, 16e9, 1.0, fast_link(), fast_link());
-  auto cut = [&](const Plan& p) {
-    Candidate c{{p.stages[0].ops, p.stages[1].ops}, {1, 1}, 4, ScheduleKind::kOneFOneB};
-    return *candidate_objective(*corrected, cluster, two_stage_1f1b(), c);
-  };
-  EXPECT_LT(cut(again), 0.9 * cut(plan));
+  const Cluster cluster = devices(2);
+  const Plan plan = plan_of(g, cluster);
+  auto c = recalibrate(g, cluster, pipeline_1f1b(), plan, measured_at(plan, {1.5, 1.5}, false));
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  EXPECT_NEAR(c->factors.forward, 1.5, 1e-12);
+  EXPECT_NEAR(c->factors.backward, 1.5, 1e-12);
+  for (const CostOp& op : c->costs.ops) EXPECT_NEAR(op.forward_s, 1.5e-3, 1e-12);
+  for (const Device& d : c->cluster.devices) EXPECT_EQ(d.speed, 1.0);
+  EXPECT_NEAR(c->running.stages[0].forward_s, 1.5 * plan.stages[0].forward_s, 1e-12);
+  EXPECT_GT(c->running.predicted_step_s, 1.4 * plan.predicted_step_s);
+}
+
+TEST(Recalibrate, AStragglerGetsItsDeviceSlowedAndThePlannerMovesWorkOffIt) {
+  const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
+  const Cluster cluster = devices(3);
+  const Plan plan = plan_of(g, cluster);
+  ASSERT_EQ(plan.stages.size(), 3u);
+  ASSERT_EQ(plan.stages[1].ops.size(), 4u);  // equal work: an even cut
+  // Device 1 (stage 1) runs at half speed; the others as planned.
+  auto c = recalibrate(g, cluster, pipeline_1f1b(), plan, measured_at(plan, {1.0, 2.0, 1.0}, false));
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  EXPECT_EQ(c->factors.forward, 1.0);  // the median stage ran as planned: the profile was right
+  EXPECT_NEAR(c->cluster.devices[1].speed, 0.5, 1e-12);
+  EXPECT_EQ(c->cluster.devices[0].speed, 1.0);
+  EXPECT_NEAR(c->running.stages[1].forward_s, 2 * plan.stages[1].forward_s, 1e-12);
+  for (std::size_t i = 0; i < g.ops.size(); ++i) EXPECT_EQ(c->costs.ops[i].forward_s, g.ops[i].forward_s);
+  const Plan again = plan_of(c->costs, c->cluster);
+  ASSERT_EQ(again.stages.size(), 3u);
+  EXPECT_LT(again.stages[1].ops.size(), 4u);
+  EXPECT_LT(again.predicted_step_s, 0.9 * c->running.predicted_step_s);
+}
+
+TEST(Recalibrate, AReplicaThatRunsSlowSlowsItsOwnDeviceOnly) {
+  const CostGraph g = testing::uniform_chain(8, 1e-3, 2e-3, 1e6, 1e6);
+  const Cluster cluster = devices(2);
+  PlanOptions o = pipeline_1f1b(16);
+  o.max_replicas = 2;
+  o.microbatches = 2;
+  o.even_shares = true;
+  const Plan plan = plan_of(g, cluster, o);
+  ASSERT_EQ(plan.stages.size(), 1u) << plan.table();  // data parallel: no transfers, no bubble
+  StagePlan p = plan.stages[0];
+  const double whole = p.forward_s + p.backward_s;
+  std::vector<StageMeasurement> m{{2 * p.forward_s, 2 * p.backward_s, 0, {whole, 2 * whole}}};
+  auto c = recalibrate(g, cluster, o, plan, m);
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  // With one stage the common factor is that stage's: replica 0 ran 2x below it.
+  EXPECT_NEAR(c->factors.forward, 2.0, 1e-12);
+  EXPECT_NEAR(c->cluster.devices[0].speed, 2.0, 1e-12);
+  EXPECT_EQ(c->cluster.devices[1].speed, 1.0);
+  // The stage waits for its slower replica: as measured.
+  EXPECT_NEAR(c->running.stages[0].forward_s, 2 * p.forward_s, 1e-12);
+}
+
+TEST(Recalibrate, DeviationsWithinTheToleranceChangeNothing) {
+  const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
+  const Cluster cluster = devices(3);
+  const Plan plan = plan_of(g, cluster);
+  auto c = recalibrate(g, cluster, pipeline_1f1b(), plan, measured_at(plan, {1.04, 0.97, 1.08}, false), 0.1);
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  EXPECT_EQ(c->factors.forward, 1.0);
+  for (const Device& d : c->cluster.devices) EXPECT_EQ(d.speed, 1.0);
+  EXPECT_NEAR(c->running.predicted_step_s, plan.predicted_step_s, 1e-12);
 }
 
 TEST(Recalibrate, ASplitBackwardCorrectsItsHalvesApart) {
   const CostGraph g = testing::uniform_chain(8, 1e-3, 2e-3, 1e6, 1e6);  // weight half 1e-3
-  const Plan plan = plan_of(g);
+  const Cluster cluster = devices(2);
+  const Plan plan = plan_of(g, cluster);
   std::vector<StageMeasurement> m = measured_at(plan, {1.0, 1.0}, /*split=*/true);
-  m[1].backward_weight_s *= 4;  // stage 1's weight gradients ran 4 times slower, the rest as planned
-  auto corrected = recalibrate(g, plan, m);
-  ASSERT_TRUE(corrected.is_ok()) << corrected.status().to_string();
-  for (int id : plan.stages[1].ops) {
-    EXPECT_NEAR(corrected->ops[id].backward_weight_s, 4e-3, 1e-12);
-    EXPECT_NEAR(corrected->ops[id].backward_s, 1e-3 + 4e-3, 1e-12);  // the input half unchanged
-    EXPECT_NEAR(corrected->ops[id].forward_s, 1e-3, 1e-12);
+  for (auto& s : m) s.backward_weight_s *= 4;  // the weight gradients ran 4 times slower, the rest as planned
+  auto c = recalibrate(g, cluster, pipeline_1f1b(), plan, m);
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  EXPECT_NEAR(c->factors.weight, 4.0, 1e-12);
+  EXPECT_EQ(c->factors.backward, 1.0);
+  for (const CostOp& op : c->costs.ops) {
+    EXPECT_NEAR(op.backward_weight_s, 4e-3, 1e-12);
+    EXPECT_NEAR(op.backward_s, 1e-3 + 4e-3, 1e-12);  // the input half unchanged
+    EXPECT_NEAR(op.forward_s, 1e-3, 1e-12);
   }
-  for (int id : plan.stages[0].ops) EXPECT_NEAR(corrected->ops[id].backward_s, 2e-3, 1e-12);
 }
 
 TEST(Recalibrate, MeasurementsThatDoNotFitThePlanAreRefused) {
   const CostGraph g = testing::uniform_chain(8, 1e-3, 2e-3, 1e6, 1e6);
-  const Plan plan = plan_of(g);
-  EXPECT_NE(recalibrate(g, plan, {StageMeasurement{}}).status().message().find("measurements of 1 stages for a plan of 2"),
+  const Cluster cluster = devices(2);
+  const Plan plan = plan_of(g, cluster);
+  EXPECT_NE(recalibrate(g, cluster, pipeline_1f1b(), plan, {StageMeasurement{}}).status().message().find("measurements of 1 stages for a plan of 2"),
             std::string::npos);
   auto negative = measured_at(plan, {1.0, 1.0}, false);
   negative[0].forward_s = -1;
-  EXPECT_NE(recalibrate(g, plan, negative).status().message().find("stage 0 measured a time of"), std::string::npos);
+  EXPECT_NE(recalibrate(g, cluster, pipeline_1f1b(), plan, negative).status().message().find("stage 0 measured a time of"),
+            std::string::npos);
+  EXPECT_NE(recalibrate(g, devices(1), pipeline_1f1b(), plan, measured_at(plan, {1.0, 1.0}, false)).status().message().find(
+                "outside the cluster's 1"),
+            std::string::npos);
   // A stage that measured nothing (0) keeps its costs.
-  auto nothing = recalibrate(g, plan, std::vector<StageMeasurement>(2));
+  auto nothing = recalibrate(g, cluster, pipeline_1f1b(), plan, std::vector<StageMeasurement>(2));
   ASSERT_TRUE(nothing.is_ok());
-  for (std::size_t i = 0; i < g.ops.size(); ++i) EXPECT_EQ(nothing->ops[i].forward_s, g.ops[i].forward_s);
+  for (std::size_t i = 0; i < g.ops.size(); ++i) EXPECT_EQ(nothing->costs.ops[i].forward_s, g.ops[i].forward_s);
 }
 
 }  // namespace

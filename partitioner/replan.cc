@@ -1,0 +1,160 @@
+#include "partitioner/replan.h"
+
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <utility>
+
+namespace conveyor::partitioner {
+
+namespace {
+
+// Per parameter, the devices that hold it under `plan` (every device of every stage reading it).
+std::vector<std::set<int>> holders(const CostGraph& costs, const Plan& plan) {
+  std::vector<std::set<int>> out(costs.params.size());
+  for (const StagePlan& s : plan.stages) {
+    for (int op : s.ops) {
+      if (op < 0 || op >= static_cast<int>(costs.ops.size())) continue;
+      for (int p : costs.ops[op].params) {
+        if (p < 0 || p >= static_cast<int>(out.size())) continue;
+        for (int d = s.first_device; d < s.first_device + s.replicas; ++d) out[p].insert(d);
+      }
+    }
+  }
+  return out;
+}
+
+std::string percent(double x) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.1f%%", x * 100);
+  return b;
+}
+
+}  // namespace
+
+MoveCost move_cost(const CostGraph& costs, const Cluster& cluster, const Plan& from, const Plan& to,
+                   const PlanOptions& options, const ReplanPolicy& policy) {
+  MoveCost out;
+  out.rebuild_s = policy.rebuild_s;
+  const auto before = holders(costs, from), after = holders(costs, to);
+  const int devices = static_cast<int>(cluster.devices.size());
+  for (std::size_t p = 0; p < costs.params.size(); ++p) {
+    const double bytes = costs.params[p].bytes * (1 + options.optimizer_bytes_per_param_byte);
+    for (int d : after[p]) {
+      if (before[p].count(d)) continue;
+      out.bytes += bytes;
+      if (!policy.moves_bytes) continue;
+      const int source = before[p].empty() ? d : *before[p].begin();
+      double speed = policy.bytes_per_s;
+      if (speed <= 0 && source < devices && d < devices) speed = cluster.link(source, d).bandwidth_bytes_per_s;
+      if (speed > 0) out.transfer_s += bytes / speed;
+    }
+  }
+  return out;
+}
+
+std::string ReplanDecision::arithmetic(const ReplanPolicy& policy) const {
+  char b[512];
+  std::snprintf(b, sizeof b,
+                "measured step %s, predicted %s with the new plan: %s saved per step (%s), %s over the next %d "
+                "steps; moving %s (%.0f bytes of parameters and optimizer state: %s, rebuilding: %s); %d of %d "
+                "confirmations",
+                human_seconds(measured_step_s).c_str(), human_seconds(predicted_step_s).c_str(),
+                human_seconds(gain_s).c_str(), percent(measured_step_s > 0 ? gain_s / measured_step_s : 0).c_str(),
+                human_seconds(gain_s * policy.horizon_steps).c_str(), policy.horizon_steps,
+                human_seconds(move.seconds()).c_str(), move.bytes, human_seconds(move.transfer_s).c_str(),
+                human_seconds(move.rebuild_s).c_str(), confirmations, policy.confirmations);
+  return b;
+}
+
+Replanner::Replanner(CostGraph costs, Cluster cluster, Plan running, PlanOptions options, ReplanPolicy policy)
+    : base_costs_(costs),
+      costs_(std::move(costs)),
+      base_cluster_(cluster),
+      cluster_(std::move(cluster)),
+      running_(std::move(running)),
+      options_(std::move(options)),
+      policy_(policy) {}
+
+std::string Replanner::layout_key(const Plan& plan) {
+  std::string key = std::to_string(plan.microbatches) + "/" + std::to_string(static_cast<int>(plan.schedule)) + "/" +
+                    std::to_string(plan.chunks);
+  for (const StagePlan& s : plan.stages) {
+    key += "|" + std::to_string(s.first_device) + "x" + std::to_string(s.replicas) + ":";
+    for (int op : s.ops) key += std::to_string(op) + ",";
+  }
+  return key;
+}
+
+Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& measured, double measured_step_s) {
+  if (!std::isfinite(measured_step_s) || measured_step_s <= 0) {
+    return Status(ErrorCode::kInvalidArgument,
+                  "a measured step of " + std::to_string(measured_step_s) + " s (steps take a positive, finite time)");
+  }
+  ReplanDecision d;
+  const int devices = static_cast<int>(base_cluster_.devices.size());
+  CONVEYOR_ASSIGN_OR_RETURN(Factors raw, measure_factors(running_, measured, devices));
+  // Against the profile: this window's factors on top of those its prediction already had.
+  if (applied_.speed.empty()) applied_.speed.assign(devices, 1.0);
+  Factors seen = raw;
+  seen.forward *= applied_.forward;
+  seen.backward *= applied_.backward;
+  seen.weight *= applied_.weight;
+  for (int k = 0; k < devices; ++k) seen.speed[k] *= applied_.speed[k];
+  if (!measured_once_) {
+    smoothed_ = seen;
+    measured_once_ = true;
+  } else {
+    const double a = policy_.smoothing;
+    smoothed_.forward += a * (seen.forward - smoothed_.forward);
+    smoothed_.backward += a * (seen.backward - smoothed_.backward);
+    smoothed_.weight += a * (seen.weight - smoothed_.weight);
+    for (int k = 0; k < devices; ++k) smoothed_.speed[k] += a * (seen.speed[k] - smoothed_.speed[k]);
+  }
+  applied_ = settle(smoothed_, policy_.tolerance);
+  costs_ = base_costs_;
+  cluster_ = base_cluster_;
+  apply_factors(applied_, costs_, cluster_);
+  CONVEYOR_ASSIGN_OR_RETURN(running_, reprice(costs_, cluster_, options_, running_));
+  d.calibration = Calibration{costs_, cluster_, running_, applied_};
+  d.measured_step_s = measured_step_s;
+  CONVEYOR_ASSIGN_OR_RETURN(d.candidate, make_plan(costs_, cluster_, options_));
+  // The runtime's overhead beyond the simulated step (transfers, the host) carries over.
+  const double overhead = running_.predicted_step_s > 0 ? measured_step_s / running_.predicted_step_s : 1.0;
+  d.predicted_step_s = d.candidate.predicted_step_s * overhead;
+  d.gain_s = measured_step_s - d.predicted_step_s;
+  d.move = move_cost(costs_, cluster_, running_, d.candidate, options_, policy_);
+  const std::string key = layout_key(d.candidate);
+  const double relative = d.gain_s / measured_step_s;
+  const double needed = left_.count(key) ? 2 * policy_.min_gain : policy_.min_gain;
+  if (key == layout_key(running_)) {
+    d.reason = "the running plan is still the best on the corrected costs";
+  } else if (relative < needed) {
+    d.reason = "the best other plan saves " + percent(relative) + " of a step, less than the " + percent(needed) +
+               " asked" + (left_.count(key) ? " to return to a plan left before" : "");
+  } else if (d.gain_s * policy_.horizon_steps < (1 + policy_.margin) * d.move.seconds()) {
+    d.reason = "what it saves over " + std::to_string(policy_.horizon_steps) + " steps does not pay for moving";
+  } else {
+    confirmations_ = key == pending_ ? confirmations_ + 1 : 1;
+    pending_ = key;
+    d.confirmations = confirmations_;
+    d.switch_plan = confirmations_ >= policy_.confirmations;
+    d.reason = d.switch_plan ? "switching: the saving over the horizon pays for moving"
+                             : "a better plan, waiting for it to be confirmed";
+    return d;
+  }
+  confirmations_ = 0;
+  pending_.clear();
+  return d;
+}
+
+Status Replanner::switched_to(const Plan& plan) {
+  left_.insert(layout_key(running_));
+  left_.erase(layout_key(plan));
+  CONVEYOR_ASSIGN_OR_RETURN(running_, reprice(costs_, cluster_, options_, plan));
+  confirmations_ = 0;
+  pending_.clear();
+  return Status::ok();
+}
+
+}  // namespace conveyor::partitioner

@@ -1,0 +1,98 @@
+// Deciding whether a running plan should give way to another (docs/planner.md,
+// "Re-planning"): the measured stage times correct the planning inputs (recalibrate.h), the
+// planner plans again on them, and the new plan is taken only when what it saves over the
+// horizon pays for moving to it by a margin, and keeps doing so over consecutive
+// measurements (hysteresis: noise never makes plans flip back and forth). Torch-free.
+#pragma once
+
+#include <set>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "partitioner/recalibrate.h"
+
+namespace conveyor::partitioner {
+
+/// When a new plan is worth switching to.
+struct ReplanPolicy {
+  int horizon_steps = 100;      ///< the steps over which a switch must pay for itself
+  double min_gain = 0.1;        ///< the least predicted saving, relative to the measured step
+  double margin = 0.5;          ///< the horizon's saving must exceed the moving cost times (1 + margin)
+  int confirmations = 2;        ///< consecutive evaluations that must pick the same new plan
+  double tolerance = 0.1;       ///< deviations from the prediction below this are noise (settle)
+  /// Each window's factors move the running estimate this far (an exponential average):
+  /// one noisy window cannot swing it, and estimates never ratchet away from the profile.
+  double smoothing = 0.5;
+  /// Whether parameters and optimizer state cross links when stages move (several
+  /// processes); in one process they stay in place and only the pipeline is rebuilt.
+  bool moves_bytes = true;
+  double rebuild_s = 0;         ///< what building a pipeline took (measured)
+  double bytes_per_s = 0;       ///< measured moving speed; 0: the cluster's link bandwidth
+};
+
+/// What moving from one plan to another costs.
+struct MoveCost {
+  double bytes = 0;        ///< parameters and optimizer state that change device
+  double transfer_s = 0;   ///< those bytes over the links (0 when nothing crosses a link)
+  double rebuild_s = 0;
+  double seconds() const { return transfer_s + rebuild_s; }
+};
+
+/// `bytes` of parameters and optimizer state (optimizer_bytes_per_param_byte of `options`)
+/// that a device of `to` reads and no device of `from` held there, over the link from one of
+/// their old holders.
+MoveCost move_cost(const CostGraph& costs, const Cluster& cluster, const Plan& from, const Plan& to,
+                   const PlanOptions& options, const ReplanPolicy& policy);
+
+/// One evaluation: the corrected model's view and what it decided.
+struct ReplanDecision {
+  bool switch_plan = false;
+  Calibration calibration;         ///< the corrected inputs; its `running` is the new reference
+  Plan candidate;                  ///< the best plan on the corrected inputs
+  double measured_step_s = 0;      ///< the running plan's mean step over the window
+  double predicted_step_s = 0;     ///< the candidate's, in the running plan's measured terms
+  double gain_s = 0;               ///< per step: measured less predicted
+  MoveCost move;
+  int confirmations = 0;           ///< consecutive evaluations that picked this candidate
+  std::string reason;              ///< why it switches or not
+  /// The decision's arithmetic on one line: gain, horizon, moving cost in bytes and seconds.
+  std::string arithmetic(const ReplanPolicy& policy) const;
+};
+
+/// Keeps the planning inputs of a running plan and decides, window after window, whether to
+/// move to another. The profile's inputs stay as they were; every window's factors (against
+/// the corrected prediction, so they compose) update a smoothed estimate, and what of it is
+/// beyond the noise corrects those inputs.
+class Replanner {
+ public:
+  Replanner(CostGraph costs, Cluster cluster, Plan running, PlanOptions options, ReplanPolicy policy);
+
+  /// One window of the running plan: per stage what it measured, and its mean step time.
+  Result<ReplanDecision> evaluate(const std::vector<StageMeasurement>& measured, double measured_step_s);
+  /// `plan` runs from now on (the decision's candidate, or one the user forced), priced on
+  /// the corrected inputs. Errors: a plan that does not fit the cost graph or the cluster.
+  Status switched_to(const Plan& plan);
+
+  const Plan& running() const { return running_; }
+  const ReplanPolicy& policy() const { return policy_; }
+  ReplanPolicy& policy() { return policy_; }
+
+  /// What identifies a layout: stages with their operators and devices, microbatches,
+  /// schedule and chunks (predictions aside).
+  static std::string layout_key(const Plan& plan);
+
+ private:
+  CostGraph base_costs_, costs_;  // as profiled; corrected by applied_
+  Cluster base_cluster_, cluster_;
+  Factors smoothed_, applied_;
+  bool measured_once_ = false;
+  Plan running_;                   // priced on the corrected inputs
+  PlanOptions options_;
+  ReplanPolicy policy_;
+  std::string pending_;          // the candidate the last evaluations agreed on
+  int confirmations_ = 0;
+  std::set<std::string> left_;   // layouts switched away from: returning needs twice the gain
+};
+
+}  // namespace conveyor::partitioner

@@ -1,0 +1,145 @@
+// The re-planning decision: a straggler makes the Replanner switch once the saving pays for
+// moving and is confirmed; noise on an accurate plan never does; a switch is not undone by
+// the noise that follows it; moving costs what changes device.
+#include "partitioner/replan.h"
+
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "random_graphs.h"
+
+namespace conveyor::partitioner {
+namespace {
+
+using scheduler::ScheduleKind;
+
+Cluster devices(int n) { return Cluster::uniform(1, n, 16e9, 1.0, {10e9, 5e-6}, {10e9, 5e-6}); }
+
+PlanOptions options() {
+  PlanOptions o;
+  o.batch = 16;
+  o.microbatches = 4;
+  o.max_replicas = 1;
+  o.schedules = {ScheduleKind::kOneFOneB};
+  o.even_shares = true;
+  return o;
+}
+
+// What `plan` measures on devices whose true speeds are `speed` (1: as planned), each
+// kind off by a uniform factor within `noise`; the step as the simulator predicts it.
+std::pair<std::vector<StageMeasurement>, double> run(const Plan& plan, const std::vector<double>& speed,
+                                                     double noise, std::mt19937& rng) {
+  std::uniform_real_distribution<double> jitter(1 - noise, 1 + noise);
+  Plan as_run = plan;
+  std::vector<StageMeasurement> out;
+  for (auto& s : as_run.stages) {
+    const double slow = plan.devices[s.first_device].speed / speed[s.first_device];
+    s.forward_s *= slow * jitter(rng);
+    s.backward_s *= slow * jitter(rng);
+    out.push_back({s.forward_s, s.backward_s, 0, {}});
+  }
+  return {out, as_run.simulate()->step_time_s * jitter(rng)};
+}
+
+TEST(Replan, NoiseOnAnAccuratePlanNeverSwitches) {
+  const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
+  const Cluster cluster = devices(3);
+  const Plan plan = *make_plan(g, cluster, options());
+  Replanner r(g, cluster, plan, options(), ReplanPolicy{});
+  std::mt19937 rng(7);
+  for (int window = 0; window < 200; ++window) {
+    auto [m, step] = run(r.running(), {1, 1, 1}, 0.1, rng);
+    auto d = r.evaluate(m, step);
+    ASSERT_TRUE(d.is_ok()) << d.status().to_string();
+    ASSERT_FALSE(d->switch_plan) << "window " << window << ": " << d->reason << "; " << d->arithmetic(r.policy());
+  }
+}
+
+TEST(Replan, AStragglerSwitchesOnceConfirmedAndStays) {
+  const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
+  const Cluster cluster = devices(3);
+  const Plan plan = *make_plan(g, cluster, options());
+  ReplanPolicy policy;
+  policy.moves_bytes = true;
+  Replanner r(g, cluster, plan, options(), policy);
+  const std::vector<double> truth{1, 0.5, 1};  // device 1 runs at half speed
+  std::mt19937 rng(3);
+  auto [m, step] = run(r.running(), truth, 0.05, rng);
+  auto first = r.evaluate(m, step);
+  ASSERT_TRUE(first.is_ok()) << first.status().to_string();
+  EXPECT_FALSE(first->switch_plan) << "one window is not confirmation";
+  EXPECT_EQ(first->confirmations, 1) << first->reason;
+  EXPECT_GT(first->gain_s, 0.2 * step) << first->arithmetic(r.policy());
+  EXPECT_GT(first->move.bytes, 0);
+  std::tie(m, step) = run(r.running(), truth, 0.05, rng);
+  auto second = r.evaluate(m, step);
+  ASSERT_TRUE(second.is_ok());
+  ASSERT_TRUE(second->switch_plan) << second->reason << "; " << second->arithmetic(r.policy());
+  EXPECT_LT(second->candidate.stages[1].ops.size(), 4u);
+  const double before = step;
+  ASSERT_TRUE(r.switched_to(second->candidate).is_ok());
+  // The new plan, measured on the same devices (10% noise): faster, and it stays.
+  double sum = 0;
+  for (int window = 0; window < 50; ++window) {
+    std::tie(m, step) = run(r.running(), truth, 0.1, rng);
+    sum += step;
+    auto d = r.evaluate(m, step);
+    ASSERT_TRUE(d.is_ok());
+    ASSERT_FALSE(d->switch_plan) << "window " << window << ": " << d->reason;
+  }
+  EXPECT_LT(sum / 50, 0.85 * before);
+  EXPECT_NEAR(sum / 50, second->predicted_step_s, 0.05 * before);
+}
+
+TEST(Replan, ASwitchThatDoesNotPayForMovingWithinTheHorizonWaits) {
+  const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e8, 1e6);  // 100 MB of parameters per operator
+  const Cluster cluster = devices(3);
+  const Plan plan = *make_plan(g, cluster, options());
+  ReplanPolicy policy;
+  policy.horizon_steps = 2;
+  policy.bytes_per_s = 1e9;
+  Replanner r(g, cluster, plan, options(), policy);
+  std::mt19937 rng(1);
+  for (int window = 0; window < 5; ++window) {
+    auto [m, step] = run(r.running(), {1, 0.5, 1}, 0, rng);
+    auto d = r.evaluate(m, step);
+    ASSERT_TRUE(d.is_ok());
+    EXPECT_FALSE(d->switch_plan);
+    EXPECT_NE(d->reason.find("does not pay for moving"), std::string::npos) << d->reason;
+    EXPECT_GE(d->move.transfer_s, 0.3);  // at least one operator's 300 MB (Adam's state included) at 1 GB/s
+  }
+}
+
+TEST(Replan, MovingCountsWhatChangesDeviceWithItsOptimizerState) {
+  const CostGraph g = testing::uniform_chain(4, 1e-3, 2e-3, 100, 1e6);
+  const Cluster cluster = devices(2);
+  PlanOptions o = options();
+  const Plan plan = *make_plan(g, cluster, o);
+  ASSERT_EQ(plan.stages.size(), 2u);
+  Plan moved = plan;
+  // One operator (and its parameter) from stage 1 to stage 0.
+  moved.stages[0].ops.push_back(moved.stages[1].ops.front());
+  moved.stages[1].ops.erase(moved.stages[1].ops.begin());
+  ReplanPolicy policy;
+  policy.rebuild_s = 0.25;
+  const MoveCost cost = move_cost(g, cluster, plan, moved, o, policy);
+  EXPECT_NEAR(cost.bytes, 100 * (1 + o.optimizer_bytes_per_param_byte), 1e-9);
+  EXPECT_NEAR(cost.transfer_s, cost.bytes / 10e9, 1e-15);
+  EXPECT_NEAR(cost.seconds(), cost.transfer_s + 0.25, 1e-15);
+  policy.moves_bytes = false;  // one process: parameters stay where they are
+  EXPECT_EQ(move_cost(g, cluster, plan, moved, o, policy).transfer_s, 0);
+  EXPECT_EQ(move_cost(g, cluster, plan, plan, o, policy).bytes, 0);
+}
+
+TEST(Replan, BadMeasurementsAreRefused) {
+  const CostGraph g = testing::uniform_chain(4, 1e-3, 2e-3, 100, 1e6);
+  const Cluster cluster = devices(2);
+  Replanner r(g, cluster, *make_plan(g, cluster, options()), options(), ReplanPolicy{});
+  EXPECT_NE(r.evaluate(std::vector<StageMeasurement>(2), 0).status().message().find("positive, finite"),
+            std::string::npos);
+  EXPECT_NE(r.evaluate({}, 1).status().message().find("measurements of 0 stages"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace conveyor::partitioner
