@@ -5,12 +5,32 @@
 #include "graph/format.h"
 #include "graph/partition.h"
 #include "partitioner/planner.h"
+#include "partitioner/replan.h"
 
 namespace conveyor::bindings {
 
 using namespace conveyor::graph;
 
 namespace {
+
+partitioner::CostGraph cost_graph_of(const PyGraph& g, const std::string& profile_json) {
+  auto profile = unwrap(partitioner::Profile::from_json(profile_json));
+  return unwrap(partitioner::cost_graph_from_profile(g.graph, profile));
+}
+
+partitioner::PlanOptions plan_options(int batch, int microbatches, const std::vector<std::string>& schedules,
+                                      double optimizer_state, int max_replicas, int max_microbatches,
+                                      bool even_shares) {
+  partitioner::PlanOptions o;
+  o.batch = batch;
+  o.microbatches = microbatches;
+  o.optimizer_bytes_per_param_byte = optimizer_state;
+  o.max_replicas = max_replicas;
+  if (max_microbatches > 0) o.max_microbatches = max_microbatches;
+  o.even_shares = even_shares;
+  for (const auto& name : schedules) o.schedules.push_back(unwrap(scheduler::schedule_kind_from_name(name)));
+  return o;
+}
 
 TensorBlob blob_of(const std::string& name, const at::Tensor& tensor) {
   at::Tensor t = tensor.detach().to(at::kCPU).contiguous();
@@ -133,17 +153,10 @@ void bind_graph(py::module_& m) {
       "plan",
       [](const PyGraph& g, const std::string& profile_json, const std::string& cluster_toml, int batch,
          int microbatches, const std::vector<std::string>& schedules, double optimizer_state, int max_replicas,
-         int max_microbatches) {
-        auto profile = unwrap(partitioner::Profile::from_json(profile_json));
-        auto costs = unwrap(partitioner::cost_graph_from_profile(g.graph, profile));
+         int max_microbatches, bool even_shares) {
+        auto costs = cost_graph_of(g, profile_json);
         auto cluster = unwrap(partitioner::Cluster::from_toml(cluster_toml, "cluster"));
-        partitioner::PlanOptions o;
-        o.batch = batch;
-        o.microbatches = microbatches;
-        o.optimizer_bytes_per_param_byte = optimizer_state;
-        o.max_replicas = max_replicas;
-        if (max_microbatches > 0) o.max_microbatches = max_microbatches;
-        for (const auto& name : schedules) o.schedules.push_back(unwrap(scheduler::schedule_kind_from_name(name)));
+        auto o = plan_options(batch, microbatches, schedules, optimizer_state, max_replicas, max_microbatches, even_shares);
         partitioner::Plan plan;
         {
           py::gil_scoped_release nogil;
@@ -153,8 +166,88 @@ void bind_graph(py::module_& m) {
       },
       py::arg("graph"), py::arg("profile"), py::arg("cluster"), py::arg("batch"), py::arg("microbatches") = 0,
       py::arg("schedules") = std::vector<std::string>{}, py::arg("optimizer_state") = 2.0, py::arg("max_replicas") = 0,
-      py::arg("max_microbatches") = 0,
-      "Plans a captured graph from its profile on a cluster (TOML text); returns (plan JSON, table).");
+      py::arg("max_microbatches") = 0, py::arg("even_shares") = false,
+      "Plans a captured graph from its profile on a cluster (TOML text); returns (plan JSON, table). even_shares: "
+      "replicas split microbatches evenly, as the runtime does (off: in proportion to their devices' speeds).");
+
+  py::class_<partitioner::Replanner>(m, "Replanner",
+                                     "Decides, window after window, whether a running plan should give way to "
+                                     "another (partitioner/replan.h).")
+      .def(py::init([](const PyGraph& g, const std::string& profile_json, const std::string& cluster_toml,
+                       const std::string& plan_json, int batch, int microbatches,
+                       const std::vector<std::string>& schedules, double optimizer_state, int max_replicas,
+                       int max_microbatches, int horizon_steps, bool moves_bytes, double min_gain, double margin,
+                       int confirmations, double tolerance) {
+             partitioner::ReplanPolicy policy;
+             policy.horizon_steps = horizon_steps;
+             policy.moves_bytes = moves_bytes;
+             policy.min_gain = min_gain;
+             policy.margin = margin;
+             policy.confirmations = confirmations;
+             policy.tolerance = tolerance;
+             return partitioner::Replanner(
+                 cost_graph_of(g, profile_json), unwrap(partitioner::Cluster::from_toml(cluster_toml, "cluster")),
+                 unwrap(partitioner::Plan::from_json(plan_json)),
+                 plan_options(batch, microbatches, schedules, optimizer_state, max_replicas, max_microbatches, true),
+                 policy);
+           }),
+           py::arg("graph"), py::arg("profile"), py::arg("cluster"), py::arg("plan"), py::arg("batch"),
+           py::arg("microbatches") = 0, py::arg("schedules") = std::vector<std::string>{},
+           py::arg("optimizer_state") = 2.0, py::arg("max_replicas") = 0, py::arg("max_microbatches") = 0,
+           py::arg("horizon_steps") = 100, py::arg("moves_bytes") = true, py::arg("min_gain") = 0.1,
+           py::arg("margin") = 0.5, py::arg("confirmations") = 2, py::arg("tolerance") = 0.1,
+           "The planning inputs of `plan` (made from graph, profile and cluster with the same options; replicas "
+           "split evenly) and the policy: the horizon in steps, whether stages moving moves bytes between "
+           "processes, the least relative gain, the margin over the moving cost, the confirmations and the noise "
+           "tolerance.")
+      .def("evaluate", [](partitioner::Replanner& r, const py::list& stages, double measured_step_s, double rebuild_s,
+                          double bytes_per_s) {
+        std::vector<partitioner::StageMeasurement> measured;
+        for (auto item : stages) {
+          auto d = item.cast<py::dict>();
+          partitioner::StageMeasurement m;
+          m.forward_s = d["forward_s"].cast<double>();
+          m.backward_s = d["backward_s"].cast<double>();
+          m.backward_weight_s = d["backward_weight_s"].cast<double>();
+          if (d.contains("replica_compute_s")) m.replica_compute_s = d["replica_compute_s"].cast<std::vector<double>>();
+          measured.push_back(std::move(m));
+        }
+        r.policy().rebuild_s = rebuild_s;
+        r.policy().bytes_per_s = bytes_per_s;
+        partitioner::ReplanDecision d;
+        {
+          py::gil_scoped_release nogil;
+          d = unwrap(r.evaluate(measured, measured_step_s));
+        }
+        const auto& f = d.calibration.factors;
+        py::dict out;
+        out["switch"] = d.switch_plan;
+        out["reason"] = d.reason;
+        out["arithmetic"] = d.arithmetic(r.policy());
+        out["candidate"] = d.candidate.to_json();
+        out["candidate_table"] = d.candidate.table();
+        out["running"] = d.calibration.running.to_json();
+        out["measured_step_s"] = d.measured_step_s;
+        out["predicted_step_s"] = d.predicted_step_s;
+        out["running_predicted_step_s"] = d.calibration.running.predicted_step_s;
+        out["gain_s"] = d.gain_s;
+        out["move_bytes"] = d.move.bytes;
+        out["move_s"] = d.move.seconds();
+        out["transfer_s"] = d.move.transfer_s;
+        out["rebuild_s"] = d.move.rebuild_s;
+        out["confirmations"] = d.confirmations;
+        out["factors"] = py::dict(py::arg("forward") = f.forward, py::arg("backward") = f.backward,
+                                  py::arg("weight") = f.weight, py::arg("speed") = f.speed);
+        return out;
+      }, py::arg("stages"), py::arg("measured_step_s"), py::arg("rebuild_s") = 0.0, py::arg("bytes_per_s") = 0.0,
+         "One window of the running plan (the live profile's stages, merged across processes, and its mean step): "
+         "corrects the inputs, plans again and decides; rebuild_s and bytes_per_s: what building a pipeline and "
+         "moving bytes measured (0: unknown / the cluster's links). Returns a dict: switch, reason, arithmetic, "
+         "candidate (plan JSON) and candidate_table, running (the running plan priced on the corrected inputs), "
+         "the step times, the gain, the moving cost and the factors.")
+      .def("switched_to", [](partitioner::Replanner& r, const std::string& plan_json) {
+        check(r.switched_to(unwrap(partitioner::Plan::from_json(plan_json))));
+      }, py::arg("plan"), "The plan (JSON) that runs from now on.");
 }
 
 }  // namespace conveyor::bindings

@@ -101,9 +101,19 @@ void bind_pipeline(py::module_& m) {
           "take_held_gradients.")
       .def("take_held_gradients", &runtime::PipelineStep::take_held_gradients,
            "The gradients the last run held (hold_gradients=True): each run holds its own until applied.")
-      .def("write_trace", [](const runtime::PipelineStep& step, const std::string& path) {
-        check(step.write_trace(path));
-      }, "Writes the last step's measured actions as a Perfetto trace.")
+      .def("write_trace", [](const runtime::PipelineStep& step, const std::string& path,
+                             const std::vector<std::pair<double, std::string>>& markers) {
+        std::vector<trace::Marker> marks;
+        for (const auto& [t, name] : markers) marks.push_back({t, name});
+        check(step.write_trace(path, marks));
+      }, py::arg("path"), py::arg("markers") = std::vector<std::pair<double, std::string>>{},
+         "Writes the last step's measured actions as a Perfetto trace; markers: (seconds from the step's start, "
+         "name) instant events (a switch of plan).")
+      .def("set_prediction", [](runtime::PipelineStep& step, const std::string& plan_json) {
+        auto plan = unwrap(partitioner::Plan::from_json(plan_json));
+        step.set_prediction(unwrap(plan.simulate_as_built(step.spec())));
+      }, py::arg("plan"), "From now on the live profile compares the steps that follow with this plan's prediction "
+         "(the running plan priced again on corrected inputs).")
       .def("spans", [](const runtime::PipelineStep& step) {
         py::list out;
         for (const auto& s : step.last_step().spans) {
@@ -147,6 +157,7 @@ void bind_pipeline(py::module_& m) {
             d[py::str(std::string("predicted_") + name)] = measured_predicted.second;
           }
           d["compute_ratio"] = s.compute_ratio();
+          d["replica_compute_s"] = s.replica_compute_s;
           stages.append(d);
         }
         py::dict out;

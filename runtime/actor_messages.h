@@ -15,9 +15,11 @@ using step_atom = caf::atom_constant<caf::atom("step")>;        // coordinator: 
 using run_atom = caf::atom_constant<caf::atom("run")>;          // replica: walk your list of this step
 using profile_atom = caf::atom_constant<caf::atom("profile")>;  // partitioner: a measured step
 using report_atom = caf::atom_constant<caf::atom("report")>;    // partitioner: how far from the plan?
+using predict_atom = caf::atom_constant<caf::atom("predict")>;  // partitioner: compare with this from now on
 
 using StepPtr = std::shared_ptr<runtime::StepRun>;
 using MeasuredPtr = std::shared_ptr<const runtime::RunResult>;
+using PredictionPtr = std::shared_ptr<const scheduler::SimulationResult>;
 
 /// The process's actor system, started on first use and never destroyed: a replica stuck in
 /// a hook that never returns keeps its thread, and destroying the system would wait for it.
@@ -37,4 +39,5 @@ caf::behavior partitioner_actor(caf::event_based_actor* self, scheduler::Schedul
 
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(conveyor::runtime::StepPtr)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(conveyor::runtime::MeasuredPtr)
+CAF_ALLOW_UNSAFE_MESSAGE_TYPE(conveyor::runtime::PredictionPtr)
 CAF_ALLOW_UNSAFE_MESSAGE_TYPE(conveyor::runtime::ProfileReport)

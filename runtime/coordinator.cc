@@ -108,6 +108,11 @@ Result<runtime::RunResult> Coordinator::run_step(std::chrono::milliseconds timeo
   return measured;
 }
 
+void Coordinator::set_prediction(scheduler::SimulationResult predicted) {
+  caf::anon_send(impl_->partitioner, predict_atom::value,
+                 std::make_shared<const scheduler::SimulationResult>(std::move(predicted)));
+}
+
 Result<ProfileReport> Coordinator::profile_report(std::chrono::milliseconds timeout) const {
   caf::scoped_actor self{actor_system()};
   Result<ProfileReport> out = Status(ErrorCode::kInternal, "the partitioner actor did not answer");

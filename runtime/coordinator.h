@@ -40,6 +40,8 @@ struct StageProfile {
   double allreduce_s = 0;                                       ///< measured, per step
   double predicted_forward_s = 0, predicted_backward_s = 0, predicted_backward_weight_s = 0;
   double predicted_send_s = 0, predicted_allreduce_s = 0;
+  /// Per replica, its own compute (F + B + W) per microbatch (0: it runs in another process).
+  std::vector<double> replica_compute_s;
   /// Measured over predicted compute (F + B + W): how much slower (> 1) or faster the stage
   /// runs than the cost model assumed; 0 without a prediction.
   double compute_ratio() const;
@@ -80,6 +82,9 @@ class Coordinator {
 
   /// The PartitionerActor's comparison of the measured steps with the prediction.
   Result<ProfileReport> profile_report(std::chrono::milliseconds timeout = std::chrono::seconds(10)) const;
+  /// From now on the PartitionerActor compares against `predicted` (the running plan priced
+  /// again on corrected inputs), over the steps that follow only: a re-planning window.
+  void set_prediction(scheduler::SimulationResult predicted);
 
  private:
   struct Impl;

@@ -20,6 +20,7 @@ std::vector<StageProfile> summarize(const std::vector<Span>& spans, const schedu
   std::vector<StageProfile> out(static_cast<std::size_t>(stages));
   // (stage, kind, microbatch) -> slowest replica; kind 0 F, 1 B/Bi, 2 W.
   std::map<std::tuple<int, int, int>, double> slowest;
+  std::map<std::pair<int, int>, double> replica_compute;  // (stage, replica) -> its F + B + W
   std::vector<double> send_sum(out.size(), 0);
   std::vector<int> sends(out.size(), 0);
   for (const Span& s : spans) {
@@ -45,6 +46,7 @@ std::vector<StageProfile> summarize(const std::vector<Span>& spans, const schedu
     if (kind >= 0) {
       double& m = slowest[{stage, kind, s.action.microbatch}];
       m = std::max(m, d);
+      replica_compute[{stage, s.replica}] += d;
     }
   }
   for (const auto& [key, d] : slowest) {
@@ -57,6 +59,13 @@ std::vector<StageProfile> summarize(const std::vector<Span>& spans, const schedu
     out[s].rank = spec.rank_of_stage(s);
     out[s].replicas = out[s].rank < static_cast<int>(replicas.size()) ? replicas[out[s].rank] : 1;
     out[s].send_s = sends[s] ? send_sum[s] / sends[s] : 0;
+    out[s].replica_compute_s.assign(static_cast<std::size_t>(out[s].replicas), 0.0);
+  }
+  for (const auto& [key, d] : replica_compute) {
+    const auto [stage, replica] = key;
+    if (replica >= 0 && replica < static_cast<int>(out[stage].replica_compute_s.size())) {
+      out[stage].replica_compute_s[replica] = d / spec.microbatches;
+    }
   }
   return out;
 }
@@ -68,6 +77,8 @@ struct Measured {
 
 struct PartitionerState {
   std::vector<Measured> steps;
+  std::shared_ptr<const scheduler::SimulationResult> predicted;
+  bool warmed_up = false;  // a new prediction on a running pipeline: no warm-up step to leave out
 };
 
 }  // namespace
@@ -75,14 +86,21 @@ struct PartitionerState {
 caf::behavior partitioner_actor(caf::event_based_actor* self, scheduler::ScheduleSpec spec, std::vector<int> replicas,
                                 std::shared_ptr<const scheduler::SimulationResult> predicted) {
   auto state = std::make_shared<PartitionerState>();
+  state->predicted = std::move(predicted);
   return {
       [state, spec, replicas](profile_atom, const MeasuredPtr& run) {
         state->steps.push_back({run->step_time_s, summarize(run->spans, spec, replicas)});
       },
-      [state, spec, replicas, predicted](report_atom) {
+      [state](predict_atom, const PredictionPtr& next) {
+        state->predicted = next;
+        state->steps.clear();
+        state->warmed_up = true;
+      },
+      [state, spec, replicas](report_atom) {
         ProfileReport report;
+        const auto& predicted = state->predicted;
         // The first step pays for warm-up (allocator, thread pools): leave it out once there are more.
-        const std::size_t first = state->steps.size() > 1 ? 1 : 0;
+        const std::size_t first = !state->warmed_up && state->steps.size() > 1 ? 1 : 0;
         report.steps = static_cast<int>(state->steps.size() - first);
         report.stages = summarize({}, spec, replicas);
         for (std::size_t k = first; k < state->steps.size(); ++k) {
@@ -96,6 +114,9 @@ caf::behavior partitioner_actor(caf::event_based_actor* self, scheduler::Schedul
             t.backward_weight_s += m.stages[s].backward_weight_s * w;
             t.send_s += m.stages[s].send_s * w;
             t.allreduce_s += m.stages[s].allreduce_s * w;
+            for (std::size_t i = 0; i < t.replica_compute_s.size() && i < m.stages[s].replica_compute_s.size(); ++i) {
+              t.replica_compute_s[i] += m.stages[s].replica_compute_s[i] * w;
+            }
           }
         }
         if (predicted) {

@@ -399,11 +399,17 @@ const RunResult& PipelineStep::last_step() const { return impl_->last; }
 
 Result<ProfileReport> PipelineStep::profile_report() const { return impl_->coordinator->profile_report(); }
 
-Status PipelineStep::write_trace(const std::string& path) const {
+void PipelineStep::set_prediction(scheduler::SimulationResult predicted) {
+  impl_->coordinator->set_prediction(std::move(predicted));
+}
+
+const scheduler::ScheduleSpec& PipelineStep::spec() const { return impl_->layout.schedule.spec; }
+
+Status PipelineStep::write_trace(const std::string& path, const std::vector<trace::Marker>& markers) const {
   if (impl_->last.spans.empty()) return Status(ErrorCode::kInvalidArgument, "no step has run yet: nothing to trace");
   scheduler::SimulationResult spans;
   spans.spans = impl_->last.spans;
-  return trace::write_step_trace(path, impl_->layout.schedule, spans, "measured", impl_->layout.rank_replicas);
+  return trace::write_step_trace(path, impl_->layout.schedule, spans, "measured", impl_->layout.rank_replicas, markers);
 }
 
 }  // namespace conveyor::runtime

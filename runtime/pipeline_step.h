@@ -29,6 +29,7 @@
 #include "graph/executor.h"
 #include "runtime/process_group.h"
 #include "runtime/step_run.h"
+#include "trace/simulation_trace.h"
 
 namespace conveyor::runtime {
 
@@ -116,11 +117,16 @@ class PipelineStep {
   /// Every step's measured actions reach the pipeline's PartitionerActor: its comparison
   /// of the measured steps with the prediction, per stage.
   Result<runtime::ProfileReport> profile_report() const;
+  /// From now on the live profile compares the steps that follow with `predicted` (the
+  /// running plan priced again on corrected inputs: a re-planning window).
+  void set_prediction(scheduler::SimulationResult predicted);
+  /// The schedule this pipeline runs (ranks, chunks, microbatches).
+  const scheduler::ScheduleSpec& spec() const;
 
   /// Writes the last step's measured actions as a Perfetto trace: a track per rank and
   /// replica with its compute, send and collective streams, flows from each transfer to its
-  /// consumer.
-  Status write_trace(const std::string& path) const;
+  /// consumer; `markers` (a switch of plan before the step) as instant events.
+  Status write_trace(const std::string& path, const std::vector<trace::Marker>& markers = {}) const;
 
  private:
   struct Impl;

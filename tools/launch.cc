@@ -96,7 +96,7 @@ Result<JobConfig> parse_job_config(const std::string& content, const std::string
     if (!job || !job->as_table()) throw TomlError(job ? job->source().begin.line : 1, "missing the [job] table");
     const toml::table& t = *job->as_table();
     check_keys(t, {"processes", "hosts", "node_rank", "master_addr", "master_port", "timeout", "grace", "transport",
-                   "plan", "schedule", "trace"},
+                   "plan", "schedule", "trace", "replan", "replan_horizon"},
                "[job]");
     JobConfig c;
     c.processes = whole_number(t, "processes", 1, 4096, 1);
@@ -122,6 +122,8 @@ Result<JobConfig> parse_job_config(const std::string& content, const std::string
     }
     c.schedule = text(t, "schedule", "auto", {"auto", "gpipe", "1f1b", "interleaved", "zb-h1"});
     c.trace = text(t, "trace", "");
+    c.replan = text(t, "replan", "auto", {"auto", "off"});
+    c.replan_horizon = whole_number(t, "replan_horizon", 1, 1000000000, 100);
     return c;
   } catch (const TomlError& e) {
     return e.status(source);
@@ -175,6 +177,8 @@ int launch(const JobConfig& c, const std::vector<std::string>& command) {
       setenv("CONVEYOR_PLAN", c.plan.c_str(), 1);
       setenv("CONVEYOR_SCHEDULE", c.schedule.c_str(), 1);
       setenv("CONVEYOR_TRANSPORT", c.transport.c_str(), 1);
+      setenv("CONVEYOR_REPLAN", c.replan.c_str(), 1);
+      setenv("CONVEYOR_REPLAN_HORIZON", std::to_string(c.replan_horizon).c_str(), 1);
       if (!c.trace.empty()) setenv("CONVEYOR_TRACE", c.trace.c_str(), 1);
       // The cores shared out between the processes (fewer if the caller asked for fewer).
       const char* inherited = std::getenv("OMP_NUM_THREADS");

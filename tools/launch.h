@@ -27,6 +27,8 @@ struct JobConfig {
   std::string plan = "auto";               ///< "auto" or a plan JSON file
   std::string schedule = "auto";
   std::string trace;                       ///< each process writes <stem>.rank<R><ext>
+  std::string replan = "auto";             ///< "auto": re-plan from live profiles while training; "off"
+  int replan_horizon = 100;                ///< steps a switch of plan must pay for itself within
 };
 
 /// Reads a job config file (TOML); `source` names it in errors ("job.toml:7: ...").

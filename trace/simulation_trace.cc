@@ -112,7 +112,8 @@ namespace {
 // Chrome's trace event format: a process per rank replica, a thread per stream, "X" slices,
 // and "s"/"f" flow events from the end of each send to the start of each consumer.
 std::string chrome_trace_json(const scheduler::Schedule& schedule, const scheduler::SimulationResult& result,
-                              const std::string& name, const std::vector<int>& replica_counts) {
+                              const std::string& name, const std::vector<int>& replica_counts,
+                              const std::vector<Marker>& markers) {
   const int ranks = static_cast<int>(schedule.ranks.size());
   const int stages = schedule.spec.stages();
   const std::vector<int> replicas = replicas_per_rank(schedule, replica_counts);
@@ -183,6 +184,9 @@ std::string chrome_trace_json(const scheduler::Schedule& schedule, const schedul
       }
     }
   }
+  for (const Marker& m : markers) {
+    events.push_back({{"name", m.name}, {"ph", "i"}, {"s", "g"}, {"pid", 0}, {"tid", 0}, {"ts", us(m.t_s)}});
+  }
   return nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump();
 }
 
@@ -190,12 +194,16 @@ std::string chrome_trace_json(const scheduler::Schedule& schedule, const schedul
 
 Status write_step_trace(const std::string& path, const scheduler::Schedule& schedule,
                         const scheduler::SimulationResult& result, const std::string& name,
-                        const std::vector<int>& replicas) {
+                        const std::vector<int>& replicas, const std::vector<Marker>& markers) {
   if (path.size() >= 5 && path.compare(path.size() - 5, 5, ".json") == 0) {
-    return write_file(path, chrome_trace_json(schedule, result, name, replicas), "trace");
+    return write_file(path, chrome_trace_json(schedule, result, name, replicas, markers), "trace");
   }
   PerfettoTrace t;
   add_simulation(t, schedule, result, name, replicas);
+  if (!markers.empty()) {
+    const std::uint64_t track = t.add_track("conveyor");
+    for (const Marker& m : markers) t.instant(track, static_cast<std::uint64_t>(std::max(0.0, m.t_s) * 1e9), m.name);
+  }
   return t.write(path);
 }
 

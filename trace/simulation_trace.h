@@ -15,12 +15,18 @@ void add_simulation(PerfettoTrace& trace, const scheduler::Schedule& schedule,
                     const scheduler::SimulationResult& result, const std::string& name = "simulated",
                     const std::vector<int>& replicas = {});
 
+/// A moment of the step worth marking (a switch of plan), in seconds from its start.
+struct Marker {
+  double t_s = 0;
+  std::string name;
+};
+
 /// Writes a step's spans to `path`: Chrome JSON trace events when the path ends in ".json"
 /// (chrome://tracing, ui.perfetto.dev), a Perfetto protobuf trace otherwise. Tracks, slices
-/// and flows as add_simulation describes.
+/// and flows as add_simulation describes; `markers` as instant events on a "conveyor" track.
 Status write_step_trace(const std::string& path, const scheduler::Schedule& schedule,
                         const scheduler::SimulationResult& result, const std::string& name = "simulated",
-                        const std::vector<int>& replicas = {});
+                        const std::vector<int>& replicas = {}, const std::vector<Marker>& markers = {});
 
 /// The flow id joining a transfer to the computation that consumes it.
 std::uint64_t transfer_flow_id(bool gradient, int microbatch, int sending_stage, int sending_replica = 0);

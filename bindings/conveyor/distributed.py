@@ -66,8 +66,19 @@ def world():
 
 def launch_settings() -> dict:
     """What `conveyor launch` (or its job config) asks of every process: `schedule`, `plan` (a
-    file; absent for "auto"), `transport` and `trace` (this process's own file), where set."""
+    file; absent for "auto"), `transport`, `trace` (this process's own file), `replan` and
+    `replan_horizon`, where set."""
     out = {}
+    replan = os.environ.get("CONVEYOR_REPLAN")
+    if replan:
+        if replan not in ("auto", "off"):
+            raise ConveyorValueError(f"CONVEYOR_REPLAN={replan!r}: expected auto or off")
+        out["replan"] = replan
+    horizon = os.environ.get("CONVEYOR_REPLAN_HORIZON")
+    if horizon:
+        if not horizon.isdigit() or int(horizon) < 1:
+            raise ConveyorValueError(f"CONVEYOR_REPLAN_HORIZON={horizon!r}: expected a whole number of steps, at least 1")
+        out["replan_horizon"] = int(horizon)
     schedule = os.environ.get("CONVEYOR_SCHEDULE")
     if schedule:
         out["schedule"] = schedule

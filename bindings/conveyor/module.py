@@ -49,12 +49,19 @@ process 0's is used). The masks are not eager's: eager draws one stream in execu
                   CONVEYOR_TIMEOUT or 300
     transport     across processes: "ucx" (host memory; the default, or CONVEYOR_TRANSPORT)
                   or "nccl" (GPU to GPU, one GPU per process)
+    replan        "auto" (the default, or the job config's): every few steps the measured stage
+                  times correct the plan's inputs and, when another plan saves more than moving
+                  to it costs within `replan_horizon` steps, the job switches to it at a step
+                  boundary (`model.replans` lists the switches); "off": the first plan stays.
+                  Only plans conveyor made re-plan (not fixed stages or a plan file).
+    replan_horizon  steps within which a switch must pay for moving (default 100)
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import time
 import warnings
 from typing import Any
 
@@ -62,8 +69,9 @@ import torch
 
 from . import _C, distributed
 from .capture import capture
-from .errors import ConveyorValueError, UnsupportedError
-from .planning import Plan, plan as make_plan, profile
+from .errors import ConveyorValueError, ExecutionError, UnsupportedError
+from .planning import Plan, cluster_text, plan as make_plan, profile
+from .replanning import Replanning, move_optimizer_state, plan_summary, release_unread_state
 
 __all__ = ["Module"]
 
@@ -176,9 +184,13 @@ def _read_plan(path) -> Plan:
 class LiveProfile:
     """A live profile (Module.profile_report): `steps`, `measured_step_s`, `predicted_step_s`
     (0 without a plan) and `stages`, a dict per stage of measured and predicted seconds and
-    its `compute_ratio` (measured over predicted F + B + W; above 1: slower than planned)."""
+    its `compute_ratio` (measured over predicted F + B + W; above 1: slower than planned);
+    `replan`: the re-planning partitioner's last decision (None before the first window, or
+    without re-planning). After a window the prediction is the running plan priced on the
+    corrected inputs, and the steps counted are those since."""
 
     def __init__(self, report: dict):
+        self.replan = report.get("replan")
         self.steps = report["steps"]
         self.measured_step_s = report["measured_step_s"]
         self.predicted_step_s = report["predicted_step_s"]
@@ -198,7 +210,8 @@ class Module(torch.nn.Module):
                  stages: int | list | None = None, replicas: int | None = None, microbatches: int | None = None,
                  schedule: str = "auto", devices: int | None = None, cluster: str | None = None,
                  trace: str | os.PathLike | None = None, loss_fn=None, seed: int = 0, timeout: float | None = None,
-                 plan: str | os.PathLike | None = None, transport: str | None = None):
+                 plan: str | os.PathLike | None = None, transport: str | None = None, replan: str | None = None,
+                 replan_horizon: int | None = None):
         super().__init__()
         # What `conveyor launch` (or its job config) asks of every process, where not given here.
         launched = distributed.launch_settings()
@@ -210,6 +223,12 @@ class Module(torch.nn.Module):
             trace = launched.get("trace")
         if transport is None:
             transport = launched.get("transport", "ucx")
+        replan = replan or launched.get("replan", "auto")
+        replan_horizon = replan_horizon if replan_horizon is not None else launched.get("replan_horizon", 100)
+        if replan not in ("auto", "off"):
+            raise ConveyorValueError(f"replan={replan!r}: expected 'auto' (re-plan from live profiles) or 'off'")
+        if isinstance(replan_horizon, bool) or not isinstance(replan_horizon, int) or replan_horizon < 1:
+            raise ConveyorValueError(f"replan_horizon={replan_horizon!r}: expected a whole number of steps, at least 1")
         if transport not in ("ucx", "nccl"):
             raise ConveyorValueError(f"transport={transport!r}: expected 'ucx' (host memory) or 'nccl' (GPU memory, "
                                      "one GPU per process)")
@@ -243,6 +262,10 @@ class Module(torch.nn.Module):
         self._graph = None
         self._step = None
         self._small_steps: dict[int, Any] = {}  # microbatches -> pipeline for batches too small for the plan
+        self._replan, self._replan_horizon = replan, replan_horizon
+        self._replanning: Replanning | None = None  # with a plan conveyor made and replan="auto"
+        self._marker: str | None = None  # a switch of plan, marked in the next step's trace
+        self._switches: list[dict] = []  # Module.replans
         self.plan = None
 
     # -- the model's own state --------------------------------------------------------
@@ -356,13 +379,19 @@ class Module(torch.nn.Module):
             cap = self._replicas or 0
             cluster = self._cluster or _local_cluster(self._devices, self._threads_per_device(),
                                                       _model_gpu_memory(self.module), one_gpu=self._group is None)
+            used_cap = cap  # the replica cap of the plan that runs (re-planning keeps it)
+
             def planned(max_replicas: int) -> Plan:
+                nonlocal used_cap
+                used_cap = max_replicas
                 return make_plan(graph, prof, cluster, batch=batch, microbatches=m_hint, schedules=schedules,
-                                 max_replicas=max_replicas, max_microbatches=most_microbatches)
+                                 max_replicas=max_replicas, max_microbatches=most_microbatches, even_shares=True)
 
             if self._group is not None:
                 def shared_plan(max_replicas: int) -> Plan:
                     # Process 0 plans for one device per process; every process runs that plan.
+                    nonlocal used_cap
+                    used_cap = max_replicas
                     if self._group.rank == 0:
                         made = planned(max_replicas)
                         sent = (json.dumps(made.document) + "\0" + made.table).encode()
@@ -389,6 +418,14 @@ class Module(torch.nn.Module):
                 self._step = self._pipeline(graph, self.plan)
             stage_nodes, replicas = self.plan.stage_nodes, self.plan.replicas
             schedule, m, chunks = self.plan.schedule, self.plan.microbatches, self.plan.document["chunks"]
+            if self._replan == "auto":
+                replanner = None
+                if prof is not None:
+                    replanner = _C.Replanner(graph.ir, json.dumps(prof), cluster_text(cluster), json.dumps(self.plan.document),
+                                             batch=batch, microbatches=m_hint, schedules=schedules,
+                                             max_replicas=used_cap, max_microbatches=most_microbatches,
+                                             horizon_steps=self._replan_horizon, moves_bytes=self._group is not None)
+                self._replanning = Replanning(replanner, self._group, self._replan_horizon, self._switches)
         if self._step is None:
             self._step = self._make_pipeline(graph, stage_nodes, schedule, m, chunks, replicas)
         self._graph = graph
@@ -453,6 +490,7 @@ class Module(torch.nn.Module):
             self._gather()  # across processes, every part of the model from its owner
             with torch.no_grad():
                 return self._graph(*args, **kwargs)
+        self._maybe_replan()
         step = self._step_for(inputs)
         loss = self._run(step, inputs, hold_gradients=True)
         params = [p for p in self.module.parameters() if p.requires_grad]
@@ -461,9 +499,87 @@ class Module(torch.nn.Module):
     def _run(self, step, inputs: list, hold_gradients: bool) -> torch.Tensor:
         loss, _, _ = step.run(inputs, hold_gradients=hold_gradients)
         self._steps_run += 1
-        if self._trace is not None and self._steps_run <= 2:  # the second step: past warm-up
-            self._step.write_trace(str(self._trace))
+        if step is self._step and self._replanning is not None:
+            self._replanning.steps += 1
+        if self._trace is not None and (self._steps_run <= 2 or self._marker is not None):
+            # The second step (past warm-up), or the first after a switch of plan, marked.
+            markers = [(0.0, self._marker)] if self._marker is not None else []
+            self._marker = None
+            self._step.write_trace(str(self._trace), markers)
         return loss
+
+    # -- re-planning (bindings/conveyor/replanning.py) ------------------------------------
+    @property
+    def replans(self) -> list[dict]:
+        """One entry per switch of plan: step, old and new (plan summaries), reason, the
+        decision's arithmetic, predicted_gain_s per step, move_s and move_bytes (measured),
+        step_before_s, and once the next window is measured measured_step_s and
+        measured_gain_s."""
+        return self._switches
+
+    def _maybe_replan(self) -> None:
+        """At a step boundary, when a window is due: the partitioner's decision, and the switch."""
+        if self._replanning is None or not self._replanning.due():
+            return
+        decision = self._replanning.evaluate(self._step)
+        if decision["switch"]:
+            self._switch(Plan(decision["candidate"], decision["candidate_table"]), decision)
+
+    def switch_plan(self, plan: Plan) -> None:
+        """Runs `plan` (a Plan of this model, e.g. from conveyor.plan or Plan.save) from the next
+        step on, over the same parameters and optimizer state; across processes every process
+        calls it with the same plan (collective), and parameters, buffers and optimizer state
+        move to their new owners. Re-planning (replan="auto") goes on from it."""
+        if self._step is None:
+            raise ConveyorValueError("the pipeline is built on the first call: switch plans after it")
+        if not isinstance(plan, Plan):
+            raise ConveyorValueError(f"switch_plan takes a conveyor Plan, not {type(plan).__name__}")
+        self._switch(plan, None)
+
+    def _switch(self, plan: Plan, decision: dict | None) -> None:
+        old = self.plan.document if self.plan is not None else None
+        t0 = time.perf_counter()
+        moved = 0
+        tensors = self._graph.tensors
+        if self._group is not None:
+            owners = self._step.owners()
+            try:
+                self._step.gather_state()  # every tensor whole on every process until the new pipeline holds
+                moved = move_optimizer_state(self.optimizer, tensors, owners, self._group)
+            except ExecutionError as e:
+                raise ExecutionError(f"moving to a new plan after step {self._steps_run} failed: {e}. This process "
+                                     "keeps the parameters and optimizer state it held; save them (state_dict on "
+                                     "this process) and restart the job") from None
+        t1 = time.perf_counter()
+        self._step = None  # the old pipeline's actors stop before the new ones start
+        self._small_steps.clear()
+        self._step = self._pipeline(self._graph, plan)
+        built = time.perf_counter()
+        if self._group is not None:
+            release_unread_state(self.optimizer, tensors)
+        self.plan = plan
+        self._stage_nodes = plan.stage_nodes
+        chunks = plan.document["chunks"]
+        self._layout = (len(plan.stage_nodes), plan.schedule, plan.microbatches, chunks,
+                        plan.replicas[:len(plan.stage_nodes) // chunks])
+        entry = dict(step=self._steps_run, old=plan_summary(old) if old else None, new=plan_summary(plan.document),
+                     reason=decision["reason"] if decision else "switch_plan", arithmetic=decision["arithmetic"] if decision else "",
+                     predicted_gain_s=decision["gain_s"] if decision else 0.0,
+                     step_before_s=decision["measured_step_s"] if decision else 0.0, move_s=built - t0,
+                     move_bytes=moved, rebuild_s=built - t1, measured_step_s=None,
+                     measured_gain_s=None if decision else 0.0)
+        self._marker = f"replan: {entry['old']} -> {entry['new']}"
+        self._switches.append(entry)
+        if self._replanning is not None:
+            r = self._replanning
+            if r.replanner is not None:
+                r.replanner.switched_to(json.dumps(plan.document))
+            r.steps, r.rebuild_s = 0, built - t1
+            if moved and t1 > t0:
+                r.bytes_per_s = moved / (t1 - t0)
+            r.say(f"step {entry['step']}: {entry['old']} -> {entry['new']}; {entry['arithmetic']}; moved in "
+                  f"{entry['move_s'] * 1e3:.1f} ms ({moved} bytes of optimizer state, rebuilding "
+                  f"{entry['rebuild_s'] * 1e3:.1f} ms)")
 
     def _step_for(self, inputs: list):
         """The pipeline that runs this batch: the plan's. On one process, a batch smaller than
@@ -508,7 +624,11 @@ class Module(torch.nn.Module):
         more). With stages fixed by hand there is no prediction: measured figures only."""
         if self._step is None:
             raise ConveyorValueError("no step has run yet: nothing to report")
-        return LiveProfile(self._step.profile_report())
+        report = self._step.profile_report()
+        if self._replanning is not None:
+            report["table"] += self._replanning.report()
+            report["replan"] = self._replanning.last
+        return LiveProfile(report)
 
     def train_step(self, *args, **kwargs) -> torch.Tensor:
         """One whole step: zero the gradients, run the pipeline, apply the optimizer."""
@@ -520,6 +640,7 @@ class Module(torch.nn.Module):
         if not self.training:
             raise ConveyorValueError("train_step trains: call model.train() first")
         inputs = self._graph.flatten_inputs(args, kwargs)
+        self._maybe_replan()
         # The loss's gradient is 1 here: the step's gradients go straight to .grad.
         loss = self._run(self._step_for(inputs), inputs, hold_gradients=False)
         self.optimizer.step()

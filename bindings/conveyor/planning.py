@@ -255,15 +255,22 @@ class Plan:
     __repr__ = __str__
 
 
-def plan(graph: Graph, profile_doc: dict, cluster: str | os.PathLike, *, batch: int, microbatches: int = 0,
-         schedules: list[str] | None = None, optimizer_state: float = 2.0, max_replicas: int = 0,
-         max_microbatches: int = 0) -> Plan:
-    """Plans `graph` on `cluster` (a TOML file path or TOML text) for `batch` samples a step;
-    `max_replicas` caps the replicas per stage (0: no cap). Every replica's share of a
-    microbatch keeps at least the least batch the graph holds for (its batch range)."""
+def cluster_text(cluster: str | os.PathLike) -> str:
+    """A cluster's TOML text: `cluster` itself, or the file it names."""
     text = str(cluster)
     if "\n" not in text and os.path.exists(text):
         text = Path(text).read_text()
-    doc, table = _C.plan(graph.ir, json.dumps(profile_doc), text, batch, microbatches, schedules or [],
-                         optimizer_state, max_replicas, max_microbatches)
+    return text
+
+
+def plan(graph: Graph, profile_doc: dict, cluster: str | os.PathLike, *, batch: int, microbatches: int = 0,
+         schedules: list[str] | None = None, optimizer_state: float = 2.0, max_replicas: int = 0,
+         max_microbatches: int = 0, even_shares: bool = False) -> Plan:
+    """Plans `graph` on `cluster` (a TOML file path or TOML text) for `batch` samples a step;
+    `max_replicas` caps the replicas per stage (0: no cap). Every replica's share of a
+    microbatch keeps at least the least batch the graph holds for (its batch range). With
+    `even_shares` replicas split microbatches evenly, as conveyor's runtime does (otherwise
+    in proportion to their devices' speeds, the plan's `shares`)."""
+    doc, table = _C.plan(graph.ir, json.dumps(profile_doc), cluster_text(cluster), batch, microbatches, schedules or [],
+                         optimizer_state, max_replicas, max_microbatches, even_shares)
     return Plan(doc, table)

@@ -1,0 +1,118 @@
+"""A training script that changes plan while it trains, for tests/python/test_replan.py:
+plan A (conveyor's own), then B (three stages, the middle one replicated, 1F1B), then C
+(four stages, ZB-H1), a few steps each, the switches forced with Module.switch_plan. Alone
+or under `conveyor launch`; process 0 writes the losses and the gathered model state.
+
+    conveyor launch -n 2 -- python replan_worker.py --optimizer adam --out result.pt
+"""
+import argparse
+import copy
+import json
+import os
+
+import torch
+
+import conveyor
+from conveyor import zoo
+
+
+def optimizer_for(name: str, params):
+    if name == "sgd-momentum":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-3)
+    raise ValueError(name)
+
+
+def plan_with(model: conveyor.Module, replicas: list, schedule: str, microbatches: int, seed: int) -> conveyor.Plan:
+    """A plan of `model`'s graph cut into len(replicas) stages (a random valid cut in node
+    order), `replicas` per stage, on as many devices as replicas in all."""
+    doc = copy.deepcopy(model.plan.document)
+    template = dict(doc["stages"][0])
+    parts = model._graph.random_partition(len(replicas), seed=seed, keep_node_order=True)
+    stages, first = [], 0
+    for nodes, r in zip(parts, replicas):
+        stages.append(dict(template, ops=sorted(nodes), replicas=r, first_device=first, shares=[1 / r] * r))
+        first += r
+    device = doc["devices"][0]
+    link = doc["links"][0] if doc.get("links") else {"bandwidth_bytes_per_s": 1e10, "latency_s": 5e-6}
+    doc.update(stages=stages, schedule=schedule, microbatches=microbatches, chunks=1, devices=[device] * first,
+               links=[link] * (len(replicas) - 1))
+    return conveyor.Plan(json.dumps(doc), f"(a plan of {len(replicas)} stages for the test)")
+
+
+# The plans the run goes through after conveyor's own: (replicas per stage, schedule, microbatches).
+LAYOUTS = [([1, 2, 1], "1f1b", 2), ([1, 1, 1, 1], "zb-h1", 4)]
+
+
+class DieWhenSaved:
+    """Optimizer state that ends its process when pickled: the move hands state over by
+    pickling it, so a process holding this dies in the middle of a move."""
+
+    def __reduce__(self):
+        os._exit(3)
+
+
+def train(case_name: str, optimizer_name: str, batch: int, steps_per_plan: int) -> tuple[list, dict, object, list]:
+    """Returns (losses, the gathered state, the Module, and per step the pieces its loss ran
+    on: microbatches times the last stage's replicas)."""
+    torch.manual_seed(0)
+    case = zoo.CASES[case_name](batch=batch)
+    optimizer = optimizer_for(optimizer_name, case.model.parameters())
+    model = conveyor.Module(case.model, optimizer, loss_fn=case.loss, replan="off", devices=2)
+    losses, microbatches = [], []
+    for k in range(len(LAYOUTS) + 1):
+        if k:
+            if os.environ.get("REPLAN_WORKER_DIE_IN_MOVE"):
+                for p in case.model.parameters():
+                    if p.numel():
+                        optimizer.state[p]["die"] = DieWhenSaved()
+            replicas, schedule, m = LAYOUTS[k - 1]
+            model.switch_plan(plan_with(model, replicas, schedule, m, seed=k))
+        losses += [model.train_step(*case.args, **case.kwargs).item() for _ in range(steps_per_plan)]
+        # The loss runs on each share of the last stage's replicas: the pieces eager must match.
+        microbatches += [model.microbatches * model._layout[4][-1]] * steps_per_plan
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # every process takes part
+    return losses, state, model, microbatches
+
+
+def eager(case_name: str, optimizer_name: str, batch: int, microbatches: list) -> tuple[list, dict]:
+    """The same model trained eagerly with gradient accumulation over `microbatches[k]`
+    microbatches in step k (transformers computes its loss in float32: the split matters)."""
+    torch.manual_seed(0)
+    case = zoo.CASES[case_name](batch=batch)
+    optimizer = optimizer_for(optimizer_name, case.model.parameters())
+    losses = []
+    for m in microbatches:
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for i in range(m):
+            lo, hi = i * batch // m, (i + 1) * batch // m
+            part = [a[lo:hi] if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == batch else a
+                    for a in case.args]
+            kw = {k: (v[lo:hi] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch else v)
+                  for k, v in case.kwargs.items()}
+            loss = case.loss(case.model(*part, **kw)) * ((hi - lo) / batch)
+            loss.backward()
+            total += loss.detach()
+        optimizer.step()
+        losses.append(float(total))
+    return losses, {k: v.detach().clone() for k, v in case.model.state_dict().items()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--case", default="gpt2")
+    ap.add_argument("--optimizer", default="adam")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps-per-plan", type=int, default=2)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    losses, state, model, microbatches = train(args.case, args.optimizer, args.batch, args.steps_per_plan)
+    if model.rank == 0:
+        torch.save({"losses": losses, "state": state, "world": model.world_size, "replans": model.replans,
+                    "microbatches": microbatches}, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Re-planning while training: a switch of plan (stage cuts, replica counts, schedule) keeps
+training exactly like eager, in one process and in two (parameters, buffers and optimizer
+state moved); a plan made for the wrong device speeds is replaced when replan="auto" and
+kept when "off"; a process that dies during a move stops the job with an error naming it."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import conveyor
+from conveyor import _C
+
+from conftest import free_port
+from replan_worker import LAYOUTS, eager, train
+
+WORKER = Path(__file__).with_name("replan_worker.py")
+TOLERANCE = 1e-9
+FLOOR = 1e-6  # parameters whose exact gradient is zero hold rounding noise
+needs_ucx = pytest.mark.skipif(bool(_C.ucx_status()), reason=f"UCX cannot start here: {_C.ucx_status()}")
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def assert_like_eager(losses, state, want_losses, want_state):
+    assert losses == pytest.approx(want_losses, rel=TOLERANCE, abs=0)
+    for key, want in want_state.items():
+        got = state[key].double()
+        err = (got - want.double()).abs().max().item() / max(want.double().abs().max().item(), FLOOR)
+        assert err <= TOLERANCE, f"{key} differs by {err:.2e}"
+
+
+@pytest.mark.parametrize("optimizer", ["sgd-momentum", "adam"])
+def test_switching_plans_in_one_process_trains_like_eager(optimizer):
+    losses, state, model, microbatches = train("gpt2", optimizer, batch=8, steps_per_plan=2)
+    assert microbatches[2:] == [2, 2, 4, 4]
+    assert_like_eager(losses, state, *eager("gpt2", optimizer, batch=8, microbatches=microbatches))
+    assert [r["new"].split(",")[0] for r in model.replans] == ["3 stages", "4 stages"], model.replans
+    assert "zb-h1" in model.replans[-1]["new"] and "replicas [1, 2, 1]" in model.replans[0]["new"]
+    assert all(r["step"] in (2, 4) and r["rebuild_s"] > 0 for r in model.replans)
+    assert "4 stages" in repr(model) and model.plan.schedule == "zb-h1"
+
+
+@needs_ucx
+@pytest.mark.parametrize("optimizer", ["sgd-momentum", "adam"])
+def test_switching_plans_across_two_processes_moves_state_and_trains_like_eager(optimizer, tmp_path):
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   UCX_NET_DEVICES="lo", OMP_NUM_THREADS="1", CONVEYOR_TIMEOUT="120")
+        procs.append(subprocess.Popen([sys.executable, WORKER, "--optimizer", optimizer, "--out", tmp_path / "two.pt"],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        outputs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for p, text in zip(procs, outputs):
+        assert p.returncode == 0, text[-4000:]
+    result = torch.load(tmp_path / "two.pt")
+    assert result["world"] == 2
+    assert_like_eager(result["losses"], result["state"],
+                      *eager("gpt2", optimizer, batch=8, microbatches=result["microbatches"]))
+    moves = result["replans"]
+    assert len(moves) == 2 and all(m["move_bytes"] > 0 for m in moves), moves  # optimizer state crossed
+
+
+def wrong_speeds_cluster() -> str:
+    """Two devices, the second said to be four times faster than it is: the plan gives it
+    most of the work, and measurement shows it."""
+    return ('name = "wrong-speeds"\n[[node]]\ndevices = 1\nmemory = "8 GiB"\nspeed = 1.0\n'
+            '[[node]]\ndevices = 1\nmemory = "8 GiB"\nspeed = 4.0\n'
+            '[link.intra_node]\nbandwidth = "10 GB/s"\nlatency = "5 us"\n'
+            '[link.inter_node]\nbandwidth = "10 GB/s"\nlatency = "5 us"\n')
+
+
+def wide_mlp():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[layer for _ in range(8) for layer in (torch.nn.Linear(384, 384), torch.nn.Tanh())])
+    return model.double(), torch.randn(64, 384, dtype=torch.float64), torch.randn(64, 384, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("replan", ["auto", "off"])
+def test_a_plan_made_for_wrong_device_speeds_is_replaced_when_auto_and_kept_when_off(replan):
+    net, x, y = wide_mlp()
+    ref = [p.detach().clone() for p in net.parameters()]
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    model = conveyor.Module(net, opt, loss_fn=torch.nn.MSELoss(), cluster=wrong_speeds_cluster(), replicas=1,
+                            replan=replan)
+    steps = 21  # windows end after steps 6, 11, 16 and 21: two confirmations fit
+    for _ in range(steps):
+        model.train_step(x, target=y)
+    report = model.profile_report()
+    if replan == "off":
+        assert model.replans == [] and report.replan is None
+        return
+    assert report.replan is not None and "re-planning:" in str(report), str(report)
+    # The partitioner saw device 1 run slower than the cluster claimed.
+    assert report.replan["factors"]["speed"][1] < 0.75 * report.replan["factors"]["speed"][0], report.replan
+    assert len(model.replans) >= 1, str(report)
+    first = model.replans[0]
+    assert first["predicted_gain_s"] > 0 and first["old"] != first["new"], first
+    # The switch changed nothing of the training: eager over the same steps.
+    eager_net = torch.nn.Sequential(*[layer for _ in range(8) for layer in (torch.nn.Linear(384, 384), torch.nn.Tanh())])
+    eager_net = eager_net.double()
+    with torch.no_grad():
+        for p, r in zip(eager_net.parameters(), ref):
+            p.copy_(r)
+    eager_opt = torch.optim.SGD(eager_net.parameters(), lr=0.01, momentum=0.9)
+    for _ in range(steps):
+        eager_opt.zero_grad()
+        torch.nn.functional.mse_loss(eager_net(x), y).backward()
+        eager_opt.step()
+    for p, q in zip(net.parameters(), eager_net.parameters()):
+        assert (p - q).abs().max().item() <= TOLERANCE * max(q.abs().max().item(), FLOOR)
+
+
+@needs_ucx
+def test_a_process_that_dies_during_a_move_stops_the_other_naming_it(tmp_path):
+    """Process 1 exits while handing over its optimizer state: process 0 fails within the
+    timeout with an error naming process 1, and does not hang."""
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   UCX_NET_DEVICES="lo", OMP_NUM_THREADS="1", CONVEYOR_TIMEOUT="30")
+        if rank == 1:
+            env["REPLAN_WORKER_DIE_IN_MOVE"] = "1"
+        procs.append(subprocess.Popen([sys.executable, WORKER, "--optimizer", "adam", "--out", tmp_path / "x.pt"],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        procs[1].wait(timeout=240)
+        died = time.monotonic()
+        text = procs[0].communicate(timeout=60)[0]
+        waited = time.monotonic() - died
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    assert procs[1].returncode == 3
+    assert procs[0].returncode != 0, text[-3000:]
+    assert "process 1" in text, text[-3000:]
+    assert waited < 35, f"process 0 took {waited:.1f} s to stop"
