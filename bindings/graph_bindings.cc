@@ -222,6 +222,7 @@ void bind_graph(py::module_& m) {
         const auto& f = d.calibration.factors;
         py::dict out;
         out["switch"] = d.switch_plan;
+        out["undo"] = d.undo;
         out["reason"] = d.reason;
         out["arithmetic"] = d.arithmetic(r.policy());
         out["candidate"] = d.candidate.to_json();

@@ -118,6 +118,24 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   CONVEYOR_ASSIGN_OR_RETURN(running_, reprice(costs_, cluster_, options_, running_));
   d.calibration = Calibration{costs_, cluster_, running_, applied_};
   d.measured_step_s = measured_step_s;
+  // The first window after a switch this decided: slower than before it, beyond the noise,
+  // and the switch is undone (the model was wrong about it; returning to it needs twice the gain).
+  const bool judging = undo_.has_value();
+  if (judging) {
+    Plan previous = std::move(undo_->first);
+    const double before = undo_->second;
+    undo_.reset();
+    if (measured_step_s > before * (1 + policy_.tolerance)) {
+      CONVEYOR_ASSIGN_OR_RETURN(d.candidate, reprice(costs_, cluster_, options_, previous));
+      d.predicted_step_s = before;
+      d.gain_s = measured_step_s - before;
+      d.move = move_cost(costs_, cluster_, running_, d.candidate, options_, policy_);
+      d.switch_plan = d.undo = true;
+      d.reason = "the last switch measured slower than the plan before it (" + human_seconds(measured_step_s) +
+                 " against " + human_seconds(before) + "): back to that plan";
+      return d;
+    }
+  }
   CONVEYOR_ASSIGN_OR_RETURN(d.candidate, make_plan(costs_, cluster_, options_));
   // The runtime's overhead beyond the simulated step (transfers, the host) carries over.
   const double overhead = running_.predicted_step_s > 0 ? measured_step_s / running_.predicted_step_s : 1.0;
@@ -135,25 +153,28 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   } else if (d.gain_s * policy_.horizon_steps < (1 + policy_.margin) * d.move.seconds()) {
     d.reason = "what it saves over " + std::to_string(policy_.horizon_steps) + " steps does not pay for moving";
   } else {
-    confirmations_ = key == pending_ ? confirmations_ + 1 : 1;
-    pending_ = key;
-    d.confirmations = confirmations_;
+    // Consecutive windows that each find a move that pays (the best plan may differ between
+    // them by a cut that hardly matters): the last one's plan is taken.
+    d.confirmations = ++confirmations_;
     d.switch_plan = confirmations_ >= policy_.confirmations;
     d.reason = d.switch_plan ? "switching: the saving over the horizon pays for moving"
                              : "a better plan, waiting for it to be confirmed";
+    if (d.switch_plan) decided_ = {key, measured_step_s};
     return d;
   }
   confirmations_ = 0;
-  pending_.clear();
   return d;
 }
 
 Status Replanner::switched_to(const Plan& plan) {
+  const std::string key = layout_key(plan);
+  // A switch this decided is judged by the next window; an undo or a forced switch is not.
+  if (decided_ && decided_->first == key) undo_ = std::make_pair(running_, decided_->second);
+  decided_.reset();
   left_.insert(layout_key(running_));
-  left_.erase(layout_key(plan));
+  left_.erase(key);
   CONVEYOR_ASSIGN_OR_RETURN(running_, reprice(costs_, cluster_, options_, plan));
   confirmations_ = 0;
-  pending_.clear();
   return Status::ok();
 }
 

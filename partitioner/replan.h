@@ -5,6 +5,7 @@
 // measurements (hysteresis: noise never makes plans flip back and forth). Torch-free.
 #pragma once
 
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -19,7 +20,7 @@ struct ReplanPolicy {
   int horizon_steps = 100;      ///< the steps over which a switch must pay for itself
   double min_gain = 0.1;        ///< the least predicted saving, relative to the measured step
   double margin = 0.5;          ///< the horizon's saving must exceed the moving cost times (1 + margin)
-  int confirmations = 2;        ///< consecutive evaluations that must pick the same new plan
+  int confirmations = 2;        ///< consecutive evaluations that must find a move that pays
   double tolerance = 0.1;       ///< deviations from the prediction below this are noise (settle)
   /// Each window's factors move the running estimate this far (an exponential average):
   /// one noisy window cannot swing it, and estimates never ratchet away from the profile.
@@ -48,6 +49,7 @@ MoveCost move_cost(const CostGraph& costs, const Cluster& cluster, const Plan& f
 /// One evaluation: the corrected model's view and what it decided.
 struct ReplanDecision {
   bool switch_plan = false;
+  bool undo = false;               ///< back to the plan before the last switch, which measured slower
   Calibration calibration;         ///< the corrected inputs; its `running` is the new reference
   Plan candidate;                  ///< the best plan on the corrected inputs
   double measured_step_s = 0;      ///< the running plan's mean step over the window
@@ -63,7 +65,8 @@ struct ReplanDecision {
 /// Keeps the planning inputs of a running plan and decides, window after window, whether to
 /// move to another. The profile's inputs stay as they were; every window's factors (against
 /// the corrected prediction, so they compose) update a smoothed estimate, and what of it is
-/// beyond the noise corrects those inputs.
+/// beyond the noise corrects those inputs. A switch it decided that then measures slower than
+/// the step before it (beyond the tolerance) is undone at the next window.
 class Replanner {
  public:
   Replanner(CostGraph costs, Cluster cluster, Plan running, PlanOptions options, ReplanPolicy policy);
@@ -90,9 +93,12 @@ class Replanner {
   Plan running_;                   // priced on the corrected inputs
   PlanOptions options_;
   ReplanPolicy policy_;
-  std::string pending_;          // the candidate the last evaluations agreed on
   int confirmations_ = 0;
   std::set<std::string> left_;   // layouts switched away from: returning needs twice the gain
+  // The switch last decided (its layout, the step measured before it), and once taken, the
+  // plan it left with that step: the next window undoes it if it measures slower.
+  std::optional<std::pair<std::string, double>> decided_;
+  std::optional<std::pair<Plan, double>> undo_;
 };
 
 }  // namespace conveyor::partitioner

@@ -61,7 +61,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
 import warnings
 from typing import Any
 
@@ -69,9 +68,9 @@ import torch
 
 from . import _C, distributed
 from .capture import capture
-from .errors import ConveyorValueError, ExecutionError, UnsupportedError
-from .planning import Plan, cluster_text, plan as make_plan, profile
-from .replanning import Replanning, move_optimizer_state, plan_summary, release_unread_state
+from .errors import ConveyorValueError, UnsupportedError
+from .planning import Plan, cluster_text, plan as make_plan, profile, read_plan
+from .replanning import Replanning, switch_to
 
 __all__ = ["Module"]
 
@@ -165,20 +164,6 @@ def _model_gpu_memory(module: torch.nn.Module) -> int | None:
     if device.type != "cuda":
         return None
     return torch.cuda.get_device_properties(device).total_memory
-
-
-def _read_plan(path) -> Plan:
-    """A plan document written by `conveyor plan --out` or Plan.save."""
-    try:
-        text = open(path).read()
-        plan = Plan(text, f"(plan from {path})")
-        plan.stage_nodes, plan.schedule, plan.microbatches, plan.document["chunks"]  # noqa: B018  (fields present)
-        return plan
-    except OSError as e:
-        raise ConveyorValueError(f"plan={str(path)!r}: cannot read it ({e.strerror})") from None
-    except (ValueError, KeyError, TypeError) as e:
-        raise ConveyorValueError(f"plan={str(path)!r} is not a conveyor plan document ({e}); write one with "
-                                 "`conveyor plan --out` or Plan.save") from None
 
 
 class LiveProfile:
@@ -348,7 +333,7 @@ class Module(torch.nn.Module):
                 raise ConveyorValueError(f"replicas has {len(replicas)} counts but the pipeline has {ranks} ranks")
             m = self._microbatches or max(1, min(batch // (max(replicas) * least), 2 * ranks))
         elif self._plan_file is not None:
-            self.plan = _read_plan(self._plan_file)
+            self.plan = read_plan(self._plan_file)
             self._step = self._pipeline(graph, self.plan)
             stage_nodes, replicas = self.plan.stage_nodes, self.plan.replicas
             schedule, m, chunks = self.plan.schedule, self.plan.microbatches, self.plan.document["chunks"]
@@ -537,49 +522,7 @@ class Module(torch.nn.Module):
         self._switch(plan, None)
 
     def _switch(self, plan: Plan, decision: dict | None) -> None:
-        old = self.plan.document if self.plan is not None else None
-        t0 = time.perf_counter()
-        moved = 0
-        tensors = self._graph.tensors
-        if self._group is not None:
-            owners = self._step.owners()
-            try:
-                self._step.gather_state()  # every tensor whole on every process until the new pipeline holds
-                moved = move_optimizer_state(self.optimizer, tensors, owners, self._group)
-            except ExecutionError as e:
-                raise ExecutionError(f"moving to a new plan after step {self._steps_run} failed: {e}. This process "
-                                     "keeps the parameters and optimizer state it held; save them (state_dict on "
-                                     "this process) and restart the job") from None
-        t1 = time.perf_counter()
-        self._step = None  # the old pipeline's actors stop before the new ones start
-        self._small_steps.clear()
-        self._step = self._pipeline(self._graph, plan)
-        built = time.perf_counter()
-        if self._group is not None:
-            release_unread_state(self.optimizer, tensors)
-        self.plan = plan
-        self._stage_nodes = plan.stage_nodes
-        chunks = plan.document["chunks"]
-        self._layout = (len(plan.stage_nodes), plan.schedule, plan.microbatches, chunks,
-                        plan.replicas[:len(plan.stage_nodes) // chunks])
-        entry = dict(step=self._steps_run, old=plan_summary(old) if old else None, new=plan_summary(plan.document),
-                     reason=decision["reason"] if decision else "switch_plan", arithmetic=decision["arithmetic"] if decision else "",
-                     predicted_gain_s=decision["gain_s"] if decision else 0.0,
-                     step_before_s=decision["measured_step_s"] if decision else 0.0, move_s=built - t0,
-                     move_bytes=moved, rebuild_s=built - t1, measured_step_s=None,
-                     measured_gain_s=None if decision else 0.0)
-        self._marker = f"replan: {entry['old']} -> {entry['new']}"
-        self._switches.append(entry)
-        if self._replanning is not None:
-            r = self._replanning
-            if r.replanner is not None:
-                r.replanner.switched_to(json.dumps(plan.document))
-            r.steps, r.rebuild_s = 0, built - t1
-            if moved and t1 > t0:
-                r.bytes_per_s = moved / (t1 - t0)
-            r.say(f"step {entry['step']}: {entry['old']} -> {entry['new']}; {entry['arithmetic']}; moved in "
-                  f"{entry['move_s'] * 1e3:.1f} ms ({moved} bytes of optimizer state, rebuilding "
-                  f"{entry['rebuild_s'] * 1e3:.1f} ms)")
+        switch_to(self, plan, decision)
 
     def _step_for(self, inputs: list):
         """The pipeline that runs this batch: the plan's. On one process, a batch smaller than

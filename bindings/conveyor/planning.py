@@ -274,3 +274,17 @@ def plan(graph: Graph, profile_doc: dict, cluster: str | os.PathLike, *, batch: 
     doc, table = _C.plan(graph.ir, json.dumps(profile_doc), cluster_text(cluster), batch, microbatches, schedules or [],
                          optimizer_state, max_replicas, max_microbatches, even_shares)
     return Plan(doc, table)
+
+
+def read_plan(path) -> Plan:
+    """A plan document written by `conveyor plan --out` or Plan.save."""
+    try:
+        text = open(path).read()
+        plan = Plan(text, f"(plan from {path})")
+        plan.stage_nodes, plan.schedule, plan.microbatches, plan.document["chunks"]  # noqa: B018  (fields present)
+        return plan
+    except OSError as e:
+        raise ConveyorValueError(f"plan={str(path)!r}: cannot read it ({e.strerror})") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConveyorValueError(f"plan={str(path)!r} is not a conveyor plan document ({e}); write one with "
+                                 "`conveyor plan --out` or Plan.save") from None

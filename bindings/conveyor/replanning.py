@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from .errors import ExecutionError
+
 WINDOW = 5  # steps of the running pipeline between two evaluations
 
 
@@ -152,3 +154,53 @@ class Replanning:
         return (f"re-planning: {d['reason']}\n  {d['arithmetic']}\n  corrections: forward x{f['forward']:.2f}, "
                 f"backward x{f['backward']:.2f}, weight gradient x{f['weight']:.2f}; device speeds x[{speeds}]\n"
                 f"  switches so far: {len(self.switches)}\n")
+
+
+def switch_to(module, plan, decision: dict | None) -> None:
+    """Moves `module` (a conveyor.Module, between steps) to `plan`: across processes every
+    tensor gathered whole and the optimizer's state handed over first, then the pipeline
+    rebuilt and what this process's new stages do not read released; the switch logged
+    (`decision`: the Replanner's, or None when forced)."""
+    old = module.plan.document if module.plan is not None else None
+    t0 = time.perf_counter()
+    moved = 0
+    tensors = module._graph.tensors
+    if module._group is not None:
+        owners = module._step.owners()
+        try:
+            module._step.gather_state()  # every tensor whole on every process until the new pipeline holds
+            moved = move_optimizer_state(module.optimizer, tensors, owners, module._group)
+        except ExecutionError as e:
+            raise ExecutionError(f"moving to a new plan after step {module._steps_run} failed: {e}. This process "
+                                 "keeps the parameters and optimizer state it held; save them (state_dict on "
+                                 "this process) and restart the job") from None
+    t1 = time.perf_counter()
+    module._step = None  # the old pipeline's actors stop before the new ones start
+    module._small_steps.clear()
+    module._step = module._pipeline(module._graph, plan)
+    built = time.perf_counter()
+    if module._group is not None:
+        release_unread_state(module.optimizer, tensors)
+    module.plan = plan
+    module._stage_nodes = plan.stage_nodes
+    chunks = plan.document["chunks"]
+    module._layout = (len(plan.stage_nodes), plan.schedule, plan.microbatches, chunks,
+                    plan.replicas[:len(plan.stage_nodes) // chunks])
+    entry = dict(step=module._steps_run, old=plan_summary(old) if old else None, new=plan_summary(plan.document),
+                 reason=decision["reason"] if decision else "switch_plan", arithmetic=decision["arithmetic"] if decision else "",
+                 predicted_gain_s=decision["gain_s"] if decision else 0.0,
+                 step_before_s=decision["measured_step_s"] if decision else 0.0, move_s=built - t0,
+                 move_bytes=moved, rebuild_s=built - t1, measured_step_s=None,
+                 measured_gain_s=None if decision else 0.0, factors=decision["factors"] if decision else None)
+    module._marker = f"replan: {entry['old']} -> {entry['new']}"
+    module._switches.append(entry)
+    if module._replanning is not None:
+        r = module._replanning
+        if r.replanner is not None:
+            r.replanner.switched_to(json.dumps(plan.document))
+        r.steps, r.rebuild_s = 0, built - t1
+        if moved and t1 > t0:
+            r.bytes_per_s = moved / (t1 - t0)
+        r.say(f"step {entry['step']}: {entry['old']} -> {entry['new']}; {entry['arithmetic']}; moved in "
+              f"{entry['move_s'] * 1e3:.1f} ms ({moved} bytes of optimizer state, rebuilding "
+              f"{entry['rebuild_s'] * 1e3:.1f} ms)")

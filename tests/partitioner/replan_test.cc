@@ -92,6 +92,36 @@ TEST(Replan, AStragglerSwitchesOnceConfirmedAndStays) {
   EXPECT_NEAR(sum / 50, second->predicted_step_s, 0.05 * before);
 }
 
+TEST(Replan, ASwitchThatMeasuresSlowerIsUndoneAndNotRetriedForTheSameGain) {
+  const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
+  const Cluster cluster = devices(3);
+  const Plan plan = *make_plan(g, cluster, options());
+  Replanner r(g, cluster, plan, options(), ReplanPolicy{});
+  std::mt19937 rng(5);
+  ReplanDecision d;
+  for (int window = 0; window < 2; ++window) {
+    auto [m, step] = run(r.running(), {1, 0.5, 1}, 0, rng);
+    d = *r.evaluate(m, step);
+  }
+  ASSERT_TRUE(d.switch_plan) << d.reason;
+  const double before = d.measured_step_s;
+  const std::string old_key = Replanner::layout_key(plan);
+  ASSERT_TRUE(r.switched_to(d.candidate).is_ok());
+  // The new plan runs slower than the old one did (the model was wrong about it): undone.
+  auto [m, step] = run(r.running(), {1, 0.5, 1}, 0, rng);
+  auto undo = r.evaluate(m, before * 1.3);
+  ASSERT_TRUE(undo.is_ok());
+  EXPECT_TRUE(undo->switch_plan && undo->undo) << undo->reason;
+  EXPECT_EQ(Replanner::layout_key(undo->candidate), old_key);
+  EXPECT_NE(undo->reason.find("measured slower"), std::string::npos);
+  ASSERT_TRUE(r.switched_to(undo->candidate).is_ok());
+  // Back on the old plan, an undo is not itself undone.
+  std::tie(m, step) = run(r.running(), {1, 0.5, 1}, 0, rng);
+  auto after = r.evaluate(m, before * 1.5);
+  ASSERT_TRUE(after.is_ok());
+  EXPECT_FALSE(after->undo);
+}
+
 TEST(Replan, ASwitchThatDoesNotPayForMovingWithinTheHorizonWaits) {
   const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e8, 1e6);  // 100 MB of parameters per operator
   const Cluster cluster = devices(3);

@@ -97,7 +97,7 @@ def test_a_plan_made_for_wrong_device_speeds_is_replaced_when_auto_and_kept_when
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     model = conveyor.Module(net, opt, loss_fn=torch.nn.MSELoss(), cluster=wrong_speeds_cluster(), replicas=1,
                             replan=replan)
-    steps = 21  # windows end after steps 6, 11, 16 and 21: two confirmations fit
+    steps = 31  # windows end after steps 6, 11, ..., 31: a switch needs two in a row that pay
     for _ in range(steps):
         model.train_step(x, target=y)
     report = model.profile_report()
@@ -105,11 +105,11 @@ def test_a_plan_made_for_wrong_device_speeds_is_replaced_when_auto_and_kept_when
         assert model.replans == [] and report.replan is None
         return
     assert report.replan is not None and "re-planning:" in str(report), str(report)
-    # The partitioner saw device 1 run slower than the cluster claimed.
-    assert report.replan["factors"]["speed"][1] < 0.75 * report.replan["factors"]["speed"][0], report.replan
     assert len(model.replans) >= 1, str(report)
     first = model.replans[0]
     assert first["predicted_gain_s"] > 0 and first["old"] != first["new"], first
+    # The partitioner saw device 1 run slower than the cluster claimed.
+    assert first["factors"]["speed"][1] < 0.75 * first["factors"]["speed"][0], first
     # The switch changed nothing of the training: eager over the same steps.
     eager_net = torch.nn.Sequential(*[layer for _ in range(8) for layer in (torch.nn.Linear(384, 384), torch.nn.Tanh())])
     eager_net = eager_net.double()
