@@ -1,5 +1,6 @@
 #include "partitioner/replan.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <map>
@@ -22,6 +23,15 @@ std::vector<std::set<int>> holders(const CostGraph& costs, const Plan& plan) {
     }
   }
   return out;
+}
+
+// The actions one rank walks per step: its stages' forward and backward (and weight-gradient
+// under a split backward) of every microbatch.
+double actions_per_rank(const Plan& plan) {
+  const bool split = plan.schedule == scheduler::ScheduleKind::kZeroBubbleH1;
+  const int per_microbatch = split ? 3 : 2;
+  return std::max(1.0, static_cast<double>(plan.stages.size()) / std::max(plan.ranks(), 1) * plan.microbatches *
+                           per_microbatch);
 }
 
 std::string percent(double x) {
@@ -101,6 +111,16 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   seen.backward *= applied_.backward;
   seen.weight *= applied_.weight;
   for (int k = 0; k < devices; ++k) seen.speed[k] *= applied_.speed[k];
+  // Kinds and speeds are known up to a common scale (a stage's time is cost x kind / speed):
+  // the fastest device keeps its speed, the scale goes to the kinds, so that estimates made
+  // under different plans agree.
+  const double fastest = *std::max_element(seen.speed.begin(), seen.speed.end());
+  if (fastest > 0) {
+    for (double& x : seen.speed) x /= fastest;
+    seen.forward /= fastest;
+    seen.backward /= fastest;
+    seen.weight /= fastest;
+  }
   if (!measured_once_) {
     smoothed_ = seen;
     measured_once_ = true;
@@ -126,6 +146,7 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
     const double before = undo_->second;
     undo_.reset();
     if (measured_step_s > before * (1 + policy_.tolerance)) {
+      ++undone_;
       CONVEYOR_ASSIGN_OR_RETURN(d.candidate, reprice(costs_, cluster_, options_, previous));
       d.predicted_step_s = before;
       d.gain_s = measured_step_s - before;
@@ -137,14 +158,18 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
     }
   }
   CONVEYOR_ASSIGN_OR_RETURN(d.candidate, make_plan(costs_, cluster_, options_));
-  // The runtime's overhead beyond the simulated step (transfers, the host) carries over.
-  const double overhead = running_.predicted_step_s > 0 ? measured_step_s / running_.predicted_step_s : 1.0;
-  d.predicted_step_s = d.candidate.predicted_step_s * overhead;
+  // The runtime's cost beyond the simulated step (dispatching actions, messages, the host)
+  // grows with the actions each rank walks: per action, measured on the running plan.
+  const double per_action =
+      std::max(0.0, measured_step_s - running_.predicted_step_s) / actions_per_rank(running_);
+  d.predicted_step_s = d.candidate.predicted_step_s + per_action * actions_per_rank(d.candidate);
   d.gain_s = measured_step_s - d.predicted_step_s;
   d.move = move_cost(costs_, cluster_, running_, d.candidate, options_, policy_);
   const std::string key = layout_key(d.candidate);
   const double relative = d.gain_s / measured_step_s;
-  const double needed = left_.count(key) ? 2 * policy_.min_gain : policy_.min_gain;
+  // Each undone switch doubles the gain asked (the model was wrong once; it must be surer).
+  const double asked = policy_.min_gain * (1 << std::min(undone_, 3));
+  const double needed = left_.count(key) ? 2 * asked : asked;
   if (key == layout_key(running_)) {
     d.reason = "the running plan is still the best on the corrected costs";
   } else if (relative < needed) {

@@ -94,6 +94,7 @@ class Replanner {
   PlanOptions options_;
   ReplanPolicy policy_;
   int confirmations_ = 0;
+  int undone_ = 0;               // switches undone so far: each doubles the gain asked (up to 8x)
   std::set<std::string> left_;   // layouts switched away from: returning needs twice the gain
   // The switch last decided (its layout, the step measured before it), and once taken, the
   // plan it left with that step: the next window undoes it if it measures slower.
