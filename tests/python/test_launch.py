@@ -26,7 +26,7 @@ FLOOR = 1e-6  # as in test_multiproc: parameters whose exact gradient is zero ho
 def env():
     out = dict(os.environ, UCX_NET_DEVICES="lo")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CONVEYOR_PLAN", "CONVEYOR_TRACE",
-              "CONVEYOR_SCHEDULE"):
+              "CONVEYOR_SCHEDULE", "CONVEYOR_REPLAN", "CONVEYOR_REPLAN_HORIZON"):
         out.pop(k, None)
     return out
 
@@ -136,18 +136,19 @@ def test_a_failing_process_stops_the_job_at_once_naming_it():
 
 def test_every_process_gets_the_environment_of_its_rank(tmp_path):
     script = ("import os\nkeys = ['RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR', 'CONVEYOR_TIMEOUT',"
-              " 'CONVEYOR_SCHEDULE', 'CONVEYOR_TRANSPORT']\nopen(os.path.join(os.environ['OUT'], os.environ['RANK']), 'w').write("
+              " 'CONVEYOR_SCHEDULE', 'CONVEYOR_TRANSPORT', 'CONVEYOR_REPLAN', 'CONVEYOR_REPLAN_HORIZON']\nopen(os.path.join(os.environ['OUT'], os.environ['RANK']), 'w').write("
               "' '.join(os.environ[k] for k in keys) + ' ' + str(int(os.environ['MASTER_PORT']) > 0))\n")
     config = tmp_path / "job.toml"
-    config.write_text('[job]\nprocesses = 2\ntimeout = 42\nschedule = "1f1b"\ntransport = "nccl"\n')
+    config.write_text('[job]\nprocesses = 2\ntimeout = 42\nschedule = "1f1b"\ntransport = "nccl"\nreplan = "off"\n'
+                      'replan_horizon = 250\n')
     os.environ["OUT"] = str(tmp_path)
     try:
         code, out = launch("--config", config, "--", sys.executable, "-c", script, timeout=60)
     finally:
         del os.environ["OUT"]
     assert code == 0, out
-    assert (tmp_path / "0").read_text() == "0 0 2 2 127.0.0.1 42 1f1b nccl True"
-    assert (tmp_path / "1").read_text() == "1 1 2 2 127.0.0.1 42 1f1b nccl True"
+    assert (tmp_path / "0").read_text() == "0 0 2 2 127.0.0.1 42 1f1b nccl off 250 True"
+    assert (tmp_path / "1").read_text() == "1 1 2 2 127.0.0.1 42 1f1b nccl off 250 True"
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -158,6 +159,8 @@ def test_every_process_gets_the_environment_of_its_rank(tmp_path):
     ('[job]\ntransport = "tcp"\n', 'job.toml:2: transport = "tcp" (expected one of ucx, nccl)'),
     ('[job]\nplan = "missing.json"\n', 'job.toml:2: plan = "missing.json": no such readable file'),
     ('[job]\nhosts = []\n', "job.toml:2: hosts must be a non-empty list"),
+    ('[job]\nreplan = "sometimes"\n', 'job.toml:2: replan = "sometimes" (expected one of auto, off)'),
+    ('[job]\nreplan_horizon = 0\n', "job.toml:2: replan_horizon must be a whole number from 1 to 1000000000"),
     ('[jobs]\n', "job.toml:1: unknown key 'jobs' in the job config"),
     ('[job\n', "job.toml:1: not valid TOML"),
 ])

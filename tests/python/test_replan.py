@@ -2,6 +2,7 @@
 training exactly like eager, in one process and in two (parameters, buffers and optimizer
 state moved); a plan made for the wrong device speeds is replaced when replan="auto" and
 kept when "off"; a process that dies during a move stops the job with an error naming it."""
+import json
 import os
 import signal
 import subprocess
@@ -35,6 +36,23 @@ def assert_like_eager(losses, state, want_losses, want_state):
         got = state[key].double()
         err = (got - want.double()).abs().max().item() / max(want.double().abs().max().item(), FLOOR)
         assert err <= TOLERANCE, f"{key} differs by {err:.2e}"
+
+
+def test_a_switch_is_marked_in_the_trace_of_the_next_step(tmp_path):
+    net, x, y = wide_mlp()
+    trace = tmp_path / "run.json"
+    model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.01), loss_fn=torch.nn.MSELoss(), devices=2,
+                            replan="off", trace=trace)
+    for _ in range(3):
+        model.train_step(x, target=y)
+    assert "replan:" not in trace.read_text()
+    other = conveyor.plan(model._graph, conveyor.profile(model._graph, (x[:8],), {"target": y[:8]}),
+                          wrong_speeds_cluster(), batch=64, microbatches=4, schedules=["1f1b"], max_replicas=1)
+    model.switch_plan(other)
+    model.train_step(x, target=y)
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "i"]
+    assert len(events) == 1 and events[0]["name"].startswith("replan: ") and " -> " in events[0]["name"], events
+    assert model.replans[0]["new"] == events[0]["name"].split(" -> ")[1]
 
 
 @pytest.mark.parametrize("optimizer", ["sgd-momentum", "adam"])
