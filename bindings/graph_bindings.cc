@@ -210,6 +210,7 @@ void bind_graph(py::module_& m) {
           m.backward_s = d["backward_s"].cast<double>();
           m.backward_weight_s = d["backward_weight_s"].cast<double>();
           if (d.contains("replica_compute_s")) m.replica_compute_s = d["replica_compute_s"].cast<std::vector<double>>();
+          if (d.contains("send_s")) m.send_s = d["send_s"].cast<double>();
           measured.push_back(std::move(m));
         }
         r.policy().rebuild_s = rebuild_s;
@@ -238,7 +239,7 @@ void bind_graph(py::module_& m) {
         out["rebuild_s"] = d.move.rebuild_s;
         out["confirmations"] = d.confirmations;
         out["factors"] = py::dict(py::arg("forward") = f.forward, py::arg("backward") = f.backward,
-                                  py::arg("weight") = f.weight, py::arg("speed") = f.speed);
+                                  py::arg("weight") = f.weight, py::arg("speed") = f.speed, py::arg("link") = f.link);
         return out;
       }, py::arg("stages"), py::arg("measured_step_s"), py::arg("rebuild_s") = 0.0, py::arg("bytes_per_s") = 0.0,
          "One window of the running plan (the live profile's stages, merged across processes, and its mean step): "

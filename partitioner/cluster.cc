@@ -122,6 +122,7 @@ std::string human_bytes(double b) {
 }
 
 std::string human_seconds(double s) {
+  if (s < 0) return "-" + human_seconds(-s);
   char buf[32];
   if (s >= 1) std::snprintf(buf, sizeof buf, "%.3f s", s);
   else if (s >= 1e-3) std::snprintf(buf, sizeof buf, "%.3f ms", s * 1e3);

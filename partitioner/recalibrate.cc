@@ -83,13 +83,24 @@ Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasure
   for (int d = 0; d < devices; ++d) {
     if (device_predicted[d] > 0 && device_measured[d] > 0) f.speed[d] = device_predicted[d] / device_measured[d];
   }
+  // A transfer after stage s, as the simulator prices it (Plan::stage_costs): the link's
+  // latency and the largest share's bytes over its bandwidth.
+  std::vector<double> ms, ps;
+  for (std::size_t s = 0; s + 1 < stages && s < plan.links.size(); ++s) {
+    const StagePlan& p = plan.stages[s];
+    const Link& l = plan.links[s];
+    const double bytes = p.send_bytes / std::min(p.replicas, plan.stages[s + 1].replicas);
+    ms.push_back(measured[s].send_s);
+    ps.push_back(l.latency_s + (l.bandwidth_bytes_per_s > 0 ? bytes / l.bandwidth_bytes_per_s : 0));
+  }
+  f.link = common_ratio(ms, ps);
   return f;
 }
 
 Factors settle(const Factors& factors, double tolerance) {
   Factors out = factors;
   auto within = [](double x, double t) { return std::abs(x - 1) <= t; };
-  for (double* k : {&out.forward, &out.backward, &out.weight}) {
+  for (double* k : {&out.forward, &out.backward, &out.weight, &out.link}) {
     if (within(*k, tolerance / 2)) *k = 1;
   }
   for (double& s : out.speed) {
@@ -108,11 +119,24 @@ void apply_factors(const Factors& factors, CostGraph& costs, Cluster& cluster) {
   for (std::size_t d = 0; d < cluster.devices.size() && d < factors.speed.size(); ++d) {
     cluster.devices[d].speed *= factors.speed[d];
   }
+  for (Link* l : {&cluster.intra_node, &cluster.inter_node}) {
+    l->latency_s *= factors.link;
+    l->bandwidth_bytes_per_s /= factors.link;
+  }
 }
 
 Result<Plan> reprice(const CostGraph& costs, const Cluster& cluster, const PlanOptions& options, const Plan& plan) {
   Plan out = plan;
   out.devices = cluster.devices;
+  for (std::size_t s = 0; s < out.links.size() && s + 1 < out.stages.size(); ++s) {
+    const StagePlan& a = out.stages[s];
+    const StagePlan& b = out.stages[s + 1];
+    const int last = a.first_device + a.replicas - 1;
+    if (last >= 0 && last < static_cast<int>(cluster.devices.size()) && b.first_device >= 0 &&
+        b.first_device < static_cast<int>(cluster.devices.size())) {
+      out.links[s] = cluster.link(last, b.first_device);
+    }
+  }
   PlanOptions o = options;
   o.batch = plan.batch > 0 ? plan.batch : options.batch;
   const detail::Model model(cluster, o, std::max(plan.microbatches, 1), plan.schedule, costs.microbatch,

@@ -19,6 +19,9 @@ namespace conveyor::partitioner {
 struct StageMeasurement {
   double forward_s = 0, backward_s = 0, backward_weight_s = 0;
   std::vector<double> replica_compute_s;
+  /// The mean time of one of its transfers to a neighbouring stage (activation or gradient;
+  /// 0: none measured here).
+  double send_s = 0;
 };
 
 /// How far the planning inputs are from what ran: measured over predicted per kind of work,
@@ -27,20 +30,24 @@ struct StageMeasurement {
 struct Factors {
   double forward = 1, backward = 1, weight = 1;
   std::vector<double> speed;  ///< per device; empty: all 1
+  /// Measured over predicted time of a transfer between stages (latency and bytes over
+  /// bandwidth): the links' multiplier (their latency times it, their bandwidth over it).
+  double link = 1;
 };
 
 /// The factors `measured` shows against `plan`'s predictions: each kind's median ratio over
 /// the stages; for each device, what its replicas measured beyond that (over the corrected
-/// prediction), as a speed multiplier. `devices`: the cluster's device count. Errors: a
+/// prediction), as a speed multiplier; the transfers' median ratio over the stages that send. `devices`: the cluster's device count. Errors: a
 /// measurement count other than the plan's stages, a stage on devices outside the cluster,
 /// a negative or non-finite measurement.
 Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasurement>& measured, int devices);
 
 /// `factors` with what is within the tolerance taken as noise (set to 1): a kind's factor
-/// within half of it, a device's speed within it.
+/// and the links' within half of it, a device's speed within it.
 Factors settle(const Factors& factors, double tolerance);
 
-/// `costs` with every operator scaled per kind, and `cluster` with every device's speed scaled.
+/// `costs` with every operator scaled per kind, and `cluster` with every device's speed and
+/// both links scaled.
 void apply_factors(const Factors& factors, CostGraph& costs, Cluster& cluster);
 
 /// `plan`'s layout (stages, devices, microbatches, schedule) priced on `costs` and `cluster`

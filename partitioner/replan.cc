@@ -110,6 +110,7 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   seen.forward *= applied_.forward;
   seen.backward *= applied_.backward;
   seen.weight *= applied_.weight;
+  seen.link *= applied_.link;
   for (int k = 0; k < devices; ++k) seen.speed[k] *= applied_.speed[k];
   // Kinds and speeds are known up to a common scale (a stage's time is cost x kind / speed):
   // the fastest device keeps its speed, the scale goes to the kinds, so that estimates made
@@ -129,6 +130,7 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
     smoothed_.forward += a * (seen.forward - smoothed_.forward);
     smoothed_.backward += a * (seen.backward - smoothed_.backward);
     smoothed_.weight += a * (seen.weight - smoothed_.weight);
+    smoothed_.link += a * (seen.link - smoothed_.link);
     for (int k = 0; k < devices; ++k) smoothed_.speed[k] += a * (seen.speed[k] - smoothed_.speed[k]);
   }
   applied_ = settle(smoothed_, policy_.tolerance);

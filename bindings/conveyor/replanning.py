@@ -42,7 +42,7 @@ def plan_summary(document: dict) -> str:
 def _merge(into: list, stages: list) -> None:
     """Stage by stage the larger of two processes' figures (a stage runs where it is measured)."""
     for mine, theirs in zip(into, stages):
-        for k in ("forward_s", "backward_s", "backward_weight_s"):
+        for k in ("forward_s", "backward_s", "backward_weight_s", "send_s"):
             mine[k] = max(mine[k], theirs[k])
         mine["replica_compute_s"] = [max(a, b) for a, b in zip(mine["replica_compute_s"], theirs["replica_compute_s"])]
 
@@ -50,7 +50,7 @@ def _merge(into: list, stages: list) -> None:
 def merged_window(report: dict, group) -> tuple[list, float]:
     """The window's stages and mean step from every process's live profile (collective
     across processes: each process's figures for the replicas it runs)."""
-    stages = [{k: s[k] for k in ("forward_s", "backward_s", "backward_weight_s", "replica_compute_s")}
+    stages = [{k: s[k] for k in ("forward_s", "backward_s", "backward_weight_s", "replica_compute_s", "send_s")}
               for s in report["stages"]]
     step_s = report["measured_step_s"]
     if group is None:
@@ -152,7 +152,8 @@ class Replanning:
         f = d["factors"]
         speeds = ", ".join(f"{s:.2f}" for s in f["speed"])
         return (f"re-planning: {d['reason']}\n  {d['arithmetic']}\n  corrections: forward x{f['forward']:.2f}, "
-                f"backward x{f['backward']:.2f}, weight gradient x{f['weight']:.2f}; device speeds x[{speeds}]\n"
+                f"backward x{f['backward']:.2f}, weight gradient x{f['weight']:.2f}, transfers x{f['link']:.2f}; "
+                f"device speeds x[{speeds}]\n"
                 f"  switches so far: {len(self.switches)}\n")
 
 

@@ -127,6 +127,25 @@ TEST(Recalibrate, ASplitBackwardCorrectsItsHalvesApart) {
   }
 }
 
+TEST(Recalibrate, TransfersSlowerThanTheLinksPredictSlowTheLinks) {
+  const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
+  const Cluster cluster = devices(3);
+  const Plan plan = plan_of(g, cluster);
+  auto m = measured_at(plan, {1.0, 1.0, 1.0}, false);
+  // Each transfer took 10 times what the link predicts (its latency and bytes over bandwidth).
+  for (int s = 0; s < 2; ++s) {
+    m[s].send_s = 10 * (plan.links[s].latency_s + plan.stages[s].send_bytes / plan.links[s].bandwidth_bytes_per_s);
+  }
+  auto c = recalibrate(g, cluster, pipeline_1f1b(), plan, m);
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  EXPECT_NEAR(c->factors.link, 10.0, 1e-9);
+  EXPECT_NEAR(c->cluster.intra_node.latency_s, 10 * fast_link().latency_s, 1e-15);
+  EXPECT_NEAR(c->cluster.intra_node.bandwidth_bytes_per_s, fast_link().bandwidth_bytes_per_s / 10, 1e-3);
+  EXPECT_NEAR(c->running.links[0].latency_s, 10 * fast_link().latency_s, 1e-15);
+  EXPECT_GT(c->running.predicted_step_s, plan.predicted_step_s);
+  EXPECT_EQ(c->factors.forward, 1.0);
+}
+
 TEST(Recalibrate, MeasurementsThatDoNotFitThePlanAreRefused) {
   const CostGraph g = testing::uniform_chain(8, 1e-3, 2e-3, 1e6, 1e6);
   const Cluster cluster = devices(2);
