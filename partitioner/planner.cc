@@ -48,8 +48,8 @@ StagePlan stage_plan(const Units& u, const CutStates& cs, int inner, int outer, 
   for (int d = first; d < first + replicas; ++d) {
     sp.shares.push_back(model.options().even_shares ? 1.0 / replicas : cluster.devices[d].speed / e.speed);
   }
-  sp.forward_s = ss.fwd * model.scale() / e.speed;
-  sp.backward_s = ss.bwd * model.scale() / e.speed;
+  sp.forward_s = ss.fwd * model.scale() / e.speed + model.options().action_overhead_s;
+  sp.backward_s = ss.bwd * model.scale() / e.speed + model.options().action_overhead_s;
   sp.backward_weight_s = ss.bwd_w * model.scale() / e.speed;
   sp.send_bytes = has_next ? ss.out_bytes * model.scale() : 0;
   sp.recv_bytes = has_prev ? ss.in_bytes * model.scale() : 0;

@@ -36,6 +36,10 @@ struct PlanOptions {
   /// its replica count times its slowest device's speed. Off: shares proportional to the
   /// devices' speeds (the plan's `shares`), a stage at the sum of their speeds.
   bool even_shares = false;
+  /// What the runtime spends per action beyond the operators' time (dispatch, messages, the
+  /// host), added to each stage's forward and backward per microbatch: with it the planner
+  /// weighs more microbatches (a smaller bubble) against more actions. Re-planning measures it.
+  double action_overhead_s = 0;
   SearchMode search = SearchMode::kAuto;
   int max_downsets = 1500;   ///< more convex cut states than this: stages cut a linear order of blocks
   int max_blocks = 192;      ///< blocks of that linear order

@@ -38,7 +38,8 @@ Status check_devices(const StagePlan& p, std::size_t stage, int devices) {
 
 }  // namespace
 
-Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasurement>& measured, int devices) {
+Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasurement>& measured, int devices,
+                                double action_overhead_s) {
   const std::size_t stages = plan.stages.size();
   if (measured.size() != stages) {
     return Status(ErrorCode::kInvalidArgument, "measurements of " + std::to_string(measured.size()) +
@@ -57,8 +58,8 @@ Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasure
     mf.push_back(m.forward_s);
     mb.push_back(m.backward_s);
     mw.push_back(m.backward_weight_s);
-    pf.push_back(p.forward_s);
-    pb.push_back(split ? p.backward_s - p.backward_weight_s : p.backward_s);
+    pf.push_back(std::max(0.0, p.forward_s - action_overhead_s));
+    pb.push_back(std::max(0.0, (split ? p.backward_s - p.backward_weight_s : p.backward_s) - action_overhead_s));
     pw.push_back(split ? p.backward_weight_s : 0);
   }
   Factors f;
@@ -156,8 +157,8 @@ Result<Plan> reprice(const CostGraph& costs, const Cluster& cluster, const PlanO
       bwd_w += costs.ops[id].backward_weight_s;
     }
     const double speed = model.speed(p.first_device, p.replicas);
-    p.forward_s = fwd * model.scale() / speed;
-    p.backward_s = bwd * model.scale() / speed;
+    p.forward_s = fwd * model.scale() / speed + o.action_overhead_s;
+    p.backward_s = bwd * model.scale() / speed + o.action_overhead_s;
     p.backward_weight_s = bwd_w * model.scale() / speed;
   }
   CONVEYOR_ASSIGN_OR_RETURN(auto sim, out.simulate());
@@ -168,7 +169,8 @@ Result<Plan> reprice(const CostGraph& costs, const Cluster& cluster, const PlanO
 
 Result<Calibration> recalibrate(const CostGraph& costs, const Cluster& cluster, const PlanOptions& options,
                                 const Plan& plan, const std::vector<StageMeasurement>& measured, double tolerance) {
-  CONVEYOR_ASSIGN_OR_RETURN(Factors raw, measure_factors(plan, measured, static_cast<int>(cluster.devices.size())));
+  CONVEYOR_ASSIGN_OR_RETURN(Factors raw, measure_factors(plan, measured, static_cast<int>(cluster.devices.size()),
+                                                         options.action_overhead_s));
   Calibration out{costs, cluster, plan, settle(raw, tolerance)};
   apply_factors(out.factors, out.costs, out.cluster);
   CONVEYOR_ASSIGN_OR_RETURN(out.running, reprice(out.costs, out.cluster, options, plan));

@@ -40,7 +40,10 @@ struct Factors {
 /// prediction), as a speed multiplier; the transfers' median ratio over the stages that send. `devices`: the cluster's device count. Errors: a
 /// measurement count other than the plan's stages, a stage on devices outside the cluster,
 /// a negative or non-finite measurement.
-Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasurement>& measured, int devices);
+/// `action_overhead_s`: what the plan's stage times include per action beyond the operators
+/// (PlanOptions::action_overhead_s), which the measured compute does not.
+Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasurement>& measured, int devices,
+                                double action_overhead_s = 0);
 
 /// `factors` with what is within the tolerance taken as noise (set to 1): a kind's factor
 /// and the links' within half of it, a device's speed within it.

@@ -103,7 +103,7 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   }
   ReplanDecision d;
   const int devices = static_cast<int>(base_cluster_.devices.size());
-  CONVEYOR_ASSIGN_OR_RETURN(Factors raw, measure_factors(running_, measured, devices));
+  CONVEYOR_ASSIGN_OR_RETURN(Factors raw, measure_factors(running_, measured, devices, options_.action_overhead_s));
   // Against the profile: this window's factors on top of those its prediction already had.
   if (applied_.speed.empty()) applied_.speed.assign(devices, 1.0);
   Factors seen = raw;
@@ -138,7 +138,14 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   cluster_ = base_cluster_;
   apply_factors(applied_, costs_, cluster_);
   CONVEYOR_ASSIGN_OR_RETURN(running_, reprice(costs_, cluster_, options_, running_));
+  // What the step spends beyond the corrected simulation, per action a rank walks: the
+  // runtime's own cost per action (smoothed like the factors, never below 0).
+  const double extra = (measured_step_s - running_.predicted_step_s) / actions_per_rank(running_);
+  const double overhead = std::max(0.0, options_.action_overhead_s + extra);
+  options_.action_overhead_s += policy_.smoothing * (overhead - options_.action_overhead_s);
+  CONVEYOR_ASSIGN_OR_RETURN(running_, reprice(costs_, cluster_, options_, running_));
   d.calibration = Calibration{costs_, cluster_, running_, applied_};
+  d.action_overhead_s = options_.action_overhead_s;
   d.measured_step_s = measured_step_s;
   // The first window after a switch this decided: slower than before it, beyond the noise,
   // and the switch is undone (the model was wrong about it; returning to it needs twice the gain).

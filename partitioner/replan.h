@@ -51,6 +51,7 @@ struct ReplanDecision {
   bool switch_plan = false;
   bool undo = false;               ///< back to the plan before the last switch, which measured slower
   Calibration calibration;         ///< the corrected inputs; its `running` is the new reference
+  double action_overhead_s = 0;    ///< the runtime's measured cost per action, planned with
   Plan candidate;                  ///< the best plan on the corrected inputs
   double measured_step_s = 0;      ///< the running plan's mean step over the window
   double predicted_step_s = 0;     ///< the candidate's, in the running plan's measured terms

@@ -86,7 +86,7 @@ class Model {
     StageEval e;
     e.speed = speed(first, r);
     e.max_share = max_share(first, r);
-    e.compute = (s.fwd + s.bwd) * scale_ / e.speed;
+    e.compute = (s.fwd + s.bwd) * scale_ / e.speed + 2 * options_.action_overhead_s;
     e.comm = has_next ? comm_time(s.out_bytes, first + r - 1, r) : 0;
     if (r > 1) {
       const Link& l = cluster_.same_node(first, first + r - 1) ? cluster_.intra_node : cluster_.inter_node;

@@ -153,7 +153,7 @@ class Replanning:
         speeds = ", ".join(f"{s:.2f}" for s in f["speed"])
         return (f"re-planning: {d['reason']}\n  {d['arithmetic']}\n  corrections: forward x{f['forward']:.2f}, "
                 f"backward x{f['backward']:.2f}, weight gradient x{f['weight']:.2f}, transfers x{f['link']:.2f}; "
-                f"device speeds x[{speeds}]\n"
+                f"device speeds x[{speeds}]; the runtime's cost per action {d['action_overhead_s'] * 1e6:.0f} us\n"
                 f"  switches so far: {len(self.switches)}\n")
 
 

@@ -26,17 +26,20 @@ PlanOptions options() {
   return o;
 }
 
-// What `plan` measures on devices whose true speeds are `speed` (1: as planned), each
-// kind off by a uniform factor within `noise`; the step as the simulator predicts it.
-std::pair<std::vector<StageMeasurement>, double> run(const Plan& plan, const std::vector<double>& speed,
-                                                     double noise, std::mt19937& rng) {
+// What `plan`'s layout measures when the operators cost what `g` says and the devices run at
+// `speed` (the truth, whatever the Replanner believes), each kind off by a uniform factor
+// within `noise`; the step as the simulator has it, off by the same noise.
+std::pair<std::vector<StageMeasurement>, double> run(const CostGraph& g, const Plan& plan,
+                                                     const std::vector<double>& speed, double noise,
+                                                     std::mt19937& rng) {
   std::uniform_real_distribution<double> jitter(1 - noise, 1 + noise);
-  Plan as_run = plan;
+  Cluster truth = devices(static_cast<int>(speed.size()));
+  for (std::size_t d = 0; d < speed.size(); ++d) truth.devices[d].speed = speed[d];
+  Plan as_run = *reprice(g, truth, options(), plan);
   std::vector<StageMeasurement> out;
   for (auto& s : as_run.stages) {
-    const double slow = plan.devices[s.first_device].speed / speed[s.first_device];
-    s.forward_s *= slow * jitter(rng);
-    s.backward_s *= slow * jitter(rng);
+    s.forward_s *= jitter(rng);
+    s.backward_s *= jitter(rng);
     out.push_back({s.forward_s, s.backward_s, 0, {}});
   }
   return {out, as_run.simulate()->step_time_s * jitter(rng)};
@@ -49,7 +52,7 @@ TEST(Replan, NoiseOnAnAccuratePlanNeverSwitches) {
   Replanner r(g, cluster, plan, options(), ReplanPolicy{});
   std::mt19937 rng(7);
   for (int window = 0; window < 200; ++window) {
-    auto [m, step] = run(r.running(), {1, 1, 1}, 0.1, rng);
+    auto [m, step] = run(g, r.running(), {1, 1, 1}, 0.1, rng);
     auto d = r.evaluate(m, step);
     ASSERT_TRUE(d.is_ok()) << d.status().to_string();
     ASSERT_FALSE(d->switch_plan) << "window " << window << ": " << d->reason << "; " << d->arithmetic(r.policy());
@@ -65,14 +68,14 @@ TEST(Replan, AStragglerSwitchesOnceConfirmedAndStays) {
   Replanner r(g, cluster, plan, options(), policy);
   const std::vector<double> truth{1, 0.5, 1};  // device 1 runs at half speed
   std::mt19937 rng(3);
-  auto [m, step] = run(r.running(), truth, 0.05, rng);
+  auto [m, step] = run(g, r.running(), truth, 0.05, rng);
   auto first = r.evaluate(m, step);
   ASSERT_TRUE(first.is_ok()) << first.status().to_string();
   EXPECT_FALSE(first->switch_plan) << "one window is not confirmation";
   EXPECT_EQ(first->confirmations, 1) << first->reason;
   EXPECT_GT(first->gain_s, 0.15 * step) << first->arithmetic(r.policy());
   EXPECT_GT(first->move.bytes, 0);
-  std::tie(m, step) = run(r.running(), truth, 0.05, rng);
+  std::tie(m, step) = run(g, r.running(), truth, 0.05, rng);
   auto second = r.evaluate(m, step);
   ASSERT_TRUE(second.is_ok());
   ASSERT_TRUE(second->switch_plan) << second->reason << "; " << second->arithmetic(r.policy());
@@ -82,7 +85,7 @@ TEST(Replan, AStragglerSwitchesOnceConfirmedAndStays) {
   // The new plan, measured on the same devices (10% noise): faster, and it stays.
   double sum = 0;
   for (int window = 0; window < 50; ++window) {
-    std::tie(m, step) = run(r.running(), truth, 0.1, rng);
+    std::tie(m, step) = run(g, r.running(), truth, 0.1, rng);
     sum += step;
     auto d = r.evaluate(m, step);
     ASSERT_TRUE(d.is_ok());
@@ -101,7 +104,7 @@ TEST(Replan, ASwitchThatMeasuresSlowerIsUndoneAndNotRetriedForTheSameGain) {
   std::mt19937 rng(5);
   ReplanDecision d;
   for (int window = 0; window < 2; ++window) {
-    auto [m, step] = run(r.running(), {1, 0.5, 1}, 0, rng);
+    auto [m, step] = run(g, r.running(), {1, 0.5, 1}, 0, rng);
     d = *r.evaluate(m, step);
   }
   ASSERT_TRUE(d.switch_plan) << d.reason;
@@ -109,7 +112,7 @@ TEST(Replan, ASwitchThatMeasuresSlowerIsUndoneAndNotRetriedForTheSameGain) {
   const std::string old_key = Replanner::layout_key(plan);
   ASSERT_TRUE(r.switched_to(d.candidate).is_ok());
   // The new plan runs slower than the old one did (the model was wrong about it): undone.
-  auto [m, step] = run(r.running(), {1, 0.5, 1}, 0, rng);
+  auto [m, step] = run(g, r.running(), {1, 0.5, 1}, 0, rng);
   auto undo = r.evaluate(m, before * 1.3);
   ASSERT_TRUE(undo.is_ok());
   EXPECT_TRUE(undo->switch_plan && undo->undo) << undo->reason;
@@ -117,7 +120,7 @@ TEST(Replan, ASwitchThatMeasuresSlowerIsUndoneAndNotRetriedForTheSameGain) {
   EXPECT_NE(undo->reason.find("measured slower"), std::string::npos);
   ASSERT_TRUE(r.switched_to(undo->candidate).is_ok());
   // Back on the old plan, an undo is not itself undone.
-  std::tie(m, step) = run(r.running(), {1, 0.5, 1}, 0, rng);
+  std::tie(m, step) = run(g, r.running(), {1, 0.5, 1}, 0, rng);
   auto after = r.evaluate(m, before * 1.5);
   ASSERT_TRUE(after.is_ok());
   EXPECT_FALSE(after->undo);
@@ -133,7 +136,7 @@ TEST(Replan, ASwitchThatDoesNotPayForMovingWithinTheHorizonWaits) {
   Replanner r(g, cluster, plan, options(), policy);
   std::mt19937 rng(1);
   for (int window = 0; window < 5; ++window) {
-    auto [m, step] = run(r.running(), {1, 0.5, 1}, 0, rng);
+    auto [m, step] = run(g, r.running(), {1, 0.5, 1}, 0, rng);
     auto d = r.evaluate(m, step);
     ASSERT_TRUE(d.is_ok());
     EXPECT_FALSE(d->switch_plan);
