@@ -4,7 +4,6 @@ state moved); a plan made for the wrong device speeds is replaced when replan="a
 kept when "off"; a process that dies during a move stops the job with an error naming it."""
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -28,6 +27,28 @@ needs_ucx = pytest.mark.skipif(bool(_C.ucx_status()), reason=f"UCX cannot start 
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def start_two(args: list, timeout_s: int, rank1_env: dict | None = None) -> list:
+    """The worker as processes 0 and 1 of a job on loopback (torchrun-style environment)."""
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   UCX_NET_DEVICES="lo", OMP_NUM_THREADS="1", CONVEYOR_TIMEOUT=str(timeout_s))
+        if rank == 1 and rank1_env:
+            env.update(rank1_env)
+        procs.append(subprocess.Popen([sys.executable, WORKER, *map(str, args)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def reap(procs: list) -> None:
+    """Kills what still runs and collects every process."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.communicate()
 
 
 def assert_like_eager(losses, state, want_losses, want_state):
@@ -69,20 +90,11 @@ def test_switching_plans_in_one_process_trains_like_eager(optimizer):
 @needs_ucx
 @pytest.mark.parametrize("optimizer", ["sgd-momentum", "adam"])
 def test_switching_plans_across_two_processes_moves_state_and_trains_like_eager(optimizer, tmp_path):
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   UCX_NET_DEVICES="lo", OMP_NUM_THREADS="1", CONVEYOR_TIMEOUT="120")
-        procs.append(subprocess.Popen([sys.executable, WORKER, "--optimizer", optimizer, "--out", tmp_path / "two.pt"],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    procs = start_two(["--optimizer", optimizer, "--out", tmp_path / "two.pt"], timeout_s=120)
     try:
         outputs = [p.communicate(timeout=300)[0] for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+        reap(procs)
     for p, text in zip(procs, outputs):
         assert p.returncode == 0, text[-4000:]
     result = torch.load(tmp_path / "two.pt")
@@ -149,25 +161,15 @@ def test_a_plan_made_for_wrong_device_speeds_is_replaced_when_auto_and_kept_when
 def test_a_process_that_dies_during_a_move_stops_the_other_naming_it(tmp_path):
     """Process 1 exits while handing over its optimizer state: process 0 fails within the
     timeout with an error naming process 1, and does not hang."""
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   UCX_NET_DEVICES="lo", OMP_NUM_THREADS="1", CONVEYOR_TIMEOUT="30")
-        if rank == 1:
-            env["REPLAN_WORKER_DIE_IN_MOVE"] = "1"
-        procs.append(subprocess.Popen([sys.executable, WORKER, "--optimizer", "adam", "--out", tmp_path / "x.pt"],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    procs = start_two(["--optimizer", "adam", "--out", tmp_path / "x.pt"], timeout_s=30,
+                      rank1_env={"REPLAN_WORKER_DIE_IN_MOVE": "1"})
     try:
         procs[1].wait(timeout=240)
         died = time.monotonic()
         text = procs[0].communicate(timeout=60)[0]
         waited = time.monotonic() - died
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.communicate()
+        reap(procs)
     assert procs[1].returncode == 3
     assert procs[0].returncode != 0, text[-3000:]
     assert "process 1" in text, text[-3000:]
