@@ -147,13 +147,23 @@ bool is_plain_symbol(const std::string& s) {
 // The user's tensors against what the graph was captured for: every fixed size and dtype,
 // one size per symbol across inputs, and the sizes the symbol's range allows. (Only the
 // batch stays symbolic in capture; any other size is part of the graph.)
-Status check_graph_inputs(const Graph& g, const std::vector<c10::IValue>& inputs) {
+Status check_graph_inputs(const Graph& g, const std::vector<c10::IValue>& inputs, bool whole_batch,
+                          const std::optional<c10::Device>& device) {
   std::map<std::string, std::pair<std::int64_t, std::size_t>> seen;  // symbol -> (size, input)
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     const Value& v = g.values[g.inputs[i].value];
+    const std::string which = "input " + std::to_string(i) + " ('" + g.inputs[i].name + "')";
+    if (v.kind == ValueKind::kTensor && !inputs[i].isTensor() && !inputs[i].isNone()) {
+      return Status(ErrorCode::kInvalidArgument, which + " is a " + inputs[i].tagKind() +
+                                                     " but the graph was captured with a tensor there; pass a tensor");
+    }
     if (v.kind != ValueKind::kTensor || !inputs[i].isTensor()) continue;
     const at::Tensor& t = inputs[i].toTensor();
-    const std::string which = "input " + std::to_string(i) + " ('" + g.inputs[i].name + "')";
+    if (device && t.dim() > 0 && t.device() != *device) {
+      return Status(ErrorCode::kInvalidArgument, which + " is on " + t.device().str() + " but the model is on " +
+                                                     device->str() + "; move it there (.to(\"" + device->str() +
+                                                     "\"))");
+    }
     if (!fits_shape(t, v.shape)) {
       return Status(ErrorCode::kInvalidArgument,
                     which + " has shape " + shape_string(t) + " but the graph was captured for " +
@@ -177,7 +187,7 @@ Status check_graph_inputs(const Graph& g, const std::vector<c10::IValue>& inputs
                           " disagree on size " + sym + ": " + std::to_string(it->second.first) + " and " +
                           std::to_string(size) + "; every batched input must hold the same batch");
       }
-      if (!fresh) continue;
+      if (!fresh || !whole_batch) continue;
       if (auto r = g.ranges.find(sym); r != g.ranges.end() && (size < r->second.min || size > r->second.max)) {
         return Status(ErrorCode::kInvalidArgument,
                       which + " has " + sym + " = " + std::to_string(size) + " but the graph holds for " +
@@ -192,12 +202,29 @@ Status check_graph_inputs(const Graph& g, const std::vector<c10::IValue>& inputs
 
 }  // namespace
 
-Result<std::vector<c10::IValue>> GraphExecutor::run(std::vector<c10::IValue> inputs) const {
+Status GraphExecutor::check_inputs(const std::vector<c10::IValue>& inputs, bool whole_batch) const {
   if (inputs.size() != graph_.inputs.size()) {
-    return Status(ErrorCode::kInvalidArgument, "the graph takes " + std::to_string(graph_.inputs.size()) +
-                                                   " inputs but got " + std::to_string(inputs.size()));
+    std::string names;
+    for (const auto& in : graph_.inputs) names += (names.empty() ? "" : ", ") + in.name;
+    return Status(ErrorCode::kInvalidArgument, "the model takes " + std::to_string(graph_.inputs.size()) +
+                                                   " inputs (" + names + ") but got " + std::to_string(inputs.size()));
   }
-  CONVEYOR_RETURN_IF_ERROR(check_graph_inputs(graph_, inputs));
+  // Where the model's tensors are, when they are all on one device (0-dimensional inputs
+  // may stay on the host, as torch allows).
+  std::optional<c10::Device> device;
+  for (const auto& [name, t] : tensors_) {
+    if (!t.defined() || t.numel() == 0) continue;  // released across processes
+    if (device && *device != t.device()) {
+      device.reset();
+      break;
+    }
+    device = t.device();
+  }
+  return check_graph_inputs(graph_, inputs, whole_batch, device);
+}
+
+Result<std::vector<c10::IValue>> GraphExecutor::run(std::vector<c10::IValue> inputs) const {
+  CONVEYOR_RETURN_IF_ERROR(check_inputs(inputs));
   std::vector<c10::IValue> values(graph_.values.size());
   for (std::size_t i = 0; i < inputs.size(); ++i) values[graph_.inputs[i].value] = std::move(inputs[i]);
   CONVEYOR_RETURN_IF_ERROR(execute(whole_graph_steps_, values));

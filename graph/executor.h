@@ -103,6 +103,12 @@ class GraphExecutor : public std::enable_shared_from_this<GraphExecutor> {
   /// detaching anything: outputs stay connected to parameters and inputs through autograd.
   Result<std::vector<c10::IValue>> run(std::vector<c10::IValue> inputs) const;
 
+  /// The user inputs against the capture, each error naming the input and what to pass: the
+  /// count, every fixed size and dtype, one size per symbol across inputs, the device of the
+  /// model's tensors, and with `whole_batch` the sizes the batch range allows (a pipeline
+  /// checks its replicas' shares against the range instead).
+  Status check_inputs(const std::vector<c10::IValue>& inputs, bool whole_batch = true) const;
+
   /// An executor for another replica of the same graph: parameters share storage with this
   /// executor's (an optimizer step on them reaches every replica) but are separate autograd
   /// leaves with their own `.grad`; buffers are copies (each replica updates its own running

@@ -255,10 +255,9 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
     return Status(ErrorCode::kExecution, "an earlier step failed and left the processes out of step; "
                                          "restart the job (every process) after fixing its cause");
   }
-  if (inputs.size() != layout.batch.batched_input.size()) {
-    return Status(ErrorCode::kInvalidArgument, "the model takes " + std::to_string(layout.batch.batched_input.size()) +
-                                                   " inputs but got " + std::to_string(inputs.size()));
-  }
+  // Every input against the capture before anything runs (the shares against the batch range
+  // follow in check_step).
+  CONVEYOR_RETURN_IF_ERROR(im.executors[0]->check_inputs(inputs, /*whole_batch=*/false));
   std::int64_t batch = -1;
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     if (layout.batch.batched_input[i] && inputs[i].isTensor()) batch = inputs[i].toTensor().size(0);

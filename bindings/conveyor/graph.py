@@ -152,8 +152,8 @@ class Graph:
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
         if self._in_spec is not None and spec != self._in_spec:
             raise ConveyorValueError(
-                "inputs are structured differently from the call the graph was captured with: "
-                f"expected {self._in_spec}, got {spec}")
+                f"the model was captured with {_call_shape(self._in_spec)}; this call passes {_call_shape(spec)} "
+                "(pass the same arguments, in the same structure)")
         positions = self._input_positions
         if positions is None:
             positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
@@ -162,9 +162,11 @@ class Graph:
             raise ConveyorValueError(f"the graph takes {n} tensor inputs but the call provides "
                                      f"{len(positions)}")
         out = []
-        for p in positions:
+        for k, p in enumerate(positions):
             if p >= len(leaves) or not isinstance(leaves[p], torch.Tensor):
-                raise ConveyorValueError(f"input {p} must be a tensor")
+                got = type(leaves[p]).__name__ if p < len(leaves) else "nothing"
+                raise ConveyorValueError(f"input {k} ('{self.document['inputs'][k]['name']}') is a {got}, but the model "
+                                         "was captured with a tensor there; pass a tensor")
             out.append(leaves[p])
         return out
 
@@ -195,6 +197,17 @@ class Graph:
             partition = [sorted(int(n) for n in s) for s in stages]
         self._ir.check_partition(partition)
         return StagedGraph(self, partition)
+
+
+def _call_shape(spec) -> str:
+    """A call's structure in words: '2 positional arguments and keywords labels, mask'."""
+    try:
+        args, kwargs = spec.children()
+        words = f"{args.num_children} positional argument{'s' if args.num_children != 1 else ''}"
+        keys = list(kwargs.context or [])
+        return words + (f" and keyword{'s' if len(keys) != 1 else ''} {', '.join(keys)}" if keys else "")
+    except (AttributeError, ValueError, TypeError):
+        return str(spec)
 
 
 class _StagedRun(torch.autograd.Function):

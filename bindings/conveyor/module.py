@@ -59,7 +59,9 @@ process 0's is used). The masks are not eager's: eager draws one stream in execu
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
+import keyword
 import os
 import warnings
 from typing import Any
@@ -102,12 +104,27 @@ def _batch_of(inputs: list) -> int | None:
     return next((t.shape[0] for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0), None)
 
 
+def _positional_names(model: torch.nn.Module, count: int, kwargs: dict) -> list[str]:
+    """Names for a call's `count` positional arguments: the model's own forward parameters
+    (so errors name `input_ids`, not `arg0`), or arg0, arg1, ... where they cannot be had."""
+    try:
+        params = [p for p in inspect.signature(model.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    names = [p.name for p in params[:count]]
+    if len(names) < count or len(set(names)) < count or set(names) & set(kwargs) or \
+            not all(n.isidentifier() and not keyword.iskeyword(n) and n not in ("self", "target") for n in names):
+        return [f"arg{i}" for i in range(count)]
+    return names
+
+
 def _loss_wrapper(model: torch.nn.Module, loss_fn, args: tuple, kwargs: dict) -> torch.nn.Module:
     """The model with its scalar loss as the only output and the same argument names (the
     capture needs a plain signature). With `loss_fn`, a `target=` keyword goes to
     `loss_fn(output, target)` rather than to the model (torch.distributed.pipelining's
     `step(target=)` convention): `loss = model(x, target=y)` for `criterion(model(x), y)`."""
-    pos = [f"arg{i}" for i in range(len(args))]
+    pos = _positional_names(model, len(args), kwargs)
     to_loss = loss_fn is not None and "target" in kwargs
     call = ", ".join(pos + [f"{k}={k}" for k in kwargs if not (to_loss and k == "target")])
     namespace: dict = {}

@@ -314,6 +314,31 @@ def test_bad_input_gets_clear_errors():
         conveyor.Module(case.model, stages=2).profile_report()
 
 
+def test_every_call_checks_its_inputs_against_the_capture_before_running():
+    """After the first call built the pipeline, a call whose inputs differ from the capture
+    is refused before any work, naming the input and what to pass (the same checks as
+    calling the captured graph), and the pipeline goes on training afterwards."""
+    torch.manual_seed(0)
+    model = conveyor.Module(NeedsFourSamples().double(), torch.optim.SGD([torch.zeros(1)], lr=0.1), stages=2,
+                            microbatches=2)
+    x, y = torch.randn(8, 16, dtype=torch.float64), torch.randn(8, 16, dtype=torch.float64)
+    model.train_step(x, y)
+    cases = [
+        ((x,), "captured with 2 positional arguments; this call passes 1 positional argument"),
+        ((x.float(), y), r"input 0 \('x'\) has dtype float32 but the graph was captured with float64"),
+        ((x[:, :8], y[:, :8]), r"input 0 \('x'\) has shape \[8, 8\] but the graph was captured for"),
+        ((x.unsqueeze(0), y), r"input 0 \('x'\) has shape \[1, 8, 16\]"),
+        ((x, y[:4]), "disagree on size"),
+        ((x.to("meta"), y), r"input 0 \('x'\) is on meta but the model is on cpu"),
+        ((x, 3.0), r"input 1 \('y'\) is a float, but the model was captured with a tensor there"),
+        ((x[:3], y[:3]), "at least 4 samples at once"),  # fewer samples than the model runs at once
+    ]
+    for args, expected in cases:
+        with pytest.raises(conveyor.ConveyorValueError, match=expected):
+            model.train_step(*args)
+    assert model.train_step(x, y).item() > 0
+
+
 def test_the_local_cluster_of_a_gpu_model_describes_the_gpu():
     """A CUDA model is planned on its GPU's memory: one process splits the GPU into virtual
     devices that share it; one process per GPU gives each device the whole GPU."""
