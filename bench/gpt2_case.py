@@ -6,7 +6,7 @@ import torch
 
 import conveyor
 from conveyor import zoo
-from conveyor.module import _loss_wrapper
+from conveyor.loss_wrapper import loss_wrapper
 
 
 def add_arguments(ap: argparse.ArgumentParser, *, hidden: int, seq: int, batch: int, warmup: int | None = None) -> None:
@@ -29,6 +29,6 @@ def captured(args, *, vocab: int = 512, device: str = "cpu"):
     if device != "cpu":
         case.model.to(device)
         case.kwargs = {k: v.to(device) for k, v in case.kwargs.items()}
-    wrapped = _loss_wrapper(case.model, case.loss, case.args, case.kwargs)
+    wrapped = loss_wrapper(case.model, case.loss, case.args, case.kwargs)
     graph = conveyor.capture(wrapped, case.args, case.kwargs)
     return case, wrapped, graph, graph.flatten_inputs(case.args, case.kwargs)

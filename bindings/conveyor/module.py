@@ -59,9 +59,7 @@ process 0's is used). The masks are not eager's: eager draws one stream in execu
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
-import keyword
 import os
 import warnings
 from typing import Any
@@ -70,25 +68,12 @@ import torch
 
 from . import _C, distributed
 from .capture import capture
+from .loss_wrapper import loss_wrapper
 from .errors import ConveyorValueError, UnsupportedError
 from .planning import Plan, cluster_text, plan as make_plan, profile, read_plan
 from .replanning import Replanning, switch_to
 
 __all__ = ["Module"]
-
-
-def _loss_of(output: Any) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    if getattr(output, "loss", None) is not None:
-        return output.loss
-    if isinstance(output, dict) and "loss" in output:
-        return output["loss"]
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
-    raise ConveyorValueError(
-        f"the model's forward returned {type(output).__name__}, not a loss; return a scalar loss from forward "
-        "(or an object with .loss), or pass loss_fn=")
 
 
 def _least_share(graph) -> int:
@@ -102,39 +87,6 @@ def _least_share(graph) -> int:
 def _batch_of(inputs: list) -> int | None:
     """The batch size of a call: dim 0 of its first tensor that has dimensions."""
     return next((t.shape[0] for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0), None)
-
-
-def _positional_names(model: torch.nn.Module, count: int, kwargs: dict) -> list[str]:
-    """Names for a call's `count` positional arguments: the model's own forward parameters
-    (so errors name `input_ids`, not `arg0`), or arg0, arg1, ... where they cannot be had."""
-    try:
-        params = [p for p in inspect.signature(model.forward).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    except (TypeError, ValueError):
-        params = []
-    names = [p.name for p in params[:count]]
-    if len(names) < count or len(set(names)) < count or set(names) & set(kwargs) or \
-            not all(n.isidentifier() and not keyword.iskeyword(n) and n not in ("self", "target") for n in names):
-        return [f"arg{i}" for i in range(count)]
-    return names
-
-
-def _loss_wrapper(model: torch.nn.Module, loss_fn, args: tuple, kwargs: dict) -> torch.nn.Module:
-    """The model with its scalar loss as the only output and the same argument names (the
-    capture needs a plain signature). With `loss_fn`, a `target=` keyword goes to
-    `loss_fn(output, target)` rather than to the model (torch.distributed.pipelining's
-    `step(target=)` convention): `loss = model(x, target=y)` for `criterion(model(x), y)`."""
-    pos = _positional_names(model, len(args), kwargs)
-    to_loss = loss_fn is not None and "target" in kwargs
-    call = ", ".join(pos + [f"{k}={k}" for k in kwargs if not (to_loss and k == "target")])
-    namespace: dict = {}
-    exec(f"def forward(self, {', '.join(pos + list(kwargs))}):\n"
-         f"    return self._loss(self.model({call}){', target' if to_loss else ''})", namespace)
-    cls = type(f"{type(model).__name__}Loss", (torch.nn.Module,), {"forward": namespace["forward"]})
-    wrapper = cls()
-    wrapper.model = model
-    wrapper._loss = loss_fn or _loss_of
-    return wrapper
 
 
 class _PipelinedLoss(torch.autograd.Function):
@@ -320,7 +272,7 @@ class Module(torch.nn.Module):
 
     # -- building ---------------------------------------------------------------------
     def _build(self, args: tuple, kwargs: dict) -> None:
-        wrapper = _loss_wrapper(self.module, self._loss_fn, args, kwargs)
+        wrapper = loss_wrapper(self.module, self._loss_fn, args, kwargs)
         graph = capture(wrapper, args, kwargs)
         unseeded = graph.executor.unseeded_random_nodes()
         if unseeded:

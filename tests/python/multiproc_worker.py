@@ -20,7 +20,7 @@ import torch
 
 import conveyor
 from conveyor import _C, zoo
-from conveyor.module import _loss_wrapper
+from conveyor.loss_wrapper import loss_wrapper
 
 
 def on_device(case, device: str):
@@ -81,7 +81,7 @@ def main():
     case_options = {} if args.dropout is None else {"dropout": args.dropout}
     torch.manual_seed(0)
     case = on_device(zoo.CASES[args.case](batch=args.batch, **case_options), args.device)
-    model = _loss_wrapper(case.model, case.loss, case.args, case.kwargs)
+    model = loss_wrapper(case.model, case.loss, case.args, case.kwargs)
     graph = conveyor.capture(model, case.args, case.kwargs)
     # Capture ran the model once: start again from the seed so every process (and the
     # reference) holds the same initial state regardless of what capture did.

@@ -284,9 +284,9 @@ def test_nccl_transport_refuses_a_model_on_the_cpu_naming_it():
     import conveyor
     from conveyor import zoo
     from conveyor.errors import ConveyorError
-    from conveyor.module import _loss_wrapper
+    from conveyor.loss_wrapper import loss_wrapper
     case = zoo.CASES["mlp"](batch=8)
-    graph = conveyor.capture(_loss_wrapper(case.model, case.loss, case.args, case.kwargs), case.args, case.kwargs)
+    graph = conveyor.capture(loss_wrapper(case.model, case.loss, case.args, case.kwargs), case.args, case.kwargs)
     stages = graph.random_partition(2, seed=0, keep_node_order=True)
     job = _C.ProcessGroup(0, 1, "127.0.0.1", free_port(), "transport-test", 30.0)
     try:
@@ -308,8 +308,8 @@ def test_a_placement_that_does_not_match_the_pipeline_is_refused_naming_it():
     from conveyor import zoo
     from conveyor.errors import ConveyorError
     case = zoo.CASES["mlp"](batch=8)
-    from conveyor.module import _loss_wrapper
-    graph = conveyor.capture(_loss_wrapper(case.model, case.loss, case.args, case.kwargs), case.args, case.kwargs)
+    from conveyor.loss_wrapper import loss_wrapper
+    graph = conveyor.capture(loss_wrapper(case.model, case.loss, case.args, case.kwargs), case.args, case.kwargs)
     stages = graph.random_partition(2, seed=0, keep_node_order=True)
     job = _C.ProcessGroup(0, 1, "127.0.0.1", free_port(), "placement-test", 30.0)
     try:

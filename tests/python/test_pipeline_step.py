@@ -15,7 +15,7 @@ import torch
 
 import conveyor
 from conveyor import _C, zoo
-from conveyor.module import _loss_wrapper
+from conveyor.loss_wrapper import loss_wrapper
 
 from conftest import split_batch
 
@@ -47,7 +47,7 @@ def deterministic_cuda():
 
 def loss_only(case):
     """The model with its loss as the only output, as conveyor.Module wraps it."""
-    return _loss_wrapper(case.model, case.loss, case.args, case.kwargs)
+    return loss_wrapper(case.model, case.loss, case.args, case.kwargs)
 
 
 def captured(case):

@@ -1,0 +1,60 @@
+"""The model as conveyor captures it: its scalar loss as the only output, behind a forward
+with plain argument names (conveyor.Module wraps every model this way before capture)."""
+from __future__ import annotations
+
+import inspect
+import keyword
+from typing import Any
+
+import torch
+
+from .errors import ConveyorValueError
+
+__all__ = ["loss_wrapper"]
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    if getattr(output, "loss", None) is not None:
+        return output.loss
+    if isinstance(output, dict) and "loss" in output:
+        return output["loss"]
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise ConveyorValueError(
+        f"the model's forward returned {type(output).__name__}, not a loss; return a scalar loss from forward "
+        "(or an object with .loss), or pass loss_fn=")
+
+
+def positional_names(model: torch.nn.Module, count: int, kwargs: dict) -> list[str]:
+    """Names for a call's `count` positional arguments: the model's own forward parameters
+    (so errors name `input_ids`, not `arg0`), or arg0, arg1, ... where they cannot be had."""
+    try:
+        params = [p for p in inspect.signature(model.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    names = [p.name for p in params[:count]]
+    if len(names) < count or len(set(names)) < count or set(names) & set(kwargs) or \
+            not all(n.isidentifier() and not keyword.iskeyword(n) and n not in ("self", "target") for n in names):
+        return [f"arg{i}" for i in range(count)]
+    return names
+
+
+def loss_wrapper(model: torch.nn.Module, loss_fn, args: tuple, kwargs: dict) -> torch.nn.Module:
+    """The model with its scalar loss as the only output and the same argument names (the
+    capture needs a plain signature). With `loss_fn`, a `target=` keyword goes to
+    `loss_fn(output, target)` rather than to the model (torch.distributed.pipelining's
+    `step(target=)` convention): `loss = model(x, target=y)` for `criterion(model(x), y)`."""
+    pos = positional_names(model, len(args), kwargs)
+    to_loss = loss_fn is not None and "target" in kwargs
+    call = ", ".join(pos + [f"{k}={k}" for k in kwargs if not (to_loss and k == "target")])
+    namespace: dict = {}
+    exec(f"def forward(self, {', '.join(pos + list(kwargs))}):\n"
+         f"    return self._loss(self.model({call}){', target' if to_loss else ''})", namespace)
+    cls = type(f"{type(model).__name__}Loss", (torch.nn.Module,), {"forward": namespace["forward"]})
+    wrapper = cls()
+    wrapper.model = model
+    wrapper._loss = loss_fn or _loss_of
+    return wrapper
