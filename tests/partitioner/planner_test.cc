@@ -211,6 +211,29 @@ TEST(Planner, HeterogeneousDevicesReachTheFluidBound) {
   EXPECT_LE(ratio, 1.0 + 1e-9);
 }
 
+TEST(Planner, EvenSharesPriceAReplicatedStageAtItsSlowestDevice) {
+  // One fast and one slow device: with shares in proportion to speed the two replicas of one
+  // stage run at 1.5; split evenly (as the runtime does) they wait for the slow one, at 2 x 0.5.
+  Cluster cluster = Cluster::uniform(1, 2, 16e9, 1.0, {100e9, 2e-6}, {100e9, 2e-6});
+  cluster.devices[1].speed = 0.5;
+  CostGraph g = uniform_chain(8, 1e-3, 2e-3, 1e3, 1e3);
+  PlanOptions o;
+  o.batch = 8;
+  o.microbatches = 1;
+  o.schedules = {ScheduleKind::kGPipe};
+  Candidate both{{{0, 1, 2, 3, 4, 5, 6, 7}}, {2}, 1, ScheduleKind::kGPipe};
+  auto proportional = candidate_objective(g, cluster, o, both);
+  o.even_shares = true;
+  auto even = candidate_objective(g, cluster, o, both);
+  ASSERT_TRUE(proportional.is_ok() && even.is_ok());
+  EXPECT_NEAR(*even / *proportional, 1.5, 0.02);  // compute 24 ms x 8 samples / 1.5 against / 1.0
+  auto plan = make_plan(g, cluster, o);
+  ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
+  for (const auto& st : plan->stages) {
+    for (double share : st.shares) EXPECT_DOUBLE_EQ(share, 1.0 / st.replicas);
+  }
+}
+
 TEST(Planner, ModelThatCannotFitGetsTheMemoryItWouldNeed) {
   CostGraph g = uniform_chain(16, 1e-3, 2e-3, 1e9, 1e6);  // 16 GB of weights, x4 with Adam
   Cluster small = Cluster::uniform(1, 4, 8e9, 1.0, fast_link(), fast_link());
