@@ -211,6 +211,7 @@ void bind_graph(py::module_& m) {
           m.backward_weight_s = d["backward_weight_s"].cast<double>();
           if (d.contains("replica_compute_s")) m.replica_compute_s = d["replica_compute_s"].cast<std::vector<double>>();
           if (d.contains("send_s")) m.send_s = d["send_s"].cast<double>();
+          if (d.contains("allreduce_s")) m.allreduce_s = d["allreduce_s"].cast<double>();
           measured.push_back(std::move(m));
         }
         r.policy().rebuild_s = rebuild_s;

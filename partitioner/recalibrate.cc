@@ -94,6 +94,11 @@ Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasure
     ms.push_back(measured[s].send_s);
     ps.push_back(l.latency_s + (l.bandwidth_bytes_per_s > 0 ? bytes / l.bandwidth_bytes_per_s : 0));
   }
+  // A replicated stage's gradient sum crosses the same links (a ring over its devices).
+  for (std::size_t s = 0; s < stages; ++s) {
+    ms.push_back(measured[s].allreduce_s);
+    ps.push_back(plan.stages[s].allreduce_s);
+  }
   f.link = common_ratio(ms, ps);
   return f;
 }
@@ -159,6 +164,7 @@ Result<Plan> reprice(const CostGraph& costs, const Cluster& cluster, const PlanO
     const double speed = model.speed(p.first_device, p.replicas);
     p.forward_s = fwd * model.scale() / speed + o.action_overhead_s;
     p.backward_s = bwd * model.scale() / speed + o.action_overhead_s;
+    p.allreduce_s = model.allreduce_time(p.param_bytes, p.first_device, p.replicas);
     p.backward_weight_s = bwd_w * model.scale() / speed;
   }
   CONVEYOR_ASSIGN_OR_RETURN(auto sim, out.simulate());

@@ -22,6 +22,8 @@ struct StageMeasurement {
   /// The mean time of one of its transfers to a neighbouring stage (activation or gradient;
   /// 0: none measured here).
   double send_s = 0;
+  /// Its replicas' gradient sum per step (0: one replica, or not measured here).
+  double allreduce_s = 0;
 };
 
 /// How far the planning inputs are from what ran: measured over predicted per kind of work,
@@ -37,7 +39,8 @@ struct Factors {
 
 /// The factors `measured` shows against `plan`'s predictions: each kind's median ratio over
 /// the stages; for each device, what its replicas measured beyond that (over the corrected
-/// prediction), as a speed multiplier; the transfers' median ratio over the stages that send. `devices`: the cluster's device count. Errors: a
+/// prediction), as a speed multiplier; the links' median ratio over the stages' transfers and
+/// gradient sums. `devices`: the cluster's device count. Errors: a
 /// measurement count other than the plan's stages, a stage on devices outside the cluster,
 /// a negative or non-finite measurement.
 /// `action_overhead_s`: what the plan's stage times include per action beyond the operators

@@ -82,17 +82,21 @@ class Model {
     return 2 * t;  // the activation forward, its gradient back
   }
 
+  /// A ring allreduce of `param_bytes` over devices [first, first + r) (0 for one replica).
+  double allreduce_time(double param_bytes, int first, int r) const {
+    if (r <= 1) return 0;
+    const Link& l = cluster_.same_node(first, first + r - 1) ? cluster_.intra_node : cluster_.inter_node;
+    const double ring = 2.0 * (r - 1) / r;
+    return ring * (l.bandwidth_bytes_per_s > 0 ? param_bytes / l.bandwidth_bytes_per_s : 0) + 2.0 * (r - 1) * l.latency_s;
+  }
+
   StageEval eval(const StageSums& s, int first, int r, int stages_after, bool has_next) const {
     StageEval e;
     e.speed = speed(first, r);
     e.max_share = max_share(first, r);
     e.compute = (s.fwd + s.bwd) * scale_ / e.speed + 2 * options_.action_overhead_s;
     e.comm = has_next ? comm_time(s.out_bytes, first + r - 1, r) : 0;
-    if (r > 1) {
-      const Link& l = cluster_.same_node(first, first + r - 1) ? cluster_.intra_node : cluster_.inter_node;
-      const double ring = 2.0 * (r - 1) / r;
-      e.allreduce = ring * (l.bandwidth_bytes_per_s > 0 ? s.params / l.bandwidth_bytes_per_s : 0) + 2.0 * (r - 1) * l.latency_s;
-    }
+    e.allreduce = allreduce_time(s.params, first, r);
     e.in_flight = in_flight(stages_after);
     e.static_bytes = s.params * (2 + options_.optimizer_bytes_per_param_byte);
     e.transient_bytes = (s.work + 2 * (s.in_bytes + s.out_bytes)) * scale_ * e.max_share;

@@ -42,7 +42,7 @@ def plan_summary(document: dict) -> str:
 def _merge(into: list, stages: list) -> None:
     """Stage by stage the larger of two processes' figures (a stage runs where it is measured)."""
     for mine, theirs in zip(into, stages):
-        for k in ("forward_s", "backward_s", "backward_weight_s", "send_s"):
+        for k in ("forward_s", "backward_s", "backward_weight_s", "send_s", "allreduce_s"):
             mine[k] = max(mine[k], theirs[k])
         mine["replica_compute_s"] = [max(a, b) for a, b in zip(mine["replica_compute_s"], theirs["replica_compute_s"])]
 
@@ -50,7 +50,8 @@ def _merge(into: list, stages: list) -> None:
 def merged_window(report: dict, group) -> tuple[list, float]:
     """The window's stages and mean step from every process's live profile (collective
     across processes: each process's figures for the replicas it runs)."""
-    stages = [{k: s[k] for k in ("forward_s", "backward_s", "backward_weight_s", "replica_compute_s", "send_s")}
+    stages = [{k: s[k] for k in ("forward_s", "backward_s", "backward_weight_s", "replica_compute_s", "send_s",
+                                 "allreduce_s")}
               for s in report["stages"]]
     step_s = report["measured_step_s"]
     if group is None:

@@ -146,6 +146,25 @@ TEST(Recalibrate, TransfersSlowerThanTheLinksPredictSlowTheLinks) {
   EXPECT_EQ(c->factors.forward, 1.0);
 }
 
+TEST(Recalibrate, GradientSumsSlowerThanPredictedSlowTheLinks) {
+  const CostGraph g = testing::uniform_chain(8, 1e-3, 2e-3, 1e6, 1e6);
+  const Cluster cluster = devices(2);
+  PlanOptions o = pipeline_1f1b(16);
+  o.max_replicas = 2;
+  o.microbatches = 2;
+  o.even_shares = true;
+  const Plan plan = plan_of(g, cluster, o);
+  ASSERT_EQ(plan.stages.size(), 1u) << plan.table();
+  ASSERT_GT(plan.stages[0].allreduce_s, 0);
+  const StagePlan& p = plan.stages[0];
+  std::vector<StageMeasurement> m{{p.forward_s, p.backward_s, 0, {}, 0, 3 * p.allreduce_s}};
+  auto c = recalibrate(g, cluster, o, plan, m);
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  EXPECT_NEAR(c->factors.link, 3.0, 1e-9);
+  EXPECT_NEAR(c->running.stages[0].allreduce_s, 3 * p.allreduce_s, 1e-12);
+  EXPECT_EQ(c->factors.forward, 1.0);
+}
+
 TEST(Recalibrate, MeasurementsThatDoNotFitThePlanAreRefused) {
   const CostGraph g = testing::uniform_chain(8, 1e-3, 2e-3, 1e6, 1e6);
   const Cluster cluster = devices(2);
