@@ -77,15 +77,21 @@ TEST(Recalibrate, AStragglerGetsItsDeviceSlowedAndThePlannerMovesWorkOffIt) {
   EXPECT_LT(again.predicted_step_s, 0.9 * c->running.predicted_step_s);
 }
 
-TEST(Recalibrate, AReplicaThatRunsSlowSlowsItsOwnDeviceOnly) {
-  const CostGraph g = testing::uniform_chain(8, 1e-3, 2e-3, 1e6, 1e6);
-  const Cluster cluster = devices(2);
+// Two devices, one stage with a replica on each (data parallel: no transfers, no bubble).
+PlanOptions data_parallel() {
   PlanOptions o = pipeline_1f1b(16);
   o.max_replicas = 2;
   o.microbatches = 2;
   o.even_shares = true;
+  return o;
+}
+
+TEST(Recalibrate, AReplicaThatRunsSlowSlowsItsOwnDeviceOnly) {
+  const CostGraph g = testing::uniform_chain(8, 1e-3, 2e-3, 1e6, 1e6);
+  const Cluster cluster = devices(2);
+  const PlanOptions o = data_parallel();
   const Plan plan = plan_of(g, cluster, o);
-  ASSERT_EQ(plan.stages.size(), 1u) << plan.table();  // data parallel: no transfers, no bubble
+  ASSERT_EQ(plan.stages.size(), 1u) << plan.table();
   StagePlan p = plan.stages[0];
   const double whole = p.forward_s + p.backward_s;
   std::vector<StageMeasurement> m{{2 * p.forward_s, 2 * p.backward_s, 0, {whole, 2 * whole}}};
@@ -149,10 +155,7 @@ TEST(Recalibrate, TransfersSlowerThanTheLinksPredictSlowTheLinks) {
 TEST(Recalibrate, GradientSumsSlowerThanPredictedSlowTheLinks) {
   const CostGraph g = testing::uniform_chain(8, 1e-3, 2e-3, 1e6, 1e6);
   const Cluster cluster = devices(2);
-  PlanOptions o = pipeline_1f1b(16);
-  o.max_replicas = 2;
-  o.microbatches = 2;
-  o.even_shares = true;
+  const PlanOptions o = data_parallel();
   const Plan plan = plan_of(g, cluster, o);
   ASSERT_EQ(plan.stages.size(), 1u) << plan.table();
   ASSERT_GT(plan.stages[0].allreduce_s, 0);
