@@ -34,6 +34,18 @@ double actions_per_rank(const Plan& plan) {
                            per_microbatch);
 }
 
+// `op` over every field of two sets of factors (their speeds device by device).
+template <class Op>
+Factors zip(const Factors& x, const Factors& y, Op op) {
+  Factors out = x;
+  out.forward = op(x.forward, y.forward);
+  out.backward = op(x.backward, y.backward);
+  out.weight = op(x.weight, y.weight);
+  out.link = op(x.link, y.link);
+  for (std::size_t d = 0; d < out.speed.size() && d < y.speed.size(); ++d) out.speed[d] = op(x.speed[d], y.speed[d]);
+  return out;
+}
+
 std::string percent(double x) {
   char b[32];
   std::snprintf(b, sizeof b, "%.1f%%", x * 100);
@@ -106,12 +118,7 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   CONVEYOR_ASSIGN_OR_RETURN(Factors raw, measure_factors(running_, measured, devices, options_.action_overhead_s));
   // Against the profile: this window's factors on top of those its prediction already had.
   if (applied_.speed.empty()) applied_.speed.assign(devices, 1.0);
-  Factors seen = raw;
-  seen.forward *= applied_.forward;
-  seen.backward *= applied_.backward;
-  seen.weight *= applied_.weight;
-  seen.link *= applied_.link;
-  for (int k = 0; k < devices; ++k) seen.speed[k] *= applied_.speed[k];
+  Factors seen = zip(raw, applied_, [](double r, double a) { return r * a; });
   // Kinds and speeds are known up to a common scale (a stage's time is cost x kind / speed):
   // the fastest device keeps its speed, the scale goes to the kinds, so that estimates made
   // under different plans agree.
@@ -122,17 +129,10 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
     seen.backward /= fastest;
     seen.weight /= fastest;
   }
-  if (!measured_once_) {
-    smoothed_ = seen;
-    measured_once_ = true;
-  } else {
-    const double a = policy_.smoothing;
-    smoothed_.forward += a * (seen.forward - smoothed_.forward);
-    smoothed_.backward += a * (seen.backward - smoothed_.backward);
-    smoothed_.weight += a * (seen.weight - smoothed_.weight);
-    smoothed_.link += a * (seen.link - smoothed_.link);
-    for (int k = 0; k < devices; ++k) smoothed_.speed[k] += a * (seen.speed[k] - smoothed_.speed[k]);
-  }
+  const double a = policy_.smoothing;
+  smoothed_ = measured_once_ ? zip(smoothed_, seen, [a](double old, double now) { return old + a * (now - old); })
+                             : seen;
+  measured_once_ = true;
   applied_ = settle(smoothed_, policy_.tolerance);
   costs_ = base_costs_;
   cluster_ = base_cluster_;

@@ -379,7 +379,7 @@ class Module(torch.nn.Module):
                                              batch=batch, microbatches=m_hint, schedules=schedules,
                                              max_replicas=used_cap, max_microbatches=most_microbatches,
                                              horizon_steps=self._replan_horizon, moves_bytes=self._group is not None)
-                self._replanning = Replanning(replanner, self._group, self._replan_horizon, self._switches)
+                self._replanning = Replanning(replanner, self._group, self._switches)
         if self._step is None:
             self._step = self._make_pipeline(graph, stage_nodes, schedule, m, chunks, replicas)
         self._graph = graph
@@ -477,7 +477,7 @@ class Module(torch.nn.Module):
             return
         decision = self._replanning.evaluate(self._step)
         if decision["switch"]:
-            self._switch(Plan(decision["candidate"], decision["candidate_table"]), decision)
+            switch_to(self, Plan(decision["candidate"], decision["candidate_table"]), decision)
 
     def switch_plan(self, plan: Plan) -> None:
         """Runs `plan` (a Plan of this model, e.g. from conveyor.plan or Plan.save) from the next
@@ -488,10 +488,7 @@ class Module(torch.nn.Module):
             raise ConveyorValueError("the pipeline is built on the first call: switch plans after it")
         if not isinstance(plan, Plan):
             raise ConveyorValueError(f"switch_plan takes a conveyor Plan, not {type(plan).__name__}")
-        self._switch(plan, None)
-
-    def _switch(self, plan: Plan, decision: dict | None) -> None:
-        switch_to(self, plan, decision)
+        switch_to(self, plan, None)
 
     def _step_for(self, inputs: list):
         """The pipeline that runs this batch: the plan's. On one process, a batch smaller than

@@ -103,10 +103,9 @@ class Replanning:
     """The Module's re-planning between steps: when a window is due, what the Replanner
     decided (process 0 decides, every process hears it), and the log of switches."""
 
-    def __init__(self, replanner, group, horizon: int, switches: list):
+    def __init__(self, replanner, group, switches: list):
         self.replanner = replanner  # process 0 (or the only process); None elsewhere
         self.group = group
-        self.horizon = horizon
         self.steps = 0          # steps run by the current pipeline
         self.rebuild_s = 0.0    # what building the current pipeline took
         self.bytes_per_s = 0.0  # the last move's measured speed
@@ -147,8 +146,7 @@ class Replanning:
     def report(self) -> str:
         """What the partitioner concluded last, for Module.profile_report()."""
         if self.last is None:
-            return (f"re-planning: no window evaluated yet (every {WINDOW} steps after the first)"
-                    if self.replanner is not None or self.group is not None else "")
+            return f"re-planning: no window evaluated yet (every {WINDOW} steps after the first)\n"
         d = self.last
         f = d["factors"]
         speeds = ", ".join(f"{s:.2f}" for s in f["speed"])
