@@ -20,8 +20,11 @@ partitioner::CostGraph cost_graph_of(const PyGraph& g, const std::string& profil
 
 partitioner::PlanOptions plan_options(int batch, int microbatches, const std::vector<std::string>& schedules,
                                       double optimizer_state, int max_replicas, int max_microbatches,
-                                      bool even_shares) {
+                                      bool even_shares, int ranks, const std::vector<int>& replicas, int chunks) {
   partitioner::PlanOptions o;
+  o.ranks = ranks;
+  o.replicas = replicas;
+  o.chunks = chunks;
   o.batch = batch;
   o.microbatches = microbatches;
   o.optimizer_bytes_per_param_byte = optimizer_state;
@@ -153,10 +156,11 @@ void bind_graph(py::module_& m) {
       "plan",
       [](const PyGraph& g, const std::string& profile_json, const std::string& cluster_toml, int batch,
          int microbatches, const std::vector<std::string>& schedules, double optimizer_state, int max_replicas,
-         int max_microbatches, bool even_shares) {
+         int max_microbatches, bool even_shares, int ranks, const std::vector<int>& replicas, int chunks) {
         auto costs = cost_graph_of(g, profile_json);
         auto cluster = unwrap(partitioner::Cluster::from_toml(cluster_toml, "cluster"));
-        auto o = plan_options(batch, microbatches, schedules, optimizer_state, max_replicas, max_microbatches, even_shares);
+        auto o = plan_options(batch, microbatches, schedules, optimizer_state, max_replicas, max_microbatches, even_shares,
+                              ranks, replicas, chunks);
         partitioner::Plan plan;
         {
           py::gil_scoped_release nogil;
@@ -166,9 +170,29 @@ void bind_graph(py::module_& m) {
       },
       py::arg("graph"), py::arg("profile"), py::arg("cluster"), py::arg("batch"), py::arg("microbatches") = 0,
       py::arg("schedules") = std::vector<std::string>{}, py::arg("optimizer_state") = 2.0, py::arg("max_replicas") = 0,
-      py::arg("max_microbatches") = 0, py::arg("even_shares") = false,
+      py::arg("max_microbatches") = 0, py::arg("even_shares") = false, py::arg("ranks") = 0,
+      py::arg("replicas") = std::vector<int>{}, py::arg("chunks") = 0,
       "Plans a captured graph from its profile on a cluster (TOML text); returns (plan JSON, table). even_shares: "
-      "replicas split microbatches evenly, as the runtime does (off: in proportion to their devices' speeds).");
+      "replicas split microbatches evenly, as the runtime does (off: in proportion to their devices' speeds). "
+      "ranks, replicas (one count, or one per rank) and chunks fix those parts (0 or empty: planned).");
+
+  m.def(
+      "plan_stages",
+      [](const PyGraph& g, const std::string& profile_json, const std::string& cluster_toml,
+         const std::vector<std::vector<int>>& stages, const std::vector<int>& replicas, int batch, int microbatches,
+         const std::string& schedule, double optimizer_state, bool even_shares) {
+        auto costs = cost_graph_of(g, profile_json);
+        auto cluster = unwrap(partitioner::Cluster::from_toml(cluster_toml, "cluster"));
+        auto o = plan_options(batch, microbatches, {schedule}, optimizer_state, 0, 0, even_shares, 0, {}, 0);
+        partitioner::Candidate c{stages, replicas, microbatches, unwrap(scheduler::schedule_kind_from_name(schedule))};
+        auto plan = unwrap(partitioner::plan_candidate(costs, cluster, o, c));
+        return py::make_tuple(plan.to_json(), plan.table());
+      },
+      py::arg("graph"), py::arg("profile"), py::arg("cluster"), py::arg("stages"), py::arg("replicas"),
+      py::arg("batch"), py::arg("microbatches"), py::arg("schedule") = "1f1b", py::arg("optimizer_state") = 2.0,
+      py::arg("even_shares") = true,
+      "Prices a given split (node lists, replicas per stage) on the planner's model: (plan JSON, table) with its "
+      "objective and simulated step, as `plan` would give it.");
 
   py::class_<partitioner::Replanner>(m, "Replanner",
                                      "Decides, window after window, whether a running plan should give way to "
@@ -176,8 +200,9 @@ void bind_graph(py::module_& m) {
       .def(py::init([](const PyGraph& g, const std::string& profile_json, const std::string& cluster_toml,
                        const std::string& plan_json, int batch, int microbatches,
                        const std::vector<std::string>& schedules, double optimizer_state, int max_replicas,
-                       int max_microbatches, int horizon_steps, bool moves_bytes, double min_gain, double margin,
-                       int confirmations, double tolerance) {
+                       int max_microbatches, int ranks, const std::vector<int>& replicas, int chunks,
+                       int horizon_steps, bool moves_bytes, double min_gain, double margin, int confirmations,
+                       double tolerance) {
              partitioner::ReplanPolicy policy;
              policy.horizon_steps = horizon_steps;
              policy.moves_bytes = moves_bytes;
@@ -188,16 +213,18 @@ void bind_graph(py::module_& m) {
              return partitioner::Replanner(
                  cost_graph_of(g, profile_json), unwrap(partitioner::Cluster::from_toml(cluster_toml, "cluster")),
                  unwrap(partitioner::Plan::from_json(plan_json)),
-                 plan_options(batch, microbatches, schedules, optimizer_state, max_replicas, max_microbatches, true),
+                 plan_options(batch, microbatches, schedules, optimizer_state, max_replicas, max_microbatches, true,
+                              ranks, replicas, chunks),
                  policy);
            }),
            py::arg("graph"), py::arg("profile"), py::arg("cluster"), py::arg("plan"), py::arg("batch"),
            py::arg("microbatches") = 0, py::arg("schedules") = std::vector<std::string>{},
            py::arg("optimizer_state") = 2.0, py::arg("max_replicas") = 0, py::arg("max_microbatches") = 0,
+           py::arg("ranks") = 0, py::arg("replicas") = std::vector<int>{}, py::arg("chunks") = 0,
            py::arg("horizon_steps") = 100, py::arg("moves_bytes") = true, py::arg("min_gain") = 0.1,
            py::arg("margin") = 0.5, py::arg("confirmations") = 2, py::arg("tolerance") = 0.1,
-           "The planning inputs of `plan` (made from graph, profile and cluster with the same options; replicas "
-           "split evenly) and the policy: the horizon in steps, whether stages moving moves bytes between "
+           "The planning inputs of `plan` (made from graph, profile and cluster with the same options, its fixed "
+           "parts included; replicas split evenly) and the policy: the horizon in steps, whether stages moving moves bytes between "
            "processes, the least relative gain, the margin over the moving cost, the confirmations and the noise "
            "tolerance.")
       .def("evaluate", [](partitioner::Replanner& r, const py::list& stages, double measured_step_s, double rebuild_s,

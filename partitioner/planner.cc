@@ -109,6 +109,7 @@ void interleaved_candidates(const Cluster& cluster, const Units& u, const CutSta
   }
   const double total = lin.fwd[k_blocks] + lin.bwd[k_blocks];
   for (int v : {2, 3, 4}) {
+    if (model.options().chunks > 0 && v != model.options().chunks) continue;
     const int pieces = v * groups;
     if (pieces > k_blocks) break;
     std::vector<int> cut{0};
@@ -153,6 +154,52 @@ void interleaved_candidates(const Cluster& cluster, const Units& u, const CutSta
     }
     if (fits) out.push_back(std::move(p));
   }
+}
+
+// "2 stages of 1 replica each", in the words of the options that fixed them.
+std::string fixed_parts_text(const PlanOptions& o) {
+  std::string text = o.ranks > 0 ? std::to_string(o.ranks) + (o.ranks == 1 ? " pipeline rank" : " pipeline ranks")
+                                 : "any number of stages";
+  if (o.replicas.size() == 1) {
+    text += " of " + std::to_string(o.replicas[0]) + (o.replicas[0] == 1 ? " replica each" : " replicas each");
+  } else if (!o.replicas.empty()) {
+    text += " of replicas";
+    for (std::size_t k = 0; k < o.replicas.size(); ++k) text += (k ? ", " : " ") + std::to_string(o.replicas[k]);
+  }
+  return text;
+}
+
+Status check_fixed_parts(const CostGraph& g, const Cluster& cluster, const PlanOptions& o, int units) {
+  if (o.ranks < 0 || o.chunks < 0) return Status(ErrorCode::kInvalidArgument, "ranks and chunks must be 0 (planned) or positive");
+  if (o.chunks == 1) {
+    return Status(ErrorCode::kInvalidArgument, "an interleaved plan needs at least 2 chunks per device group");
+  }
+  for (int r : o.replicas) {
+    if (r < 1) return Status(ErrorCode::kInvalidArgument, "every stage needs at least one replica, not " + std::to_string(r));
+  }
+  if (o.replicas.size() > 1 && static_cast<int>(o.replicas.size()) != o.ranks) {
+    return Status(ErrorCode::kInvalidArgument, std::to_string(o.replicas.size()) +
+                                                   " replica counts need as many pipeline ranks (ranks = " +
+                                                   std::to_string(o.ranks) + "); give one count for every stage");
+  }
+  const int n = static_cast<int>(cluster.devices.size());
+  if (o.ranks > 0) {
+    const int devices = o.replicas.empty() ? o.ranks
+                        : o.replicas.size() == 1
+                            ? o.ranks * o.replicas[0]
+                            : std::accumulate(o.replicas.begin(), o.replicas.end(), 0);
+    if (devices > n) {
+      return Status(ErrorCode::kInvalidArgument, fixed_parts_text(o) + " need " + std::to_string(devices) +
+                                                     " devices; the cluster has " + std::to_string(n) +
+                                                     "; use fewer stages or replicas, or more devices");
+    }
+    if (o.ranks > units) {
+      return Status(ErrorCode::kInvalidArgument,
+                    "'" + g.name + "' can be cut into at most " + std::to_string(units) +
+                        " stages (its operators that must stay together counted as one); use at most that many");
+    }
+  }
+  return Status::ok();
 }
 
 }  // namespace
@@ -220,7 +267,8 @@ Result<Plan> make_plan(const CostGraph& g, const Cluster& cluster, const PlanOpt
   if (options.microbatches > options.batch) {
     return Status(ErrorCode::kInvalidArgument, "the batch (" + std::to_string(options.batch) +
                                                    " samples) is smaller than the microbatch count (" +
-                                                   std::to_string(options.microbatches) + ")");
+                                                   std::to_string(options.microbatches) + "); use at most " +
+                                                   std::to_string(options.batch) + " microbatches or a larger batch");
   }
   if (options.batch < g.min_share) {
     return Status(ErrorCode::kInvalidArgument,
@@ -237,6 +285,7 @@ Result<Plan> make_plan(const CostGraph& g, const Cluster& cluster, const PlanOpt
                       std::to_string(options.batch / g.min_share) + " microbatches or a larger batch");
   }
   CONVEYOR_ASSIGN_OR_RETURN(Units units, make_units(g));
+  CONVEYOR_RETURN_IF_ERROR(check_fixed_parts(g, cluster, options, static_cast<int>(units.units.size())));
 
   // Cut states: every downset when there are few enough, block prefixes otherwise.
   CutStates exact_states;
@@ -267,18 +316,19 @@ Result<Plan> make_plan(const CostGraph& g, const Cluster& cluster, const PlanOpt
   for (int m : microbatch_candidates(options, g.min_share)) {
     for (ScheduleKind mk : memory_kinds) {
       Model model(cluster, options, m, mk, g.microbatch, g.min_share);
-      const int j_states = mk == ScheduleKind::kGPipe ? 1 : std::max(1, std::min(m, n));
       const CutStates* states = have_downsets ? &exact_states : &linear;
-      bool exact = options.search == SearchMode::kExact ||
-                   (options.search == SearchMode::kAuto && exact_work(*states, n, j_states) <= options.exact_budget);
-      if (!exact && have_downsets && options.search == SearchMode::kAuto &&
-          exact_work(linear, n, j_states) <= options.exact_budget) {
+      // Fixed ranks: only the exact search counts stages (over block prefixes when the
+      // convex cut states are too many).
+      bool exact = options.search == SearchMode::kExact || options.ranks > 0 ||
+                   (options.search == SearchMode::kAuto && exact_work(*states, model) <= options.exact_budget);
+      if (have_downsets && options.search != SearchMode::kExact && exact_work(*states, model) > options.exact_budget &&
+          (options.ranks > 0 || exact_work(linear, model) <= options.exact_budget)) {
         states = &linear;  // exact over block prefixes
         exact = true;
       }
       if (!exact) states = &linear;
       // The bottleneck search gives a quick incumbent; the exact search proves or improves it.
-      Solution sol = bottleneck_search(units, linear, model);
+      Solution sol = options.ranks > 0 ? Solution{} : bottleneck_search(units, linear, model);
       const CutStates* sol_states = &linear;
       if (exact) {
         StagePairs& pairs = states->linear ? linear_pairs : exact_pairs;
@@ -314,6 +364,15 @@ Result<Plan> make_plan(const CostGraph& g, const Cluster& cluster, const PlanOpt
                   "device groups, a microbatch count divisible by their number, and memory for two or more model "
                   "pieces per group; "
                   "allow other schedules (schedule \"auto\") or fix the microbatch count");
+  }
+  if (candidates.empty() && (options.ranks > 0 || !options.replicas.empty())) {
+    return Status(ErrorCode::kDoesNotFit,
+                  "no plan with " + fixed_parts_text(options) + " fits '" + g.name + "' with batch " +
+                      std::to_string(options.batch) + " on " + std::to_string(n) +
+                      " devices: a stage needs more memory than its devices have, or a replica's share of a "
+                      "microbatch falls below the " + std::to_string(g.min_share) +
+                      " samples the model runs at once; fix fewer parts (let the planner choose the stages or the "
+                      "replicas), or use devices with more memory or a larger batch");
   }
   if (candidates.empty()) {
     // Find the smallest uniform memory per device for which a plan exists.
@@ -354,6 +413,15 @@ Result<Plan> make_plan(const CostGraph& g, const Cluster& cluster, const PlanOpt
 
 Result<double> candidate_objective(const CostGraph& g, const Cluster& cluster, const PlanOptions& options,
                                    const Candidate& c) {
+  CONVEYOR_ASSIGN_OR_RETURN(Plan plan, plan_candidate(g, cluster, options, c));
+  return plan.objective_s;
+}
+
+Result<Plan> plan_candidate(const CostGraph& g, const Cluster& cluster, const PlanOptions& options,
+                            const Candidate& c) {
+  if (c.schedule == ScheduleKind::kInterleaved) {
+    return Status(ErrorCode::kInvalidArgument, "a candidate is priced as a plain pipeline; interleaved plans come from make_plan");
+  }
   CONVEYOR_ASSIGN_OR_RETURN(Units units, make_units(g));
   if (c.stages.size() != c.replicas.size() || c.stages.empty()) {
     return Status(ErrorCode::kInvalidArgument, "a candidate needs one replica count per stage");
@@ -402,7 +470,13 @@ Result<double> candidate_objective(const CostGraph& g, const Cluster& cluster, c
   Solution sol;
   for (std::size_t s = 0; s < c.stages.size(); ++s) sol.cuts.emplace_back(static_cast<int>(s), static_cast<int>(s) + 1);
   sol.replicas = c.replicas;
-  return score(units, cs, model, sol);
+  CONVEYOR_ASSIGN_OR_RETURN(sol.objective, score(units, cs, model, sol));
+  Plan plan = build_plan(g, cluster, options, units, cs, model, sol, c.schedule);
+  plan.search = "given";
+  CONVEYOR_ASSIGN_OR_RETURN(auto sim, plan.simulate());
+  plan.predicted_step_s = sim.step_time_s;
+  plan.bubble_fraction = sim.bubble_fraction;
+  return plan;
 }
 
 }  // namespace conveyor::partitioner

@@ -28,6 +28,14 @@ struct PlanOptions {
   int microbatches = 0;    ///< 0: the planner chooses
   int max_microbatches = 64;
   int max_replicas = 0;    ///< replicas per stage at most (0: no limit)
+  /// Fixed parts of the plan; the planner chooses the rest (docs/planner.md, "Fixed parts").
+  /// Pipeline ranks (device groups) the plan has exactly; 0: the planner chooses.
+  int ranks = 0;
+  /// Replicas of every stage (one count) or of each rank in order (one per rank); empty:
+  /// the planner chooses each stage's.
+  std::vector<int> replicas;
+  /// Interleaved: stages per device group; 0: the planner tries 2, 3 and 4.
+  int chunks = 0;
   /// Schedules to consider; empty: gpipe, 1f1b, interleaved and zb-h1.
   std::vector<scheduler::ScheduleKind> schedules;
   /// Optimizer state per parameter byte (Adam keeps two moments: 2; SGD with momentum: 1).
@@ -113,5 +121,10 @@ struct Candidate {
 /// is not a valid partition or does not fit memory. Used by tests against the search.
 Result<double> candidate_objective(const CostGraph& graph, const Cluster& cluster, const PlanOptions& options,
                                    const Candidate& candidate);
+
+/// The plan of a given candidate (not interleaved), with its objective and simulated step:
+/// how the planner prices a split made elsewhere (by hand, by brute force).
+Result<Plan> plan_candidate(const CostGraph& graph, const Cluster& cluster, const PlanOptions& options,
+                            const Candidate& candidate);
 
 }  // namespace conveyor::partitioner

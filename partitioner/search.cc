@@ -8,10 +8,12 @@
 
 namespace conveyor::partitioner::detail {
 
-double exact_work(const CutStates& cs, int n, int j_states) {
+double exact_work(const CutStates& cs, const Model& model) {
   // Every state against every smaller one (for downsets an upper bound on the nested pairs).
   const double c = static_cast<double>(cs.sets.size());
-  return c * (c - 1) / 2 * n * j_states * (n + 1) / 2.0;
+  const int n = model.devices();
+  const double replica_choices = model.options().replicas.empty() ? (n + 1) / 2.0 : 1.0;
+  return c * (c - 1) / 2 * n * model.stage_states() * replica_choices;
 }
 
 StagePairs stage_pairs(const Units& u, const CutStates& cs) {
@@ -31,7 +33,8 @@ StagePairs stage_pairs(const Units& u, const CutStates& cs) {
 Solution exact_search(const CutStates& cs, const StagePairs& pairs, const Model& model, const Solution& incumbent) {
   const int n = model.devices();
   const int c_count = static_cast<int>(cs.sets.size());
-  const int j_states = model.kind() == ScheduleKind::kGPipe ? 1 : std::max(1, std::min(model.microbatches(), n));
+  const int j_states = model.stage_states();
+  const int ranks = model.options().ranks;
   auto idx = [&](int c, int used, int j) {
     return (static_cast<std::size_t>(c) * (n + 1) + used) * j_states + j;
   };
@@ -62,9 +65,12 @@ Solution exact_search(const CutStates& cs, const StagePairs& pairs, const Model&
     for (int used = 0; used < n; ++used) {
       for (int j = 0; j < j_states; ++j) {
         const auto& front = fronts[idx(outer, used, j)];
-        if (front.empty()) continue;
+        if (front.empty() || !model.may_add_stage(j)) continue;
         const int jn = std::min(j + 1, j_states - 1);
-        for (int r = 1; r <= std::min(n - used, model.max_replicas()); ++r) {
+        // Fixed ranks: the stage that completes the count must be the first, and only it.
+        if (ranks > 0 && (jn == ranks) != (inner == 0)) continue;
+        const auto [r_lo, r_hi] = model.replica_range(j, n - used);
+        for (int r = r_lo; r <= r_hi; ++r) {
           const int left = n - used - r;  // devices for the stages before this one
           const double rest_work = (cs.fwd[inner] + cs.bwd[inner]) * model.scale();
           if (rest_work > 0 && left == 0) continue;
@@ -86,7 +92,7 @@ Solution exact_search(const CutStates& cs, const StagePairs& pairs, const Model&
   Solution best;
   int best_entry = -1;
   for (int used = 1; used <= n; ++used) {
-    for (int j = 0; j < j_states; ++j) {
+    for (int j = ranks > 0 ? ranks : 0; j < j_states; ++j) {
       for (int k : fronts[idx(0, used, j)]) {
         const Entry& e = arena[k];
         double obj = model.objective(e.sum, e.max_stage, e.max_ar);

@@ -22,7 +22,8 @@ struct Entry {
   int r;
 };
 
-double exact_work(const CutStates& cs, int n, int j_states);
+/// The transitions the exact search takes over `cs`, at most.
+double exact_work(const CutStates& cs, const Model& model);
 
 /// The stages the exact search may form: every pair of nested cut states, with its sums.
 struct StagePairs {
@@ -100,6 +101,14 @@ class BottleneckSearch {
     const int last = n - used;  // devices [last - r, last)
     const int max_r = std::min(last, model_.max_replicas());
     if (max_r < 1) return -1;
+    auto ok = [&](int r) {
+      const StageEval e = model_.eval(ss, last - r, r, stages_after, used > 0);
+      return e.compute <= t && e.comm <= t && e.allreduce <= ar_limit_ * t && e.fits();
+    };
+    if (model_.options().replicas.size() == 1) {  // every stage's count is fixed
+      const int r = model_.options().replicas[0];
+      return r <= max_r && ok(r) ? r : -1;
+    }
     const double work = (ss.fwd + ss.bwd) * model_.scale();
     // The fewest replicas whose speed meets `work / t` (speed grows with r).
     int lo = 1;
@@ -111,10 +120,6 @@ class BottleneckSearch {
         if (model_.speed(last - mid, mid) * t >= work) hi = mid; else lo = mid + 1;
       }
     }
-    auto ok = [&](int r) {
-      const StageEval e = model_.eval(ss, last - r, r, stages_after, used > 0);
-      return e.compute <= t && e.comm <= t && e.allreduce <= ar_limit_ * t && e.fits();
-    };
     if (ok(lo)) return lo;
     // More replicas shrink each one's activations and transfers: the fewest that fit, by
     // bisection (exact when memory per device is uniform), then checked.

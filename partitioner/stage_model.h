@@ -3,6 +3,8 @@
 // Internal to the planner (partitioner/planner.cc and its searches): namespace detail.
 #pragma once
 
+#include <algorithm>
+#include <utility>
 #include <vector>
 
 #include "partitioner/search_space.h"
@@ -69,6 +71,24 @@ class Model {
   /// The largest share of a microbatch one of those devices takes.
   double max_share(int first, int r) const {
     return options_.even_shares ? 1.0 / r : max_speed_.query(first, r) / speed(first, r);
+  }
+
+  /// How many stage counts the searches tell apart: exactly 0..ranks when the ranks are
+  /// fixed (a plan must end at `ranks`), else up to what changes the activations in flight.
+  int stage_states() const {
+    if (options_.ranks > 0) return options_.ranks + 1;
+    return kind_ == ScheduleKind::kGPipe ? 1 : std::max(1, std::min(m_, n_));
+  }
+  /// Whether a search that has placed `j` stages (from the last) may place another.
+  bool may_add_stage(int j) const { return options_.ranks <= 0 || j < options_.ranks; }
+  /// The replica counts [lo, hi] the stage placed after `j` others (from the last) may take on
+  /// at most `devices_left` devices; lo > hi when none.
+  std::pair<int, int> replica_range(int j, int devices_left) const {
+    const int hi = std::min(devices_left, max_replicas_);
+    const auto& fixed = options_.replicas;
+    if (fixed.empty()) return {1, hi};
+    const int r = fixed.size() == 1 ? fixed[0] : fixed[static_cast<std::size_t>(options_.ranks - 1 - j)];
+    return r <= hi ? std::pair{r, r} : std::pair{1, 0};
   }
 
   int in_flight(int stages_after) const {

@@ -13,7 +13,7 @@ keyword then goes to `loss_fn(output, target)`, as in `criterion(model(x), y)`:
 
 On the first call the model is captured, profiled on one microbatch and planned on the
 local machine (its CPU split into `devices` virtual devices, or the machines a `cluster`
-file describes), unless `stages` fixes the cut. Every stage replica runs on its own
+file describes), unless `stages` lists the cut. Every stage replica runs on its own
 thread; the plan it runs is `model.plan`.
 
 Under a launcher (`conveyor launch -n N -- python train.py`, or RANK, WORLD_SIZE,
@@ -34,12 +34,15 @@ reproducible and placement does not change it (the seed is drawn from torch's gl
 generator when the pipeline is built, so torch.manual_seed decides it; across processes
 process 0's is used). The masks are not eager's: eager draws one stream in execution order.
 
-    stages        None: planned; an int: that many stages cut in capture order; a list:
-                  node lists (a partition of the captured graph)
-    replicas      None: planned (fixed cuts: 1); an int: the same for every stage (with
-                  planning, the most any stage gets); a list: per pipeline rank
+    stages        None: planned; an int: that many stages, cut where the profile balances
+                  them best (the rest still planned); a list: node lists (a partition of
+                  the captured graph), run as given
+    replicas      None: planned (node lists: 1); an int: every stage that many; a list: one
+                  count per pipeline rank (with stages)
     microbatches  None: planned; an int: fixed
-    schedule      "auto" (planned), "gpipe", "1f1b", "interleaved" or "zb-h1"
+    schedule      "auto" (planned), "gpipe", "1f1b", "interleaved" or "zb-h1"; with an int
+                  `stages`, "auto" plans among gpipe, 1f1b and zb-h1 (interleaved puts
+                  2 of the stages on each device group)
     devices       virtual devices of the local machine to plan for (default: 2-4 by cores)
     cluster       a cluster TOML file (or text) to plan for instead of the local machine
     trace         a path: the second step's measured actions are written there (Perfetto;
@@ -53,7 +56,8 @@ process 0's is used). The masks are not eager's: eager draws one stream in execu
                   times correct the plan's inputs and, when another plan saves more than moving
                   to it costs within `replan_horizon` steps, the job switches to it at a step
                   boundary (`model.replans` lists the switches); "off": the first plan stays.
-                  Only plans conveyor made re-plan (not fixed stages or a plan file).
+                  Only plans conveyor made re-plan (not node lists or a plan file), and
+                  a re-plan keeps what `stages`, `replicas` and `microbatches` fixed.
     replan_horizon  steps within which a switch must pay for moving (default 100)
 """
 from __future__ import annotations
@@ -70,7 +74,7 @@ from . import _C, distributed
 from .capture import capture
 from .loss_wrapper import loss_wrapper
 from .errors import ConveyorValueError, UnsupportedError
-from .planning import Plan, cluster_text, plan as make_plan, profile, read_plan
+from .planning import FixedParts, Plan, cluster_text, plan as make_plan, profile, read_plan
 from .replanning import Replanning, switch_to
 
 __all__ = ["Module"]
@@ -192,6 +196,8 @@ class Module(torch.nn.Module):
                 not replicas or any(not isinstance(r, int) or r < 1 for r in replicas)):
             raise ConveyorValueError(f"replicas={replicas!r}: every stage needs at least one replica "
                                      "(an int for all stages, or a list with one count per stage)")
+        if not isinstance(stages, list):
+            FixedParts(stages, replicas, schedule)  # checks them now, not at the first call
         if devices is not None and devices < 1:
             raise ConveyorValueError(f"devices={devices}: need at least one device")
         self.module = model
@@ -287,11 +293,8 @@ class Module(torch.nn.Module):
         if self._world is not None:
             self._devices = self._world[1]
             self._group = distributed.process_group(self._job_fingerprint(graph, batch), self._timeout)
-        if self._stages is not None:
-            if isinstance(self._stages, list):
-                stage_nodes = self._stages
-            else:
-                stage_nodes = graph.random_partition(self._stages, seed=self._seed, keep_node_order=True)
+        if isinstance(self._stages, list):  # the user's own cut: run it as given
+            stage_nodes = self._stages
             schedule = "1f1b" if self._schedule == "auto" else self._schedule
             chunks = 2 if schedule == "interleaved" else 1
             if len(stage_nodes) % chunks:
@@ -307,6 +310,9 @@ class Module(torch.nn.Module):
             stage_nodes, replicas = self.plan.stage_nodes, self.plan.replicas
             schedule, m, chunks = self.plan.schedule, self.plan.microbatches, self.plan.document["chunks"]
         else:
+            fixed = FixedParts(self._stages, self._replicas, self._schedule)
+            # Every fixed stage replica gets a device of its own to plan for.
+            self._devices = max(self._devices, fixed.devices())
             m_hint = self._microbatches or 0
             # Microbatches keep at least two samples (BatchNorm needs them), unless fixed.
             sample = max(1, batch // m_hint) if m_hint else min(batch, max(2, least, batch // (2 * self._devices)))
@@ -327,47 +333,35 @@ class Module(torch.nn.Module):
                     torch.set_num_threads(saved_threads)
                     for p, g in grads.items():
                         p.grad = g
-            schedules = ["gpipe", "1f1b", "interleaved", "zb-h1"] if self._schedule == "auto" else [self._schedule]
-            if isinstance(self._replicas, list):
-                raise ConveyorValueError("a list of replicas needs fixed stages (stages=); with planning pass an int")
-            cap = self._replicas or 0
             cluster = self._cluster or _local_cluster(self._devices, self._threads_per_device(),
                                                       _model_gpu_memory(self.module), one_gpu=self._group is None)
-            used_cap = cap  # the replica cap of the plan that runs (re-planning keeps it)
+            used_cap = 0  # the replica cap of the plan that runs (re-planning keeps it)
 
             def planned(max_replicas: int) -> Plan:
                 nonlocal used_cap
                 used_cap = max_replicas
-                return make_plan(graph, prof, cluster, batch=batch, microbatches=m_hint, schedules=schedules,
-                                 max_replicas=max_replicas, max_microbatches=most_microbatches, even_shares=True)
+                if self._group is not None and self._group.rank != 0:
+                    made = None
+                else:
+                    made = make_plan(graph, prof, cluster, batch=batch, microbatches=m_hint, schedules=fixed.schedules,
+                                     max_replicas=max_replicas, max_microbatches=most_microbatches, even_shares=True,
+                                     **fixed.options())
+                if self._group is None:
+                    return made
+                # Process 0 plans for one device per process; every process runs that plan.
+                sent = (json.dumps(made.document) + "\0" + made.table).encode() if made is not None else b""
+                document, table = self._group.broadcast_bytes(0, sent).decode().split("\0", 1)
+                return Plan(document, table)
 
-            if self._group is not None:
-                def shared_plan(max_replicas: int) -> Plan:
-                    # Process 0 plans for one device per process; every process runs that plan.
-                    nonlocal used_cap
-                    used_cap = max_replicas
-                    if self._group.rank == 0:
-                        made = planned(max_replicas)
-                        sent = (json.dumps(made.document) + "\0" + made.table).encode()
-                    else:
-                        sent = b""
-                    document, table = self._group.broadcast_bytes(0, sent).decode().split("\0", 1)
-                    return Plan(document, table)
-
-                self.plan = shared_plan(cap)
-                try:
-                    self._step = self._pipeline(graph, self.plan)
-                except UnsupportedError:  # raised alike on every process, before they talk
-                    self.plan = shared_plan(1)
-                    self._step = self._pipeline(graph, self.plan)
-            else:
-                self.plan = planned(cap)
+            self.plan = planned(0)
             try:
-                if self._step is None:
-                    self._step = self._pipeline(graph, self.plan)
+                self._step = self._pipeline(graph, self.plan)
             except UnsupportedError:
-                # Replica counts that differ across a cut through a value with no batch
-                # dimension: plan again with one replica per stage.
+                # Raised alike on every process, before they talk: replica counts that differ
+                # across a cut through a value with no batch dimension. Plan again with one
+                # replica per stage, unless the replicas were fixed.
+                if fixed.replicas:
+                    raise
                 self.plan = planned(1)
                 self._step = self._pipeline(graph, self.plan)
             stage_nodes, replicas = self.plan.stage_nodes, self.plan.replicas
@@ -376,13 +370,15 @@ class Module(torch.nn.Module):
                 replanner = None
                 if prof is not None:
                     replanner = _C.Replanner(graph.ir, json.dumps(prof), cluster_text(cluster), json.dumps(self.plan.document),
-                                             batch=batch, microbatches=m_hint, schedules=schedules,
+                                             batch=batch, microbatches=m_hint, schedules=fixed.schedules,
                                              max_replicas=used_cap, max_microbatches=most_microbatches,
-                                             horizon_steps=self._replan_horizon, moves_bytes=self._group is not None)
+                                             horizon_steps=self._replan_horizon, moves_bytes=self._group is not None,
+                                             **fixed.options())
                 self._replanning = Replanning(replanner, self._group, self._switches)
         if self._step is None:
             self._step = self._make_pipeline(graph, stage_nodes, schedule, m, chunks, replicas)
         self._graph = graph
+        replicas = list(replicas)[:len(stage_nodes) // chunks]  # per rank (a plan lists them per stage)
         self._layout = (len(stage_nodes), schedule, m, chunks, replicas)
         self._stage_nodes = stage_nodes
         self._built_batch, self._least = batch, least

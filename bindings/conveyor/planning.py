@@ -265,14 +265,17 @@ def cluster_text(cluster: str | os.PathLike) -> str:
 
 def plan(graph: Graph, profile_doc: dict, cluster: str | os.PathLike, *, batch: int, microbatches: int = 0,
          schedules: list[str] | None = None, optimizer_state: float = 2.0, max_replicas: int = 0,
-         max_microbatches: int = 0, even_shares: bool = False) -> Plan:
+         max_microbatches: int = 0, even_shares: bool = False, ranks: int = 0, replicas: list[int] | None = None,
+         chunks: int = 0) -> Plan:
     """Plans `graph` on `cluster` (a TOML file path or TOML text) for `batch` samples a step;
     `max_replicas` caps the replicas per stage (0: no cap). Every replica's share of a
     microbatch keeps at least the least batch the graph holds for (its batch range). With
     `even_shares` replicas split microbatches evenly, as conveyor's runtime does (otherwise
-    in proportion to their devices' speeds, the plan's `shares`)."""
+    in proportion to their devices' speeds, the plan's `shares`). `ranks` (pipeline ranks),
+    `replicas` (one count for every stage, or one per rank) and `chunks` (interleaved stages
+    per rank) fix those parts of the plan; the planner chooses the rest."""
     doc, table = _C.plan(graph.ir, json.dumps(profile_doc), cluster_text(cluster), batch, microbatches, schedules or [],
-                         optimizer_state, max_replicas, max_microbatches, even_shares)
+                         optimizer_state, max_replicas, max_microbatches, even_shares, ranks, replicas or [], chunks)
     return Plan(doc, table)
 
 
@@ -288,3 +291,45 @@ def read_plan(path) -> Plan:
     except (ValueError, KeyError, TypeError) as e:
         raise ConveyorValueError(f"plan={str(path)!r} is not a conveyor plan document ({e}); write one with "
                                  "`conveyor plan --out` or Plan.save") from None
+
+
+class FixedParts:
+    """What a Module's `stages`, `replicas` and `schedule` fix of a plan; the planner chooses
+    the rest. `stages=N` is N pipeline stages (with the interleaved schedule N / 2 device
+    groups of 2 stages each); a `replicas` int gives every stage that many, a list one count
+    per device group (it needs `stages`)."""
+
+    def __init__(self, stages: int | None, replicas: int | list | None, schedule: str):
+        self.ranks, self.chunks = 0, 0
+        if schedule == "auto":
+            # A fixed stage count keeps the schedules whose stages are the device groups.
+            self.schedules = ["gpipe", "1f1b", "zb-h1"] if stages else ["gpipe", "1f1b", "interleaved", "zb-h1"]
+        else:
+            self.schedules = [schedule]
+        if stages is not None:
+            if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+                raise ConveyorValueError(f"stages={stages!r}: expected a number of stages (at least 1) or node lists")
+            if schedule == "interleaved":
+                if stages % 2:
+                    raise ConveyorValueError(f"the interleaved schedule needs an even number of stages, not {stages}")
+                self.ranks, self.chunks = stages // 2, 2
+            else:
+                self.ranks = stages
+        if isinstance(replicas, list):
+            if stages is None:
+                raise ConveyorValueError("a list of replicas needs a number of stages (stages=); without it pass an int")
+            if len(replicas) != self.ranks:
+                raise ConveyorValueError(f"replicas has {len(replicas)} counts but the pipeline has {self.ranks} ranks")
+            self.replicas = list(replicas)
+        else:
+            self.replicas = [replicas] if replicas else []
+
+    def devices(self) -> int:
+        """The devices the fixed parts need at least (0: nothing fixed needs any)."""
+        if not self.ranks:
+            return max(self.replicas, default=0)
+        return sum(self.replicas) if len(self.replicas) > 1 else self.ranks * (self.replicas[0] if self.replicas else 1)
+
+    def options(self) -> dict:
+        """The planner's options for them (`plan`, `_C.Replanner`)."""
+        return dict(ranks=self.ranks, replicas=self.replicas, chunks=self.chunks)

@@ -45,8 +45,10 @@ std::vector<std::uint32_t> all_downsets(const CostGraph& g) {
 }
 
 // Brute force: every ordered partition into convex stages (chains of nested downsets) with
-// every replica assignment, scored by the planner's cost model.
-double brute_force(const CostGraph& g, const Cluster& cluster, const PlanOptions& o, int m, ScheduleKind kind) {
+// every replica assignment, scored by the planner's cost model; with `allowed`, only the
+// candidates it accepts.
+double brute_force(const CostGraph& g, const Cluster& cluster, const PlanOptions& o, int m, ScheduleKind kind,
+                   const std::function<bool(const Candidate&)>& allowed = nullptr) {
   const int n = static_cast<int>(g.ops.size());
   const int devices = static_cast<int>(cluster.devices.size());
   const auto downs = all_downsets(g);
@@ -72,6 +74,7 @@ double brute_force(const CostGraph& g, const Cluster& cluster, const PlanOptions
       c.replicas.assign(stages, 1);
       std::function<void(int, int)> assign = [&](int s, int left) {
         if (s == stages) {
+          if (allowed && !allowed(c)) return;
           auto obj = candidate_objective(g, cluster, o, c);
           if (obj) best = std::min(best, *obj);
           return;
@@ -155,6 +158,94 @@ TEST(Planner, ExactSearchMatchesBruteForceOnRandomDags) {
   EXPECT_GE(compared, 200);
   EXPECT_GT(infeasible, 0);  // some memory limits are too tight, and both agree
   EXPECT_GT(grouped, 20);
+}
+
+TEST(Planner, FixedRanksAndReplicasGetTheBestPlanWithThem) {
+  // Stages and replicas fixed alone or together: the plan is the best of those that have
+  // them (brute force over every partition restricted to them), in every search mode.
+  std::mt19937_64 rng(77);
+  int compared = 0;
+  for (int trial = 0; trial < 90; ++trial) {
+    const int devices = 2 + static_cast<int>(rng() % 3);  // 2..4
+    const int n = 4 + static_cast<int>(rng() % 8);
+    CostGraph g = random_dag(n, 5000 + trial);
+    Cluster cluster = Cluster::uniform(1, devices, 1e9, 1.0, {50e6, 1e-5}, {5e6, 1e-4});
+    if (trial % 3 == 1) cluster.devices.back().speed = 1.7;
+    PlanOptions o;
+    o.batch = 8;
+    o.microbatches = 1 + static_cast<int>(rng() % 4);
+    const ScheduleKind kind = trial % 2 ? ScheduleKind::kOneFOneB : ScheduleKind::kGPipe;
+    o.schedules = {kind};
+    o.ranks = trial % 3 == 2 ? 0 : 1 + static_cast<int>(rng() % std::min(devices, 3));
+    const int variant = trial % 4;  // replicas: planned, one count, one per rank
+    if (variant == 1 || o.ranks == 0) {
+      o.replicas = {1 + static_cast<int>(rng() % 2)};
+    } else if (variant == 2) {
+      for (int r = 0; r < o.ranks; ++r) o.replicas.push_back(1 + static_cast<int>(rng() % 2));
+    }
+    int need = 0;
+    for (int r = 0; r < std::max(o.ranks, 1); ++r) need += o.replicas.empty() ? 1 : o.replicas[o.replicas.size() == 1 ? 0 : r];
+    if (need > devices) continue;
+    auto allowed = [&](const Candidate& c) {
+      if (o.ranks > 0 && static_cast<int>(c.stages.size()) != o.ranks) return false;
+      for (std::size_t s = 0; s < c.replicas.size(); ++s) {
+        if (o.replicas.size() == 1 && c.replicas[s] != o.replicas[0]) return false;
+        if (o.replicas.size() > 1 && c.replicas[s] != o.replicas[s]) return false;
+      }
+      return true;
+    };
+    const double expected = brute_force(g, cluster, o, o.microbatches, kind, allowed);
+    for (SearchMode mode : {SearchMode::kExact, SearchMode::kAuto}) {
+      o.search = mode;
+      auto plan = make_plan(g, cluster, o);
+      if (!std::isfinite(expected)) {
+        ASSERT_FALSE(plan.is_ok()) << "trial " << trial;
+        continue;
+      }
+      ASSERT_TRUE(plan.is_ok()) << "trial " << trial << ": " << plan.status().to_string();
+      if (o.ranks > 0) {
+        EXPECT_EQ(plan->ranks(), o.ranks) << "trial " << trial;
+      }
+      for (std::size_t s = 0; s < plan->stages.size(); ++s) {
+        if (!o.replicas.empty()) {
+          EXPECT_EQ(plan->stages[s].replicas, o.replicas[o.replicas.size() == 1 ? 0 : s]) << "trial " << trial;
+        }
+      }
+      EXPECT_NEAR(plan->objective_s, expected, 1e-9 * expected) << "trial " << trial << " ranks " << o.ranks;
+      ++compared;
+    }
+  }
+  EXPECT_GE(compared, 100);
+}
+
+TEST(Planner, FixedPartsThatCannotBeMetAreNamed) {
+  CostGraph g = uniform_chain(3, 1e-3, 2e-3, 1e6, 1e5);
+  Cluster cluster = Cluster::uniform(1, 4, 1e9, 1.0, fast_link(), fast_link());
+  PlanOptions o;
+  o.batch = 8;
+  o.ranks = 2;
+  o.replicas = {3};
+  auto too_many_devices = make_plan(g, cluster, o);
+  ASSERT_FALSE(too_many_devices.is_ok());
+  EXPECT_NE(too_many_devices.status().message().find("2 pipeline ranks of 3 replicas each need 6 devices"), std::string::npos)
+      << too_many_devices.status().message();
+  o.replicas = {};
+  o.ranks = 4;
+  auto too_many_stages = make_plan(g, cluster, o);
+  ASSERT_FALSE(too_many_stages.is_ok());
+  EXPECT_NE(too_many_stages.status().message().find("at most 3 stages"), std::string::npos)
+      << too_many_stages.status().message();
+  o.ranks = 2;
+  o.replicas = {1, 1, 1};
+  EXPECT_EQ(make_plan(g, cluster, o).status().code(), ErrorCode::kInvalidArgument);
+  o.replicas = {1};
+  cluster.devices[0].memory_bytes = cluster.devices[1].memory_bytes = cluster.devices[2].memory_bytes =
+      cluster.devices[3].memory_bytes = 1e6;  // not even one operator's weights and state
+  auto tight = make_plan(g, cluster, o);
+  ASSERT_FALSE(tight.is_ok());
+  EXPECT_EQ(tight.status().code(), ErrorCode::kDoesNotFit);
+  EXPECT_NE(tight.status().message().find("no plan with 2 pipeline ranks of 1 replica each fits"), std::string::npos)
+      << tight.status().message();
 }
 
 TEST(Planner, StagesOfBranchyGraphsAreConvexInEveryMode) {

@@ -93,10 +93,20 @@ def test_fixed_stages_with_replicas_train_like_eager_accumulation(schedule):
     for (n, p), (_, q) in zip(case.model.named_parameters(), ref.named_parameters()):
         err = (p - q).abs().max().item() / max(q.abs().max().item(), 1e-6)
         assert err <= 1e-9, f"{schedule}: {n} differs by {err:.2e}"
-    # Stages fixed by hand: no plan, so the live profile has measured figures only.
+    # The stage count and replicas fixed, the cut planned: the plan has them, with predictions.
+    assert len(model.plan.stage_nodes) == 4 and model.plan.schedule == schedule, model.plan.table
     report = model.profile_report()
-    assert report.steps == 2 and report.predicted_step_s == 0
+    assert report.steps == 2 and report.predicted_step_s > 0
     assert [s["replicas"] for s in report.stages] == [2, 2, 2, 2]
+    assert all(s["forward_s"] > 0 and s["predicted_forward_s"] > 0 for s in report.stages)
+    # Node lists run as given: no plan, so the live profile has measured figures only.
+    again = copy.deepcopy(ref)
+    given = conveyor.Module(again, torch.optim.SGD(again.parameters(), lr=0.05), stages=model._stage_nodes,
+                            replicas=2, microbatches=2, schedule=schedule)
+    for _ in range(3):
+        given.train_step(*case.args, **case.kwargs)
+    report = given.profile_report()
+    assert given.plan is None and report.steps == 2 and report.predicted_step_s == 0
     assert all(s["forward_s"] > 0 and s["predicted_forward_s"] == 0 for s in report.stages)
     assert "(measured, ms per microbatch)" in str(report), str(report)
 
@@ -165,7 +175,7 @@ def test_trace_of_a_real_step_decodes(tmp_path):
     torch.manual_seed(0)
     case = zoo.gpt2(batch=8)
     path = tmp_path / "run.pftrace"
-    model = conveyor.Module(case.model, stages=3, microbatches=4, trace=path)
+    model = conveyor.Module(case.model, stages=3, microbatches=4, schedule="1f1b", trace=path)
     for _ in range(2):
         model(*case.args, **case.kwargs).backward()
     assert path.exists()
@@ -299,7 +309,7 @@ def test_a_loss_fn_takes_the_calls_target_like_a_criterion():
 def test_bad_input_gets_clear_errors():
     torch.manual_seed(0)
     case = zoo.mlp(batch=3)
-    with pytest.raises(conveyor.ConveyorValueError, match="fewer than the 4 microbatches"):
+    with pytest.raises(conveyor.ConveyorValueError, match="smaller than the microbatch count .4.; use at most 3"):
         conveyor.Module(case.model, stages=2, microbatches=4)(*case.args)
     net = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4)).double()
     with pytest.raises(conveyor.ConveyorValueError, match="scalar loss"):
