@@ -1,0 +1,262 @@
+"""conveyor side by side with the peers, in one run: 2 processes on this machine, gloo (the
+peers) and UCX over loopback (conveyor) between them, on the CPU.
+
+The same GPT (token and position embeddings, pre-norm transformer blocks, a final norm and
+the vocabulary head; float32, no dropout), the same weights, the same batches, 1F1B over the
+same microbatches. Contenders, each a training step with SGD:
+
+  pipelining       torch.distributed.pipelining, Schedule1F1B, split by hand at the middle
+                   block, one stage per process
+  conveyor split   conveyor.Module with the same split (the captured nodes before the middle
+                   block's first operator, and the rest), 1F1B
+  conveyor 2 st.   conveyor.Module(stages=2): two stages cut where conveyor's profile balances
+                   them, 1F1B (the planner picks nothing else)
+  DDP              DistributedDataParallel, each process half of every batch
+  conveyor DP      conveyor.Module(stages=1, replicas=2, microbatches=1): one replica per
+                   process, each half of every batch, gradients summed across them
+  conveyor plan    conveyor.Module with nothing fixed (it plans stages, replicas,
+                   microbatches and schedule for the 2 processes), re-planning off
+
+The machine is shared and noisy: the contenders alternate in rounds (each round runs each one
+for --steps steps, rank 0 timing them), and the figures are medians over rounds with their
+spread. Ratios are throughputs (above 1: conveyor faster).
+
+    ./run bench peers [--rounds 5] [--steps 4] [--layers 8] [--hidden 256] [--seq 64]
+                      [--batch 16] [--microbatches 8]
+"""
+import argparse
+import copy
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+warnings.filterwarnings("ignore")
+
+VOCAB = 512
+
+
+class Block(torch.nn.Module):
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.ln1 = torch.nn.LayerNorm(hidden)
+        self.attn = torch.nn.MultiheadAttention(hidden, heads, batch_first=True)
+        self.ln2 = torch.nn.LayerNorm(hidden)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(),
+                                       torch.nn.Linear(4 * hidden, hidden))
+
+    def forward(self, x):
+        h = self.ln1(x)
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1], dtype=x.dtype)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class Front(torch.nn.Module):
+    """Embeddings and the first blocks: stage 0 of the hand split."""
+
+    def __init__(self, hidden: int, seq: int, blocks: int):
+        super().__init__()
+        self.tok = torch.nn.Embedding(VOCAB, hidden)
+        self.pos = torch.nn.Parameter(torch.randn(seq, hidden) * 0.02)
+        self.blocks = torch.nn.Sequential(*[Block(hidden, 4) for _ in range(blocks)])
+
+    def forward(self, tokens):
+        return self.blocks(self.tok(tokens) + self.pos)
+
+
+class Back(torch.nn.Module):
+    """The last blocks, the final norm and the head: stage 1 of the hand split."""
+
+    def __init__(self, hidden: int, blocks: int):
+        super().__init__()
+        self.blocks = torch.nn.Sequential(*[Block(hidden, 4) for _ in range(blocks)])
+        self.ln = torch.nn.LayerNorm(hidden)
+        self.head = torch.nn.Linear(hidden, VOCAB)
+
+    def forward(self, x):
+        return self.head(self.ln(self.blocks(x)))
+
+
+def gpt(args) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(Front(args.hidden, args.seq, args.layers // 2),
+                               Back(args.hidden, args.layers - args.layers // 2))
+
+
+def loss_fn(logits, target):
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def batch_of(args):
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (args.batch, args.seq), generator=g)
+    return tokens, torch.roll(tokens, -1, dims=1)
+
+
+def same_split(module, tokens, target) -> list:
+    """conveyor's node lists for the hand split: the nodes before the first one that reads a
+    parameter of the back half (the middle block's first norm), and the rest."""
+    import conveyor
+    from conveyor.loss_wrapper import loss_wrapper
+    graph = conveyor.capture(loss_wrapper(module, loss_fn, (tokens,), {"target": target}), (tokens,),
+                             {"target": target})
+    doc = graph.document
+    back = {b["value"] for b in doc["bindings"] if b["name"].startswith("model.1.")}  # the wrapper's model.1
+    nodes = [n["id"] for n in doc["nodes"]]
+    cut = next(i for i, n in enumerate(doc["nodes"]) if any(a.get("value") in back for a in n["args"]))
+    return [nodes[:cut], nodes[cut:]]
+
+
+def contenders(args, rank: int, tokens, target):
+    """name -> (step function, the process's share of the samples it trains)."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.nn.parallel import DistributedDataParallel
+
+    import conveyor
+    out = {}
+    # torch.distributed.pipelining, the hand split.
+    part = gpt(args)[rank]
+    stage = PipelineStage(part, rank, 2, torch.device("cpu"))
+    schedule = Schedule1F1B(stage, n_microbatches=args.microbatches, loss_fn=loss_fn)
+    opt = torch.optim.SGD(part.parameters(), lr=1e-3)
+
+    def pipelining():
+        opt.zero_grad(set_to_none=True)
+        if rank == 0:
+            schedule.step(tokens)
+        else:
+            schedule.step(target=target, losses=[])
+        opt.step()
+    out["pipelining"] = pipelining
+
+    def module_step(**fixed):
+        model = gpt(args)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        wrapped = conveyor.Module(model, opt, loss_fn=loss_fn, replan="off", **fixed)
+        return lambda: wrapped.train_step(tokens, target=target), wrapped
+
+    out["conveyor split"], _ = module_step(stages=same_split(gpt(args), tokens, target), replicas=[1, 1],
+                                           microbatches=args.microbatches, schedule="1f1b")
+    out["conveyor 2 st."], two = module_step(stages=2, replicas=1, microbatches=args.microbatches, schedule="1f1b")
+    # DDP: each process half of every batch.
+    model = gpt(args)
+    ddp = DistributedDataParallel(model)
+    ddp_opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    half = args.batch // 2
+    mine = slice(rank * half, (rank + 1) * half)
+
+    def data_parallel():
+        ddp_opt.zero_grad(set_to_none=True)
+        loss_fn(ddp(tokens[mine]), target[mine]).backward()
+        ddp_opt.step()
+    out["DDP"] = data_parallel
+    out["conveyor DP"], _ = module_step(stages=1, replicas=2, microbatches=1, schedule="1f1b")
+    out["conveyor plan"], planned = module_step()
+    for step in out.values():  # built and warmed up, every process in the same order
+        step()
+        dist.barrier()
+    layouts = {"conveyor 2 st.": two, "conveyor plan": planned}
+    return out, layouts
+
+
+def worker(args):
+    import torch.distributed as dist
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.gloo_port}", rank=rank, world_size=2)
+    tokens, target = batch_of(args)
+    steps, layouts = contenders(args, rank, tokens, target)
+    for r in range(args.rounds):
+        order = list(steps) if r % 2 == 0 else list(reversed(steps))  # neither side always first
+        for name in order:
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                steps[name]()
+            dist.barrier()
+            if rank == 0:
+                print(f"RESULT {name}\t{(time.perf_counter() - start) / args.steps}", flush=True)
+    if rank == 0:
+        for name, module in layouts.items():
+            plan = module.plan
+            stages = len(plan.stage_nodes)
+            print(f"LAYOUT {name}\t{stages} stage{'s' if stages > 1 else ''}, replicas {plan.replicas}, {plan.schedule}, "
+                  f"{plan.microbatches} microbatches", flush=True)
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--gloo-port", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    cores = os.cpu_count() or 2
+    port, gloo_port = free_port(), free_port()
+    procs = []
+    try:
+        for rank in range(2):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       UCX_NET_DEVICES="lo", OMP_NUM_THREADS=str(max(1, cores // 2)))
+            procs.append(subprocess.Popen([sys.executable, __file__, "--worker", "--gloo-port", str(gloo_port),
+                                           *sys.argv[1:]], env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
+        outputs = [p.communicate(timeout=1800)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    if any(p.returncode for p in procs):
+        sys.exit("a worker failed:\n" + "\n".join(o[-3000:] for o in outputs))
+    times: dict[str, list[float]] = {}
+    layouts = {}
+    for line in outputs[0].splitlines():
+        if line.startswith("RESULT "):
+            name, t = line[len("RESULT "):].split("\t")
+            times.setdefault(name, []).append(float(t))
+        elif line.startswith("LAYOUT "):
+            name, text = line[len("LAYOUT "):].split("\t")
+            layouts[name] = text
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    print(f"GPT {args.layers} blocks x {args.hidden}, batch {args.batch} x {args.seq} tokens, vocabulary {VOCAB}, "
+          f"float32, SGD; 2 processes on {cores} cores ({max(1, cores // 2)} threads each); median over "
+          f"{args.rounds} alternating rounds of {args.steps} steps (min-max)")
+    width = max(map(len, med))
+    for name, ts in times.items():
+        note = f"  [{layouts[name]}]" if name in layouts else ""
+        print(f"  {name:<{width}} {med[name] * 1e3:9.2f} ms/step ({min(ts) * 1e3:.2f}-{max(ts) * 1e3:.2f})  "
+              f"{args.batch / med[name]:8.1f} samples/s{note}")
+    best_peer = min(("pipelining", "DDP"), key=lambda n: med[n])
+    print("ratios (throughput, conveyor / peer; above 1: conveyor faster):")
+    for label, ours, theirs in (("same split and schedule vs pipelining", "conveyor split", "pipelining"),
+                                ("stages=2 (conveyor's cut) vs pipelining's hand split", "conveyor 2 st.", "pipelining"),
+                                ("data parallel vs DDP", "conveyor DP", "DDP"),
+                                ("conveyor's plan vs pipelining", "conveyor plan", "pipelining"),
+                                (f"conveyor's plan vs the best peer ({best_peer})", "conveyor plan", best_peer)):
+        print(f"  {label}: {med[theirs] / med[ours]:.3f}x")
+
+
+if __name__ == "__main__":
+    main()
