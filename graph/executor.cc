@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <limits>
 #include <map>
 #include <optional>
 
@@ -144,9 +145,22 @@ bool is_plain_symbol(const std::string& s) {
   return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; });
 }
 
+// A symbol as the user knows it: its role ("batch", "input_ids dim 1"), else its name.
+std::string symbol_name(const Graph& g, const std::string& sym) {
+  auto it = g.symbols.find(sym);
+  return it != g.symbols.end() ? it->second + " (" + sym + ")" : sym;
+}
+
+// The sizes a call may change: every symbol's role, for an error message.
+std::string changeable_sizes(const Graph& g) {
+  std::string out;
+  for (const auto& [sym, role] : g.symbols) out += (out.empty() ? "" : ", ") + role;
+  return out.empty() ? "no size may change: the model fixed them all at capture" : "only " + out + " may change";
+}
+
 // The user's tensors against what the graph was captured for: every fixed size and dtype,
-// one size per symbol across inputs, and the sizes the symbol's range allows. (Only the
-// batch stays symbolic in capture; any other size is part of the graph.)
+// one size per symbol across inputs, and the sizes the symbol's range allows (the batch's
+// only for the whole batch: a microbatch share is smaller).
 Status check_graph_inputs(const Graph& g, const std::vector<c10::IValue>& inputs, bool whole_batch,
                           const std::optional<c10::Device>& device) {
   std::map<std::string, std::pair<std::int64_t, std::size_t>> seen;  // symbol -> (size, input)
@@ -168,8 +182,7 @@ Status check_graph_inputs(const Graph& g, const std::vector<c10::IValue>& inputs
       return Status(ErrorCode::kInvalidArgument,
                     which + " has shape " + shape_string(t) + " but the graph was captured for " +
                         shape_string(v.shape) +
-                        " (only the batch, the symbolic size, may change); pass that shape or capture the model "
-                        "again with this one");
+                        " (" + changeable_sizes(g) + "); pass that shape or capture the model again with this one");
     }
     if (scalar_type_name(t.scalar_type()) != v.dtype) {
       return Status(ErrorCode::kInvalidArgument, which + " has dtype " + scalar_type_name(t.scalar_type()) +
@@ -183,15 +196,17 @@ Status check_graph_inputs(const Graph& g, const std::vector<c10::IValue>& inputs
       auto [it, fresh] = seen.try_emplace(sym, size, i);
       if (!fresh && it->second.first != size) {
         return Status(ErrorCode::kInvalidArgument,
-                      "inputs " + std::to_string(it->second.second) + " and " + std::to_string(i) +
-                          " disagree on size " + sym + ": " + std::to_string(it->second.first) + " and " +
-                          std::to_string(size) + "; every batched input must hold the same batch");
+                      "inputs " + std::to_string(it->second.second) + " and " + std::to_string(i) + " disagree on " +
+                          symbol_name(g, sym) + ": " + std::to_string(it->second.first) + " and " +
+                          std::to_string(size) + "; the model was captured with these sizes equal, pass them equal");
       }
-      if (!fresh || !whole_batch) continue;
+      const auto role = g.symbols.find(sym);
+      if (!fresh || (!whole_batch && role != g.symbols.end() && role->second == "batch")) continue;
       if (auto r = g.ranges.find(sym); r != g.ranges.end() && (size < r->second.min || size > r->second.max)) {
+        const bool bounded = r->second.max != std::numeric_limits<std::int64_t>::max();
         return Status(ErrorCode::kInvalidArgument,
-                      which + " has " + sym + " = " + std::to_string(size) + " but the graph holds for " +
-                          std::to_string(r->second.min) + " <= " + sym + " <= " + std::to_string(r->second.max) +
+                      which + " has " + symbol_name(g, sym) + " = " + std::to_string(size) + " but the graph holds for " +
+                          std::to_string(r->second.min) + (bounded ? " to " + std::to_string(r->second.max) : " and more") +
                           " only (the model's guards bound it at capture); pass a size within that range");
       }
     }

@@ -1,6 +1,7 @@
 #include "runtime/batch_layout.h"
 
 #include <algorithm>
+#include <cctype>
 #include <set>
 #include <string>
 
@@ -18,6 +19,34 @@ Share share_of(std::int64_t length, int replicas, int i) {
 
 namespace {
 
+// The k of a dimension "k*s" (s a batch symbol, k a product of numbers and other symbols):
+// k when it is a number, 0 when it holds other symbols (known per call), -1 when the
+// dimension is not such a product.
+std::int64_t flattened_scale(const std::string& d0, const std::set<std::string>& batch_symbols) {
+  int batch_factors = 0;
+  std::int64_t k = 1;
+  bool symbolic = false;
+  std::size_t start = 0;
+  while (start <= d0.size()) {
+    std::size_t end = d0.find('*', start);
+    if (end == std::string::npos) end = d0.size();
+    const std::string f = d0.substr(start, end - start);
+    if (f.empty()) return -1;
+    if (batch_symbols.count(f)) {
+      ++batch_factors;
+    } else if (f.find_first_not_of("0123456789") == std::string::npos) {
+      k *= std::stoll(f);
+    } else if (std::all_of(f.begin(), f.end(), [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; })) {
+      symbolic = true;  // another symbolic size (a sequence length)
+    } else {
+      return -1;  // a sum, a division: not a run of samples
+    }
+    start = end + 1;
+  }
+  if (batch_factors != 1 || d0.find('*') == std::string::npos) return -1;
+  return symbolic ? 0 : k;
+}
+
 // A dimension "k*s" at the front, made by flattening a batch-first tensor (view, reshape,
 // flatten), possibly followed by ops that keep the shape: samples stay contiguous runs of
 // k elements, so a share is a run of k * its samples. Other products are not split.
@@ -25,12 +54,8 @@ void find_flattened_batches(const graph::Graph& g, const std::set<std::string>& 
   const std::vector<NodeId> defined_by = g.producers();
   for (const auto& v : g.values) {
     if (out.batch_dim[v.id] >= 0 || v.shape.empty()) continue;
-    const std::string& d0 = v.shape[0].symbol;
-    const auto star = d0.find('*');
-    if (star == std::string::npos) continue;
-    std::string k = d0.substr(0, star), sym = d0.substr(star + 1);
-    if (batch_symbols.count(k)) std::swap(k, sym);
-    if (!batch_symbols.count(sym) || k.empty() || k.find_first_not_of("0123456789") != std::string::npos) continue;
+    const std::int64_t k = flattened_scale(v.shape[0].symbol, batch_symbols);
+    if (k < 0) continue;
     ValueId at = v.id;
     for (int hops = 0; hops < 64 && at >= 0 && defined_by[at] >= 0; ++hops) {
       const graph::Node& n = g.nodes[defined_by[at]];
@@ -40,7 +65,7 @@ void find_flattened_batches(const graph::Graph& g, const std::set<std::string>& 
       if (n.op == "aten::view" || n.op == "aten::reshape" || n.op == "aten::_unsafe_view" || n.op == "aten::flatten") {
         if (out.batch_dim[x.id] == 0) {
           out.batch_dim[v.id] = 0;
-          out.batch_scale[v.id] = std::stoll(k);
+          out.batch_scale[v.id] = k;
         }
         break;
       }
@@ -52,6 +77,23 @@ void find_flattened_batches(const graph::Graph& g, const std::set<std::string>& 
       at = x.id;
     }
   }
+}
+
+// Whether a symbolic size ("s0", "2*s0", "s0*s1") mentions a batch symbol: sizes made of
+// other symbols only (a sequence length, an image's height) do not change between shares.
+bool mentions_batch(const std::string& expr, const std::set<std::string>& batch_symbols) {
+  std::size_t i = 0;
+  while (i < expr.size()) {
+    if (std::isalpha(static_cast<unsigned char>(expr[i])) || expr[i] == '_') {
+      std::size_t j = i;
+      while (j < expr.size() && (std::isalnum(static_cast<unsigned char>(expr[j])) || expr[j] == '_')) ++j;
+      if (batch_symbols.count(expr.substr(i, j - i))) return true;
+      i = j;
+    } else {
+      ++i;
+    }
+  }
+  return false;
 }
 
 }  // namespace
@@ -143,10 +185,10 @@ Result<BatchLayout> BatchLayout::analyze(const graph::Graph& g, const std::vecto
       int batch_dims = 0;
       bool other_symbolic = false;
       for (std::size_t d = 0; d < val.shape.size(); ++d) {
-        if (batch_symbols.count(val.shape[d].symbol) || (d == 0 && out.batch_scale[v] > 1)) {
+        if (batch_symbols.count(val.shape[d].symbol) || (d == 0 && out.batch_dim[v] == 0 && out.batch_scale[v] != 1)) {
           ++batch_dims;
-        } else if (val.shape[d].is_symbolic()) {
-          other_symbolic = true;
+        } else if (mentions_batch(val.shape[d].symbol, batch_symbols)) {
+          other_symbolic = true;  // the batch within a product (a flattened batch): not one share per sample
         }
       }
       if (val.kind != graph::ValueKind::kTensor || batch_dims != 1 || other_symbolic || share_positions[v]) {

@@ -29,7 +29,9 @@ struct BatchLayout {
   std::map<graph::ValueId, int> input_index;     ///< a graph input's value -> its place among the inputs
   std::vector<int> producer;                     ///< per value: the stage defining it (-1: an input or binding)
   std::vector<int> batch_dim;                    ///< per value: its batch dimension (-1: none)
-  std::vector<std::int64_t> batch_scale;         ///< per value: elements per sample along batch_dim (flattened batch)
+  /// Per value: elements per sample along batch_dim (a flattened batch "k*s"); 0 when k is
+  /// a product with other symbolic sizes (a sequence length), known per call.
+  std::vector<std::int64_t> batch_scale;
   std::vector<bool> is_batch_size;               ///< per value: a size equal to the batch (each replica sees its share's)
   graph::Graph::Range range;                     ///< the share sizes the graph holds for (capture's guards)
   graph::ValueId loss = -1;                      ///< the graph's one output, a scalar

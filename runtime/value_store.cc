@@ -125,7 +125,7 @@ Result<std::vector<c10::IValue>> ValueStore::read(const std::vector<ValueId>& id
       if (rs != nullptr) joined_ready_[{v, mb}] = rs->events.record(rs->recv);
     }
     const Share s = share_of(micro_length_[mb], rc, i);
-    const std::int64_t k = bl.batch_scale[v];
+    const std::int64_t k = per_sample(v, jt->second.toTensor(), micro_length_[mb]);
     auto jr = joined_ready_.find({v, mb});
     out.push_back(ready_on_compute(c10::IValue(jt->second.toTensor().narrow(bl.batch_dim[v], k * s.offset, k * s.length)),
                                    jr == joined_ready_.end() ? nullptr : jr->second));
@@ -198,7 +198,8 @@ void ValueStore::add_gradient(ValueId v, int mb, int stage, int i, const at::Ten
   if (!whole.defined()) whole = zeros_like_joined(v, mb);
   if (!whole.defined()) return;  // no share of the value is here: no replica here reads this gradient
   const Share s = share_of(micro_length_[mb], rc, i);
-  whole.narrow(bl.batch_dim[v], bl.batch_scale[v] * s.offset, bl.batch_scale[v] * s.length).add_(g);
+  const std::int64_t k = per_sample(v, whole, micro_length_[mb]);
+  whole.narrow(bl.batch_dim[v], k * s.offset, k * s.length).add_(g);
   if (rs != nullptr) {
     used_on(whole, rs->send);
     joined_grad_ready_[{v, mb}] = rs->events.record(rs->send);
@@ -211,11 +212,15 @@ void ValueStore::add_gradient(ValueId v, int mb, int stage, int i, const at::Ten
 at::Tensor ValueStore::zeros_like_joined(ValueId v, int mb) const {
   auto jt = joined_.find({v, mb});
   if (jt != joined_.end()) return at::zeros_like(jt->second.toTensor());
-  for (const auto& share : values_.at({v, mb})) {
-    if (!share.isTensor()) continue;
-    std::vector<std::int64_t> sizes = share.toTensor().sizes().vec();
-    sizes[layout_.batch.batch_dim[v]] = layout_.batch.batch_scale[v] * micro_length_[mb];
-    return at::zeros(sizes, share.toTensor().options());
+  const auto& shares = values_.at({v, mb});
+  for (std::size_t r = 0; r < shares.size(); ++r) {
+    if (!shares[r].isTensor()) continue;
+    const at::Tensor& share = shares[r].toTensor();
+    const int rc = layout_.stage_replicas[layout_.batch.producer[v]];
+    const std::int64_t k = per_sample(v, share, share_of(micro_length_[mb], rc, static_cast<int>(r)).length);
+    std::vector<std::int64_t> sizes = share.sizes().vec();
+    sizes[layout_.batch.batch_dim[v]] = k * micro_length_[mb];
+    return at::zeros(sizes, share.options());
   }
   return at::Tensor();
 }
@@ -239,9 +244,16 @@ at::Tensor ValueStore::take_gradient(ValueId v, int mb, int i) {
   auto jt = joined_grads_.find({v, mb});
   if (jt != joined_grads_.end()) {
     const Share s = share_of(micro_length_[mb], layout_.stage_replicas[bl.producer[v]], i);
-    add_into(g, jt->second.narrow(bl.batch_dim[v], bl.batch_scale[v] * s.offset, bl.batch_scale[v] * s.length));
+    const std::int64_t k = per_sample(v, jt->second, micro_length_[mb]);
+    add_into(g, jt->second.narrow(bl.batch_dim[v], k * s.offset, k * s.length));
   }
   return g;
+}
+
+std::int64_t ValueStore::per_sample(ValueId v, const at::Tensor& t, std::int64_t samples) const {
+  const BatchLayout& bl = layout_.batch;
+  if (bl.batch_scale[v] > 0 || samples <= 0) return bl.batch_scale[v];
+  return t.size(bl.batch_dim[v]) / samples;
 }
 
 double ValueStore::weight(int mb, int replicas, int i) const {

@@ -77,6 +77,9 @@ class ValueStore {
   using Key = std::pair<graph::ValueId, int>;  // (value, microbatch)
   ReplicaStreams* streams_of(int stage, int i) const;
   at::Tensor zeros_like_joined(graph::ValueId v, int mb) const;  // holds mu_
+  // Elements per sample along `v`'s batch dimension: fixed at capture, or for a batch
+  // flattened with sizes known per call (batch_scale 0), `t`'s size there over its `samples`.
+  std::int64_t per_sample(graph::ValueId v, const at::Tensor& t, std::int64_t samples) const;
   void put_locked(const std::vector<graph::ValueId>& ids, std::vector<c10::IValue>& values, int mb, int stage, int i,
                   c10::Event* ready);
 

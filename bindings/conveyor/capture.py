@@ -118,15 +118,20 @@ def _traceback_lines(exc: BaseException) -> list[str]:
     return traceback.format_exception(type(exc), exc, exc.__traceback__)
 
 
-def _batch_dynamic_shapes(model, args, kwargs, batch: int, bounds: dict[str, int] | None = None):
+def _dynamic_shapes(model, args, kwargs, batch: int, bounds: dict[str, int] | None = None, other_sizes: bool = True):
     """dynamic_shapes marking dim 0 of every tensor whose dim 0 equals the batch size, as one
-    Dim("batch") within `bounds` (min, max) where given."""
+    Dim("batch") within `bounds` (min, max) where given; with `other_sizes`, every other
+    dimension of every input as Dim.AUTO: symbolic where the model allows it (a sequence
+    length, an image's height and width), fixed where the model specializes it."""
     dim = Dim("batch", **(bounds or {}))
 
     def spec(x):
-        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch:
-            return {0: dim}
-        return None
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            return None
+        out = {d: Dim.AUTO for d in range(x.dim())} if other_sizes else {}
+        if x.shape[0] == batch:
+            out[0] = dim
+        return out or None
 
     sig = inspect.signature(model.forward)
     bound = sig.bind(*args, **kwargs)
@@ -166,9 +171,10 @@ def _export(model, args, kwargs, dynamic_batch: bool) -> tuple[ExportedProgram, 
             "example batch of at least 2 so the batch dimension can stay symbolic")
     if dynamic_batch and batch is not None:
         bounds: dict[str, int] = {}
-        for _ in range(4):  # each retry narrows the range to what the model's guards allow
+        other_sizes = True
+        for _ in range(6):  # each retry narrows the range to what the model's guards allow
             try:
-                shapes = _batch_dynamic_shapes(model, args, kwargs, batch, bounds)
+                shapes = _dynamic_shapes(model, args, kwargs, batch, bounds, other_sizes)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     return torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False), True
@@ -177,6 +183,9 @@ def _export(model, args, kwargs, dynamic_batch: bool) -> tuple[ExportedProgram, 
                 specialization = "batch" in text and ("specializ" in text or "constraint" in text.lower()
                                                       or "Constraints violated" in text)
                 if not specialization:
+                    if other_sizes:  # sizes other than the batch fixed, as captured
+                        other_sizes = False
+                        continue
                     raise _capture_failure(model, exc) from exc
                 narrower = _suggested_batch_bounds(text)
                 if narrower is None or narrower == bounds:
@@ -408,6 +417,19 @@ class _Builder:
             return out
         return {}
 
+    def size_bounds(self, symbol: str) -> dict[str, int]:
+        """The sizes a symbolic dimension other than the batch holds for: from 2 (export
+        assumes a dynamic size is not 0 or 1, where broadcasting would differ) to the model's
+        bound where its guards set one."""
+        out = {"min": 2}
+        for sym, vr in self.ep.range_constraints.items():
+            if str(sym) == symbol:
+                lower, upper = _finite_int(vr.lower), _finite_int(vr.upper)
+                out["min"] = max(2, lower or 2)
+                if upper is not None:
+                    out["max"] = upper
+        return out
+
     # -- whole program --------------------------------------------------------------------
     def build(self, dynamic: bool) -> tuple[dict, dict[str, torch.Tensor]]:
         ep = self.ep
@@ -464,7 +486,8 @@ class _Builder:
                 raise CaptureError(f"output {o!r} of {type(self.model).__name__} is not a tensor "
                                    "computed by the model; return tensors only")
             outputs.append(self.env[o])
-        # The batch symbol: dim 0 of the first user input, when dynamic.
+        # The batch symbol: dim 0 of the first user input, when dynamic. Every other plain
+        # symbol of an input's shape is named by where it first appears ("input_ids dim 1").
         if dynamic and self.inputs:
             shape0 = self.values[self.inputs[0]["value"]].get("shape") or []
             if shape0 and isinstance(shape0[0], str):
@@ -472,6 +495,11 @@ class _Builder:
                 bounds = self.batch_bounds(shape0[0])
                 if bounds:
                     self.ranges[shape0[0]] = bounds
+            for entry in self.inputs:
+                for d, size in enumerate(self.values[entry["value"]].get("shape") or []):
+                    if isinstance(size, str) and size.isidentifier() and size not in self.symbols:
+                        self.symbols[size] = f"{entry['name']} dim {d}"
+                        self.ranges[size] = self.size_bounds(size)
         doc = {
             "format": "conveyor.graph",
             "version": 1,

@@ -176,6 +176,28 @@ def gpt2(batch=4, seq=16, dtype=torch.float64, layers=2, hidden=32, vocab=96, dr
     return ZooCase("gpt2", m, (), {"input_ids": ids, "labels": ids}, deterministic=dropout == 0)
 
 
+def llama(batch=4, seq=16, dtype=torch.float64, layers=2, hidden=32, vocab=96) -> ZooCase:
+    """A Llama-style decoder (RMSNorm, rotary positions, grouped-query attention, SwiGLU),
+    trained on padded batches: an attention mask of each row's length, labels -100 past it."""
+    tf = _quiet_transformers()
+    cfg = tf.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max(128, seq),
+                         use_cache=False, attn_implementation="eager")
+    m = tf.LlamaForCausalLM(cfg).to(dtype)
+    return ZooCase("llama", m, (), padded_tokens(batch, seq, vocab))
+
+
+def padded_tokens(batch: int, seq: int, vocab: int, generator: torch.Generator | None = None) -> dict:
+    """A padded batch of token rows of random lengths (1 to seq): input_ids, the attention
+    mask of each row's length, and labels with -100 (ignored) on the padding."""
+    ids = torch.randint(1, vocab, (batch, seq), generator=generator)
+    lengths = torch.randint(1, seq + 1, (batch,), generator=generator)
+    lengths[0] = seq  # the longest row fills the batch
+    mask = (torch.arange(seq) < lengths[:, None]).long()
+    ids = ids * mask
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
 def t5(batch=4, seq=12, dtype=torch.float64, layers=2, dropout=0.0) -> ZooCase:
     tf = _quiet_transformers()
     cfg = tf.T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=64, num_layers=layers, num_heads=4,
@@ -204,6 +226,6 @@ def inplace_net(batch=8, dtype=torch.float64) -> ZooCase:
 
 
 CASES: dict[str, Callable[..., ZooCase]] = {
-    "mlp": mlp, "cnn_batchnorm": cnn_batchnorm, "resnet18": resnet18, "bert": bert, "gpt2": gpt2,
+    "mlp": mlp, "cnn_batchnorm": cnn_batchnorm, "resnet18": resnet18, "bert": bert, "gpt2": gpt2, "llama": llama,
     "t5": t5, "unet3d": unet3d, "dropout": dropout_net, "inplace": inplace_net,
 }

@@ -182,8 +182,8 @@ TEST(GraphExecutor, InputsAreCheckedAgainstTheCapturedShapesDtypesAndRanges) {
   expect_refused(torch::randn({2, 7}, torch::kDouble), "input 0 ('x') has shape [2, 7] but the graph was captured for [s0, 4]");
   expect_refused(torch::randn({2, 4, 1}, torch::kDouble), "has shape [2, 4, 1]");
   expect_refused(torch::randn({2, 4}, torch::kFloat), "has dtype float32 but the graph was captured with float64");
-  expect_refused(torch::randn({1, 4}, torch::kDouble), "has s0 = 1 but the graph holds for 2 <= s0 <= 16 only");
-  expect_refused(torch::randn({17, 4}, torch::kDouble), "has s0 = 17");
+  expect_refused(torch::randn({1, 4}, torch::kDouble), "has batch (s0) = 1 but the graph holds for 2 to 16 only");
+  expect_refused(torch::randn({17, 4}, torch::kDouble), "has batch (s0) = 17");
   for (std::int64_t batch : {2, 16}) EXPECT_TRUE((*ex)->run({torch::randn({batch, 4}, torch::kDouble)}).is_ok());
 }
 
@@ -196,7 +196,7 @@ TEST(GraphExecutor, InputsThatDisagreeOnTheBatchAreRefused) {
   ASSERT_TRUE(ex.is_ok()) << ex.status().to_string();
   auto out = (*ex)->run({torch::randn({3, 4}, torch::kDouble), torch::randn({2, 4}, torch::kDouble)});
   ASSERT_FALSE(out.is_ok());
-  EXPECT_NE(out.status().message().find("inputs 0 and 1 disagree on size s0: 3 and 2"), std::string::npos)
+  EXPECT_NE(out.status().message().find("inputs 0 and 1 disagree on s0: 3 and 2"), std::string::npos)
       << out.status().message();
 }
 

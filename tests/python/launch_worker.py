@@ -45,18 +45,26 @@ def main():
     ap.add_argument("--stages", type=int, default=None, help="fixed cuts instead of planning")
     ap.add_argument("--replicas", type=int, default=None)
     ap.add_argument("--microbatches", type=int, default=None)
+    ap.add_argument("--schedule", default="auto")
+    ap.add_argument("--lengths", default=None,
+                    help="token models: one step per sequence length (padded batches, attention masks)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.manual_seed(0)
     case = CASES[args.case](batch=args.batch)
     optimizer = torch.optim.SGD(case.model.parameters(), lr=0.1)
     model = conveyor.Module(case.model, optimizer, loss_fn=case.loss, plan=args.plan, stages=args.stages,
-                            replicas=args.replicas, microbatches=args.microbatches)
-    losses = [model.train_step(*case.args, **case.kwargs).item() for _ in range(args.steps)]
+                            replicas=args.replicas, microbatches=args.microbatches, schedule=args.schedule)
+    if args.lengths:
+        draws = torch.Generator().manual_seed(1)
+        batches = [((), zoo.padded_tokens(args.batch, int(n), 96, draws)) for n in args.lengths.split(",")]
+    else:
+        batches = [(case.args, case.kwargs)] * args.steps
+    losses = [model.train_step(*a, **k).item() for a, k in batches]
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # every process takes part
     if model.rank == 0:
         torch.save({"losses": losses, "state": state, "world": model.world_size}, args.out)
-        if model.plan is not None:  # planned (fixed stages have no plan)
+        if model.plan is not None:  # planned (node lists have no plan)
             with open(args.out + ".plan.json", "w") as f:
                 json.dump(model.plan.document, f)
             print(model.plan.table if model.plan.table else model.plan.document)

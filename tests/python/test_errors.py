@@ -174,7 +174,7 @@ def test_wrong_inputs_and_runtime_failures(saved):
         graph(torch.randn(8, 5, dtype=torch.float64), target)
     with pytest.raises(conveyor.ConveyorValueError, match="has dtype float32 but the graph was captured with float64"):
         graph(x.float(), target)
-    with pytest.raises(conveyor.ConveyorValueError, match="inputs 0 and 1 disagree on size .*: 8 and 6"):
+    with pytest.raises(conveyor.ConveyorValueError, match="inputs 0 and 1 disagree on batch .*: 8 and 6"):
         graph(x, target[:6])
     # Right shapes and dtypes, wrong values: the failing operator and its source line.
     torch.manual_seed(0)

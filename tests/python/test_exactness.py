@@ -30,12 +30,16 @@ def restore(model, state):
 
 def compare(model, ref, loss, ref_loss, rel_err, what):
     assert rel_err(loss, ref_loss) <= TOLERANCE, f"{what}: loss {loss.item()} vs {ref_loss.item()}"
+    # A gradient that is zero in exact arithmetic (attention's key bias: softmax ignores a
+    # shift shared by a row) holds round-off alone, 1e-21 here, whose digits follow the order
+    # of the operations: it is judged against a millionth of the model's largest gradient.
+    floor = 1e-6 * max((q.grad.abs().max().item() for q in ref.parameters() if q.grad is not None), default=0)
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         if q.grad is None:
             assert p.grad is None or p.grad.abs().max() == 0, f"{what}: {name} got a gradient eager did not"
             continue
         assert p.grad is not None, f"{what}: {name} got no gradient"
-        err = rel_err(p.grad, q.grad)
+        err = (p.grad - q.grad).abs().max().item() / max(q.grad.abs().max().item(), floor, 1e-30)
         assert err <= TOLERANCE, f"{what}: gradient of {name} differs by {err:.3e}"
     for (name, b), (_, c) in zip(model.named_buffers(), ref.named_buffers()):
         assert torch.equal(b, c) or rel_err(b, c) <= TOLERANCE, f"{what}: buffer {name} differs"
@@ -170,8 +174,8 @@ def test_a_bounded_batch_stays_symbolic_within_its_bounds_and_shares_outside_are
     # Called whole, the graph checks the same range.
     assert abs(graph(x, y).item() - model(x, y).item()) <= 1e-6 * abs(model(x, y).item())
     for outside in (2, 2000):
-        with pytest.raises(conveyor.ConveyorValueError, match=rf"has {symbol} = {outside} but the graph holds for "
-                                                              rf"3 <= {symbol} <= 1000 only"):
+        with pytest.raises(conveyor.ConveyorValueError, match=rf"has batch \({symbol}\) = {outside} but the graph "
+                                                              rf"holds for 3 to 1000 only"):
             graph(torch.randn(outside, 4), torch.randn(outside, 4))
 
 

@@ -338,7 +338,7 @@ def test_every_call_checks_its_inputs_against_the_capture_before_running():
         ((x.float(), y), r"input 0 \('x'\) has dtype float32 but the graph was captured with float64"),
         ((x[:, :8], y[:, :8]), r"input 0 \('x'\) has shape \[8, 8\] but the graph was captured for"),
         ((x.unsqueeze(0), y), r"input 0 \('x'\) has shape \[1, 8, 16\]"),
-        ((x, y[:4]), "disagree on size"),
+        ((x, y[:4]), "disagree on batch"),
         ((x.to("meta"), y), r"input 0 \('x'\) is on meta but the model is on cpu"),
         ((x, 3.0), r"input 1 \('y'\) is a float, but the model was captured with a tensor there"),
         ((x[:3], y[:3]), "at least 4 samples at once"),  # fewer samples than the model runs at once

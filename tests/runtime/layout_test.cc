@@ -91,6 +91,29 @@ TEST(BatchLayout, AFlattenedBatchIsSplitInRunsOfItsSamples) {
   EXPECT_EQ(layout->batch_scale[flat], 8);
 }
 
+TEST(BatchLayout, ABatchFlattenedWithASequenceLengthIsSplitInRunsKnownPerCall) {
+  // x[s0,s1,4] (s1 a sequence length) -> linear -> [s0,s1,8] -> view [s0*s1, 8]: a share of
+  // the flattened value is s1 rows per sample, s1 known only when a call runs (scale 0);
+  // sizes in other symbols only are not the batch.
+  GraphBuilder b;
+  ValueId x = b.input("x", {sym("s0"), sym("s1"), fixed(4)});
+  ValueId w = b.parameter("w", {fixed(8), fixed(4)});
+  ValueId h = b.op("aten::linear", "", {v(x), v(w), Argument::none()}, {sym("s0"), sym("s1"), fixed(8)});
+  ValueId flat = b.op("aten::view", "", {v(h), Argument::of_list({Argument::of_int(-1), Argument::of_int(8)})},
+                      {sym("s0*s1"), fixed(8)});
+  b.output(b.op("aten::sum", "", {v(flat), Argument::none()}, {}));
+  Graph g = b.build();
+  g.symbols = {{"s0", "batch"}, {"s1", "x dim 1"}};
+  auto layout = BatchLayout::analyze(g, {{0}, {1, 2}}, {2, 1});  // h crosses: [s0, s1, 8]
+  ASSERT_TRUE(layout.is_ok()) << layout.status().to_string();
+  EXPECT_EQ(layout->batch_dim[h], 0);
+  EXPECT_EQ(layout->batch_scale[h], 1);
+  auto cut_flat = BatchLayout::analyze(g, {{0, 1}, {2}}, {2, 1});  // the flattened value crosses
+  ASSERT_TRUE(cut_flat.is_ok()) << cut_flat.status().to_string();
+  EXPECT_EQ(cut_flat->batch_dim[flat], 0);
+  EXPECT_EQ(cut_flat->batch_scale[flat], 0);
+}
+
 TEST(BatchLayout, AValueWithoutABatchDimensionCannotCrossBetweenDifferentReplicaCounts) {
   const Graph g = flattened_graph(/*reduce_over_batch=*/true);
   auto refused = BatchLayout::analyze(g, {{0, 1}, {2}}, {2, 1});

@@ -1,0 +1,127 @@
+"""Variable shapes: capture keeps every size the model allows symbolic (a sequence length, an
+image's height and width), so one capture trains batches of any such size exactly like eager
+(float64), in one process and in two; a size outside what the capture holds, or inputs that
+disagree on a size, are refused before anything runs, naming the input and the size."""
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import conveyor
+from conftest import split_batch
+from conveyor import _C, zoo
+
+LENGTHS = (8, 12, 20, 7)
+TOLERANCE = 1e-9
+
+
+def train_like_eager(case, model, batches, shares: int):
+    """Trains `model` (a conveyor.Module over case.model) and an eager copy on `batches`,
+    each step's loss the mean of `shares` equal parts of the batch (what the pipeline's
+    microbatches and last-stage replicas compute), and checks losses and weights."""
+    ref = copy.deepcopy(case.model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    threads = torch.get_num_threads()
+    for args, kwargs in batches:
+        batch = next(t for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor)).shape[0]
+        loss = model.train_step(*args, **kwargs)
+        ref_opt.zero_grad(set_to_none=True)
+        want = 0
+        # Eager at the intra-op threads of a stage replica: Llama's RMSNorm computes in
+        # float32 even in a float64 model, and its reductions' order follows the threads.
+        torch.set_num_threads(model._threads_per_device())
+        try:
+            for a, k in split_batch(args, kwargs, shares, batch):
+                part = case.loss(ref(*a, **k)) / shares
+                part.backward()
+                want = want + part.detach()
+        finally:
+            torch.set_num_threads(threads)
+        ref_opt.step()
+        assert abs(loss.item() - want.item()) <= TOLERANCE * abs(want.item())
+    for (n, p), (_, q) in zip(case.model.named_parameters(), ref.named_parameters()):
+        err = (p - q).abs().max().item() / max(q.abs().max().item(), 1e-6)
+        assert err <= TOLERANCE, f"{n} differs by {err:.2e}"
+
+
+@pytest.mark.parametrize("name,stages,replicas,schedule", [
+    ("gpt2", 2, 1, "1f1b"), ("gpt2", 3, 2, "zb-h1"), ("llama", 2, 2, "1f1b"), ("llama", 3, [1, 2, 1], "zb-h1")])
+def test_token_models_train_on_every_sequence_length_with_one_capture(name, stages, replicas, schedule):
+    """Padded batches of lengths 8, 12, 20 and 7 (attention masks, labels ignored on the
+    padding): one capture, every length trains like eager."""
+    torch.manual_seed(0)
+    case = zoo.CASES[name](batch=8, seq=12)
+    model = conveyor.Module(case.model, torch.optim.SGD(case.model.parameters(), lr=0.05), stages=stages,
+                            replicas=replicas, microbatches=2, schedule=schedule, replan="off")
+    draws = torch.Generator().manual_seed(1)
+    batches = [((), zoo.padded_tokens(8, n, 96, draws)) for n in LENGTHS]
+    last_replicas = replicas[-1] if isinstance(replicas, list) else replicas
+    train_like_eager(case, model, batches, shares=2 * last_replicas)
+    symbols = model._graph.document["symbols"]
+    print(f"{name}: {len(LENGTHS)} lengths, 1 capture, symbolic sizes {sorted(symbols.values())}, "
+          f"{model.extra_repr()}")
+    assert "input_ids dim 1" in symbols.values(), symbols
+
+
+def test_a_vision_model_trains_on_two_image_sizes_with_one_capture():
+    torch.manual_seed(0)
+    case = zoo.resnet18(batch=8, image=48)
+    model = conveyor.Module(case.model, torch.optim.SGD(case.model.parameters(), lr=0.05), stages=2, replicas=2,
+                            microbatches=2, schedule="1f1b", replan="off")
+    draws = torch.Generator().manual_seed(1)
+    batches = [((torch.randn(8, 3, h, w, generator=draws, dtype=torch.float64),
+                 torch.randint(0, 10, (8,), generator=draws)), {}) for h, w in ((48, 48), (64, 40), (48, 48))]
+    # BatchNorm normalizes over each replica's share: the eager reference does the same.
+    train_like_eager(case, model, batches, shares=4)
+    roles = set(model._graph.document["symbols"].values())
+    assert roles == {"batch", "x dim 2", "x dim 3"}, roles
+    # Captured at 32 pixels the network ends at 1x1, and torch.export bounds the size there:
+    # a larger image is refused naming the bound.
+    small = zoo.resnet18(batch=4, image=32)
+    graph = conveyor.capture(small.model, small.args)
+    with pytest.raises(conveyor.ConveyorValueError, match=r"has x dim 2 \(s\w+\) = 48 but the graph holds for 2 to 32"):
+        graph(torch.randn(4, 3, 48, 48, dtype=torch.float64), small.args[1])
+
+
+def test_sizes_the_capture_does_not_hold_are_refused_naming_them():
+    torch.manual_seed(0)
+    case = zoo.gpt2(batch=4, seq=12)
+    graph = conveyor.capture(case.model, (), case.kwargs)
+    ids = torch.randint(0, 96, (4, 12))
+    with pytest.raises(conveyor.ConveyorValueError, match=r"disagree on input_ids dim 1 \(s\w+\): 12 and 10"):
+        graph(input_ids=ids, labels=ids[:, :10])
+    with pytest.raises(conveyor.ConveyorValueError,
+                       match=r"has input_ids dim 1 \(s\w+\) = 1 but the graph holds for 2 and more only"):
+        graph(input_ids=ids[:, :1], labels=ids[:, :1])
+    # A size the model fixes (the feature width of an MLP) is named with what may change.
+    mlp = zoo.mlp(batch=8)
+    graph = conveyor.capture(mlp.model, mlp.args)
+    with pytest.raises(conveyor.ConveyorValueError, match=r"has shape \[8, 8\] but the graph was captured for "
+                                                          r"\[s\w+, 16\] \(only batch may change\)"):
+        graph(mlp.args[0][:, :8], mlp.args[1])
+
+
+WORKER = Path(__file__).with_name("launch_worker.py")
+BUILD = os.environ.get("CONVEYOR_BUILD_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "build"))
+
+
+@pytest.mark.skipif(bool(_C.ucx_status()), reason=f"UCX cannot start here: {_C.ucx_status()}")
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_two_processes_train_every_sequence_length_like_one(tmp_path, name):
+    """Under `conveyor launch -n 2` (a stage per process, activations of every length
+    crossing over UCX) the lengths train to the same losses and weights as one process
+    running the same plan."""
+    from test_launch import assert_trains_like_one_process, launch
+    tool = os.path.join(BUILD, "tools", "conveyor")
+    if not os.path.exists(tool):
+        pytest.skip(f"conveyor tool not built at {tool}")
+    common = ["--case", name, "--batch", "8", "--lengths", ",".join(map(str, LENGTHS)), "--microbatches", "2",
+              "--schedule", "1f1b"]
+    code, out = launch("-n", 2, "--", sys.executable, WORKER, *common, "--stages", "2", "--out", tmp_path / "two.pt")
+    assert code == 0, out[-4000:]
+    assert_trains_like_one_process(tmp_path / "two.pt", 2, [*common, "--plan", tmp_path / "two.pt.plan.json"],
+                                   tmp_path)
