@@ -72,6 +72,7 @@ import torch
 
 from . import _C, distributed
 from .capture import capture
+from .captures import Captures
 from .loss_wrapper import loss_wrapper
 from .errors import ConveyorValueError, UnsupportedError
 from .planning import FixedParts, Plan, cluster_text, plan as make_plan, profile, read_plan
@@ -226,6 +227,7 @@ class Module(torch.nn.Module):
         self._replanning: Replanning | None = None  # with a plan conveyor made and replan="auto"
         self._marker: str | None = None  # a switch of plan, marked in the next step's trace
         self._switches: list[dict] = []  # Module.replans
+        self._captures = Captures()  # a model that fixes a size: one capture per size met
         self.plan = None
 
     # -- the model's own state --------------------------------------------------------
@@ -433,6 +435,7 @@ class Module(torch.nn.Module):
 
     # -- running ----------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        self._captures.select(self, args, kwargs)
         if self._graph is None:
             self._build(args, kwargs)
         inputs = self._graph.flatten_inputs(args, kwargs)
@@ -540,6 +543,7 @@ class Module(torch.nn.Module):
         if self.optimizer is None:
             raise ConveyorValueError("train_step needs the optimizer: conveyor.Module(model, optimizer)")
         self.optimizer.zero_grad(set_to_none=True)
+        self._captures.select(self, args, kwargs)
         if self._graph is None:
             self._build(args, kwargs)
         if not self.training:

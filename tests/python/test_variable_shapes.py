@@ -125,3 +125,38 @@ def test_two_processes_train_every_sequence_length_like_one(tmp_path, name):
     assert code == 0, out[-4000:]
     assert_trains_like_one_process(tmp_path / "two.pt", 2, [*common, "--plan", tmp_path / "two.pt.plan.json"],
                                    tmp_path)
+
+
+class BranchesOnLength(torch.nn.Module):
+    """Takes a different path for long sequences (a Python branch on the length): torch.export
+    keeps the length symbolic on the captured side of the branch only (11 and more), so the
+    other side needs a capture of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 16)
+        self.short, self.long = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 32)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        h = torch.tanh(self.long(h) if ids.shape[1] > 10 else self.short(h))
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), ids.flatten())
+
+
+def test_a_model_that_branches_on_its_length_is_captured_once_per_side():
+    torch.manual_seed(0)
+    net = BranchesOnLength().double()
+    case = zoo.ZooCase("branches", net, (torch.randint(0, 32, (8, 12)),), {})
+    model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.05), stages=2, microbatches=2, replan="off")
+    draws = torch.Generator().manual_seed(1)
+    batches = [((torch.randint(0, 32, (8, n), generator=draws),), {}) for n in (12, 6, 12, 7, 16)]
+    with pytest.warns(UserWarning, match=r"ids dim 1 is 6 \(the capture holds 11 and more\).*2 captures of the model"):
+        train_like_eager(case, model, batches, shares=2)
+    assert len(model._captures) == 2  # lengths 12 and 16 share one, 6 and 7 the other
+    print(f"{len(model._captures)} captures for lengths 12, 6, 12, 7 and 16")
+    # Node lists name one capture's nodes: the other side is refused, naming the size.
+    again = conveyor.Module(BranchesOnLength().double(), stages=model._stage_nodes, microbatches=2)
+    again(torch.randint(0, 32, (8, 16)))
+    with pytest.raises(conveyor.ConveyorValueError, match=r"ids dim 1 is 6 \(the capture holds 11 and more\).*node"):
+        again(torch.randint(0, 32, (8, 6)))

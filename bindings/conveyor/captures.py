@@ -1,0 +1,109 @@
+"""Captures of one model for the sizes it fixes: a model that branches on a size (a sequence
+length, an image size) is captured for its example's side of the branch (the size fixed, or
+symbolic within the branch's bound), so a call with a size on the other side needs another
+graph. conveyor.Module keeps one pipeline per such capture, built on the first call
+that needs it, and switches between them call by call (on one process)."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .errors import CaptureError, ConveyorValueError
+
+__all__ = ["Captures", "fixed_size_mismatch", "MOST_CAPTURES"]
+
+MOST_CAPTURES = 16  # beyond this many, a model that fixes a size is asked to pad batches instead
+
+# What a Module holds per capture: its graph and everything built from it.
+PER_CAPTURE = ("_graph", "_step", "plan", "_layout", "_stage_nodes", "_small_steps", "_built_batch", "_least",
+               "_replanning")
+
+
+def fixed_size_mismatch(graph, inputs: list) -> str | None:
+    """Where `inputs` (flattened) differ from `graph` in a size the capture fixed, or lie
+    outside the range a branch of the model bounds a symbolic size to: "input_ids dim 1 is 20
+    (captured fixed at 12)", "ids dim 1 is 6 (the capture holds 11 and more)"; None when they
+    fit (the inputs may still be wrong in other ways, which the graph's own checks name). The
+    batch's range is about shares, which the pipeline checks."""
+    doc = graph.document
+    if len(inputs) != len(doc["inputs"]):
+        return None
+    ranges, symbols = doc.get("ranges", {}), doc.get("symbols", {})
+    for entry, x in zip(doc["inputs"], inputs):
+        shape = doc["values"][entry["value"]].get("shape")
+        if not isinstance(x, torch.Tensor) or shape is None or x.dim() != len(shape):
+            continue
+        for d, size in enumerate(shape):
+            where = f"{entry['name']} dim {d} is {x.shape[d]}"
+            if isinstance(size, int) and x.shape[d] != size:
+                return f"{where} (captured fixed at {size})"
+            bounds = ranges.get(size) if isinstance(size, str) and symbols.get(size) != "batch" else None
+            if bounds and not bounds.get("min", 0) <= x.shape[d] <= bounds.get("max", x.shape[d]):
+                held = f"{bounds['min']} to {bounds['max']}" if "max" in bounds else f"{bounds.get('min', 0)} and more"
+                return f"{where} (the capture holds {held})"
+    return None
+
+
+class Captures:
+    """The other captures of a Module's model (the one in use lives in the Module itself)."""
+
+    def __init__(self):
+        self._stashed: list[dict] = []
+
+    def __len__(self) -> int:
+        return len(self._stashed) + 1
+
+    def select(self, module, args: tuple, kwargs: dict) -> None:
+        """Makes `module` use the capture whose fixed sizes `args`, `kwargs` fit, stashing the
+        one in use; when none fits, captures, plans and builds again for them. A size the
+        model cannot take at all (a weight's width) gets the captured graph's own error."""
+        if module._graph is None:
+            return
+        mismatch = fixed_size_mismatch(module._graph, module._graph.flatten_inputs(args, kwargs))
+        if mismatch is None:
+            return
+        if module._group is not None:
+            raise ConveyorValueError(
+                f"{mismatch}: the model fixes that size (it branches on it, or uses it as a constant), so each size "
+                "needs its own capture, which conveyor makes on one process only; pad every batch to the captured "
+                "size, or train this model in one process")
+        if isinstance(module._stages, list):
+            raise ConveyorValueError(f"{mismatch}: the model fixes that size, and the stages given as node lists name "
+                                     "the nodes of one capture; pass a number of stages, or pad every batch to the "
+                                     "captured size")
+        for k, saved in enumerate(self._stashed):
+            if fixed_size_mismatch(saved["_graph"], saved["_graph"].flatten_inputs(args, kwargs)) is None:
+                self._stashed[k] = self._take(module)
+                self._restore(module, saved)
+                return
+        if len(self) >= MOST_CAPTURES:
+            raise ConveyorValueError(
+                f"{mismatch}: the model fixes that size and {len(self)} captures of it exist already; pad batches to "
+                "a few sizes (bucket the lengths) so that few captures serve them")
+        saved = self._take(module)
+        try:
+            module._build(args, kwargs)
+        except CaptureError:
+            self._restore(module, saved)
+            with torch.no_grad():
+                module._graph(*args, **kwargs)  # refuses the inputs, naming them, before running
+            raise
+        except BaseException:
+            self._restore(module, saved)
+            raise
+        self._stashed.append(saved)
+        warnings.warn(f"conveyor: {mismatch}: the model fixes that size, so conveyor captures it again for this "
+                      f"one; {len(self)} captures of the model now exist (one graph and pipeline each)", stacklevel=4)
+
+    @staticmethod
+    def _take(module) -> dict:
+        saved = {name: getattr(module, name) for name in PER_CAPTURE}
+        for name in PER_CAPTURE:
+            setattr(module, name, {} if name == "_small_steps" else None)
+        return saved
+
+    @staticmethod
+    def _restore(module, saved: dict) -> None:
+        for name, value in saved.items():
+            setattr(module, name, value)
