@@ -7,6 +7,7 @@
 #include <limits>
 #include <map>
 #include <optional>
+#include <set>
 
 #include "graph/compiled_node.h"
 
@@ -215,6 +216,45 @@ Status check_graph_inputs(const Graph& g, const std::vector<c10::IValue>& inputs
 }
 
 
+// What a stage writes in place, following views back to what they view: its inputs (by
+// position) and buffer bindings (by name). Recomputation must see the inputs as they were
+// and must not update the buffers twice.
+void find_written(const Graph& g, const std::vector<NodeId>& nodes, const StageBoundary& boundary,
+                  std::vector<std::size_t>& inputs, std::vector<std::string>& buffers) {
+  std::map<ValueId, ValueId> root;  // a view -> the value it views
+  auto root_of = [&](ValueId v) {
+    auto it = root.find(v);
+    return it == root.end() ? v : it->second;
+  };
+  auto values_of = [](const Argument& a, std::vector<ValueId>& out) {
+    if (a.kind == Argument::Kind::kValue) out.push_back(a.value);
+    for (const auto& item : a.items) {
+      if (item.kind == Argument::Kind::kValue) out.push_back(item.value);
+    }
+  };
+  std::set<ValueId> written;
+  for (NodeId n : nodes) {
+    const Node& node = g.nodes[n];
+    for (int k : node.mutated_args) {
+      std::vector<ValueId> vs;
+      if (k >= 0 && k < static_cast<int>(node.args.size())) values_of(node.args[k], vs);
+      for (ValueId v : vs) written.insert(root_of(v));
+    }
+    if (!node.aliased_args.empty() && !node.returns.empty() && node.returns[0].kind == Return::Kind::kValue) {
+      const int k = node.aliased_args[0];
+      std::vector<ValueId> vs;
+      if (k >= 0 && k < static_cast<int>(node.args.size())) values_of(node.args[k], vs);
+      if (!vs.empty()) root[node.returns[0].value] = root_of(vs[0]);
+    }
+  }
+  for (std::size_t i = 0; i < boundary.inputs.size(); ++i) {
+    if (written.count(boundary.inputs[i])) inputs.push_back(i);
+  }
+  for (const auto& b : g.bindings) {
+    if (b.kind == Binding::Kind::kBuffer && written.count(b.value)) buffers.push_back(b.name);
+  }
+}
+
 }  // namespace
 
 Status GraphExecutor::check_inputs(const std::vector<c10::IValue>& inputs, bool whole_batch) const {
@@ -275,6 +315,7 @@ Result<std::shared_ptr<const StageProgram>> GraphExecutor::stage(std::vector<Nod
   program->steps_ = plan_steps(nodes, program->boundary_.outputs);
   program->draws_random_ = std::any_of(nodes.begin(), nodes.end(),
                                        [&](NodeId n) { return graph_.nodes[n].nondeterministic_seeded; });
+  find_written(graph_, nodes, program->boundary_, program->inputs_written_, program->buffers_written_);
   program->nodes_ = std::move(nodes);
   return std::shared_ptr<const StageProgram>(std::move(program));
 }

@@ -30,6 +30,8 @@ struct StageActivation {
   std::vector<c10::IValue> inputs;   ///< as the stage saw them: tensors are detached leaves
   std::vector<c10::IValue> outputs;  ///< in StageProgram::outputs() order
   std::shared_ptr<DeferredWeightGradient> deferred;  ///< set by backward_input, used by backward_weight
+  /// Set by forward_for_recompute: no autograd graph is kept; recompute() makes it.
+  bool needs_recompute = false;
 };
 
 class GraphExecutor;
@@ -56,6 +58,19 @@ class StageProgram {
 
   /// Whether any node of the stage draws random numbers.
   bool draws_random() const { return draws_random_; }
+
+  /// Runs the stage for a backward that recomputes it (activation recomputation): the
+  /// autograd graph is dropped as soon as the outputs exist (they keep requires_grad, so
+  /// the stages reading them still send gradients back), and the activation keeps only
+  /// the stage's inputs (those the stage writes in place as they were before it ran) and
+  /// its outputs. Buffers (BatchNorm's running statistics) are updated here, once.
+  Result<StageActivation> forward_for_recompute(std::vector<c10::IValue> inputs,
+                                                std::optional<std::uint64_t> random_seed = std::nullopt) const;
+  /// Runs the forward again from what forward_for_recompute kept, with autograd and the
+  /// same `random_seed` (the same dropout masks), and leaves the buffers it writes as they
+  /// were: `activation` is then what forward() would have made, ready for backward(). The
+  /// outputs equal the first forward's bit for bit (same inputs, seed and operators).
+  Status recompute(StageActivation& activation, std::optional<std::uint64_t> random_seed = std::nullopt) const;
 
   /// Backpropagates `output_grads` (None or undefined where an output got no gradient),
   /// accumulating parameter gradients into their live `.grad`; returns the gradients of
@@ -86,6 +101,8 @@ class StageProgram {
   StageBoundary boundary_;
   std::vector<Step> steps_;
   bool draws_random_ = false;
+  std::vector<std::size_t> inputs_written_;     ///< input positions the stage writes in place (through views too)
+  std::vector<std::string> buffers_written_;    ///< buffer bindings the stage writes in place
 };
 
 /// Owns a graph, the tensors bound to it, and every node's resolved operator.

@@ -135,6 +135,8 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
     CONVEYOR_ASSIGN_OR_RETURN(auto replica, executor->replica());
     im.executors.push_back(std::move(replica));
   }
+  im.settings.recompute = options.recompute;
+  im.settings.recompute.resize(static_cast<std::size_t>(num_stages), false);
   if (options.seed) {
     im.settings.random_seed = *options.seed;
   } else {

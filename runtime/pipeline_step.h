@@ -75,6 +75,10 @@ struct PipelineOptions {
   /// torch's global CPU generator when the pipeline is made (so torch.manual_seed decides);
   /// across processes, process 0's.
   std::optional<std::uint64_t> seed;
+  /// Per stage: recompute its activations (keep only the stage's inputs between its
+  /// forward and its backward, and run the forward again just before the backward); empty
+  /// or shorter: the stages beyond keep theirs.
+  std::vector<bool> recompute;
 };
 
 /// One pipelined training step over stages of a graph, run again for every batch.

@@ -138,7 +138,9 @@ Status StageReplica::forward(const Action& a) {
   CONVEYOR_ASSIGN_OR_RETURN(std::vector<c10::IValue> in, store_.read(program.inputs(), a.microbatch, a.stage, replica_));
   std::optional<std::uint64_t> seed;
   if (program.draws_random()) seed = forward_seed(a.stage, a.microbatch);
-  CONVEYOR_ASSIGN_OR_RETURN(graph::StageActivation act, program.forward(std::move(in), seed));
+  CONVEYOR_ASSIGN_OR_RETURN(graph::StageActivation act, settings_.recompute[a.stage]
+                                                            ? program.forward_for_recompute(std::move(in), seed)
+                                                            : program.forward(std::move(in), seed));
   c10::Event* done = streams_ != nullptr ? streams_->events.record(streams_->compute) : nullptr;
   store_.put(program.outputs(), act.outputs, a.microbatch, a.stage, replica_, done);
   activations_[{a.stage, a.microbatch}] = std::move(act);
@@ -151,6 +153,13 @@ Status StageReplica::backward(const Action& a, bool split) {
   if (it == activations_.end()) return Status(ErrorCode::kInternal, "backward before forward");
   graph::StageActivation act = std::move(it->second);
   activations_.erase(it);
+  if (act.needs_recompute) {
+    // The forward again, as it first ran: the caller's autocast, the same seeded draws.
+    AutocastScope autocast(settings_.autocast);
+    std::optional<std::uint64_t> seed;
+    if (program.draws_random()) seed = forward_seed(a.stage, a.microbatch);
+    CONVEYOR_RETURN_IF_ERROR(program.recompute(act, seed));
+  }
   std::vector<c10::IValue> out_grads;
   for (std::size_t k = 0; k < program.outputs().size(); ++k) {
     const ValueId v = program.outputs()[k];

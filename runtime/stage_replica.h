@@ -47,6 +47,7 @@ struct StepSettings {
   AutocastState autocast;      ///< the caller's: forwards run under it
   std::uint64_t random_seed = 0;  ///< the pipeline's
   std::uint64_t step = 0;         ///< the step running, counting every step begun
+  std::vector<bool> recompute;    ///< per stage: recompute its activations before the backward
 };
 
 /// One replica's compute.

@@ -59,6 +59,11 @@ process 0's is used). The masks are not eager's: eager draws one stream in execu
                   Only plans conveyor made re-plan (not node lists or a plan file), and
                   a re-plan keeps what `stages`, `replicas` and `microbatches` fixed.
     replan_horizon  steps within which a switch must pay for moving (default 100)
+    recompute     True: every stage recomputes its activations (keeps only its inputs between
+                  its forward and its backward, and runs the forward again, with the same
+                  dropout masks, just before the backward: less memory, a forward more per
+                  microbatch); a list: one flag per stage; default: none (the planner does not
+                  choose it yet)
 """
 from __future__ import annotations
 
@@ -170,7 +175,7 @@ class Module(torch.nn.Module):
                  schedule: str = "auto", devices: int | None = None, cluster: str | None = None,
                  trace: str | os.PathLike | None = None, loss_fn=None, seed: int = 0, timeout: float | None = None,
                  plan: str | os.PathLike | None = None, transport: str | None = None, replan: str | None = None,
-                 replan_horizon: int | None = None):
+                 replan_horizon: int | None = None, recompute: bool | list | None = None):
         super().__init__()
         # What `conveyor launch` (or its job config) asks of every process, where not given here.
         launched = distributed.launch_settings()
@@ -199,6 +204,9 @@ class Module(torch.nn.Module):
                                      "(an int for all stages, or a list with one count per stage)")
         if not isinstance(stages, list):
             FixedParts(stages, replicas, schedule)  # checks them now, not at the first call
+        if recompute is not None and not isinstance(recompute, bool) and not (
+                isinstance(recompute, list) and all(isinstance(r, bool) for r in recompute)):
+            raise ConveyorValueError(f"recompute={recompute!r}: expected True (every stage), False, or one bool per stage")
         if devices is not None and devices < 1:
             raise ConveyorValueError(f"devices={devices}: need at least one device")
         self.module = model
@@ -207,6 +215,7 @@ class Module(torch.nn.Module):
         self._microbatches = microbatches
         self._replicas = replicas
         self._schedule = schedule
+        self._recompute = recompute
         self._devices = devices or max(2, min(4, os.cpu_count() or 2))
         self._cluster = cluster
         self._loss_fn = loss_fn
@@ -430,8 +439,12 @@ class Module(torch.nn.Module):
         per rank; `plan` (when the stages come from one) is what the live profile compares
         against; across processes, every replica on the process _placement gives it."""
         placement = self._placement(replicas, plan) if across_processes else {}
+        recompute = self._recompute if isinstance(self._recompute, list) else [bool(self._recompute)] * len(stage_nodes)
+        if len(recompute) != len(stage_nodes):
+            raise ConveyorValueError(f"recompute has {len(recompute)} flags but the pipeline has {len(stage_nodes)} stages")
         return _C.PipelineStep(graph.executor, stage_nodes, schedule, microbatches, chunks, replicas,
-                               plan=json.dumps(plan.document) if plan is not None else "", **placement)
+                               plan=json.dumps(plan.document) if plan is not None else "", recompute=recompute,
+                               **placement)
 
     # -- running ----------------------------------------------------------------------
     def forward(self, *args, **kwargs):

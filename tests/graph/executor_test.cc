@@ -51,8 +51,10 @@ TEST(GraphExecutor, BatchSizeIsFreeAtRunTime) {
 }
 
 // Runs `stages` in order like a pipeline and returns the loss; backward leaves grads in `t`.
+// Runs `parts` as a pipeline of one microbatch; with `recompute`, every stage keeps only its
+// inputs (forward_for_recompute) and runs its forward again before its backward.
 double run_staged(const std::shared_ptr<GraphExecutor>& ex, const std::vector<std::vector<NodeId>>& parts,
-                  const at::Tensor& x) {
+                  const at::Tensor& x, bool recompute = false) {
   const Graph& g = ex->graph();
   std::map<ValueId, c10::IValue> values = {{g.inputs[0].value, x}};
   std::vector<std::shared_ptr<const StageProgram>> stages;
@@ -62,8 +64,16 @@ double run_staged(const std::shared_ptr<GraphExecutor>& ex, const std::vector<st
     EXPECT_TRUE(s.is_ok()) << s.status().to_string();
     std::vector<c10::IValue> in;
     for (ValueId v : (*s)->inputs()) in.push_back(values.at(v));
-    auto act = (*s)->forward(in);
+    auto act = recompute ? (*s)->forward_for_recompute(in) : (*s)->forward(in);
     EXPECT_TRUE(act.is_ok()) << act.status().to_string();
+    if (recompute) {  // no autograd graph is kept: the outputs are leaves that still ask for gradients
+      for (const auto& out : act->outputs) {
+        if (out.isTensor() && out.toTensor().is_floating_point()) {
+          EXPECT_EQ(out.toTensor().grad_fn(), nullptr);
+          EXPECT_TRUE(out.toTensor().requires_grad());
+        }
+      }
+    }
     for (std::size_t i = 0; i < (*s)->outputs().size(); ++i) values[(*s)->outputs()[i]] = act->outputs[i];
     stages.push_back(*s);
     acts.push_back(std::move(act).value());
@@ -77,6 +87,12 @@ double run_staged(const std::shared_ptr<GraphExecutor>& ex, const std::vector<st
       auto it = grads.find(v);
       out_grads.push_back(it == grads.end() ? c10::IValue() : c10::IValue(it->second));
     }
+    if (recompute) {
+      EXPECT_TRUE(acts[i].needs_recompute);
+      Status again = stages[i]->recompute(acts[i]);
+      EXPECT_TRUE(again.is_ok()) << again.to_string();
+      EXPECT_FALSE(acts[i].needs_recompute);
+    }
     auto in_grads = stages[i]->backward(acts[i], out_grads);
     EXPECT_TRUE(in_grads.is_ok()) << in_grads.status().to_string();
     for (std::size_t j = 0; j < stages[i]->inputs().size(); ++j) {
@@ -89,7 +105,7 @@ double run_staged(const std::shared_ptr<GraphExecutor>& ex, const std::vector<st
   return result;
 }
 
-TEST(StageProgram, RandomCutsGiveTheSameLossAndGradients) {
+TEST(StageProgram, RandomCutsGiveTheSameLossAndGradientsWithAndWithoutRecomputation) {
   for (const Graph& g : {testing::mlp_graph(), testing::diamond_graph(), testing::inplace_view_graph()}) {
     TensorMap t;
     torch::manual_seed(1);
@@ -111,14 +127,55 @@ TEST(StageProgram, RandomCutsGiveTheSameLossAndGradients) {
         zero_grads(t);
         auto parts = random_partition(g, k, seed, false);
         ASSERT_TRUE(parts.is_ok());
-        double loss = run_staged(*ex, *parts, x);
-        EXPECT_DOUBLE_EQ(loss, whole->at(0).toTensor().item<double>());
-        for (auto& [n, p] : t) {
-          EXPECT_TRUE(torch::allclose(expected[n], p.grad(), 1e-12, 1e-12)) << n << " k=" << k << " seed=" << seed;
+        for (bool recompute : {false, true}) {
+          zero_grads(t);
+          double loss = run_staged(*ex, *parts, x, recompute);
+          EXPECT_DOUBLE_EQ(loss, whole->at(0).toTensor().item<double>());
+          for (auto& [n, p] : t) {
+            EXPECT_TRUE(torch::allclose(expected[n], p.grad(), 1e-12, 1e-12))
+                << n << " k=" << k << " seed=" << seed << (recompute ? " recomputed" : "");
+          }
         }
       }
     }
   }
+}
+
+TEST(StageProgram, ARecomputedStageSeesItsInputsAsTheyWereBeforeItWroteThem) {
+  // x -> add_(x, 1) in place -> linear -> sum: the first forward writes into the input; the
+  // recomputed forward must start from the input as the first one did.
+  testing::GraphBuilder b;
+  ValueId x = b.input("x", {testing::sym("s0"), testing::fixed(4)});
+  ValueId w = b.parameter("w", {testing::fixed(3), testing::fixed(4)});
+  ValueId bumped = b.op("aten::add_", "Tensor", {testing::v(x), Argument::of_int(1), Argument::of_int(1)},
+                        {testing::sym("s0"), testing::fixed(4)}, {0}, {0});
+  ValueId h = b.op("aten::linear", "", {testing::v(bumped), testing::v(w), Argument::none()},
+                   {testing::sym("s0"), testing::fixed(3)});
+  b.output(b.op("aten::sum", "", {testing::v(h), Argument::none()}, {}));
+  TensorMap t{{"w", torch::randn({3, 4}, torch::dtype(torch::kDouble).requires_grad(true))}};
+  auto ex = GraphExecutor::create(b.build(), t);
+  ASSERT_TRUE(ex.is_ok()) << ex.status().to_string();
+  auto stage = (*ex)->stage({0, 1, 2});
+  ASSERT_TRUE(stage.is_ok()) << stage.status().to_string();
+  const at::Tensor x0 = torch::randn({5, 4}, torch::kDouble);
+  at::Tensor plain_x = x0.clone(), recomputed_x = x0.clone();
+  auto plain = (*stage)->forward({plain_x});
+  ASSERT_TRUE(plain.is_ok()) << plain.status().to_string();
+  ASSERT_EQ(plain->outputs.size(), 1u);
+  const double plain_loss = plain->outputs[0].toTensor().item<double>();
+  auto plain_grads = (*stage)->backward(*plain, {c10::IValue(torch::ones({}, torch::kDouble))});
+  ASSERT_TRUE(plain_grads.is_ok());
+  const at::Tensor expected = t["w"].grad().clone();
+  t["w"].mutable_grad().zero_();
+  auto act = (*stage)->forward_for_recompute({recomputed_x});
+  ASSERT_TRUE(act.is_ok()) << act.status().to_string();
+  Status again = (*stage)->recompute(*act);
+  ASSERT_TRUE(again.is_ok()) << again.to_string();
+  ASSERT_EQ(act->outputs.size(), 1u);
+  EXPECT_DOUBLE_EQ(act->outputs[0].toTensor().item<double>(), plain_loss);
+  ASSERT_TRUE((*stage)->backward(*act, {c10::IValue(torch::ones({}, torch::kDouble))}).is_ok());
+  EXPECT_TRUE(torch::equal(t["w"].grad(), expected));
+  EXPECT_TRUE(torch::equal(recomputed_x, x0 + 1));  // written once, as eager writes it
 }
 
 TEST(StageProgram, InvalidCutsAreRefused) {
