@@ -20,8 +20,20 @@ partitioner::CostGraph cost_graph_of(const PyGraph& g, const std::string& profil
 
 partitioner::PlanOptions plan_options(int batch, int microbatches, const std::vector<std::string>& schedules,
                                       double optimizer_state, int max_replicas, int max_microbatches,
-                                      bool even_shares, int ranks, const std::vector<int>& replicas, int chunks) {
+                                      bool even_shares, int ranks, const std::vector<int>& replicas, int chunks,
+                                      const std::string& recompute = "auto") {
   partitioner::PlanOptions o;
+  using R = partitioner::PlanOptions::Recompute;
+  if (recompute == "auto") {
+    o.recompute = R::kWhenNeeded;
+  } else if (recompute == "never") {
+    o.recompute = R::kNever;
+  } else if (recompute == "always") {
+    o.recompute = R::kAlways;
+  } else {
+    raise(Status(ErrorCode::kInvalidArgument,
+                 "recompute \"" + recompute + "\" (expected \"auto\", \"never\" or \"always\")"));
+  }
   o.ranks = ranks;
   o.replicas = replicas;
   o.chunks = chunks;
@@ -156,11 +168,12 @@ void bind_graph(py::module_& m) {
       "plan",
       [](const PyGraph& g, const std::string& profile_json, const std::string& cluster_toml, int batch,
          int microbatches, const std::vector<std::string>& schedules, double optimizer_state, int max_replicas,
-         int max_microbatches, bool even_shares, int ranks, const std::vector<int>& replicas, int chunks) {
+         int max_microbatches, bool even_shares, int ranks, const std::vector<int>& replicas, int chunks,
+         const std::string& recompute) {
         auto costs = cost_graph_of(g, profile_json);
         auto cluster = unwrap(partitioner::Cluster::from_toml(cluster_toml, "cluster"));
         auto o = plan_options(batch, microbatches, schedules, optimizer_state, max_replicas, max_microbatches, even_shares,
-                              ranks, replicas, chunks);
+                              ranks, replicas, chunks, recompute);
         partitioner::Plan plan;
         {
           py::gil_scoped_release nogil;
@@ -171,10 +184,11 @@ void bind_graph(py::module_& m) {
       py::arg("graph"), py::arg("profile"), py::arg("cluster"), py::arg("batch"), py::arg("microbatches") = 0,
       py::arg("schedules") = std::vector<std::string>{}, py::arg("optimizer_state") = 2.0, py::arg("max_replicas") = 0,
       py::arg("max_microbatches") = 0, py::arg("even_shares") = false, py::arg("ranks") = 0,
-      py::arg("replicas") = std::vector<int>{}, py::arg("chunks") = 0,
+      py::arg("replicas") = std::vector<int>{}, py::arg("chunks") = 0, py::arg("recompute") = "auto",
       "Plans a captured graph from its profile on a cluster (TOML text); returns (plan JSON, table). even_shares: "
       "replicas split microbatches evenly, as the runtime does (off: in proportion to their devices' speeds). "
-      "ranks, replicas (one count, or one per rank) and chunks fix those parts (0 or empty: planned).");
+      "ranks, replicas (one count, or one per rank) and chunks fix those parts (0 or empty: planned); recompute: "
+      "\"auto\" (a stage recomputes its activations where it would not fit otherwise), \"never\" or \"always\".");
 
   m.def(
       "plan_stages",
@@ -201,7 +215,7 @@ void bind_graph(py::module_& m) {
                        const std::string& plan_json, int batch, int microbatches,
                        const std::vector<std::string>& schedules, double optimizer_state, int max_replicas,
                        int max_microbatches, int ranks, const std::vector<int>& replicas, int chunks,
-                       int horizon_steps, bool moves_bytes, double min_gain, double margin, int confirmations,
+                       const std::string& recompute, int horizon_steps, bool moves_bytes, double min_gain, double margin, int confirmations,
                        double tolerance) {
              partitioner::ReplanPolicy policy;
              policy.horizon_steps = horizon_steps;
@@ -214,14 +228,14 @@ void bind_graph(py::module_& m) {
                  cost_graph_of(g, profile_json), unwrap(partitioner::Cluster::from_toml(cluster_toml, "cluster")),
                  unwrap(partitioner::Plan::from_json(plan_json)),
                  plan_options(batch, microbatches, schedules, optimizer_state, max_replicas, max_microbatches, true,
-                              ranks, replicas, chunks),
+                              ranks, replicas, chunks, recompute),
                  policy);
            }),
            py::arg("graph"), py::arg("profile"), py::arg("cluster"), py::arg("plan"), py::arg("batch"),
            py::arg("microbatches") = 0, py::arg("schedules") = std::vector<std::string>{},
            py::arg("optimizer_state") = 2.0, py::arg("max_replicas") = 0, py::arg("max_microbatches") = 0,
            py::arg("ranks") = 0, py::arg("replicas") = std::vector<int>{}, py::arg("chunks") = 0,
-           py::arg("horizon_steps") = 100, py::arg("moves_bytes") = true, py::arg("min_gain") = 0.1,
+           py::arg("recompute") = "auto", py::arg("horizon_steps") = 100, py::arg("moves_bytes") = true, py::arg("min_gain") = 0.1,
            py::arg("margin") = 0.5, py::arg("confirmations") = 2, py::arg("tolerance") = 0.1,
            "The planning inputs of `plan` (made from graph, profile and cluster with the same options, its fixed "
            "parts included; replicas split evenly) and the policy: the horizon in steps, whether stages moving moves bytes between "

@@ -59,7 +59,8 @@ std::string Plan::to_json() const {
                   {"static_bytes", s.static_bytes},
                   {"saved_bytes", s.saved_bytes},
                   {"memory_bytes", s.memory_bytes},
-                  {"in_flight", s.in_flight}});
+                  {"in_flight", s.in_flight},
+                  {"recompute", s.recompute}});
   }
   doc["stages"] = std::move(st);
   json ls = json::array();
@@ -129,6 +130,10 @@ Result<Plan> Plan::from_json(std::string_view text) {
       s.saved_bytes = j["saved_bytes"].get<double>();
       s.memory_bytes = j["memory_bytes"].get<double>();
       if (j.contains("in_flight")) s.in_flight = static_cast<int>(as_int(j["in_flight"], path + "/in_flight"));
+      if (j.contains("recompute")) {
+        if (!j["recompute"].is_boolean()) throw JsonError(path + "/recompute", "expected true or false");
+        s.recompute = j["recompute"].get<bool>();
+      }
       if (j.contains("shares")) {
         const auto& sh = as_array(j["shares"], path + "/shares");
         for (std::size_t k = 0; k < sh.size(); ++k) s.shares.push_back(as_amount(sh[k], path + "/shares/" + std::to_string(k)));
@@ -166,15 +171,16 @@ std::string Plan::table() const {
     else std::snprintf(buf, sizeof buf, "n%d:d%d-n%d:d%d", a.node, a.local, b.node, b.local);
     return std::string(buf);
   };
-  std::snprintf(line, sizeof line, "%-5s %6s  %-18s %8s %11s %11s %11s %11s %11s\n", "stage", "ops", "devices",
-                "replicas", "fwd/mb", "bwd/mb", "memory/dev", "send/mb", "allreduce");
+  std::snprintf(line, sizeof line, "%-5s %6s  %-18s %8s %11s %11s %11s %11s %11s %9s\n", "stage", "ops", "devices",
+                "replicas", "fwd/mb", "bwd/mb", "memory/dev", "send/mb", "allreduce", "recompute");
   out += line;
   for (std::size_t s = 0; s < stages.size(); ++s) {
     const StagePlan& st = stages[s];
-    std::snprintf(line, sizeof line, "%-5zu %6zu  %-18s %8d %11s %11s %11s %11s %11s\n", s, st.ops.size(),
+    std::snprintf(line, sizeof line, "%-5zu %6zu  %-18s %8d %11s %11s %11s %11s %11s %9s\n", s, st.ops.size(),
                   device_range(st).c_str(), st.replicas, human_seconds(st.forward_s).c_str(),
                   human_seconds(st.backward_s).c_str(), human_bytes(st.memory_bytes).c_str(),
-                  human_bytes(st.send_bytes).c_str(), st.replicas > 1 ? human_seconds(st.allreduce_s).c_str() : "-");
+                  human_bytes(st.send_bytes).c_str(), st.replicas > 1 ? human_seconds(st.allreduce_s).c_str() : "-",
+                  st.recompute ? "yes" : "-");
     out += line;
   }
   int used = 0;

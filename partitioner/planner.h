@@ -48,6 +48,11 @@ struct PlanOptions {
   /// host), added to each stage's forward and backward per microbatch: with it the planner
   /// weighs more microbatches (a smaller bubble) against more actions. Re-planning measures it.
   double action_overhead_s = 0;
+  /// Activation recomputation: a stage keeps only its inputs between forward and backward and
+  /// runs its forward again before the backward (a forward more of time, one microbatch's
+  /// activations of memory). kWhenNeeded: a stage recomputes only where it would not fit
+  /// otherwise.
+  enum class Recompute : std::uint8_t { kNever, kWhenNeeded, kAlways } recompute = Recompute::kWhenNeeded;
   SearchMode search = SearchMode::kAuto;
   int max_downsets = 1500;   ///< more convex cut states than this: stages cut a linear order of blocks
   int max_blocks = 192;      ///< blocks of that linear order
@@ -70,6 +75,7 @@ struct StagePlan {
   double saved_bytes = 0;          ///< per device and microbatch in flight
   double memory_bytes = 0;         ///< predicted peak per device
   int in_flight = 0;               ///< microbatches whose activations are alive at once
+  bool recompute = false;          ///< keeps only its inputs; backward_s includes the forward again
 };
 
 /// A plan: stages, replicas and devices, schedule and microbatches, with its predictions.

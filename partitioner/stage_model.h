@@ -31,6 +31,7 @@ struct StageEval {
   double speed = 0;
   double max_share = 1;
   int in_flight = 0;
+  bool recompute = false;  // keeps its inputs only; compute includes the forward again
   bool fits() const { return need <= capacity; }
 };
 
@@ -110,17 +111,32 @@ class Model {
     return ring * (l.bandwidth_bytes_per_s > 0 ? param_bytes / l.bandwidth_bytes_per_s : 0) + 2.0 * (r - 1) * l.latency_s;
   }
 
+  /// The stage as it runs: keeping its activations, or recomputing them where the options
+  /// ask for it always or where it would not fit otherwise (every search prices it so).
   StageEval eval(const StageSums& s, int first, int r, int stages_after, bool has_next) const {
+    using R = PlanOptions::Recompute;
+    if (options_.recompute == R::kAlways) return eval_as(s, first, r, stages_after, has_next, true);
+    StageEval e = eval_as(s, first, r, stages_after, has_next, false);
+    if (e.fits() || options_.recompute == R::kNever) return e;
+    StageEval again = eval_as(s, first, r, stages_after, has_next, true);
+    return again.fits() ? again : e;
+  }
+
+  /// One way of running the stage. Recomputing, each microbatch in flight keeps the stage's
+  /// inputs only, and the one in its backward all its activations; the forward is paid twice.
+  StageEval eval_as(const StageSums& s, int first, int r, int stages_after, bool has_next, bool recompute) const {
     StageEval e;
+    e.recompute = recompute;
     e.speed = speed(first, r);
     e.max_share = max_share(first, r);
-    e.compute = (s.fwd + s.bwd) * scale_ / e.speed + 2 * options_.action_overhead_s;
+    e.compute = ((recompute ? 2 * s.fwd : s.fwd) + s.bwd) * scale_ / e.speed + 2 * options_.action_overhead_s;
     e.comm = has_next ? comm_time(s.out_bytes, first + r - 1, r) : 0;
     e.allreduce = allreduce_time(s.params, first, r);
     e.in_flight = in_flight(stages_after);
     e.static_bytes = s.params * (2 + options_.optimizer_bytes_per_param_byte);
     e.transient_bytes = (s.work + 2 * (s.in_bytes + s.out_bytes)) * scale_ * e.max_share;
-    e.need = e.static_bytes + e.in_flight * s.saved * scale_ * e.max_share + e.transient_bytes;
+    const double kept = recompute ? (e.in_flight * s.in_bytes + s.saved) : e.in_flight * s.saved;
+    e.need = e.static_bytes + kept * scale_ * e.max_share + e.transient_bytes;
     e.capacity = memory_override_ > 0 ? memory_override_ : min_memory_.query(first, r);
     return e;
   }

@@ -59,11 +59,11 @@ process 0's is used). The masks are not eager's: eager draws one stream in execu
                   Only plans conveyor made re-plan (not node lists or a plan file), and
                   a re-plan keeps what `stages`, `replicas` and `microbatches` fixed.
     replan_horizon  steps within which a switch must pay for moving (default 100)
-    recompute     True: every stage recomputes its activations (keeps only its inputs between
-                  its forward and its backward, and runs the forward again, with the same
-                  dropout masks, just before the backward: less memory, a forward more per
-                  microbatch); a list: one flag per stage; default: none (the planner does not
-                  choose it yet)
+    recompute     None (default): a stage recomputes its activations where the plan needs it
+                  to fit (it keeps only its inputs between its forward and its backward and
+                  runs the forward again, with the same dropout masks, just before the
+                  backward: less memory, a forward more per microbatch); True: every stage;
+                  False: none; a list: one flag per stage, as given
 """
 from __future__ import annotations
 
@@ -321,7 +321,7 @@ class Module(torch.nn.Module):
             stage_nodes, replicas = self.plan.stage_nodes, self.plan.replicas
             schedule, m, chunks = self.plan.schedule, self.plan.microbatches, self.plan.document["chunks"]
         else:
-            fixed = FixedParts(self._stages, self._replicas, self._schedule)
+            fixed = FixedParts(self._stages, self._replicas, self._schedule, self._recompute)
             # Every fixed stage replica gets a device of its own to plan for.
             self._devices = max(self._devices, fixed.devices())
             m_hint = self._microbatches or 0
@@ -439,7 +439,12 @@ class Module(torch.nn.Module):
         per rank; `plan` (when the stages come from one) is what the live profile compares
         against; across processes, every replica on the process _placement gives it."""
         placement = self._placement(replicas, plan) if across_processes else {}
-        recompute = self._recompute if isinstance(self._recompute, list) else [bool(self._recompute)] * len(stage_nodes)
+        if isinstance(self._recompute, list):
+            recompute = self._recompute
+        elif plan is not None and self._recompute is None:  # the plan's choice, stage by stage
+            recompute = [bool(s.get("recompute", False)) for s in plan.document["stages"]]
+        else:
+            recompute = [bool(self._recompute)] * len(stage_nodes)
         if len(recompute) != len(stage_nodes):
             raise ConveyorValueError(f"recompute has {len(recompute)} flags but the pipeline has {len(stage_nodes)} stages")
         return _C.PipelineStep(graph.executor, stage_nodes, schedule, microbatches, chunks, replicas,

@@ -266,16 +266,18 @@ def cluster_text(cluster: str | os.PathLike) -> str:
 def plan(graph: Graph, profile_doc: dict, cluster: str | os.PathLike, *, batch: int, microbatches: int = 0,
          schedules: list[str] | None = None, optimizer_state: float = 2.0, max_replicas: int = 0,
          max_microbatches: int = 0, even_shares: bool = False, ranks: int = 0, replicas: list[int] | None = None,
-         chunks: int = 0) -> Plan:
+         chunks: int = 0, recompute: str = "auto") -> Plan:
     """Plans `graph` on `cluster` (a TOML file path or TOML text) for `batch` samples a step;
     `max_replicas` caps the replicas per stage (0: no cap). Every replica's share of a
     microbatch keeps at least the least batch the graph holds for (its batch range). With
     `even_shares` replicas split microbatches evenly, as conveyor's runtime does (otherwise
     in proportion to their devices' speeds, the plan's `shares`). `ranks` (pipeline ranks),
     `replicas` (one count for every stage, or one per rank) and `chunks` (interleaved stages
-    per rank) fix those parts of the plan; the planner chooses the rest."""
+    per rank) fix those parts of the plan; the planner chooses the rest. `recompute`: "auto"
+    (a stage recomputes its activations where it would not fit otherwise), "never" or "always"."""
     doc, table = _C.plan(graph.ir, json.dumps(profile_doc), cluster_text(cluster), batch, microbatches, schedules or [],
-                         optimizer_state, max_replicas, max_microbatches, even_shares, ranks, replicas or [], chunks)
+                         optimizer_state, max_replicas, max_microbatches, even_shares, ranks, replicas or [], chunks,
+                         recompute)
     return Plan(doc, table)
 
 
@@ -299,8 +301,11 @@ class FixedParts:
     groups of 2 stages each); a `replicas` int gives every stage that many, a list one count
     per device group (it needs `stages`)."""
 
-    def __init__(self, stages: int | None, replicas: int | list | None, schedule: str):
+    def __init__(self, stages: int | None, replicas: int | list | None, schedule: str, recompute=None):
         self.ranks, self.chunks = 0, 0
+        # A Module's recompute: True or False fixes it for every stage; None or a list (which
+        # the runtime applies as given) leave it to the planner where a stage would not fit.
+        self.recompute = {True: "always", False: "never"}.get(recompute, "auto") if isinstance(recompute, bool) else "auto"
         if schedule == "auto":
             # A fixed stage count keeps the schedules whose stages are the device groups.
             self.schedules = ["gpipe", "1f1b", "zb-h1"] if stages else ["gpipe", "1f1b", "interleaved", "zb-h1"]
@@ -332,4 +337,4 @@ class FixedParts:
 
     def options(self) -> dict:
         """The planner's options for them (`plan`, `_C.Replanner`)."""
-        return dict(ranks=self.ranks, replicas=self.replicas, chunks=self.chunks)
+        return dict(ranks=self.ranks, replicas=self.replicas, chunks=self.chunks, recompute=self.recompute)

@@ -347,6 +347,44 @@ TEST(Planner, ModelThatCannotFitGetsTheMemoryItWouldNeed) {
   EXPECT_FALSE(make_plan(g, short_of, o).is_ok()) << msg;
 }
 
+TEST(Planner, StagesRecomputeWhereTheyWouldNotFitOtherwise) {
+  // Activations dominate: 8 layers of 100 MB saved each per microbatch, small weights.
+  CostGraph g = uniform_chain(8, 1e-3, 2e-3, 1e6, 1e8);
+  PlanOptions o;
+  o.batch = 8;
+  o.microbatches = 4;
+  o.ranks = 2;
+  o.schedules = {ScheduleKind::kOneFOneB};
+  o.recompute = PlanOptions::Recompute::kNever;
+  auto roomy = make_plan(g, Cluster::uniform(1, 2, 1e12, 1.0, fast_link(), fast_link()), o);
+  ASSERT_TRUE(roomy.is_ok()) << roomy.status().to_string();
+  double need = 0;
+  for (const auto& s : roomy->stages) need = std::max(need, s.memory_bytes);
+  const Cluster tight = Cluster::uniform(1, 2, 0.7 * need, 1.0, fast_link(), fast_link());
+  EXPECT_EQ(make_plan(g, tight, o).status().code(), ErrorCode::kDoesNotFit);  // without recomputation: none
+  o.recompute = PlanOptions::Recompute::kWhenNeeded;
+  auto plan = make_plan(g, tight, o);
+  ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
+  int recomputing = 0;
+  for (const auto& s : plan->stages) {
+    EXPECT_LE(s.memory_bytes, 0.7 * need);
+    if (!s.recompute) continue;
+    ++recomputing;
+    EXPECT_NEAR(s.backward_s, s.forward_s + 2 * s.forward_s, 1e-12);  // the forward again, then B = 2F
+  }
+  EXPECT_GE(recomputing, 1);
+  EXPECT_GT(plan->predicted_step_s, roomy->predicted_step_s);  // memory for time
+  EXPECT_NE(plan->table().find("yes"), std::string::npos) << plan->table();
+  auto back = Plan::from_json(plan->to_json());
+  ASSERT_TRUE(back.is_ok());
+  for (std::size_t s = 0; s < plan->stages.size(); ++s) EXPECT_EQ(back->stages[s].recompute, plan->stages[s].recompute);
+  // Always: every stage recomputes, even with room to spare.
+  o.recompute = PlanOptions::Recompute::kAlways;
+  auto always = make_plan(g, Cluster::uniform(1, 2, 1e12, 1.0, fast_link(), fast_link()), o);
+  ASSERT_TRUE(always.is_ok());
+  for (const auto& s : always->stages) EXPECT_TRUE(s.recompute);
+}
+
 TEST(Planner, PlanDocumentRoundTripsAndSimulatesToItsPrediction) {
   CostGraph g = random_dag(30, 5);
   Cluster cluster = Cluster::uniform(2, 2, 1e9, 1.0, {50e6, 1e-5}, {5e6, 1e-4});

@@ -91,3 +91,71 @@ def test_recomputing_some_stages_and_bad_flags():
         conveyor.Module(zoo.mlp().model, stages=3, recompute=[True, False])(*zoo.mlp().args)
     with pytest.raises(conveyor.ConveyorValueError, match="expected True"):
         conveyor.Module(zoo.mlp().model, recompute="yes")
+
+
+def cluster_toml(memory_bytes: float, devices: int = 2) -> str:
+    return (f'name = "tight"\n[[node]]\ndevices = {devices}\nmemory = {memory_bytes:.0f}\n'
+            '[link.intra_node]\nbandwidth = "10 GB/s"\nlatency = "10 us"\n')
+
+
+def smallest_memory(graph, prof, recompute: str) -> float:
+    """The least memory a device needs for some plan to exist, by bisection on the planner
+    (with the options conveyor.Module plans a batch of 8 with)."""
+    def fits(memory):
+        try:
+            conveyor.plan(graph, prof, cluster_toml(memory), batch=8, recompute=recompute, even_shares=True,
+                          max_microbatches=4)
+            return True
+        except conveyor.DoesNotFitError:
+            return False
+    lo, hi = 1.0, 1.0
+    while not fits(hi):
+        lo, hi = hi, hi * 2
+    for _ in range(24):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
+
+
+def test_a_model_that_fits_only_by_recomputing_is_planned_so_and_trains_exactly(tmp_path):
+    """On a cluster whose devices hold less than any plan keeping its activations needs (but
+    more than one that recomputes needs), the planner makes stages recompute, the plan says
+    which, and the Module trains on it exactly like eager."""
+    from conveyor.loss_wrapper import loss_wrapper
+    torch.manual_seed(0)
+    case = zoo.gpt2(batch=8)
+    graph = conveyor.capture(loss_wrapper(case.model, None, case.args, case.kwargs), case.args, case.kwargs)
+    prof = conveyor.profile(graph, case.args, case.kwargs, cache=False)
+    keeping, recomputing = smallest_memory(graph, prof, "never"), smallest_memory(graph, prof, "auto")
+    assert recomputing < keeping, (recomputing, keeping)  # the tiny GPT-2 is mostly weights: a few %
+    memory = (keeping + recomputing) / 2
+    with pytest.raises(conveyor.DoesNotFitError):  # keeping every activation, nothing fits there
+        conveyor.plan(graph, prof, cluster_toml(memory), batch=8, recompute="never", even_shares=True,
+                      max_microbatches=4)
+    ref = copy.deepcopy(case.model)
+    model = conveyor.Module(case.model, torch.optim.SGD(case.model.parameters(), lr=0.05), cluster=cluster_toml(memory),
+                            replan="off", seed=7)
+    losses = [model.train_step(*case.args, **case.kwargs).item() for _ in range(2)]
+    flags = [s["recompute"] for s in model.plan.document["stages"]]
+    print(f"needs {keeping / 2**20:.2f} MiB a device keeping activations, {recomputing / 2**20:.2f} MiB "
+          f"recomputing; on {memory / 2**20:.2f} MiB:\n{model.plan.table}")
+    assert any(flags) and "yes" in model.plan.table, model.plan.table
+    assert all(s["memory_bytes"] <= memory for s in model.plan.document["stages"])
+    # Eager with the plan's microbatches and replicas (the loss of each share, averaged).
+    m, last = model.plan.microbatches, model.plan.replicas[-1]
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    threads = torch.get_num_threads()
+    for step in range(2):
+        ref_opt.zero_grad(set_to_none=True)
+        torch.set_num_threads(model._threads_per_device())
+        try:
+            total = 0
+            for a, k in split_batch(case.args, case.kwargs, m * last, 8):
+                part = case.loss(ref(*a, **k)) / (m * last)
+                part.backward()
+                total = total + part.detach()
+        finally:
+            torch.set_num_threads(threads)
+        assert losses[step] == pytest.approx(total.item(), rel=TOLERANCE, abs=0)
+        ref_opt.step()
+    assert_same_state(case.model, ref, "gpt2 planned to recompute")
