@@ -20,9 +20,7 @@ default) through host memory.
 """
 import argparse
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -32,6 +30,7 @@ import torch
 from conveyor import _C
 
 import gpt2_case
+from two_processes import run_two
 
 warnings.filterwarnings("ignore")
 
@@ -89,23 +88,7 @@ def main():
                  f"{gpus} visible, and NCCL refuses two members on one GPU")
     cores = os.cpu_count() or 2
     one = {layout: time_steps(args, layout, {}, "cuda:0" if args.device == "cuda" else "cpu") for layout in LAYOUTS}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    try:
-        for rank in range(2):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       UCX_NET_DEVICES="lo", OMP_NUM_THREADS=str(max(1, cores // 2)))
-            procs.append(subprocess.Popen([sys.executable, __file__, "--worker", *sys.argv[1:]], env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        outputs = [p.communicate(timeout=900)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    if any(p.returncode for p in procs):
-        sys.exit("a worker failed:\n" + "\n".join(o[-2000:] for o in outputs))
+    outputs = run_two([sys.executable, __file__, "--worker", *sys.argv[1:]], 900, "multiproc")
     two = {line[len("RESULT "):].split(":")[0]: float(line.split(":")[1])
            for line in outputs[0].splitlines() if line.startswith("RESULT")}
     samples = args.batch

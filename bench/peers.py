@@ -27,15 +27,15 @@ spread. Ratios are throughputs (above 1: conveyor faster).
 import argparse
 import copy
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 import warnings
 
 import torch
 import torch.nn.functional as F
+
+from two_processes import free_port, run_two
 
 warnings.filterwarnings("ignore")
 
@@ -193,12 +193,6 @@ def worker(args):
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
@@ -214,22 +208,7 @@ def main():
     if args.worker:
         return worker(args)
     cores = os.cpu_count() or 2
-    port, gloo_port = free_port(), free_port()
-    procs = []
-    try:
-        for rank in range(2):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       UCX_NET_DEVICES="lo", OMP_NUM_THREADS=str(max(1, cores // 2)))
-            procs.append(subprocess.Popen([sys.executable, __file__, "--worker", "--gloo-port", str(gloo_port),
-                                           *sys.argv[1:]], env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True))
-        outputs = [p.communicate(timeout=1800)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    if any(p.returncode for p in procs):
-        sys.exit("a worker failed:\n" + "\n".join(o[-3000:] for o in outputs))
+    outputs = run_two([sys.executable, __file__, "--worker", "--gloo-port", free_port(), *sys.argv[1:]], 1800, "peers")
     times: dict[str, list[float]] = {}
     layouts = {}
     for line in outputs[0].splitlines():

@@ -21,11 +21,12 @@ Needs two cores and UCX; the hog and the processes are killed at the end whateve
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
+
+from two_processes import run_two
 
 HERE = os.path.abspath(__file__)
 
@@ -70,33 +71,10 @@ def worker(args) -> None:
                                       "report": str(model.profile_report())}), flush=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_job(mode: str, args, straggler_speed: float) -> dict:
-    port = free_port()
-    procs = []
-    try:
-        for rank in range(2):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       UCX_NET_DEVICES="lo", OMP_NUM_THREADS="1", CONVEYOR_TIMEOUT="120")
-            env.pop("LOCAL_RANK", None)
-            cmd = [sys.executable, HERE, "--worker", "--mode", mode, "--steps", str(args.steps), "--layers",
-                   str(args.layers), "--hidden", str(args.hidden), "--batch", str(args.batch),
-                   "--straggler-speed", f"{straggler_speed:.3f}"]
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        outs = [p.communicate(timeout=600)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    for p, out in zip(procs, outs):
-        if p.returncode != 0:
-            sys.exit(f"{mode}: a process failed (exit {p.returncode}):\n{out[-3000:]}")
+    cmd = [sys.executable, HERE, "--worker", "--mode", mode, "--steps", args.steps, "--layers", args.layers,
+           "--hidden", args.hidden, "--batch", args.batch, "--straggler-speed", f"{straggler_speed:.3f}"]
+    outs = run_two(cmd, 600, mode, OMP_NUM_THREADS="1", CONVEYOR_TIMEOUT="120")
     line = next(l for l in outs[0].splitlines() if l.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
 

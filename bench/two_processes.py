@@ -1,0 +1,36 @@
+"""The benchmarks' way of running a job of two processes on this machine: a worker command
+started twice with RANK 0 and 1, WORLD_SIZE 2 and a free MASTER_PORT on loopback, each with
+half the cores, waited for, and killed if still running when something fails."""
+import os
+import socket
+import subprocess
+import sys
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_two(cmd: list, timeout: float, what: str, **env_extra) -> list[str]:
+    """Each process's output (stdout and stderr); exits naming `what` when one fails."""
+    port, cores = free_port(), os.cpu_count() or 2
+    procs, outputs = [], []
+    try:
+        for rank in range(2):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       UCX_NET_DEVICES="lo", OMP_NUM_THREADS=str(max(1, cores // 2)), **env_extra)
+            env.pop("LOCAL_RANK", None)
+            procs.append(subprocess.Popen([str(c) for c in cmd], env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for p, out in zip(procs, outputs):
+        if p.returncode != 0:
+            sys.exit(f"{what}: a process failed (exit {p.returncode}):\n{out[-3000:]}")
+    return outputs
