@@ -30,7 +30,7 @@ def run_two(cmd: list, timeout: float, what: str, **env_extra) -> list[str]:
             if p.poll() is None:
                 p.kill()
                 p.communicate()
-    for p, out in zip(procs, outputs):
-        if p.returncode != 0:
-            sys.exit(f"{what}: a process failed (exit {p.returncode}):\n{out[-3000:]}")
+    if any(p.returncode for p in procs):
+        sys.exit(f"{what}: a process failed (exits {[p.returncode for p in procs]}):\n" +
+                 "\n".join(f"-- process {rank}:\n{out[-3000:]}" for rank, out in enumerate(outputs)))
     return outputs

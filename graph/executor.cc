@@ -15,6 +15,37 @@ namespace conveyor::graph {
 
 GraphExecutor::~GraphExecutor() = default;
 
+namespace {
+
+// torch.export drops a `.contiguous()` whose input was contiguous when it traced, and the
+// strides an operator returns can differ at run time (an attention kernel chosen by size or
+// threads returns another layout), so a captured `view` may meet a tensor it cannot view. A
+// `view` whose storage nothing writes in place runs as `reshape`: the same values, a view
+// whenever one is possible, a copy otherwise; only writes through it could tell them apart.
+void reshape_unwritten_views(const Graph& g, std::vector<std::unique_ptr<GraphExecutor::CompiledNode>>& compiled) {
+  auto reshape = c10::Dispatcher::singleton().findSchema({"aten::reshape", ""});
+  if (!reshape) return;
+  const std::vector<ValueId> root = storage_roots(g);
+  std::set<ValueId> written;
+  for (const Node& n : g.nodes) {
+    for (int a : n.mutated_args) {
+      if (a >= 0 && a < static_cast<int>(n.args.size()) && n.args[a].kind == Argument::Kind::kValue) {
+        written.insert(root[n.args[a].value]);
+      }
+    }
+  }
+  for (auto& cn : compiled) {
+    const Node& n = *cn->node;
+    if (n.op != "aten::view" || !n.overload.empty() || n.returns.size() != 1 ||
+        n.returns[0].kind != Return::Kind::kValue || written.count(root[n.returns[0].value])) {
+      continue;
+    }
+    cn->op = *reshape;
+  }
+}
+
+}  // namespace
+
 Result<std::shared_ptr<GraphExecutor>> GraphExecutor::create(Graph graph, TensorMap tensors) {
   CONVEYOR_RETURN_IF_ERROR(graph.validate());
   std::shared_ptr<GraphExecutor> ex(new GraphExecutor());
@@ -48,6 +79,7 @@ Result<std::shared_ptr<GraphExecutor>> GraphExecutor::create(Graph graph, Tensor
     CONVEYOR_ASSIGN_OR_RETURN(auto compiled, compile_node(g, n, bound));
     ex->compiled_.push_back(std::move(compiled));
   }
+  reshape_unwritten_views(g, ex->compiled_);
   std::vector<NodeId> all(g.nodes.size());
   for (std::size_t i = 0; i < all.size(); ++i) all[i] = static_cast<NodeId>(i);
   ex->whole_graph_steps_ = ex->plan_steps(all, g.outputs);

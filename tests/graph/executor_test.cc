@@ -178,6 +178,41 @@ TEST(StageProgram, ARecomputedStageSeesItsInputsAsTheyWereBeforeItWroteThem) {
   EXPECT_TRUE(torch::equal(recomputed_x, x0 + 1));  // written once, as eager writes it
 }
 
+TEST(GraphExecutor, AViewThatMeetsOtherStridesThanTracedRunsAsReshapeUnlessWrittenThrough) {
+  // x[s0, 3, 4] -> permute(1, 0, 2) -> view [3 * s0, 4] -> sum: the permuted tensor is not
+  // viewable so (torch.export can leave such a view where a kernel returned another layout
+  // when it traced). Nothing writes through it: it runs as reshape, with the same values.
+  auto build = [](bool write_through) {
+    testing::GraphBuilder b;
+    ValueId x = b.input("x", {testing::sym("s0"), testing::fixed(3), testing::fixed(4)});
+    ValueId w = b.parameter("w", {testing::fixed(4), testing::fixed(4)});
+    ValueId h = b.op("aten::linear", "", {testing::v(x), testing::v(w), Argument::none()},
+                     {testing::sym("s0"), testing::fixed(3), testing::fixed(4)});
+    ValueId p = b.op("aten::permute", "", {testing::v(h), Argument::of_list({Argument::of_int(1), Argument::of_int(0),
+                                                                            Argument::of_int(2)})},
+                     {testing::fixed(3), testing::sym("s0"), testing::fixed(4)}, {}, {0});
+    ValueId flat = b.op("aten::view", "", {testing::v(p), Argument::of_list({Argument::of_int(-1), Argument::of_int(4)})},
+                        {testing::sym("3*s0"), testing::fixed(4)}, {}, {0});
+    if (write_through) flat = b.op("aten::mul_", "Tensor", {testing::v(flat), Argument::of_int(2)},
+                                   {testing::sym("3*s0"), testing::fixed(4)}, {0}, {0});
+    b.output(b.op("aten::sum", "", {testing::v(flat), Argument::none()}, {}));
+    return b.build();
+  };
+  const at::Tensor w = torch::randn({4, 4}, torch::kDouble);
+  const at::Tensor x = torch::randn({2, 3, 4}, torch::kDouble);
+  auto ex = GraphExecutor::create(build(false), {{"w", w}});
+  ASSERT_TRUE(ex.is_ok()) << ex.status().to_string();
+  auto out = (*ex)->run({x});
+  ASSERT_TRUE(out.is_ok()) << out.status().to_string();
+  EXPECT_DOUBLE_EQ(out->at(0).toTensor().item<double>(), at::linear(x, w).sum().item<double>());
+  // Written through, a copy would lose the write: it stays a view, and fails as eager's would.
+  auto written = GraphExecutor::create(build(true), {{"w", w}});
+  ASSERT_TRUE(written.is_ok()) << written.status().to_string();
+  auto refused = (*written)->run({x});
+  ASSERT_FALSE(refused.is_ok());
+  EXPECT_NE(refused.status().message().find("aten::view"), std::string::npos) << refused.status().message();
+}
+
 TEST(StageProgram, InvalidCutsAreRefused) {
   auto ex = GraphExecutor::create(testing::diamond_graph(),
                                   {{"w", torch::randn({4, 4}, torch::kDouble)}});
