@@ -6,6 +6,7 @@
 #include <cctype>
 #include <limits>
 #include <map>
+#include <numeric>
 #include <optional>
 #include <set>
 
@@ -17,6 +18,23 @@ GraphExecutor::~GraphExecutor() = default;
 
 namespace {
 
+// The storages (as storage_roots gives them) that `nodes` write in place.
+std::set<ValueId> written_storages(const Graph& g, const std::vector<ValueId>& root, const std::vector<NodeId>& nodes) {
+  std::set<ValueId> written;
+  for (NodeId id : nodes) {
+    const Node& n = g.nodes[id];
+    for (int a : n.mutated_args) {
+      if (a < 0 || a >= static_cast<int>(n.args.size())) continue;
+      const Argument& arg = n.args[a];
+      if (arg.kind == Argument::Kind::kValue) written.insert(root[arg.value]);
+      for (const auto& item : arg.items) {
+        if (item.kind == Argument::Kind::kValue) written.insert(root[item.value]);
+      }
+    }
+  }
+  return written;
+}
+
 // torch.export drops a `.contiguous()` whose input was contiguous when it traced, and the
 // strides an operator returns can differ at run time (an attention kernel chosen by size or
 // threads returns another layout), so a captured `view` may meet a tensor it cannot view. A
@@ -26,14 +44,9 @@ void reshape_unwritten_views(const Graph& g, std::vector<std::unique_ptr<GraphEx
   auto reshape = c10::Dispatcher::singleton().findSchema({"aten::reshape", ""});
   if (!reshape) return;
   const std::vector<ValueId> root = storage_roots(g);
-  std::set<ValueId> written;
-  for (const Node& n : g.nodes) {
-    for (int a : n.mutated_args) {
-      if (a >= 0 && a < static_cast<int>(n.args.size()) && n.args[a].kind == Argument::Kind::kValue) {
-        written.insert(root[n.args[a].value]);
-      }
-    }
-  }
+  std::vector<NodeId> all(g.nodes.size());
+  std::iota(all.begin(), all.end(), 0);
+  const std::set<ValueId> written = written_storages(g, root, all);
   for (auto& cn : compiled) {
     const Node& n = *cn->node;
     if (n.op != "aten::view" || !n.overload.empty() || n.returns.size() != 1 ||
@@ -248,42 +261,18 @@ Status check_graph_inputs(const Graph& g, const std::vector<c10::IValue>& inputs
 }
 
 
-// What a stage writes in place, following views back to what they view: its inputs (by
-// position) and buffer bindings (by name). Recomputation must see the inputs as they were
-// and must not update the buffers twice.
+// What a stage writes in place, through views too: its inputs (by position) and buffer
+// bindings (by name). Recomputation must see the inputs as they were and must not update
+// the buffers twice.
 void find_written(const Graph& g, const std::vector<NodeId>& nodes, const StageBoundary& boundary,
                   std::vector<std::size_t>& inputs, std::vector<std::string>& buffers) {
-  std::map<ValueId, ValueId> root;  // a view -> the value it views
-  auto root_of = [&](ValueId v) {
-    auto it = root.find(v);
-    return it == root.end() ? v : it->second;
-  };
-  auto values_of = [](const Argument& a, std::vector<ValueId>& out) {
-    if (a.kind == Argument::Kind::kValue) out.push_back(a.value);
-    for (const auto& item : a.items) {
-      if (item.kind == Argument::Kind::kValue) out.push_back(item.value);
-    }
-  };
-  std::set<ValueId> written;
-  for (NodeId n : nodes) {
-    const Node& node = g.nodes[n];
-    for (int k : node.mutated_args) {
-      std::vector<ValueId> vs;
-      if (k >= 0 && k < static_cast<int>(node.args.size())) values_of(node.args[k], vs);
-      for (ValueId v : vs) written.insert(root_of(v));
-    }
-    if (!node.aliased_args.empty() && !node.returns.empty() && node.returns[0].kind == Return::Kind::kValue) {
-      const int k = node.aliased_args[0];
-      std::vector<ValueId> vs;
-      if (k >= 0 && k < static_cast<int>(node.args.size())) values_of(node.args[k], vs);
-      if (!vs.empty()) root[node.returns[0].value] = root_of(vs[0]);
-    }
-  }
+  const std::vector<ValueId> root = storage_roots(g);
+  const std::set<ValueId> written = written_storages(g, root, nodes);
   for (std::size_t i = 0; i < boundary.inputs.size(); ++i) {
-    if (written.count(boundary.inputs[i])) inputs.push_back(i);
+    if (written.count(root[boundary.inputs[i]])) inputs.push_back(i);
   }
   for (const auto& b : g.bindings) {
-    if (b.kind == Binding::Kind::kBuffer && written.count(b.value)) buffers.push_back(b.name);
+    if (b.kind == Binding::Kind::kBuffer && written.count(root[b.value])) buffers.push_back(b.name);
   }
 }
 

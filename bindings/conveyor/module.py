@@ -173,7 +173,7 @@ class Module(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                  stages: int | list | None = None, replicas: int | None = None, microbatches: int | None = None,
                  schedule: str = "auto", devices: int | None = None, cluster: str | None = None,
-                 trace: str | os.PathLike | None = None, loss_fn=None, seed: int = 0, timeout: float | None = None,
+                 trace: str | os.PathLike | None = None, loss_fn=None, timeout: float | None = None,
                  plan: str | os.PathLike | None = None, transport: str | None = None, replan: str | None = None,
                  replan_horizon: int | None = None, recompute: bool | list | None = None):
         super().__init__()
@@ -202,11 +202,12 @@ class Module(torch.nn.Module):
                 not replicas or any(not isinstance(r, int) or r < 1 for r in replicas)):
             raise ConveyorValueError(f"replicas={replicas!r}: every stage needs at least one replica "
                                      "(an int for all stages, or a list with one count per stage)")
-        if not isinstance(stages, list):
-            FixedParts(stages, replicas, schedule)  # checks them now, not at the first call
         if recompute is not None and not isinstance(recompute, bool) and not (
                 isinstance(recompute, list) and all(isinstance(r, bool) for r in recompute)):
             raise ConveyorValueError(f"recompute={recompute!r}: expected True (every stage), False, or one bool per stage")
+        # What stages, replicas, schedule and recompute fix of a plan (checked now, not at the
+        # first call); node lists run as given instead.
+        self._fixed = None if isinstance(stages, list) else FixedParts(stages, replicas, schedule, recompute)
         if devices is not None and devices < 1:
             raise ConveyorValueError(f"devices={devices}: need at least one device")
         self.module = model
@@ -219,7 +220,6 @@ class Module(torch.nn.Module):
         self._devices = devices or max(2, min(4, os.cpu_count() or 2))
         self._cluster = cluster
         self._loss_fn = loss_fn
-        self._seed = seed
         self._plan_file = plan
         self._trace = trace
         self._transport = transport
@@ -321,7 +321,7 @@ class Module(torch.nn.Module):
             stage_nodes, replicas = self.plan.stage_nodes, self.plan.replicas
             schedule, m, chunks = self.plan.schedule, self.plan.microbatches, self.plan.document["chunks"]
         else:
-            fixed = FixedParts(self._stages, self._replicas, self._schedule, self._recompute)
+            fixed = self._fixed
             # Every fixed stage replica gets a device of its own to plan for.
             self._devices = max(self._devices, fixed.devices())
             m_hint = self._microbatches or 0

@@ -305,7 +305,7 @@ class FixedParts:
         self.ranks, self.chunks = 0, 0
         # A Module's recompute: True or False fixes it for every stage; None or a list (which
         # the runtime applies as given) leave it to the planner where a stage would not fit.
-        self.recompute = {True: "always", False: "never"}.get(recompute, "auto") if isinstance(recompute, bool) else "auto"
+        self.recompute = "always" if recompute is True else "never" if recompute is False else "auto"
         if schedule == "auto":
             # A fixed stage count keeps the schedules whose stages are the device groups.
             self.schedules = ["gpipe", "1f1b", "zb-h1"] if stages else ["gpipe", "1f1b", "interleaved", "zb-h1"]

@@ -21,7 +21,7 @@ def train_both(case, stages: int, schedule: str, recompute, steps: int = 2):
     batch: 2 microbatches, one replica a stage, SGD."""
     ref = copy.deepcopy(case.model)
     model = conveyor.Module(case.model, torch.optim.SGD(case.model.parameters(), lr=0.05), stages=stages, replicas=1,
-                            microbatches=2, schedule=schedule, recompute=recompute, replan="off", seed=7)
+                            microbatches=2, schedule=schedule, recompute=recompute, replan="off")
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
     batch = next(t for t in [*case.args, *case.kwargs.values()] if isinstance(t, torch.Tensor)).shape[0]
     losses, want = [], []
@@ -147,7 +147,7 @@ def test_a_model_that_fits_only_by_recomputing_is_planned_so_and_trains_exactly(
                       max_microbatches=4)
     ref = copy.deepcopy(case.model)
     model = conveyor.Module(case.model, torch.optim.SGD(case.model.parameters(), lr=0.05), cluster=cluster_toml(memory),
-                            replan="off", seed=7)
+                            replan="off")
     losses = [model.train_step(*case.args, **case.kwargs).item() for _ in range(2)]
     flags = [s["recompute"] for s in model.plan.document["stages"]]
     print(f"needs {keeping / 2**20:.2f} MiB a device keeping activations, {recomputing / 2**20:.2f} MiB "
