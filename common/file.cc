@@ -1,11 +1,16 @@
 #include "common/file.h"
 
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
 namespace conveyor {
 
 Result<std::string> read_file(const std::string& path, std::string_view what) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    return Status(ErrorCode::kIo, std::string(what) + " '" + path + "' is a directory; name the file in it");
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) return Status(ErrorCode::kIo, "cannot open " + std::string(what) + " '" + path + "'");
   std::stringstream ss;

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/status.h"
@@ -35,26 +36,67 @@ inline const json& field(const json& obj, const std::string& path, const char* k
   return *it;
 }
 
+/// At most this many nested arrays and objects; deeper documents are refused before anything
+/// walks them (conveyor's own documents nest fewer than 20 deep).
+inline constexpr int kMaxDepth = 128;
+
+/// `text` cut to `limit` bytes ("..." marks the cut), bytes that are not printable ASCII as '?':
+/// what an error message may quote of a file.
+inline std::string printable(std::string_view text, std::size_t limit) {
+  std::string out;
+  for (std::size_t i = 0; i < text.size() && i < limit; ++i) {
+    const unsigned char c = static_cast<unsigned char>(text[i]);
+    out += (c >= 0x20 && c < 0x7f) ? static_cast<char>(c) : '?';
+  }
+  if (text.size() > limit) out += "...";
+  return out;
+}
+
+/// A short description of a value for error messages: never the whole value (a bad field may
+/// be megabytes, or nested too deep to print).
+inline std::string excerpt(const json& j) {
+  if (j.is_object()) return "an object of " + std::to_string(j.size()) + " fields";
+  if (j.is_array()) return "an array of " + std::to_string(j.size()) + " items";
+  if (j.is_string()) return "\"" + printable(j.get_ref<const std::string&>(), 40) + "\"";
+  return printable(j.dump(), 40);
+}
+
 inline std::int64_t as_int(const json& j, const std::string& path) {
-  if (!j.is_number_integer()) throw JsonError(path, "expected an integer, got " + j.dump());
+  if (!j.is_number_integer()) throw JsonError(path, "expected an integer, got " + excerpt(j));
+  if (j.is_number_unsigned() && j.get<std::uint64_t>() > static_cast<std::uint64_t>(INT64_MAX)) {
+    throw JsonError(path, "integer " + excerpt(j) + " is out of range");
+  }
   return j.get<std::int64_t>();
 }
 
+/// An integer in [lo, hi], checked at its full width before it is narrowed to int.
+inline int as_int_in(const json& j, const std::string& path, std::int64_t lo, std::int64_t hi = INT32_MAX) {
+  const std::int64_t v = as_int(j, path);
+  if (v < lo || v > hi) {
+    throw JsonError(path, "expected an integer from " + std::to_string(lo) + " to " + std::to_string(hi) + ", got " +
+                              std::to_string(v));
+  }
+  return static_cast<int>(v);
+}
+
+/// An id: an integer from 0 to 2^31-1 (ids are 32-bit; 2^32+6 is not 6).
+inline int as_id(const json& j, const std::string& path) { return as_int_in(j, path, 0, INT32_MAX); }
+
 inline std::string as_string(const json& j, const std::string& path) {
-  if (!j.is_string()) throw JsonError(path, "expected a string, got " + j.dump());
+  if (!j.is_string()) throw JsonError(path, "expected a string, got " + excerpt(j));
   return j.get<std::string>();
 }
 
 inline const json& as_array(const json& j, const std::string& path) {
-  if (!j.is_array()) throw JsonError(path, "expected an array");
+  if (!j.is_array()) throw JsonError(path, "expected an array, got " + excerpt(j));
   return j;
 }
 
 /// A finite number >= 0 (times, byte counts).
 inline double as_amount(const json& j, const std::string& path) {
-  if (!j.is_number()) throw JsonError(path, "expected a number, got " + j.dump());
+  if (!j.is_number()) throw JsonError(path, "expected a number, got " + excerpt(j));
   double v = j.get<double>();
-  if (!std::isfinite(v) || v < 0) throw JsonError(path, "expected a finite number >= 0, got " + j.dump());
+  if (!std::isfinite(v) || v < 0) throw JsonError(path, "expected a finite number >= 0, got " + excerpt(j));
   return v;
 }
 
@@ -64,14 +106,14 @@ inline double amount_or(const json& obj, const std::string& path, const char* ke
   return it == obj.end() ? fallback : as_amount(*it, path + "/" + key);
 }
 
-/// `obj[key]` as a list of integers, empty when absent.
+/// `obj[key]` as a list of integers from 0 to 2^31-1 (ids, indices), empty when absent.
 inline std::vector<int> int_list(const json& obj, const std::string& path, const char* key) {
   std::vector<int> out;
   auto it = obj.find(key);
   if (it == obj.end()) return out;
   const auto& arr = as_array(*it, path + "/" + key);
   for (std::size_t i = 0; i < arr.size(); ++i) {
-    out.push_back(static_cast<int>(as_int(arr[i], path + "/" + key + "/" + std::to_string(i))));
+    out.push_back(as_id(arr[i], path + "/" + key + "/" + std::to_string(i)));
   }
   return out;
 }
@@ -88,18 +130,35 @@ inline void check_header(const json& doc, const char* format, int newest) {
   }
 }
 
+/// Parses `text` as one JSON document of at most kMaxDepth levels; invalid JSON, a number out
+/// of double's range and a document nested too deep become kFormat errors naming `document`.
+inline Result<json> parse_json(std::string_view text, const std::string& document) {
+  struct TooDeep {};
+  try {
+    return json::parse(text.begin(), text.end(), [](int depth, json::parse_event_t event, json&) {
+      if ((event == json::parse_event_t::object_start || event == json::parse_event_t::array_start) &&
+          depth >= kMaxDepth) {
+        throw TooDeep{};
+      }
+      return true;
+    });
+  } catch (const TooDeep&) {
+    return Status(ErrorCode::kFormat, document + " nests arrays and objects more than " + std::to_string(kMaxDepth) +
+                                          " deep; conveyor's documents never do, so it is not one");
+  } catch (const json::exception& e) {
+    std::string what = e.what();  // may quote the offending bytes: keep it short and printable
+    return Status(ErrorCode::kFormat, document + " is not valid JSON: " + printable(what, 300));
+  }
+}
+
 /// Parses `text` and runs `body(doc)` (which returns Result<T>), turning invalid JSON, a
 /// JsonError and any other nlohmann error into kFormat errors that name `document`.
 template <typename Body>
 auto parse_document(std::string_view text, const std::string& document, Body&& body) -> decltype(body(json{})) {
-  json doc;
+  auto doc = parse_json(text, document);
+  if (!doc) return doc.status();
   try {
-    doc = json::parse(text.begin(), text.end());
-  } catch (const json::parse_error& e) {
-    return Status(ErrorCode::kFormat, document + " is not valid JSON: " + e.what());
-  }
-  try {
-    return body(doc);
+    return body(*doc);
   } catch (const JsonError& e) {
     return e.status(document);
   } catch (const json::exception& e) {

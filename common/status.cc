@@ -24,6 +24,13 @@ std::string_view error_code_name(ErrorCode code) {
   return "unknown";
 }
 
+std::string Status::capped(std::string message) {
+  constexpr std::size_t kLimit = 4096, kHead = 2048, kTail = 1024;
+  if (message.size() <= kLimit) return message;
+  return message.substr(0, kHead) + " [... " + std::to_string(message.size() - kHead - kTail) + " bytes left out ...] " +
+         message.substr(message.size() - kTail);
+}
+
 Status Status::with_context(std::string_view context) const {
   if (is_ok()) return *this;
   return Status(code_, std::string(context) + ": " + message_);

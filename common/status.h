@@ -34,7 +34,8 @@ std::string_view error_code_name(ErrorCode code);
 class [[nodiscard]] Status {
  public:
   Status() = default;
-  Status(ErrorCode code, std::string message) : code_(code), message_(std::move(message)) {}
+  /// A message over 4 KiB keeps its start and end: no error quotes a whole bad input.
+  Status(ErrorCode code, std::string message) : code_(code), message_(capped(std::move(message))) {}
 
   static Status ok() { return {}; }
   bool is_ok() const { return code_ == ErrorCode::kOk; }
@@ -49,6 +50,7 @@ class [[nodiscard]] Status {
 
  private:
   ErrorCode code_ = ErrorCode::kOk;
+  static std::string capped(std::string message);
   std::string message_;
 };
 

@@ -1,11 +1,15 @@
 #include "graph/format.h"
 
+#include "common/file.h"
+#include "common/json_reader.h"
+
 #include <array>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 
 namespace conveyor::graph {
@@ -34,13 +38,61 @@ void put(std::string& out, T v) {
 }
 
 template <typename T>
-T get(const std::string& in, std::size_t offset) {
+T get(std::string_view in, std::size_t offset) {
   T v;
   std::memcpy(&v, in.data() + offset, sizeof(T));
   return v;
 }
 
 std::size_t align_up(std::size_t n) { return (n + kDataAlignment - 1) / kDataAlignment * kDataAlignment; }
+
+// The tensor table of a graph file: each entry's bytes must lie inside `data`, match its dtype
+// and shape exactly, and its name must be new. Every size is checked before it is added or
+// multiplied, so a crafted entry cannot wrap around a bound.
+std::vector<TensorBlob> read_tensor_table(const json& table, std::string_view data) {
+  using json_reader::JsonError;
+  std::vector<TensorBlob> out;
+  std::set<std::string> names;
+  const auto& entries = json_reader::as_array(table, "/tensors");
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    const std::string path = "/tensors/" + std::to_string(i);
+    const json& jt = entries[i];
+    TensorBlob t;
+    t.name = json_reader::as_string(json_reader::field(jt, path, "name"), path + "/name");
+    if (!names.insert(t.name).second) {
+      throw JsonError(path + "/name", "tensor '" + json_reader::printable(t.name, 80) + "' appears twice");
+    }
+    t.dtype = json_reader::as_string(json_reader::field(jt, path, "dtype"), path + "/dtype");
+    const std::size_t elem = dtype_size(t.dtype);
+    if (elem == 0) throw JsonError(path + "/dtype", "unknown dtype " + json_reader::excerpt(jt["dtype"]));
+    const auto& shape = json_reader::as_array(json_reader::field(jt, path, "shape"), path + "/shape");
+    std::uint64_t need = elem;
+    for (std::size_t d = 0; d < shape.size(); ++d) {
+      const std::int64_t size = json_reader::as_int(shape[d], path + "/shape/" + std::to_string(d));
+      if (size < 0) throw JsonError(path + "/shape/" + std::to_string(d), "a size cannot be negative");
+      if (size != 0 && need > data.size() / static_cast<std::uint64_t>(size)) {
+        throw JsonError(path + "/shape", "the shape needs more bytes than the file's tensor data holds");
+      }
+      need *= static_cast<std::uint64_t>(size);
+      t.shape.push_back(size);
+    }
+    const std::int64_t offset = json_reader::as_int(json_reader::field(jt, path, "offset"), path + "/offset");
+    const std::int64_t nbytes = json_reader::as_int(json_reader::field(jt, path, "nbytes"), path + "/nbytes");
+    if (offset < 0 || nbytes < 0) throw JsonError(path, "offset and nbytes cannot be negative");
+    if (static_cast<std::uint64_t>(nbytes) != need) {
+      throw JsonError(path + "/nbytes", std::to_string(nbytes) + " bytes, but dtype " + t.dtype + " and the shape need " +
+                                            std::to_string(need));
+    }
+    if (static_cast<std::uint64_t>(nbytes) > data.size() ||
+        static_cast<std::uint64_t>(offset) > data.size() - static_cast<std::uint64_t>(nbytes)) {
+      throw JsonError(path, "tensor '" + json_reader::printable(t.name, 80) + "' lies past the end of the data (" +
+                                std::to_string(data.size()) + " bytes)");
+    }
+    t.bytes.assign(data.substr(static_cast<std::size_t>(offset), static_cast<std::size_t>(nbytes)));
+    out.push_back(std::move(t));
+  }
+  return out;
+}
 
 }  // namespace
 
@@ -124,14 +176,26 @@ Status save_graph_file(const std::string& path, const Graph& graph,
   return Status::ok();
 }
 
-Result<GraphFile> load_graph_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return Status(ErrorCode::kIo, "cannot open graph file '" + path + "'");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  std::string bytes = std::move(ss).str();
-  const std::string where = "graph file '" + path + "'";
+void fix_checksums(std::string& bytes) {
+  if (bytes.size() < kHeaderSize) return;
+  const auto text_size = get<std::uint64_t>(bytes, 16);
+  const auto data_size = get<std::uint64_t>(bytes, 24);
+  if (text_size > bytes.size() - kHeaderSize || data_size > bytes.size() ||
+      align_up(kHeaderSize + text_size) > bytes.size() - data_size) {
+    return;
+  }
+  const std::uint32_t text_crc = crc32(bytes.data() + kHeaderSize, text_size);
+  const std::uint32_t data_crc = crc32(bytes.data() + align_up(kHeaderSize + text_size), data_size);
+  std::memcpy(bytes.data() + 32, &text_crc, 4);
+  std::memcpy(bytes.data() + 36, &data_crc, 4);
+}
 
+Result<GraphFile> load_graph_file(const std::string& path) {
+  CONVEYOR_ASSIGN_OR_RETURN(std::string bytes, read_file(path, "graph file"));
+  return read_graph_file(bytes, "graph file '" + path + "'");
+}
+
+Result<GraphFile> read_graph_file(std::string_view bytes, const std::string& where) {
   if (bytes.size() < kContainerMagic.size() ||
       std::string_view(bytes).substr(0, kContainerMagic.size()) != kContainerMagic) {
     return Status(ErrorCode::kFormat,
@@ -147,52 +211,35 @@ Result<GraphFile> load_graph_file(const std::string& path) {
                       " but this conveyor reads versions up to " + std::to_string(kContainerVersion) +
                       "; upgrade conveyor or save the graph again with this version");
   }
-  auto text_size = get<std::uint64_t>(bytes, 16);
-  auto data_size = get<std::uint64_t>(bytes, 24);
-  auto text_crc = get<std::uint32_t>(bytes, 32);
-  auto data_crc = get<std::uint32_t>(bytes, 36);
-  std::size_t data_at = align_up(kHeaderSize + text_size);
-  if (text_size > bytes.size() || data_size > bytes.size() || data_at + data_size > bytes.size()) {
-    return Status(ErrorCode::kCorrupt,
-                  where + " is truncated: expected " + std::to_string(data_at + data_size) +
-                      " bytes, found " + std::to_string(bytes.size()));
+  const auto text_size = get<std::uint64_t>(bytes, 16);
+  const auto data_size = get<std::uint64_t>(bytes, 24);
+  const auto text_crc = get<std::uint32_t>(bytes, 32);
+  const auto data_crc = get<std::uint32_t>(bytes, 36);
+  // Compared before any sum is formed: sizes near 2^64 must not wrap around the checks.
+  if (text_size > bytes.size() - kHeaderSize || data_size > bytes.size() ||
+      align_up(kHeaderSize + text_size) > bytes.size() - data_size) {
+    return Status(ErrorCode::kCorrupt, where + " is truncated: its header announces " + std::to_string(text_size) +
+                                           " bytes of document and " + std::to_string(data_size) +
+                                           " bytes of tensor data, but the file has " + std::to_string(bytes.size()));
   }
+  const std::size_t data_at = align_up(kHeaderSize + text_size);
   if (crc32(bytes.data() + kHeaderSize, text_size) != text_crc) {
     return Status(ErrorCode::kCorrupt, where + " is corrupted: the graph document's checksum does not match");
   }
   if (crc32(bytes.data() + data_at, data_size) != data_crc) {
     return Status(ErrorCode::kCorrupt, where + " is corrupted: the tensor data's checksum does not match");
   }
-  json doc;
-  try {
-    doc = json::parse(bytes.begin() + kHeaderSize, bytes.begin() + kHeaderSize + text_size);
-  } catch (const json::exception& e) {
-    return Status(ErrorCode::kFormat, where + ": the graph document is not valid JSON: " + e.what());
-  }
-  if (!doc.is_object() || !doc.contains("graph") || !doc.contains("tensors")) {
-    return Status(ErrorCode::kFormat, where + ": expected fields 'graph' and 'tensors'");
-  }
-  auto graph = Graph::from_json(doc["graph"].dump());
-  if (!graph) return graph.status().with_context(where);
-  GraphFile file{std::move(graph).value(), {}};
-  try {
-    for (const auto& jt : doc["tensors"]) {
-      TensorBlob t;
-      t.name = jt.at("name").get<std::string>();
-      t.dtype = jt.at("dtype").get<std::string>();
-      t.shape = jt.at("shape").get<std::vector<std::int64_t>>();
-      auto offset = jt.at("offset").get<std::size_t>();
-      auto nbytes = jt.at("nbytes").get<std::size_t>();
-      if (offset + nbytes > data_size) {
-        return Status(ErrorCode::kCorrupt, where + ": tensor '" + t.name + "' lies past the end of the data");
-      }
-      t.bytes.assign(bytes.data() + data_at + offset, nbytes);
-      file.tensors.push_back(std::move(t));
-    }
-  } catch (const json::exception& e) {
-    return Status(ErrorCode::kFormat, where + ": malformed tensor table: " + e.what());
-  }
-  return file;
+  auto parsed = json_reader::parse_document(
+      bytes.substr(kHeaderSize, text_size), "the graph document",
+      [&](const json& doc) -> Result<GraphFile> {
+        auto graph = Graph::from_json(json_reader::field(doc, "", "graph").dump());
+        if (!graph) return graph.status();
+        GraphFile file{std::move(graph).value(), {}};
+        file.tensors = read_tensor_table(json_reader::field(doc, "", "tensors"), bytes.substr(data_at, data_size));
+        return file;
+      });
+  if (!parsed) return parsed.status().with_context(where);
+  return parsed;
 }
 
 }  // namespace conveyor::graph

@@ -41,6 +41,13 @@ Status save_graph_file(const std::string& path, const Graph& graph,
 /// Reads and checks a graph file: magic, versions, sizes, checksums, then the graph itself.
 Result<GraphFile> load_graph_file(const std::string& path);
 
+/// Checks and decodes the bytes of a graph file; `where` names them in errors ("graph file 'x'").
+Result<GraphFile> read_graph_file(std::string_view bytes, const std::string& where);
+
+/// Rewrites the checksums in the header of graph-file bytes to match their contents, where
+/// the header's sizes fit the bytes (for fuzzing the reader past its checksums).
+void fix_checksums(std::string& bytes);
+
 /// CRC-32 (IEEE 802.3) of a byte range.
 std::uint32_t crc32(const void* data, std::size_t size, std::uint32_t seed = 0);
 

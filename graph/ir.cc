@@ -17,6 +17,7 @@ using nlohmann::json;
 // Parsing errors name the JSON path ("/nodes/3/args/1") and what was expected there.
 using ParseError = json_reader::JsonError;
 using json_reader::as_array;
+using json_reader::as_id;
 using json_reader::as_int;
 using json_reader::as_string;
 using json_reader::field;
@@ -37,7 +38,7 @@ double parse_float(const json& j, const std::string& path) {
     if (s == "-inf") return -std::numeric_limits<double>::infinity();
     if (s == "nan") return std::numeric_limits<double>::quiet_NaN();
   }
-  throw ParseError(path, "expected a number or \"inf\", \"-inf\", \"nan\", got " + j.dump());
+  throw ParseError(path, "expected a number or \"inf\", \"-inf\", \"nan\", got " + json_reader::excerpt(j));
 }
 
 json float_to_json(double v) {
@@ -48,11 +49,13 @@ json float_to_json(double v) {
 
 Argument parse_argument(const json& j, const std::string& path) {
   if (!j.is_object() || j.size() != 1) {
-    throw ParseError(path, "expected an argument object with exactly one key, got " + j.dump());
+    throw ParseError(path, "expected an argument object with exactly one key, got " + json_reader::excerpt(j));
   }
-  const auto& [key, v] = *j.items().begin();
+  // (not `*j.items().begin()`: that binds to an iteration proxy that dies at the semicolon)
+  const std::string key = j.begin().key();
+  const json& v = j.begin().value();
   using K = Argument::Kind;
-  if (key == "value") return Argument::of_value(static_cast<ValueId>(as_int(v, path + "/value")));
+  if (key == "value") return Argument::of_value(as_id(v, path + "/value"));
   if (key == "int") return Argument::of_int(as_int(v, path + "/int"));
   if (key == "float") return Argument::of_float(parse_float(v, path + "/float"));
   if (key == "bool") {
@@ -104,16 +107,18 @@ json argument_to_json(const Argument& a) {
 
 Return parse_return(const json& j, const std::string& path) {
   if (!j.is_object() || j.size() != 1) throw ParseError(path, "expected a return object with one key");
-  const auto& [key, v] = *j.items().begin();
+  // (not `*j.items().begin()`: that binds to an iteration proxy that dies at the semicolon)
+  const std::string key = j.begin().key();
+  const json& v = j.begin().value();
   Return r;
   if (key == "value") {
     r.kind = Return::Kind::kValue;
-    r.value = static_cast<ValueId>(as_int(v, path + "/value"));
+    r.value = as_id(v, path + "/value");
   } else if (key == "list") {
     r.kind = Return::Kind::kList;
     const auto& arr = as_array(v, path + "/list");
     for (std::size_t i = 0; i < arr.size(); ++i) {
-      r.items.push_back(static_cast<ValueId>(as_int(arr[i], path + "/list/" + std::to_string(i))));
+      r.items.push_back(json_reader::as_int_in(arr[i], path + "/list/" + std::to_string(i), -1));  // -1: unused
     }
   } else if (key == "unused") {
     r.kind = Return::Kind::kUnused;
@@ -159,7 +164,7 @@ Graph parse_graph(const json& doc) {
   if (fmt != "conveyor.graph") {
     throw ParseError("/format", "expected \"conveyor.graph\", got \"" + fmt + "\"");
   }
-  g.version = static_cast<int>(as_int(field(doc, "", "version"), "/version"));
+  g.version = json_reader::as_int_in(field(doc, "", "version"), "/version", 0);
   if (g.version > kGraphFormatVersion || g.version < 1) {
     // Reported by from_json with ErrorCode::kVersion.
     return g;
@@ -190,7 +195,7 @@ Graph parse_graph(const json& doc) {
     std::string p = "/values/" + std::to_string(i);
     const auto& jv = values[i];
     Value v;
-    v.id = static_cast<ValueId>(as_int(field(jv, p, "id"), p + "/id"));
+    v.id = as_id(field(jv, p, "id"), p + "/id");
     v.kind = parse_value_kind(as_string(field(jv, p, "kind"), p + "/kind"), p + "/kind");
     if (auto it = jv.find("name"); it != jv.end()) v.name = as_string(*it, p + "/name");
     if (auto it = jv.find("requires_grad"); it != jv.end() && it->is_boolean()) {
@@ -215,7 +220,7 @@ Graph parse_graph(const json& doc) {
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     std::string p = "/inputs/" + std::to_string(i);
     Input in;
-    in.value = static_cast<ValueId>(as_int(field(inputs[i], p, "value"), p + "/value"));
+    in.value = as_id(field(inputs[i], p, "value"), p + "/value");
     if (auto it = inputs[i].find("name"); it != inputs[i].end()) in.name = as_string(*it, p + "/name");
     g.inputs.push_back(std::move(in));
   }
@@ -223,7 +228,7 @@ Graph parse_graph(const json& doc) {
   for (std::size_t i = 0; i < bindings.size(); ++i) {
     std::string p = "/bindings/" + std::to_string(i);
     Binding b;
-    b.value = static_cast<ValueId>(as_int(field(bindings[i], p, "value"), p + "/value"));
+    b.value = as_id(field(bindings[i], p, "value"), p + "/value");
     b.name = as_string(field(bindings[i], p, "name"), p + "/name");
     b.kind = parse_binding_kind(as_string(field(bindings[i], p, "kind"), p + "/kind"), p + "/kind");
     if (auto it = bindings[i].find("tied"); it != bindings[i].end()) {
@@ -239,7 +244,7 @@ Graph parse_graph(const json& doc) {
     std::string p = "/nodes/" + std::to_string(i);
     const auto& jn = nodes[i];
     Node n;
-    n.id = static_cast<NodeId>(as_int(field(jn, p, "id"), p + "/id"));
+    n.id = as_id(field(jn, p, "id"), p + "/id");
     n.op = as_string(field(jn, p, "op"), p + "/op");
     if (auto it = jn.find("overload"); it != jn.end()) n.overload = as_string(*it, p + "/overload");
     const auto& args = as_array(field(jn, p, "args"), p + "/args");
@@ -264,7 +269,7 @@ Graph parse_graph(const json& doc) {
   }
   const auto& outputs = as_array(field(doc, "", "outputs"), "/outputs");
   for (std::size_t i = 0; i < outputs.size(); ++i) {
-    g.outputs.push_back(static_cast<ValueId>(as_int(outputs[i], "/outputs/" + std::to_string(i))));
+    g.outputs.push_back(as_id(outputs[i], "/outputs/" + std::to_string(i)));
   }
   if (auto it = doc.find("extra"); it != doc.end()) g.extra_json = it->dump();
   return g;
@@ -412,6 +417,7 @@ std::vector<std::vector<NodeId>> Graph::consumers() const {
 
 Status Graph::validate() const {
   auto bad = [](const std::string& msg) { return Status(ErrorCode::kInvalidGraph, msg); };
+  auto quoted = [](const std::string& name) { return "'" + json_reader::printable(name, 80) + "'"; };
   const auto num_values = static_cast<ValueId>(values.size());
   for (ValueId i = 0; i < num_values; ++i) {
     if (values[i].id != i) {
@@ -433,19 +439,19 @@ Status Graph::validate() const {
   }
   std::set<std::string> binding_names;
   for (const auto& b : bindings) {
-    CONVEYOR_RETURN_IF_ERROR(define(b.value, "binding '" + b.name + "'"));
-    if (!binding_names.insert(b.name).second) return bad("binding '" + b.name + "' appears twice");
+    CONVEYOR_RETURN_IF_ERROR(define(b.value, "binding " + quoted(b.name)));
+    if (!binding_names.insert(b.name).second) return bad("binding " + quoted(b.name) + " appears twice");
     for (const auto& tied : b.tied_names) {
-      if (!binding_names.insert(tied).second) return bad("binding '" + tied + "' appears twice");
+      if (!binding_names.insert(tied).second) return bad("binding " + quoted(tied) + " appears twice");
     }
     if (values[b.value].kind != ValueKind::kTensor) {
-      return bad("binding '" + b.name + "' must be a tensor value");
+      return bad("binding " + quoted(b.name) + " must be a tensor value");
     }
   }
   for (std::size_t i = 0; i < nodes.size(); ++i) {
     const Node& n = nodes[i];
-    std::string where = "node " + std::to_string(i) + " (" + n.qualified_name() +
-                        (n.source.empty() ? "" : ", from " + n.source) + ")";
+    std::string where = "node " + std::to_string(i) + " (" + json_reader::printable(n.qualified_name(), 80) +
+                        (n.source.empty() ? "" : ", from " + json_reader::printable(n.source, 120)) + ")";
     if (n.id != static_cast<NodeId>(i)) {
       return bad("node at position " + std::to_string(i) + " has id " + std::to_string(n.id) +
                  "; node ids must equal their position");
@@ -456,8 +462,8 @@ Status Graph::validate() const {
         return bad(where + " reads value " + std::to_string(v) + " which does not exist");
       }
       if (!defined[v]) {
-        return bad(where + " reads value " + std::to_string(v) + " ('" + values[v].name +
-                   "') before it is defined; nodes must be in topological order");
+        return bad(where + " reads value " + std::to_string(v) + " (" + quoted(values[v].name) +
+                   ") before it is defined; nodes must be in topological order");
       }
     }
     for (int a : n.mutated_args) {

@@ -4,16 +4,15 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
-#include <toml++/toml.h>
 
 #include "common/file.h"
-#include "partitioner/toml_fields.h"
+#include "common/toml_reader.h"
 
 namespace conveyor::partitioner {
 namespace {
 
-using toml_fields::check_keys;
-using toml_fields::TomlError;
+using toml::check_keys;
+using toml::TomlError;
 
 // Splits "80 GiB" into 80 and "GiB".
 bool split_number(std::string_view text, double& number, std::string& unit) {
@@ -45,46 +44,46 @@ Result<double> scaled(std::string_view text, const std::vector<std::pair<std::st
 }
 
 // A quantity given as a number (base unit) or a string with a unit.
-double quantity(const toml::table& t, std::string_view key, const char* where,
+double quantity(const toml::Node& t, std::string_view key, const char* where,
                 Result<double> (*parse)(std::string_view), double fallback, bool required) {
-  const toml::node* n = t.get(key);
+  const toml::Node* n = t.get(key);
   if (!n) {
-    if (required) throw TomlError(t.source(), "missing key '" + std::string(key) + "' in " + where);
+    if (required) throw TomlError(t.line(), "missing key '" + std::string(key) + "' in " + where);
     return fallback;
   }
-  if (auto v = n->value<double>()) {
-    if (!std::isfinite(*v) || *v < 0) throw TomlError(n->source(), std::string(key) + " must be a number >= 0");
+  if (auto v = n->number()) {
+    if (!std::isfinite(*v) || *v < 0) throw TomlError(n->line(), std::string(key) + " must be a number >= 0");
     return *v;
   }
-  if (auto s = n->value<std::string>()) {
+  if (auto s = n->string()) {
     auto r = parse(*s);
-    if (!r) throw TomlError(n->source(), std::string(key) + ": " + r.status().message());
+    if (!r) throw TomlError(n->line(), std::string(key) + ": " + r.status().message());
     return *r;
   }
-  throw TomlError(n->source(), std::string(key) + " must be a number or a string with a unit");
+  throw TomlError(n->line(), std::string(key) + " must be a number or a string with a unit");
 }
 
-int positive_int(const toml::table& t, std::string_view key, const char* where, int fallback) {
-  const toml::node* n = t.get(key);
+int positive_int(const toml::Node& t, std::string_view key, const char* where, int fallback) {
+  const toml::Node* n = t.get(key);
   if (!n) return fallback;
-  auto v = n->value<std::int64_t>();
+  auto v = n->integer();
   if (!v || !n->is_integer() || *v < 1 || *v > (1 << 20)) {
-    throw TomlError(n->source(), std::string(key) + " in " + where + " must be a positive integer");
+    throw TomlError(n->line(), std::string(key) + " in " + where + " must be a positive integer");
   }
   return static_cast<int>(*v);
 }
 
-Link parse_link(const toml::table& root, std::string_view key) {
+Link parse_link(const toml::Node& root, std::string_view key) {
   Link l;
-  const toml::node* n = root.get(key);
-  if (!n) throw TomlError(root.source(), "missing table [link." + std::string(key) + "] (bandwidth, latency)");
-  const toml::table* t = n->as_table();
-  if (!t) throw TomlError(n->source(), "link." + std::string(key) + " must be a table with bandwidth and latency");
+  const toml::Node* n = root.get(key);
+  if (!n) throw TomlError(root.line(), "missing table [link." + std::string(key) + "] (bandwidth, latency)");
+  const toml::Node* t = n->as_table();
+  if (!t) throw TomlError(n->line(), "link." + std::string(key) + " must be a table with bandwidth and latency");
   const std::string where = "[link." + std::string(key) + "]";
   check_keys(*t, {"bandwidth", "latency"}, where.c_str());
   l.bandwidth_bytes_per_s = quantity(*t, "bandwidth", where.c_str(), parse_bandwidth, 0, true);
   l.latency_s = quantity(*t, "latency", where.c_str(), parse_duration, 0, false);
-  if (l.bandwidth_bytes_per_s <= 0) throw TomlError(t->source(), where + " bandwidth must be positive");
+  if (l.bandwidth_bytes_per_s <= 0) throw TomlError(t->line(), where + " bandwidth must be positive");
   return l;
 }
 
@@ -144,43 +143,46 @@ Cluster Cluster::uniform(int nodes, int per_node, double memory_bytes, double sp
 
 Result<Cluster> Cluster::from_toml(std::string_view text, const std::string& source) {
   try {
-    const toml::table root = toml_fields::parse(text, source);
+    const toml::Node root = toml::parse(text);
     check_keys(root, {"name", "node", "link"}, "the cluster file");
     Cluster c;
-    if (const toml::node* n = root.get("name")) {
-      auto s = n->value<std::string>();
-      if (!s) throw TomlError(n->source(), "name must be a string");
+    if (const toml::Node* n = root.get("name")) {
+      auto s = n->string();
+      if (!s) throw TomlError(n->line(), "name must be a string");
       c.name = *s;
     }
-    const toml::node* nodes = root.get("node");
+    const toml::Node* nodes = root.get("node");
     if (!nodes) throw TomlError(1, "missing [[node]] entries (count, devices, memory, speed)");
-    const toml::array* arr = nodes->as_array();
-    if (!arr || arr->empty()) throw TomlError(nodes->source(), "node must be an array of tables: write [[node]]");
-    for (const toml::node& entry : *arr) {
-      const toml::table* t = entry.as_table();
-      if (!t) throw TomlError(entry.source(), "each node entry must be a table: write [[node]]");
+    const toml::Node* arr = nodes->as_array();
+    if (!arr || arr->items().empty()) throw TomlError(nodes->line(), "node must be an array of tables: write [[node]]");
+    for (const toml::Node& entry : arr->items()) {
+      const toml::Node* t = entry.as_table();
+      if (!t) throw TomlError(entry.line(), "each node entry must be a table: write [[node]]");
       check_keys(*t, {"count", "devices", "memory", "speed"}, "[[node]]");
       const int count = positive_int(*t, "count", "[[node]]", 1);
       const int devices = positive_int(*t, "devices", "[[node]]", 1);
       const double memory = quantity(*t, "memory", "[[node]]", parse_bytes, 0, true);
-      if (memory <= 0) throw TomlError(t->source(), "memory in [[node]] must be positive");
+      if (memory <= 0) throw TomlError(t->line(), "memory in [[node]] must be positive");
       double speed = 1;
-      if (const toml::node* s = t->get("speed")) {
-        auto v = s->value<double>();
-        if (!v || !std::isfinite(*v) || *v <= 0) throw TomlError(s->source(), "speed must be a number > 0 (1 = the profiled device)");
+      if (const toml::Node* s = t->get("speed")) {
+        auto v = s->number();
+        if (!v || !std::isfinite(*v) || *v <= 0) throw TomlError(s->line(), "speed must be a number > 0 (1 = the profiled device)");
         speed = *v;
+      }
+      if (c.devices.size() + static_cast<std::size_t>(count) * static_cast<std::size_t>(devices) > (1u << 20)) {
+        throw TomlError(t->line(), "more than 2^20 devices");
       }
       for (int n = 0; n < count; ++n, ++c.nodes) {
         for (int d = 0; d < devices; ++d) c.devices.push_back({c.nodes, d, memory, speed});
       }
     }
     if (c.devices.size() > (1u << 20)) throw TomlError(1, "more than 2^20 devices");
-    const toml::node* link = root.get("link");
+    const toml::Node* link = root.get("link");
     if (!link || !link->as_table()) {
-      throw TomlError(link ? link->source().begin.line : 1,
+      throw TomlError(link ? link->line() : 1,
                       "missing tables [link.intra_node] and [link.inter_node] (bandwidth, latency)");
     }
-    const toml::table& links = *link->as_table();
+    const toml::Node& links = *link->as_table();
     check_keys(links, {"intra_node", "inter_node"}, "[link]");
     c.intra_node = parse_link(links, "intra_node");
     if (c.nodes > 1 || links.get("inter_node")) c.inter_node = parse_link(links, "inter_node");

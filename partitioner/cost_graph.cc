@@ -89,11 +89,11 @@ Result<CostGraph> CostGraph::from_json(std::string_view text) {
     if (doc.contains("name")) g.name = as_string(doc["name"], "/name");
     if (doc.contains("device")) g.device = as_string(doc["device"], "/device");
     if (doc.contains("microbatch")) {
-      g.microbatch = static_cast<int>(as_int(doc["microbatch"], "/microbatch"));
+      g.microbatch = as_int_in(doc["microbatch"], "/microbatch", 1);
       if (g.microbatch < 1) throw JsonError("/microbatch", "expected at least 1");
     }
     if (doc.contains("min_share")) {
-      g.min_share = static_cast<int>(as_int(doc["min_share"], "/min_share"));
+      g.min_share = as_int_in(doc["min_share"], "/min_share", 1);
       if (g.min_share < 1) throw JsonError("/min_share", "expected at least 1");
     }
     if (doc.contains("params")) {
@@ -122,7 +122,7 @@ Result<CostGraph> CostGraph::from_json(std::string_view text) {
       }
       op.saved_bytes = amount_or(o, path, "saved_bytes", 0);
       op.work_bytes = amount_or(o, path, "work_bytes", 0);
-      if (o.contains("group")) op.group = static_cast<int>(as_int(o["group"], path + "/group"));
+      if (o.contains("group")) op.group = as_int_in(o["group"], path + "/group", -1);
       op.params = int_list(o, path, "params");
       for (std::size_t k = 0; k < op.params.size(); ++k) {
         if (op.params[k] < 0 || op.params[k] >= static_cast<int>(g.params.size())) {
@@ -138,10 +138,10 @@ Result<CostGraph> CostGraph::from_json(std::string_view text) {
           int from = 0, out = 0;
           if (ins[k].is_array()) {
             if (ins[k].size() != 2) throw JsonError(ipath, "expected an op index or [op, output]");
-            from = static_cast<int>(as_int(ins[k][0], ipath + "/0"));
-            out = static_cast<int>(as_int(ins[k][1], ipath + "/1"));
+            from = as_id(ins[k][0], ipath + "/0");
+            out = as_id(ins[k][1], ipath + "/1");
           } else {
-            from = static_cast<int>(as_int(ins[k], ipath));
+            from = as_id(ins[k], ipath);
           }
           if (from < 0 || from >= static_cast<int>(i)) {
             throw JsonError(ipath, "operator " + std::to_string(from) +
@@ -236,7 +236,7 @@ Result<Profile> Profile::from_json(std::string_view text) {
     Profile p;
     p.graph_hash = as_string(field(doc, "", "graph_hash"), "/graph_hash");
     p.device = as_string(field(doc, "", "device"), "/device");
-    p.microbatch = static_cast<int>(as_int(field(doc, "", "microbatch"), "/microbatch"));
+    p.microbatch = as_int_in(field(doc, "", "microbatch"), "/microbatch", 1);
     if (p.microbatch < 1) throw JsonError("/microbatch", "expected at least 1");
     if (doc.contains("torch")) p.torch_version = as_string(doc["torch"], "/torch");
     const auto& nodes = as_array(field(doc, "", "nodes"), "/nodes");

@@ -1,5 +1,6 @@
 // Plan documents (docs/formats.md) and the table `conveyor plan` prints.
 #include <cstdio>
+#include <set>
 
 #include "common/file.h"
 #include "common/json_reader.h"
@@ -75,15 +76,15 @@ Result<Plan> Plan::from_json(std::string_view text) {
     Plan p;
     p.graph_name = as_string(field(doc, "", "graph"), "/graph");
     p.cluster_name = as_string(field(doc, "", "cluster"), "/cluster");
-    p.batch = static_cast<int>(as_int(field(doc, "", "batch"), "/batch"));
-    p.microbatches = static_cast<int>(as_int(field(doc, "", "microbatches"), "/microbatches"));
+    p.batch = as_int_in(field(doc, "", "batch"), "/batch", 1);
+    p.microbatches = as_int_in(field(doc, "", "microbatches"), "/microbatches", 1);
     if (p.batch < 1 || p.microbatches < 1 || p.microbatches > p.batch) {
       throw JsonError("/microbatches", "expected 1 <= microbatches <= batch");
     }
     auto kind = scheduler::schedule_kind_from_name(as_string(field(doc, "", "schedule"), "/schedule"));
     if (!kind) throw JsonError("/schedule", kind.status().message());
     p.schedule = *kind;
-    p.chunks = static_cast<int>(as_int(field(doc, "", "chunks"), "/chunks"));
+    p.chunks = as_int_in(field(doc, "", "chunks"), "/chunks", 1, 1024);
     p.objective_s = amount_or(doc, "", "objective_s", 0);
     p.predicted_step_s = amount_or(doc, "", "predicted_step_s", 0);
     p.bubble_fraction = amount_or(doc, "", "bubble_fraction", 0);
@@ -93,8 +94,8 @@ Result<Plan> Plan::from_json(std::string_view text) {
     for (std::size_t i = 0; i < devs.size(); ++i) {
       const std::string path = "/devices/" + std::to_string(i);
       Device d;
-      d.node = static_cast<int>(as_int(field(devs[i], path, "node"), path + "/node"));
-      d.local = static_cast<int>(as_int(field(devs[i], path, "local"), path + "/local"));
+      d.node = as_id(field(devs[i], path, "node"), path + "/node");
+      d.local = as_id(field(devs[i], path, "local"), path + "/local");
       d.memory_bytes = as_amount(field(devs[i], path, "memory_bytes"), path + "/memory_bytes");
       d.speed = as_amount(field(devs[i], path, "speed"), path + "/speed");
       if (d.speed <= 0) throw JsonError(path + "/speed", "expected a speed > 0");
@@ -102,14 +103,21 @@ Result<Plan> Plan::from_json(std::string_view text) {
     }
     const auto& st = as_array(field(doc, "", "stages"), "/stages");
     if (st.empty()) throw JsonError("/stages", "a plan needs at least one stage");
+    std::set<int> ops_seen;
     for (std::size_t i = 0; i < st.size(); ++i) {
       const std::string path = "/stages/" + std::to_string(i);
       const json& j = st[i];
       StagePlan s;
       s.ops = int_list(j, path, "ops");
-      s.first_device = static_cast<int>(as_int(field(j, path, "first_device"), path + "/first_device"));
-      s.replicas = static_cast<int>(as_int(field(j, path, "replicas"), path + "/replicas"));
-      if (s.replicas < 1 || s.first_device < 0 || s.first_device + s.replicas > static_cast<int>(p.devices.size())) {
+      if (s.ops.empty()) throw JsonError(path + "/ops", "a stage needs at least one operator");
+      for (std::size_t k = 0; k < s.ops.size(); ++k) {
+        if (!ops_seen.insert(s.ops[k]).second) {
+          throw JsonError(path + "/ops/" + std::to_string(k), "operator " + std::to_string(s.ops[k]) + " is in two stages");
+        }
+      }
+      s.first_device = as_id(field(j, path, "first_device"), path + "/first_device");
+      s.replicas = as_int_in(field(j, path, "replicas"), path + "/replicas", 1);
+      if (static_cast<std::int64_t>(s.first_device) + s.replicas > static_cast<std::int64_t>(p.devices.size())) {
         throw JsonError(path, "devices " + std::to_string(s.first_device) + ".." +
                                   std::to_string(s.first_device + s.replicas - 1) + " are not in the plan's " +
                                   std::to_string(p.devices.size()) + " devices");
@@ -129,14 +137,23 @@ Result<Plan> Plan::from_json(std::string_view text) {
       s.static_bytes = j["static_bytes"].get<double>();
       s.saved_bytes = j["saved_bytes"].get<double>();
       s.memory_bytes = j["memory_bytes"].get<double>();
-      if (j.contains("in_flight")) s.in_flight = static_cast<int>(as_int(j["in_flight"], path + "/in_flight"));
+      if (j.contains("in_flight")) s.in_flight = as_int_in(j["in_flight"], path + "/in_flight", 0);
       if (j.contains("recompute")) {
         if (!j["recompute"].is_boolean()) throw JsonError(path + "/recompute", "expected true or false");
         s.recompute = j["recompute"].get<bool>();
       }
       if (j.contains("shares")) {
         const auto& sh = as_array(j["shares"], path + "/shares");
-        for (std::size_t k = 0; k < sh.size(); ++k) s.shares.push_back(as_amount(sh[k], path + "/shares/" + std::to_string(k)));
+        if (!sh.empty() && sh.size() != static_cast<std::size_t>(s.replicas)) {
+          throw JsonError(path + "/shares", "expected one share per replica (" + std::to_string(s.replicas) + "), got " +
+                                                std::to_string(sh.size()));
+        }
+        double total = 0;
+        for (std::size_t k = 0; k < sh.size(); ++k) {
+          s.shares.push_back(as_amount(sh[k], path + "/shares/" + std::to_string(k)));
+          total += s.shares.back();
+        }
+        if (!sh.empty() && !(total > 0)) throw JsonError(path + "/shares", "the shares add up to 0");
       }
       p.stages.push_back(std::move(s));
     }

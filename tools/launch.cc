@@ -5,58 +5,70 @@
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
-#include <toml++/toml.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <thread>
 
-#include "partitioner/toml_fields.h"
+#include "common/toml_reader.h"
 
 namespace conveyor::tools {
 
-using toml_fields::check_keys;
-using toml_fields::TomlError;
+using toml::check_keys;
+using toml::TomlError;
 
 namespace {
 
-int whole_number(const toml::table& t, std::string_view key, int lo, int hi, int fallback) {
-  const toml::node* n = t.get(key);
+int whole_number(const toml::Node& t, std::string_view key, int lo, int hi, int fallback) {
+  const toml::Node* n = t.get(key);
   if (!n) return fallback;
-  auto v = n->value<std::int64_t>();
+  auto v = n->integer();
   if (!v || *v < lo || *v > hi) {
-    throw TomlError(n->source(), std::string(key) + " must be a whole number from " + std::to_string(lo) + " to " +
+    throw TomlError(n->line(), std::string(key) + " must be a whole number from " + std::to_string(lo) + " to " +
                                      std::to_string(hi));
   }
   return static_cast<int>(*v);
 }
 
-double seconds(const toml::table& t, std::string_view key, double fallback) {
-  const toml::node* n = t.get(key);
+double seconds(const toml::Node& t, std::string_view key, double fallback) {
+  const toml::Node* n = t.get(key);
   if (!n) return fallback;
-  auto v = n->value<double>();
-  if (!v || !std::isfinite(*v) || *v <= 0) throw TomlError(n->source(), std::string(key) + " must be a number of seconds > 0");
+  auto v = n->number();
+  if (!v || !std::isfinite(*v) || *v < kLeastSeconds || *v > kMostSeconds) {
+    throw TomlError(n->line(), std::string(key) + " must be a number of seconds from 0.001 to 604800 (a week)");
+  }
   return *v;
 }
 
-std::string text(const toml::table& t, std::string_view key, const std::string& fallback,
+// A host name or an IPv4/IPv6 address: what a socket can be pointed at, nothing else.
+bool host_name(const std::string& h) {
+  if (h.empty() || h.size() > 253) return false;
+  for (char c : h) {
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '-' && c != ':' && c != '_') return false;
+  }
+  return true;
+}
+
+std::string text(const toml::Node& t, std::string_view key, const std::string& fallback,
                  std::initializer_list<std::string_view> choices = {}) {
-  const toml::node* n = t.get(key);
+  const toml::Node* n = t.get(key);
   if (!n) return fallback;
-  auto v = n->value<std::string>();
-  if (!v) throw TomlError(n->source(), std::string(key) + " must be a string");
+  auto v = n->string();
+  if (!v) throw TomlError(n->line(), std::string(key) + " must be a string");
   if (choices.size() == 0) return *v;
   std::string list;
   for (auto c : choices) {
     if (*v == c) return *v;
     list += (list.empty() ? "" : ", ") + std::string(c);
   }
-  throw TomlError(n->source(), std::string(key) + " = \"" + *v + "\" (expected one of " + list + ")");
+  throw TomlError(n->line(), std::string(key) + " = \"" + *v + "\" (expected one of " + list + ")");
 }
 
 // A free TCP port on the loopback interface (the kernel's pick; released at once).
@@ -90,38 +102,50 @@ std::string describe_exit(int status) {
 
 Result<JobConfig> parse_job_config(const std::string& content, const std::string& source) {
   try {
-    const toml::table root = toml_fields::parse(content, source);
+    const toml::Node root = toml::parse(content);
     check_keys(root, {"job"}, "the job config");
-    const toml::node* job = root.get("job");
-    if (!job || !job->as_table()) throw TomlError(job ? job->source().begin.line : 1, "missing the [job] table");
-    const toml::table& t = *job->as_table();
+    const toml::Node* job = root.get("job");
+    if (!job || !job->as_table()) throw TomlError(job ? job->line() : 1, "missing the [job] table");
+    const toml::Node& t = *job->as_table();
     check_keys(t, {"processes", "hosts", "node_rank", "master_addr", "master_port", "timeout", "grace", "transport",
                    "plan", "schedule", "trace", "replan", "replan_horizon"},
                "[job]");
     JobConfig c;
     c.processes = whole_number(t, "processes", 1, 4096, 1);
-    if (const toml::node* h = t.get("hosts")) {
-      const toml::array* arr = h->as_array();
-      if (!arr || arr->empty()) throw TomlError(h->source(), "hosts must be a non-empty list of host names");
+    if (const toml::Node* h = t.get("hosts")) {
+      const toml::Node* arr = h->as_array();
+      if (!arr || arr->items().empty()) throw TomlError(h->line(), "hosts must be a non-empty list of host names");
       c.hosts.clear();
-      for (const toml::node& e : *arr) {
-        auto name = e.value<std::string>();
-        if (!name || name->empty()) throw TomlError(e.source(), "hosts must be a list of host names (strings)");
+      for (const toml::Node& e : arr->items()) {
+        auto name = e.string();
+        if (!name || !host_name(*name)) throw TomlError(e.line(), "hosts must be a list of host names or addresses (strings)");
         c.hosts.push_back(*name);
       }
     }
     c.node_rank = whole_number(t, "node_rank", 0, static_cast<int>(c.hosts.size()) - 1, 0);
     c.master_addr = text(t, "master_addr", "");
+    if (t.get("master_addr") && !host_name(c.master_addr)) {
+      throw TomlError(t.get("master_addr")->line(), "master_addr = \"" + c.master_addr.substr(0, 40) +
+                                                        "\" is not a host name or address");
+    }
     c.master_port = whole_number(t, "master_port", 0, 65535, 0);
     c.timeout_s = seconds(t, "timeout", c.timeout_s);
     c.grace_s = seconds(t, "grace", c.grace_s);
     c.transport = text(t, "transport", "ucx", {"ucx", "nccl"});
     c.plan = text(t, "plan", "auto");
-    if (c.plan != "auto" && access(c.plan.c_str(), R_OK) != 0) {
-      throw TomlError(t.get("plan")->source(), "plan = \"" + c.plan + "\": no such readable file (or \"auto\")");
+    std::error_code ec;
+    if (c.plan != "auto" && (access(c.plan.c_str(), R_OK) != 0 || std::filesystem::is_directory(c.plan, ec))) {
+      throw TomlError(t.get("plan")->line(), "plan = \"" + c.plan.substr(0, 200) + "\": no such readable file (or \"auto\")");
     }
     c.schedule = text(t, "schedule", "auto", {"auto", "gpipe", "1f1b", "interleaved", "zb-h1"});
     c.trace = text(t, "trace", "");
+    if (!c.trace.empty()) {
+      const std::filesystem::path dir = std::filesystem::absolute(c.trace, ec).parent_path();
+      if (!std::filesystem::is_directory(dir, ec)) {
+        throw TomlError(t.get("trace")->line(), "trace = \"" + c.trace.substr(0, 200) + "\": the folder " + dir.string().substr(0, 200) +
+                                                    " does not exist (make it first)");
+      }
+    }
     c.replan = text(t, "replan", "auto", {"auto", "off"});
     c.replan_horizon = whole_number(t, "replan_horizon", 1, 1000000000, 100);
     return c;

@@ -15,6 +15,10 @@
 
 namespace conveyor::tools {
 
+/// The range every timeout and grace period is held to (seconds): positive and finite, at most
+/// a week (longer ones overflow clocks' durations, shorter ones cannot be waited).
+inline constexpr double kLeastSeconds = 0.001, kMostSeconds = 604800;
+
 struct JobConfig {
   int processes = 1;                       ///< per machine
   std::vector<std::string> hosts{"127.0.0.1"};
@@ -32,6 +36,8 @@ struct JobConfig {
 };
 
 /// Reads a job config file (TOML); `source` names it in errors ("job.toml:7: ...").
+/// Checks hosts and master_addr are host names or addresses, the plan a readable file and the
+/// trace's folder present.
 Result<JobConfig> parse_job_config(const std::string& text, const std::string& source);
 
 /// Runs `command` as the job's local processes; returns the launcher's exit status.
