@@ -191,6 +191,14 @@ void bind_graph(py::module_& m) {
       "\"auto\" (a stage recomputes its activations where it would not fit otherwise), \"never\" or \"always\".");
 
   m.def(
+      "read_plan",
+      [](const std::string& plan_json) {
+        auto plan = unwrap(partitioner::Plan::from_json(plan_json));
+        return py::make_tuple(plan.to_json(), plan.table());
+      },
+      py::arg("plan"), "Checks a plan document as conveyor's planner reads it; returns (plan JSON, table).");
+
+  m.def(
       "plan_stages",
       [](const PyGraph& g, const std::string& profile_json, const std::string& cluster_toml,
          const std::vector<std::vector<int>>& stages, const std::vector<int>& replicas, int batch, int microbatches,

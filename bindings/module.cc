@@ -12,7 +12,6 @@ PYBIND11_MODULE(_C, m) {
   m.attr("GRAPH_FORMAT_VERSION") = graph::kGraphFormatVersion;
   m.attr("CONTAINER_VERSION") = graph::kContainerVersion;
 
-
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -20,7 +19,12 @@ PYBIND11_MODULE(_C, m) {
       py::gil_scoped_acquire gil;
       py::object cls = py::module_::import("conveyor.errors")
                            .attr("error_class")(std::string(error_code_name(e.status.code())));
-      PyErr_SetString(cls.ptr(), e.status.message().c_str());
+      // A message may quote bytes of a bad file that are not UTF-8: replaced, never a
+      // UnicodeDecodeError in place of the error.
+      const std::string& text = e.status.message();
+      py::object message = py::reinterpret_steal<py::object>(
+          PyUnicode_DecodeUTF8(text.data(), static_cast<Py_ssize_t>(text.size()), "replace"));
+      PyErr_SetObject(cls.ptr(), message.ptr());
     }
   });
 

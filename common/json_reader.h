@@ -122,7 +122,7 @@ inline std::vector<int> int_list(const json& obj, const std::string& path, const
 inline void check_header(const json& doc, const char* format, int newest) {
   if (!doc.is_object()) throw JsonError("", "expected a JSON object");
   std::string f = as_string(field(doc, "", "format"), "/format");
-  if (f != format) throw JsonError("/format", "expected \"" + std::string(format) + "\", got \"" + f + "\"");
+  if (f != format) throw JsonError("/format", "expected \"" + std::string(format) + "\", got " + excerpt(json(f)));
   auto v = as_int(field(doc, "", "version"), "/version");
   if (v < 1 || v > newest) {
     throw JsonError("/version", "version " + std::to_string(v) + " is not supported (this conveyor reads 1.." +

@@ -162,7 +162,7 @@ Graph parse_graph(const json& doc) {
   if (!doc.is_object()) throw ParseError("/", "expected a JSON object");
   auto fmt = as_string(field(doc, "", "format"), "/format");
   if (fmt != "conveyor.graph") {
-    throw ParseError("/format", "expected \"conveyor.graph\", got \"" + fmt + "\"");
+    throw ParseError("/format", "expected \"conveyor.graph\", got " + json_reader::excerpt(json(fmt)));
   }
   g.version = json_reader::as_int_in(field(doc, "", "version"), "/version", 0);
   if (g.version > kGraphFormatVersion || g.version < 1) {

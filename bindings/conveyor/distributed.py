@@ -16,6 +16,7 @@ import os
 import sys
 
 from . import _C
+from .arguments import seconds
 from .errors import ConveyorValueError
 
 __all__ = ["world", "process_group", "default_timeout", "launch_settings"]
@@ -106,9 +107,7 @@ def default_timeout() -> float:
         value = float(text)
     except ValueError:
         raise ConveyorValueError(f"CONVEYOR_TIMEOUT={text!r} is not a number of seconds") from None
-    if value <= 0:
-        raise ConveyorValueError(f"CONVEYOR_TIMEOUT={text!r}: the timeout must be positive")
-    return value
+    return seconds(value, "CONVEYOR_TIMEOUT")
 
 
 def process_group(job: str, timeout_s: float):

@@ -76,6 +76,7 @@ from typing import Any
 import torch
 
 from . import _C, distributed
+from .arguments import check_module_arguments, seconds
 from .capture import capture
 from .captures import Captures
 from .loss_wrapper import loss_wrapper
@@ -189,27 +190,13 @@ class Module(torch.nn.Module):
             transport = launched.get("transport", "ucx")
         replan = replan or launched.get("replan", "auto")
         replan_horizon = replan_horizon if replan_horizon is not None else launched.get("replan_horizon", 100)
-        if replan not in ("auto", "off"):
-            raise ConveyorValueError(f"replan={replan!r}: expected 'auto' (re-plan from live profiles) or 'off'")
-        if isinstance(replan_horizon, bool) or not isinstance(replan_horizon, int) or replan_horizon < 1:
-            raise ConveyorValueError(f"replan_horizon={replan_horizon!r}: expected a whole number of steps, at least 1")
-        if transport not in ("ucx", "nccl"):
-            raise ConveyorValueError(f"transport={transport!r}: expected 'ucx' (host memory) or 'nccl' (GPU memory, "
-                                     "one GPU per process)")
-        if schedule not in ("auto", "gpipe", "1f1b", "interleaved", "zb-h1"):
-            raise ConveyorValueError(f"unknown schedule {schedule!r} (expected auto, gpipe, 1f1b, interleaved or zb-h1)")
-        if isinstance(replicas, int) and replicas < 1 or isinstance(replicas, list) and (
-                not replicas or any(not isinstance(r, int) or r < 1 for r in replicas)):
-            raise ConveyorValueError(f"replicas={replicas!r}: every stage needs at least one replica "
-                                     "(an int for all stages, or a list with one count per stage)")
-        if recompute is not None and not isinstance(recompute, bool) and not (
-                isinstance(recompute, list) and all(isinstance(r, bool) for r in recompute)):
-            raise ConveyorValueError(f"recompute={recompute!r}: expected True (every stage), False, or one bool per stage")
+        check_module_arguments(model, optimizer, stages=stages, replicas=replicas, microbatches=microbatches,
+                               schedule=schedule, devices=devices, cluster=cluster, trace=trace, loss_fn=loss_fn,
+                               plan=plan, transport=transport, replan=replan, replan_horizon=replan_horizon,
+                               recompute=recompute)
         # What stages, replicas, schedule and recompute fix of a plan (checked now, not at the
         # first call); node lists run as given instead.
         self._fixed = None if isinstance(stages, list) else FixedParts(stages, replicas, schedule, recompute)
-        if devices is not None and devices < 1:
-            raise ConveyorValueError(f"devices={devices}: need at least one device")
         self.module = model
         self.optimizer = optimizer
         self._stages = stages
@@ -223,9 +210,7 @@ class Module(torch.nn.Module):
         self._plan_file = plan
         self._trace = trace
         self._transport = transport
-        self._timeout = float(timeout) if timeout is not None else distributed.default_timeout()
-        if self._timeout <= 0:
-            raise ConveyorValueError(f"timeout={timeout}: the timeout must be positive (seconds)")
+        self._timeout = seconds(timeout, "timeout") if timeout is not None else distributed.default_timeout()
         self._world = distributed.world()
         self._group = None
         self._steps_run = 0

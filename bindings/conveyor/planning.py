@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from . import _C
-from .errors import ConveyorValueError
+from .errors import ConveyorValueError, GraphFormatError
 from .graph import Graph
 
 __all__ = ["profile", "plan", "Plan", "profile_cache_dir"]
@@ -284,13 +284,12 @@ def plan(graph: Graph, profile_doc: dict, cluster: str | os.PathLike, *, batch: 
 def read_plan(path) -> Plan:
     """A plan document written by `conveyor plan --out` or Plan.save."""
     try:
-        text = open(path).read()
-        plan = Plan(text, f"(plan from {path})")
-        plan.stage_nodes, plan.schedule, plan.microbatches, plan.document["chunks"]  # noqa: B018  (fields present)
-        return plan
+        text = Path(path).read_bytes()  # bytes: the C++ reader judges the encoding
     except OSError as e:
         raise ConveyorValueError(f"plan={str(path)!r}: cannot read it ({e.strerror})") from None
-    except (ValueError, KeyError, TypeError) as e:
+    try:
+        return Plan(*_C.read_plan(text))
+    except GraphFormatError as e:
         raise ConveyorValueError(f"plan={str(path)!r} is not a conveyor plan document ({e}); write one with "
                                  "`conveyor plan --out` or Plan.save") from None
 

@@ -1,0 +1,115 @@
+"""The checks a `conveyor.Module`'s arguments pass before any work: every misuse is a
+ConveyorValueError naming the argument and what to give instead, raised in the constructor,
+never a torch error from deep inside the first step, nor a silent acceptance."""
+from __future__ import annotations
+
+import math
+import os
+from numbers import Real
+from pathlib import Path
+
+import torch
+
+from .errors import ConveyorValueError
+
+# The range of every timeout (seconds), as the launcher's (tools/launch.h): at most a week.
+LEAST_SECONDS, MOST_SECONDS = 0.001, 604800.0
+
+SCHEDULES = ("auto", "gpipe", "1f1b", "interleaved", "zb-h1")
+
+
+def _whole(value, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def seconds(value, what: str) -> float:
+    """A timeout: a real number of seconds from 1 ms to a week."""
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(float(value)) or \
+            not LEAST_SECONDS <= float(value) <= MOST_SECONDS:
+        raise ConveyorValueError(f"{what}={value!r}: expected a number of seconds from {LEAST_SECONDS} to "
+                                 f"{MOST_SECONDS:.0f} (a week)")
+    return float(value)
+
+
+def check_model(model, optimizer) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise ConveyorValueError(f"conveyor.Module takes a torch.nn.Module, not {type(model).__name__} "
+                                 f"{getattr(model, '__name__', '')!s}; wrap a function in an nn.Module whose forward "
+                                 "calls it")
+    params = list(model.parameters())
+    if not params:
+        raise ConveyorValueError(f"the model ({type(model).__name__}) has no parameters: there is nothing to train "
+                                 "(run it without conveyor)")
+    if optimizer is None:
+        return
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConveyorValueError(f"optimizer: expected a torch.optim.Optimizer (or None), not {type(optimizer).__name__}")
+    mine = {id(p) for p in params}
+    if not any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
+        raise ConveyorValueError("the optimizer holds none of the model's parameters; make it from "
+                                 "model.parameters() of the model given to conveyor.Module")
+
+
+def check_cluster(cluster) -> None:
+    """A cluster is TOML text or the path of a TOML file; a path that names nothing is an
+    error here, not TOML text that fails to parse."""
+    if cluster is None:
+        return
+    if not isinstance(cluster, (str, os.PathLike)):
+        raise ConveyorValueError(f"cluster={cluster!r}: expected the path of a cluster file or its TOML text")
+    text = str(cluster)
+    if "\n" in text or "=" in text:
+        return  # TOML text
+    if not Path(text).is_file():
+        raise ConveyorValueError(f"cluster={text!r}: no such file (give a cluster TOML file, docs/formats.md, or its text)")
+
+
+def check_output_path(path, what: str) -> None:
+    """A file conveyor will write: its folder must exist now, not after the step ran."""
+    if path is None:
+        return
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise ConveyorValueError(f"{what}={path!r}: expected a file path")
+    folder = Path(path).expanduser().resolve().parent
+    if not folder.is_dir():
+        raise ConveyorValueError(f"{what}={str(path)!r}: the folder {folder} does not exist (make it first)")
+    if Path(path).is_dir():
+        raise ConveyorValueError(f"{what}={str(path)!r} is a folder; name a file in it")
+
+
+def check_module_arguments(model, optimizer, *, stages, replicas, microbatches, schedule, devices, cluster, trace,
+                           loss_fn, plan, transport, replan, replan_horizon, recompute) -> None:
+    check_model(model, optimizer)
+    if replan not in ("auto", "off"):
+        raise ConveyorValueError(f"replan={replan!r}: expected 'auto' (re-plan from live profiles) or 'off'")
+    if not _whole(replan_horizon, 1):
+        raise ConveyorValueError(f"replan_horizon={replan_horizon!r}: expected a whole number of steps, at least 1")
+    if transport not in ("ucx", "nccl"):
+        raise ConveyorValueError(f"transport={transport!r}: expected 'ucx' (host memory) or 'nccl' (GPU memory, "
+                                 "one GPU per process)")
+    if schedule not in SCHEDULES:
+        raise ConveyorValueError(f"unknown schedule {schedule!r} (expected {', '.join(SCHEDULES[:-1])} or zb-h1)")
+    if replicas is not None and not _whole(replicas, 1) and not (
+            isinstance(replicas, list) and replicas and all(_whole(r, 1) for r in replicas)):
+        raise ConveyorValueError(f"replicas={replicas!r}: every stage needs at least one replica "
+                                 "(an int for all stages, or a list with one count per stage)")
+    if recompute is not None and not isinstance(recompute, bool) and not (
+            isinstance(recompute, list) and all(isinstance(r, bool) for r in recompute)):
+        raise ConveyorValueError(f"recompute={recompute!r}: expected True (every stage), False, or one bool per stage")
+    if microbatches is not None and not _whole(microbatches, 1):
+        raise ConveyorValueError(f"microbatches={microbatches!r}: expected a whole number, at least 1 (or None: planned)")
+    if devices is not None:
+        if not _whole(devices, 1):
+            raise ConveyorValueError(f"devices={devices!r}: expected a whole number of devices, at least 1")
+        ranks = stages // 2 if schedule == "interleaved" and _whole(stages, 1) else stages
+        if _whole(ranks, 1) and ranks > devices:
+            raise ConveyorValueError(f"stages={stages} needs {ranks} devices (each pipeline rank runs on its own), but "
+                                     f"devices={devices}; give more devices or fewer stages")
+    if loss_fn is not None and not callable(loss_fn):
+        raise ConveyorValueError(f"loss_fn={loss_fn!r}: expected a function of (output, *inputs) returning the loss")
+    check_cluster(cluster)
+    check_output_path(trace, "trace")
+    if plan is not None and plan != "auto":
+        if not isinstance(plan, (str, os.PathLike)) or not Path(plan).is_file():
+            raise ConveyorValueError(f"plan={plan!r}: no such file (give a plan written by `conveyor plan --out` or "
+                                     "Plan.save, or 'auto')")
