@@ -95,7 +95,7 @@ void bind_processes(py::module_& m) {
   py::class_<runtime::ProcessGroup, std::shared_ptr<runtime::ProcessGroup>>(
       m, "ProcessGroup", "The processes of one job: rendezvous (CAF remote actors), UCX between every two.")
       .def(py::init([](int rank, int world, const std::string& host, int port, const std::string& job, double timeout_s,
-                       const std::string& version) {
+                       const std::string& version, const std::string& secret) {
              runtime::ProcessGroupOptions o;
              o.rank = rank;
              o.world = world;
@@ -103,15 +103,18 @@ void bind_processes(py::module_& m) {
              o.port = port;
              o.job = job;
              o.version = version;
+             o.secret = secret;
              o.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(timeout_s * 1000));
              py::gil_scoped_release nogil;
              return unwrap(runtime::ProcessGroup::create(o));
            }),
            py::arg("rank"), py::arg("world_size"), py::arg("host") = "127.0.0.1", py::arg("port") = 29500,
            py::arg("job") = "", py::arg("timeout_s") = 120.0, py::arg("version") = "",
+           py::arg("secret") = "",
            "Joins the job: process 0 listens at host:port, the others connect; every process connects to every "
            "other over UCX. job: a fingerprint every process must share. timeout_s: the rendezvous and every "
-           "later wait. version: the conveyor version to announce (empty: this build's; tests of mismatches).")
+           "later wait. version: the conveyor version to announce (empty: this build's; tests of mismatches). secret: the "
+           "job's secret (empty: CONVEYOR_JOB_SECRET, or this user's secret file).")
       .def("close", [](runtime::ProcessGroup& g) {
         py::gil_scoped_release nogil;
         g.close();

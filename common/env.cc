@@ -16,4 +16,9 @@ std::string nccl_library() {
   return p ? p : "";
 }
 
+std::string job_secret() {
+  const char* s = std::getenv("CONVEYOR_JOB_SECRET");
+  return s ? s : "";
+}
+
 }  // namespace conveyor::env

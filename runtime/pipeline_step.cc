@@ -310,6 +310,13 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
   at::set_num_threads(caller_threads);  // the setting is process-wide as well as per thread
   if (im.streams && !synchronized) synchronize_device(im.streams->device());  // a failed step: before its tensors go
   Status send_error = im.remote ? im.remote->send_error() : Status::ok();
+  const auto timed_out = [](const Status& st) { return st.message().find(" within ") != std::string::npos; };
+  if (im.processes && !measured && timed_out(measured.status())) {
+    measured = Status(measured.status().code(), measured.status().message() + im.processes->whom_it_waited_for());
+  }
+  if (im.processes && !across_status.is_ok() && timed_out(across_status)) {
+    across_status = Status(across_status.code(), across_status.message() + im.processes->whom_it_waited_for());
+  }
   if (im.processes && (!measured || !send_error.is_ok())) {
     // Out of step with the other processes: this process's part of the job is over.
     im.out_of_step = true;

@@ -6,6 +6,7 @@
 #include <optional>
 #include <numeric>
 
+#include "common/secret.h"
 #include "runtime/rendezvous.h"
 #include "conveyor_config.h"
 #include "transport/nccl_library.h"
@@ -21,7 +22,9 @@ Result<std::shared_ptr<ProcessGroup>> ProcessGroup::create(const ProcessGroupOpt
     return Status(ErrorCode::kInvalidArgument, "RANK " + std::to_string(options.rank) + " with WORLD_SIZE " +
                                                    std::to_string(options.world) + " (RANK must be 0 to WORLD_SIZE - 1)");
   }
-  CONVEYOR_ASSIGN_OR_RETURN(group->endpoint_, transport::make_ucx_endpoint(options.rank, options.world, "process"));
+  // UCX listens on the interface that reaches MASTER_ADDR only (loopback for one machine).
+  CONVEYOR_ASSIGN_OR_RETURN(group->endpoint_, transport::make_ucx_endpoint(options.rank, options.world, "process",
+                                                                           transport::interface_towards(options.host)));
   const auto address = group->endpoint_->address();
   runtime::JoinRequest join;
   join.rank = options.rank;
@@ -30,6 +33,11 @@ Result<std::shared_ptr<ProcessGroup>> ProcessGroup::create(const ProcessGroupOpt
   join.port = options.port;
   join.version = options.version.empty() ? std::string(CONVEYOR_VERSION) : options.version;
   join.job = options.job;
+  if (options.secret.empty()) {
+    CONVEYOR_ASSIGN_OR_RETURN(join.secret, secret::job_secret());
+  } else {
+    join.secret = options.secret;
+  }
   join.address.assign(address.begin(), address.end());
   join.timeout = options.timeout;
   CONVEYOR_ASSIGN_OR_RETURN(auto met, runtime::rendezvous(join));
@@ -71,11 +79,21 @@ Status ProcessGroup::wait(const std::function<void(transport::Done)>& issue, con
   std::optional<Status> done = transport::wait_within(issue, timeout_);
   if (!done) {
     return Status(ErrorCode::kExecution, "process " + std::to_string(rank_) + ": " + what + " did not complete within " +
-                                             std::to_string(timeout_.count()) +
-                                             " ms (a process that hangs, or one that stopped calling in step; "
-                                             "raise the timeout if the work is just slow)");
+                                             std::to_string(timeout_.count()) + " ms" + whom_it_waited_for());
   }
   return done->with_context("process " + std::to_string(rank_) + ", " + what);
+}
+
+std::string ProcessGroup::whom_it_waited_for() const {
+  const std::vector<int> silent = endpoint_->silent_peers(std::chrono::seconds(2));
+  if (silent.empty()) {
+    return " (every other process answers, so one is still working or stopped calling in step; raise the timeout if "
+           "the work is just slow)";
+  }
+  std::string who;
+  for (int p : silent) who += (who.empty() ? "" : ", ") + std::to_string(p);
+  return silent.size() == 1 ? ": process " + who + " does not answer (stopped or hung)"
+                            : ": processes " + who + " do not answer (stopped or hung)";
 }
 
 Result<std::string> ProcessGroup::broadcast_bytes(int root, const std::string& bytes) const {

@@ -34,6 +34,7 @@ struct ProcessGroupOptions {
   int port = 29500;                ///< MASTER_PORT
   std::string job;                 ///< fingerprint every process must share (model and plan)
   std::string version;             ///< the conveyor version announced (empty: this build's)
+  std::string secret;              ///< the job's secret (empty: secret::job_secret())
   std::chrono::milliseconds timeout{std::chrono::seconds(120)};  ///< rendezvous and every later wait
 };
 
@@ -54,6 +55,9 @@ class ProcessGroup {
 
   /// Waits for `issue`'s operation within the group's timeout; a timeout names `what`.
   Status wait(const std::function<void(transport::Done)>& issue, const std::string& what) const;
+  /// Why a wait between processes timed out, naming the processes that do not answer a ping
+  /// within 2 s (stopped or hung), to append to the timeout's message. Before abort().
+  std::string whom_it_waited_for() const;
   /// `root`'s bytes, on every process.
   Result<std::string> broadcast_bytes(int root, const std::string& bytes) const;
   /// `tensor` becomes process `root`'s on every process (CPU or device memory).

@@ -1,8 +1,12 @@
 #include "runtime/rendezvous.h"
 
 #include <caf/io/all.hpp>
+#include <algorithm>
+#include <deque>
 #include <nlohmann/json.hpp>
 #include <thread>
+
+#include "common/secret.h"
 
 #include "runtime/actor_messages.h"
 
@@ -10,8 +14,15 @@ namespace conveyor::runtime {
 
 namespace {
 
-using join_atom = caf::atom_constant<caf::atom("join")>;        // rendezvous: (request as JSON)
+using join_atom = caf::atom_constant<caf::atom("join")>;        // rendezvous: (request JSON, its MAC)
+using challenge_atom = caf::atom_constant<caf::atom("challenge")>;  // rendezvous: a nonce to sign a join with
 using missing_atom = caf::atom_constant<caf::atom("missing")>;  // rendezvous: who has not joined?
+
+// Outstanding nonces process 0 keeps: enough for every process of a large job asking at
+// once; an impostor asking for more only pushes out its own oldest.
+constexpr std::size_t kMostNonces = 65536;
+// A join request is a few hundred bytes; anything far larger is not one.
+constexpr std::size_t kLargestRequest = 1 << 20;
 
 std::string hex(const std::string& bytes) {
   static const char* digits = "0123456789abcdef";
@@ -29,47 +40,86 @@ std::string unhex(const std::string& text) {
   return out;
 }
 
-struct RendezvousState {
-  int world = 1;
-  std::string version, job;
-  std::vector<std::string> addresses;  // hex, per rank ("" until it joins)
-  std::vector<caf::response_promise> promises;
-  std::string error;  // the first disagreement: every process gets it
+// What process 0 answers a join with: the body and its MAC over the joining process's nonce,
+// so the joining process knows the answer comes from a holder of the secret.
+std::string signed_reply(const std::string& secret, const std::string& client_nonce, const nlohmann::json& body) {
+  const std::string text = body.dump();
+  return nlohmann::json{{"body", text}, {"mac", secret::hmac_hex(secret, "reply\n" + client_nonce + "\n" + text)}}
+      .dump();
+}
+
+struct Waiting {
+  caf::response_promise promise;
+  std::string client_nonce;
 };
 
-// Process 0's rendezvous actor: answers every join once all ranks have joined, or everyone
-// with the first disagreement.
+struct RendezvousState {
+  int world = 1;
+  std::string version, job, secret;
+  std::vector<std::string> addresses;  // hex, per rank ("" until it joins)
+  std::vector<Waiting> waiting;
+  std::deque<std::string> nonces;  // handed out, not yet used (each signs one join)
+  bool complete = false;
+  std::string error;  // the first disagreement among the job's processes: every one gets it
+};
+
+// Process 0's rendezvous actor. A join counts only when signed with the job's secret over a
+// nonce this actor handed out (once): anything else is refused to its sender alone and
+// changes nothing, so an impostor can neither join nor abort the forming job. Processes that
+// hold the secret and disagree (version, world size, rank, model) fail every process with the
+// first disagreement; once complete, a further join is turned away and the job goes on.
 caf::behavior rendezvous_actor(caf::stateful_actor<RendezvousState>* self, int world, std::string version,
-                               std::string job) {
+                               std::string job, std::string secret) {
   self->state.world = world;
   self->state.version = std::move(version);
   self->state.job = std::move(job);
+  self->state.secret = std::move(secret);
   self->state.addresses.assign(static_cast<std::size_t>(world), "");
   return {
-      [self](join_atom, const std::string& text) {
+      [self](challenge_atom) {
         auto& st = self->state;
-        auto promise = self->make_response_promise();
+        if (st.nonces.size() >= kMostNonces) st.nonces.pop_front();
+        st.nonces.push_back(secret::random_hex(16));
+        return st.nonces.back();
+      },
+      [self](join_atom, const std::string& text, const std::string& mac) -> caf::result<std::string> {
+        auto& st = self->state;
+        const std::string refused = nlohmann::json{{"refused", true}}.dump();
+        if (text.size() > kLargestRequest) return refused;
+        nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+        if (!j.is_object() || !j.contains("nonce") || !j["nonce"].is_string()) return refused;
+        auto nonce = std::find(st.nonces.begin(), st.nonces.end(), j["nonce"].get<std::string>());
+        if (nonce == st.nonces.end()) return refused;
+        st.nonces.erase(nonce);  // used once, whether the MAC holds or not
+        if (!secret::same(mac, secret::hmac_hex(st.secret, "join\n" + text))) return refused;
+        const std::string client_nonce = j.value("client_nonce", std::string());
+        auto answer = [&](const nlohmann::json& body) { return signed_reply(st.secret, client_nonce, body); };
+        if (st.complete) {
+          return answer({{"error", "the job already has all its " + std::to_string(st.world) +
+                                       " processes; this one is not part of it (check RANK and WORLD_SIZE)"}});
+        }
+        auto promise = self->make_response_promise<std::string>();
         auto fail_all = [&](const std::string& why) {
           if (st.error.empty()) st.error = why;
-          const std::string reply = nlohmann::json{{"error", st.error}}.dump();
-          promise.deliver(reply);
-          for (auto& p : st.promises) p.deliver(reply);
-          st.promises.clear();
+          promise.deliver(answer({{"error", st.error}}));
+          for (auto& w : st.waiting) w.promise.deliver(signed_reply(st.secret, w.client_nonce, {{"error", st.error}}));
+          st.waiting.clear();
+          return promise;
         };
         if (!st.error.empty()) return fail_all(st.error);
-        nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-        if (!j.is_object() || !j.contains("rank") || !j["rank"].is_number_integer()) {
+        if (!j.contains("rank") || !j["rank"].is_number_integer() || !j.contains("world") ||
+            !j["world"].is_number_integer()) {
           return fail_all("a process sent a malformed join request (another conveyor version?)");
         }
-        const int rank = j["rank"].get<int>();
+        const std::int64_t rank = j["rank"].get<std::int64_t>();
         const std::string who = "process " + std::to_string(rank);
         const std::string their_version = j.value("version", std::string("?"));
         if (their_version != st.version) {
-          return fail_all(who + " runs conveyor " + their_version + " but process 0 runs conveyor " + st.version +
-                          "; install the same conveyor on every machine");
+          return fail_all(who + " runs conveyor " + their_version.substr(0, 40) + " but process 0 runs conveyor " +
+                          st.version + "; install the same conveyor on every machine");
         }
-        if (j.value("world", -1) != st.world) {
-          return fail_all(who + " expects a world of " + std::to_string(j.value("world", -1)) +
+        if (j["world"].get<std::int64_t>() != st.world) {
+          return fail_all(who + " expects a world of " + std::to_string(j["world"].get<std::int64_t>()) +
                           " processes but process 0 expects " + std::to_string(st.world) +
                           "; set the same WORLD_SIZE everywhere");
         }
@@ -80,18 +130,19 @@ caf::behavior rendezvous_actor(caf::stateful_actor<RendezvousState>* self, int w
         if (!st.addresses[rank].empty()) return fail_all("two processes joined as rank " + std::to_string(rank) + "; give each a RANK of its own");
         const std::string their_job = j.value("job", std::string());
         if (their_job != st.job) {
-          return fail_all(who + " runs a different model or plan than process 0 (job " + their_job + " against " +
-                          st.job + "); every process must run the same script with the same model, plan and schedule");
+          return fail_all(who + " runs a different model or plan than process 0 (job " + their_job.substr(0, 40) +
+                          " against " + st.job + "); every process must run the same script with the same model, plan and schedule");
         }
         st.addresses[rank] = j.value("address", std::string());
         if (st.addresses[rank].empty()) return fail_all(who + " sent no data-plane address");
-        st.promises.push_back(promise);
+        st.waiting.push_back({promise, client_nonce});
         for (const auto& a : st.addresses) {
-          if (a.empty()) return;
+          if (a.empty()) return promise;
         }
-        const std::string reply = nlohmann::json{{"addresses", st.addresses}}.dump();
-        for (auto& p : st.promises) p.deliver(reply);
-        st.promises.clear();
+        st.complete = true;
+        for (auto& w : st.waiting) w.promise.deliver(signed_reply(st.secret, w.client_nonce, {{"addresses", st.addresses}}));
+        st.waiting.clear();
+        return promise;
       },
       [self](missing_atom) {
         std::string out;
@@ -103,18 +154,42 @@ caf::behavior rendezvous_actor(caf::stateful_actor<RendezvousState>* self, int w
   };
 }
 
-// Sends the join request and waits for the answer within `timeout`.
-Result<std::string> ask(const caf::actor& rendezvous, const std::string& request, std::chrono::milliseconds timeout) {
+// Asks for a nonce, sends the join request signed over it, and waits for the answer within
+// `timeout`: the answer's body once its MAC over `client_nonce` holds.
+Result<std::string> ask(const caf::actor& rendezvous, nlohmann::json request, const std::string& secret,
+                        std::chrono::milliseconds timeout, const std::string& where) {
   caf::scoped_actor self{actor_system()};
   Result<std::string> out = Status(ErrorCode::kInternal, "the rendezvous did not answer");
-  self->request(rendezvous, caf::duration{timeout}, join_atom::value, request)
-      .receive([&](std::string& reply) { out = std::move(reply); },
-               [&](caf::error& e) {
-                 out = Status(ErrorCode::kExecution, e == caf::sec::request_timeout
-                                                         ? "timeout"
-                                                         : "the rendezvous failed: " + actor_system().render(e));
-               });
-  return out;
+  auto failed = [&](caf::error& e) {
+    out = Status(ErrorCode::kExecution,
+                 e == caf::sec::request_timeout ? "timeout" : "the rendezvous failed: " + actor_system().render(e));
+  };
+  std::string nonce;
+  self->request(rendezvous, caf::duration{timeout}, challenge_atom::value)
+      .receive([&](std::string& n) { nonce = std::move(n); }, failed);
+  if (nonce.empty()) return out;
+  const std::string client_nonce = secret::random_hex(16);
+  request["nonce"] = nonce;
+  request["client_nonce"] = client_nonce;
+  const std::string text = request.dump();
+  self->request(rendezvous, caf::duration{timeout}, join_atom::value, text, secret::hmac_hex(secret, "join\n" + text))
+      .receive([&](std::string& reply) { out = std::move(reply); }, failed);
+  if (!out) return out;
+  nlohmann::json j = nlohmann::json::parse(*out, nullptr, false);
+  if (j.is_object() && j.contains("refused")) {
+    return Status(ErrorCode::kInvalidArgument,
+                  "the process listening at " + where + " refused this process: its job secret differs. Start every "
+                  "process with `conveyor launch`, or give each the same CONVEYOR_JOB_SECRET (by default the processes "
+                  "of one user share the secret file in the cache folder)");
+  }
+  if (!j.is_object() || !j.contains("body") || !j["body"].is_string() || !j.contains("mac") || !j["mac"].is_string() ||
+      !secret::same(j["mac"].get<std::string>(),
+                    secret::hmac_hex(secret, "reply\n" + client_nonce + "\n" + j["body"].get<std::string>()))) {
+    return Status(ErrorCode::kInvalidArgument, "the process listening at " + where +
+                                                   " is not this job's process 0 (its answer is not signed with the "
+                                                   "job's secret); check MASTER_ADDR and MASTER_PORT");
+  }
+  return j["body"].get<std::string>();
 }
 
 }  // namespace
@@ -140,6 +215,7 @@ Result<std::unique_ptr<Rendezvous>> rendezvous(const JoinRequest& req) {
     return Status(ErrorCode::kInvalidArgument, "RANK " + std::to_string(req.rank) + " with WORLD_SIZE " +
                                                    std::to_string(req.world) + " (RANK must be 0 to WORLD_SIZE - 1)");
   }
+  if (req.secret.empty()) return Status(ErrorCode::kInvalidArgument, "the rendezvous needs the job's secret");
   if (req.port < 1 || req.port > 65535) {
     return Status(ErrorCode::kInvalidArgument, "MASTER_PORT " + std::to_string(req.port) + " (1 to 65535)");
   }
@@ -147,7 +223,7 @@ Result<std::unique_ptr<Rendezvous>> rendezvous(const JoinRequest& req) {
   auto impl = std::make_unique<Rendezvous::Impl>();
   caf::actor target;
   if (req.rank == 0) {
-    impl->published = system.spawn(rendezvous_actor, req.world, req.version, req.job);
+    impl->published = system.spawn(rendezvous_actor, req.world, req.version, req.job, req.secret);
     auto port = system.middleman().publish(impl->published, static_cast<std::uint16_t>(req.port), req.host.c_str(),
                                            /*reuse=*/true);
     if (!port) {
@@ -172,15 +248,11 @@ Result<std::unique_ptr<Rendezvous>> rendezvous(const JoinRequest& req) {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
   }
-  const std::string request = nlohmann::json{{"rank", req.rank},
-                                             {"world", req.world},
-                                             {"version", req.version},
-                                             {"job", req.job},
-                                             {"address", hex(req.address)}}
-                                  .dump();
+  const nlohmann::json request = {
+      {"rank", req.rank}, {"world", req.world}, {"version", req.version}, {"job", req.job}, {"address", hex(req.address)}};
   const auto left = std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()),
                              std::chrono::milliseconds(1));
-  auto reply = ask(target, request, left);
+  auto reply = ask(target, request, req.secret, left, where);
   if (!reply) {
     if (reply.status().message() != "timeout") return reply.status();
     std::string missing = "?";

@@ -2,9 +2,13 @@
 // publishes a rendezvous actor at MASTER_ADDR:MASTER_PORT; every other process connects to
 // it (retrying until the deadline, so start order does not matter) and sends what it is: its
 // rank, the world size it expects, its conveyor version, its job fingerprint (the model and
-// plan it will run) and its data-plane address (a UCX worker address). Once every rank has
-// joined, each gets every rank's address, in rank order. Any disagreement fails every process
-// with an error naming the processes that disagree and what each said. Torch-free.
+// plan it will run) and its data-plane address (a UCX worker address), signed with the job's
+// secret over a nonce process 0 handed out (common/secret.h): process 0 refuses an unsigned
+// join to its sender alone, so a process without the secret can neither join nor disturb the
+// job, and signs its answer, so a process cannot be fooled by an impostor process 0. Once
+// every rank has joined, each gets every rank's address, in rank order. Any disagreement among
+// the job's processes fails every process with an error naming the processes that disagree
+// and what each said. Torch-free.
 #pragma once
 
 #include <chrono>
@@ -24,6 +28,7 @@ struct JoinRequest {
   std::string version;             ///< conveyor's version: every process must run the same
   std::string job;                 ///< fingerprint of the model and plan: must be equal too
   std::string address;             ///< this process's data-plane address (bytes)
+  std::string secret;              ///< the job's secret (never sent; it signs the request)
   std::chrono::milliseconds timeout{std::chrono::seconds(120)};
 };
 

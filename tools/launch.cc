@@ -17,6 +17,8 @@
 #include <filesystem>
 #include <thread>
 
+#include "common/env.h"
+#include "common/secret.h"
 #include "common/toml_reader.h"
 
 namespace conveyor::tools {
@@ -108,7 +110,7 @@ Result<JobConfig> parse_job_config(const std::string& content, const std::string
     if (!job || !job->as_table()) throw TomlError(job ? job->line() : 1, "missing the [job] table");
     const toml::Node& t = *job->as_table();
     check_keys(t, {"processes", "hosts", "node_rank", "master_addr", "master_port", "timeout", "grace", "transport",
-                   "plan", "schedule", "trace", "replan", "replan_horizon"},
+                   "plan", "schedule", "trace", "replan", "replan_horizon", "secret"},
                "[job]");
     JobConfig c;
     c.processes = whole_number(t, "processes", 1, 4096, 1);
@@ -148,6 +150,10 @@ Result<JobConfig> parse_job_config(const std::string& content, const std::string
     }
     c.replan = text(t, "replan", "auto", {"auto", "off"});
     c.replan_horizon = whole_number(t, "replan_horizon", 1, 1000000000, 100);
+    c.secret = text(t, "secret", "");
+    if (t.get("secret") && c.secret.size() < 16) {
+      throw TomlError(t.get("secret")->line(), "secret must be at least 16 characters (a random string)");
+    }
     return c;
   } catch (const TomlError& e) {
     return e.status(source);
@@ -174,6 +180,18 @@ int launch(const JobConfig& c, const std::vector<std::string>& command) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "%g", c.timeout_s);
   const std::string timeout = buf;
+  // The job's secret: the config's, or CONVEYOR_JOB_SECRET, or on one machine a fresh one;
+  // several machines' launchers must agree on one (then this user's secret file, shared home).
+  std::string secret = c.secret.empty() ? env::job_secret() : c.secret;
+  if (secret.empty() && one_machine) secret = secret::random_hex(32);
+  if (secret.empty()) {
+    auto shared = secret::job_secret();
+    if (!shared) {
+      std::fprintf(stderr, "conveyor launch: %s\n", shared.status().message().c_str());
+      return 2;
+    }
+    secret = *shared;
+  }
 
   struct sigaction sa{};
   sa.sa_handler = [](int s) { stop_signal = s; };
@@ -198,6 +216,7 @@ int launch(const JobConfig& c, const std::vector<std::string>& command) {
       setenv("MASTER_ADDR", master.c_str(), 1);
       setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
       setenv("CONVEYOR_TIMEOUT", timeout.c_str(), 1);
+      setenv("CONVEYOR_JOB_SECRET", secret.c_str(), 1);
       setenv("CONVEYOR_PLAN", c.plan.c_str(), 1);
       setenv("CONVEYOR_SCHEDULE", c.schedule.c_str(), 1);
       setenv("CONVEYOR_TRANSPORT", c.transport.c_str(), 1);

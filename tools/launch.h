@@ -1,6 +1,6 @@
 // `conveyor launch`: starts the processes of a job on this machine with the environment
 // torchrun-style scripts expect (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
-// MASTER_ADDR, MASTER_PORT) plus conveyor's own (CONVEYOR_TIMEOUT, CONVEYOR_PLAN,
+// MASTER_ADDR, MASTER_PORT) plus conveyor's own (CONVEYOR_TIMEOUT, CONVEYOR_JOB_SECRET, CONVEYOR_PLAN,
 // CONVEYOR_SCHEDULE, CONVEYOR_TRACE), watches them, and stops the job as soon as one of
 // them fails: the others get SIGTERM, then SIGKILL after a grace period, and the launcher
 // exits non-zero naming the process that failed. On several machines the launcher runs on
@@ -33,6 +33,7 @@ struct JobConfig {
   std::string trace;                       ///< each process writes <stem>.rank<R><ext>
   std::string replan = "auto";             ///< "auto": re-plan from live profiles while training; "off"
   int replan_horizon = 100;                ///< steps a switch of plan must pay for itself within
+  std::string secret;                      ///< the job's secret (empty: CONVEYOR_JOB_SECRET, or made per job)
 };
 
 /// Reads a job config file (TOML); `source` names it in errors ("job.toml:7: ...").

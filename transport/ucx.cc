@@ -1,7 +1,11 @@
 #include "transport/ucx.h"
 
 #include <ATen/ATen.h>
+#include <ifaddrs.h>
+#include <netdb.h>
+#include <netinet/in.h>
 #include <poll.h>
+#include <sys/socket.h>
 #include <sys/eventfd.h>
 #include <ucp/api/ucp.h>
 #include <unistd.h>
@@ -21,6 +25,8 @@ namespace {
 
 constexpr int kRankBits = 16;
 constexpr Tag kMaxTag = (Tag{1} << (64 - kRankBits)) - 1;
+// The two highest tags carry liveness pings and their answers (silent_peers); callers' tags stay below.
+constexpr Tag kPingTag = kMaxTag - 1, kPongTag = kMaxTag;
 
 ucp_tag_t ucx_tag(Tag tag, int from) { return (tag << kRankBits) | static_cast<ucp_tag_t>(from); }
 
@@ -120,7 +126,7 @@ class UcxMember final : public UcxEndpoint {
   UcxMember(int rank, int world, std::string noun)
       : rank_(rank), world_(world), noun_(std::move(noun)), eps_(static_cast<std::size_t>(world), nullptr) {}
 
-  Status start() {
+  Status start(const std::string& net_device) {
     ucp_config_t* config = nullptr;
     ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
     if (s != UCS_OK) return ucx_error("reading the UCX configuration", s);
@@ -128,6 +134,10 @@ class UcxMember final : public UcxEndpoint {
     if (std::getenv("UCX_TLS") == nullptr) ucp_config_modify(config, "TLS", "tcp,self");
     // A peer that dies is noticed within about a second, even with nothing in flight to it.
     if (std::getenv("UCX_KEEPALIVE_INTERVAL") == nullptr) ucp_config_modify(config, "KEEPALIVE_INTERVAL", "1s");
+    // Listen only where the job's processes meet; the user's UCX_NET_DEVICES wins.
+    if (!net_device.empty() && std::getenv("UCX_NET_DEVICES") == nullptr) {
+      ucp_config_modify(config, "NET_DEVICES", net_device.c_str());
+    }
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES;
     params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
@@ -193,7 +203,37 @@ class UcxMember final : public UcxEndpoint {
 
   void send(int peer, Tag tag, std::vector<at::Tensor> tensors, Done done) override {
     if (Status s = check_peer(peer); !s) return done(s);
-    if (tag > kMaxTag) return done(Status(ErrorCode::kInvalidArgument, "a UCX message tag above 2^48"));
+    if (tag >= kPingTag) return done(Status(ErrorCode::kInvalidArgument, "a UCX message tag at or above 2^48 - 2"));
+    send_tagged(peer, tag, std::move(tensors), std::move(done));
+  }
+
+  std::vector<int> silent_peers(std::chrono::milliseconds within) override {
+    struct Answers {
+      std::mutex mu;
+      std::vector<bool> answered;
+    };
+    auto answers = std::make_shared<Answers>();
+    answers->answered.assign(static_cast<std::size_t>(world_), false);
+    for (int peer = 0; peer < world_; ++peer) {
+      if (peer == rank_) continue;
+      post([this, peer, answers] {
+        receives_.push_back({ucx_tag(kPongTag, peer), [answers, peer](Result<std::vector<at::Tensor>> r) {
+                               std::lock_guard<std::mutex> lock(answers->mu);
+                               answers->answered[peer] = r.is_ok();
+                             }});
+      });
+      send_tagged(peer, kPingTag, {}, [](Status) {});
+    }
+    std::this_thread::sleep_for(within);
+    std::vector<int> silent;
+    std::lock_guard<std::mutex> lock(answers->mu);
+    for (int peer = 0; peer < world_; ++peer) {
+      if (peer != rank_ && !answers->answered[peer]) silent.push_back(peer);
+    }
+    return silent;
+  }
+
+  void send_tagged(int peer, Tag tag, std::vector<at::Tensor> tensors, Done done) {
     if (Status e = current_error(); !e) return done(e);
     auto ctx = std::make_shared<SendContext>(SendContext{pack(tensors), std::move(done), &in_flight_, lost(peer)});
     post([this, peer, tag, ctx] {
@@ -222,7 +262,7 @@ class UcxMember final : public UcxEndpoint {
 
   void recv(int peer, Tag tag, Received done) override {
     if (Status s = check_peer(peer); !s) return done(s);
-    if (tag > kMaxTag) return done(Status(ErrorCode::kInvalidArgument, "a UCX message tag above 2^48"));
+    if (tag >= kPingTag) return done(Status(ErrorCode::kInvalidArgument, "a UCX message tag at or above 2^48 - 2"));
     if (Status e = current_error(); !e) return done(e);
     post([this, peer, tag, done = std::move(done)]() mutable {
       if (Status e = current_error(); !e) return done(e);
@@ -247,6 +287,39 @@ class UcxMember final : public UcxEndpoint {
   };
 
   Status check_peer(int peer) const { return transport::check_peer(rank_, world_, peer); }
+
+  // On the progress thread: answers every ping that arrived (so a process whose main thread is
+  // busy still counts as alive; a stopped or hung process answers nothing). True if any came.
+  bool answer_pings() {
+    bool any = false;
+    while (true) {
+      ucp_tag_recv_info_t info{};
+      const ucp_tag_t mask = ~((ucp_tag_t{1} << kRankBits) - 1);
+      ucp_tag_message_h msg = ucp_tag_probe_nb(worker_, ucx_tag(kPingTag, 0), mask, 1, &info);
+      if (msg == nullptr) return any;
+      any = true;
+      const int from = sender_of(info.sender_tag);
+      auto* ctx = new RecvContext{std::make_shared<Buffer>(info.length), [this, from](Result<std::vector<at::Tensor>>) {
+                                    send_tagged(from, kPongTag, {}, [](Status) {});
+                                  }, &in_flight_, lost(from)};
+      ++in_flight_;
+      ucp_request_param_t p{};
+      p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+      p.cb.recv = [](void* request, ucs_status_t status, const ucp_tag_recv_info_t*, void* user) {
+        std::unique_ptr<RecvContext> c(static_cast<RecvContext*>(user));
+        --*c->in_flight;
+        ucp_request_free(request);
+        c->done(status == UCS_OK ? unpack(*c->buffer) : Result<std::vector<at::Tensor>>(transfer_error("a ping", c->lost_peer, status)));
+      };
+      p.user_data = ctx;
+      ucs_status_ptr_t r = ucp_tag_msg_recv_nbx(worker_, ctx->buffer->data(), ctx->buffer->size(), msg, &p);
+      if (r == nullptr || UCS_PTR_IS_ERR(r)) {
+        --in_flight_;
+        std::unique_ptr<RecvContext> c(ctx);
+        c->done(unpack(*c->buffer));
+      }
+    }
+  }
   Status current_error() {
     std::lock_guard<std::mutex> lock(mu_);
     return error_;
@@ -283,6 +356,7 @@ class UcxMember final : public UcxEndpoint {
       for (auto& w : work) w();
       bool busy = !work.empty();
       while (ucp_worker_progress(worker_) != 0) busy = true;
+      busy |= answer_pings();
       // Match pending receives in order: per (peer, tag) messages complete in arrival order.
       for (auto it = receives_.begin(); it != receives_.end();) {
         ucp_tag_recv_info_t info{};
@@ -376,7 +450,8 @@ class UcxMember final : public UcxEndpoint {
 
 }  // namespace
 
-Result<std::shared_ptr<UcxEndpoint>> make_ucx_endpoint(int rank, int world_size, std::string noun) {
+Result<std::shared_ptr<UcxEndpoint>> make_ucx_endpoint(int rank, int world_size, std::string noun,
+                                                       std::string net_device) {
   if (world_size < 1 || world_size > (1 << kRankBits) || rank < 0 || rank >= world_size) {
     return Status(ErrorCode::kInvalidArgument, "member " + std::to_string(rank) + " of a world of " +
                                                    std::to_string(world_size) + " (at most 65536 members)");
@@ -390,8 +465,41 @@ Result<std::shared_ptr<UcxEndpoint>> make_ucx_endpoint(int rank, int world_size,
       delete m;
     }
   });
-  CONVEYOR_RETURN_IF_ERROR(member->start());
+  CONVEYOR_RETURN_IF_ERROR(member->start(net_device));
   return std::shared_ptr<UcxEndpoint>(member);
+}
+
+std::string interface_towards(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.c_str(), "9", &hints, &found) != 0 || found == nullptr) return "";
+  // Connecting a UDP socket sends nothing; it only asks the kernel which local address routes there.
+  sockaddr_storage local{};
+  socklen_t length = sizeof local;
+  const int fd = socket(found->ai_family, SOCK_DGRAM, 0);
+  const bool routed = fd >= 0 && connect(fd, found->ai_addr, found->ai_addrlen) == 0 &&
+                      getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) == 0;
+  if (fd >= 0) close(fd);
+  freeaddrinfo(found);
+  if (!routed) return "";
+  ifaddrs* interfaces = nullptr;
+  if (getifaddrs(&interfaces) != 0) return "";
+  std::string name;
+  for (ifaddrs* i = interfaces; i != nullptr && name.empty(); i = i->ifa_next) {
+    if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != local.ss_family) continue;
+    if (local.ss_family == AF_INET) {
+      const auto* a = reinterpret_cast<const sockaddr_in*>(i->ifa_addr);
+      if (a->sin_addr.s_addr == reinterpret_cast<const sockaddr_in*>(&local)->sin_addr.s_addr) name = i->ifa_name;
+    } else if (local.ss_family == AF_INET6) {
+      const auto* a = reinterpret_cast<const sockaddr_in6*>(i->ifa_addr);
+      if (std::memcmp(&a->sin6_addr, &reinterpret_cast<const sockaddr_in6*>(&local)->sin6_addr, 16) == 0) {
+        name = i->ifa_name;
+      }
+    }
+  }
+  freeifaddrs(interfaces);
+  return name;
 }
 
 Result<std::vector<std::shared_ptr<Endpoint>>> make_ucx_world_in_process(int n) {

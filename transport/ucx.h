@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <chrono>
 #include <memory>
 #include <vector>
 
@@ -18,8 +19,16 @@ namespace conveyor::transport {
 class UcxEndpoint;
 
 /// A member of a UCX world of `world_size`; errors name a lost peer as `noun` and its rank
-/// ("process 2 was lost"). Errors when UCX cannot start (no transport).
-Result<std::shared_ptr<UcxEndpoint>> make_ucx_endpoint(int rank, int world_size, std::string noun = "member");
+/// ("process 2 was lost"). Errors when UCX cannot start (no transport). `net_device`: the one
+/// network interface UCX may listen and connect on (empty: UCX_NET_DEVICES, or UCX's choice of
+/// every interface).
+Result<std::shared_ptr<UcxEndpoint>> make_ucx_endpoint(int rank, int world_size, std::string noun = "member",
+                                                       std::string net_device = "");
+
+/// The network interface this machine reaches `host` through ("lo" for a loopback address),
+/// or empty when `host` does not resolve: where a job's processes should listen, and nowhere
+/// else.
+std::string interface_towards(const std::string& host);
 
 /// An Endpoint over UCX, driven by a progress thread of its own.
 class UcxEndpoint : public Endpoint {
@@ -30,6 +39,10 @@ class UcxEndpoint : public Endpoint {
   virtual Status connect(int peer, const std::vector<std::uint8_t>& address) = 0;
   /// Fails every pending and later operation with `error`.
   virtual void abort(Status error) = 0;
+  /// The peers that do not answer a ping within `within`: stopped or hung processes (a
+  /// process busy computing answers, from its progress thread). For naming whom a timed-out
+  /// wait was waiting for.
+  virtual std::vector<int> silent_peers(std::chrono::milliseconds within) = 0;
   /// When this member goes, what it sent is flushed to its peers first (a few seconds at
   /// most) instead of its connections being dropped at once.
   virtual void close_gracefully() = 0;

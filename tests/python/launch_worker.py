@@ -7,6 +7,8 @@ single process) writes the losses, the gathered model state and the plan it ran.
 """
 import argparse
 import json
+import os
+import signal
 
 import torch
 
@@ -48,6 +50,8 @@ def main():
     ap.add_argument("--schedule", default="auto")
     ap.add_argument("--lengths", default=None,
                     help="token models: one step per sequence length (padded batches, attention masks)")
+    ap.add_argument("--stop-at-step", type=int, default=-1,
+                    help="process 1 stops itself (SIGSTOP: hung, not dead) before that step")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -60,7 +64,11 @@ def main():
         batches = [((), zoo.padded_tokens(args.batch, int(n), 96, draws)) for n in args.lengths.split(",")]
     else:
         batches = [(case.args, case.kwargs)] * args.steps
-    losses = [model.train_step(*a, **k).item() for a, k in batches]
+    losses = []
+    for step, (a, k) in enumerate(batches):
+        if step == args.stop_at_step and model.rank == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        losses.append(model.train_step(*a, **k).item())
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # every process takes part
     if model.rank == 0:
         torch.save({"losses": losses, "state": state, "world": model.world_size}, args.out)

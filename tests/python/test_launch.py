@@ -193,3 +193,15 @@ def test_mpirun_and_srun_ranks_are_read_when_rank_and_world_size_are_unset(varia
     r = subprocess.run([sys.executable, "-c", script], env=e, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "(1, 4, '10.0.0.1', 1234)"
+
+
+@pytest.mark.skipif(bool(_C.ucx_status()), reason=f"UCX cannot start here: {_C.ucx_status()}")
+def test_a_stopped_process_is_named_within_the_timeout(tmp_path):
+    """Process 1 stops (SIGSTOP: hung, not dead) before its second step: process 0 fails
+    after the 8 s timeout naming it, and the launcher stops the job."""
+    start = time.monotonic()
+    code, out = launch("-n", 2, "--timeout", 8, "--grace", 2, "--", sys.executable, WORKER, "--case", "mlp",
+                       "--stages", 2, "--steps", 3, "--stop-at-step", 1, "--out", tmp_path / "x.pt", timeout=120)
+    assert code != 0, out
+    assert "process 1 does not answer (stopped or hung)" in out, out[-3000:]
+    assert time.monotonic() - start < 90
