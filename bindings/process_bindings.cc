@@ -96,6 +96,10 @@ void bind_processes(py::module_& m) {
       m, "ProcessGroup", "The processes of one job: rendezvous (CAF remote actors), UCX between every two.")
       .def(py::init([](int rank, int world, const std::string& host, int port, const std::string& job, double timeout_s,
                        const std::string& version, const std::string& secret) {
+             if (!(timeout_s >= 0.001 && timeout_s <= 604800)) {  // NaN fails too
+               raise(Status(ErrorCode::kInvalidArgument, "timeout_s=" + std::to_string(timeout_s) +
+                                                             ": expected a number of seconds from 0.001 to 604800"));
+             }
              runtime::ProcessGroupOptions o;
              o.rank = rank;
              o.world = world;

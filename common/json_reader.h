@@ -10,6 +10,7 @@
 #include <string_view>
 #include <vector>
 
+#include "common/printable.h"
 #include "common/status.h"
 
 namespace conveyor::json_reader {
@@ -40,17 +41,7 @@ inline const json& field(const json& obj, const std::string& path, const char* k
 /// walks them (conveyor's own documents nest fewer than 20 deep).
 inline constexpr int kMaxDepth = 128;
 
-/// `text` cut to `limit` bytes ("..." marks the cut), bytes that are not printable ASCII as '?':
-/// what an error message may quote of a file.
-inline std::string printable(std::string_view text, std::size_t limit) {
-  std::string out;
-  for (std::size_t i = 0; i < text.size() && i < limit; ++i) {
-    const unsigned char c = static_cast<unsigned char>(text[i]);
-    out += (c >= 0x20 && c < 0x7f) ? static_cast<char>(c) : '?';
-  }
-  if (text.size() > limit) out += "...";
-  return out;
-}
+using conveyor::printable;
 
 /// A short description of a value for error messages: never the whole value (a bad field may
 /// be megabytes, or nested too deep to print).

@@ -56,16 +56,6 @@ void compress(std::array<std::uint32_t, 8>& h, const unsigned char* block) {
   h[0] += a; h[1] += b; h[2] += c; h[3] += d; h[4] += e; h[5] += f; h[6] += g; h[7] += k;
 }
 
-std::string hex(std::string_view bytes) {
-  static const char* digits = "0123456789abcdef";
-  std::string out;
-  for (unsigned char c : bytes) {
-    out += digits[c >> 4];
-    out += digits[c & 15];
-  }
-  return out;
-}
-
 }  // namespace
 
 std::string sha256(std::string_view data) {
@@ -98,7 +88,24 @@ std::string hmac_hex(std::string_view key, std::string_view message) {
   }
   inner.append(message);
   outer += sha256(inner);
-  return hex(sha256(outer));
+  return to_hex(sha256(outer));
+}
+
+std::string to_hex(std::string_view bytes) {
+  static const char* digits = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : bytes) {
+    out += digits[c >> 4];
+    out += digits[c & 15];
+  }
+  return out;
+}
+
+std::string from_hex(std::string_view text) {
+  auto value = [](char c) { return c <= '9' ? c - '0' : (c | 0x20) - 'a' + 10; };
+  std::string out;
+  for (std::size_t i = 0; i + 1 < text.size(); i += 2) out += static_cast<char>(value(text[i]) * 16 + value(text[i + 1]));
+  return out;
 }
 
 bool same(std::string_view a, std::string_view b) {
@@ -117,7 +124,7 @@ std::string random_hex(std::size_t bytes) {
     CONVEYOR_CHECK(n > 0, "getrandom failed");
     got += static_cast<std::size_t>(n);
   }
-  return hex(raw);
+  return to_hex(raw);
 }
 
 Result<std::string> job_secret() {

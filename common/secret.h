@@ -18,6 +18,10 @@ std::string sha256(std::string_view data);
 /// HMAC-SHA256 (RFC 2104) of `message` under `key`, as 64 lowercase hex digits.
 std::string hmac_hex(std::string_view key, std::string_view message);
 
+/// `bytes` as lowercase hex digits, and back (`from_hex` skips a trailing odd digit).
+std::string to_hex(std::string_view bytes);
+std::string from_hex(std::string_view text);
+
 /// Equal strings, compared in time that depends only on their lengths.
 bool same(std::string_view a, std::string_view b);
 

@@ -1,5 +1,7 @@
 #include "common/toml_reader.h"
 
+#include "common/printable.h"
+
 #include <cctype>
 #include <charconv>
 #include <cmath>
@@ -39,14 +41,7 @@ std::optional<bool> Node::boolean() const {
 namespace {
 
 // What an error may quote of the file: at most 40 bytes, printable ASCII.
-std::string shown(std::string_view text) {
-  std::string out;
-  for (std::size_t i = 0; i < text.size() && i < 40; ++i) {
-    const unsigned char c = static_cast<unsigned char>(text[i]);
-    out += (c >= 0x20 && c < 0x7f) ? static_cast<char>(c) : '?';
-  }
-  return text.size() > 40 ? out + "..." : out;
-}
+std::string shown(std::string_view text) { return printable(text, 40); }
 
 // Length of the well-formed UTF-8 sequence at `s[i]`, or 0.
 std::size_t utf8_length(std::string_view s, std::size_t i) {
@@ -174,9 +169,9 @@ class Parser {
     while (true) {
       skip_blank();
       if (peek() == '"') {
-        parts.push_back(basic_string(false));
+        parts.push_back(quoted_string(false));
       } else if (peek() == '\'') {
-        parts.push_back(literal_string(false));
+        parts.push_back(quoted_string(false));
       } else {
         const std::size_t from = i_;
         while (!at_end() && bare_key_char(s_[i_])) ++i_;
@@ -284,10 +279,10 @@ class Parser {
     const char c = peek();
     if (c == '"') {
       v.kind_ = Node::Kind::kString;
-      v.text_ = basic_string(true);
+      v.text_ = quoted_string(true);
     } else if (c == '\'') {
       v.kind_ = Node::Kind::kString;
-      v.text_ = literal_string(true);
+      v.text_ = quoted_string(true);
     } else if (starts("true") || starts("false")) {
       v.kind_ = Node::Kind::kBool;
       v.boolean_ = c == 't';
@@ -340,35 +335,30 @@ class Parser {
     ++i_;
   }
 
-  // "basic" (escapes) or, where `multiline_ok`, """multi-line""" strings.
-  std::string basic_string(bool multiline_ok) {
-    const bool multi = multiline_ok && starts("\"\"\"");
+  // A string: "basic" (escapes) or 'literal' (none) and, where `multiline_ok`, their
+  // triple-quoted multi-line forms.
+  std::string quoted_string(bool multiline_ok) {
+    const char quote = s_[i_];
+    const std::string triple(3, quote);
+    const bool multi = multiline_ok && starts(triple);
     i_ += multi ? 3 : 1;
     if (multi && (peek() == '\n' || peek() == '\r')) newline();
     std::string out;
     while (true) {
       if (at_end()) fail("a string is never closed");
       const char c = s_[i_];
-      if (c == '"') {
-        if (!multi) {
-          ++i_;
-          return out;
-        }
-        if (starts("\"\"\"")) {
-          std::size_t quotes = 3;
-          while (quotes < 5 && peek(quotes) == '"') ++quotes;  // up to two quotes may end the text
-          out.append(quotes - 3, '"');
-          i_ += quotes;
-          return out;
-        }
-        out += c;
-        ++i_;
-      } else if (c == '\\') {
+      if (c == quote && (!multi || starts(triple))) {
+        std::size_t quotes = multi ? 3 : 1;
+        while (multi && quotes < 5 && peek(quotes) == quote) ++quotes;  // up to two quotes may end the text
+        out.append(quotes - (multi ? 3 : 1), quote);
+        i_ += quotes;
+        return out;
+      }
+      if (c == '\\' && quote == '"') {
         ++i_;
         escape(out, multi);
       } else if (c == '\n' || c == '\r') {
-        if (!multi) fail("a string runs past the end of its line (close it, or use \"\"\" for several lines)");
-        if (c == '\r' && peek(1) != '\n') fail("a carriage return not followed by a newline");
+        if (!multi) fail("a string runs past the end of its line (close it, or use " + triple + " for several lines)");
         out += '\n';
         newline();
       } else {
@@ -425,39 +415,6 @@ class Parser {
       if (c == ' ' || c == '\t') ++i_;
       else if (c == '\n' || c == '\r') newline();
       else break;
-    }
-  }
-
-  // 'literal' (no escapes) or, where `multiline_ok`, '''multi-line''' strings.
-  std::string literal_string(bool multiline_ok) {
-    const bool multi = multiline_ok && starts("'''");
-    i_ += multi ? 3 : 1;
-    if (multi && (peek() == '\n' || peek() == '\r')) newline();
-    std::string out;
-    while (true) {
-      if (at_end()) fail("a string is never closed");
-      const char c = s_[i_];
-      if (c == '\'' && (!multi || starts("'''"))) {
-        if (!multi) {
-          ++i_;
-          return out;
-        }
-        std::size_t quotes = 3;
-        while (quotes < 5 && peek(quotes) == '\'') ++quotes;
-        out.append(quotes - 3, '\'');
-        i_ += quotes;
-        return out;
-      }
-      if (c == '\n' || c == '\r') {
-        if (!multi) fail("a string runs past the end of its line (close it, or use ''' for several lines)");
-        out += '\n';
-        newline();
-        continue;
-      }
-      const unsigned char u = static_cast<unsigned char>(c);
-      if ((u < 0x20 && c != '\t') || u == 0x7f) fail("a control character in a string");
-      out += c;
-      ++i_;
     }
   }
 

@@ -24,22 +24,6 @@ constexpr std::size_t kMostNonces = 65536;
 // A join request is a few hundred bytes; anything far larger is not one.
 constexpr std::size_t kLargestRequest = 1 << 20;
 
-std::string hex(const std::string& bytes) {
-  static const char* digits = "0123456789abcdef";
-  std::string out;
-  for (unsigned char c : bytes) {
-    out += digits[c >> 4];
-    out += digits[c & 15];
-  }
-  return out;
-}
-
-std::string unhex(const std::string& text) {
-  std::string out;
-  for (std::size_t i = 0; i + 1 < text.size(); i += 2) out += static_cast<char>(std::stoi(text.substr(i, 2), nullptr, 16));
-  return out;
-}
-
 // What process 0 answers a join with: the body and its MAC over the joining process's nonce,
 // so the joining process knows the answer comes from a holder of the secret.
 std::string signed_reply(const std::string& secret, const std::string& client_nonce, const nlohmann::json& body) {
@@ -249,7 +233,7 @@ Result<std::unique_ptr<Rendezvous>> rendezvous(const JoinRequest& req) {
     }
   }
   const nlohmann::json request = {
-      {"rank", req.rank}, {"world", req.world}, {"version", req.version}, {"job", req.job}, {"address", hex(req.address)}};
+      {"rank", req.rank}, {"world", req.world}, {"version", req.version}, {"job", req.job}, {"address", secret::to_hex(req.address)}};
   const auto left = std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()),
                              std::chrono::milliseconds(1));
   auto reply = ask(target, request, req.secret, left, where);
@@ -276,7 +260,7 @@ Result<std::unique_ptr<Rendezvous>> rendezvous(const JoinRequest& req) {
     return Status(ErrorCode::kCorrupt, "a malformed rendezvous answer from process 0 (another conveyor version?)");
   }
   std::vector<std::string> addresses;
-  for (const auto& a : j["addresses"]) addresses.push_back(unhex(a.get<std::string>()));
+  for (const auto& a : j["addresses"]) addresses.push_back(secret::from_hex(a.get<std::string>()));
   return std::make_unique<Rendezvous>(std::move(impl), std::move(addresses));
 }
 

@@ -299,27 +299,38 @@ class UcxMember final : public UcxEndpoint {
       if (msg == nullptr) return any;
       any = true;
       const int from = sender_of(info.sender_tag);
-      auto* ctx = new RecvContext{std::make_shared<Buffer>(info.length), [this, from](Result<std::vector<at::Tensor>>) {
-                                    send_tagged(from, kPongTag, {}, [](Status) {});
-                                  }, &in_flight_, lost(from)};
-      ++in_flight_;
-      ucp_request_param_t p{};
-      p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-      p.cb.recv = [](void* request, ucs_status_t status, const ucp_tag_recv_info_t*, void* user) {
-        std::unique_ptr<RecvContext> c(static_cast<RecvContext*>(user));
-        --*c->in_flight;
-        ucp_request_free(request);
-        c->done(status == UCS_OK ? unpack(*c->buffer) : Result<std::vector<at::Tensor>>(transfer_error("a ping", c->lost_peer, status)));
-      };
-      p.user_data = ctx;
-      ucs_status_ptr_t r = ucp_tag_msg_recv_nbx(worker_, ctx->buffer->data(), ctx->buffer->size(), msg, &p);
-      if (r == nullptr || UCS_PTR_IS_ERR(r)) {
-        --in_flight_;
-        std::unique_ptr<RecvContext> c(ctx);
+      receive_probed(msg, info.length, from,
+                     [this, from](Result<std::vector<at::Tensor>>) { send_tagged(from, kPongTag, {}, [](Status) {}); });
+    }
+  }
+
+  // On the progress thread: receives the probed message `msg` of `length` bytes from member
+  // `from` and hands its tensors, or the error, to `done`.
+  void receive_probed(ucp_tag_message_h msg, std::size_t length, int from, Received done) {
+    auto* ctx = new RecvContext{std::make_shared<Buffer>(length), std::move(done), &in_flight_, lost(from)};
+    ++in_flight_;
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.recv = [](void* request, ucs_status_t status, const ucp_tag_recv_info_t*, void* user) {
+      std::unique_ptr<RecvContext> c(static_cast<RecvContext*>(user));
+      --*c->in_flight;
+      ucp_request_free(request);
+      if (status != UCS_OK) return c->done(transfer_error("a UCX receive", c->lost_peer, status));
+      c->done(unpack(*c->buffer));
+    };
+    p.user_data = ctx;
+    ucs_status_ptr_t r = ucp_tag_msg_recv_nbx(worker_, ctx->buffer->data(), ctx->buffer->size(), msg, &p);
+    if (r == nullptr || UCS_PTR_IS_ERR(r)) {  // done inline, or failed: no callback comes
+      --in_flight_;
+      std::unique_ptr<RecvContext> c(ctx);
+      if (r == nullptr) {
         c->done(unpack(*c->buffer));
+      } else {
+        c->done(transfer_error("a UCX receive", c->lost_peer, UCS_PTR_STATUS(r)));
       }
     }
   }
+
   Status current_error() {
     std::lock_guard<std::mutex> lock(mu_);
     return error_;
@@ -366,30 +377,10 @@ class UcxMember final : public UcxEndpoint {
           continue;
         }
         busy = true;
-        auto* ctx = new RecvContext{std::make_shared<Buffer>(info.length), std::move(it->done), &in_flight_,
-                                    lost(sender_of(it->tag))};
-        ++in_flight_;
+        Received done = std::move(it->done);
+        const int from = sender_of(it->tag);
         it = receives_.erase(it);
-        ucp_request_param_t p{};
-        p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-        p.cb.recv = [](void* request, ucs_status_t status, const ucp_tag_recv_info_t*, void* user) {
-          std::unique_ptr<RecvContext> c(static_cast<RecvContext*>(user));
-          --*c->in_flight;
-          ucp_request_free(request);
-          if (status != UCS_OK) return c->done(transfer_error("a UCX receive", c->lost_peer, status));
-          c->done(unpack(*c->buffer));
-        };
-        p.user_data = ctx;
-        ucs_status_ptr_t r = ucp_tag_msg_recv_nbx(worker_, ctx->buffer->data(), ctx->buffer->size(), msg, &p);
-        if (r == nullptr || UCS_PTR_IS_ERR(r)) {
-          --in_flight_;
-          std::unique_ptr<RecvContext> c(ctx);
-          if (r == nullptr) {
-            c->done(unpack(*c->buffer));
-          } else {
-            c->done(transfer_error("a UCX receive", c->lost_peer, UCS_PTR_STATUS(r)));
-          }
-        }
+        receive_probed(msg, info.length, from, std::move(done));
       }
       if (stop_) break;
       if (busy) continue;
