@@ -17,6 +17,7 @@ from . import _C  # noqa: E402
 from .errors import (  # noqa: E402
     CaptureError,
     ConveyorError,
+    ConveyorIOError,
     ConveyorValueError,
     DoesNotFitError,
     ExecutionError,
@@ -37,7 +38,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "capture", "Graph", "StagedGraph", "profile", "plan", "Plan", "Module", "DoesNotFitError",
-    "ConveyorError", "CaptureError", "ConveyorValueError", "ExecutionError", "GraphCorruptError",
+    "ConveyorError", "ConveyorIOError", "CaptureError", "ConveyorValueError", "ExecutionError", "GraphCorruptError",
     "GraphFormatError", "GraphVersionError", "InvalidGraphError", "InvalidStageError",
     "UnknownOpError", "UnsupportedError",
 ]

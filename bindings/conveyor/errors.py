@@ -42,6 +42,10 @@ class ConveyorValueError(ConveyorError, ValueError):
     """An argument passed to conveyor is malformed."""
 
 
+class ConveyorIOError(ConveyorError, OSError):
+    """A file conveyor was asked to read or write cannot be (missing, a folder, unreadable)."""
+
+
 class UnsupportedError(ConveyorError, NotImplementedError):
     """Valid input that conveyor does not handle yet."""
 
@@ -60,7 +64,7 @@ _BY_CODE = {
     "invalid_graph": InvalidGraphError,
     "invalid_stage": InvalidStageError,
     "execution": ExecutionError,
-    "io": OSError,
+    "io": ConveyorIOError,
     "unsupported": UnsupportedError,
 }
 

@@ -103,3 +103,11 @@ def test_microbatches_that_do_not_divide_the_batch_train_exactly(case):
     case.loss(model(*case.args, **case.kwargs)).backward()
     for (name, p), q in zip(case.model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_files_that_cannot_be_read_are_conveyor_errors(tmp_path):
+    """Still OSErrors (code catching those keeps working), and ConveyorErrors."""
+    for path, message in ((tmp_path / "missing.cvg", "cannot open graph file"), (tmp_path, "is a directory")):
+        with pytest.raises(conveyor.ConveyorIOError, match=message) as e:
+            conveyor.Graph.load(path)
+        assert isinstance(e.value, OSError) and isinstance(e.value, conveyor.ConveyorError)
