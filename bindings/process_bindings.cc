@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <functional>
+#include <future>
 #include <optional>
 
 #include "runtime/process_group.h"
@@ -33,9 +34,26 @@ struct NcclHandle {
   }
 };
 
+// A send in flight (conveyor.distributed): wait() returns once the peer has it, or raises.
+struct SendHandle {
+  std::shared_future<Status> done;
+  std::chrono::milliseconds timeout;
+  std::string what;
+  void wait() const {
+    py::gil_scoped_release nogil;
+    if (done.wait_for(timeout) != std::future_status::ready) {
+      check(Status(ErrorCode::kExecution, what + " did not complete within " + std::to_string(timeout.count()) + " ms"));
+    }
+    check(done.get().with_context(what));
+  }
+};
+
 }  // namespace
 
 void bind_processes(py::module_& m) {
+  py::class_<SendHandle>(m, "SendHandle", "A send in flight; wait() until the peer has it.")
+      .def("wait", &SendHandle::wait);
+
   m.def("ucx_status", [] {
     auto probe = transport::make_ucx_endpoint(0, 1);
     return probe.is_ok() ? std::string() : probe.status().message();
@@ -141,6 +159,26 @@ void bind_processes(py::module_& m) {
         py::gil_scoped_release nogil;
         check(g.broadcast(std::move(t), root));
       }, py::arg("tensor"), py::arg("root"), "tensor becomes process root's, in place, on every process.")
+      .def("send", [](const runtime::ProcessGroup& g, int peer, std::uint64_t tag, std::vector<at::Tensor> tensors,
+                      const std::string& what) {
+        auto promise = std::make_shared<std::promise<Status>>();
+        SendHandle handle{promise->get_future().share(), g.timeout(), "process " + std::to_string(g.rank()) + ": " + what};
+        g.endpoint()->send(peer, tag, std::move(tensors), [promise](Status s) { promise->set_value(std::move(s)); });
+        return handle;
+      }, py::arg("peer"), py::arg("tag"), py::arg("tensors"), py::arg("what"),
+         "Sends tensors (shapes and dtypes travel with them) to process peer under tag, without waiting; "
+         "`what` names the send in errors.")
+      .def("recv", [](const runtime::ProcessGroup& g, int peer, std::uint64_t tag, const std::string& what) {
+        py::gil_scoped_release nogil;
+        auto got = transport::receive_within(*g.endpoint(), peer, tag, g.timeout());
+        if (!got && got.status().message().find(" within ") != std::string::npos) {
+          check(Status(ErrorCode::kExecution, "process " + std::to_string(g.rank()) + ": " + what + " did not complete within " +
+                                                  std::to_string(g.timeout().count()) + " ms" + g.whom_it_waited_for()));
+        }
+        if (!got) check(got.status().with_context("process " + std::to_string(g.rank()) + ": " + what));
+        return std::move(got).value();
+      }, py::arg("peer"), py::arg("tag"), py::arg("what"),
+         "The tensors process peer sends under tag (waiting at most the group's timeout); `what` names it in errors.")
       .def("allreduce", [](const runtime::ProcessGroup& g, at::Tensor t) {
         py::gil_scoped_release nogil;
         check(g.wait([&](transport::Done d) { g.all().allreduce(t, d); }, "an allreduce"));

@@ -8,6 +8,10 @@ or Module(timeout=).
 
     world()          (rank, world_size, host, port), or None in a single process
     process_group()  this process's member of the job (made once per process)
+
+and differentiable communication for models split by hand (conveyor/communication.py):
+send, recv, bcast, gather, scatter, allgather, alltoall, reduce_scatter, allreduce,
+backward and Sequential.
 """
 from __future__ import annotations
 
@@ -19,7 +23,9 @@ from . import _C
 from .arguments import seconds
 from .errors import ConveyorValueError
 
-__all__ = ["world", "process_group", "default_timeout", "launch_settings"]
+__all__ = ["world", "process_group", "default_timeout", "launch_settings", "send", "recv", "bcast", "gather",
+           "scatter", "allgather", "alltoall", "reduce_scatter", "allreduce", "backward", "rank", "world_size",
+           "Sequential"]
 
 _group = None
 _group_key = None
@@ -143,3 +149,8 @@ def _leave_in_step():
 
     sys.excepthook = give_up
     atexit.register(lambda: _group.close() if _group is not None else None)
+
+
+from .communication import (  # noqa: E402  (it reaches process_group() above)
+    Sequential, allgather, allreduce, alltoall, backward, bcast, gather, rank, recv, reduce_scatter, scatter, send,
+    world_size)

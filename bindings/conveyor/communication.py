@@ -1,0 +1,316 @@
+"""Differentiable communication between the processes of a job, for models split by hand:
+each function's backward is its paired communication (send <-> recv, bcast -> the gradients
+summed at the root, gather <-> scatter, allgather -> reduce-scatter, alltoall <-> alltoall,
+allreduce -> allreduce), over the job's process group (UCX, host memory).
+
+No delegate variables: a process whose graph the communication cuts (one that sends but
+holds no loss) calls `backward()` (with its losses, if any) instead of `loss.backward()`.
+It replays the process's communication in reverse program order: each receive's gradient
+goes back to its sender (zeros where nothing used it), each send waits for its gradient and
+backpropagates it. Sends never block and only receives wait, so the reversed exchange
+completes whenever the forward one did (docs/design.md, "Differentiable communication").
+Where a process only receives (its graph reaches a loss), `loss.backward()` works as usual:
+each receive sends its gradient back when autograd reaches it.
+
+Every process of the job must call the same functions in the same order (as in MPI); a
+mismatch ends within the job's timeout naming the process waited for and the call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import ConveyorValueError
+
+__all__ = ["send", "recv", "bcast", "gather", "scatter", "allgather", "alltoall", "reduce_scatter", "allreduce",
+           "backward", "rank", "world_size", "Sequential"]
+
+# Tags (below the pipeline's collective and lane bits): messages carry a per-pair sequence
+# number, their gradients the same number with the gradient bit.
+_MESSAGE_BIT = 1 << 45
+_GRADIENT_BIT = 1 << 44
+
+
+@dataclass
+class _Record:
+    """One send or receive of this process, in program order, for the backward replay."""
+    kind: str                    # "send" or "recv"
+    peer: int
+    seq: int
+    tensors: list = field(default_factory=list)   # send: those sent that need a gradient
+    shapes: list = field(default_factory=list)    # recv: (shape, dtype, device) per value needing one
+    grads: list | None = None                     # recv: accumulated gradients
+    done: bool = False
+
+
+class _State:
+    def __init__(self, group):
+        self.group = group
+        self.sent = [0] * group.world_size       # per peer: messages sent so far
+        self.received = [0] * group.world_size   # per peer: messages received so far
+        self.records: list[_Record] = []
+        self.in_flight = []                       # SendHandles not yet waited for
+        self.replaying = False
+
+
+_state: _State | None = None
+
+
+def _job() -> _State:
+    global _state
+    if _state is None:
+        from . import distributed
+        group = distributed.process_group("conveyor.distributed", distributed.default_timeout())
+        if group is None:
+            raise ConveyorValueError("conveyor.distributed needs the processes of a job: start the script with "
+                                     "`conveyor launch -n N -- python script.py`, or set RANK, WORLD_SIZE, MASTER_ADDR "
+                                     "and MASTER_PORT as torchrun does")
+        _state = _State(group)
+    return _state
+
+
+def rank() -> int:
+    """This process's rank in the job."""
+    return _job().group.rank
+
+
+def world_size() -> int:
+    """The number of processes in the job."""
+    return _job().group.world_size
+
+
+def _peer(st: _State, peer, what: str) -> int:
+    if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < st.group.world_size:
+        raise ConveyorValueError(f"{what}={peer!r}: expected a process from 0 to {st.group.world_size - 1}")
+    if peer == st.group.rank:
+        raise ConveyorValueError(f"{what}={peer} is this process; a process does not send to itself")
+    return peer
+
+
+def _values(x, what: str) -> tuple[list, bool]:
+    """A tensor or a tuple/list of tensors, as a list and whether it was a sequence."""
+    if isinstance(x, torch.Tensor):
+        return [x], False
+    if isinstance(x, (tuple, list)) and x and all(isinstance(t, torch.Tensor) for t in x):
+        return list(x), True
+    raise ConveyorValueError(f"{what}: expected a tensor or a tuple of tensors, got {type(x).__name__}")
+
+
+def send(x, dst: int) -> None:
+    """Sends a tensor, or a tuple of tensors, to process `dst` (shapes and dtypes travel with
+    them); returns at once. Its backward receives the gradient `dst` sends back."""
+    st = _job()
+    dst = _peer(st, dst, "dst")
+    values, sequence = _values(x, "send")
+    needs = [torch.is_grad_enabled() and t.requires_grad for t in values]
+    seq = st.sent[dst]
+    st.sent[dst] += 1
+    flags = torch.tensor([int(sequence)] + [int(n) for n in needs], dtype=torch.int8)
+    payload = [t.detach().cpu().contiguous() for t in values] + [flags]
+    st.in_flight.append(st.group.send(dst, _MESSAGE_BIT | seq, payload, f"conveyor.distributed: send #{seq} to process {dst}"))
+    if any(needs):
+        st.records.append(_Record("send", dst, seq, tensors=[t for t, n in zip(values, needs) if n]))
+
+
+class _Received(torch.autograd.Function):
+    """A receive in the autograd graph: its backward holds (or, outside a replay, sends back)
+    the gradient of what was received. `anchor` only gives the node an input that needs a
+    gradient, so autograd calls it."""
+
+    @staticmethod
+    def forward(ctx, anchor, record, *values):
+        ctx.record = record
+        return tuple(v.clone() for v in values)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        record = ctx.record
+        if record.grads is None:
+            record.grads = [None] * len(grads)
+        for i, g in enumerate(grads):
+            if g is not None:
+                record.grads[i] = g if record.grads[i] is None else record.grads[i] + g
+        if _state is not None and not _state.replaying:  # loss.backward(): back at once
+            _return_gradient(_state, record)
+            _state.records.remove(record)
+            if len(_state.in_flight) > 1024:
+                _drain(_state)
+        return (None, None) + (None,) * len(grads)
+
+
+def _return_gradient(st: _State, record: _Record) -> None:
+    """Sends a receive's gradient back to its sender (zeros for values nothing used)."""
+    if record.done:
+        return
+    record.done = True
+    grads = record.grads or [None] * len(record.shapes)
+    payload = [(g if g is not None else torch.zeros(shape, dtype=dtype, device=device)).detach().cpu().contiguous()
+               for g, (shape, dtype, device) in zip(grads, record.shapes)]
+    st.in_flight.append(st.group.send(record.peer, _MESSAGE_BIT | _GRADIENT_BIT | record.seq, payload,
+                                      f"conveyor.distributed: the gradient of receive #{record.seq} from process {record.peer}"))
+
+
+def recv(src: int, device=None):
+    """What process `src` sends next: a tensor, or the tuple it sent (on `device`, default the
+    CPU). Its backward sends the gradient back to `src`."""
+    st = _job()
+    src = _peer(st, src, "src")
+    seq = st.received[src]
+    st.received[src] += 1
+    got = st.group.recv(src, _MESSAGE_BIT | seq, f"conveyor.distributed: receive #{seq} from process {src}")
+    flags = got[-1].tolist()
+    sequence, needs = bool(flags[0]), [bool(n) for n in flags[1:]]
+    values = [v.to(device) if device is not None else v for v in got[:-1]]
+    if torch.is_grad_enabled() and any(needs):
+        record = _Record("recv", src, seq, shapes=[(v.shape, v.dtype, v.device) for v, n in zip(values, needs) if n])
+        st.records.append(record)
+        wanted = [v for v, n in zip(values, needs) if n]
+        out = _Received.apply(torch.empty(0, requires_grad=True), record, *wanted)
+        outputs = iter(out if isinstance(out, tuple) else (out,))
+        values = [next(outputs) if n else v for v, n in zip(values, needs)]
+    return tuple(values) if sequence else values[0]
+
+
+def backward(*roots) -> None:
+    """Backpropagates this process's part of the job: its losses `roots` (none on a process
+    that holds no loss), then its communication in reverse program order (each receive's
+    gradient back to its sender, each send's gradient from its receiver, backpropagated).
+    Every process of the job calls it once per step, after its forward."""
+    st = _job()
+    st.replaying = True
+    try:
+        if roots:
+            torch.autograd.backward(list(roots), retain_graph=True)
+        for record in reversed(st.records):
+            if record.kind == "recv":
+                _return_gradient(st, record)
+                continue
+            grads = st.group.recv(record.peer, _MESSAGE_BIT | _GRADIENT_BIT | record.seq,
+                                  f"conveyor.distributed: the gradient of send #{record.seq} to process {record.peer}")
+            torch.autograd.backward(record.tensors, [g.to(t.device) for g, t in zip(grads, record.tensors)],
+                                    retain_graph=True)
+    finally:
+        st.replaying = False
+        st.records.clear()
+    _drain(st)
+
+
+def _drain(st: _State) -> None:
+    """Waits until every peer has what this process sent (so none is lost at exit)."""
+    handles, st.in_flight = st.in_flight, []
+    for h in handles:
+        h.wait()
+
+
+# -- collectives, as the sends and receives they are (their backward pairs follow) ---------
+
+def _others(st: _State):
+    return [p for p in range(st.group.world_size) if p != st.group.rank]
+
+
+def bcast(x, root: int):
+    """`x` of process `root`, on every process (pass None elsewhere). Backward: the gradients
+    of every process summed at the root."""
+    st = _job()
+    if st.group.rank == root:
+        for p in _others(st):
+            send(x, p)
+        return x
+    return recv(root)
+
+
+def gather(x, root: int):
+    """Every process's `x`, as a list in process order, at `root` (None elsewhere). Backward:
+    each gradient scattered back to its process."""
+    st = _job()
+    if st.group.rank != root:
+        send(x, root)
+        return None
+    return [x if p == root else recv(p) for p in range(st.group.world_size)]
+
+
+def scatter(xs, root: int):
+    """Process p gets `xs[p]` of process `root` (pass None elsewhere). Backward: the gradients
+    gathered at the root."""
+    st = _job()
+    if st.group.rank != root:
+        return recv(root)
+    if len(xs) != st.group.world_size:
+        raise ConveyorValueError(f"scatter: {len(xs)} values for {st.group.world_size} processes")
+    for p in _others(st):
+        send(xs[p], p)
+    return xs[root]
+
+
+def allgather(x):
+    """Every process's `x`, as a list in process order, on every process. Backward: each
+    process's gradient is the sum of every process's gradient for its `x` (reduce-scatter)."""
+    st = _job()
+    for p in _others(st):
+        send(x, p)
+    return [x if p == st.group.rank else recv(p) for p in range(st.group.world_size)]
+
+
+def alltoall(xs):
+    """Process p gets `xs[p]` of every process, as a list in process order. Backward: the
+    gradients exchanged the other way (alltoall)."""
+    st = _job()
+    if len(xs) != st.group.world_size:
+        raise ConveyorValueError(f"alltoall: {len(xs)} values for {st.group.world_size} processes")
+    for p in _others(st):
+        send(xs[p], p)
+    return [xs[p] if p == st.group.rank else recv(p) for p in range(st.group.world_size)]
+
+
+def reduce_scatter(xs):
+    """Process p gets the sum over processes of their `xs[p]` (summed in process order).
+    Backward: the gradient goes to every process's `xs[p]` (allgather)."""
+    parts = alltoall(xs)
+    total = parts[0]
+    for t in parts[1:]:
+        total = total + t
+    return total
+
+
+def allreduce(x):
+    """The sum of every process's `x` (in process order), on every process. Backward: the
+    gradients summed the same way (allreduce)."""
+    parts = allgather(x)
+    total = parts[0]
+    for t in parts[1:]:
+        total = total + t
+    return total
+
+
+class Sequential(torch.nn.Module):
+    """Modules run in order, each on its process (ChainerMN's MultiNodeChainList):
+    `Sequential([(encoder, 0), (decoder, 1)])`. What one module returns (a tensor or a tuple
+    of tensors) crosses to the next one's process where they differ. Every process builds the
+    whole list the same way; only its own modules are registered, so `parameters()` are this
+    process's to optimize. `forward(x)`: `x` is the input on the first module's process;
+    returns the last module's output on its process, None elsewhere. Train with
+    `conveyor.distributed.backward(loss)` on the last module's process and `backward()` on
+    the others."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = [(module, place) for module, place in layers]
+        for module, place in self.layers:
+            if not isinstance(module, torch.nn.Module):
+                raise ConveyorValueError(f"Sequential takes (nn.Module, rank) pairs, not {type(module).__name__}")
+            if isinstance(place, bool) or not isinstance(place, int) or not 0 <= place < world_size():
+                raise ConveyorValueError(f"Sequential: rank {place!r} is not a process of this job of {world_size()}")
+        self.local = torch.nn.ModuleList([m for m, place in self.layers if place == rank()])
+
+    def forward(self, x=None):
+        me, h = rank(), x
+        for i, (module, place) in enumerate(self.layers):
+            if place != me:
+                continue
+            if i > 0 and self.layers[i - 1][1] != me:
+                h = recv(self.layers[i - 1][1])
+            h = module(h)
+            if i + 1 < len(self.layers) and self.layers[i + 1][1] != me:
+                send(h, self.layers[i + 1][1])
+        return h if self.layers[-1][1] == me else None

@@ -1,0 +1,34 @@
+"""What the split-by-hand examples share: three SGD steps, and where their results go (the
+same script alone writes reference.pt; under `conveyor launch` each process writes
+rank<R>.pt with the parameters it holds), so tests/python/test_communication.py can check
+that the split trains exactly like the model in one process."""
+import argparse
+import os
+from pathlib import Path
+
+import torch
+
+STEPS = 3
+
+
+def arguments():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="out/distributed", help="folder for reference.pt or rank<R>.pt")
+    args = ap.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.float64)
+    return args
+
+
+def split() -> bool:
+    """True under a launcher (WORLD_SIZE above 1): run split; else run the whole model here."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def save(out, modules: dict, losses: list, rank: int | None = None) -> None:
+    """The named parameters of `modules` (name -> nn.Module) and the losses this process saw."""
+    state = {f"{name}.{p}": t.detach().clone() for name, m in modules.items() for p, t in m.named_parameters()}
+    name = "reference.pt" if rank is None else f"rank{rank}.pt"
+    torch.save({"state": state, "losses": losses}, Path(out) / name)
+    print(f"{name}: {len(state)} parameters, losses {[round(x, 6) for x in losses]}")

@@ -1,0 +1,92 @@
+"""Run by test_communication under `conveyor launch -n N`: every differentiable collective's
+forward values and backward pairing against what they must be, in float64, then a receive
+nobody sends (the last process stops calling) to show the timeout naming the call."""
+import os
+import sys
+
+import torch
+
+import conveyor.distributed as dist
+
+
+def expect(name, got, want):
+    if not torch.equal(got, want):
+        raise SystemExit(f"process {dist.rank()}: {name}: got {got.tolist()}, want {want.tolist()}")
+
+
+def main():
+    torch.set_default_dtype(torch.float64)
+    me, n = dist.rank(), dist.world_size()
+    weight = float(me + 1)  # process p's loss is (p + 1) * sum(what it got)
+    every = sum(range(1, n + 1))
+
+    def leaf(value):
+        return torch.full((2,), float(value), requires_grad=True)
+
+    # allreduce: y = sum_p x_p; dL/dx_p = sum_q (q + 1)
+    x = leaf(me + 1)
+    y = dist.allreduce(x)
+    expect("allreduce", y.detach(), torch.full((2,), float(every)))
+    dist.backward(weight * y.sum())
+    expect("allreduce backward", x.grad, torch.full((2,), float(every)))
+
+    # bcast from the last process: dL/dx_root = sum_q (q + 1)
+    x = leaf(10)
+    y = dist.bcast(x if me == n - 1 else None, root=n - 1)
+    expect("bcast", y.detach(), torch.full((2,), 10.0))
+    dist.backward(weight * y.sum())
+    if me == n - 1:
+        expect("bcast backward", x.grad, torch.full((2,), float(every)))
+
+    # gather at 0, then scatter from 0 (their backwards pair the other way)
+    x = leaf(me)
+    parts = dist.gather(x, root=0)
+    if me == 0:
+        expect("gather", torch.stack(parts).detach(), torch.arange(n, dtype=torch.float64)[:, None].expand(n, 2))
+        dist.backward(sum((q + 1) * t.sum() for q, t in enumerate(parts)))
+    else:
+        dist.backward()
+    expect("gather backward", x.grad, torch.full((2,), weight))
+    xs = [leaf(100 + q) for q in range(n)] if me == 0 else None
+    y = dist.scatter(xs, root=0)
+    expect("scatter", y.detach(), torch.full((2,), 100.0 + me))
+    dist.backward(weight * y.sum())
+    if me == 0:
+        for q in range(n):
+            expect("scatter backward", xs[q].grad, torch.full((2,), float(q + 1)))
+
+    # allgather: every process weighs part q by (p + 1) * (q + 1): dL/dx_q = (q + 1) * sum_p (p + 1)
+    x = leaf(me)
+    parts = dist.allgather(x)
+    dist.backward(weight * sum((q + 1) * t.sum() for q, t in enumerate(parts)))
+    expect("allgather backward", x.grad, torch.full((2,), float((me + 1) * every)))
+
+    # alltoall: process p gets xs_q[p]; L_p = (p + 1) * sum; dL/d xs_p[q] = q + 1
+    xs = [leaf(10 * me + q) for q in range(n)]
+    got = dist.alltoall(xs)
+    expect("alltoall", torch.stack(got).detach()[:, 0], torch.tensor([10.0 * q + me for q in range(n)]))
+    dist.backward(weight * sum(t.sum() for t in got))
+    for q in range(n):
+        expect("alltoall backward", xs[q].grad, torch.full((2,), float(q + 1)))
+
+    # reduce_scatter: process p gets sum_q xs_q[p]; dL/d xs_p[q] = q + 1
+    xs = [leaf(me + q) for q in range(n)]
+    y = dist.reduce_scatter(xs)
+    expect("reduce_scatter", y.detach(), torch.full((2,), float(sum(q + me for q in range(n)))))
+    dist.backward(weight * y.sum())
+    for q in range(n):
+        expect("reduce_scatter backward", xs[q].grad, torch.full((2,), float(q + 1)))
+    print(f"process {me}: every collective and its backward as expected", flush=True)
+
+    if os.environ.get("MISMATCH") == "1":
+        # Process 0 waits for a message process n - 1 never sends (it stops calling).
+        if me == 0:
+            dist.recv(src=n - 1)
+        elif me == n - 1:
+            import time
+            time.sleep(30)
+        sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
