@@ -1,7 +1,9 @@
 """Differentiable communication between the processes of a job, for models split by hand:
 each function's backward is its paired communication (send <-> recv, bcast -> the gradients
 summed at the root, gather <-> scatter, allgather -> reduce-scatter, alltoall <-> alltoall,
-allreduce -> allreduce), over the job's process group (UCX, host memory).
+allreduce -> allreduce), over the job's process group (UCX, host memory: CUDA tensors are
+copied to the host to travel; what arrives for a collective lands on the caller's tensor's
+device).
 
 No delegate variables: a process whose graph the communication cuts (one that sends but
 holds no loss) calls `backward()` (with its losses, if any) instead of `loss.backward()`.
@@ -209,15 +211,19 @@ def _others(st: _State):
     return [p for p in range(st.group.world_size) if p != st.group.rank]
 
 
-def bcast(x, root: int):
-    """`x` of process `root`, on every process (pass None elsewhere). Backward: the gradients
-    of every process summed at the root."""
+def _device_of(x):
+    return x.device if isinstance(x, torch.Tensor) else x[0].device
+
+
+def bcast(x, root: int, device=None):
+    """`x` of process `root`, on every process (pass None elsewhere; it arrives on `device`,
+    default the CPU). Backward: the gradients of every process summed at the root."""
     st = _job()
     if st.group.rank == root:
         for p in _others(st):
             send(x, p)
         return x
-    return recv(root)
+    return recv(root, device)
 
 
 def gather(x, root: int):
@@ -227,15 +233,15 @@ def gather(x, root: int):
     if st.group.rank != root:
         send(x, root)
         return None
-    return [x if p == root else recv(p) for p in range(st.group.world_size)]
+    return [x if p == root else recv(p, _device_of(x)) for p in range(st.group.world_size)]
 
 
-def scatter(xs, root: int):
-    """Process p gets `xs[p]` of process `root` (pass None elsewhere). Backward: the gradients
-    gathered at the root."""
+def scatter(xs, root: int, device=None):
+    """Process p gets `xs[p]` of process `root` (pass None elsewhere; it arrives on `device`,
+    default the CPU). Backward: the gradients gathered at the root."""
     st = _job()
     if st.group.rank != root:
-        return recv(root)
+        return recv(root, device)
     if len(xs) != st.group.world_size:
         raise ConveyorValueError(f"scatter: {len(xs)} values for {st.group.world_size} processes")
     for p in _others(st):
@@ -249,7 +255,7 @@ def allgather(x):
     st = _job()
     for p in _others(st):
         send(x, p)
-    return [x if p == st.group.rank else recv(p) for p in range(st.group.world_size)]
+    return [x if p == st.group.rank else recv(p, _device_of(x)) for p in range(st.group.world_size)]
 
 
 def alltoall(xs):
@@ -260,7 +266,7 @@ def alltoall(xs):
         raise ConveyorValueError(f"alltoall: {len(xs)} values for {st.group.world_size} processes")
     for p in _others(st):
         send(xs[p], p)
-    return [xs[p] if p == st.group.rank else recv(p) for p in range(st.group.world_size)]
+    return [xs[p] if p == st.group.rank else recv(p, _device_of(xs[st.group.rank])) for p in range(st.group.world_size)]
 
 
 def reduce_scatter(xs):

@@ -10,6 +10,7 @@ import conveyor.distributed as dist
 
 
 def expect(name, got, want):
+    got, want = got.cpu(), want.cpu()
     if not torch.equal(got, want):
         raise SystemExit(f"process {dist.rank()}: {name}: got {got.tolist()}, want {want.tolist()}")
 
@@ -20,8 +21,10 @@ def main():
     weight = float(me + 1)  # process p's loss is (p + 1) * sum(what it got)
     every = sum(range(1, n + 1))
 
+    device = os.environ.get("DEVICE", "cpu")
+
     def leaf(value):
-        return torch.full((2,), float(value), requires_grad=True)
+        return torch.full((2,), float(value), device=device, requires_grad=True)
 
     # allreduce: y = sum_p x_p; dL/dx_p = sum_q (q + 1)
     x = leaf(me + 1)
@@ -32,7 +35,7 @@ def main():
 
     # bcast from the last process: dL/dx_root = sum_q (q + 1)
     x = leaf(10)
-    y = dist.bcast(x if me == n - 1 else None, root=n - 1)
+    y = dist.bcast(x if me == n - 1 else None, root=n - 1, device=device)
     expect("bcast", y.detach(), torch.full((2,), 10.0))
     dist.backward(weight * y.sum())
     if me == n - 1:
@@ -48,7 +51,7 @@ def main():
         dist.backward()
     expect("gather backward", x.grad, torch.full((2,), weight))
     xs = [leaf(100 + q) for q in range(n)] if me == 0 else None
-    y = dist.scatter(xs, root=0)
+    y = dist.scatter(xs, root=0, device=device)
     expect("scatter", y.detach(), torch.full((2,), 100.0 + me))
     dist.backward(weight * y.sum())
     if me == 0:

@@ -62,6 +62,15 @@ def test_every_collective_s_backward_is_its_pair(processes):
     assert out.count("every collective and its backward as expected") == processes, out[-4000:]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (tools/gpu_session runs it)")
+def test_every_collective_on_cuda_tensors():
+    """Two processes on the one GPU: CUDA tensors cross through host memory and arrive on the
+    caller's device; every backward still pairs."""
+    code, out = launch(2, Path(__file__).with_name("communication_worker.py"), env=environment(DEVICE="cuda"))
+    assert code == 0, out[-4000:]
+    assert out.count("every collective and its backward as expected") == processes, out[-4000:]
+
+
 def test_a_receive_nobody_sends_ends_within_the_timeout_naming_the_call():
     r = subprocess.run([str(TOOL), "launch", "-n", "2", "--timeout", "5", "--", sys.executable,
                         str(Path(__file__).with_name("communication_worker.py"))],
