@@ -19,6 +19,9 @@ mismatch ends within the job's timeout naming the process waited for and the cal
 """
 from __future__ import annotations
 
+import atexit
+import os
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -69,7 +72,34 @@ def _job() -> _State:
                                      "`conveyor launch -n N -- python script.py`, or set RANK, WORLD_SIZE, MASTER_ADDR "
                                      "and MASTER_PORT as torchrun does")
         _state = _State(group)
+        atexit.register(_check_every_message_was_received)  # runs before the group leaves (LIFO)
     return _state
+
+
+def _check_every_message_was_received() -> None:
+    """At exit, every process compares what each sent to each with what that one received:
+    a send nobody received fails the job here, naming both processes, instead of passing
+    unseen. A collective: it runs only when the process ends normally."""
+    st = _state
+    if st is None or sys.exc_info()[0] is not None:
+        return
+    n = st.group.world_size
+    counts = torch.zeros(2, n, n, dtype=torch.int64)
+    counts[0, st.group.rank] = torch.tensor(st.sent)       # [0, p, q]: p sent to q
+    counts[1, :, st.group.rank] = torch.tensor(st.received)  # [1, p, q]: q received from p
+    try:
+        _drain(st)
+        st.group.allreduce(counts)
+    except Exception:  # the job already failed (a peer lost): that error was reported
+        return
+    unmatched = [(p, q) for p in range(n) for q in range(n) if counts[0, p, q] != counts[1, p, q]]
+    if unmatched:
+        p, q = unmatched[0]
+        print(f"conveyor.distributed: process {p} sent {int(counts[0, p, q])} messages to process {q}, which received "
+              f"{int(counts[1, p, q])}: a send nobody received (every process must make the same calls in the same "
+              "order)", file=sys.stderr, flush=True)
+        st.group.abort("a send nobody received")
+        os._exit(1)
 
 
 def rank() -> int:
@@ -269,10 +299,20 @@ def alltoall(xs):
     return [xs[p] if p == st.group.rank else recv(p, _device_of(xs[st.group.rank])) for p in range(st.group.world_size)]
 
 
+def _same_shapes(parts, call: str) -> None:
+    """Every process's part of a sum has one shape (no silent broadcasting), or an error
+    names the processes that differ, the same on every process."""
+    shapes = [tuple(t.shape) for t in parts]
+    if len(set(shapes)) > 1:
+        raise ConveyorValueError(f"{call}: the processes' tensors differ in shape: "
+                                 + ", ".join(f"process {p} {list(s)}" for p, s in enumerate(shapes)))
+
+
 def reduce_scatter(xs):
     """Process p gets the sum over processes of their `xs[p]` (summed in process order).
     Backward: the gradient goes to every process's `xs[p]` (allgather)."""
     parts = alltoall(xs)
+    _same_shapes(parts, "reduce_scatter")
     total = parts[0]
     for t in parts[1:]:
         total = total + t
@@ -283,6 +323,7 @@ def allreduce(x):
     """The sum of every process's `x` (in process order), on every process. Backward: the
     gradients summed the same way (allreduce)."""
     parts = allgather(x)
+    _same_shapes(parts, "allreduce")
     total = parts[0]
     for t in parts[1:]:
         total = total + t

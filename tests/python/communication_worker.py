@@ -7,6 +7,7 @@ import sys
 import torch
 
 import conveyor.distributed as dist
+from conveyor.errors import ConveyorValueError
 
 
 def expect(name, got, want):
@@ -81,6 +82,17 @@ def main():
         expect("reduce_scatter backward", xs[q].grad, torch.full((2,), float(q + 1)))
     print(f"process {me}: every collective and its backward as expected", flush=True)
 
+    try:
+        dist.allreduce(torch.ones(me + 1))
+        raise SystemExit("allreduce summed tensors of different shapes")
+    except ConveyorValueError as e:
+        if "process 0 [1], process 1 [2]" not in str(e):
+            raise
+    if os.environ.get("MISMATCH") == "send":
+        # Process 0 sends one message more than process 1 receives.
+        if me == 0:
+            dist.send(torch.ones(1), dst=1)
+        sys.exit(0)
     if os.environ.get("MISMATCH") == "1":
         # Process 0 waits for a message process n - 1 never sends (it stops calling).
         if me == 0:

@@ -77,8 +77,17 @@ def test_a_receive_nobody_sends_ends_within_the_timeout_naming_the_call():
                        env=environment(MISMATCH="1"), capture_output=True, text=True, timeout=120)
     out = r.stdout + r.stderr
     assert r.returncode != 0, out[-3000:]
-    assert "process 0: conveyor.distributed: receive #6 from process 1 did not complete within 5000 ms" in out, \
+    assert "process 0: conveyor.distributed: receive #7 from process 1 did not complete within 5000 ms" in out, \
         out[-3000:]
+
+
+def test_a_send_nobody_receives_fails_the_job_at_exit_naming_both():
+    r = subprocess.run([str(TOOL), "launch", "-n", "2", "--timeout", "20", "--", sys.executable,
+                        str(Path(__file__).with_name("communication_worker.py"))],
+                       env=environment(MISMATCH="send"), capture_output=True, text=True, timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-3000:]
+    assert "process 0 sent 7 messages to process 1, which received 6: a send nobody received" in out, out[-3000:]
 
 
 def test_without_a_job_it_says_how_to_start_one():
