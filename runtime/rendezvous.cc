@@ -32,6 +32,12 @@ std::string signed_reply(const std::string& secret, const std::string& client_no
       .dump();
 }
 
+// A string field of a join request, or `fallback` when absent or not a string (value() would throw).
+std::string text_field(const nlohmann::json& j, const char* key, const std::string& fallback = "") {
+  auto it = j.find(key);
+  return it != j.end() && it->is_string() ? it->get<std::string>() : fallback;
+}
+
 struct Waiting {
   caf::response_promise promise;
   std::string client_nonce;
@@ -76,7 +82,7 @@ caf::behavior rendezvous_actor(caf::stateful_actor<RendezvousState>* self, int w
         if (nonce == st.nonces.end()) return refused;
         st.nonces.erase(nonce);  // used once, whether the MAC holds or not
         if (!secret::same(mac, secret::hmac_hex(st.secret, "join\n" + text))) return refused;
-        const std::string client_nonce = j.value("client_nonce", std::string());
+        const std::string client_nonce = text_field(j, "client_nonce");
         auto answer = [&](const nlohmann::json& body) { return signed_reply(st.secret, client_nonce, body); };
         if (st.complete) {
           return answer({{"error", "the job already has all its " + std::to_string(st.world) +
@@ -97,7 +103,7 @@ caf::behavior rendezvous_actor(caf::stateful_actor<RendezvousState>* self, int w
         }
         const std::int64_t rank = j["rank"].get<std::int64_t>();
         const std::string who = "process " + std::to_string(rank);
-        const std::string their_version = j.value("version", std::string("?"));
+        const std::string their_version = text_field(j, "version", "?");
         if (their_version != st.version) {
           return fail_all(who + " runs conveyor " + their_version.substr(0, 40) + " but process 0 runs conveyor " +
                           st.version + "; install the same conveyor on every machine");
@@ -112,12 +118,12 @@ caf::behavior rendezvous_actor(caf::stateful_actor<RendezvousState>* self, int w
                           std::to_string(st.world - 1) + ")");
         }
         if (!st.addresses[rank].empty()) return fail_all("two processes joined as rank " + std::to_string(rank) + "; give each a RANK of its own");
-        const std::string their_job = j.value("job", std::string());
+        const std::string their_job = text_field(j, "job");
         if (their_job != st.job) {
           return fail_all(who + " runs a different model or plan than process 0 (job " + their_job.substr(0, 40) +
                           " against " + st.job + "); every process must run the same script with the same model, plan and schedule");
         }
-        st.addresses[rank] = j.value("address", std::string());
+        st.addresses[rank] = text_field(j, "address");
         if (st.addresses[rank].empty()) return fail_all(who + " sent no data-plane address");
         st.waiting.push_back({promise, client_nonce});
         for (const auto& a : st.addresses) {

@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -210,7 +211,9 @@ class UcxMember final : public UcxEndpoint {
   std::vector<int> silent_peers(std::chrono::milliseconds within) override {
     struct Answers {
       std::mutex mu;
+      std::condition_variable cv;
       std::vector<bool> answered;
+      int count = 0;
     };
     auto answers = std::make_shared<Answers>();
     answers->answered.assign(static_cast<std::size_t>(world_), false);
@@ -219,14 +222,17 @@ class UcxMember final : public UcxEndpoint {
       post([this, peer, answers] {
         receives_.push_back({ucx_tag(kPongTag, peer), [answers, peer](Result<std::vector<at::Tensor>> r) {
                                std::lock_guard<std::mutex> lock(answers->mu);
-                               answers->answered[peer] = r.is_ok();
+                               if (!r.is_ok() || answers->answered[peer]) return;
+                               answers->answered[peer] = true;
+                               ++answers->count;
+                               answers->cv.notify_all();
                              }});
       });
       send_tagged(peer, kPingTag, {}, [](Status) {});
     }
-    std::this_thread::sleep_for(within);
+    std::unique_lock<std::mutex> lock(answers->mu);
+    answers->cv.wait_for(lock, within, [&] { return answers->count == world_ - 1; });
     std::vector<int> silent;
-    std::lock_guard<std::mutex> lock(answers->mu);
     for (int peer = 0; peer < world_; ++peer) {
       if (peer != rank_ && !answers->answered[peer]) silent.push_back(peer);
     }
