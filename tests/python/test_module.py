@@ -329,8 +329,8 @@ def test_every_call_checks_its_inputs_against_the_capture_before_running():
     is refused before any work, naming the input and what to pass (the same checks as
     calling the captured graph), and the pipeline goes on training afterwards."""
     torch.manual_seed(0)
-    model = conveyor.Module(NeedsFourSamples().double(), torch.optim.SGD([torch.zeros(1)], lr=0.1), stages=2,
-                            microbatches=2)
+    net = NeedsFourSamples().double()
+    model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.1), stages=2, microbatches=2)
     x, y = torch.randn(8, 16, dtype=torch.float64), torch.randn(8, 16, dtype=torch.float64)
     model.train_step(x, y)
     cases = [
