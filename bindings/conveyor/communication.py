@@ -15,7 +15,9 @@ Where a process only receives (its graph reaches a loss), `loss.backward()` work
 each receive sends its gradient back when autograd reaches it.
 
 Every process of the job must call the same functions in the same order (as in MPI); a
-mismatch ends within the job's timeout naming the process waited for and the call.
+mismatch ends within the job's timeout naming the process waited for and the call. Sender
+and receiver agree on gradients: a value received under torch.no_grad() sends none back, so
+its sender must not wait for one (run evaluation without gradients on every process).
 """
 from __future__ import annotations
 
