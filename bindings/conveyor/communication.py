@@ -301,35 +301,29 @@ def alltoall(xs):
     return [xs[p] if p == st.group.rank else recv(p, _device_of(xs[st.group.rank])) for p in range(st.group.world_size)]
 
 
-def _same_shapes(parts, call: str) -> None:
-    """Every process's part of a sum has one shape (no silent broadcasting), or an error
-    names the processes that differ, the same on every process."""
+def _sum_in_process_order(parts, call: str):
+    """The sum of every process's part, in process order; parts of different shapes (which
+    would broadcast silently) are refused naming each process's shape, on every process."""
     shapes = [tuple(t.shape) for t in parts]
     if len(set(shapes)) > 1:
         raise ConveyorValueError(f"{call}: the processes' tensors differ in shape: "
                                  + ", ".join(f"process {p} {list(s)}" for p, s in enumerate(shapes)))
+    total = parts[0]
+    for t in parts[1:]:
+        total = total + t
+    return total
 
 
 def reduce_scatter(xs):
     """Process p gets the sum over processes of their `xs[p]` (summed in process order).
     Backward: the gradient goes to every process's `xs[p]` (allgather)."""
-    parts = alltoall(xs)
-    _same_shapes(parts, "reduce_scatter")
-    total = parts[0]
-    for t in parts[1:]:
-        total = total + t
-    return total
+    return _sum_in_process_order(alltoall(xs), "reduce_scatter")
 
 
 def allreduce(x):
     """The sum of every process's `x` (in process order), on every process. Backward: the
     gradients summed the same way (allreduce)."""
-    parts = allgather(x)
-    _same_shapes(parts, "allreduce")
-    total = parts[0]
-    for t in parts[1:]:
-        total = total + t
-    return total
+    return _sum_in_process_order(allgather(x), "allreduce")
 
 
 class Sequential(torch.nn.Module):

@@ -68,25 +68,27 @@ def test_every_collective_on_cuda_tensors():
     caller's device; every backward still pairs."""
     code, out = launch(2, Path(__file__).with_name("communication_worker.py"), env=environment(DEVICE="cuda"))
     assert code == 0, out[-4000:]
-    assert out.count("every collective and its backward as expected") == processes, out[-4000:]
+    assert out.count("every collective and its backward as expected") == 2, out[-4000:]
+
+
+def mismatched(kind: str, timeout_s: int) -> str:
+    """The worker's collectives on 2 processes, then the mismatch `kind`; the job must fail."""
+    r = subprocess.run([str(TOOL), "launch", "-n", "2", "--timeout", str(timeout_s), "--", sys.executable,
+                        str(Path(__file__).with_name("communication_worker.py"))],
+                       env=environment(MISMATCH=kind), capture_output=True, text=True, timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-3000:]
+    return out
 
 
 def test_a_receive_nobody_sends_ends_within_the_timeout_naming_the_call():
-    r = subprocess.run([str(TOOL), "launch", "-n", "2", "--timeout", "5", "--", sys.executable,
-                        str(Path(__file__).with_name("communication_worker.py"))],
-                       env=environment(MISMATCH="1"), capture_output=True, text=True, timeout=120)
-    out = r.stdout + r.stderr
-    assert r.returncode != 0, out[-3000:]
+    out = mismatched("1", 5)
     assert "process 0: conveyor.distributed: receive #7 from process 1 did not complete within 5000 ms" in out, \
         out[-3000:]
 
 
 def test_a_send_nobody_receives_fails_the_job_at_exit_naming_both():
-    r = subprocess.run([str(TOOL), "launch", "-n", "2", "--timeout", "20", "--", sys.executable,
-                        str(Path(__file__).with_name("communication_worker.py"))],
-                       env=environment(MISMATCH="send"), capture_output=True, text=True, timeout=120)
-    out = r.stdout + r.stderr
-    assert r.returncode != 0, out[-3000:]
+    out = mismatched("send", 20)
     assert "process 0 sent 7 messages to process 1, which received 6: a send nobody received" in out, out[-3000:]
 
 
