@@ -2,10 +2,12 @@
 #include "bindings/bindings.h"
 
 #include <chrono>
+#include <cstdio>
 #include <functional>
 #include <future>
 #include <optional>
 
+#include "common/timeouts.h"
 #include "runtime/process_group.h"
 #include "transport/nccl.h"
 #include "transport/ucx.h"
@@ -114,9 +116,11 @@ void bind_processes(py::module_& m) {
       m, "ProcessGroup", "The processes of one job: rendezvous (CAF remote actors), UCX between every two.")
       .def(py::init([](int rank, int world, const std::string& host, int port, const std::string& job, double timeout_s,
                        const std::string& version, const std::string& secret) {
-             if (!(timeout_s >= 0.001 && timeout_s <= 604800)) {  // NaN fails too
+             if (!valid_seconds(timeout_s)) {
+               char range[64];
+               std::snprintf(range, sizeof range, "%g to %g", kLeastSeconds, kMostSeconds);
                raise(Status(ErrorCode::kInvalidArgument, "timeout_s=" + std::to_string(timeout_s) +
-                                                             ": expected a number of seconds from 0.001 to 604800"));
+                                                             ": expected a number of seconds from " + range));
              }
              runtime::ProcessGroupOptions o;
              o.rank = rank;
@@ -170,13 +174,7 @@ void bind_processes(py::module_& m) {
          "`what` names the send in errors.")
       .def("recv", [](const runtime::ProcessGroup& g, int peer, std::uint64_t tag, const std::string& what) {
         py::gil_scoped_release nogil;
-        auto got = transport::receive_within(*g.endpoint(), peer, tag, g.timeout());
-        if (!got && got.status().message().find(" within ") != std::string::npos) {
-          check(Status(ErrorCode::kExecution, "process " + std::to_string(g.rank()) + ": " + what + " did not complete within " +
-                                                  std::to_string(g.timeout().count()) + " ms" + g.whom_it_waited_for()));
-        }
-        if (!got) check(got.status().with_context("process " + std::to_string(g.rank()) + ": " + what));
-        return std::move(got).value();
+        return unwrap(g.receive(peer, tag, what));
       }, py::arg("peer"), py::arg("tag"), py::arg("what"),
          "The tensors process peer sends under tag (waiting at most the group's timeout); `what` names it in errors.")
       .def("allreduce", [](const runtime::ProcessGroup& g, at::Tensor t) {

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <sstream>
 
@@ -45,6 +46,23 @@ T get(std::string_view in, std::size_t offset) {
 }
 
 std::size_t align_up(std::size_t n) { return (n + kDataAlignment - 1) / kDataAlignment * kDataAlignment; }
+
+// The document and tensor data a file's header announces, or nothing when they do not fit
+// in it. The sizes are compared before any sum is formed: sizes near 2^64 must not wrap
+// around the checks.
+struct Sections {
+  std::string_view text, data;
+};
+std::optional<Sections> sections_of(std::string_view bytes) {
+  if (bytes.size() < kHeaderSize) return std::nullopt;
+  const auto text_size = get<std::uint64_t>(bytes, 16);
+  const auto data_size = get<std::uint64_t>(bytes, 24);
+  if (text_size > bytes.size() - kHeaderSize || data_size > bytes.size() ||
+      align_up(kHeaderSize + text_size) > bytes.size() - data_size) {
+    return std::nullopt;
+  }
+  return Sections{bytes.substr(kHeaderSize, text_size), bytes.substr(align_up(kHeaderSize + text_size), data_size)};
+}
 
 // The tensor table of a graph file: each entry's bytes must lie inside `data`, match its dtype
 // and shape exactly, and its name must be new. Every size is checked before it is added or
@@ -177,15 +195,10 @@ Status save_graph_file(const std::string& path, const Graph& graph,
 }
 
 void fix_checksums(std::string& bytes) {
-  if (bytes.size() < kHeaderSize) return;
-  const auto text_size = get<std::uint64_t>(bytes, 16);
-  const auto data_size = get<std::uint64_t>(bytes, 24);
-  if (text_size > bytes.size() - kHeaderSize || data_size > bytes.size() ||
-      align_up(kHeaderSize + text_size) > bytes.size() - data_size) {
-    return;
-  }
-  const std::uint32_t text_crc = crc32(bytes.data() + kHeaderSize, text_size);
-  const std::uint32_t data_crc = crc32(bytes.data() + align_up(kHeaderSize + text_size), data_size);
+  const auto sections = sections_of(bytes);
+  if (!sections) return;
+  const std::uint32_t text_crc = crc32(sections->text.data(), sections->text.size());
+  const std::uint32_t data_crc = crc32(sections->data.data(), sections->data.size());
   std::memcpy(bytes.data() + 32, &text_crc, 4);
   std::memcpy(bytes.data() + 36, &data_crc, 4);
 }
@@ -211,31 +224,27 @@ Result<GraphFile> read_graph_file(std::string_view bytes, const std::string& whe
                       " but this conveyor reads versions up to " + std::to_string(kContainerVersion) +
                       "; upgrade conveyor or save the graph again with this version");
   }
-  const auto text_size = get<std::uint64_t>(bytes, 16);
-  const auto data_size = get<std::uint64_t>(bytes, 24);
-  const auto text_crc = get<std::uint32_t>(bytes, 32);
-  const auto data_crc = get<std::uint32_t>(bytes, 36);
-  // Compared before any sum is formed: sizes near 2^64 must not wrap around the checks.
-  if (text_size > bytes.size() - kHeaderSize || data_size > bytes.size() ||
-      align_up(kHeaderSize + text_size) > bytes.size() - data_size) {
-    return Status(ErrorCode::kCorrupt, where + " is truncated: its header announces " + std::to_string(text_size) +
-                                           " bytes of document and " + std::to_string(data_size) +
+  const auto sections = sections_of(bytes);
+  if (!sections) {
+    return Status(ErrorCode::kCorrupt, where + " is truncated: its header announces " +
+                                           std::to_string(get<std::uint64_t>(bytes, 16)) + " bytes of document and " +
+                                           std::to_string(get<std::uint64_t>(bytes, 24)) +
                                            " bytes of tensor data, but the file has " + std::to_string(bytes.size()));
   }
-  const std::size_t data_at = align_up(kHeaderSize + text_size);
-  if (crc32(bytes.data() + kHeaderSize, text_size) != text_crc) {
+  const std::string_view text = sections->text, data = sections->data;
+  if (crc32(text.data(), text.size()) != get<std::uint32_t>(bytes, 32)) {
     return Status(ErrorCode::kCorrupt, where + " is corrupted: the graph document's checksum does not match");
   }
-  if (crc32(bytes.data() + data_at, data_size) != data_crc) {
+  if (crc32(data.data(), data.size()) != get<std::uint32_t>(bytes, 36)) {
     return Status(ErrorCode::kCorrupt, where + " is corrupted: the tensor data's checksum does not match");
   }
   auto parsed = json_reader::parse_document(
-      bytes.substr(kHeaderSize, text_size), "the graph document",
+      text, "the graph document",
       [&](const json& doc) -> Result<GraphFile> {
         auto graph = Graph::from_json(json_reader::field(doc, "", "graph").dump());
         if (!graph) return graph.status();
         GraphFile file{std::move(graph).value(), {}};
-        file.tensors = read_tensor_table(json_reader::field(doc, "", "tensors"), bytes.substr(data_at, data_size));
+        file.tensors = read_tensor_table(json_reader::field(doc, "", "tensors"), data);
         return file;
       });
   if (!parsed) return parsed.status().with_context(where);

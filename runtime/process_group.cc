@@ -84,6 +84,21 @@ Status ProcessGroup::wait(const std::function<void(transport::Done)>& issue, con
   return done->with_context("process " + std::to_string(rank_) + ", " + what);
 }
 
+Result<std::vector<at::Tensor>> ProcessGroup::receive(int peer, transport::Tag tag, const std::string& what) const {
+  // Shared with the callback, which may still run after a timeout.
+  auto got = std::make_shared<Result<std::vector<at::Tensor>>>(Status(ErrorCode::kInternal, "nothing received"));
+  CONVEYOR_RETURN_IF_ERROR(wait(
+      [&](transport::Done done) {
+        endpoint_->recv(peer, tag, [got, done](Result<std::vector<at::Tensor>> r) {
+          const Status status = r.status();
+          *got = std::move(r);
+          done(status);
+        });
+      },
+      what));
+  return std::move(*got);
+}
+
 std::string ProcessGroup::whom_it_waited_for() const {
   const std::vector<int> silent = endpoint_->silent_peers(std::chrono::seconds(2));
   if (silent.empty()) {

@@ -278,9 +278,9 @@ int main(int argc, char** argv) {
   auto* port_opt = launch_cmd->add_option("--master-port", job.master_port, "its port (default: a free one, one machine only)")
                        ->check(CLI::Range(0, 65535));
   auto* timeout_opt = launch_cmd->add_option("--timeout", job.timeout_s, "seconds any wait between processes may take")
-                          ->check(CLI::Range(tools::kLeastSeconds, tools::kMostSeconds));
+                          ->check(CLI::Range(kLeastSeconds, kMostSeconds));
   auto* grace_opt = launch_cmd->add_option("--grace", job.grace_s, "seconds from SIGTERM to SIGKILL when stopping")
-                        ->check(CLI::Range(tools::kLeastSeconds, tools::kMostSeconds));
+                        ->check(CLI::Range(kLeastSeconds, kMostSeconds));
   launch_cmd->add_option("command", command, "the command every process runs (after --)")->expected(-1);
 
   CLI11_PARSE(app, argc, argv);

@@ -43,7 +43,7 @@ double seconds(const toml::Node& t, std::string_view key, double fallback) {
   const toml::Node* n = t.get(key);
   if (!n) return fallback;
   auto v = n->number();
-  if (!v || !std::isfinite(*v) || *v < kLeastSeconds || *v > kMostSeconds) {
+  if (!v || !valid_seconds(*v)) {
     throw TomlError(n->line(), std::string(key) + " must be a number of seconds from 0.001 to 604800 (a week)");
   }
   return *v;

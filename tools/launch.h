@@ -12,12 +12,9 @@
 #include <vector>
 
 #include "common/status.h"
+#include "common/timeouts.h"
 
 namespace conveyor::tools {
-
-/// The range every timeout and grace period is held to (seconds): positive and finite, at most
-/// a week (longer ones overflow clocks' durations, shorter ones cannot be waited).
-inline constexpr double kLeastSeconds = 0.001, kMostSeconds = 604800;
 
 struct JobConfig {
   int processes = 1;                       ///< per machine

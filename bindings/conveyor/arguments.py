@@ -12,7 +12,7 @@ import torch
 
 from .errors import ConveyorValueError
 
-# The range of every timeout (seconds), as the launcher's (tools/launch.h): at most a week.
+# The range of every timeout (seconds), as common/timeouts.h holds it for C++: at most a week.
 LEAST_SECONDS, MOST_SECONDS = 0.001, 604800.0
 
 SCHEDULES = ("auto", "gpipe", "1f1b", "interleaved", "zb-h1")
