@@ -235,7 +235,7 @@ void bind_graph(py::module_& m) {
              return partitioner::Replanner(
                  cost_graph_of(g, profile_json), unwrap(partitioner::Cluster::from_toml(cluster_toml, "cluster")),
                  unwrap(partitioner::Plan::from_json(plan_json)),
-                 plan_options(batch, microbatches, schedules, optimizer_state, max_replicas, max_microbatches, true,
+                 plan_options(batch, microbatches, schedules, optimizer_state, max_replicas, max_microbatches, false,
                               ranks, replicas, chunks, recompute),
                  policy);
            }),
@@ -246,7 +246,7 @@ void bind_graph(py::module_& m) {
            py::arg("recompute") = "auto", py::arg("horizon_steps") = 100, py::arg("moves_bytes") = true, py::arg("min_gain") = 0.1,
            py::arg("margin") = 0.5, py::arg("confirmations") = 2, py::arg("tolerance") = 0.1,
            "The planning inputs of `plan` (made from graph, profile and cluster with the same options, its fixed "
-           "parts included; replicas split evenly) and the policy: the horizon in steps, whether stages moving moves bytes between "
+           "parts included; replicas share microbatches by their devices' speeds, in whole samples) and the policy: the horizon in steps, whether stages moving moves bytes between "
            "processes, the least relative gain, the margin over the moving cost, the confirmations and the noise "
            "tolerance.")
       .def("evaluate", [](partitioner::Replanner& r, const py::list& stages, double measured_step_s, double rebuild_s,

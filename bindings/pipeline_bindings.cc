@@ -27,7 +27,8 @@ void bind_pipeline(py::module_& m) {
                        std::int64_t bucket_bytes, int intra_op_threads, const std::string& plan_json,
                        std::shared_ptr<runtime::ProcessGroup> processes, std::vector<int> rank_process,
                        double step_timeout_s, std::vector<std::vector<int>> replica_process,
-                       std::optional<std::uint64_t> seed, const std::string& transport, std::vector<bool> recompute) {
+                       std::optional<std::uint64_t> seed, const std::string& transport, std::vector<bool> recompute,
+                       std::vector<std::vector<double>> shares) {
              scheduler::ScheduleSpec spec;
              spec.kind = unwrap(scheduler::schedule_kind_from_name(schedule));
              spec.chunks = chunks;
@@ -39,6 +40,7 @@ void bind_pipeline(py::module_& m) {
                options.predicted = unwrap(unwrap(partitioner::Plan::from_json(plan_json)).simulate_as_built(spec));
              }
              options.replicas = std::move(replicas);
+             options.shares = std::move(shares);
              if (bucket_bytes > 0) options.bucket_bytes = bucket_bytes;
              options.intra_op_threads = intra_op_threads;
              options.processes = std::move(processes);
@@ -63,7 +65,9 @@ void bind_pipeline(py::module_& m) {
            py::arg("rank_process") = std::vector<int>{}, py::arg("step_timeout_s") = 0.0,
            py::arg("replica_process") = std::vector<std::vector<int>>{}, py::arg("seed") = py::none(),
            py::arg("transport") = "ucx", py::arg("recompute") = std::vector<bool>{},
-           "replicas: per rank (empty: one each); bucket_bytes: gradient reduction bucket size (0: 4 MiB); "
+           py::arg("shares") = std::vector<std::vector<double>>{},
+           "replicas: per rank (empty: one each); shares: per rank, each replica's weight in splitting a "
+           "microbatch (empty: even); bucket_bytes: gradient reduction bucket size (0: 4 MiB); "
            "intra_op_threads: torch threads per replica (0: the caller's shared out); plan: the plan document "
            "the stages come from (its prediction is what the live profile compares against); processes, "
            "rank_process: run across the job's processes, pipeline rank r on process rank_process[r]; "
@@ -85,6 +89,9 @@ void bind_pipeline(py::module_& m) {
         for (const auto& [name, process] : step.owners()) out[py::str(name)] = process;
         return out;
       }, "Many processes: {parameter or buffer name: the process that owns it} (empty in one process).")
+      .def("share_lengths", &runtime::PipelineStep::share_lengths, py::arg("stage"), py::arg("length"),
+           "The samples each replica of `stage` runs of a microbatch of `length` (its rank's shares; empty for "
+           "a stage the pipeline lacks).")
       .def(
           "run",
           [](runtime::PipelineStep& step, const py::sequence& inputs, double grad_scale, bool hold_gradients) {

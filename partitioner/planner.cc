@@ -45,9 +45,7 @@ StagePlan stage_plan(const Units& u, const CutStates& cs, int inner, int outer, 
   const StageSums ss = stage_sums(u, cs, outer, inner);
   sp.first_device = first;
   sp.replicas = replicas;
-  for (int d = first; d < first + replicas; ++d) {
-    sp.shares.push_back(model.options().even_shares ? 1.0 / replicas : cluster.devices[d].speed / e.speed);
-  }
+  sp.shares = model.shares(first, replicas);
   sp.forward_s = ss.fwd * model.scale() / e.speed + model.options().action_overhead_s;
   sp.backward_s = (e.recompute ? ss.fwd + ss.bwd : ss.bwd) * model.scale() / e.speed + model.options().action_overhead_s;
   sp.backward_weight_s = ss.bwd_w * model.scale() / e.speed;

@@ -36,6 +36,35 @@ Status check_devices(const StagePlan& p, std::size_t stage, int devices) {
                                                  ", outside the cluster's " + std::to_string(devices));
 }
 
+// Per replica of `p` on `devices`: the time of its share over the slowest replica's (which
+// the stage's time is): its share over its device's speed, against the largest such.
+std::vector<double> replica_fractions(const StagePlan& p, const std::vector<Device>& devices) {
+  std::vector<double> out(static_cast<std::size_t>(p.replicas), 1.0);
+  if (static_cast<int>(p.shares.size()) != p.replicas || p.first_device + p.replicas > static_cast<int>(devices.size())) {
+    return out;
+  }
+  double slowest = 0;
+  for (int i = 0; i < p.replicas; ++i) {
+    out[i] = p.shares[i] / std::max(devices[p.first_device + i].speed, 1e-12);
+    slowest = std::max(slowest, out[i]);
+  }
+  for (double& x : out) x = slowest > 0 ? x / slowest : 1.0;
+  return out;
+}
+
+// The speed a stage runs at on `devices` with the shares it runs (the plan's): one over its
+// slowest replica's share time; 0 when the plan gives no shares.
+double running_speed(const StagePlan& p, const std::vector<Device>& devices) {
+  if (static_cast<int>(p.shares.size()) != p.replicas || p.first_device + p.replicas > static_cast<int>(devices.size())) {
+    return 0;
+  }
+  double slowest = 0;
+  for (int i = 0; i < p.replicas; ++i) {
+    slowest = std::max(slowest, p.shares[i] / std::max(devices[p.first_device + i].speed, 1e-12));
+  }
+  return slowest > 0 ? 1.0 / slowest : 0;
+}
+
 }  // namespace
 
 Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasurement>& measured, int devices,
@@ -66,18 +95,20 @@ Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasure
   f.forward = common_ratio(mf, pf);
   f.backward = common_ratio(mb, pb);
   f.weight = split ? common_ratio(mw, pw) : f.backward;
-  // Per device: what its replicas measured over what the common-corrected model predicts.
+  // Per device: what its replicas measured over what the common-corrected model predicts
+  // for its own share (the stage's time is its slowest replica's).
   std::vector<double> device_measured(devices, 0), device_predicted(devices, 0);
   for (std::size_t s = 0; s < stages; ++s) {
     const StagePlan& p = plan.stages[s];
     const StageMeasurement& m = measured[s];
     const double predicted = pf[s] * f.forward + pb[s] * f.backward + pw[s] * f.weight;
     const double whole = m.forward_s + m.backward_s + m.backward_weight_s;
+    const std::vector<double> fraction = replica_fractions(p, plan.devices);
     for (int i = 0; i < p.replicas; ++i) {
       const double mine = i < static_cast<int>(m.replica_compute_s.size()) ? m.replica_compute_s[i] : whole;
       if (mine <= 0 || predicted <= 0) continue;  // not measured here
       device_measured[p.first_device + i] += mine;
-      device_predicted[p.first_device + i] += predicted;
+      device_predicted[p.first_device + i] += predicted * fraction[i];
     }
   }
   f.speed.assign(devices, 1.0);
@@ -161,7 +192,8 @@ Result<Plan> reprice(const CostGraph& costs, const Cluster& cluster, const PlanO
       bwd += costs.ops[id].backward_s;
       bwd_w += costs.ops[id].backward_weight_s;
     }
-    const double speed = model.speed(p.first_device, p.replicas);
+    const double running = running_speed(p, cluster.devices);  // the shares it runs, on the devices as now
+    const double speed = running > 0 ? running : model.speed(p.first_device, p.replicas);
     p.forward_s = fwd * model.scale() / speed + o.action_overhead_s;
     p.backward_s = bwd * model.scale() / speed + o.action_overhead_s;
     p.allreduce_s = model.allreduce_time(p.param_bytes, p.first_device, p.replicas);

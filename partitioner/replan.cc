@@ -6,6 +6,8 @@
 #include <map>
 #include <utility>
 
+#include "common/shares.h"
+
 namespace conveyor::partitioner {
 
 namespace {
@@ -104,6 +106,11 @@ std::string Replanner::layout_key(const Plan& plan) {
   for (const StagePlan& s : plan.stages) {
     key += "|" + std::to_string(s.first_device) + "x" + std::to_string(s.replicas) + ":";
     for (int op : s.ops) key += std::to_string(op) + ",";
+    if (s.replicas > 1) {  // shares in whole samples of the plan's microbatch: another split is another layout
+      const std::int64_t samples = std::max(1, plan.batch / std::max(plan.microbatches, 1));
+      key += "/";
+      for (std::int64_t n : share_lengths(samples, s.shares, s.replicas)) key += std::to_string(n) + ",";
+    }
   }
   return key;
 }

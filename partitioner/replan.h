@@ -82,8 +82,8 @@ class Replanner {
   const ReplanPolicy& policy() const { return policy_; }
   ReplanPolicy& policy() { return policy_; }
 
-  /// What identifies a layout: stages with their operators and devices, microbatches,
-  /// schedule and chunks (predictions aside).
+  /// What identifies a layout: stages with their operators, devices and replicas' shares (in
+  /// whole samples), microbatches, schedule and chunks (predictions aside).
   static std::string layout_key(const Plan& plan);
 
  private:

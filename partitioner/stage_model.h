@@ -4,9 +4,12 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include "common/shares.h"
 #include "partitioner/search_space.h"
 
 namespace conveyor::partitioner::detail {
@@ -64,14 +67,22 @@ class Model {
   int microbatches() const { return m_; }
   ScheduleKind kind() const { return kind_; }
   double scale() const { return scale_; }
-  /// The speed of a stage on devices [first, first + r): the sum of theirs, or with even
-  /// shares r times the slowest's (every replica waits for it).
+  /// The speed of a stage on devices [first, first + r): with even shares r times the
+  /// slowest's (every replica waits for it); else, shares weighted by speed in whole samples
+  /// (common/shares.h, as the runtime splits), one over the slowest share's time.
   double speed(int first, int r) const {
-    return options_.even_shares ? r * min_speed_.query(first, r) : speed_prefix_[first + r] - speed_prefix_[first];
+    if (options_.even_shares || alike(first, r)) return r * min_speed_.query(first, r);
+    return weighted(first, r).speed;
   }
   /// The largest share of a microbatch one of those devices takes.
   double max_share(int first, int r) const {
-    return options_.even_shares ? 1.0 / r : max_speed_.query(first, r) / speed(first, r);
+    if (options_.even_shares || alike(first, r)) return 1.0 / r;
+    return weighted(first, r).max_share;
+  }
+  /// Each device's share of a microbatch (fractions summing to 1), as the runtime splits it.
+  std::vector<double> shares(int first, int r) const {
+    if (options_.even_shares || alike(first, r)) return std::vector<double>(static_cast<std::size_t>(r), 1.0 / r);
+    return weighted(first, r).shares;
   }
 
   /// How many stage counts the searches tell apart: exactly 0..ranks when the ranks are
@@ -146,6 +157,30 @@ class Model {
   }
 
  private:
+  bool alike(int first, int r) const { return min_speed_.query(first, r) == max_speed_.query(first, r); }
+  struct Weighted {
+    double speed = 0, max_share = 0;
+    std::vector<double> shares;
+  };
+  // Devices of different speeds sharing a microbatch of the plan's size in whole samples.
+  const Weighted& weighted(int first, int r) const {
+    auto [it, fresh] = weighted_.try_emplace(static_cast<long long>(first) * (n_ + 1) + r);
+    if (!fresh) return it->second;
+    const std::int64_t samples = std::max<std::int64_t>(1, options_.batch / m_);
+    std::vector<double> speeds(static_cast<std::size_t>(r));
+    for (int i = 0; i < r; ++i) speeds[i] = cluster_.devices[first + i].speed;
+    const std::vector<std::int64_t> lengths = share_lengths(samples, speeds, r);
+    double slowest = 0;  // the longest share's time per microbatch, in microbatch-work at speed 1
+    for (int i = 0; i < r; ++i) {
+      const double share = static_cast<double>(lengths[i]) / static_cast<double>(samples);
+      it->second.shares.push_back(share);
+      it->second.max_share = std::max(it->second.max_share, share);
+      slowest = std::max(slowest, share / speeds[i]);
+    }
+    it->second.speed = 1.0 / slowest;
+    return it->second;
+  }
+
   const Cluster& cluster_;
   const PlanOptions& options_;
   int m_;
@@ -156,6 +191,7 @@ class Model {
   double scale_ = 1;
   std::vector<double> speed_prefix_;
   RangeTable min_memory_, max_speed_, min_speed_;
+  mutable std::unordered_map<long long, Weighted> weighted_;  // by (first, r)
 };
 
 StageSums stage_sums(const Units& u, const CutStates& cs, int outer, int inner);

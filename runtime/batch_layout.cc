@@ -12,11 +12,6 @@ namespace conveyor::runtime {
 using graph::NodeId;
 using graph::ValueId;
 
-Share share_of(std::int64_t length, int replicas, int i) {
-  const std::int64_t base = length / replicas, extra = length % replicas;
-  return {i * base + std::min<std::int64_t>(i, extra), base + (i < extra ? 1 : 0)};
-}
-
 namespace {
 
 // The k of a dimension "k*s" (s a batch symbol, k a product of numbers and other symbols):
@@ -99,7 +94,11 @@ bool mentions_batch(const std::string& expr, const std::set<std::string>& batch_
 }  // namespace
 
 Result<BatchLayout> BatchLayout::analyze(const graph::Graph& g, const std::vector<std::vector<NodeId>>& stages,
-                                         const std::vector<int>& stage_replicas) {
+                                         const std::vector<int>& stage_replicas,
+                                         const std::vector<int>& stage_split) {
+  auto alike = [&](int a, int b) {
+    return stage_split.empty() ? stage_replicas[a] == stage_replicas[b] : stage_split[a] == stage_split[b];
+  };
   if (g.outputs.size() != 1 || g.values[g.outputs[0]].kind != graph::ValueKind::kTensor ||
       !g.values[g.outputs[0]].shape.empty()) {
     return Status(ErrorCode::kInvalidArgument,
@@ -175,12 +174,13 @@ Result<BatchLayout> BatchLayout::analyze(const graph::Graph& g, const std::vecto
       share_positions[o] = positions && !on_data;
     }
   }
-  // Between stages with different replica counts a value is redistributed along its batch
-  // dimension, or, when it does not depend on the batch, taken from any replica.
+  // Between stages that split a microbatch differently (replica counts or weights) a value
+  // is redistributed along its batch dimension, or, when it does not depend on the batch,
+  // taken from any replica.
   for (int s = 0; s < num_stages; ++s) {
     for (ValueId v : graph::stage_boundary(g, stages[s]).inputs) {
       const int p = out.producer[v];
-      if (p < 0 || stage_replicas[p] == stage_replicas[s] || !on_batch[v] || out.is_batch_size[v]) continue;
+      if (p < 0 || alike(p, s) || !on_batch[v] || out.is_batch_size[v]) continue;
       const graph::Value& val = g.values[v];
       int batch_dims = 0;
       bool other_symbolic = false;
@@ -196,16 +196,18 @@ Result<BatchLayout> BatchLayout::analyze(const graph::Graph& g, const std::vecto
                       "value " + std::to_string(v) + " ('" + val.name + "') passes from stage " + std::to_string(p) +
                           " (" + std::to_string(stage_replicas[p]) + " replicas) to stage " + std::to_string(s) + " (" +
                           std::to_string(stage_replicas[s]) +
-                          " replicas) but has no plain batch dimension to redistribute along (or holds "
+                          " replicas, split " + (stage_replicas[p] == stage_replicas[s] ? "by other weights" : "otherwise") +
+                          ") but has no plain batch dimension to redistribute along (or holds "
                           "positions within a share, like arange(batch)); give both "
-                          "stages the same number of replicas, or cut the model elsewhere");
+                          "stages the same replicas and shares, or cut the model elsewhere");
       }
     }
   }
   return out;
 }
 
-Status BatchLayout::check_step(std::int64_t batch, int m, const std::vector<int>& stage_replicas) const {
+Status BatchLayout::check_step(std::int64_t batch, int m, const std::vector<int>& stage_replicas,
+                               const std::vector<std::vector<double>>& stage_weights) const {
   if (batch < m) {
     return Status(ErrorCode::kInvalidArgument, "the batch has " + std::to_string(batch) + " samples, fewer than the " +
                                                    std::to_string(m) +
@@ -221,8 +223,16 @@ Status BatchLayout::check_step(std::int64_t batch, int m, const std::vector<int>
   }
   // Each replica runs a share of a microbatch; the graph holds only for the sizes its
   // capture allowed (a kernel chosen by size, a branch on the batch size).
-  const int fewest = *std::min_element(stage_replicas.begin(), stage_replicas.end());
-  const std::int64_t largest = ((batch + m - 1) / m + fewest - 1) / fewest, smallest = batch / m / most;
+  std::int64_t largest = 0, smallest = batch;
+  for (std::int64_t micro : {batch / m, (batch + m - 1) / m}) {  // tensor_split's two microbatch lengths
+    for (std::size_t s = 0; s < stage_replicas.size(); ++s) {
+      const std::vector<double> none;
+      for (std::int64_t n : share_lengths(micro, s < stage_weights.size() ? stage_weights[s] : none, stage_replicas[s])) {
+        largest = std::max(largest, n);
+        smallest = std::min(smallest, n);
+      }
+    }
+  }
   auto outside = [&](const char* bound, std::int64_t limit, std::int64_t share, const char* change) {
     return Status(ErrorCode::kInvalidArgument,
                   std::string("the model's graph holds for ") + bound + " " + std::to_string(limit) +

@@ -9,19 +9,11 @@
 #include <map>
 #include <vector>
 
+#include "common/shares.h"
 #include "common/status.h"
 #include "graph/ir.h"
 
 namespace conveyor::runtime {
-
-/// The samples [offset, offset + length) of a microbatch that one replica runs.
-struct Share {
-  std::int64_t offset = 0, length = 0;
-};
-
-/// The share of `length` samples that replica `i` of `replicas` takes (tensor_split's rule:
-/// the first length % replicas replicas take one more).
-Share share_of(std::int64_t length, int replicas, int i);
 
 /// Per value and per graph input: where the batch is.
 struct BatchLayout {
@@ -36,15 +28,19 @@ struct BatchLayout {
   graph::Graph::Range range;                     ///< the share sizes the graph holds for (capture's guards)
   graph::ValueId loss = -1;                      ///< the graph's one output, a scalar
 
-  /// Analyses `g` cut into `stages` with `stage_replicas` replicas each. Errors: a graph
-  /// that does not return one scalar loss; a value passing between stages of different
-  /// replica counts that has no plain batch dimension (or holds positions within a share).
+  /// Analyses `g` cut into `stages` with `stage_replicas` replicas each (`stage_split`: per
+  /// stage, an id equal for stages that split a microbatch alike; empty: alike when the
+  /// counts are). Errors: a graph that does not return one scalar loss; a value passing
+  /// between stages that split differently that has no plain batch dimension (or holds
+  /// positions within a share).
   static Result<BatchLayout> analyze(const graph::Graph& g, const std::vector<std::vector<graph::NodeId>>& stages,
-                                     const std::vector<int>& stage_replicas);
+                                     const std::vector<int>& stage_replicas, const std::vector<int>& stage_split = {});
 
   /// Checks a step of `batch` samples in `microbatches` against the replica counts and the
-  /// graph's range, naming what to change.
-  Status check_step(std::int64_t batch, int microbatches, const std::vector<int>& stage_replicas) const;
+  /// graph's range, naming what to change. `stage_weights`: per stage, its replicas' weights
+  /// (share_lengths; empty: even shares).
+  Status check_step(std::int64_t batch, int microbatches, const std::vector<int>& stage_replicas,
+                    const std::vector<std::vector<double>>& stage_weights = {}) const;
 };
 
 }  // namespace conveyor::runtime

@@ -47,6 +47,7 @@ struct Coordinator::Impl {
   runtime::RunnerHooks hooks;
   std::vector<int> replicas;
   runtime::LocalReplicas local;
+  std::vector<int> splits;
   std::vector<caf::actor> replica_actors;
   caf::actor coordinator, partitioner;
   std::shared_ptr<runtime::StepRun> failed;  // the last step, if it failed
@@ -64,9 +65,9 @@ Coordinator::~Coordinator() = default;
 Result<std::unique_ptr<Coordinator>> Coordinator::create(scheduler::Schedule schedule, runtime::RunnerHooks hooks,
                                                          std::vector<int> replicas,
                                                          std::optional<scheduler::SimulationResult> predicted,
-                                                         runtime::LocalReplicas local) {
+                                                         runtime::LocalReplicas local, std::vector<int> splits) {
   // A step validates the schedule, hooks and counts: check them now, before any actor exists.
-  auto probe = runtime::StepRun::create(schedule, hooks, replicas, local);
+  auto probe = runtime::StepRun::create(schedule, hooks, replicas, local, splits);
   if (!probe) return probe.status();
   auto impl = std::make_unique<Impl>();
   impl->schedule = std::move(schedule);
@@ -74,6 +75,7 @@ Result<std::unique_ptr<Coordinator>> Coordinator::create(scheduler::Schedule sch
   const int ranks = static_cast<int>(impl->schedule.ranks.size());
   impl->replicas = replicas.empty() ? std::vector<int>(static_cast<std::size_t>(ranks), 1) : std::move(replicas);
   impl->local = std::move(local);
+  impl->splits = std::move(splits);
   auto& system = actor_system();
   for (int w = 0; w < (*probe)->workers(); ++w) {
     const auto [r, i] = (*probe)->worker(w);
@@ -98,7 +100,7 @@ Result<runtime::RunResult> Coordinator::run_step(std::chrono::milliseconds timeo
     }
     impl_->failed.reset();
   }
-  auto step = runtime::StepRun::create(impl_->schedule, impl_->hooks, impl_->replicas, impl_->local);
+  auto step = runtime::StepRun::create(impl_->schedule, impl_->hooks, impl_->replicas, impl_->local, impl_->splits);
   if (!step) return step.status();
   caf::anon_send(impl_->coordinator, step_atom::value, *step);
   auto measured = (*step)->wait(timeout);

@@ -63,10 +63,11 @@ class Coordinator {
   /// Spawns the actor graph for `schedule` with `replicas` per rank (empty: one each): the
   /// replicas `local` marks (per rank and replica; empty: all; the others run in other processes).
   /// `predicted`: the simulator's result for the same plan, for the partitioner's report.
+  /// `splits`: per rank, an id equal for ranks that split a microbatch alike (StepRun::create).
   static Result<std::unique_ptr<Coordinator>> create(scheduler::Schedule schedule, runtime::RunnerHooks hooks,
                                                      std::vector<int> replicas = {},
                                                      std::optional<scheduler::SimulationResult> predicted = {},
-                                                     runtime::LocalReplicas local = {});
+                                                     runtime::LocalReplicas local = {}, std::vector<int> splits = {});
   ~Coordinator();
   Coordinator(const Coordinator&) = delete;
   Coordinator& operator=(const Coordinator&) = delete;

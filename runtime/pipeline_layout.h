@@ -22,6 +22,13 @@ struct PipelineLayout {
   std::vector<std::vector<graph::NodeId>> stages;  ///< node lists, in pipeline order
   std::vector<int> rank_replicas;                  ///< per rank
   std::vector<int> stage_replicas;                 ///< per stage (its rank's count)
+  /// Per rank: each replica's weight in splitting a microbatch (share_lengths, summing to
+  /// 1); empty: even (also when every weight given was equal).
+  std::vector<std::vector<double>> rank_weights;
+  /// Per rank: the first rank that splits a microbatch the same way (as many replicas, the
+  /// same weights). Replica i of one talks to replica i of the other only; other pairs join
+  /// and split again.
+  std::vector<int> rank_split;
   int most_replicas = 1;                           ///< the largest count: replica executors made
   BatchLayout batch;
   std::vector<std::vector<int>> reads_from;  ///< [stage]: the stages whose outputs it reads
@@ -34,14 +41,22 @@ struct PipelineLayout {
   std::set<std::string> trainable;             ///< parameters that require gradients
 
   /// Checks `stages` against `g` and `spec`, and analyses the batch. `held` and `trainable`
-  /// name the bindings the executor holds and those that require gradients.
+  /// name the bindings the executor holds and those that require gradients; `rank_weights`
+  /// (empty: even shares) one positive weight per replica of each rank.
   static Result<PipelineLayout> create(const graph::Graph& g, std::vector<std::vector<graph::NodeId>> stages,
                                        const scheduler::ScheduleSpec& spec, std::vector<int> rank_replicas,
-                                       std::set<std::string> held, std::set<std::string> trainable);
+                                       std::set<std::string> held, std::set<std::string> trainable,
+                                       std::vector<std::vector<double>> rank_weights = {});
 
   int num_stages() const { return static_cast<int>(stages.size()); }
   int rank_of(int stage) const { return schedule.spec.rank_of_stage(stage); }
   int microbatches() const { return schedule.spec.microbatches; }
+  /// Replica `i` of `stage`'s share of a microbatch of `length` samples (its rank's weights).
+  Share share(std::int64_t length, int stage, int i) const;
+  /// Per stage, its rank's weights (for BatchLayout::check_step).
+  std::vector<std::vector<double>> stage_weights() const;
+  /// Whether stages `a` and `b` split a microbatch alike (rank_split).
+  bool same_split(int a, int b) const { return rank_split[rank_of(a)] == rank_split[rank_of(b)]; }
   /// The replicas of `other` (a stage) that replica `i` of `stage` exchanges values with:
   /// the one of the same index when both have as many replicas, every one otherwise.
   std::vector<int> partners(int stage, int i, int other) const;

@@ -126,7 +126,7 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
     if (!stream_device && t->defined() && device_has_streams(t->device())) stream_device = t->device();
   }
   CONVEYOR_ASSIGN_OR_RETURN(im.layout, PipelineLayout::create(g, std::move(stages), spec, options.replicas,
-                                                              std::move(held), std::move(trainable)));
+                                                              std::move(held), std::move(trainable), options.shares));
   const PipelineLayout& layout = im.layout;
   const int num_stages = layout.num_stages();
   // Replica executors: parameters share storage, buffers are copies.
@@ -241,7 +241,7 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
     };
   }
   CONVEYOR_ASSIGN_OR_RETURN(im.coordinator, Coordinator::create(layout.schedule, std::move(hooks), layout.rank_replicas,
-                                                                std::move(options.predicted), local));
+                                                                std::move(options.predicted), local, layout.rank_split));
   std::unique_ptr<PipelineStep> step(new PipelineStep(std::move(impl)));
   // Every process starts from the same parameters and buffers, their owners', and keeps
   // only what its stages read.
@@ -265,7 +265,7 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
     if (layout.batch.batched_input[i] && inputs[i].isTensor()) batch = inputs[i].toTensor().size(0);
   }
   if (batch < 0) return Status(ErrorCode::kInvalidArgument, "no input has a batch dimension to split into microbatches");
-  CONVEYOR_RETURN_IF_ERROR(layout.batch.check_step(batch, layout.microbatches(), layout.stage_replicas));
+  CONVEYOR_RETURN_IF_ERROR(layout.batch.check_step(batch, layout.microbatches(), layout.stage_replicas, layout.stage_weights()));
   CONVEYOR_RETURN_IF_ERROR(im.store->begin_step(inputs, batch));
   im.state->begin_step();
   if (hold_gradients) im.state->set_gradients_aside();
@@ -363,7 +363,7 @@ Result<at::Tensor> PipelineStep::Impl::total_loss() {
   std::map<std::pair<int, int>, at::Tensor> weighted;  // (mb, replica), this process's
   for (int mb = 0; mb < m; ++mb) {
     for (int i : placement.local_replicas[loss_stage]) {
-      weighted[{mb, i}] = losses.at({mb, i}) * store->weight(mb, loss_replicas, i);
+      weighted[{mb, i}] = losses.at({mb, i}) * store->weight(mb, loss_stage, i);
     }
   }
   if (!processes) {
@@ -400,6 +400,14 @@ std::shared_ptr<HeldGradients> PipelineStep::take_held_gradients() { return std:
 std::vector<std::pair<std::string, int>> PipelineStep::owners() const { return impl_->placement.owners; }
 
 Status PipelineStep::gather_state() { return impl_->state->gather(); }
+
+std::vector<std::int64_t> PipelineStep::share_lengths(int stage, std::int64_t length) const {
+  const PipelineLayout& layout = impl_->layout;
+  std::vector<std::int64_t> out;
+  if (stage < 0 || stage >= layout.num_stages()) return out;
+  for (int i = 0; i < layout.stage_replicas[stage]; ++i) out.push_back(layout.share(length, stage, i).length);
+  return out;
+}
 
 std::pair<int, int> PipelineStep::last_reduction() const { return impl_->last_reduction; }
 

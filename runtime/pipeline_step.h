@@ -46,6 +46,9 @@ struct StepResult {
 struct PipelineOptions {
   /// Replicas per rank (a rank's stages all have its count); empty: one each.
   std::vector<int> replicas;
+  /// Per rank, each replica's weight in splitting a microbatch (a plan's shares: faster
+  /// devices take more samples); empty, or empty for a rank: even shares.
+  std::vector<std::vector<double>> shares;
   /// Gradients are summed across replicas in buckets of at most this many bytes.
   std::int64_t bucket_bytes = 4 << 20;
   /// Torch intra-op threads of each replica's compute thread; 0: the caller's count shared
@@ -109,6 +112,8 @@ class PipelineStep {
   /// Many processes: each parameter and buffer the pipeline reads, with the process that
   /// owns it (its first reader's); empty in one process.
   std::vector<std::pair<std::string, int>> owners() const;
+  /// The samples each replica of `stage` runs of a microbatch of `length` (its rank's shares).
+  std::vector<std::int64_t> share_lengths(int stage, std::int64_t length) const;
 
   /// The last step's gradient buckets of replicated stages, and how many were reduced while
   /// their stage's last backward still ran.

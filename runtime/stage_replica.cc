@@ -165,7 +165,7 @@ Status StageReplica::backward(const Action& a, bool split) {
     const ValueId v = program.outputs()[k];
     at::Tensor g;
     if (v == layout_.batch.loss) {  // the loss of this share, weighted by its share of the batch
-      const double w = store_.weight(a.microbatch, layout_.stage_replicas[a.stage], replica_);
+      const double w = store_.weight(a.microbatch, a.stage, replica_);
       g = at::full_like(act.outputs[k].toTensor(), w * settings_.grad_scale);
     }
     add_into(g, store_.take_gradient(v, a.microbatch, replica_));

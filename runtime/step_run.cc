@@ -40,8 +40,9 @@ using Key = std::tuple<int, int, int, int, int>;
 
 // Shared by the threads of one step.
 struct StepRun::State {
-  State(const Schedule& s, const RunnerHooks& h, std::vector<int> r, LocalReplicas l)
-      : schedule(s), hooks(h), replicas(std::move(r)), local(std::move(l)), comm_thread(CommThread::process()),
+  State(const Schedule& s, const RunnerHooks& h, std::vector<int> r, LocalReplicas l, std::vector<int> sp)
+      : schedule(s), hooks(h), replicas(std::move(r)), local(std::move(l)), splits(std::move(sp)),
+        comm_thread(CommThread::process()),
         comm(comm_thread->impl().io) {
     for (int rank = 0; rank < static_cast<int>(replicas.size()); ++rank) {
       for (int i = 0; i < replicas[rank]; ++i) {
@@ -57,6 +58,7 @@ struct StepRun::State {
   const RunnerHooks hooks;
   const std::vector<int> replicas;               // per rank
   const LocalReplicas local;                     // per rank and replica: run by this process
+  const std::vector<int> splits;                 // per rank: equal for ranks that split alike
   std::vector<int> local_replicas;               // per rank: how many of its replicas run here
   std::vector<std::pair<int, int>> workers;      // (rank, replica), rank-major
   const std::shared_ptr<CommThread> comm_thread;
@@ -107,7 +109,7 @@ struct StepRun::State {
   static void post_send(const std::shared_ptr<State>& st, int r, int i, const Action& a, std::string where) {
     const int kind = a.kind == ActionKind::kSendGradient ? 1 : 0;
     std::vector<std::shared_ptr<Channel>> out;  // none for another process's replica: the transfer hook sends
-    for (int j : partner_replicas(st->replicas, r, i, a.peer)) {
+    for (int j : partner_replicas(st->replicas, r, i, a.peer, st->splits)) {
       if (st->local[a.peer][j]) out.push_back(st->channel({kind, a.microbatch, a.stage, i, j}));
     }
     asio::post(st->comm, [st, r, i, a, out = std::move(out), where = std::move(where)] {
@@ -188,7 +190,7 @@ struct StepRun::State {
         case ActionKind::kRecvGradient: {
           const bool grad = a.kind == ActionKind::kRecvGradient;
           const int from_stage = grad ? a.stage + 1 : a.stage - 1;
-          for (int j : partner_replicas(st->replicas, r, i, a.peer)) {
+          for (int j : partner_replicas(st->replicas, r, i, a.peer, st->splits)) {
             if (st->local[a.peer][j]) {
               auto ch = st->channel({grad ? 1 : 0, a.microbatch, from_stage, j, i});
               auto [ec, unused] = co_await ch->async_receive(asio::experimental::as_tuple(asio::use_awaitable));
@@ -228,7 +230,8 @@ StepRun::StepRun(std::shared_ptr<State> state) : st_(std::move(state)) {}
 StepRun::~StepRun() = default;
 
 Result<std::shared_ptr<StepRun>> StepRun::create(const Schedule& schedule, const RunnerHooks& hooks,
-                                                 std::vector<int> replicas, LocalReplicas local) {
+                                                 std::vector<int> replicas, LocalReplicas local,
+                                                 std::vector<int> splits) {
   CONVEYOR_RETURN_IF_ERROR(validate_schedule(schedule));
   if (!hooks.compute) return Status(ErrorCode::kInvalidArgument, "the runner needs a compute hook");
   const int ranks = static_cast<int>(schedule.ranks.size());
@@ -242,6 +245,10 @@ Result<std::shared_ptr<StepRun>> StepRun::create(const Schedule& schedule, const
       return Status(ErrorCode::kInvalidArgument, "rank " + std::to_string(r) + " has " +
                                                      std::to_string(replicas[r]) + " replicas (at least 1)");
     }
+  }
+  if (!splits.empty() && static_cast<int>(splits.size()) != ranks) {
+    return Status(ErrorCode::kInvalidArgument, "splits given for " + std::to_string(splits.size()) +
+                                                   " ranks, but the schedule has " + std::to_string(ranks));
   }
   if (local.empty()) {
     for (int r = 0; r < ranks; ++r) local.emplace_back(static_cast<std::size_t>(replicas[r]), true);
@@ -258,7 +265,7 @@ Result<std::shared_ptr<StepRun>> StepRun::create(const Schedule& schedule, const
     }
   }
   return std::shared_ptr<StepRun>(
-      new StepRun(std::make_shared<State>(schedule, hooks, std::move(replicas), std::move(local))));
+      new StepRun(std::make_shared<State>(schedule, hooks, std::move(replicas), std::move(local), std::move(splits))));
 }
 
 int StepRun::workers() const { return static_cast<int>(st_->workers.size()); }

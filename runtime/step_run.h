@@ -68,10 +68,12 @@ class StepRun {
   /// `replicas`: per rank, how many replicas run its list (empty: one each). `local`: per
   /// rank and replica, whether this process runs it (empty: all); sends to and receives
   /// from the others are the hooks' business (transfer, receive), and so is the part of a
-  /// stage's allreduce that spans processes. Errors for an invalid schedule, a missing
-  /// compute hook, or bad replica counts.
+  /// stage's allreduce that spans processes. `splits`: per rank, an id equal for ranks that
+  /// split a microbatch alike (replica i talks to replica i only; empty: alike when the
+  /// counts are). Errors for an invalid schedule, a missing compute hook, or bad replica counts.
   static Result<std::shared_ptr<StepRun>> create(const Schedule& schedule, const RunnerHooks& hooks,
-                                                 std::vector<int> replicas = {}, LocalReplicas local = {});
+                                                 std::vector<int> replicas = {}, LocalReplicas local = {},
+                                                 std::vector<int> splits = {});
   ~StepRun();
 
   /// Replicas of the step, rank-major: worker w is replica worker(w).second of rank worker(w).first.

@@ -65,7 +65,6 @@ Result<std::vector<c10::IValue>> ValueStore::read(const std::vector<ValueId>& id
     }
     return x;
   };
-  const int rc = layout_.stage_replicas[stage];
   const BatchLayout& bl = layout_.batch;
   std::vector<c10::IValue> out;
   std::lock_guard<std::mutex> lock(mu_);
@@ -80,7 +79,7 @@ Result<std::vector<c10::IValue>> ValueStore::read(const std::vector<ValueId>& id
         out.push_back(whole);
         continue;
       }
-      const Share s = share_of(micro_length_[mb], rc, i);
+      const Share s = layout_.share(micro_length_[mb], stage, i);
       out.emplace_back(whole.toTensor().narrow(0, s.offset, s.length));
       continue;
     }
@@ -91,12 +90,12 @@ Result<std::vector<c10::IValue>> ValueStore::read(const std::vector<ValueId>& id
     }
     const auto& shares = it->second;
     const int rp = layout_.stage_replicas[bl.producer[v]];
-    if (rp == rc) {
+    if (layout_.same_split(bl.producer[v], stage)) {
       out.push_back(ready_on_compute(shares[i], produced(i)));
       continue;
     }
     if (bl.is_batch_size[v]) {
-      out.emplace_back(share_of(micro_length_[mb], rc, i).length);
+      out.emplace_back(layout_.share(micro_length_[mb], stage, i).length);
       continue;
     }
     if (bl.batch_dim[v] < 0) {  // the same on every replica (checked when the layout was made)
@@ -124,7 +123,7 @@ Result<std::vector<c10::IValue>> ValueStore::read(const std::vector<ValueId>& id
       jt->second = whole;
       if (rs != nullptr) joined_ready_[{v, mb}] = rs->events.record(rs->recv);
     }
-    const Share s = share_of(micro_length_[mb], rc, i);
+    const Share s = layout_.share(micro_length_[mb], stage, i);
     const std::int64_t k = per_sample(v, jt->second.toTensor(), micro_length_[mb]);
     auto jr = joined_ready_.find({v, mb});
     out.push_back(ready_on_compute(c10::IValue(jt->second.toTensor().narrow(bl.batch_dim[v], k * s.offset, k * s.length)),
@@ -168,13 +167,14 @@ c10::IValue ValueStore::produced(ValueId v, int mb, int i) {
 
 void ValueStore::add_gradient(ValueId v, int mb, int stage, int i, const at::Tensor& g) {
   const BatchLayout& bl = layout_.batch;
-  const int rp = layout_.stage_replicas[bl.producer[v]], rc = layout_.stage_replicas[stage];
+  const int rp = layout_.stage_replicas[bl.producer[v]];
+  const bool alike = layout_.same_split(bl.producer[v], stage);
   ReplicaStreams* rs = streams_of(stage, i);
   std::lock_guard<std::mutex> lock(mu_);
   auto& slots = grads_[{v, mb}];
   slots.resize(static_cast<std::size_t>(rp));
-  if (rp == rc || bl.batch_dim[v] < 0) {
-    const int slot = rp == rc ? i : 0;
+  if (alike || bl.batch_dim[v] < 0) {
+    const int slot = alike ? i : 0;
     if (rs == nullptr) return add_into(slots[slot], g);
     auto& ready = grad_ready_[{v, mb}];
     ready.resize(static_cast<std::size_t>(rp), nullptr);
@@ -197,7 +197,7 @@ void ValueStore::add_gradient(ValueId v, int mb, int stage, int i, const at::Ten
   at::Tensor& whole = joined_grads_[{v, mb}];
   if (!whole.defined()) whole = zeros_like_joined(v, mb);
   if (!whole.defined()) return;  // no share of the value is here: no replica here reads this gradient
-  const Share s = share_of(micro_length_[mb], rc, i);
+  const Share s = layout_.share(micro_length_[mb], stage, i);
   const std::int64_t k = per_sample(v, whole, micro_length_[mb]);
   whole.narrow(bl.batch_dim[v], k * s.offset, k * s.length).add_(g);
   if (rs != nullptr) {
@@ -216,8 +216,8 @@ at::Tensor ValueStore::zeros_like_joined(ValueId v, int mb) const {
   for (std::size_t r = 0; r < shares.size(); ++r) {
     if (!shares[r].isTensor()) continue;
     const at::Tensor& share = shares[r].toTensor();
-    const int rc = layout_.stage_replicas[layout_.batch.producer[v]];
-    const std::int64_t k = per_sample(v, share, share_of(micro_length_[mb], rc, static_cast<int>(r)).length);
+    const int producer = layout_.batch.producer[v];
+    const std::int64_t k = per_sample(v, share, layout_.share(micro_length_[mb], producer, static_cast<int>(r)).length);
     std::vector<std::int64_t> sizes = share.sizes().vec();
     sizes[layout_.batch.batch_dim[v]] = k * micro_length_[mb];
     return at::zeros(sizes, share.options());
@@ -243,7 +243,7 @@ at::Tensor ValueStore::take_gradient(ValueId v, int mb, int i) {
   }
   auto jt = joined_grads_.find({v, mb});
   if (jt != joined_grads_.end()) {
-    const Share s = share_of(micro_length_[mb], layout_.stage_replicas[bl.producer[v]], i);
+    const Share s = layout_.share(micro_length_[mb], bl.producer[v], i);
     const std::int64_t k = per_sample(v, jt->second, micro_length_[mb]);
     add_into(g, jt->second.narrow(bl.batch_dim[v], k * s.offset, k * s.length));
   }
@@ -256,9 +256,9 @@ std::int64_t ValueStore::per_sample(ValueId v, const at::Tensor& t, std::int64_t
   return t.size(bl.batch_dim[v]) / samples;
 }
 
-double ValueStore::weight(int mb, int replicas, int i) const {
+double ValueStore::weight(int mb, int stage, int i) const {
   std::lock_guard<std::mutex> lock(mu_);
-  return static_cast<double>(share_of(micro_length_[mb], replicas, i).length) / static_cast<double>(batch_);
+  return static_cast<double>(layout_.share(micro_length_[mb], stage, i).length) / static_cast<double>(batch_);
 }
 
 std::map<std::pair<int, int>, at::Tensor> ValueStore::losses() const {

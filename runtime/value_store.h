@@ -67,9 +67,9 @@ class ValueStore {
   /// handed back (undefined: none). Taken: a second call returns what arrived since.
   at::Tensor take_gradient(graph::ValueId v, int mb, int i);
 
-  /// Replica `i` of `replicas`' share of microbatch `mb`, as a fraction of the batch: the
+  /// Replica `i` of `stage`'s share of microbatch `mb`, as a fraction of the batch: the
   /// weight of its loss.
-  double weight(int mb, int replicas, int i) const;
+  double weight(int mb, int stage, int i) const;
   /// Each share's loss this step, by (microbatch, replica): only the shares run here.
   std::map<std::pair<int, int>, at::Tensor> losses() const;
 

@@ -357,8 +357,10 @@ Status validate_schedule(const Schedule& s) {
   return Status::ok();
 }
 
-std::vector<int> partner_replicas(const std::vector<int>& replicas, int rank, int replica, int other_rank) {
-  if (replicas[rank] == replicas[other_rank]) return {replica};
+std::vector<int> partner_replicas(const std::vector<int>& replicas, int rank, int replica, int other_rank,
+                                  const std::vector<int>& splits) {
+  const bool alike = splits.empty() ? replicas[rank] == replicas[other_rank] : splits[rank] == splits[other_rank];
+  if (alike) return {replica};
   std::vector<int> all(static_cast<std::size_t>(replicas[other_rank]));
   for (int j = 0; j < replicas[other_rank]; ++j) all[j] = j;
   return all;

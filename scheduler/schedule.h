@@ -87,8 +87,10 @@ Status validate_schedule(const Schedule& schedule);
 std::string action_text(const Action& a, bool with_stage = false);
 
 /// The replicas of `other_rank` that replica `replica` of `rank` exchanges microbatch data
-/// with: the one of the same index when both ranks have as many replicas, every one
-/// otherwise (the data is then redistributed). `replicas`: the count per rank.
-std::vector<int> partner_replicas(const std::vector<int>& replicas, int rank, int replica, int other_rank);
+/// with: the one of the same index when both ranks split a microbatch alike, every one
+/// otherwise (the data is then redistributed). `replicas`: the count per rank; `splits`:
+/// per rank, an id equal for ranks that split alike (empty: alike when the counts are).
+std::vector<int> partner_replicas(const std::vector<int>& replicas, int rank, int replica, int other_rank,
+                                  const std::vector<int>& splits = {});
 
 }  // namespace conveyor::scheduler

@@ -340,7 +340,7 @@ class Module(torch.nn.Module):
                     made = None
                 else:
                     made = make_plan(graph, prof, cluster, batch=batch, microbatches=m_hint, schedules=fixed.schedules,
-                                     max_replicas=max_replicas, max_microbatches=most_microbatches, even_shares=True,
+                                     max_replicas=max_replicas, max_microbatches=most_microbatches,
                                      **fixed.options())
                 if self._group is None:
                     return made
@@ -432,9 +432,11 @@ class Module(torch.nn.Module):
             recompute = [bool(self._recompute)] * len(stage_nodes)
         if len(recompute) != len(stage_nodes):
             raise ConveyorValueError(f"recompute has {len(recompute)} flags but the pipeline has {len(stage_nodes)} stages")
+        # The plan's shares: devices of different speeds take microbatch shares to match.
+        shares = [list(s.get("shares", [])) for s in plan.document["stages"][:len(replicas)]] if plan is not None else []
         return _C.PipelineStep(graph.executor, stage_nodes, schedule, microbatches, chunks, replicas,
                                plan=json.dumps(plan.document) if plan is not None else "", recompute=recompute,
-                               **placement)
+                               shares=shares, **placement)
 
     # -- running ----------------------------------------------------------------------
     def forward(self, *args, **kwargs):

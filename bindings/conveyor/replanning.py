@@ -36,6 +36,10 @@ def plan_summary(document: dict) -> str:
     replicas = [int(s["replicas"]) for s in stages]
     if any(r > 1 for r in replicas):
         text += f", replicas {replicas}"
+    for k, s in enumerate(stages):
+        shares = s.get("shares", [])
+        if len(set(round(x, 6) for x in shares)) > 1:  # devices of different speeds: uneven shares
+            text += f", stage {k} shares " + "/".join(f"{x:.2f}" for x in shares)
     return f"{text}, ops {cuts}"
 
 

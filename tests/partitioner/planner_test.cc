@@ -9,6 +9,7 @@
 #include <limits>
 #include <random>
 
+#include "common/shares.h"
 #include "random_graphs.h"
 
 namespace conveyor::partitioner {
@@ -303,8 +304,9 @@ TEST(Planner, HeterogeneousDevicesReachTheFluidBound) {
 }
 
 TEST(Planner, EvenSharesPriceAReplicatedStageAtItsSlowestDevice) {
-  // One fast and one slow device: with shares in proportion to speed the two replicas of one
-  // stage run at 1.5; split evenly (as the runtime does) they wait for the slow one, at 2 x 0.5.
+  // One fast and one slow device: with shares by speed in whole samples (8 samples: 6 and 2,
+  // or 5 and 3, both ending at 0.75 of the microbatch's time at speed 1) the two replicas of
+  // one stage run at 4/3; split evenly they wait for the slow one, at 2 x 0.5.
   Cluster cluster = Cluster::uniform(1, 2, 16e9, 1.0, {100e9, 2e-6}, {100e9, 2e-6});
   cluster.devices[1].speed = 0.5;
   CostGraph g = uniform_chain(8, 1e-3, 2e-3, 1e3, 1e3);
@@ -317,11 +319,23 @@ TEST(Planner, EvenSharesPriceAReplicatedStageAtItsSlowestDevice) {
   o.even_shares = true;
   auto even = candidate_objective(g, cluster, o, both);
   ASSERT_TRUE(proportional.is_ok() && even.is_ok());
-  EXPECT_NEAR(*even / *proportional, 1.5, 0.02);  // compute 24 ms x 8 samples / 1.5 against / 1.0
+  EXPECT_NEAR(*even / *proportional, 4.0 / 3.0, 0.02);
   auto plan = make_plan(g, cluster, o);
   ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
   for (const auto& st : plan->stages) {
     for (double share : st.shares) EXPECT_DOUBLE_EQ(share, 1.0 / st.replicas);
+  }
+  // Weighted, the plan's shares are the whole-sample split the runtime makes of them.
+  o.even_shares = false;
+  o.ranks = 1;  // one stage on both devices
+  auto weighted = make_plan(g, cluster, o);
+  ASSERT_TRUE(weighted.is_ok()) << weighted.status().to_string();
+  ASSERT_EQ(weighted->stages.size(), 1u);
+  for (const auto& st : weighted->stages) {
+    ASSERT_EQ(st.replicas, 2);
+    EXPECT_DOUBLE_EQ(st.shares[0], 6.0 / 8);
+    EXPECT_DOUBLE_EQ(st.shares[1], 2.0 / 8);
+    EXPECT_EQ(share_lengths(8, st.shares, 2), (std::vector<std::int64_t>{6, 2}));
   }
 }
 

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include "common/shares.h"
 #include "random_graphs.h"
 
 namespace conveyor::partitioner {
@@ -103,6 +104,34 @@ TEST(Recalibrate, AReplicaThatRunsSlowSlowsItsOwnDeviceOnly) {
   EXPECT_EQ(c->cluster.devices[1].speed, 1.0);
   // The stage waits for its slower replica: as measured.
   EXPECT_NEAR(c->running.stages[0].forward_s, 2 * p.forward_s, 1e-12);
+}
+
+TEST(Recalibrate, EachReplicaIsPredictedFromItsOwnShareOnItsOwnDevice) {
+  // Device 1 is known to run at half speed, so it takes fewer samples of each microbatch
+  // (6 and 2 of 8: the stage ends with device 0's 6 samples). Measured so, no device is a
+  // straggler; with device 1 taking twice its share's time, it alone is slowed.
+  const CostGraph g = testing::uniform_chain(8, 1e-3, 2e-3, 1e6, 1e6);
+  Cluster cluster = devices(2);
+  cluster.devices[1].speed = 0.5;
+  PlanOptions o = data_parallel();
+  o.even_shares = false;
+  o.ranks = 1;
+  const Plan plan = plan_of(g, cluster, o);
+  ASSERT_EQ(plan.stages.size(), 1u) << plan.table();
+  const StagePlan& p = plan.stages[0];
+  ASSERT_EQ(p.replicas, 2);
+  ASSERT_EQ(share_lengths(8, p.shares, 2), (std::vector<std::int64_t>{6, 2}));
+  // Each replica's time: its share over its speed, against the slower one's (the stage's).
+  const double whole = p.forward_s + p.backward_s;
+  const double r0 = whole, r1 = whole * (2.0 / 8 / 0.5) / (6.0 / 8 / 1.0);
+  auto as_planned = recalibrate(g, cluster, o, plan, {{p.forward_s, p.backward_s, 0, {r0, r1}}});
+  ASSERT_TRUE(as_planned.is_ok()) << as_planned.status().to_string();
+  EXPECT_EQ(as_planned->cluster.devices[0].speed, 1.0);
+  EXPECT_EQ(as_planned->cluster.devices[1].speed, 0.5);
+  auto straggling = measure_factors(plan, {{p.forward_s, p.backward_s, 0, {r0, 2 * r1}}}, 2);
+  ASSERT_TRUE(straggling.is_ok());
+  EXPECT_NEAR(straggling->speed[0], 1.0, 1e-12);
+  EXPECT_NEAR(straggling->speed[1], 0.5, 1e-12);
 }
 
 TEST(Recalibrate, DeviationsWithinTheToleranceChangeNothing) {

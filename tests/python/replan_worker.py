@@ -1,6 +1,6 @@
 """A training script that changes plan while it trains, for tests/python/test_replan.py:
-plan A (conveyor's own), then B (three stages, the middle one replicated, 1F1B), then C
-(four stages, ZB-H1), a few steps each, the switches forced with Module.switch_plan. Alone
+plan A (conveyor's own), then B (three stages, the middle one replicated with uneven shares
+of each microbatch, 3 samples and 1, 1F1B), then C (four stages, ZB-H1), a few steps each, the switches forced with Module.switch_plan. Alone
 or under `conveyor launch`; process 0 writes the losses and the gathered model state.
 
     conveyor launch -n 2 -- python replan_worker.py --optimizer adam --out result.pt
@@ -24,15 +24,18 @@ def optimizer_for(name: str, params):
     raise ValueError(name)
 
 
-def plan_with(model: conveyor.Module, replicas: list, schedule: str, microbatches: int, seed: int) -> conveyor.Plan:
+def plan_with(model: conveyor.Module, replicas: list, schedule: str, microbatches: int, seed: int,
+              shares: dict | None = None) -> conveyor.Plan:
     """A plan of `model`'s graph cut into len(replicas) stages (a random valid cut in node
-    order), `replicas` per stage, on as many devices as replicas in all."""
+    order), `replicas` per stage, on as many devices as replicas in all; `shares` by stage
+    where a stage's replicas take uneven shares of a microbatch (else even)."""
     doc = copy.deepcopy(model.plan.document)
     template = dict(doc["stages"][0])
     parts = model._graph.random_partition(len(replicas), seed=seed, keep_node_order=True)
     stages, first = [], 0
-    for nodes, r in zip(parts, replicas):
-        stages.append(dict(template, ops=sorted(nodes), replicas=r, first_device=first, shares=[1 / r] * r))
+    for s, (nodes, r) in enumerate(zip(parts, replicas)):
+        stages.append(dict(template, ops=sorted(nodes), replicas=r, first_device=first,
+                           shares=(shares or {}).get(s, [1 / r] * r)))
         first += r
     device = doc["devices"][0]
     link = doc["links"][0] if doc.get("links") else {"bandwidth_bytes_per_s": 1e10, "latency_s": 5e-6}
@@ -41,8 +44,9 @@ def plan_with(model: conveyor.Module, replicas: list, schedule: str, microbatche
     return conveyor.Plan(json.dumps(doc), f"(a plan of {len(replicas)} stages for the test)")
 
 
-# The plans the run goes through after conveyor's own: (replicas per stage, schedule, microbatches).
-LAYOUTS = [([1, 2, 1], "1f1b", 2), ([1, 1, 1, 1], "zb-h1", 4)]
+# The plans the run goes through after conveyor's own: (replicas per stage, schedule,
+# microbatches, uneven shares by stage).
+LAYOUTS = [([1, 2, 1], "1f1b", 2, {1: [0.75, 0.25]}), ([1, 1, 1, 1], "zb-h1", 4, None)]
 
 
 class DieWhenSaved:
@@ -67,9 +71,11 @@ def train(case_name: str, optimizer_name: str, batch: int, steps_per_plan: int) 
                 for p in case.model.parameters():
                     if p.numel():
                         optimizer.state[p]["die"] = DieWhenSaved()
-            replicas, schedule, m = LAYOUTS[k - 1]
-            model.switch_plan(plan_with(model, replicas, schedule, m, seed=k))
+            replicas, schedule, m, shares = LAYOUTS[k - 1]
+            model.switch_plan(plan_with(model, replicas, schedule, m, seed=k, shares=shares))
         losses += [model.train_step(*case.args, **case.kwargs).item() for _ in range(steps_per_plan)]
+        if k and LAYOUTS[k - 1][3]:  # the runtime splits by the plan's shares: 3 samples and 1 of 4
+            assert model._step.share_lengths(1, 4) == [3, 1], model._step.share_lengths(1, 4)
         # The loss runs on each share of the last stage's replicas: the pieces eager must match.
         microbatches += [model.microbatches * model._layout[4][-1]] * steps_per_plan
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # every process takes part

@@ -83,6 +83,7 @@ def test_switching_plans_in_one_process_trains_like_eager(optimizer):
     assert_like_eager(losses, state, *eager("gpt2", optimizer, batch=8, microbatches=microbatches))
     assert [r["new"].split(",")[0] for r in model.replans] == ["3 stages", "4 stages"], model.replans
     assert "zb-h1" in model.replans[-1]["new"] and "replicas [1, 2, 1]" in model.replans[0]["new"]
+    assert "stage 1 shares 0.75/0.25" in model.replans[0]["new"], model.replans[0]
     assert all(r["step"] in (2, 4) and r["rebuild_s"] > 0 for r in model.replans)
     assert "4 stages" in repr(model) and model.plan.schedule == "zb-h1"
 
@@ -114,10 +115,22 @@ def wrong_speeds_cluster() -> str:
             '[link.inter_node]\nbandwidth = "10 GB/s"\nlatency = "5 us"\n')
 
 
+def mlp(layers: int, width: int) -> torch.nn.Module:
+    return torch.nn.Sequential(*[layer for _ in range(layers) for layer in (torch.nn.Linear(width, width), torch.nn.Tanh())])
+
+
 def wide_mlp():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[layer for _ in range(8) for layer in (torch.nn.Linear(384, 384), torch.nn.Tanh())])
-    return model.double(), torch.randn(64, 384, dtype=torch.float64), torch.randn(64, 384, dtype=torch.float64)
+    return mlp(8, 384).double(), torch.randn(64, 384, dtype=torch.float64), torch.randn(64, 384, dtype=torch.float64)
+
+
+def token_mlp():
+    """Samples of 16 tokens through small layers: a sample's work is its tokens', so a
+    replica's time grows with its share (a few rows through a wide layer would cost the
+    weights' reading whatever the share)."""
+    torch.manual_seed(0)
+    return (mlp(4, 128).double(), torch.randn(128, 16, 128, dtype=torch.float64),
+            torch.randn(128, 16, 128, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("replan", ["auto", "off"])
@@ -142,9 +155,12 @@ def test_a_plan_made_for_wrong_device_speeds_is_replaced_when_auto_and_kept_when
     assert first["predicted_gain_s"] > 0 and first["old"] != first["new"], first
     # The partitioner saw device 1 run slower than the cluster claimed.
     assert first["factors"]["speed"][1] < 0.75 * first["factors"]["speed"][0], first
-    # The switch changed nothing of the training: eager over the same steps.
-    eager_net = torch.nn.Sequential(*[layer for _ in range(8) for layer in (torch.nn.Linear(384, 384), torch.nn.Tanh())])
-    eager_net = eager_net.double()
+    assert_like_eager_mlp(net, ref, x, y, steps)
+
+
+def assert_like_eager_mlp(net, ref, x, y, steps):
+    """`net` (an mlp, trained `steps` SGD-momentum steps from `ref`) equals eager training."""
+    eager_net = mlp(len(net) // 2, net[0].in_features).double()
     with torch.no_grad():
         for p, r in zip(eager_net.parameters(), ref):
             p.copy_(r)
@@ -155,6 +171,31 @@ def test_a_plan_made_for_wrong_device_speeds_is_replaced_when_auto_and_kept_when
         eager_opt.step()
     for p, q in zip(net.parameters(), eager_net.parameters()):
         assert (p - q).abs().max().item() <= TOLERANCE * max(q.abs().max().item(), FLOOR)
+
+
+def test_a_replicated_stage_on_wrongly_rated_devices_gets_shares_that_match_their_speeds():
+    """One stage on both devices, the second rated three times faster than it is: the plan
+    gives it three quarters of every microbatch; re-planning measures it and splits about
+    evenly."""
+    net, x, y = token_mlp()
+    ref = [p.detach().clone() for p in net.parameters()]
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    model = conveyor.Module(net, opt, loss_fn=torch.nn.MSELoss(), cluster=wrong_speeds_cluster(), stages=1,
+                            replicas=2, microbatches=2, replan="auto")
+    model.train_step(x, target=y)
+    assert model._step.share_lengths(0, 64) == [16, 48], model.plan.table
+    steps = 21
+    for _ in range(steps - 1):
+        model.train_step(x, target=y)
+    report = model.profile_report()
+    assert len(model.replans) >= 1, str(report)
+    first = model.replans[0]
+    assert "stage 0 shares 0.25/0.75" in first["old"], first
+    assert first["factors"]["speed"][1] < 0.6 * first["factors"]["speed"][0], first
+    lengths = model._step.share_lengths(0, 64)
+    assert lengths[1] <= 40, (lengths, model.replans)  # from 48 of 64 to about half
+    assert first["measured_gain_s"] is None or first["measured_gain_s"] > 0, first
+    assert_like_eager_mlp(net, ref, x, y, steps)
 
 
 @needs_ucx

@@ -3,6 +3,8 @@
 // (Placement). No Python, no torch.
 #include <gtest/gtest.h>
 
+#include <functional>
+
 #include "../graph/test_graphs.h"
 #include "runtime/batch_layout.h"
 #include "runtime/pipeline_layout.h"
@@ -49,6 +51,54 @@ TEST(BatchLayout, SharesFollowTensorSplit) {
   EXPECT_EQ(share_of(10, 3, 2).offset, 7);
   EXPECT_EQ(share_of(10, 3, 2).length, 3);
   EXPECT_EQ(share_of(2, 3, 2).length, 0);
+}
+
+TEST(BatchLayout, WeightedSharesEndTheSlowestShareFirstInWholeSamples) {
+  // Equal weights split as tensor_split does, whatever their scale.
+  for (std::int64_t n : {1, 2, 7, 10, 64}) {
+    const auto lengths = share_lengths(n, {0.3, 0.3, 0.3}, 3);
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(lengths[i], share_of(n, 3, i).length) << n;
+  }
+  // Against every split by brute force: the slowest share (length over weight) is the least
+  // possible, every replica has a sample when there are enough, and the lengths sum up.
+  const std::vector<std::vector<double>> cases = {{1.0, 0.5}, {0.65, 1.0}, {1.0, 0.3, 0.7}, {2.0, 1.0, 1.0, 0.25}};
+  for (const auto& w : cases) {
+    const int r = static_cast<int>(w.size());
+    for (std::int64_t n = 1; n <= 24; ++n) {
+      const auto lengths = share_lengths(n, w, r);
+      std::int64_t sum = 0;
+      double slowest = 0;
+      for (int i = 0; i < r; ++i) {
+        sum += lengths[i];
+        if (n >= r) EXPECT_GE(lengths[i], 1);
+        slowest = std::max(slowest, static_cast<double>(lengths[i]) / w[i]);
+      }
+      EXPECT_EQ(sum, n);
+      double best = 1e300;  // every split of n into r parts (each >= 1 when n >= r)
+      std::vector<std::int64_t> part(static_cast<std::size_t>(r), 0);
+      std::function<void(int, std::int64_t)> walk = [&](int i, std::int64_t left) {
+        if (i == r - 1) {
+          part[i] = left;
+          if (n >= r && left < 1) return;
+          double t = 0;
+          for (int k = 0; k < r; ++k) t = std::max(t, static_cast<double>(part[k]) / w[k]);
+          best = std::min(best, t);
+          return;
+        }
+        for (std::int64_t x = n >= r ? 1 : 0; x <= left; ++x) {
+          part[i] = x;
+          walk(i + 1, left - x);
+        }
+      };
+      walk(0, n);
+      EXPECT_NEAR(slowest, best, 1e-12) << "n " << n << " replicas " << r;
+    }
+  }
+  // A plan's shares (lengths over the microbatch) give those lengths back; offsets follow.
+  EXPECT_EQ(share_lengths(8, {0.75, 0.25}, 2), (std::vector<std::int64_t>{6, 2}));
+  EXPECT_EQ(share_of(8, {0.75, 0.25}, 2, 1).offset, 6);
+  EXPECT_EQ(share_of(8, {0.75, 0.25}, 2, 1).length, 2);
+  EXPECT_EQ(share_of(9, {}, 2, 1).length, share_of(9, 2, 1).length);
 }
 
 TEST(BatchLayout, FindsTheBatchDimensionOfEveryValueAndItsProducer) {
@@ -119,9 +169,15 @@ TEST(BatchLayout, AValueWithoutABatchDimensionCannotCrossBetweenDifferentReplica
   auto refused = BatchLayout::analyze(g, {{0, 1}, {2}}, {2, 1});
   ASSERT_FALSE(refused.is_ok());
   EXPECT_EQ(refused.status().code(), ErrorCode::kUnsupported);
-  EXPECT_NE(refused.status().message().find("from stage 0 (2 replicas) to stage 1 (1 replicas)"), std::string::npos)
+  EXPECT_NE(refused.status().message().find("from stage 0 (2 replicas) to stage 1 (1 replicas, split otherwise)"),
+            std::string::npos)
       << refused.status().message();
   EXPECT_TRUE(BatchLayout::analyze(g, {{0, 1}, {2}}, {2, 2}).is_ok());  // replica i to replica i
+  // As many replicas split by other weights: shares differ, so the value is redistributed too.
+  auto weighted = BatchLayout::analyze(g, {{0, 1}, {2}}, {2, 2}, {0, 1});
+  ASSERT_FALSE(weighted.is_ok());
+  EXPECT_NE(weighted.status().message().find("split by other weights"), std::string::npos)
+      << weighted.status().message();
 }
 
 TEST(BatchLayout, AModelThatReturnsNoScalarLossIsRefused) {
@@ -143,6 +199,10 @@ TEST(BatchLayout, AStepIsCheckedAgainstMicrobatchesReplicasAndTheRange) {
   EXPECT_TRUE(layout->check_step(36, 4, {3, 1}).is_ok());  // shares of 3 (stage 0) and 9 (stage 1)
   EXPECT_NE(layout->check_step(40, 4, {3, 1}).message().find("at most 9"), std::string::npos);
   EXPECT_NE(layout->check_step(12, 4, {3, 1}).message().find("at least 3"), std::string::npos);
+  // Weighted shares: 36 in 4 microbatches of 9, split 5 / 2 / 2 by stage 0's weights.
+  EXPECT_NE(layout->check_step(36, 4, {3, 1}, {{0.5, 0.25, 0.25}, {}}).message().find("at least 3"), std::string::npos);
+  layout->range = {2, 9};
+  EXPECT_TRUE(layout->check_step(36, 4, {3, 1}, {{0.5, 0.25, 0.25}, {}}).is_ok());
 }
 
 TEST(PipelineLayout, ParametersGoToTheStagesThatReadThem) {
