@@ -28,7 +28,7 @@ void bind_pipeline(py::module_& m) {
                        std::shared_ptr<runtime::ProcessGroup> processes, std::vector<int> rank_process,
                        double step_timeout_s, std::vector<std::vector<int>> replica_process,
                        std::optional<std::uint64_t> seed, const std::string& transport, std::vector<bool> recompute,
-                       std::vector<std::vector<double>> shares) {
+                       std::vector<std::vector<double>> shares, std::map<std::string, std::vector<int>> holders) {
              scheduler::ScheduleSpec spec;
              spec.kind = unwrap(scheduler::schedule_kind_from_name(schedule));
              spec.chunks = chunks;
@@ -41,6 +41,7 @@ void bind_pipeline(py::module_& m) {
              }
              options.replicas = std::move(replicas);
              options.shares = std::move(shares);
+             options.holders = std::move(holders);
              if (bucket_bytes > 0) options.bucket_bytes = bucket_bytes;
              options.intra_op_threads = intra_op_threads;
              options.processes = std::move(processes);
@@ -66,8 +67,11 @@ void bind_pipeline(py::module_& m) {
            py::arg("replica_process") = std::vector<std::vector<int>>{}, py::arg("seed") = py::none(),
            py::arg("transport") = "ucx", py::arg("recompute") = std::vector<bool>{},
            py::arg("shares") = std::vector<std::vector<double>>{},
+           py::arg("holders") = std::map<std::string, std::vector<int>>{},
            "replicas: per rank (empty: one each); shares: per rank, each replica's weight in splitting a "
-           "microbatch (empty: even); bucket_bytes: gradient reduction bucket size (0: 4 MiB); "
+           "microbatch (empty: even); holders: a re-plan's {tensor name: processes holding it} (the old "
+           "pipeline's readers()): each process receives only what its stages read and lacks, and releases the "
+           "rest at the first step (empty: every tensor from its owner to every process); bucket_bytes: gradient reduction bucket size (0: 4 MiB); "
            "intra_op_threads: torch threads per replica (0: the caller's shared out); plan: the plan document "
            "the stages come from (its prediction is what the live profile compares against); processes, "
            "rank_process: run across the job's processes, pipeline rank r on process rank_process[r]; "
@@ -89,6 +93,12 @@ void bind_pipeline(py::module_& m) {
         for (const auto& [name, process] : step.owners()) out[py::str(name)] = process;
         return out;
       }, "Many processes: {parameter or buffer name: the process that owns it} (empty in one process).")
+      .def("readers", &runtime::PipelineStep::readers,
+           "Many processes: {parameter or buffer name: the processes whose stages read it} (empty in one process).")
+      .def("handed_over_bytes", &runtime::PipelineStep::handed_over_bytes,
+           "The bytes of parameters and buffers this process received when made from holders (a re-plan).")
+      .def("handed_over_s", &runtime::PipelineStep::handed_over_s,
+           "How long receiving and sending them took, in seconds.")
       .def("share_lengths", &runtime::PipelineStep::share_lengths, py::arg("stage"), py::arg("length"),
            "The samples each replica of `stage` runs of a microbatch of `length` (its rank's shares; empty for "
            "a stage the pipeline lacks).")

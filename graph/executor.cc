@@ -1,5 +1,6 @@
 #include "graph/executor.h"
 
+#include <ATen/ops/empty_strided.h>
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
@@ -316,6 +317,18 @@ Result<std::shared_ptr<GraphExecutor>> GraphExecutor::replica() const {
     auto it = copies.find(b.name);
     if (it == copies.end()) continue;
     at::Tensor& t = it->second;
+    const Value& v = graph_.values[b.value];
+    if (t.numel() == 0 && !fits_shape(t, v.shape)) {
+      // Released in this process (another process holds it, runtime/model_state.h): a
+      // placeholder of the graph's shape over one element until it is handed over or
+      // released again.
+      std::vector<std::int64_t> sizes;
+      for (const Dim& d : v.shape) sizes.push_back(d.size);
+      const bool grad = t.requires_grad();
+      t = at::empty_strided(sizes, std::vector<std::int64_t>(sizes.size(), 0), t.options());
+      if (grad) t.requires_grad_(true);
+      continue;
+    }
     if (b.kind == Binding::Kind::kParameter) {
       const bool grad = t.requires_grad();
       t = t.detach();

@@ -129,7 +129,9 @@ class GraphExecutor : public std::enable_shared_from_this<GraphExecutor> {
   /// An executor for another replica of the same graph: parameters share storage with this
   /// executor's (an optimizer step on them reaches every replica) but are separate autograd
   /// leaves with their own `.grad`; buffers are copies (each replica updates its own running
-  /// statistics); constants are shared.
+  /// statistics); constants are shared. A tensor released here (0 elements where the graph
+  /// has more) gets a placeholder of the graph's shape over one element, until the runtime
+  /// hands it over or releases it again.
   Result<std::shared_ptr<GraphExecutor>> replica() const;
 
   /// The tensor bound to a binding's name, or nullptr.

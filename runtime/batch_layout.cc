@@ -199,7 +199,7 @@ Result<BatchLayout> BatchLayout::analyze(const graph::Graph& g, const std::vecto
                           " replicas, split " + (stage_replicas[p] == stage_replicas[s] ? "by other weights" : "otherwise") +
                           ") but has no plain batch dimension to redistribute along (or holds "
                           "positions within a share, like arange(batch)); give both "
-                          "stages the same replicas and shares, or cut the model elsewhere");
+                          "stages the same number of replicas and the same shares, or cut the model elsewhere");
       }
     }
   }

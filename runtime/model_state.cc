@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
 #include <map>
 #include <set>
 
@@ -14,8 +15,17 @@ Result<std::unique_ptr<ModelState>> ModelState::create(const PipelineLayout& lay
   std::unique_ptr<ModelState> m(new ModelState(layout, placement));
   m->executors_ = std::move(executors);
   m->processes_ = std::move(processes);
+  // Sizes from the graph: the tensor may be released already (a pipeline made after a re-plan).
+  std::map<std::string, std::vector<std::int64_t>> sizes;
+  const graph::Graph& g = m->executors_[0]->graph();
+  for (const auto& b : g.bindings) {
+    std::vector<std::int64_t> dims;
+    for (const graph::Dim& d : g.values[b.value].shape) dims.push_back(d.size);
+    sizes[b.name] = std::move(dims);
+  }
   for (const auto& name : placement.not_here) {
-    m->not_here_.push_back({name, m->executors_[0]->tensor(name)->sizes().vec()});
+    auto it = sizes.find(name);
+    m->not_here_.push_back({name, it != sizes.end() ? it->second : m->executors_[0]->tensor(name)->sizes().vec()});
   }
   // One group per set of readers, made in the placement's order on every process.
   std::map<std::vector<int>, std::shared_ptr<transport::EndpointGroup>> groups;
@@ -78,6 +88,104 @@ Status ModelState::gather() {
     CONVEYOR_RETURN_IF_ERROR(processes_->broadcast(*executors_[0]->tensor(name), owner));
   }
   return Status::ok();
+}
+
+namespace {
+
+// Tags of the hand-over's messages (entry k of the placement's owners): bits 44-46 set, which
+// no pipeline message (kinds 1 and 2 at bit 44), conveyor.distributed message (bits 44-45) or
+// lane control message (bit 46 with a channel) has.
+constexpr transport::Tag kHandOverTag = transport::Tag{7} << 44;
+
+// The sends of a hand-over: the first error, and the waiter once every send is done.
+struct Sends {
+  std::mutex mu;
+  int pending = 0;
+  Status error = Status::ok();
+  transport::Done all_done;
+  void finished(Status s) {
+    transport::Done run;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!s && error) error = std::move(s);
+      if (--pending == 0 && all_done) run = std::move(all_done);
+    }
+    if (run) run(error);
+  }
+  void when_done(transport::Done d) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (pending > 0) {
+        all_done = std::move(d);
+        return;
+      }
+    }
+    d(error);
+  }
+};
+
+}  // namespace
+
+void ModelState::take(const std::string& name, const at::Tensor& whole) {
+  c10::NoGradGuard no_grad;
+  const at::Tensor* mine = executors_[0]->tensor(name);
+  mine->set_data(at::empty(whole.sizes(), mine->options()));
+  mine->copy_(whole);
+  const bool buffer = std::find(layout_.buffers.begin(), layout_.buffers.end(), name) != layout_.buffers.end();
+  for (std::size_t r = 1; r < executors_.size(); ++r) {
+    if (const at::Tensor* x = executors_[r]->tensor(name)) x->set_data(buffer ? mine->clone() : *mine);
+  }
+}
+
+Result<std::int64_t> ModelState::hand_over(const std::map<std::string, std::vector<int>>& holders) {
+  if (!processes_) return std::int64_t{0};
+  const int me = processes_->rank();
+  auto sends = std::make_shared<Sends>();
+  struct Arrival {
+    std::string name;
+    int from = 0;
+    transport::Tag tag = 0;
+  };
+  std::vector<Arrival> arrivals;
+  // Every process walks the same entries in the same order: the sends are posted first (none
+  // waits for its receiver), then the receives.
+  for (std::size_t k = 0; k < placement_.owners.size(); ++k) {
+    const std::string& name = placement_.owners[k].first;
+    auto it = holders.find(name);
+    if (it == holders.end() || it->second.empty()) {
+      return Status(ErrorCode::kInternal, "no process holds '" + name + "' to hand over to the new plan's readers");
+    }
+    const std::vector<int>& held = it->second;
+    const int from = *std::min_element(held.begin(), held.end());
+    const transport::Tag tag = kHandOverTag | static_cast<transport::Tag>(k);
+    for (int p : placement_.readers[k]) {
+      if (std::find(held.begin(), held.end(), p) != held.end()) continue;
+      if (from == me) {
+        {
+          std::lock_guard<std::mutex> lock(sends->mu);
+          ++sends->pending;
+        }
+        processes_->endpoint()->send(p, tag, {executors_[0]->tensor(name)->detach()},
+                                     [sends](Status s) { sends->finished(std::move(s)); });
+      } else if (p == me) {
+        arrivals.push_back({name, from, tag});
+      }
+    }
+  }
+  std::int64_t received = 0;
+  for (const Arrival& a : arrivals) {
+    CONVEYOR_ASSIGN_OR_RETURN(auto got, processes_->receive(a.from, a.tag,
+                                                            "receiving '" + a.name + "' from process " +
+                                                                std::to_string(a.from) + " for the new plan"));
+    if (got.size() != 1) {
+      return Status(ErrorCode::kInternal, "'" + a.name + "' arrived as " + std::to_string(got.size()) + " tensors");
+    }
+    take(a.name, got[0]);
+    received += static_cast<std::int64_t>(got[0].nbytes());
+  }
+  CONVEYOR_RETURN_IF_ERROR(processes_->wait([&](transport::Done d) { sends->when_done(std::move(d)); },
+                                            "handing this process's parameters and buffers to the new plan's readers"));
+  return received;
 }
 
 Status ModelState::sync_buffers() {

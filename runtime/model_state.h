@@ -11,6 +11,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <map>
 #include <memory>
 #include <mutex>
 #include <utility>
@@ -53,6 +54,13 @@ class ModelState {
   void begin_step();
   /// Every parameter and buffer becomes its owner's, whole, on every process (collective).
   Status gather();
+  /// Across processes, for a pipeline that replaces one placed otherwise (a re-plan):
+  /// `holders` names, per parameter and buffer, the processes that hold it whole and current
+  /// (the old pipeline's readers). Each one a process reads here and does not hold arrives
+  /// from its lowest holder, point to point; nothing is released (the first step does that,
+  /// once every process has what it needs). Collective; returns the bytes received here.
+  /// Errors: a tensor no process holds, a lost or silent process (named).
+  Result<std::int64_t> hand_over(const std::map<std::string, std::vector<int>>& holders);
   /// Frees what no local stage reads (every replica's handle on it).
   void release();
   /// After a step: written buffers of stages replicated across processes become their
@@ -68,6 +76,8 @@ class ModelState {
  private:
   ModelState(const PipelineLayout& layout, const Placement& placement) : layout_(layout), placement_(placement) {}
   void materialize();  // gives the released tensors their shapes back (contents: gather's broadcast)
+  // `name` becomes `whole` here, on every replica's handle (parameters share it, buffers copy it).
+  void take(const std::string& name, const at::Tensor& whole);
 
   struct NotHere {
     std::string name;

@@ -46,6 +46,8 @@ struct PipelineStep::Impl {
   std::chrono::steady_clock::time_point step_start_host;
   RunResult last;
   std::pair<int, int> last_reduction{0, 0};
+  std::int64_t handed_over_bytes = 0;  // received when made from holders (a re-plan)
+  double handed_over_s = 0;
   std::shared_ptr<HeldGradients> held;  // the last run's, with hold_gradients
   std::unique_ptr<Coordinator> coordinator;  // the replicas' actors; destroyed first
 
@@ -243,6 +245,13 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
   CONVEYOR_ASSIGN_OR_RETURN(im.coordinator, Coordinator::create(layout.schedule, std::move(hooks), layout.rank_replicas,
                                                                 std::move(options.predicted), local, layout.rank_split));
   std::unique_ptr<PipelineStep> step(new PipelineStep(std::move(impl)));
+  if (!options.holders.empty() && step->impl_->processes) {
+    // A re-plan: what this process's stages read and it lacks comes from a holder.
+    const auto start = std::chrono::steady_clock::now();
+    CONVEYOR_ASSIGN_OR_RETURN(step->impl_->handed_over_bytes, step->impl_->state->hand_over(options.holders));
+    step->impl_->handed_over_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return step;
+  }
   // Every process starts from the same parameters and buffers, their owners', and keeps
   // only what its stages read.
   CONVEYOR_RETURN_IF_ERROR(step->gather_state());
@@ -400,6 +409,17 @@ std::shared_ptr<HeldGradients> PipelineStep::take_held_gradients() { return std:
 std::vector<std::pair<std::string, int>> PipelineStep::owners() const { return impl_->placement.owners; }
 
 Status PipelineStep::gather_state() { return impl_->state->gather(); }
+
+std::map<std::string, std::vector<int>> PipelineStep::readers() const {
+  std::map<std::string, std::vector<int>> out;
+  const Placement& p = impl_->placement;
+  if (!p.across_processes()) return out;
+  for (std::size_t k = 0; k < p.owners.size(); ++k) out[p.owners[k].first] = p.readers[k];
+  return out;
+}
+
+std::int64_t PipelineStep::handed_over_bytes() const { return impl_->handed_over_bytes; }
+double PipelineStep::handed_over_s() const { return impl_->handed_over_s; }
 
 std::vector<std::int64_t> PipelineStep::share_lengths(int stage, std::int64_t length) const {
   const PipelineLayout& layout = impl_->layout;

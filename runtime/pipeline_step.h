@@ -17,6 +17,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
 
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -82,6 +83,12 @@ struct PipelineOptions {
   /// forward and its backward, and run the forward again just before the backward); empty
   /// or shorter: the stages beyond keep theirs.
   std::vector<bool> recompute;
+  /// Many processes, a pipeline replacing one placed otherwise (a re-plan): per parameter
+  /// and buffer, the processes that hold it whole and current (the old pipeline's readers:
+  /// PipelineStep::readers). Each process then receives from a holder only what its stages
+  /// read and it lacks, and keeps everything until the first step releases what it does not
+  /// read (ModelState::hand_over). Empty: every tensor goes from its owner to every process.
+  std::map<std::string, std::vector<int>> holders;
 };
 
 /// One pipelined training step over stages of a graph, run again for every batch.
@@ -112,6 +119,14 @@ class PipelineStep {
   /// Many processes: each parameter and buffer the pipeline reads, with the process that
   /// owns it (its first reader's); empty in one process.
   std::vector<std::pair<std::string, int>> owners() const;
+  /// Many processes: per parameter and buffer, the processes whose stages read it (what a
+  /// pipeline that replaces this one passes as PipelineOptions::holders); empty in one process.
+  std::map<std::string, std::vector<int>> readers() const;
+  /// The bytes of parameters and buffers this process received when the pipeline was made
+  /// from holders (PipelineOptions::holders): what a re-plan moved here.
+  std::int64_t handed_over_bytes() const;
+  /// How long receiving and sending them took (seconds).
+  double handed_over_s() const;
   /// The samples each replica of `stage` runs of a microbatch of `length` (its rank's shares).
   std::vector<std::int64_t> share_lengths(int stage, std::int64_t length) const;
 

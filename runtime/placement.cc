@@ -136,6 +136,7 @@ Result<Placement> Placement::across(const graph::Graph& g, const PipelineLayout&
     const int owner = out.replica_process[first[b.value]][0];
     out.owners.emplace_back(b.name, owner);
     const std::set<int>& readers = reading[b.value];
+    out.readers.emplace_back(readers.begin(), readers.end());
     if (!readers.count(process)) {
       out.not_here.push_back(b.name);
     } else if (b.kind == graph::Binding::Kind::kBuffer) {

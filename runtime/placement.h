@@ -44,6 +44,7 @@ struct Placement {
   RemoteLists activations_out;  ///< [s][i]: the outputs of s that another process reads from replica i
   RemoteLists gradients_out;    ///< [t][j]: the gradients of t's inputs that replica j hands another process
   std::vector<std::pair<std::string, int>> owners;  ///< parameters and buffers: the process of their first reader's replica 0
+  std::vector<std::vector<int>> readers;            ///< per entry of owners: the processes whose stages read it, ascending
   std::vector<std::string> not_here;                ///< parameters and buffers no stage of this process reads
   std::set<std::string> buffers_here;               ///< buffers some stage of this process reads
   /// Parameters that several stages in several processes read (tied weights), and whether

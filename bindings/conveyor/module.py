@@ -412,14 +412,14 @@ class Module(torch.nn.Module):
         return dict(processes=self._group, replica_process=where, step_timeout_s=self._timeout,
                     transport=self._transport)
 
-    def _pipeline(self, graph, plan):
-        """The plan's pipeline."""
+    def _pipeline(self, graph, plan, holders: dict | None = None):
+        """The plan's pipeline (`holders`: a re-plan's, _C.PipelineStep's)."""
         chunks = plan.document["chunks"]
         return self._make_pipeline(graph, plan.stage_nodes, plan.schedule, plan.microbatches, chunks,
-                                   plan.replicas[:len(plan.stage_nodes) // chunks], plan=plan)
+                                   plan.replicas[:len(plan.stage_nodes) // chunks], plan=plan, holders=holders)
 
     def _make_pipeline(self, graph, stage_nodes: list, schedule: str, microbatches: int, chunks: int,
-                       replicas: list, plan=None, across_processes: bool = True):
+                       replicas: list, plan=None, across_processes: bool = True, holders: dict | None = None):
         """The one place a pipeline is built: `stage_nodes` under `schedule`, with `replicas`
         per rank; `plan` (when the stages come from one) is what the live profile compares
         against; across processes, every replica on the process _placement gives it."""
@@ -436,7 +436,7 @@ class Module(torch.nn.Module):
         shares = [list(s.get("shares", [])) for s in plan.document["stages"][:len(replicas)]] if plan is not None else []
         return _C.PipelineStep(graph.executor, stage_nodes, schedule, microbatches, chunks, replicas,
                                plan=json.dumps(plan.document) if plan is not None else "", recompute=recompute,
-                               shares=shares, **placement)
+                               shares=shares, holders=holders or {}, **placement)
 
     # -- running ----------------------------------------------------------------------
     def forward(self, *args, **kwargs):

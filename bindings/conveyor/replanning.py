@@ -6,12 +6,12 @@ profile's per-stage times, merged across the job's processes, go to the Replanne
 (partitioner/replan.h) on process 0. It corrects the planning inputs (the profile's error
 per kind of work, each device's speed), plans again, and decides whether moving to the new
 plan pays for itself within the horizon; every process hears the decision and, on a switch,
-the job moves at that step boundary: parameters and buffers gathered whole from their
-owners, the optimizer's state handed from the old owner of each parameter to every process,
-the pipeline rebuilt over the same live parameters, and whatever a process's new stages do
-not read released there (state included). A process that dies during a move fails the
-collective waits, naming it, within the job's timeout; until the new pipeline is built
-every process keeps every tensor whole, so nothing is lost.
+the job moves at that step boundary: the pipeline rebuilt over the same live parameters,
+each parameter, buffer and optimizer state (momentum, Adam's moments and step) sent from a
+process that held it to each process whose new stages read it and lack it, and, once every
+process has confirmed, whatever a process's new stages do not read released there. A
+process that dies during a move fails the others' waits, naming it, within the job's
+timeout; until every process has confirmed, each keeps all it held, so nothing is lost.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from .errors import ExecutionError
+from .errors import ConveyorError, ExecutionError
 
 WINDOW = 5  # steps of the running pipeline between two evaluations
 
@@ -72,34 +72,58 @@ def merged_window(report: dict, group) -> tuple[list, float]:
     return merged, step_s
 
 
-def move_optimizer_state(optimizer, tensors: dict, owners: dict, group) -> int:
-    """Every parameter's optimizer state (momentum, Adam's moments and step) from its owner
-    under the old plan to every process (collective). Returns the bytes received here."""
+# The tag of the optimizer state's hand-over messages: beside the parameters' own
+# (runtime/model_state.cc, kHandOverTag: bits 44-46) with bit 43 set.
+STATE_TAG = (7 << 44) | (1 << 43)
+
+
+def move_optimizer_state(optimizer, tensors: dict, holders: dict, readers: dict, group) -> int:
+    """Each parameter's optimizer state (momentum, Adam's moments and step) from its lowest
+    holder under the old plan to each process that reads it under the new one and did not
+    hold it: one message per pair of processes, sends posted before any receive (collective
+    over the processes that exchange). Returns the bytes received here."""
     if optimizer is None:
         return 0
+    me = group.rank
+    outgoing: dict[int, dict] = {}
+    senders: set[int] = set()
+    for name in sorted(readers):
+        held = holders.get(name) or []
+        if name not in tensors or not held:
+            continue
+        source = min(held)
+        for p in readers[name]:
+            if p in held:
+                continue
+            if source == me:
+                t = tensors[name]
+                outgoing.setdefault(p, {})[name] = optimizer.state[t] if t in optimizer.state else {}
+            elif p == me:
+                senders.add(source)
+    handles = []
+    for p, states in sorted(outgoing.items()):
+        buffer = io.BytesIO()
+        torch.save(states, buffer)
+        payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        handles.append(group.send(p, STATE_TAG, [payload], f"handing optimizer state to process {p} for the new plan"))
     received = 0
-    for root in range(group.world_size):
-        payload = b""
-        if root == group.rank:
-            mine = {name: optimizer.state[t] for name, t in tensors.items()
-                    if owners.get(name) == root and t in optimizer.state and optimizer.state[t]}
-            buffer = io.BytesIO()
-            torch.save(mine, buffer)
-            payload = buffer.getvalue()
-        data = group.broadcast_bytes(root, payload)
-        received += len(data)
-        if root != group.rank:
-            for name, state in torch.load(io.BytesIO(data), weights_only=False).items():
+    for source in sorted(senders):
+        data = group.recv(source, STATE_TAG, f"receiving optimizer state from process {source} for the new plan")[0]
+        received += data.numel()
+        for name, state in torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False).items():
+            if state:
                 optimizer.state[tensors[name]] = state
+    for h in handles:
+        h.wait()
     return received
 
 
-def release_unread_state(optimizer, tensors: dict) -> None:
-    """Optimizer state of parameters this process no longer holds (released: 0 elements)."""
+def release_unread_state(optimizer, tensors: dict, readers: dict, me: int) -> None:
+    """Optimizer state of parameters no stage of this process reads under the new plan."""
     if optimizer is None:
         return
-    for t in tensors.values():
-        if t.numel() == 0 and t in optimizer.state:
+    for name, t in tensors.items():
+        if name in readers and me not in readers[name] and t in optimizer.state:
             del optimizer.state[t]
 
 
@@ -161,40 +185,55 @@ class Replanning:
 
 
 def switch_to(module, plan, decision: dict | None) -> None:
-    """Moves `module` (a conveyor.Module, between steps) to `plan`: across processes every
-    tensor gathered whole and the optimizer's state handed over first, then the pipeline
-    rebuilt and what this process's new stages do not read released; the switch logged
-    (`decision`: the Replanner's, or None when forced)."""
+    """Moves `module` (a conveyor.Module, between steps) to `plan`: the pipeline rebuilt over
+    the same live parameters; across processes each parameter and buffer, and its optimizer
+    state, goes from a process that holds it to each process whose new stages read it and
+    lack it, and once every process has confirmed, what a process no longer reads is
+    released (the state now, the tensors at the first step); the switch logged (`decision`:
+    the Replanner's, or None when forced)."""
     old = module.plan.document if module.plan is not None else None
+    old_plan = module.plan
     t0 = time.perf_counter()
-    moved = 0
+    moved, handed_s = 0, 0.0
     tensors = module._graph.tensors
-    if module._group is not None:
-        owners = module._step.owners()
-        try:
-            module._step.gather_state()  # every tensor whole on every process until the new pipeline holds
-            moved = move_optimizer_state(module.optimizer, tensors, owners, module._group)
-        except ExecutionError as e:
-            raise ExecutionError(f"moving to a new plan after step {module._steps_run} failed: {e}. This process "
-                                 "keeps the parameters and optimizer state it held; save them (state_dict on "
-                                 "this process) and restart the job") from None
-    t1 = time.perf_counter()
+    group = module._group
+    holders = module._step.readers() if group is not None else {}
     module._step = None  # the old pipeline's actors stop before the new ones start
     module._small_steps.clear()
-    module._step = module._pipeline(module._graph, plan)
-    built = time.perf_counter()
-    if module._group is not None:
-        release_unread_state(module.optimizer, tensors)
+    try:
+        module._step = module._pipeline(module._graph, plan, holders=holders)
+        built = time.perf_counter()
+        if group is not None:
+            handed_s = module._step.handed_over_s()
+            readers = module._step.readers()
+            moved = module._step.handed_over_bytes()
+            moved += move_optimizer_state(module.optimizer, tensors, holders, readers, group)
+            group.broadcast_bytes(0, b"")  # every process has what its stages read
+            release_unread_state(module.optimizer, tensors, readers, group.rank)
+    except ConveyorError as e:
+        if group is None or not isinstance(e, ExecutionError):
+            # Refused before anything moved (alike on every process: the plan itself): the
+            # old plan's pipeline again over what each process holds, and the error.
+            if module._step is None and old_plan is not None:
+                module._step = module._pipeline(module._graph, old_plan, holders=holders)
+            raise
+        raise ExecutionError(f"moving to a new plan after step {module._steps_run} failed: {e}. This process "
+                             "keeps the parameters and optimizer state it held; save them (state_dict on "
+                             "this process) and restart the job") from None
+    moved_at = time.perf_counter()
     module.plan = plan
     module._stage_nodes = plan.stage_nodes
     chunks = plan.document["chunks"]
     module._layout = (len(plan.stage_nodes), plan.schedule, plan.microbatches, chunks,
                     plan.replicas[:len(plan.stage_nodes) // chunks])
+    transfer_s = handed_s + (moved_at - built)
+    rebuild_s = built - t0 - handed_s
     entry = dict(step=module._steps_run, old=plan_summary(old) if old else None, new=plan_summary(plan.document),
                  reason=decision["reason"] if decision else "switch_plan", arithmetic=decision["arithmetic"] if decision else "",
                  predicted_gain_s=decision["gain_s"] if decision else 0.0,
-                 step_before_s=decision["measured_step_s"] if decision else 0.0, move_s=built - t0,
-                 move_bytes=moved, rebuild_s=built - t1, measured_step_s=None,
+                 step_before_s=decision["measured_step_s"] if decision else 0.0, move_s=moved_at - t0,
+                 move_bytes=moved, tensor_bytes=module._step.handed_over_bytes() if group is not None else 0,
+                 transfer_s=transfer_s, rebuild_s=rebuild_s, measured_step_s=None,
                  measured_gain_s=None if decision else 0.0, factors=decision["factors"] if decision else None)
     module._marker = f"replan: {entry['old']} -> {entry['new']}"
     module._switches.append(entry)
@@ -202,9 +241,9 @@ def switch_to(module, plan, decision: dict | None) -> None:
         r = module._replanning
         if r.replanner is not None:
             r.replanner.switched_to(json.dumps(plan.document))
-        r.steps, r.rebuild_s = 0, built - t1
-        if moved and t1 > t0:
-            r.bytes_per_s = moved / (t1 - t0)
+        r.steps, r.rebuild_s = 0, rebuild_s
+        if moved and transfer_s > 0:
+            r.bytes_per_s = moved / transfer_s
         r.say(f"step {entry['step']}: {entry['old']} -> {entry['new']}; {entry['arithmetic']}; moved in "
-              f"{entry['move_s'] * 1e3:.1f} ms ({moved} bytes of optimizer state, rebuilding "
-              f"{entry['rebuild_s'] * 1e3:.1f} ms)")
+              f"{entry['move_s'] * 1e3:.1f} ms ({moved} bytes of parameters, buffers and optimizer state received "
+              f"here in {transfer_s * 1e3:.1f} ms, rebuilding {rebuild_s * 1e3:.1f} ms)")

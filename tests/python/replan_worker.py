@@ -1,6 +1,7 @@
 """A training script that changes plan while it trains, for tests/python/test_replan.py:
-plan A (conveyor's own), then B (three stages, the middle one replicated with uneven shares
-of each microbatch, 3 samples and 1, 1F1B), then C (four stages, ZB-H1), a few steps each, the switches forced with Module.switch_plan. Alone
+plan A (conveyor's own), then B (two stages), then C (three stages, the middle one
+replicated with uneven shares of each microbatch, 3 samples and 1, 1F1B), then D (four
+stages, ZB-H1), a few steps each, cut at random valid places in node order, the switches forced with Module.switch_plan. Alone
 or under `conveyor launch`; process 0 writes the losses and the gathered model state.
 
     conveyor launch -n 2 -- python replan_worker.py --optimizer adam --out result.pt
@@ -24,14 +25,13 @@ def optimizer_for(name: str, params):
     raise ValueError(name)
 
 
-def plan_with(model: conveyor.Module, replicas: list, schedule: str, microbatches: int, seed: int,
+def plan_with(model: conveyor.Module, parts: list, replicas: list, schedule: str, microbatches: int,
               shares: dict | None = None) -> conveyor.Plan:
-    """A plan of `model`'s graph cut into len(replicas) stages (a random valid cut in node
-    order), `replicas` per stage, on as many devices as replicas in all; `shares` by stage
-    where a stage's replicas take uneven shares of a microbatch (else even)."""
+    """A plan of `model`'s graph cut into `parts` (node lists), `replicas` per stage, on as
+    many devices as replicas in all; `shares` by stage where a stage's replicas take uneven
+    shares of a microbatch (else even)."""
     doc = copy.deepcopy(model.plan.document)
     template = dict(doc["stages"][0])
-    parts = model._graph.random_partition(len(replicas), seed=seed, keep_node_order=True)
     stages, first = [], 0
     for s, (nodes, r) in enumerate(zip(parts, replicas)):
         stages.append(dict(template, ops=sorted(nodes), replicas=r, first_device=first,
@@ -44,9 +44,26 @@ def plan_with(model: conveyor.Module, replicas: list, schedule: str, microbatche
     return conveyor.Plan(json.dumps(doc), f"(a plan of {len(replicas)} stages for the test)")
 
 
+def cuts(graph) -> list:
+    """The stages of B, C and D: C a random valid cut into 3 in node order (seed 9: a middle
+    stage holding most blocks, cut where no value without a batch dimension crosses), B cut
+    in the middle of C's middle stage, D a random valid cut into 4. Across two processes
+    each process then lacks half of C's middle stage, which the other holds: that moves."""
+    c = graph.random_partition(3, seed=9, keep_node_order=True)
+    cut = c[1][len(c[1]) // 2]
+    while True:  # the first valid cut from the middle on
+        b = [c[0] + [n for n in c[1] if n < cut], [n for n in c[1] if n >= cut] + c[2]]
+        try:
+            graph._ir.check_partition(b)
+            break
+        except Exception:
+            cut += 1
+    return [b, c, graph.random_partition(4, seed=2, keep_node_order=True)]
+
+
 # The plans the run goes through after conveyor's own: (replicas per stage, schedule,
-# microbatches, uneven shares by stage).
-LAYOUTS = [([1, 2, 1], "1f1b", 2, {1: [0.75, 0.25]}), ([1, 1, 1, 1], "zb-h1", 4, None)]
+# microbatches, uneven shares by stage); their stages are cuts()'s.
+LAYOUTS = [([1, 1], "1f1b", 2, None), ([1, 2, 1], "1f1b", 2, {1: [0.75, 0.25]}), ([1, 1, 1, 1], "zb-h1", 4, None)]
 
 
 class DieWhenSaved:
@@ -65,6 +82,7 @@ def train(case_name: str, optimizer_name: str, batch: int, steps_per_plan: int) 
     optimizer = optimizer_for(optimizer_name, case.model.parameters())
     model = conveyor.Module(case.model, optimizer, loss_fn=case.loss, replan="off", devices=2)
     losses, microbatches = [], []
+    moves = []  # per switch across processes: (bytes of tensors this process lacked, bytes it received)
     for k in range(len(LAYOUTS) + 1):
         if k:
             if os.environ.get("REPLAN_WORKER_DIE_IN_MOVE"):
@@ -72,13 +90,19 @@ def train(case_name: str, optimizer_name: str, batch: int, steps_per_plan: int) 
                     if p.numel():
                         optimizer.state[p]["die"] = DieWhenSaved()
             replicas, schedule, m, shares = LAYOUTS[k - 1]
-            model.switch_plan(plan_with(model, replicas, schedule, m, seed=k, shares=shares))
+            before = model._step.readers()
+            model.switch_plan(plan_with(model, cuts(model._graph)[k - 1], replicas, schedule, m, shares=shares))
+            if model.world_size > 1:  # what this process lacked of what it now reads, whole until the next step
+                after, me, tensors = model._step.readers(), model.rank, model._graph.tensors
+                lacked = sum(tensors[n].nbytes for n, r in after.items() if me in r and me not in before.get(n, []))
+                moves.append((lacked, model.replans[-1]["tensor_bytes"]))
         losses += [model.train_step(*case.args, **case.kwargs).item() for _ in range(steps_per_plan)]
         if k and LAYOUTS[k - 1][3]:  # the runtime splits by the plan's shares: 3 samples and 1 of 4
             assert model._step.share_lengths(1, 4) == [3, 1], model._step.share_lengths(1, 4)
         # The loss runs on each share of the last stage's replicas: the pieces eager must match.
         microbatches += [model.microbatches * model._layout[4][-1]] * steps_per_plan
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # every process takes part
+    model.moves = moves
     return losses, state, model, microbatches
 
 
@@ -115,9 +139,11 @@ def main():
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     losses, state, model, microbatches = train(args.case, args.optimizer, args.batch, args.steps_per_plan)
+    moves = [json.loads(model._group.broadcast_bytes(p, json.dumps(model.moves).encode() if p == model.rank else b""))
+             for p in range(model.world_size)]  # per process, per switch
     if model.rank == 0:
         torch.save({"losses": losses, "state": state, "world": model.world_size, "replans": model.replans,
-                    "microbatches": microbatches}, args.out)
+                    "microbatches": microbatches, "moves": moves}, args.out)
 
 
 if __name__ == "__main__":

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import conveyor
-from conveyor import _C
+from conveyor import _C, zoo
 
 from conftest import free_port
-from replan_worker import LAYOUTS, eager, train
+from replan_worker import LAYOUTS, eager, plan_with, train
 
 WORKER = Path(__file__).with_name("replan_worker.py")
 TOLERANCE = 1e-9
@@ -76,15 +76,31 @@ def test_a_switch_is_marked_in_the_trace_of_the_next_step(tmp_path):
     assert model.replans[0]["new"] == events[0]["name"].split(" -> ")[1]
 
 
+def test_a_plan_the_runtime_refuses_leaves_the_running_one_in_place():
+    torch.manual_seed(0)
+    case = zoo.CASES["gpt2"](batch=8)
+    model = conveyor.Module(case.model, torch.optim.SGD(case.model.parameters(), lr=0.01), loss_fn=case.loss,
+                            devices=2, replan="off")
+    model.train_step(*case.args, **case.kwargs)
+    before = model.plan.document
+    # A replicated middle stage that a value without a batch dimension (the attention mask)
+    # enters from a single replica: the runtime cannot split it.
+    parts = model._graph.random_partition(3, seed=2, keep_node_order=True)
+    with pytest.raises(conveyor.UnsupportedError, match="no plain batch dimension"):
+        model.switch_plan(plan_with(model, parts, [1, 2, 1], "1f1b", 2))
+    assert model.replans == [] and model.plan.document == before
+    model.train_step(*case.args, **case.kwargs)  # still the old plan
+
+
 @pytest.mark.parametrize("optimizer", ["sgd-momentum", "adam"])
 def test_switching_plans_in_one_process_trains_like_eager(optimizer):
     losses, state, model, microbatches = train("gpt2", optimizer, batch=8, steps_per_plan=2)
-    assert microbatches[2:] == [2, 2, 4, 4]
+    assert microbatches[2:] == [2, 2, 2, 2, 4, 4]
     assert_like_eager(losses, state, *eager("gpt2", optimizer, batch=8, microbatches=microbatches))
-    assert [r["new"].split(",")[0] for r in model.replans] == ["3 stages", "4 stages"], model.replans
-    assert "zb-h1" in model.replans[-1]["new"] and "replicas [1, 2, 1]" in model.replans[0]["new"]
-    assert "stage 1 shares 0.75/0.25" in model.replans[0]["new"], model.replans[0]
-    assert all(r["step"] in (2, 4) and r["rebuild_s"] > 0 for r in model.replans)
+    assert [r["new"].split(",")[0] for r in model.replans] == ["2 stages", "3 stages", "4 stages"], model.replans
+    assert "zb-h1" in model.replans[-1]["new"] and "replicas [1, 2, 1]" in model.replans[1]["new"]
+    assert "stage 1 shares 0.75/0.25" in model.replans[1]["new"], model.replans[1]
+    assert all(r["step"] in (2, 4, 6) and r["rebuild_s"] > 0 for r in model.replans)
     assert "4 stages" in repr(model) and model.plan.schedule == "zb-h1"
 
 
@@ -102,15 +118,24 @@ def test_switching_plans_across_two_processes_moves_state_and_trains_like_eager(
     assert result["world"] == 2
     assert_like_eager(result["losses"], result["state"],
                       *eager("gpt2", optimizer, batch=8, microbatches=result["microbatches"]))
-    moves = result["replans"]
-    assert len(moves) == 2 and all(m["move_bytes"] > 0 for m in moves), moves  # optimizer state crossed
+    assert len(result["replans"]) == 3, result["replans"]
+    # Each process received exactly the tensors its new stages read and it did not hold:
+    # nothing at the first switch (both held everything), at the second the half of the
+    # middle stage the other process held; the optimizer state crossed with them.
+    moves = result["moves"]
+    for process, per_switch in enumerate(moves):
+        for k, (lacked, received) in enumerate(per_switch):
+            assert received == lacked, f"process {process}, switch {k}: received {received} bytes, lacked {lacked}"
+    assert moves[0][0][1] == 0 and moves[1][0][1] == 0, moves
+    assert moves[0][1][1] > 0 and moves[1][1][1] > 0, moves
+    assert result["replans"][1]["move_bytes"] > moves[0][1][1], result["replans"]  # and optimizer state
 
 
-def wrong_speeds_cluster() -> str:
-    """Two devices, the second said to be three times faster than it is: the plan gives it
+def wrong_speeds_cluster(claimed: float = 3.0) -> str:
+    """Two devices, the second said to be `claimed` times faster than it is: the plan gives it
     most of the work, and measurement shows it."""
     return ('name = "wrong-speeds"\n[[node]]\ndevices = 1\nmemory = "8 GiB"\nspeed = 1.0\n'
-            '[[node]]\ndevices = 1\nmemory = "8 GiB"\nspeed = 3.0\n'
+            f'[[node]]\ndevices = 1\nmemory = "8 GiB"\nspeed = {claimed}\n'
             '[link.intra_node]\nbandwidth = "10 GB/s"\nlatency = "5 us"\n'
             '[link.inter_node]\nbandwidth = "10 GB/s"\nlatency = "5 us"\n')
 
@@ -125,12 +150,12 @@ def wide_mlp():
 
 
 def token_mlp():
-    """Samples of 16 tokens through small layers: a sample's work is its tokens', so a
+    """Samples of 64 tokens through small layers: a sample's work is its tokens', so a
     replica's time grows with its share (a few rows through a wide layer would cost the
     weights' reading whatever the share)."""
     torch.manual_seed(0)
-    return (mlp(4, 128).double(), torch.randn(128, 16, 128, dtype=torch.float64),
-            torch.randn(128, 16, 128, dtype=torch.float64))
+    return (mlp(4, 128).double(), torch.randn(128, 64, 128, dtype=torch.float64),
+            torch.randn(128, 64, 128, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("replan", ["auto", "off"])
@@ -174,26 +199,25 @@ def assert_like_eager_mlp(net, ref, x, y, steps):
 
 
 def test_a_replicated_stage_on_wrongly_rated_devices_gets_shares_that_match_their_speeds():
-    """One stage on both devices, the second rated three times faster than it is: the plan
-    gives it three quarters of every microbatch; re-planning measures it and splits about
-    evenly."""
+    """One stage on both devices, the second rated six times faster than it is: the plan
+    gives it 55 of every 64 samples; re-planning measures it and splits about evenly."""
     net, x, y = token_mlp()
     ref = [p.detach().clone() for p in net.parameters()]
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-    model = conveyor.Module(net, opt, loss_fn=torch.nn.MSELoss(), cluster=wrong_speeds_cluster(), stages=1,
+    model = conveyor.Module(net, opt, loss_fn=torch.nn.MSELoss(), cluster=wrong_speeds_cluster(6.0), stages=1,
                             replicas=2, microbatches=2, replan="auto")
     model.train_step(x, target=y)
-    assert model._step.share_lengths(0, 64) == [16, 48], model.plan.table
+    assert model._step.share_lengths(0, 64) == [9, 55], model.plan.table
     steps = 21
     for _ in range(steps - 1):
         model.train_step(x, target=y)
     report = model.profile_report()
     assert len(model.replans) >= 1, str(report)
     first = model.replans[0]
-    assert "stage 0 shares 0.25/0.75" in first["old"], first
-    assert first["factors"]["speed"][1] < 0.6 * first["factors"]["speed"][0], first
+    assert "stage 0 shares 0.14/0.86" in first["old"], first
+    assert first["factors"]["speed"][1] < 0.75 * first["factors"]["speed"][0], first
     lengths = model._step.share_lengths(0, 64)
-    assert lengths[1] <= 40, (lengths, model.replans)  # from 48 of 64 to about half
+    assert lengths[1] <= 44, (lengths, model.replans)  # from 55 of 64 towards half
     assert first["measured_gain_s"] is None or first["measured_gain_s"] > 0, first
     assert_like_eager_mlp(net, ref, x, y, steps)
 
