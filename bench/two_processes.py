@@ -20,7 +20,8 @@ def run_two(cmd: list, timeout: float, what: str, **env_extra) -> list[str]:
     try:
         for rank in range(2):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       UCX_NET_DEVICES="lo", OMP_NUM_THREADS=str(max(1, cores // 2)), **env_extra)
+                       UCX_NET_DEVICES="lo", OMP_NUM_THREADS=str(max(1, cores // 2)))
+            env.update(env_extra)  # the caller's settings win (OMP_NUM_THREADS among them)
             env.pop("LOCAL_RANK", None)
             procs.append(subprocess.Popen([str(c) for c in cmd], env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True))

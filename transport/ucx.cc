@@ -20,6 +20,9 @@
 #include <mutex>
 #include <thread>
 
+#include "transport/message_buffer.h"
+#include "transport/peer_liveness.h"
+
 namespace conveyor::transport {
 
 namespace {
@@ -28,6 +31,9 @@ constexpr int kRankBits = 16;
 constexpr Tag kMaxTag = (Tag{1} << (64 - kRankBits)) - 1;
 // The two highest tags carry liveness pings and their answers (silent_peers); callers' tags stay below.
 constexpr Tag kPingTag = kMaxTag - 1, kPongTag = kMaxTag;
+// A member that closes says so to every peer under this tag (below the pings): over shared
+// memory nothing else tells them, and they fail what waits on it at once instead of at the timeout.
+constexpr Tag kByeTag = kMaxTag - 2;
 
 ucp_tag_t ucx_tag(Tag tag, int from) { return (tag << kRankBits) | static_cast<ucp_tag_t>(from); }
 
@@ -38,85 +44,24 @@ Status ucx_error(const std::string& what, ucs_status_t s) {
 int sender_of(ucp_tag_t tag) { return static_cast<int>(tag & ((ucp_tag_t{1} << kRankBits) - 1)); }
 
 // A transfer with `peer` that failed: when the status says the peer is gone, named as the
-// endpoint's error handler names it (a request can fail before that handler runs).
+// endpoint's error handler names it (a request can fail before that handler runs). Over
+// shared memory a peer that died fails the copy from its memory with an I/O error.
 Status transfer_error(const char* what, const std::string& lost_peer, ucs_status_t s) {
-  const bool gone = s == UCS_ERR_ENDPOINT_TIMEOUT || s == UCS_ERR_CONNECTION_RESET || s == UCS_ERR_UNREACHABLE;
+  const bool gone = s == UCS_ERR_ENDPOINT_TIMEOUT || s == UCS_ERR_CONNECTION_RESET || s == UCS_ERR_UNREACHABLE ||
+                    s == UCS_ERR_IO_ERROR;
   return ucx_error(gone ? lost_peer : what, s);
-}
-
-// A message: [header length][header: count, then per tensor dtype, ndim, sizes..., bytes][data].
-using Buffer = std::vector<std::uint8_t>;
-
-std::shared_ptr<Buffer> pack(const std::vector<at::Tensor>& tensors) {
-  std::vector<std::int64_t> header{static_cast<std::int64_t>(tensors.size())};
-  std::vector<at::Tensor> host;
-  std::size_t data = 0;
-  for (const auto& t : tensors) {
-    at::Tensor c = t.defined() ? t.detach().to(at::kCPU).contiguous() : at::Tensor();
-    header.push_back(c.defined() ? static_cast<std::int64_t>(c.scalar_type()) : -1);
-    header.push_back(c.defined() ? c.dim() : 0);
-    if (c.defined()) {
-      for (std::int64_t d = 0; d < c.dim(); ++d) header.push_back(c.size(d));
-    }
-    const std::size_t bytes = c.defined() ? c.nbytes() : 0;
-    header.push_back(static_cast<std::int64_t>(bytes));
-    data += bytes;
-    host.push_back(std::move(c));
-  }
-  auto out = std::make_shared<Buffer>(sizeof(std::int64_t) * (1 + header.size()) + data);
-  std::int64_t n = static_cast<std::int64_t>(header.size());
-  std::memcpy(out->data(), &n, sizeof n);
-  std::memcpy(out->data() + sizeof n, header.data(), sizeof(std::int64_t) * header.size());
-  std::size_t at = sizeof(std::int64_t) * (1 + header.size());
-  for (const auto& c : host) {
-    if (!c.defined()) continue;
-    std::memcpy(out->data() + at, c.data_ptr(), c.nbytes());
-    at += c.nbytes();
-  }
-  return out;
-}
-
-Result<std::vector<at::Tensor>> unpack(const Buffer& b) {
-  auto corrupt = [] { return Status(ErrorCode::kCorrupt, "a UCX message with a malformed header (a peer of another version?)"); };
-  std::int64_t n = 0;
-  if (b.size() < sizeof n) return corrupt();
-  std::memcpy(&n, b.data(), sizeof n);
-  if (n < 1 || static_cast<std::size_t>(n) > (b.size() - sizeof n) / sizeof(std::int64_t)) return corrupt();
-  std::vector<std::int64_t> h(static_cast<std::size_t>(n));
-  std::memcpy(h.data(), b.data() + sizeof n, sizeof(std::int64_t) * h.size());
-  std::size_t at = sizeof(std::int64_t) * (1 + h.size()), k = 1;
-  std::vector<at::Tensor> out;
-  for (std::int64_t i = 0; i < h[0]; ++i) {
-    if (k + 2 > h.size()) return corrupt();
-    const std::int64_t dtype = h[k++], ndim = h[k++];
-    if (ndim < 0 || k + static_cast<std::size_t>(ndim) + 1 > h.size()) return corrupt();
-    std::vector<std::int64_t> sizes(h.begin() + static_cast<std::ptrdiff_t>(k), h.begin() + static_cast<std::ptrdiff_t>(k + ndim));
-    k += static_cast<std::size_t>(ndim);
-    const std::int64_t bytes = h[k++];
-    if (dtype < 0) {
-      out.emplace_back();
-      continue;
-    }
-    if (dtype >= static_cast<std::int64_t>(at::ScalarType::NumOptions) || bytes < 0 || at + bytes > b.size()) return corrupt();
-    at::Tensor t = at::empty(sizes, at::TensorOptions().dtype(static_cast<at::ScalarType>(dtype)));
-    if (static_cast<std::int64_t>(t.nbytes()) != bytes) return corrupt();
-    std::memcpy(t.data_ptr(), b.data() + at, static_cast<std::size_t>(bytes));
-    at += static_cast<std::size_t>(bytes);
-    out.push_back(std::move(t));
-  }
-  return out;
 }
 
 // What a UCX request's callback needs; `in_flight` is the member's count of open requests.
 // `lost_peer`: how an error names the peer when it is gone ("process 2 was lost").
 struct SendContext {
-  std::shared_ptr<Buffer> buffer;
+  at::Tensor buffer;  // the message (transport/message_buffer.h)
   Done done;
   int* in_flight = nullptr;
   std::string lost_peer;
 };
 struct RecvContext {
-  std::shared_ptr<Buffer> buffer;
+  at::Tensor buffer;
   Received done;
   int* in_flight = nullptr;
   std::string lost_peer;
@@ -131,8 +76,13 @@ class UcxMember final : public UcxEndpoint {
     ucp_config_t* config = nullptr;
     ucs_status_t s = ucp_config_read(nullptr, nullptr, &config);
     if (s != UCS_OK) return ucx_error("reading the UCX configuration", s);
-    // Peer failure detection needs tcp in UCX 1.13; the user's UCX_TLS wins.
-    if (std::getenv("UCX_TLS") == nullptr) ucp_config_modify(config, "TLS", "tcp,self");
+    // Peers on this host talk through shared memory (sm), watched by pidfd since UCX's
+    // shared-memory transports detect no peer failure; others over tcp, whose failure UCX
+    // detects. The user's UCX_TLS wins (then every endpoint asks UCX for failure detection);
+    // CONVEYOR_UCX_SHM=0 keeps every peer on tcp.
+    const char* shm = std::getenv("CONVEYOR_UCX_SHM");
+    shared_memory_ = std::getenv("UCX_TLS") == nullptr && !(shm != nullptr && std::string(shm) == "0");
+    if (std::getenv("UCX_TLS") == nullptr) ucp_config_modify(config, "TLS", shared_memory_ ? "sm,tcp,self" : "tcp,self");
     // A peer that dies is noticed within about a second, even with nothing in flight to it.
     if (std::getenv("UCX_KEEPALIVE_INTERVAL") == nullptr) ucp_config_modify(config, "KEEPALIVE_INTERVAL", "1s");
     // Listen only where the job's processes meet; the user's UCX_NET_DEVICES wins.
@@ -171,25 +121,37 @@ class UcxMember final : public UcxEndpoint {
       progress_.join();
     }
     if (wake_ >= 0) close(wake_);
+    for (const auto& [peer, fd] : watched_) close(fd);
     if (worker_) ucp_worker_destroy(worker_);
     if (context_) ucp_cleanup(context_);
   }
 
   int rank() const override { return rank_; }
   int world_size() const override { return world_; }
-  std::vector<std::uint8_t> address() const override { return address_; }
+  std::vector<std::uint8_t> address() const override { return with_identity(this_process(), address_); }
   bool on_progress_thread() const { return std::this_thread::get_id() == progress_.get_id(); }
 
-  Status connect(int peer, const std::vector<std::uint8_t>& address) override {
+  Status connect(int peer, const std::vector<std::uint8_t>& given) override {
     if (Status s = check_peer(peer); !s) return s;
+    std::vector<std::uint8_t> address = given;
+    const ProcessIdentity who = split_identity(address);
+    // A peer on this host: shared memory, and its process watched here (itself when it is
+    // this process: members of one process). Else, or with no pidfd: UCX detects failures.
+    int watch = -1;
+    bool local = shared_memory_ && !who.host.empty() && who.host == this_process().host;
+    if (local && who.pid != this_process().pid) {
+      watch = watch_process(who.pid);
+      local = watch >= 0;
+    }
     auto result = std::make_shared<std::promise<Status>>();
     auto future = result->get_future();
-    post([this, peer, address, result] {
+    post([this, peer, address, result, local, watch] {
+      if (watch >= 0) watched_.emplace_back(peer, watch);
       ucp_ep_params_t ep{};
       ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                       UCP_EP_PARAM_FIELD_ERR_HANDLER;
       ep.address = reinterpret_cast<const ucp_address_t*>(address.data());
-      ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+      ep.err_mode = local ? UCP_ERR_HANDLING_MODE_NONE : UCP_ERR_HANDLING_MODE_PEER;
       ep.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t status) {
         auto* self = static_cast<std::pair<UcxMember*, int>*>(arg);
         self->first->fail_now(ucx_error(self->first->lost(self->second), status));
@@ -204,7 +166,7 @@ class UcxMember final : public UcxEndpoint {
 
   void send(int peer, Tag tag, std::vector<at::Tensor> tensors, Done done) override {
     if (Status s = check_peer(peer); !s) return done(s);
-    if (tag >= kPingTag) return done(Status(ErrorCode::kInvalidArgument, "a UCX message tag at or above 2^48 - 2"));
+    if (tag >= kByeTag) return done(Status(ErrorCode::kInvalidArgument, "a UCX message tag at or above 2^48 - 3"));
     send_tagged(peer, tag, std::move(tensors), std::move(done));
   }
 
@@ -241,7 +203,7 @@ class UcxMember final : public UcxEndpoint {
 
   void send_tagged(int peer, Tag tag, std::vector<at::Tensor> tensors, Done done) {
     if (Status e = current_error(); !e) return done(e);
-    auto ctx = std::make_shared<SendContext>(SendContext{pack(tensors), std::move(done), &in_flight_, lost(peer)});
+    auto ctx = std::make_shared<SendContext>(SendContext{pack_message(tensors), std::move(done), &in_flight_, lost(peer)});
     post([this, peer, tag, ctx] {
       if (Status e = current_error(); !e) return ctx->done(e);
       if (!eps_[peer]) return ctx->done(Status(ErrorCode::kInvalidArgument, "member " + std::to_string(rank_) +
@@ -257,7 +219,7 @@ class UcxMember final : public UcxEndpoint {
         c->done(status == UCS_OK ? Status::ok() : transfer_error("a UCX send", c->lost_peer, status));
       };
       p.user_data = raw;
-      ucs_status_ptr_t r = ucp_tag_send_nbx(eps_[peer], raw->buffer->data(), raw->buffer->size(), ucx_tag(tag, rank_), &p);
+      ucs_status_ptr_t r = ucp_tag_send_nbx(eps_[peer], raw->buffer.data_ptr(), static_cast<std::size_t>(raw->buffer.numel()), ucx_tag(tag, rank_), &p);
       if (r == nullptr || UCS_PTR_IS_ERR(r)) {  // done inline, or failed: no callback comes
         --in_flight_;
         std::unique_ptr<SendContext> c(raw);
@@ -268,7 +230,7 @@ class UcxMember final : public UcxEndpoint {
 
   void recv(int peer, Tag tag, Received done) override {
     if (Status s = check_peer(peer); !s) return done(s);
-    if (tag >= kPingTag) return done(Status(ErrorCode::kInvalidArgument, "a UCX message tag at or above 2^48 - 2"));
+    if (tag >= kByeTag) return done(Status(ErrorCode::kInvalidArgument, "a UCX message tag at or above 2^48 - 3"));
     if (Status e = current_error(); !e) return done(e);
     post([this, peer, tag, done = std::move(done)]() mutable {
       if (Status e = current_error(); !e) return done(e);
@@ -302,18 +264,51 @@ class UcxMember final : public UcxEndpoint {
       ucp_tag_recv_info_t info{};
       const ucp_tag_t mask = ~((ucp_tag_t{1} << kRankBits) - 1);
       ucp_tag_message_h msg = ucp_tag_probe_nb(worker_, ucx_tag(kPingTag, 0), mask, 1, &info);
-      if (msg == nullptr) return any;
+      if (msg == nullptr) break;
       any = true;
       const int from = sender_of(info.sender_tag);
       receive_probed(msg, info.length, from,
                      [this, from](Result<std::vector<at::Tensor>>) { send_tagged(from, kPongTag, {}, [](Status) {}); });
+    }
+    while (true) {  // a peer that closed
+      ucp_tag_recv_info_t info{};
+      const ucp_tag_t mask = ~((ucp_tag_t{1} << kRankBits) - 1);
+      ucp_tag_message_h msg = ucp_tag_probe_nb(worker_, ucx_tag(kByeTag, 0), mask, 1, &info);
+      if (msg == nullptr) return any;
+      any = true;
+      const int from = sender_of(info.sender_tag);
+      receive_probed(msg, info.length, from, [this, from](Result<std::vector<at::Tensor>>) {
+        fail_now(Status(ErrorCode::kExecution, lost(from) + " (it closed its endpoint)"));
+      });
+    }
+  }
+
+  // On the progress thread, closing: tells every connected peer (what waits on this member
+  // there fails at once), progressing the messages for at most 200 ms.
+  void say_goodbye() {
+    at::Tensor bye = pack_message({});
+    std::vector<ucs_status_ptr_t> sent;
+    for (int peer = 0; peer < world_; ++peer) {
+      if (peer == rank_ || !eps_[peer]) continue;
+      ucp_request_param_t p{};
+      ucs_status_ptr_t r = ucp_tag_send_nbx(eps_[peer], bye.data_ptr(), static_cast<std::size_t>(bye.numel()),
+                                            ucx_tag(kByeTag, rank_), &p);
+      if (UCS_PTR_IS_PTR(r)) sent.push_back(r);
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
+    for (ucs_status_ptr_t r : sent) {
+      while (ucp_request_check_status(r) == UCS_INPROGRESS && std::chrono::steady_clock::now() < deadline) {
+        ucp_worker_progress(worker_);
+      }
+      if (ucp_request_check_status(r) != UCS_INPROGRESS) ucp_request_free(r);
     }
   }
 
   // On the progress thread: receives the probed message `msg` of `length` bytes from member
   // `from` and hands its tensors, or the error, to `done`.
   void receive_probed(ucp_tag_message_h msg, std::size_t length, int from, Received done) {
-    auto* ctx = new RecvContext{std::make_shared<Buffer>(length), std::move(done), &in_flight_, lost(from)};
+    auto* ctx = new RecvContext{at::empty({static_cast<std::int64_t>(length)}, at::TensorOptions().dtype(at::kByte)),
+                                std::move(done), &in_flight_, lost(from)};
     ++in_flight_;
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -322,15 +317,15 @@ class UcxMember final : public UcxEndpoint {
       --*c->in_flight;
       ucp_request_free(request);
       if (status != UCS_OK) return c->done(transfer_error("a UCX receive", c->lost_peer, status));
-      c->done(unpack(*c->buffer));
+      c->done(unpack_message(c->buffer));
     };
     p.user_data = ctx;
-    ucs_status_ptr_t r = ucp_tag_msg_recv_nbx(worker_, ctx->buffer->data(), ctx->buffer->size(), msg, &p);
+    ucs_status_ptr_t r = ucp_tag_msg_recv_nbx(worker_, ctx->buffer.data_ptr(), length, msg, &p);
     if (r == nullptr || UCS_PTR_IS_ERR(r)) {  // done inline, or failed: no callback comes
       --in_flight_;
       std::unique_ptr<RecvContext> c(ctx);
       if (r == nullptr) {
-        c->done(unpack(*c->buffer));
+        c->done(unpack_message(c->buffer));
       } else {
         c->done(transfer_error("a UCX receive", c->lost_peer, UCS_PTR_STATUS(r)));
       }
@@ -389,23 +384,33 @@ class UcxMember final : public UcxEndpoint {
         receive_probed(msg, info.length, from, std::move(done));
       }
       if (stop_) break;
-      if (busy) continue;
+      const auto now = std::chrono::steady_clock::now();
+      if (busy) {
+        last_busy_ = now;
+        continue;
+      }
+      // Just after traffic a reply often follows within microseconds (shared memory raises
+      // its wakeup late): keep polling a short while before sleeping.
+      if (now - last_busy_ < kSpin) continue;
       // A transfer in flight may need progress that raises no event (a send waiting for
-      // socket space): keep progressing, yielding the core between rounds.
+      // socket or FIFO space): keep progressing, yielding the core between rounds, and
+      // looking at the watched peers every millisecond (one that died holds it forever).
       if (in_flight_ > 0) {
+        if (now - last_watch_ > std::chrono::milliseconds(1)) {
+          last_watch_ = now;
+          wait_for_events(0);
+        }
         std::this_thread::yield();
         continue;
       }
-      // Idle: sleep until the worker has events or someone queues work.
+      // Idle: sleep until the worker has events, someone queues work or a watched peer ends.
       if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
-      pollfd fds[2] = {{efd_, POLLIN, 0}, {wake_, POLLIN, 0}};
-      poll(fds, 2, receives_.empty() ? 1000 : 10);
-      std::uint64_t drained;
-      [[maybe_unused]] auto n = read(wake_, &drained, sizeof drained);
+      wait_for_events(receives_.empty() ? 1000 : 10);
     }
     // Closing: pending receives failed; endpoints flushed first (what was sent reaches the
     // peers, within 5 s) unless the member failed or was told to go at once.
     const bool flush = graceful_ && current_error().is_ok();
+    if (current_error().is_ok()) say_goodbye();
     fail_now(Status(ErrorCode::kExecution, "the UCX endpoint was closed"));
     std::vector<ucs_status_ptr_t> closing;
     for (ucp_ep_h& ep : eps_) {
@@ -429,6 +434,28 @@ class UcxMember final : public UcxEndpoint {
   const int rank_, world_;
   const std::string noun_;  // what a peer is called in errors ("member", "process")
   std::string lost(int peer) const { return noun_ + " " + std::to_string(peer) + " was lost"; }
+
+  // On the progress thread: polls the worker's events, the wakeup and the watched peers'
+  // pidfds for at most `timeout_ms`; a peer whose process ended fails everything.
+  void wait_for_events(int timeout_ms) {
+    std::vector<pollfd> fds{{efd_, POLLIN, 0}, {wake_, POLLIN, 0}};
+    for (const auto& [peer, fd] : watched_) fds.push_back({fd, POLLIN, 0});
+    poll(fds.data(), fds.size(), timeout_ms);
+    if (fds[1].revents & POLLIN) {
+      std::uint64_t drained;
+      [[maybe_unused]] auto n = read(wake_, &drained, sizeof drained);
+    }
+    std::vector<std::pair<int, int>> alive;
+    for (std::size_t k = 0; k < watched_.size(); ++k) {
+      if (fds[2 + k].revents == 0) {
+        alive.push_back(watched_[k]);
+        continue;
+      }
+      close(watched_[k].second);
+      fail_now(Status(ErrorCode::kExecution, lost(watched_[k].first) + " (its process exited)"));
+    }
+    watched_.swap(alive);
+  }
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   int efd_ = -1, wake_ = -1;
@@ -439,6 +466,10 @@ class UcxMember final : public UcxEndpoint {
   int in_flight_ = 0;                    // UCX requests not completed (progress thread only)
   std::thread progress_;
   std::atomic<bool> stop_{false};
+  bool shared_memory_ = false;  // peers on this host over shared memory (start)
+  std::vector<std::pair<int, int>> watched_;  // (peer, pidfd) of same-host peers (progress thread only)
+  static constexpr auto kSpin = std::chrono::microseconds(50);
+  std::chrono::steady_clock::time_point last_busy_{}, last_watch_{};  // progress thread only
   std::atomic<bool> graceful_{false};  // flush the endpoints when closing
   std::mutex mu_;
   std::deque<std::function<void()>> commands_;
