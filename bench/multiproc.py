@@ -2,7 +2,8 @@
 
 GPT-2 (float32, random init), 1F1B over 8 microbatches:
 - pipeline: 2 stages of one replica; across processes one rank in each (the activations
-  and gradients of every microbatch cross over UCX on loopback);
+  and gradients of every microbatch cross over UCX: shared memory, or loopback tcp with
+  CONVEYOR_UCX_SHM=0);
 - data parallel: 1 stage of 2 replicas; across processes one replica in each (every step
   sums the whole model's gradients across the two processes).
 The one-process run holds both workers on two threads; across processes each process has
@@ -94,7 +95,8 @@ def main():
     samples = args.batch
     where = (f"{cores} cores" if args.device == "cpu" else
              f"{torch.cuda.get_device_name(0)}, {min(gpus, 2)} GPU{'s' if gpus > 1 else ''} for 2 processes")
-    over = "NCCL, GPU to GPU" if args.transport == "nccl" else "UCX over loopback"
+    tcp = os.environ.get("CONVEYOR_UCX_SHM") == "0" or "UCX_TLS" in os.environ
+    over = "NCCL, GPU to GPU" if args.transport == "nccl" else ("UCX over loopback" if tcp else "UCX, shared memory")
     print(f"GPT-2 {args.layers} layers x {args.hidden}, batch {args.batch} x {args.seq}, 1F1B, "
           f"{args.microbatches} microbatches, {where}; median of {args.iters} steps")
     for layout in LAYOUTS:

@@ -1,5 +1,5 @@
 """conveyor side by side with the peers, in one run: 2 processes on this machine, gloo (the
-peers) and UCX over loopback (conveyor) between them, on the CPU.
+peers) and UCX (conveyor: shared memory between processes of one host) between them, on the CPU.
 
 The same GPT (token and position embeddings, pre-norm transformer blocks, a final norm and
 the vocabulary head; float32, no dropout), the same weights, the same batches, 1F1B over the

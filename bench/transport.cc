@@ -1,12 +1,16 @@
-// Transport bandwidth and latency: the UCX Endpoint between two members of this process
-// (loopback tcp, the path two processes on one machine take) against a plain memcpy of the
-// same bytes, from 1 KB to 256 MB; small-message round-trip latency; allreduce over UCX
-// (transport/endpoint_group.h) among --group members, its bus bandwidth (bytes x 2(n-1)/n
-// per second, what each member's link carries) against the ring bound: a member's link
-// cannot beat point-to-point bandwidth, measured above at the same size.
+// Transport bandwidth and latency between two processes of this host (forked; shared memory
+// unless CONVEYOR_UCX_SHM=0, then loopback tcp): the UCX Endpoint's point-to-point
+// throughput (a stream of messages, acknowledged at the end) against a plain memcpy of the
+// same bytes, from 1 KB to 256 MB; small-message latency (half an 8-byte round trip);
+// allreduce over UCX (transport/endpoint_group.h) among --group members (threads of one
+// process), its bus bandwidth (bytes x 2(n-1)/n per second, what each member's link
+// carries) against the ring bound: a member's link cannot beat point-to-point bandwidth,
+// measured above at the same size.
 //
 //   ./run bench transport [--max-mb 256] [--iters 20] [--group 4]
 #include <ATen/ATen.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -30,22 +34,143 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-// One message from member 0 to member 1, timed until member 1 holds it.
-double one_way_s(std::vector<std::shared_ptr<Endpoint>>& w, const at::Tensor& t, Tag tag) {
-  const auto start = Clock::now();
-  auto pending = std::async(std::launch::async, [&] { return receive_within(*w[1], 0, tag); });
-  w[0]->send(1, tag, {t}, [](Status) {});
-  auto got = pending.get();
-  if (!got.is_ok()) {
-    std::fprintf(stderr, "transfer failed: %s\n", got.status().to_string().c_str());
-    std::exit(1);
-  }
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
+}
+
+// Writes and reads whole buffers over a pipe (the two processes' address exchange).
+bool write_all(int fd, const void* data, std::size_t n) {
+  const auto* p = static_cast<const char*>(data);
+  while (n > 0) {
+    const ssize_t k = write(fd, p, n);
+    if (k <= 0) return false;
+    p += k;
+    n -= static_cast<std::size_t>(k);
+  }
+  return true;
+}
+bool read_all(int fd, void* data, std::size_t n) {
+  auto* p = static_cast<char*>(data);
+  while (n > 0) {
+    const ssize_t k = read(fd, p, n);
+    if (k <= 0) return false;
+    p += k;
+    n -= static_cast<std::size_t>(k);
+  }
+  return true;
+}
+
+// This process's member `rank` of two, connected to the other through the pipes.
+std::shared_ptr<UcxEndpoint> member_of_two(int rank, int out, int in) {
+  auto made = make_ucx_endpoint(rank, 2, "process", "lo");
+  if (!made.is_ok()) {
+    std::fprintf(stderr, "UCX cannot run here: %s\n", made.status().to_string().c_str());
+    std::exit(1);
+  }
+  auto me = *made;
+  const std::vector<std::uint8_t> mine = me->address();
+  const std::uint64_t n = mine.size();
+  std::uint64_t m = 0;
+  if (!write_all(out, &n, sizeof n) || !write_all(out, mine.data(), mine.size()) || !read_all(in, &m, sizeof m)) std::exit(1);
+  std::vector<std::uint8_t> theirs(m);
+  if (!read_all(in, theirs.data(), m)) std::exit(1);
+  if (Status s = me->connect(1 - rank, theirs); !s) {
+    std::fprintf(stderr, "connecting: %s\n", s.to_string().c_str());
+    std::exit(1);
+  }
+  return me;
+}
+
+Result<std::vector<at::Tensor>> receive_from(Endpoint& e, int peer, Tag tag) {
+  auto got = receive_within(e, peer, tag, std::chrono::seconds(60));
+  if (!got.is_ok()) std::fprintf(stderr, "receiving: %s\n", got.status().to_string().c_str());
+  return got;
+}
+
+// Process 1 (forked): receives each size's stream and acknowledges it, then echoes the pings.
+void receiver(int out, int in, int iters, std::int64_t max_mb) {
+  auto me = member_of_two(1, out, in);
+  Tag tag = 1;
+  for (std::int64_t bytes = 1 << 10; bytes <= max_mb << 20; bytes *= 4) {
+    const int n = bytes >= (64 << 20) ? std::max(3, iters / 4) : iters;
+    for (int round = 0; round < 2; ++round) {  // a warm-up stream, then the measured one
+      for (int k = 0; k < n; ++k) {
+        if (!receive_from(*me, 0, tag++).is_ok()) std::exit(1);
+      }
+      me->send(0, tag++, {at::zeros({1}, at::kLong)}, [](Status) {});
+    }
+  }
+  const int pings = 10 * iters;
+  for (int k = 0; k < pings; ++k) {
+    auto got = receive_from(*me, 0, tag);
+    if (!got.is_ok()) std::exit(1);
+    me->send(0, tag++, *got, [](Status) {});
+  }
+  me->close_gracefully();
+}
+
+// Process 0: streams of messages to process 1 per size against memcpy, then ping-pong.
+int two_process_point_to_point(int iters, std::int64_t max_mb, std::map<std::int64_t, double>& p2p) {
+  int to_child[2], to_parent[2];
+  if (pipe(to_child) != 0 || pipe(to_parent) != 0) return 1;
+  std::fflush(stdout);
+  const pid_t child = fork();
+  if (child < 0) return 1;
+  if (child == 0) {  // a fresh process (torch is not safe to use across fork): this program again
+    const std::string fds = std::to_string(to_parent[1]) + "," + std::to_string(to_child[0]);
+    const std::string mb = std::to_string(max_mb), n = std::to_string(iters);
+    execl("/proc/self/exe", "transport", "--receiver", fds.c_str(), "--max-mb", mb.c_str(), "--iters", n.c_str(),
+          static_cast<char*>(nullptr));
+    std::_Exit(127);
+  }
+  auto me = member_of_two(0, to_child[1], to_parent[0]);
+  const char* shm = std::getenv("CONVEYOR_UCX_SHM");
+  std::printf("UCX endpoint, 2 processes of this host over %s; a stream of %d messages per size\n",
+              shm != nullptr && std::string(shm) == "0" ? "loopback tcp" : "shared memory", iters);
+  std::printf("%10s %14s %14s %10s\n", "bytes", "ucx GB/s", "memcpy GB/s", "ratio");
+  Tag tag = 1;
+  for (std::int64_t bytes = 1 << 10; bytes <= max_mb << 20; bytes *= 4) {
+    at::Tensor t = at::randint(0, 255, {bytes}, at::kByte);
+    at::Tensor dst = at::empty_like(t);
+    const int n = bytes >= (64 << 20) ? std::max(3, iters / 4) : iters;
+    double stream_s = 0;
+    for (int round = 0; round < 2; ++round) {
+      const auto start = Clock::now();
+      for (int k = 0; k < n; ++k) me->send(1, tag++, {t}, [](Status) {});
+      if (!receive_from(*me, 1, tag++).is_ok()) return 1;
+      stream_s = std::chrono::duration<double>(Clock::now() - start).count();
+    }
+    std::vector<double> copy;
+    for (int k = 0; k < n; ++k) {
+      const auto start = Clock::now();
+      std::memcpy(dst.data_ptr(), t.data_ptr(), static_cast<std::size_t>(bytes));
+      copy.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+    }
+    const double u = static_cast<double>(bytes) * n / stream_s / 1e9;
+    const double c = static_cast<double>(bytes) / median(copy) / 1e9;
+    std::printf("%10lld %14.3f %14.3f %9.3fx\n", static_cast<long long>(bytes), u, c, u / c);
+    p2p[bytes] = u;
+  }
+  at::Tensor small = at::zeros({1}, at::kLong);
+  std::vector<double> rtt;
+  for (int k = 0; k < 10 * iters; ++k) {
+    const auto start = Clock::now();
+    me->send(1, tag, {small}, [](Status) {});
+    if (!receive_from(*me, 1, tag++).is_ok()) {
+      int status = 0;
+      waitpid(child, &status, 0);
+      std::fprintf(stderr, "ping %d: the receiving process ended (status %d%s)\n", k, status,
+                   WIFSIGNALED(status) ? ", killed by a signal" : "");
+      return 1;
+    }
+    rtt.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+  }
+  std::printf("small-message latency (half the round trip of 8 bytes): %.1f us\n", median(rtt) / 2 * 1e6);
+  int status = 0;
+  waitpid(child, &status, 0);
+  me.reset();
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0 ? 0 : 1;
 }
 
 // Allreduce of float32 tensors among `n` members of this process, each on a thread of its
@@ -102,51 +227,14 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--group") members = std::max(2, std::atoi(argv[i + 1]));
   }
   setenv("UCX_NET_DEVICES", "lo", 0);
-  auto world = make_ucx_world_in_process(2);
-  if (!world.is_ok()) {
-    std::fprintf(stderr, "UCX cannot run here: %s\n", world.status().to_string().c_str());
-    return 1;
+  for (int i = 1; i + 1 < argc; ++i) {
+    if (std::string(argv[i]) != "--receiver") continue;
+    int out = -1, in = -1;
+    if (std::sscanf(argv[i + 1], "%d,%d", &out, &in) != 2) return 2;
+    receiver(out, in, iters, max_mb);
+    return 0;
   }
-  auto& w = *world;
-  std::printf("UCX endpoint, 2 members in one process over loopback tcp; median of %d\n", iters);
-  std::printf("%10s %14s %14s %10s\n", "bytes", "ucx GB/s", "memcpy GB/s", "ratio");
-  Tag tag = 1;
   std::map<std::int64_t, double> p2p;  // bytes -> GB/s
-  for (std::int64_t bytes = 1 << 10; bytes <= max_mb << 20; bytes *= 4) {
-    at::Tensor t = at::randint(0, 255, {bytes}, at::kByte);
-    at::Tensor dst = at::empty_like(t);
-    const int n = bytes >= (64 << 20) ? std::max(3, iters / 4) : iters;
-    one_way_s(w, t, tag++);  // warm-up: connection, allocator
-    std::vector<double> ucx, copy;
-    for (int k = 0; k < n; ++k) {
-      ucx.push_back(one_way_s(w, t, tag++));
-      const auto start = Clock::now();
-      std::memcpy(dst.data_ptr(), t.data_ptr(), static_cast<std::size_t>(bytes));
-      copy.push_back(std::chrono::duration<double>(Clock::now() - start).count());
-    }
-    const double u = static_cast<double>(bytes) / median(ucx) / 1e9, c = static_cast<double>(bytes) / median(copy) / 1e9;
-    std::printf("%10lld %14.3f %14.3f %9.3fx\n", static_cast<long long>(bytes), u, c, u / c);
-    p2p[bytes] = u;
-  }
-  // Latency: 8-byte ping-pong with an echo thread, half the round trip.
-  at::Tensor small = at::zeros({1}, at::kLong);
-  const int pings = 10 * iters;
-  const Tag first = tag;
-  std::thread echo([&] {
-    for (int k = 0; k < pings; ++k) {
-      auto got = receive_within(*w[1], 0, first + k);
-      w[1]->send(0, first + k, *got, [](Status) {});
-    }
-  });
-  std::vector<double> rtt;
-  for (int k = 0; k < pings; ++k) {
-    const auto start = Clock::now();
-    w[0]->send(1, first + k, {small}, [](Status) {});
-    auto back = receive_within(*w[0], 1, first + k);
-    rtt.push_back(std::chrono::duration<double>(Clock::now() - start).count());
-  }
-  echo.join();
-  std::printf("small-message latency (half the round trip of 8 bytes): %.1f us\n", median(rtt) / 2 * 1e6);
-  world->clear();
+  if (int failed = two_process_point_to_point(iters, max_mb, p2p)) return failed;
   return allreduce_bus_bandwidth(members, iters, max_mb, p2p);
 }

@@ -10,6 +10,7 @@
 #include <ucp/api/ucp.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -18,6 +19,7 @@
 #include <deque>
 #include <future>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "transport/message_buffer.h"
@@ -270,7 +272,7 @@ class UcxMember final : public UcxEndpoint {
       receive_probed(msg, info.length, from,
                      [this, from](Result<std::vector<at::Tensor>>) { send_tagged(from, kPongTag, {}, [](Status) {}); });
     }
-    while (true) {  // a peer that closed
+    while (true) {  // a peer that closed: what it sent before stays receivable
       ucp_tag_recv_info_t info{};
       const ucp_tag_t mask = ~((ucp_tag_t{1} << kRankBits) - 1);
       ucp_tag_message_h msg = ucp_tag_probe_nb(worker_, ucx_tag(kByeTag, 0), mask, 1, &info);
@@ -278,7 +280,7 @@ class UcxMember final : public UcxEndpoint {
       any = true;
       const int from = sender_of(info.sender_tag);
       receive_probed(msg, info.length, from, [this, from](Result<std::vector<at::Tensor>>) {
-        fail_now(Status(ErrorCode::kExecution, lost(from) + " (it closed its endpoint)"));
+        if (from >= 0 && from < world_) closed_at_[static_cast<std::size_t>(from)] = std::chrono::steady_clock::now();
       });
     }
   }
@@ -374,7 +376,18 @@ class UcxMember final : public UcxEndpoint {
         ucp_tag_recv_info_t info{};
         ucp_tag_message_h msg = ucp_tag_probe_nb(worker_, it->tag, ~ucp_tag_t{0}, 1, &info);
         if (msg == nullptr) {
-          ++it;
+          // Nothing more comes from a peer that closed (after a grace for what it sent just
+          // before, which may arrive around its goodbye).
+          const int from = sender_of(it->tag);
+          const auto closed = closed_at_[static_cast<std::size_t>(from)];
+          if (!closed || std::chrono::steady_clock::now() - *closed < kGrace) {
+            ++it;
+            continue;
+          }
+          Received done = std::move(it->done);
+          it = receives_.erase(it);
+          done(Status(ErrorCode::kExecution, lost(from) + " (it closed its endpoint)"));
+          busy = true;
           continue;
         }
         busy = true;
@@ -383,6 +396,7 @@ class UcxMember final : public UcxEndpoint {
         it = receives_.erase(it);
         receive_probed(msg, info.length, from, std::move(done));
       }
+      fail_exited();
       if (stop_) break;
       const auto now = std::chrono::steady_clock::now();
       if (busy) {
@@ -410,6 +424,14 @@ class UcxMember final : public UcxEndpoint {
     // Closing: pending receives failed; endpoints flushed first (what was sent reaches the
     // peers, within 5 s) unless the member failed or was told to go at once.
     const bool flush = graceful_ && current_error().is_ok();
+    if (flush) {  // what was queued after the last round (a send just before closing) goes out too
+      std::deque<std::function<void()>> work;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        work.swap(commands_);
+      }
+      for (auto& w : work) w();
+    }
     if (current_error().is_ok()) say_goodbye();
     fail_now(Status(ErrorCode::kExecution, "the UCX endpoint was closed"));
     std::vector<ucs_status_ptr_t> closing;
@@ -429,15 +451,52 @@ class UcxMember final : public UcxEndpoint {
       }
       if (ucp_request_check_status(r) != UCS_INPROGRESS) ucp_request_free(r);
     }
+    drop_unreceived();
+  }
+
+  // Closing: small messages that arrived and nobody will receive (a peer's goodbye, a late
+  // ping) taken off UCX's queue, so that destroying the worker does not warn about each.
+  void drop_unreceived() {
+    std::vector<std::uint8_t> sink;
+    for (int k = 0; k < 4096; ++k) {
+      ucp_tag_recv_info_t info{};
+      if (ucp_tag_probe_nb(worker_, 0, 0, 0, &info) == nullptr || info.length > (64 << 10)) return;
+      ucp_tag_message_h msg = ucp_tag_probe_nb(worker_, 0, 0, 1, &info);
+      if (msg == nullptr) return;
+      sink.resize(info.length);
+      ucp_request_param_t p{};
+      ucs_status_ptr_t r = ucp_tag_msg_recv_nbx(worker_, sink.data(), sink.size(), msg, &p);
+      if (!UCS_PTR_IS_PTR(r)) continue;
+      const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(10);
+      while (ucp_request_check_status(r) == UCS_INPROGRESS && std::chrono::steady_clock::now() < until) {
+        ucp_worker_progress(worker_);
+      }
+      if (ucp_request_check_status(r) == UCS_INPROGRESS) return;  // its data is not here: leave the rest
+      ucp_request_free(r);
+    }
   }
 
   const int rank_, world_;
   const std::string noun_;  // what a peer is called in errors ("member", "process")
   std::string lost(int peer) const { return noun_ + " " + std::to_string(peer) + " was lost"; }
 
+  // On the progress thread: a peer whose process ended fails everything, once what it sent
+  // before it ended has had a grace to be received.
+  void fail_exited() {
+    for (auto it = exited_.begin(); it != exited_.end();) {
+      if (std::chrono::steady_clock::now() - it->second < kGrace) {
+        ++it;
+        continue;
+      }
+      fail_now(Status(ErrorCode::kExecution, lost(it->first) + " (its process exited)"));
+      it = exited_.erase(it);
+    }
+  }
+
   // On the progress thread: polls the worker's events, the wakeup and the watched peers'
-  // pidfds for at most `timeout_ms`; a peer whose process ended fails everything.
+  // pidfds for at most `timeout_ms`; a peer whose process ended is noted (fail_exited).
   void wait_for_events(int timeout_ms) {
+    if (!exited_.empty()) timeout_ms = std::min(timeout_ms, 20);
     std::vector<pollfd> fds{{efd_, POLLIN, 0}, {wake_, POLLIN, 0}};
     for (const auto& [peer, fd] : watched_) fds.push_back({fd, POLLIN, 0});
     poll(fds.data(), fds.size(), timeout_ms);
@@ -452,7 +511,8 @@ class UcxMember final : public UcxEndpoint {
         continue;
       }
       close(watched_[k].second);
-      fail_now(Status(ErrorCode::kExecution, lost(watched_[k].first) + " (its process exited)"));
+      exited_.emplace_back(watched_[k].first, std::chrono::steady_clock::now());
+      closed_at_[static_cast<std::size_t>(watched_[k].first)] = exited_.back().second;
     }
     watched_.swap(alive);
   }
@@ -467,8 +527,14 @@ class UcxMember final : public UcxEndpoint {
   std::thread progress_;
   std::atomic<bool> stop_{false};
   bool shared_memory_ = false;  // peers on this host over shared memory (start)
+  // When each peer said goodbye (progress thread only).
+  std::vector<std::optional<std::chrono::steady_clock::time_point>> closed_at_ =
+      std::vector<std::optional<std::chrono::steady_clock::time_point>>(static_cast<std::size_t>(world_));
   std::vector<std::pair<int, int>> watched_;  // (peer, pidfd) of same-host peers (progress thread only)
   static constexpr auto kSpin = std::chrono::microseconds(50);
+  // What a peer that closed or exited sent just before has this long to be received.
+  static constexpr auto kGrace = std::chrono::milliseconds(500);
+  std::vector<std::pair<int, std::chrono::steady_clock::time_point>> exited_;  // (peer, when), progress thread
   std::chrono::steady_clock::time_point last_busy_{}, last_watch_{};  // progress thread only
   std::atomic<bool> graceful_{false};  // flush the endpoints when closing
   std::mutex mu_;

@@ -2,9 +2,10 @@
 // thread of its own that makes every UCX call (senders and receivers only queue work for it),
 // sleeping on the worker's event file descriptor when idle. Peers connect by worker address,
 // exchanged by the caller (in one process directly; between processes through the
-// rendezvous). A message is one UCX tagged message: a header (dtypes, shapes) and the tensor
-// bytes, packed (one copy each side); the UCX tag carries the message tag and the sender's
-// rank, so receives match exactly. Host memory only: Debian's UCX is built without CUDA.
+// rendezvous). A message is one UCX tagged message (transport/message_buffer.h); the UCX tag
+// carries the message tag and the sender's rank, so receives match exactly. Peers on this
+// host go through shared memory, watched by pidfd (transport/peer_liveness.h); others over
+// tcp with UCX's peer failure detection. Host memory only: Debian's UCX is built without CUDA.
 #pragma once
 
 #include <cstdint>
