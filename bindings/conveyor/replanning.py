@@ -191,8 +191,8 @@ def switch_to(module, plan, decision: dict | None) -> None:
     lack it, and once every process has confirmed, what a process no longer reads is
     released (the state now, the tensors at the first step); the switch logged (`decision`:
     the Replanner's, or None when forced)."""
-    old = module.plan.document if module.plan is not None else None
     old_plan = module.plan
+    old = old_plan.document if old_plan is not None else None
     t0 = time.perf_counter()
     moved, handed_s = 0, 0.0
     tensors = module._graph.tensors
