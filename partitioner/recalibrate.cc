@@ -36,32 +36,31 @@ Status check_devices(const StagePlan& p, std::size_t stage, int devices) {
                                                  ", outside the cluster's " + std::to_string(devices));
 }
 
-// Per replica of `p` on `devices`: the time of its share over the slowest replica's (which
-// the stage's time is): its share over its device's speed, against the largest such.
-std::vector<double> replica_fractions(const StagePlan& p, const std::vector<Device>& devices) {
-  std::vector<double> out(static_cast<std::size_t>(p.replicas), 1.0);
+// Per replica of `p` on `devices`, its share's time at its device's speed (share over
+// speed); empty when the plan gives no shares for it.
+std::vector<double> share_times(const StagePlan& p, const std::vector<Device>& devices) {
+  std::vector<double> out;
   if (static_cast<int>(p.shares.size()) != p.replicas || p.first_device + p.replicas > static_cast<int>(devices.size())) {
     return out;
   }
-  double slowest = 0;
-  for (int i = 0; i < p.replicas; ++i) {
-    out[i] = p.shares[i] / std::max(devices[p.first_device + i].speed, 1e-12);
-    slowest = std::max(slowest, out[i]);
-  }
-  for (double& x : out) x = slowest > 0 ? x / slowest : 1.0;
+  for (int i = 0; i < p.replicas; ++i) out.push_back(p.shares[i] / std::max(devices[p.first_device + i].speed, 1e-12));
+  return out;
+}
+
+// Per replica: its share's time over the slowest replica's (which the stage's time is).
+std::vector<double> replica_fractions(const StagePlan& p, const std::vector<Device>& devices) {
+  std::vector<double> out = share_times(p, devices);
+  const double slowest = out.empty() ? 0 : *std::max_element(out.begin(), out.end());
+  if (slowest <= 0) return std::vector<double>(static_cast<std::size_t>(p.replicas), 1.0);
+  for (double& x : out) x /= slowest;
   return out;
 }
 
 // The speed a stage runs at on `devices` with the shares it runs (the plan's): one over its
 // slowest replica's share time; 0 when the plan gives no shares.
 double running_speed(const StagePlan& p, const std::vector<Device>& devices) {
-  if (static_cast<int>(p.shares.size()) != p.replicas || p.first_device + p.replicas > static_cast<int>(devices.size())) {
-    return 0;
-  }
-  double slowest = 0;
-  for (int i = 0; i < p.replicas; ++i) {
-    slowest = std::max(slowest, p.shares[i] / std::max(devices[p.first_device + i].speed, 1e-12));
-  }
+  const std::vector<double> times = share_times(p, devices);
+  const double slowest = times.empty() ? 0 : *std::max_element(times.begin(), times.end());
   return slowest > 0 ? 1.0 / slowest : 0;
 }
 
