@@ -25,10 +25,12 @@ std::vector<int> microbatch_candidates(const PlanOptions& o, int min_share) {
 
 std::vector<ScheduleKind> schedule_candidates(const PlanOptions& o) {
   if (!o.schedules.empty()) return o.schedules;
-  return {ScheduleKind::kGPipe, ScheduleKind::kOneFOneB, ScheduleKind::kInterleaved, ScheduleKind::kZeroBubbleH1};
+  return {ScheduleKind::kGPipe, ScheduleKind::kOneFOneB, ScheduleKind::kInterleaved, ScheduleKind::kZeroBubbleH1,
+          ScheduleKind::kZeroBubbleV};
 }
 
-// The schedule whose memory model a search runs under (ZB-H1 keeps 1F1B's activations).
+// The schedule whose memory model a search runs under (ZB-H1 keeps 1F1B's activations; the
+// chunked schedules start from a 1F1B plan's device groups).
 ScheduleKind memory_kind(ScheduleKind k) { return k == ScheduleKind::kGPipe ? ScheduleKind::kGPipe : ScheduleKind::kOneFOneB; }
 
 // The plan row of the stage outer \ inner on devices [first, first + replicas).
@@ -89,17 +91,20 @@ Plan build_plan(const CostGraph& g, const Cluster& cluster, const PlanOptions& o
   return plan;
 }
 
-// Interleaved candidates: keep a plain plan's device groups (its stages' devices) and cut
-// the model, along its block order, into v pieces per group, piece k running on group
-// k mod G with a share of the work proportional to the group's speed. Memory per device
-// is checked with the simulated peak (each group holds v pieces' weights and their
-// activations in flight) plus the largest piece's working memory and buffers.
-void interleaved_candidates(const Cluster& cluster, const Units& u, const CutStates& lin, const Model& model,
-                            const Plan& base, std::vector<Plan>& out) {
+// Interleaved and ZB-V candidates: keep a plain plan's device groups (its stages' devices)
+// and cut the model, along its block order, into v pieces per group, piece k running on
+// group k mod G (interleaved) or down the groups and back up (ZB-V: piece k on group k,
+// piece 2G - 1 - k on group k, v = 2), with a share of the work proportional to the group's
+// speed. Memory per device is checked with the simulated peak (each group holds v pieces'
+// weights and their activations in flight) plus the largest piece's working memory and
+// buffers.
+void chunked_candidates(ScheduleKind kind, const Cluster& cluster, const Units& u, const CutStates& lin,
+                        const Model& model, const Plan& base, std::vector<Plan>& out) {
   const int groups = static_cast<int>(base.stages.size());
   const int m = model.microbatches();
   const int k_blocks = static_cast<int>(lin.sets.size()) - 1;
-  if (groups < 2 || m % groups != 0) return;
+  const bool v_shape = kind == ScheduleKind::kZeroBubbleV;
+  if (groups < (v_shape ? 1 : 2) || (!v_shape && m % groups != 0)) return;
   double speed_total = 0;
   std::vector<double> group_speed;
   for (const auto& st : base.stages) {
@@ -107,34 +112,36 @@ void interleaved_candidates(const Cluster& cluster, const Units& u, const CutSta
     speed_total += group_speed.back();
   }
   const double total = lin.fwd[k_blocks] + lin.bwd[k_blocks];
-  for (int v : {2, 3, 4}) {
+  for (int v : v_shape ? std::vector<int>{2} : std::vector<int>{2, 3, 4}) {
     if (model.options().chunks > 0 && v != model.options().chunks) continue;
+    const scheduler::ScheduleSpec spec{kind, groups, m, v};
     const int pieces = v * groups;
     if (pieces > k_blocks) break;
     std::vector<int> cut{0};
     double target = 0;
     for (int k = 0; k + 1 < pieces; ++k) {
-      target += total * group_speed[k % groups] / (v * speed_total);
+      target += total * group_speed[spec.rank_of_stage(k)] / (v * speed_total);
       int b = cut.back() + 1;
       while (b < k_blocks - (pieces - k - 1) && lin.fwd[b] + lin.bwd[b] < target) ++b;
       cut.push_back(b);
     }
     cut.push_back(k_blocks);
     Plan p = base;
-    p.schedule = ScheduleKind::kInterleaved;
+    p.schedule = kind;
     p.chunks = v;
     p.stages.clear();
     p.links.clear();
     std::vector<double> extra(static_cast<std::size_t>(groups), 0);  // work and buffers per group
     for (int k = 0; k < pieces; ++k) {
-      const StagePlan& grp = base.stages[k % groups];
+      const int gk = spec.rank_of_stage(k);
+      const StagePlan& grp = base.stages[gk];
       const StageSums ss = stage_sums(u, lin, cut[k + 1], cut[k]);
       const StageEval e = model.eval(ss, grp.first_device, grp.replicas, pieces - 1 - k, k + 1 < pieces);
-      extra[k % groups] = std::max(extra[k % groups], e.transient_bytes);
+      extra[gk] = std::max(extra[gk], e.transient_bytes);
       p.stages.push_back(stage_plan(u, lin, cut[k], cut[k + 1], model, cluster, grp.first_device, grp.replicas, e,
                                     k > 0, k + 1 < pieces));
       if (k + 1 < pieces) {
-        const StagePlan& next = base.stages[(k + 1) % groups];
+        const StagePlan& next = base.stages[spec.rank_of_stage(k + 1)];
         p.links.push_back(cluster.link(grp.first_device + grp.replicas - 1, next.first_device));
       }
     }
@@ -149,7 +156,7 @@ void interleaved_candidates(const Cluster& cluster, const Units& u, const CutSta
       }
       const double need = sim->peak_bytes[gi] + extra[gi];
       fits = need <= cap;
-      for (int k = gi; k < pieces; k += groups) p.stages[k].memory_bytes = need;
+      for (int k : spec.stages_of_rank(gi)) p.stages[k].memory_bytes = need;
     }
     if (fits) out.push_back(std::move(p));
   }
@@ -347,13 +354,13 @@ Result<Plan> make_plan(const CostGraph& g, const Cluster& cluster, const PlanOpt
       base.search = search_used;
       for (ScheduleKind k : wanted) {
         if (memory_kind(k) != mk) continue;
-        if (k == ScheduleKind::kInterleaved) continue;
+        if (k == ScheduleKind::kInterleaved || k == ScheduleKind::kZeroBubbleV) continue;
         Plan p = base;
         p.schedule = k;
         candidates.push_back(std::move(p));
       }
-      if (mk == ScheduleKind::kOneFOneB && want(ScheduleKind::kInterleaved)) {
-        interleaved_candidates(cluster, units, linear, model, base, candidates);
+      for (ScheduleKind k : {ScheduleKind::kInterleaved, ScheduleKind::kZeroBubbleV}) {
+        if (mk == ScheduleKind::kOneFOneB && want(k)) chunked_candidates(k, cluster, units, linear, model, base, candidates);
       }
     }
   }
@@ -361,7 +368,7 @@ Result<Plan> make_plan(const CostGraph& g, const Cluster& cluster, const PlanOpt
     return Status(ErrorCode::kUnsupported,
                   "plans fit, but none can run the requested schedule: the interleaved schedule needs at least two "
                   "device groups, a microbatch count divisible by their number, and memory for two or more model "
-                  "pieces per group; "
+                  "pieces per group; ZB-V needs memory for two pieces per group and at least two blocks per group; "
                   "allow other schedules (schedule \"auto\") or fix the microbatch count");
   }
   if (candidates.empty() && (options.ranks > 0 || !options.replicas.empty())) {
@@ -418,8 +425,9 @@ Result<double> candidate_objective(const CostGraph& g, const Cluster& cluster, c
 
 Result<Plan> plan_candidate(const CostGraph& g, const Cluster& cluster, const PlanOptions& options,
                             const Candidate& c) {
-  if (c.schedule == ScheduleKind::kInterleaved) {
-    return Status(ErrorCode::kInvalidArgument, "a candidate is priced as a plain pipeline; interleaved plans come from make_plan");
+  if (c.schedule == ScheduleKind::kInterleaved || c.schedule == ScheduleKind::kZeroBubbleV) {
+    return Status(ErrorCode::kInvalidArgument,
+                  "a candidate is priced as a plain pipeline; interleaved and ZB-V plans come from make_plan");
   }
   CONVEYOR_ASSIGN_OR_RETURN(Units units, make_units(g));
   if (c.stages.size() != c.replicas.size() || c.stages.empty()) {

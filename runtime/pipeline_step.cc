@@ -217,7 +217,7 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
     for (int i = 0; i < layout.rank_replicas[rank]; ++i) {
       if (!local[rank][i]) continue;
       std::map<int, std::shared_ptr<const graph::StageProgram>> programs;
-      for (int s = rank; s < num_stages; s += spec.ranks) {
+      for (int s : spec.stages_of_rank(rank)) {
         CONVEYOR_ASSIGN_OR_RETURN(programs[s], im.executors[i]->stage(layout.stages[s]));
       }
       im.replicas.push_back(std::make_unique<StageReplica>(rank, i, layout, im.placement, std::move(programs), *im.store,

@@ -16,10 +16,11 @@ void forward(ActionList& list, const ScheduleSpec& spec, int stage, int mb) {
   if (stage < last) list.push_back({ActionKind::kSendActivation, mb, spec.rank_of_stage(stage + 1), stage});
 }
 
-void backward(ActionList& list, const ScheduleSpec& spec, int stage, int mb) {
+// Appends the backward of `mb` on `stage` (B, or Bi of a split one) with its receive and send.
+void backward(ActionList& list, const ScheduleSpec& spec, int stage, int mb, ActionKind kind = ActionKind::kBackward) {
   const int last = spec.stages() - 1;
   if (stage < last) list.push_back({ActionKind::kRecvGradient, mb, spec.rank_of_stage(stage + 1), stage});
-  list.push_back({ActionKind::kBackward, mb, -1, stage});
+  list.push_back({kind, mb, -1, stage});
   if (stage > 0) list.push_back({ActionKind::kSendGradient, mb, spec.rank_of_stage(stage - 1), stage});
 }
 
@@ -121,6 +122,58 @@ void zero_bubble_h1(std::vector<ActionList>& lists, int p, int m) {
   }
 }
 
+
+// ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", section 6): rank r holds the down
+// stage r and the up stage 2p - 1 - r, and the backward is split into Bi and W. At unit
+// cost (F = Bi = W) the order below leaves no bubble once m >= 2p - 1, while no rank keeps
+// more activations than 1F1B's first rank (2p stage-microbatches of half a rank's model):
+//   fill     2(p - r) - 1 forwards down, then r times: F up, F down;
+//   ramp     p - r times: F up, Bi up, W up;
+//   steady   until every forward ran: F down (while any is left), Bi down, W down, F up,
+//            Bi up, W up;
+//   drain    r times: Bi down, Bi up (their W wait); p - r times: Bi down, W down;
+//            then every W left, up stage first.
+// With fewer than 2p - 1 microbatches the order is made for 2p - 1 and the absent
+// microbatches' actions are left out, which keeps the lists deadlock-free (what is left
+// waits on a subset of what waited before).
+void zero_bubble_v(ActionList& list, const ScheduleSpec& spec, int r) {
+  const int p = spec.ranks, m = spec.microbatches;
+  const int padded = std::max(m, 2 * p - 1);
+  const int down = r, up = 2 * p - 1 - r;
+  struct Leg {
+    int stage, forwards = 0, inputs = 0, weights = 0;
+  };
+  Leg legs[2] = {{down}, {up}};
+  auto f = [&](Leg& l) {
+    if (l.forwards < m) forward(list, spec, l.stage, l.forwards);
+    ++l.forwards;
+  };
+  auto bi = [&](Leg& l) {
+    if (l.inputs < m) backward(list, spec, l.stage, l.inputs, ActionKind::kBackwardInput);
+    ++l.inputs;
+  };
+  auto w = [&](Leg& l) {
+    if (l.weights < m) list.push_back({ActionKind::kBackwardWeight, l.weights, -1, l.stage});
+    ++l.weights;
+  };
+  Leg& d = legs[0];
+  Leg& u = legs[1];
+  for (int k = 0; k < 2 * (p - r) - 1; ++k) f(d);
+  for (int k = 0; k < r; ++k) f(u), f(d);
+  for (int k = 0; k < p - r; ++k) f(u), bi(u), w(u);
+  while (u.forwards < d.forwards || d.forwards < padded) {
+    if (d.forwards < padded) f(d);
+    bi(d), w(d), f(u), bi(u), w(u);
+  }
+  for (int k = 0; k < r; ++k) bi(d), bi(u);
+  for (int k = 0; k < p - r; ++k) bi(d), w(d);
+  while (u.weights < u.inputs) w(u);
+  while (d.weights < d.inputs) w(d);
+  CONVEYOR_CHECK(d.forwards == padded && d.inputs == padded && d.weights == padded && u.forwards == padded &&
+                     u.inputs == padded && u.weights == padded,
+                 "ZB-V left a microbatch unfinished");
+}
+
 }  // namespace
 
 Result<ScheduleKind> schedule_kind_from_name(std::string_view name) {
@@ -128,8 +181,9 @@ Result<ScheduleKind> schedule_kind_from_name(std::string_view name) {
   if (name == "1f1b") return ScheduleKind::kOneFOneB;
   if (name == "interleaved") return ScheduleKind::kInterleaved;
   if (name == "zb-h1") return ScheduleKind::kZeroBubbleH1;
+  if (name == "zb-v") return ScheduleKind::kZeroBubbleV;
   return Status(ErrorCode::kInvalidArgument,
-                "unknown schedule '" + std::string(name) + "' (expected gpipe, 1f1b, interleaved or zb-h1)");
+                "unknown schedule '" + std::string(name) + "' (expected gpipe, 1f1b, interleaved, zb-h1 or zb-v)");
 }
 
 std::string_view schedule_kind_name(ScheduleKind kind) {
@@ -138,6 +192,7 @@ std::string_view schedule_kind_name(ScheduleKind kind) {
     case ScheduleKind::kOneFOneB: return "1f1b";
     case ScheduleKind::kInterleaved: return "interleaved";
     case ScheduleKind::kZeroBubbleH1: return "zb-h1";
+    case ScheduleKind::kZeroBubbleV: return "zb-v";
   }
   return "1f1b";
 }
@@ -177,8 +232,13 @@ Result<Schedule> make_schedule(const ScheduleSpec& spec) {
   if (spec.microbatches < 1) {
     return Status(ErrorCode::kInvalidArgument, "a schedule needs at least one microbatch");
   }
-  if (spec.chunks < 1 || (spec.chunks > 1 && spec.kind != ScheduleKind::kInterleaved)) {
-    return Status(ErrorCode::kInvalidArgument, "only the interleaved schedule holds several stages (chunks) per rank");
+  if (spec.kind == ScheduleKind::kZeroBubbleV && spec.chunks != 2) {
+    return Status(ErrorCode::kInvalidArgument, "ZB-V holds exactly two stages (chunks) per rank, not " +
+                                                   std::to_string(spec.chunks));
+  }
+  if (spec.chunks < 1 || (spec.chunks > 1 && spec.kind != ScheduleKind::kInterleaved && !spec.v_shape())) {
+    return Status(ErrorCode::kInvalidArgument,
+                  "only the interleaved and ZB-V schedules hold several stages (chunks) per rank");
   }
   if (spec.kind == ScheduleKind::kInterleaved && spec.microbatches % spec.ranks != 0) {
     return Status(ErrorCode::kInvalidArgument,
@@ -208,18 +268,29 @@ Result<Schedule> make_schedule(const ScheduleSpec& spec) {
       case ScheduleKind::kInterleaved:
         interleaved(list, spec, r);
         break;
+      case ScheduleKind::kZeroBubbleV:
+        zero_bubble_v(list, spec, r);
+        break;
       case ScheduleKind::kZeroBubbleH1:
         break;  // all ranks at once, below
     }
   }
   if (spec.kind == ScheduleKind::kZeroBubbleH1) zero_bubble_h1(s.ranks, p, m);
-  // The step's tail: each stage reduces its gradients across replicas (the last stage of a
-  // rank first: its backward finished first), then the rank applies its optimizer.
+  // The step's tail: each stage reduces its gradients across replicas, the stage whose
+  // backward finished first first, then the rank applies its optimizer.
   for (int r = 0; r < p; ++r) {
-    for (int c = spec.chunks - 1; c >= 0; --c) {
-      s.ranks[r].push_back({ActionKind::kAllReduce, -1, -1, c * p + r});
+    ActionList& list = s.ranks[r];
+    std::vector<std::pair<std::size_t, int>> finished;  // (position of its last compute, stage)
+    for (int stage : spec.stages_of_rank(r)) {
+      std::size_t last = 0;
+      for (std::size_t k = 0; k < list.size(); ++k) {
+        if (list[k].stage == stage && list[k].is_compute()) last = k;
+      }
+      finished.emplace_back(last, stage);
     }
-    s.ranks[r].push_back({ActionKind::kOptimizerStep, -1, -1, r});
+    std::sort(finished.begin(), finished.end());
+    for (const auto& [at, stage] : finished) list.push_back({ActionKind::kAllReduce, -1, -1, stage});
+    list.push_back({ActionKind::kOptimizerStep, -1, -1, r});
   }
   CONVEYOR_RETURN_IF_ERROR(validate_schedule(s));
   return s;
@@ -285,7 +356,7 @@ Status validate_schedule(const Schedule& s) {
         ++weight[i];
       }
     }
-    for (int stage = r; stage < stages; stage += p) {
+    for (int stage : s.spec.stages_of_rank(r)) {
       for (int mb = 0; mb < m; ++mb) {
         const std::size_t i = idx(stage, mb);
         if (input[i] != weight[i] || input[i] > 1) {

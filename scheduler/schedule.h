@@ -4,7 +4,9 @@
 //
 // A rank is one pipeline position: a stage replica group runs the list of its rank, every
 // replica the same list on its share of each microbatch. A rank holds one stage, or with the
-// interleaved schedule `chunks` stages (rank r holds stages r, r + ranks, r + 2 ranks, ...).
+// interleaved schedule `chunks` stages (rank r holds stages r, r + ranks, r + 2 ranks, ...),
+// or with ZB-V two stages in a V (rank r holds stages r and 2 ranks - 1 - r: the first rank
+// holds the first and the last stage, and the middle two stages share the last rank).
 #pragma once
 
 #include <cstdint>
@@ -17,9 +19,9 @@
 namespace conveyor::scheduler {
 
 /// The schedules conveyor generates action lists for.
-enum class ScheduleKind : std::uint8_t { kGPipe, kOneFOneB, kInterleaved, kZeroBubbleH1 };
+enum class ScheduleKind : std::uint8_t { kGPipe, kOneFOneB, kInterleaved, kZeroBubbleH1, kZeroBubbleV };
 
-/// Parses "gpipe", "1f1b", "interleaved" or "zb-h1".
+/// Parses "gpipe", "1f1b", "interleaved", "zb-h1" or "zb-v".
 Result<ScheduleKind> schedule_kind_from_name(std::string_view name);
 std::string_view schedule_kind_name(ScheduleKind kind);
 
@@ -54,7 +56,7 @@ struct Action {
 using ActionList = std::vector<Action>;
 
 /// What to generate: `ranks` pipeline positions, `microbatches` per step, and for the
-/// interleaved schedule `chunks` stages per rank (stages = ranks * chunks).
+/// interleaved schedule `chunks` stages per rank (stages = ranks * chunks; ZB-V: 2).
 struct ScheduleSpec {
   ScheduleKind kind = ScheduleKind::kOneFOneB;
   int ranks = 1;
@@ -62,7 +64,20 @@ struct ScheduleSpec {
   int chunks = 1;
 
   int stages() const { return ranks * chunks; }
-  int rank_of_stage(int stage) const { return stage % ranks; }
+  /// Whether stages run down the ranks and back up (ZB-V) rather than round-robin.
+  bool v_shape() const { return kind == ScheduleKind::kZeroBubbleV; }
+  int rank_of_stage(int stage) const {
+    if (v_shape()) return stage < ranks ? stage : 2 * ranks - 1 - stage;
+    return stage % ranks;
+  }
+  /// The stages rank `rank` holds, ascending.
+  std::vector<int> stages_of_rank(int rank) const {
+    std::vector<int> out;
+    for (int s = 0; s < stages(); ++s) {
+      if (rank_of_stage(s) == rank) out.push_back(s);
+    }
+    return out;
+  }
 };
 
 /// Per-rank action lists of one training step.

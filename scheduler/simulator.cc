@@ -74,7 +74,8 @@ Result<SimulationResult> simulate(const Schedule& s, const std::vector<StageCost
             const LinkCost link = link_of(grad ? a.stage - 1 : a.stage);
             double& free = link_free[{r, a.peer}];
             double start = std::max(compute_free[r], free);  // the data exists once computed
-            double end = start + link.transfer_s(bytes);
+            // Between two stages of one rank (ZB-V's turn) the value stays where it is.
+            double end = a.peer == r ? start : start + link.transfer_s(bytes);
             free = end;
             arrival[{grad, a.microbatch, a.stage}] = end;
             result.spans.push_back({r, Span::Stream::kSend, a, start, end});
@@ -98,7 +99,7 @@ Result<SimulationResult> simulate(const Schedule& s, const std::vector<StageCost
           case ActionKind::kOptimizerStep: {
             double start = std::max(compute_free[r], collective_free[r]);
             double d = 0;
-            for (int stage = r; stage < stages; stage += p) d += costs[stage].optimizer_s;
+            for (int stage : s.spec.stages_of_rank(r)) d += costs[stage].optimizer_s;
             compute_free[r] = start + d;
             if (d > 0) result.spans.push_back({r, Span::Stream::kCompute, a, start, compute_free[r]});
             break;

@@ -15,7 +15,9 @@ from .errors import ConveyorValueError
 # The range of every timeout (seconds), as common/timeouts.h holds it for C++: at most a week.
 LEAST_SECONDS, MOST_SECONDS = 0.001, 604800.0
 
-SCHEDULES = ("auto", "gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("auto", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+# Schedules that put two stages on each device group (pipeline rank).
+TWO_STAGES_PER_RANK = ("interleaved", "zb-v")
 
 
 def _whole(value, least: int) -> bool:
@@ -88,7 +90,7 @@ def check_module_arguments(model, optimizer, *, stages, replicas, microbatches, 
         raise ConveyorValueError(f"transport={transport!r}: expected 'ucx' (host memory) or 'nccl' (GPU memory, "
                                  "one GPU per process)")
     if schedule not in SCHEDULES:
-        raise ConveyorValueError(f"unknown schedule {schedule!r} (expected {', '.join(SCHEDULES[:-1])} or zb-h1)")
+        raise ConveyorValueError(f"unknown schedule {schedule!r} (expected {', '.join(SCHEDULES[:-1])} or {SCHEDULES[-1]})")
     if replicas is not None and not _whole(replicas, 1) and not (
             isinstance(replicas, list) and replicas and all(_whole(r, 1) for r in replicas)):
         raise ConveyorValueError(f"replicas={replicas!r}: every stage needs at least one replica "
@@ -101,7 +103,7 @@ def check_module_arguments(model, optimizer, *, stages, replicas, microbatches, 
     if devices is not None:
         if not _whole(devices, 1):
             raise ConveyorValueError(f"devices={devices!r}: expected a whole number of devices, at least 1")
-        ranks = stages // 2 if schedule == "interleaved" and _whole(stages, 1) else stages
+        ranks = stages // 2 if schedule in TWO_STAGES_PER_RANK and _whole(stages, 1) else stages
         if _whole(ranks, 1) and ranks > devices:
             raise ConveyorValueError(f"stages={stages} needs {ranks} devices (each pipeline rank runs on its own), but "
                                      f"devices={devices}; give more devices or fewer stages")

@@ -40,9 +40,9 @@ process 0's is used). The masks are not eager's: eager draws one stream in execu
     replicas      None: planned (node lists: 1); an int: every stage that many; a list: one
                   count per pipeline rank (with stages)
     microbatches  None: planned; an int: fixed
-    schedule      "auto" (planned), "gpipe", "1f1b", "interleaved" or "zb-h1"; with an int
-                  `stages`, "auto" plans among gpipe, 1f1b and zb-h1 (interleaved puts
-                  2 of the stages on each device group)
+    schedule      "auto" (planned), "gpipe", "1f1b", "interleaved", "zb-h1" or "zb-v";
+                  with an int `stages`, "auto" plans among gpipe, 1f1b and zb-h1
+                  (interleaved and zb-v put 2 of the stages on each device group)
     devices       virtual devices of the local machine to plan for (default: 2-4 by cores)
     cluster       a cluster TOML file (or text) to plan for instead of the local machine
     trace         a path: the second step's measured actions are written there (Perfetto;
@@ -76,7 +76,7 @@ from typing import Any
 import torch
 
 from . import _C, distributed
-from .arguments import check_module_arguments, seconds
+from .arguments import TWO_STAGES_PER_RANK, check_module_arguments, seconds
 from .capture import capture
 from .captures import Captures
 from .loss_wrapper import loss_wrapper
@@ -292,9 +292,9 @@ class Module(torch.nn.Module):
         if isinstance(self._stages, list):  # the user's own cut: run it as given
             stage_nodes = self._stages
             schedule = "1f1b" if self._schedule == "auto" else self._schedule
-            chunks = 2 if schedule == "interleaved" else 1
+            chunks = 2 if schedule in TWO_STAGES_PER_RANK else 1
             if len(stage_nodes) % chunks:
-                raise ConveyorValueError(f"the interleaved schedule needs an even number of stages, not {len(stage_nodes)}")
+                raise ConveyorValueError(f"the {schedule} schedule needs an even number of stages, not {len(stage_nodes)}")
             ranks = len(stage_nodes) // chunks
             replicas = (self._replicas if isinstance(self._replicas, list) else [self._replicas or 1] * ranks)
             if len(replicas) != ranks:

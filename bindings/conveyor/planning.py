@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from . import _C
+from .arguments import TWO_STAGES_PER_RANK
 from .errors import ConveyorValueError, GraphFormatError
 from .graph import Graph
 
@@ -307,15 +308,15 @@ class FixedParts:
         self.recompute = "always" if recompute is True else "never" if recompute is False else "auto"
         if schedule == "auto":
             # A fixed stage count keeps the schedules whose stages are the device groups.
-            self.schedules = ["gpipe", "1f1b", "zb-h1"] if stages else ["gpipe", "1f1b", "interleaved", "zb-h1"]
+            self.schedules = ["gpipe", "1f1b", "zb-h1"] if stages else ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]
         else:
             self.schedules = [schedule]
         if stages is not None:
             if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
                 raise ConveyorValueError(f"stages={stages!r}: expected a number of stages (at least 1) or node lists")
-            if schedule == "interleaved":
+            if schedule in TWO_STAGES_PER_RANK:
                 if stages % 2:
-                    raise ConveyorValueError(f"the interleaved schedule needs an even number of stages, not {stages}")
+                    raise ConveyorValueError(f"the {schedule} schedule needs an even number of stages, not {stages}")
                 self.ranks, self.chunks = stages // 2, 2
             else:
                 self.ranks = stages

@@ -157,7 +157,7 @@ def test_every_process_gets_the_environment_of_its_rank(tmp_path):
     ('[job]\n\ntimeout = -1\n', "job.toml:3: timeout must be a number of seconds from 0.001 to 604800"),
     ('[job]\ntimeout = 1e300\n', "job.toml:2: timeout must be a number of seconds from 0.001 to 604800"),
     ('[job]\nmaster_addr = "1 parsec"\n', 'job.toml:2: master_addr = "1 parsec" is not a host name or address'),
-    ('[job]\nschedule = "fast"\n', 'job.toml:2: schedule = "fast" (expected one of auto, gpipe, 1f1b, interleaved, zb-h1)'),
+    ('[job]\nschedule = "fast"\n', 'job.toml:2: schedule = "fast" (expected one of auto, gpipe, 1f1b, interleaved, zb-h1, zb-v)'),
     ('[job]\ntransport = "tcp"\n', 'job.toml:2: transport = "tcp" (expected one of ucx, nccl)'),
     ('[job]\nplan = "missing.json"\n', 'job.toml:2: plan = "missing.json": no such readable file'),
     ('[job]\nhosts = []\n', "job.toml:2: hosts must be a non-empty list"),

@@ -71,7 +71,7 @@ def test_automatic_plan_trains_like_eager_accumulation(name, batch):
             assert torch.equal(b, c) or (b - c).abs().max() <= 1e-9 * max(c.abs().max().item(), 1e-6), n
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "interleaved"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "interleaved", "zb-v"])
 def test_fixed_stages_with_replicas_train_like_eager_accumulation(schedule):
     torch.manual_seed(0)
     case = zoo.gpt2(batch=8)

@@ -103,7 +103,8 @@ def has_batchnorm(model):
 
 def configs(batch, batchnorm):
     """(schedule, stages, chunks, replicas, microbatches): stages in {2, 3, 4}, replicas in
-    {1, 2}, microbatches in {1, 4, 8}, every schedule (interleaved: 2 chunks per rank). A
+    {1, 2}, microbatches in {1, 4, 8}, every schedule (interleaved and ZB-V: 2 chunks per
+    rank; ZB-V's ranks hold stages in a V, so its middle stages share the last rank). A
     BatchNorm model needs two samples in every share, so its larger splits are left out."""
     out = []
     for stages in (2, 3, 4):
@@ -115,6 +116,8 @@ def configs(batch, batchnorm):
                     out.append((schedule, stages, 1, replicas, m))
                 if stages % 2 == 0 and m % (stages // 2) == 0:
                     out.append(("interleaved", stages, 2, replicas, m))
+                if stages % 2 == 0:
+                    out.append(("zb-v", stages, 2, replicas, m))
     return out
 
 
@@ -226,7 +229,7 @@ def test_buckets_are_reduced_while_backward_runs(name, device, rel_err, tmp_path
     fired = []
     handle = first.register_post_accumulate_grad_hook(lambda p: fired.append(1))
     try:
-        for schedule, chunks in (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)):
+        for schedule, chunks in (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("zb-v", 2)):
             step = _C.PipelineStep(graph.executor, graph.random_partition(4, seed=1), schedule, 2, chunks,
                                    [2] * (4 // chunks), bucket_bytes=1, intra_op_threads=torch.get_num_threads())
             wrapped.load_state_dict(initial)
@@ -315,7 +318,7 @@ def test_bad_pipelined_inputs_get_clear_errors():
 
 
 @CUDA
-@pytest.mark.parametrize("schedule,chunks", [("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)])
+@pytest.mark.parametrize("schedule,chunks", [("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("zb-v", 2)])
 def test_cuda_streams_run_each_replica_in_order_and_are_timed_on_the_device(schedule, chunks, rel_err,
                                                                             deterministic_cuda):
     """Each replica's actions run on its own compute stream: the device times read from
@@ -332,7 +335,7 @@ def test_cuda_streams_run_each_replica_in_order_and_are_timed_on_the_device(sche
         loss, seconds, _ = step.run(inputs)
     spans = step.spans()
     compute = [s for s in spans if s["stream"] == "compute" and s["microbatch"] >= 0]  # F, B, Bi, W
-    assert len(compute) == 2 * 2 * 4 * (3 if schedule == "zb-h1" else 2), len(compute)
+    assert len(compute) == 2 * 2 * 4 * (3 if schedule.startswith("zb") else 2), len(compute)
     for rank in range(4 // chunks):
         for replica in range(2):
             mine = [s for s in compute if s["rank"] == rank and s["replica"] == replica]

@@ -101,13 +101,39 @@ TEST(Schedule, InterleavedHoldsSeveralStagesPerRank) {
   EXPECT_FALSE(make_schedule({ScheduleKind::kOneFOneB, 2, 2, 2}).is_ok());
 }
 
+TEST(Schedule, ZeroBubbleVRunsDownTheRanksAndBackUp) {
+  for (int p = 1; p <= 8; ++p) {
+    for (int m = 1; m <= 16; ++m) {
+      auto s = make_schedule({ScheduleKind::kZeroBubbleV, p, m, 2});
+      ASSERT_TRUE(s.is_ok()) << "p=" << p << " m=" << m << ": " << s.status().message();
+      for (int r = 0; r < p; ++r) {
+        EXPECT_EQ(s->spec.stages_of_rank(r), (std::vector<int>{r, 2 * p - 1 - r}));
+        // Activations alive (from F until the input-gradient pass) never exceed 1F1B's first
+        // rank: 2p stage-microbatches of half a rank's model each, p whole ones.
+        EXPECT_LE(peak_in_flight(s->ranks[r]), std::min(2 * p, 2 * m)) << "p=" << p << " m=" << m << " rank " << r;
+      }
+    }
+  }
+  // Rank 0 holds the first and the last stage; the turn (stage 1 to 2) stays on rank 1.
+  Schedule s = make_schedule({ScheduleKind::kZeroBubbleV, 2, 4, 2}).value();
+  const std::string text = s.to_text();
+  EXPECT_NE(text.find("rank 0: F0@s0 sendA0@s0>1"), std::string::npos) << text;
+  EXPECT_NE(text.find("recvA0@s3<1 F0@s3 Bi0@s3"), std::string::npos) << text;
+  EXPECT_NE(text.find("F0@s1 sendA0@s1>1 recvA0@s2<1 F0@s2"), std::string::npos) << text;
+  EXPECT_NE(text.find("allreduce3 allreduce0 step"), std::string::npos) << text;  // stage 3's W ends first
+  auto three = make_schedule({ScheduleKind::kZeroBubbleV, 2, 4, 3});
+  ASSERT_FALSE(three.is_ok());
+  EXPECT_NE(three.status().message().find("exactly two stages"), std::string::npos);
+  EXPECT_EQ(schedule_kind_from_name("zb-v").value(), ScheduleKind::kZeroBubbleV);
+}
+
 TEST(Schedule, BadSpecsAndNames) {
   EXPECT_FALSE(make_schedule({ScheduleKind::kGPipe, 0, 4}).is_ok());
   EXPECT_FALSE(make_schedule({ScheduleKind::kGPipe, 2, 0}).is_ok());
   EXPECT_EQ(schedule_kind_from_name("1f1b").value(), ScheduleKind::kOneFOneB);
   auto bad = schedule_kind_from_name("pipedream");
   ASSERT_FALSE(bad.is_ok());
-  EXPECT_NE(bad.status().message().find("expected gpipe, 1f1b, interleaved or zb-h1"), std::string::npos);
+  EXPECT_NE(bad.status().message().find("expected gpipe, 1f1b, interleaved, zb-h1 or zb-v"), std::string::npos);
   EXPECT_EQ(schedule_kind_from_name("zb-h1").value(), ScheduleKind::kZeroBubbleH1);
 }
 

@@ -43,6 +43,47 @@ TEST(Simulator, ZeroBubbleH1CutsTheBubbleToAThirdOfOneFOneB) {
   }
 }
 
+TEST(Simulator, ZeroBubbleVIdlesOnlyWhileTheFirstForwardReachesTheLastRank) {
+  // Unit costs per stage (F = Bi = W = 1; each rank holds two stages, so a rank's model costs
+  // 2 + 2 + 2 per microbatch). Rank r cannot start before the first forward has crossed r
+  // ranks, and the last rank holds the turn; ZB-V fills everything else, so each rank idles
+  // exactly p - 1 units: step = 6m + p - 1, with 1F1B's peak activation memory. For the same
+  // rank costs ZB-H1 idles (p-1)(F+B-W) = 2(p-1) and 1F1B (p-1)(F+B+W) = 6(p-1).
+  for (int p : {1, 2, 3, 4, 8}) {
+    for (int m : {2 * p, 2 * p + 3, 4 * p, 32}) {
+      auto zbv = simulate(*make_schedule({ScheduleKind::kZeroBubbleV, p, m, 2}),
+                          std::vector<StageCost>(2 * p, StageCost{1.0, 2.0, 1.0, 0, 0, 0, 0, 0, 1.0}), LinkCost{});
+      const std::vector<StageCost> rank_costs(p, StageCost{2.0, 4.0, 2.0, 0, 0, 0, 0, 0, 2.0});
+      auto zbh1 = simulate(*make_schedule({ScheduleKind::kZeroBubbleH1, p, m}), rank_costs, LinkCost{});
+      auto ofob = simulate(*make_schedule({ScheduleKind::kOneFOneB, p, m}), rank_costs, LinkCost{});
+      ASSERT_TRUE(zbv.is_ok() && zbh1.is_ok() && ofob.is_ok());
+      EXPECT_NEAR(zbv->step_time_s, 6.0 * m + (p - 1), 1e-9) << "p=" << p << " m=" << m;
+      EXPECT_NEAR(zbv->bubble_fraction, (p - 1.0) / (6.0 * m + p - 1), 1e-9) << "p=" << p << " m=" << m;
+      EXPECT_NEAR(zbh1->bubble_fraction * zbh1->step_time_s, 2.0 * (p - 1), 1e-9) << "p=" << p << " m=" << m;
+      EXPECT_NEAR(ofob->bubble_fraction * ofob->step_time_s, 6.0 * (p - 1), 1e-9) << "p=" << p << " m=" << m;
+      for (int r = 0; r < p; ++r) EXPECT_LE(zbv->peak_bytes[r], ofob->peak_bytes[0] + 1e-9) << "rank " << r;
+    }
+  }
+}
+
+TEST(Simulator, ZeroBubbleVsTurnStaysOnItsRank) {
+  // Costly links: every boundary crosses ranks but the turn (stage p-1 to p), which costs nothing.
+  const int p = 3;
+  auto s = make_schedule({ScheduleKind::kZeroBubbleV, p, 6, 2});
+  ASSERT_TRUE(s.is_ok());
+  auto r = simulate(*s, std::vector<StageCost>(2 * p, StageCost{1.0, 2.0, 1.0, 1e6, 1e6}), LinkCost{0.0, 1e6});
+  ASSERT_TRUE(r.is_ok());
+  int turns = 0, crossings = 0;
+  for (const auto& span : r->spans) {
+    if (span.stream != Span::Stream::kSend) continue;
+    const bool turn = span.action.stage == (span.action.kind == ActionKind::kSendActivation ? p - 1 : p);
+    (turn ? turns : crossings) += 1;
+    EXPECT_NEAR(span.end_s - span.start_s, turn ? 0.0 : 1.0, 1e-9) << action_text(span.action, true);
+  }
+  EXPECT_EQ(turns, 2 * 6);
+  EXPECT_EQ(crossings, 2 * 6 * (2 * p - 2));
+}
+
 TEST(Simulator, TransfersRunOnTheirOwnStreamAndOverlapCompute) {
   auto s = make_schedule({ScheduleKind::kOneFOneB, 4, 8});
   ASSERT_TRUE(s.is_ok());
