@@ -9,6 +9,10 @@ same microbatches. Contenders, each a training step with SGD:
                    block, one stage per process
   conveyor split   conveyor.Module with the same split (the captured nodes before the middle
                    block's first operator, and the rest), 1F1B
+  pipelining ZB-V  torch.distributed.pipelining, ScheduleZBVZeroBubble: four stages split by
+                   hand at the quarter blocks, process 0 holding the first and the last,
+                   process 1 the middle two (not on gloo: see the note it prints)
+  conveyor ZB-V    conveyor.Module with the same four stages (node lists), schedule "zb-v"
   conveyor 2 st.   conveyor.Module(stages=2): two stages cut where conveyor's profile balances
                    them, 1F1B (the planner picks nothing else)
   DDP              DistributedDataParallel, each process half of every batch
@@ -100,24 +104,51 @@ def batch_of(args):
     return tokens, torch.roll(tokens, -1, dims=1)
 
 
-def same_split(module, tokens, target) -> list:
-    """conveyor's node lists for the hand split: the nodes before the first one that reads a
-    parameter of the back half (the middle block's first norm), and the rest."""
+class Part(torch.nn.Module):
+    """Some of the GPT's blocks, with the embeddings before them (the first part) or the norm
+    and the head after them (the last): one stage of a hand split, sharing the GPT's weights."""
+
+    def __init__(self, model: torch.nn.Sequential, first: int, end: int):
+        super().__init__()
+        front, back = model[0], model[1]
+        blocks = list(front.blocks) + list(back.blocks)
+        self.blocks = torch.nn.Sequential(*blocks[first:end])
+        self.front = front if first == 0 else None
+        self.back = back if end == len(blocks) else None
+
+    def forward(self, x):
+        if self.front is not None:
+            x = self.front.tok(x) + self.front.pos
+        x = self.blocks(x)
+        return self.back.head(self.back.ln(x)) if self.back is not None else x
+
+
+def same_split(module, tokens, target, parts: int = 2) -> list:
+    """conveyor's node lists for the hand split into `parts` equal runs of blocks: each part
+    starts at the first node that reads a parameter of its first block (the block's first
+    norm)."""
     import conveyor
     from conveyor.loss_wrapper import loss_wrapper
     graph = conveyor.capture(loss_wrapper(module, loss_fn, (tokens,), {"target": target}), (tokens,),
                              {"target": target})
     doc = graph.document
-    back = {b["value"] for b in doc["bindings"] if b["name"].startswith("model.1.")}  # the wrapper's model.1
+    per_half = len(module[0].blocks)
+    blocks = per_half + len(module[1].blocks)
     nodes = [n["id"] for n in doc["nodes"]]
-    cut = next(i for i, n in enumerate(doc["nodes"]) if any(a.get("value") in back for a in n["args"]))
-    return [nodes[:cut], nodes[cut:]]
+    cuts = [0]
+    for k in range(1, parts):
+        b = k * blocks // parts
+        prefix = f"model.0.blocks.{b}." if b < per_half else f"model.1.blocks.{b - per_half}."  # the wrapper's model
+        values = {v["value"] for v in doc["bindings"] if v["name"].startswith(prefix)}
+        cuts.append(next(i for i, n in enumerate(doc["nodes"]) if any(a.get("value") in values for a in n["args"])))
+    cuts.append(len(nodes))
+    return [nodes[a:b] for a, b in zip(cuts, cuts[1:])]
 
 
 def contenders(args, rank: int, tokens, target):
     """name -> (step function, the process's share of the samples it trains)."""
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleZBVZeroBubble
     from torch.nn.parallel import DistributedDataParallel
 
     import conveyor
@@ -145,6 +176,28 @@ def contenders(args, rank: int, tokens, target):
 
     out["conveyor split"], _ = module_step(stages=same_split(gpt(args), tokens, target), replicas=[1, 1],
                                            microbatches=args.microbatches, schedule="1f1b")
+    # ZB-V: four quarters, process 0 the first and the last, process 1 the middle two.
+    # pipelining's ZB-V sends between the two stages a process holds through the process
+    # group (its first step connects every stage to its neighbours that way), and gloo cannot
+    # send to its own rank ("Pair is not connected"): it runs only where the group can (NCCL).
+    if dist.get_backend() != "gloo":
+        mine_v = (0, 3) if rank == 0 else (1, 2)
+        whole = gpt(args)
+        parts_v = [Part(whole, k * args.layers // 4, (k + 1) * args.layers // 4) for k in mine_v]
+        schedule_v = ScheduleZBVZeroBubble([PipelineStage(p, k, 4, torch.device("cpu")) for p, k in zip(parts_v, mine_v)],
+                                           n_microbatches=args.microbatches, loss_fn=loss_fn)
+        opt_v = torch.optim.SGD([q for p in parts_v for q in p.parameters()], lr=1e-3)
+
+        def pipelining_v():
+            opt_v.zero_grad(set_to_none=True)
+            if rank == 0:
+                schedule_v.step(tokens, target=target, losses=[])
+            else:
+                schedule_v.step()
+            opt_v.step()
+        out["pipelining ZB-V"] = pipelining_v
+    out["conveyor ZB-V"], _ = module_step(stages=same_split(gpt(args), tokens, target, 4), replicas=[1, 1],
+                                          microbatches=args.microbatches, schedule="zb-v")
     out["conveyor 2 st."], two = module_step(stages=2, replicas=1, microbatches=args.microbatches, schedule="1f1b")
     # DDP: each process half of every batch.
     model = gpt(args)
@@ -227,14 +280,20 @@ def main():
         note = f"  [{layouts[name]}]" if name in layouts else ""
         print(f"  {name:<{width}} {med[name] * 1e3:9.2f} ms/step ({min(ts) * 1e3:.2f}-{max(ts) * 1e3:.2f})  "
               f"{args.batch / med[name]:8.1f} samples/s{note}")
-    best_peer = min(("pipelining", "DDP"), key=lambda n: med[n])
+    best_peer = min((n for n in ("pipelining", "pipelining ZB-V", "DDP") if n in med), key=lambda n: med[n])
     print("ratios (throughput, conveyor / peer; above 1: conveyor faster):")
     for label, ours, theirs in (("same split and schedule vs pipelining", "conveyor split", "pipelining"),
+                                ("ZB-V, same four stages vs pipelining's ZB-V", "conveyor ZB-V", "pipelining ZB-V"),
                                 ("stages=2 (conveyor's cut) vs pipelining's hand split", "conveyor 2 st.", "pipelining"),
                                 ("data parallel vs DDP", "conveyor DP", "DDP"),
                                 ("conveyor's plan vs pipelining", "conveyor plan", "pipelining"),
                                 (f"conveyor's plan vs the best peer ({best_peer})", "conveyor plan", best_peer)):
-        print(f"  {label}: {med[theirs] / med[ours]:.3f}x")
+        if theirs in med:
+            print(f"  {label}: {med[theirs] / med[ours]:.3f}x")
+    if "pipelining ZB-V" not in med:
+        print("  (pipelining's ZB-V cannot run on gloo: it sends between the two stages of one process through the "
+              "process group, and gloo cannot send to its own rank; conveyor's ZB-V against pipelining's 1F1B with "
+              f"the hand split: {med['pipelining'] / med['conveyor ZB-V']:.3f}x)")
 
 
 if __name__ == "__main__":

@@ -5,12 +5,12 @@
    conveyor time; the aim is at least 0.95x). Steps alternate so machine noise hits both.
 2. For each schedule asked for (default 1F1B and ZB-V): a plan on 4 device groups made by
    the planner from the measured profile, on a cluster that describes this machine
-   honestly (4 virtual devices sharing its cores), run for real: the measured step time
+   honestly (4 virtual devices sharing its cores; `--devices`), run for real: the measured step time
    against the simulator's prediction for the same plan (the aim is within 15%). The
    schedules' runs alternate, step by step, so machine noise hits each alike.
 
     ./run bench pipeline_cpu [--iters 10] [--layers 8] [--hidden 256] [--batch 16]
-                             [--schedules 1f1b,zb-v]
+                             [--schedules 1f1b,zb-v] [--devices 4]
 """
 import argparse
 import json
@@ -55,7 +55,7 @@ def one_stage_vs_eager(args, case, wrapped, graph, inputs):
 
 
 def planned_vs_simulated(args, case, wrapped, graph, inputs):
-    devices, m = 4, args.microbatches
+    devices, m = args.devices, args.microbatches
     schedules = args.schedules.split(",")
     cores = torch.get_num_threads()
     threads = max(1, cores // devices)
@@ -80,8 +80,9 @@ def planned_vs_simulated(args, case, wrapped, graph, inputs):
                              max_replicas=1, **ranks)
         print(plan)
         plans[schedule] = plan
+        chunks = plan.document["chunks"]
         steps[schedule] = _C.PipelineStep(graph.executor, plan.stage_nodes, plan.schedule, plan.microbatches,
-                                          plan.document["chunks"], plan.replicas, 0, threads,
+                                          chunks, plan.replicas[:len(plan.stage_nodes) // chunks], 0, threads,
                                           plan=json.dumps(plan.document))
         times[schedule] = []
     for i in range(args.warmup + args.iters):
@@ -114,6 +115,7 @@ def main():
     gpt2_case.add_arguments(ap, hidden=256, seq=128, batch=16, warmup=2)
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--trace", default="", help="write the planned runs' measured traces here (one per schedule)")
+    ap.add_argument("--devices", type=int, default=4, help="virtual devices (device groups) the plans use")
     ap.add_argument("--schedules", default="1f1b,zb-v", help="schedules to plan, run and compare with the simulator")
     args = ap.parse_args()
     if args.threads:
