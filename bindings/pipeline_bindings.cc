@@ -153,6 +153,10 @@ void bind_pipeline(py::module_& m) {
          "(seconds from the step's start; on CUDA the device's times).")
       .def("last_reduction", &runtime::PipelineStep::last_reduction,
            "(buckets, reduced during backward) of the last step's gradient reduction across replicas.")
+      .def("memory_peaks", &runtime::PipelineStep::memory_peaks,
+           "{(rank, replica): bytes} for the replicas of this process: the most host memory each one's compute "
+           "held at once during the last step (torch's CPU allocator: activations, gradients, working memory; "
+           "not the parameters and optimizer state it found); empty when it cannot be counted.")
       .def("profile_report", [](const runtime::PipelineStep& step) {
         runtime::ProfileReport r;
         {

@@ -162,6 +162,24 @@ void chunked_candidates(ScheduleKind kind, const Cluster& cluster, const Units& 
   }
 }
 
+// A plain candidate's memory per device as its schedule keeps activations: the search
+// priced each stage with the in-flight count of 1F1B (or GPipe), but a split backward keeps
+// a microbatch's activations until its W, later than its B. The simulated peak per rank
+// (static bytes and the activations alive at once, action by action) replaces that term;
+// working memory, buffers and a recomputing stage's one whole microbatch stay as priced.
+// False when the candidate then no longer fits its devices.
+bool memory_as_simulated(Plan& p, const scheduler::SimulationResult& sim, const Cluster& cluster) {
+  for (std::size_t s = 0; s < p.stages.size(); ++s) {
+    StagePlan& st = p.stages[s];
+    const double beyond = st.memory_bytes - st.static_bytes - st.in_flight * st.saved_bytes;
+    st.memory_bytes = sim.peak_bytes[s] + beyond;
+    for (int d = st.first_device; d < st.first_device + st.replicas; ++d) {
+      if (st.memory_bytes > cluster.devices[d].memory_bytes) return false;
+    }
+  }
+  return true;
+}
+
 // "2 stages of 1 replica each", in the words of the options that fixed them.
 std::string fixed_parts_text(const PlanOptions& o) {
   std::string text = o.ranks > 0 ? std::to_string(o.ranks) + (o.ranks == 1 ? " pipeline rank" : " pipeline ranks")
@@ -402,14 +420,26 @@ Result<Plan> make_plan(const CostGraph& g, const Cluster& cluster, const PlanOpt
                       " per device (the smallest device has " + human_bytes(have) +
                       "); use more devices or devices with more memory, a smaller batch, or a lighter optimizer");
   }
-  // The simulated step time of the actual schedule decides.
+  // The simulated step time of the actual schedule decides, among the candidates whose
+  // simulated memory fits.
   Plan* best = nullptr;
+  int too_big = 0;
   for (auto& p : candidates) {
     auto sim = p.simulate();
     if (!sim) continue;
+    if (p.chunks == 1 && !memory_as_simulated(p, *sim, cluster)) {
+      ++too_big;
+      continue;
+    }
     p.predicted_step_s = sim->step_time_s;
     p.bubble_fraction = sim->bubble_fraction;
     if (!best || p.predicted_step_s < best->predicted_step_s - 1e-15) best = &p;
+  }
+  if (!best && too_big > 0) {
+    return Status(ErrorCode::kDoesNotFit,
+                  "no plan fits '" + g.name + "' under the requested schedules: a split backward (zb-h1) keeps each "
+                  "microbatch's activations until its weight-gradient pass, which needs more memory than the devices "
+                  "have; allow other schedules (schedule \"auto\"), recomputation, or devices with more memory");
   }
   if (!best) return Status(ErrorCode::kInternal, "no candidate plan could be simulated");
   Plan out = *best;
@@ -481,6 +511,7 @@ Result<Plan> plan_candidate(const CostGraph& g, const Cluster& cluster, const Pl
   Plan plan = build_plan(g, cluster, options, units, cs, model, sol, c.schedule);
   plan.search = "given";
   CONVEYOR_ASSIGN_OR_RETURN(auto sim, plan.simulate());
+  (void)memory_as_simulated(plan, sim, cluster);  // a given split is priced whether it fits or not
   plan.predicted_step_s = sim.step_time_s;
   plan.bubble_fraction = sim.bubble_fraction;
   return plan;

@@ -115,6 +115,7 @@ PipelineStep::~PipelineStep() = default;
 Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const graph::GraphExecutor> executor,
                                                            std::vector<std::vector<NodeId>> stages,
                                                            scheduler::ScheduleSpec spec, PipelineOptions options) {
+  install_memory_meter();  // each replica's host memory, measured from its first step on
   const graph::Graph& g = executor->graph();
   auto impl = std::make_unique<Impl>();
   Impl& im = *impl;
@@ -430,6 +431,13 @@ std::vector<std::int64_t> PipelineStep::share_lengths(int stage, std::int64_t le
 }
 
 std::pair<int, int> PipelineStep::last_reduction() const { return impl_->last_reduction; }
+
+std::map<std::pair<int, int>, std::int64_t> PipelineStep::memory_peaks() const {
+  std::map<std::pair<int, int>, std::int64_t> out;
+  if (!memory_meter_active()) return out;
+  for (const auto& [worker, replica] : impl_->by_worker) out[worker] = replica->memory().peak();
+  return out;
+}
 
 const RunResult& PipelineStep::last_step() const { return impl_->last; }
 

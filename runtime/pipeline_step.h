@@ -133,6 +133,11 @@ class PipelineStep {
   /// The last step's gradient buckets of replicated stages, and how many were reduced while
   /// their stage's last backward still ran.
   std::pair<int, int> last_reduction() const;
+  /// Per (rank, replica) run in this process: the most host memory its compute held at once
+  /// during the last step (torch's CPU allocator, runtime/memory_meter.h: activations,
+  /// gradients, working memory; not the parameters and optimizer state it found). Empty
+  /// when the meter cannot count (another CPU allocator is in place).
+  std::map<std::pair<int, int>, std::int64_t> memory_peaks() const;
 
   /// The last step's measured actions. On a device with streams, compute actions and
   /// reductions carry the device's times (from events on their streams), not the host's.

@@ -71,6 +71,7 @@ void StageReplica::begin_step() {
   backwards_done_.clear();
   final_done_.clear();
   timed_.clear();
+  memory_->reset_peak();
 }
 
 c10::Event* StageReplica::final_done(int stage) const {
@@ -79,6 +80,7 @@ c10::Event* StageReplica::final_done(int stage) const {
 }
 
 Status StageReplica::compute(const Action& a) {
+  MeterScope metered(memory_);
   if (configured_threads_ != settings_.intra_op_threads) {
     at::set_num_threads(settings_.intra_op_threads);
     configured_threads_ = settings_.intra_op_threads;

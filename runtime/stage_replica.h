@@ -23,6 +23,7 @@
 #include "graph/executor.h"
 #include "runtime/device_streams.h"
 #include "runtime/gradient_reducer.h"
+#include "runtime/memory_meter.h"
 #include "runtime/pipeline_layout.h"
 #include "runtime/placement.h"
 #include "runtime/remote_exchange.h"
@@ -78,6 +79,9 @@ class StageReplica {
   /// The event after this replica's last backward of `stage` this step (streams only; null
   /// before it ran).
   c10::Event* final_done(int stage) const;
+  /// The host memory its compute allocated (torch's CPU allocator, runtime/memory_meter.h):
+  /// live now, and the peak since this step began.
+  const MemoryCounter& memory() const { return *memory_; }
 
  private:
   Status forward(const scheduler::Action& a);
@@ -99,6 +103,7 @@ class StageReplica {
   std::map<int, int> backwards_done_;                                  // by stage, this step
   std::map<int, c10::Event*> final_done_;                              // by stage, this step
   std::vector<Timed> timed_;
+  std::shared_ptr<MemoryCounter> memory_ = std::make_shared<MemoryCounter>();
 };
 
 }  // namespace conveyor::runtime

@@ -247,7 +247,21 @@ at::Tensor ValueStore::take_gradient(ValueId v, int mb, int i) {
     const std::int64_t k = per_sample(v, jt->second, micro_length_[mb]);
     add_into(g, jt->second.narrow(bl.batch_dim[v], k * s.offset, k * s.length));
   }
+  release_read_locked(v, mb, i);
   return g;
+}
+
+void ValueStore::release_read_locked(ValueId v, int mb, int i) {
+  auto it = values_.find({v, mb});
+  if (it == values_.end()) return;
+  if (i < static_cast<int>(it->second.size())) it->second[i] = c10::IValue();
+  for (const auto& share : it->second) {
+    if (!share.isNone()) return;
+  }
+  values_.erase(it);
+  value_ready_.erase({v, mb});
+  joined_.erase({v, mb});
+  joined_ready_.erase({v, mb});
 }
 
 std::int64_t ValueStore::per_sample(ValueId v, const at::Tensor& t, std::int64_t samples) const {

@@ -64,7 +64,11 @@ class ValueStore {
   /// (on that replica's compute stream, current).
   void add_gradient(graph::ValueId v, int mb, int stage, int i, const at::Tensor& g);
   /// The gradient of output `v` for replica `i` of its producing stage: what every reader
-  /// handed back (undefined: none). Taken: a second call returns what arrived since.
+  /// handed back (undefined: none). Taken: a second call returns what arrived since. Every
+  /// reader of `v` has run its backward by then (the producer's waits for their gradients),
+  /// so the store lets go of replica `i`'s `v` (the producer's activation keeps what its own
+  /// backward needs): values between stages live from their forward to their producer's
+  /// backward, as the schedule's memory model has them, not to the end of the step.
   at::Tensor take_gradient(graph::ValueId v, int mb, int i);
 
   /// Replica `i` of `stage`'s share of microbatch `mb`, as a fraction of the batch: the
@@ -82,6 +86,7 @@ class ValueStore {
   std::int64_t per_sample(graph::ValueId v, const at::Tensor& t, std::int64_t samples) const;
   void put_locked(const std::vector<graph::ValueId>& ids, std::vector<c10::IValue>& values, int mb, int stage, int i,
                   c10::Event* ready);
+  void release_read_locked(graph::ValueId v, int mb, int i);  // replica i's v of mb: read by all
 
   const PipelineLayout& layout_;
   PipelineStreams* streams_;

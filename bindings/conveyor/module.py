@@ -80,6 +80,7 @@ from .arguments import TWO_STAGES_PER_RANK, check_module_arguments, seconds
 from .capture import capture
 from .captures import Captures
 from .loss_wrapper import loss_wrapper
+from .memory import memory_rows, memory_table, optimizer_state_per_param_byte, reset_device_peak
 from .errors import ConveyorValueError, UnsupportedError
 from .planning import FixedParts, Plan, cluster_text, plan as make_plan, profile, read_plan
 from .replanning import Replanning, switch_to
@@ -150,6 +151,8 @@ class LiveProfile:
     """A live profile (Module.profile_report): `steps`, `measured_step_s`, `predicted_step_s`
     (0 without a plan) and `stages`, a dict per stage of measured and predicted seconds and
     its `compute_ratio` (measured over predicted F + B + W; above 1: slower than planned);
+    `memory`, a dict per device of this process with its predicted and measured peak bytes
+    (bindings/conveyor/memory.py);
     `replan`: the re-planning partitioner's last decision (None before the first window, or
     without re-planning). After a window the prediction is the running plan priced on the
     corrected inputs, and the steps counted are those since."""
@@ -160,6 +163,7 @@ class LiveProfile:
         self.measured_step_s = report["measured_step_s"]
         self.predicted_step_s = report["predicted_step_s"]
         self.stages = report["stages"]
+        self.memory = report.get("memory", [])
         self._table = report["table"]
 
     def __str__(self) -> str:
@@ -341,7 +345,7 @@ class Module(torch.nn.Module):
                 else:
                     made = make_plan(graph, prof, cluster, batch=batch, microbatches=m_hint, schedules=fixed.schedules,
                                      max_replicas=max_replicas, max_microbatches=most_microbatches,
-                                     **fixed.options())
+                                     optimizer_state=optimizer_state_per_param_byte(self.optimizer), **fixed.options())
                 if self._group is None:
                     return made
                 # Process 0 plans for one device per process; every process runs that plan.
@@ -369,6 +373,7 @@ class Module(torch.nn.Module):
                                              batch=batch, microbatches=m_hint, schedules=fixed.schedules,
                                              max_replicas=used_cap, max_microbatches=most_microbatches,
                                              horizon_steps=self._replan_horizon, moves_bytes=self._group is not None,
+                                             optimizer_state=optimizer_state_per_param_byte(self.optimizer),
                                              **fixed.options())
                 self._replanning = Replanning(replanner, self._group, self._switches)
         if self._step is None:
@@ -455,6 +460,7 @@ class Module(torch.nn.Module):
         return _PipelinedLoss.apply(loss, step.take_held_gradients(), *params)
 
     def _run(self, step, inputs: list, hold_gradients: bool) -> torch.Tensor:
+        reset_device_peak(self._graph)
         loss, _, _ = step.run(inputs, hold_gradients=hold_gradients)
         self._steps_run += 1
         if step is self._step and self._replanning is not None:
@@ -538,6 +544,8 @@ class Module(torch.nn.Module):
         if self._step is None:
             raise ConveyorValueError("no step has run yet: nothing to report")
         report = self._step.profile_report()
+        report["memory"] = memory_rows(self)
+        report["table"] += memory_table(report["memory"])
         if self._replanning is not None:
             report["table"] += self._replanning.report()
             report["replan"] = self._replanning.last

@@ -87,7 +87,8 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
     ghash = _C.graph_hash(graph.ir)
     name = _device_name(device)
     key = "".join(c if c.isalnum() else "_" for c in name)
-    path = profile_cache_dir() / f"{ghash}-{key}-mb{microbatch}.json"
+    # "m2": how working memory is measured (with the parameters' gradients); older entries are measured again.
+    path = profile_cache_dir() / f"{ghash}-{key}-mb{microbatch}-m2.json"
     if cache and path.exists():
         try:
             doc = json.loads(path.read_text())
@@ -113,9 +114,12 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
              for _ in range(graph.num_nodes)]
     reads_param = set()
     bound_ids = {b["value"] for b in doc_in["bindings"] if b["kind"] != "constant"}
+    trained = {b["value"] for b in doc_in["bindings"] if b["kind"] == "parameter" and bound[b["name"]].requires_grad}
+    grad_bytes = [0] * graph.num_nodes  # the gradients of the parameters a node reads: its backward makes them
     for i, node in enumerate(graph.nodes):
         if any(v in bound_ids for v in _node_value_inputs(node)):
             reads_param.add(i)
+            grad_bytes[i] = sum(value_bytes[v] for v in set(_node_value_inputs(node)) if v in trained)
     try:
         # Units in a topological order: the first (by node id) whose inputs all exist.
         pending = [(unit, executor.stage(unit)) for unit in _units(graph)]
@@ -160,8 +164,9 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
                 stage.backward(act, grads)
             if device.type == "cuda":
                 work = torch.cuda.max_memory_allocated(device) - base
-            else:
-                work = sum(saved.values()) + sum(_nbytes(o) for o in outputs)
+            else:  # what the unit's forward and backward hold at once: activations, outputs, gradients
+                work = (sum(saved.values()) + sum(_nbytes(o) for o in outputs) +
+                        sum(grad_bytes[n] for n in unit))
             fwd, bwd = [], []
             for rep in range(warmup + repeats):
                 _sync(device)

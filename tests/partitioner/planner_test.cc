@@ -525,6 +525,40 @@ TEST(Planner, ZeroBubbleVPlansHoldTwoPiecesPerGroupInAV) {
   EXPECT_LE(any->predicted_step_s, plan->predicted_step_s + 1e-12);
 }
 
+TEST(Planner, ASplitBackwardsMemoryIsWhatItsScheduleKeeps) {
+  // ZB-H1 keeps a microbatch's activations until its W, later than 1F1B's B: on the same
+  // stages its first rank holds more at once, and the plan says so (the simulated peak).
+  CostGraph g = uniform_chain(8, 1e-3, 2e-3, 1e6, 1e6);
+  for (auto& op : g.ops) op.backward_weight_s = 1e-3;
+  Cluster roomy = Cluster::uniform(1, 4, 1e12, 1.0, fast_link(), fast_link());
+  PlanOptions o;
+  o.batch = 16;
+  o.microbatches = 8;
+  o.ranks = 4;
+  o.replicas = {1};
+  o.schedules = {ScheduleKind::kOneFOneB};
+  auto ofob = make_plan(g, roomy, o);
+  o.schedules = {ScheduleKind::kZeroBubbleH1};
+  auto zb = make_plan(g, roomy, o);
+  ASSERT_TRUE(ofob.is_ok() && zb.is_ok()) << ofob.status().to_string() << zb.status().to_string();
+  auto sim = zb->simulate();
+  ASSERT_TRUE(sim.is_ok());
+  EXPECT_GT(zb->stages[0].memory_bytes, ofob->stages[0].memory_bytes);
+  EXPECT_GE(zb->stages[0].memory_bytes, sim->peak_bytes[0]);
+  // Memory between the two: ZB-H1 does not fit where 1F1B does, and the error says why.
+  const double between = (zb->stages[0].memory_bytes + ofob->stages[0].memory_bytes) / 2;
+  Cluster tight = Cluster::uniform(1, 4, between, 1.0, fast_link(), fast_link());
+  o.recompute = PlanOptions::Recompute::kNever;
+  auto refused = make_plan(g, tight, o);
+  ASSERT_FALSE(refused.is_ok());
+  EXPECT_EQ(refused.status().code(), ErrorCode::kDoesNotFit);
+  EXPECT_NE(refused.status().message().find("weight-gradient pass"), std::string::npos) << refused.status().message();
+  o.schedules = {ScheduleKind::kOneFOneB, ScheduleKind::kZeroBubbleH1};
+  auto either = make_plan(g, tight, o);
+  ASSERT_TRUE(either.is_ok()) << either.status().to_string();
+  EXPECT_EQ(either->schedule, ScheduleKind::kOneFOneB);
+}
+
 TEST(Planner, PrefersPipelinesWhenReplicasCannotHoldTheModel) {
   // 8 layers of 1 GB weights on 4 devices of 10 GB: a replica holds at most 2 layers.
   CostGraph g = uniform_chain(8, 1e-3, 2e-3, 1e9, 1e5);

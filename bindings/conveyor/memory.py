@@ -1,0 +1,105 @@
+"""Memory per device: what the plan predicted against what the last step held.
+
+A device's measured peak is what its stages found held (their parameters and buffers, and
+on the replica that applies the optimizer its state) plus the most its compute held at
+once during the step: on the CPU, what the replica's thread allocated through torch's
+allocator (`PipelineStep.memory_peaks`: activations, gradients, working memory); on CUDA,
+the process's allocator peak (torch.cuda.max_memory_allocated) where the process runs one
+device. The prediction is the plan's `memory_bytes` of the device's stages.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def optimizer_state_per_param_byte(optimizer) -> float:
+    """The optimizer state an optimizer keeps per byte of parameters: what the planner
+    reserves beside each stage's weights and gradients."""
+    if optimizer is None:
+        return 0.0
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    if isinstance(optimizer, torch.optim.SGD):
+        return 1.0 if group.get("momentum", 0) else 0.0
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return 3.0 if group.get("amsgrad", False) else 2.0
+    if isinstance(optimizer, torch.optim.Adagrad):
+        return 1.0
+    if isinstance(optimizer, torch.optim.RMSprop):
+        return 1.0 + bool(group.get("momentum", 0)) + bool(group.get("centered", False))
+    return 2.0  # unknown: Adam's two moments, the common case
+
+
+def reset_device_peak(graph) -> None:
+    """Before a step of a model on CUDA: the allocator's peak starts again from what is held."""
+    if graph is not None and torch.cuda.is_available() and any(t.is_cuda for t in graph.tensors.values()):
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _stage_tensors(graph, nodes: list) -> list[str]:
+    """The parameters and buffers `nodes` read, by name."""
+    doc = graph.document
+    named = {b["value"]: b["name"] for b in doc["bindings"] if b["kind"] != "constant"}
+    chosen = set(nodes)
+    out = set()
+    for n in doc["nodes"]:
+        if n["id"] in chosen:
+            out.update(named[a["value"]] for a in n["args"] if a.get("value") in named)
+    return sorted(out)
+
+
+def memory_rows(module) -> list[dict]:
+    """One row per device of this process that ran the last step: (rank, replica), predicted
+    and measured bytes (None where unknown)."""
+    step, plan, graph = module._step, module.plan, module._graph
+    if step is None or graph is None:
+        return []
+    stages, _, _, chunks, replicas = module._layout
+    ranks = stages // chunks
+    spec_stages = module._stage_nodes
+    # Which stages each rank holds: round-robin, or down and back up for ZB-V.
+    if module._layout[1] == "zb-v":
+        rank_stages = {r: [r, 2 * ranks - 1 - r] for r in range(ranks)}
+    else:
+        rank_stages = {r: list(range(r, stages, ranks)) for r in range(ranks)}
+    peaks = step.memory_peaks()
+    cuda = any(t.is_cuda for t in graph.tensors.values())
+    rows = []
+    for (rank, replica), peak in sorted(peaks.items()):
+        names = sorted({n for s in rank_stages[rank] for n in _stage_tensors(graph, spec_stages[s])})
+        held = sum(_nbytes(graph.tensors[n]) for n in names)
+        if replica == 0 and module.optimizer is not None:
+            params = {graph.tensors[n] for n in names}
+            for p, state in module.optimizer.state.items():
+                if p in params:
+                    held += sum(_nbytes(v) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        predicted = None
+        if plan is not None:
+            predicted = max(float(plan.document["stages"][s]["memory_bytes"]) for s in rank_stages[rank])
+        measured = None
+        if cuda and len(peaks) == 1:
+            measured = float(torch.cuda.max_memory_allocated())
+        elif not cuda:
+            measured = float(held + peak)
+        rows.append(dict(rank=rank, replica=replica, predicted_bytes=predicted, measured_bytes=measured,
+                         held_bytes=float(held), step_peak_bytes=float(peak)))
+    return rows
+
+
+def memory_table(rows: list[dict]) -> str:
+    """The rows as the profile report prints them."""
+    if not rows:
+        return ""
+    mib = 1 << 20
+    lines = ["memory per device (MiB): predicted / measured peak (held before the step + the step's own)"]
+    for r in rows:
+        pred = f"{r['predicted_bytes'] / mib:9.3f}" if r["predicted_bytes"] is not None else "        -"
+        meas = f"{r['measured_bytes'] / mib:9.3f}" if r["measured_bytes"] is not None else "        -"
+        ratio = (f"  ratio {r['measured_bytes'] / r['predicted_bytes']:.3f}"
+                 if r["predicted_bytes"] and r["measured_bytes"] else "")
+        lines.append(f"  rank {r['rank']} replica {r['replica']}: {pred} / {meas}  "
+                     f"({r['held_bytes'] / mib:.3f} + {r['step_peak_bytes'] / mib:.3f}){ratio}")
+    return "\n".join(lines) + "\n"
