@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <numeric>
 
 #include "partitioner/search.h"
@@ -180,6 +181,52 @@ bool memory_as_simulated(Plan& p, const scheduler::SimulationResult& sim, const 
   return true;
 }
 
+// The simulator's best plan of the exact search's space, by branch and bound from the
+// analytic optimum `base` (search.h, simulated_search), under each wanted schedule of one
+// stage per rank that shares base's memory model; added to `out` where it beats base.
+void simulator_best(const CostGraph& g, const Cluster& cluster, const PlanOptions& options, const Units& units,
+                    const CutStates& states, const StagePairs& pairs, const Model& model, Plan& base,
+                    const std::vector<ScheduleKind>& wanted, std::vector<Plan>& out) {
+  std::vector<ScheduleKind> plain;
+  for (ScheduleKind k : wanted) {
+    if (memory_kind(k) == model.kind() && k != ScheduleKind::kInterleaved && k != ScheduleKind::kZeroBubbleV) {
+      plain.push_back(k);
+    }
+  }
+  if (plain.empty()) return;
+  // A plan's best simulated step over those schedules (infinity: it does not fit).
+  auto simulated = [&](const Plan& plan) {
+    double best = kInf;
+    for (ScheduleKind k : plain) {
+      Plan p = plan;
+      p.schedule = k;
+      auto sim = p.simulate();
+      if (sim && memory_as_simulated(p, *sim, cluster)) best = std::min(best, sim->step_time_s);
+    }
+    return best;
+  };
+  const bool split = std::find(plain.begin(), plain.end(), ScheduleKind::kZeroBubbleH1) != plain.end();
+  const double bound = simulated(base);
+  std::function<double(const Solution&)> simulate = [&](const Solution& s) {
+    return simulated(build_plan(g, cluster, options, units, states, model, s, model.kind()));
+  };
+  SimulatedBest found = simulated_search(states, pairs, model, split, bound * (1 - 1e-12), simulate,
+                                         options.simulated_budget);
+  const std::string how = "; simulated: " + std::to_string(found.tried) + " stages tried" +
+                          (found.complete ? ", no plan of this space simulates faster" : ", stopped at the budget");
+  base.search += how;
+  if (found.solution.cuts.empty()) return;
+  auto objective = score(units, states, model, found.solution);
+  found.solution.objective = objective ? *objective : kInf;
+  Plan p = build_plan(g, cluster, options, units, states, model, found.solution, model.kind());
+  p.search = base.search;
+  for (ScheduleKind k : plain) {
+    Plan q = p;
+    q.schedule = k;
+    out.push_back(std::move(q));
+  }
+}
+
 // "2 stages of 1 replica each", in the words of the options that fixed them.
 std::string fixed_parts_text(const PlanOptions& o) {
   std::string text = o.ranks > 0 ? std::to_string(o.ranks) + (o.ranks == 1 ? " pipeline rank" : " pipeline ranks")
@@ -354,8 +401,8 @@ Result<Plan> make_plan(const CostGraph& g, const Cluster& cluster, const PlanOpt
       // The bottleneck search gives a quick incumbent; the exact search proves or improves it.
       Solution sol = options.ranks > 0 ? Solution{} : bottleneck_search(units, linear, model);
       const CutStates* sol_states = &linear;
+      StagePairs& pairs = states->linear ? linear_pairs : exact_pairs;
       if (exact) {
-        StagePairs& pairs = states->linear ? linear_pairs : exact_pairs;
         if (pairs.sums.empty()) pairs = stage_pairs(units, *states);
         Solution incumbent = sol;
         if (!states->linear && !incumbent.cuts.empty()) incumbent = translate(incumbent, linear, *states);
@@ -370,6 +417,9 @@ Result<Plan> make_plan(const CostGraph& g, const Cluster& cluster, const PlanOpt
       any_fit = true;
       Plan base = build_plan(g, cluster, options, units, *states, model, sol, mk);
       base.search = search_used;
+      if (exact && options.simulated_search) {
+        simulator_best(g, cluster, options, units, *states, pairs, model, base, wanted, candidates);
+      }
       for (ScheduleKind k : wanted) {
         if (memory_kind(k) != mk) continue;
         if (k == ScheduleKind::kInterleaved || k == ScheduleKind::kZeroBubbleV) continue;

@@ -54,6 +54,11 @@ struct PlanOptions {
   /// otherwise.
   enum class Recompute : std::uint8_t { kNever, kWhenNeeded, kAlways } recompute = Recompute::kWhenNeeded;
   SearchMode search = SearchMode::kAuto;
+  /// After an exact search: enumerate, by branch and bound, every plan of the same space whose
+  /// simulated step could beat the analytic optimum's, and return the simulator's best
+  /// (docs/planner.md). Off: the analytic optimum as found.
+  bool simulated_search = true;
+  long long simulated_budget = 300000;  ///< stages the branch and bound may try
   int max_downsets = 1500;   ///< more convex cut states than this: stages cut a linear order of blocks
   int max_blocks = 192;      ///< blocks of that linear order
   double exact_budget = 3e7; ///< transitions the exact search may take before bottleneck search is used

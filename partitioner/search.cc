@@ -147,6 +147,122 @@ Solution bottleneck_search(const Units& u, const CutStates& cs, const Model& mod
   return overall;
 }
 
+namespace {
+
+// One stage of a partial plan (stages are added from the last one back to the first).
+struct Fixed {
+  int inner, outer, r;
+  double compute;  // F + B per microbatch, as the simulator runs it
+  double forward;  // F
+  double comm;     // the activation across the cut after it and its gradient back, at least
+};
+
+class BranchAndBound {
+ public:
+  BranchAndBound(const CutStates& cs, const StagePairs& pairs, const Model& model, bool split, double bound,
+                 const std::function<double(const Solution&)>& simulate, long long budget)
+      : cs_(cs), pairs_(pairs), model_(model), split_(split), simulate_(simulate), budget_(budget) {
+    best_.step_s = bound;
+    by_outer_.resize(cs.sets.size());
+    for (std::size_t p = 0; p < pairs.sums.size(); ++p) by_outer_[pairs.outer[p]].push_back(static_cast<int>(p));
+  }
+
+  SimulatedBest run() {
+    const int full = static_cast<int>(cs_.sets.size()) - 1;
+    extend(full, 0, 0);
+    return best_;
+  }
+
+ private:
+  // The simulated step of any completion of `stack` is at least this; `rest` and
+  // `rest_forward` bound the stages still to come (their work over every device left).
+  double lower_bound(double rest, double rest_forward) const {
+    double path = split_ ? rest_forward : rest;  // the first microbatch's way to each stage
+    double lb = path;
+    for (int k = static_cast<int>(stack_.size()) - 1; k >= 0; --k) {
+      const Fixed& f = stack_[k];
+      lb = std::max(lb, path + model_.microbatches() * f.compute);
+      path += split_ ? f.forward + f.comm / 2 : f.compute + f.comm;
+    }
+    return std::max(lb, path);
+  }
+
+  void extend(int outer, int used, int j) {
+    if (outer == 0) return complete();
+    const int n = model_.devices();
+    const int j_states = model_.stage_states();
+    const int ranks = model_.options().ranks;
+    if (!model_.may_add_stage(j)) return;
+    const int jn = std::min(j + 1, j_states - 1);
+    struct Child {
+      double lb;
+      Fixed f;
+    };
+    std::vector<Child> children;
+    for (int p : by_outer_[outer]) {
+      const int inner = pairs_.inner[p];
+      if (ranks > 0 && (jn == ranks) != (inner == 0)) continue;
+      const StageSums& ss = pairs_.sums[p];
+      const auto [r_lo, r_hi] = model_.replica_range(j, n - used);
+      for (int r = r_lo; r <= r_hi; ++r) {
+        if (++best_.tried > budget_) {
+          best_.complete = false;
+          return;
+        }
+        const int left = n - used - r;
+        const double rest_work = (cs_.fwd[inner] + cs_.bwd[inner]) * model_.scale();
+        if (rest_work > 0 && left == 0) continue;
+        const double speed_left = left > 0 ? model_.total_speed(0, left) : 1;
+        const StageEval e = model_.eval(ss, left, r, j, used > 0);
+        if (!e.fits()) continue;
+        const double forward = ss.fwd * model_.scale() / e.speed + model_.options().action_overhead_s;
+        stack_.push_back({inner, outer, r, e.compute, forward, e.comm});
+        const double lb = lower_bound(rest_work / speed_left, cs_.fwd[inner] * model_.scale() / speed_left);
+        stack_.pop_back();
+        if (lb < best_.step_s) children.push_back({lb, {inner, outer, r, e.compute, forward, e.comm}});
+      }
+    }
+    std::stable_sort(children.begin(), children.end(), [](const Child& a, const Child& b) { return a.lb < b.lb; });
+    for (const Child& c : children) {
+      if (c.lb >= best_.step_s || !best_.complete) break;  // the bound fell meanwhile, or the budget ran out
+      stack_.push_back(c.f);
+      extend(c.f.inner, used + c.f.r, jn);
+      stack_.pop_back();
+    }
+  }
+
+  void complete() {
+    Solution sol;
+    for (int k = static_cast<int>(stack_.size()) - 1; k >= 0; --k) {  // pipeline order
+      sol.cuts.emplace_back(stack_[k].inner, stack_[k].outer);
+      sol.replicas.push_back(stack_[k].r);
+    }
+    const double t = simulate_(sol);
+    if (t < best_.step_s) {
+      best_.step_s = t;
+      best_.solution = std::move(sol);
+    }
+  }
+
+  const CutStates& cs_;
+  const StagePairs& pairs_;
+  const Model& model_;
+  const bool split_;
+  const std::function<double(const Solution&)>& simulate_;
+  const long long budget_;
+  std::vector<std::vector<int>> by_outer_;
+  std::vector<Fixed> stack_;
+  SimulatedBest best_;
+};
+
+}  // namespace
+
+SimulatedBest simulated_search(const CutStates& cs, const StagePairs& pairs, const Model& model, bool split,
+                               double bound, const std::function<double(const Solution&)>& simulate,
+                               long long budget) {
+  return BranchAndBound(cs, pairs, model, split, bound, simulate, budget).run();
+}
+
 Solution translate(const Solution& sol, const CutStates& from, const CutStates& to) {
   std::unordered_map<Bits, int, BitsHash> index;
   for (std::size_t k = 0; k < to.sets.size(); ++k) index.emplace(to.sets[k], static_cast<int>(k));

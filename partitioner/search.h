@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <vector>
 
 #include "partitioner/stage_model.h"
@@ -159,6 +160,27 @@ class BottleneckSearch {
 /// Bisection on T for a given allreduce limit (a multiple of T); the plan with the smallest
 /// objective over a few limits wins, since the allreduce tail is not part of T.
 Solution bottleneck_search(const Units& u, const CutStates& cs, const Model& model);
+
+/// The simulator's judgement over the exact search's space (docs/planner.md, "A search
+/// true to the simulator"). The analytic objective and the simulated schedule disagree where
+/// transfers are large, so this enumerates plans by branch and bound on a lower bound of
+/// the simulated step that holds for every schedule of one stage per rank: a rank cannot
+/// start before the first microbatch's forward reached it, does all its microbatches' work
+/// in sequence, and (with a whole backward) its last gradient must still travel back to the
+/// first stage. `simulate` scores a complete solution (infinity: it does not fit);
+/// partial plans whose bound reaches `bound` (the best simulated so far) are dropped.
+/// `split`: some schedule splits the backward (ZB-H1), so the bound leaves the way back
+/// out. Returns the best solution found below `bound` (none: empty cuts); `budget` caps the
+/// stages tried, and `complete` says whether the enumeration finished within it.
+struct SimulatedBest {
+  Solution solution;
+  double step_s = kInf;
+  long long tried = 0;
+  bool complete = true;
+};
+SimulatedBest simulated_search(const CutStates& cs, const StagePairs& pairs, const Model& model, bool split,
+                               double bound, const std::function<double(const Solution&)>& simulate,
+                               long long budget);
 
 /// The same solution with its cut states looked up in another state list (block prefixes
 /// are downsets, so they appear among all downsets).

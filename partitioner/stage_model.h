@@ -74,6 +74,8 @@ class Model {
     if (options_.even_shares || alike(first, r)) return r * min_speed_.query(first, r);
     return weighted(first, r).speed;
   }
+  /// The devices' speeds summed: no stage on some of them runs faster.
+  double total_speed(int first, int r) const { return speed_prefix_[first + r] - speed_prefix_[first]; }
   /// The largest share of a microbatch one of those devices takes.
   double max_share(int first, int r) const {
     if (options_.even_shares || alike(first, r)) return 1.0 / r;

@@ -113,11 +113,11 @@ def cluster_toml(memory_bytes: float, devices: int = 2) -> str:
 
 def smallest_memory(graph, prof, recompute: str) -> float:
     """The least memory a device needs for some plan to exist, by bisection on the planner
-    (with the options conveyor.Module plans a batch of 8 with)."""
+    (with the options conveyor.Module plans a batch of 8 with, under SGD: no optimizer state)."""
     def fits(memory):
         try:
             conveyor.plan(graph, prof, cluster_toml(memory), batch=8, recompute=recompute, even_shares=True,
-                          max_microbatches=4)
+                          max_microbatches=4, optimizer_state=0.0)
             return True
         except conveyor.DoesNotFitError:
             return False
@@ -144,7 +144,7 @@ def test_a_model_that_fits_only_by_recomputing_is_planned_so_and_trains_exactly(
     memory = (keeping + recomputing) / 2
     with pytest.raises(conveyor.DoesNotFitError):  # keeping every activation, nothing fits there
         conveyor.plan(graph, prof, cluster_toml(memory), batch=8, recompute="never", even_shares=True,
-                      max_microbatches=4)
+                      max_microbatches=4, optimizer_state=0.0)
     ref = copy.deepcopy(case.model)
     model = conveyor.Module(case.model, torch.optim.SGD(case.model.parameters(), lr=0.05), cluster=cluster_toml(memory),
                             replan="off")
