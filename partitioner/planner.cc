@@ -57,7 +57,7 @@ StagePlan stage_plan(const Units& u, const CutStates& cs, int inner, int outer, 
   sp.allreduce_s = e.allreduce;
   sp.param_bytes = ss.params;
   sp.static_bytes = e.static_bytes;
-  sp.saved_bytes = (e.recompute ? ss.in_bytes : ss.saved) * model.scale() * e.max_share;
+  sp.saved_bytes = ((e.recompute ? ss.in_bytes : ss.saved) + ss.out_bytes) * model.scale() * e.max_share;
   sp.recompute = e.recompute;
   sp.memory_bytes = e.need;
   sp.in_flight = e.in_flight;

@@ -147,8 +147,13 @@ class Model {
     e.allreduce = allreduce_time(s.params, first, r);
     e.in_flight = in_flight(stages_after);
     e.static_bytes = s.params * (2 + options_.optimizer_bytes_per_param_byte);
-    e.transient_bytes = (s.work + 2 * (s.in_bytes + s.out_bytes)) * scale_ * e.max_share;
-    const double kept = recompute ? (e.in_flight * s.in_bytes + s.saved) : e.in_flight * s.saved;
+    // Kept per microbatch in flight: its activations (recomputing: its inputs) and its
+    // outputs, which stay until its backward; working memory: the largest unit's backward.
+    // Values between stages are the same tensors on both sides in a process, and a
+    // message's buffer becomes the received value, so no transfer buffer is added.
+    e.transient_bytes = s.work * scale_ * e.max_share;
+    const double each = (recompute ? s.in_bytes : s.saved) + s.out_bytes;
+    const double kept = e.in_flight * each + (recompute ? s.saved : 0);
     e.need = e.static_bytes + kept * scale_ * e.max_share + e.transient_bytes;
     e.capacity = memory_override_ > 0 ? memory_override_ : min_memory_.query(first, r);
     return e;

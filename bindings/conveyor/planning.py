@@ -88,7 +88,7 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
     name = _device_name(device)
     key = "".join(c if c.isalnum() else "_" for c in name)
     # "m2": how working memory is measured (with the parameters' gradients); older entries are measured again.
-    path = profile_cache_dir() / f"{ghash}-{key}-mb{microbatch}-m2.json"
+    path = profile_cache_dir() / f"{ghash}-{key}-mb{microbatch}-m3.json"
     if cache and path.exists():
         try:
             doc = json.loads(path.read_text())
@@ -164,9 +164,8 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
                 stage.backward(act, grads)
             if device.type == "cuda":
                 work = torch.cuda.max_memory_allocated(device) - base
-            else:  # what the unit's forward and backward hold at once: activations, outputs, gradients
-                work = (sum(saved.values()) + sum(_nbytes(o) for o in outputs) +
-                        sum(grad_bytes[n] for n in unit))
+            else:  # beyond its kept activations, what the unit's backward holds at once
+                work = sum(_nbytes(o) for o in outputs) + sum(grad_bytes[n] for n in unit)
             fwd, bwd = [], []
             for rep in range(warmup + repeats):
                 _sync(device)
