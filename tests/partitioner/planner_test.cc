@@ -106,6 +106,16 @@ double brute_force(const CostGraph& g, const Cluster& cluster, const PlanOptions
   return best;
 }
 
+// The exact search's options for the random-DAG tests: a batch of 8 in `m` microbatches.
+PlanOptions exact_options(int m, ScheduleKind kind) {
+  PlanOptions o;
+  o.batch = 8;
+  o.microbatches = m;
+  o.schedules = {kind};
+  o.search = SearchMode::kExact;
+  return o;
+}
+
 TEST(Planner, ExactSearchMatchesBruteForceOnRandomDags) {
   std::mt19937_64 rng(2026);
   int compared = 0, infeasible = 0, grouped = 0;
@@ -129,13 +139,9 @@ TEST(Planner, ExactSearchMatchesBruteForceOnRandomDags) {
                                        {50e6, 1e-5}, {5e6, 1e-4});
     while (static_cast<int>(cluster.devices.size()) > devices) cluster.devices.pop_back();
     if (trial % 4 == 1) cluster.devices.back().speed = 1.7;  // heterogeneous speeds
-    PlanOptions o;
-    o.batch = 8;
     const int m = 1 + static_cast<int>(rng() % 4);
     const ScheduleKind kind = trial % 2 ? ScheduleKind::kOneFOneB : ScheduleKind::kGPipe;
-    o.microbatches = m;
-    o.schedules = {kind};
-    o.search = SearchMode::kExact;
+    PlanOptions o = exact_options(m, kind);
     o.simulated_search = false;  // the analytic optimum itself
     const double expected = brute_force(g, cluster, o, m, kind);
     auto plan = make_plan(g, cluster, o);
@@ -180,13 +186,9 @@ TEST(Planner, NoPlanSimulatesFasterThanTheOneReturnedEvenWhenTransfersDominate) 
     CostGraph g = random_dag(n, 5000 + trial);
     const double bandwidth = std::vector<double>{2e6, 5e6, 20e6}[rng() % 3];
     Cluster cluster = Cluster::uniform(1, devices, 1e9, 1.0, {bandwidth, 2e-5}, {bandwidth, 2e-5});
-    PlanOptions o;
-    o.batch = 8;
     const int m = 1 + static_cast<int>(rng() % 4);
     const ScheduleKind kind = trial % 2 ? ScheduleKind::kOneFOneB : ScheduleKind::kGPipe;
-    o.microbatches = m;
-    o.schedules = {kind};
-    o.search = SearchMode::kExact;
+    const PlanOptions o = exact_options(m, kind);
     const double best = brute_force(g, cluster, o, m, kind, nullptr, /*simulated=*/true);
     auto plan = make_plan(g, cluster, o);
     ASSERT_TRUE(std::isfinite(best) && plan.is_ok()) << "trial " << trial;
@@ -500,16 +502,33 @@ TEST(Planner, RejectsBadOptions) {
   EXPECT_NE(nc.status().message().find("not convex"), std::string::npos) << nc.status().message();
 }
 
-TEST(Planner, InterleavedPlansRegroupStagesOntoDeviceGroups) {
-  // 16 layers of 1 GB (4 GB with gradients and Adam) on 8 devices of 20 GB: no replica
-  // holds the model, so the plan has several device groups to interleave over.
+// 16 layers of 1 GB (4 GB with gradients and Adam) on 8 devices of 20 GB: no replica holds
+// the model, so a plan has several device groups to fold it over under `kind`.
+struct FoldedModel {
   CostGraph g = uniform_chain(16, 1e-3, 2e-3, 1e9, 1e5);
   Cluster cluster = Cluster::uniform(1, 8, 20e9, 1.0, fast_link(), fast_link());
   PlanOptions o;
-  o.batch = 32;
-  o.microbatches = 16;
-  o.schedules = {ScheduleKind::kInterleaved};
-  auto plan = make_plan(g, cluster, o);
+  explicit FoldedModel(ScheduleKind kind) {
+    o.batch = 32;
+    o.microbatches = 16;
+    o.schedules = {kind};
+  }
+};
+
+// A chunked plan simulates to its prediction and keeps its chunks through a JSON round trip.
+void expect_consistent(const Plan& plan) {
+  auto sim = plan.simulate();
+  ASSERT_TRUE(sim.is_ok()) << sim.status().to_string();
+  EXPECT_NEAR(sim->step_time_s, plan.predicted_step_s, 1e-12);
+  auto back = Plan::from_json(plan.to_json());
+  ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+  EXPECT_EQ(back->schedule, plan.schedule);
+  EXPECT_EQ(back->chunks, plan.chunks);
+}
+
+TEST(Planner, InterleavedPlansRegroupStagesOntoDeviceGroups) {
+  FoldedModel f(ScheduleKind::kInterleaved);
+  auto plan = make_plan(f.g, f.cluster, f.o);
   ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
   EXPECT_EQ(plan->schedule, ScheduleKind::kInterleaved);
   ASSERT_GT(plan->chunks, 1);
@@ -518,48 +537,30 @@ TEST(Planner, InterleavedPlansRegroupStagesOntoDeviceGroups) {
     EXPECT_EQ(plan->stages[k].first_device, plan->stages[k % groups].first_device);
     EXPECT_LE(plan->stages[k].memory_bytes, 20e9);
   }
-  auto sim = plan->simulate();
-  ASSERT_TRUE(sim.is_ok()) << sim.status().to_string();
-  EXPECT_NEAR(sim->step_time_s, plan->predicted_step_s, 1e-12);
-  auto back = Plan::from_json(plan->to_json());
-  ASSERT_TRUE(back.is_ok()) << back.status().to_string();
-  EXPECT_EQ(back->chunks, plan->chunks);
+  expect_consistent(*plan);
   // A plan that cannot be interleaved says so rather than blaming memory.
   Cluster roomy = Cluster::uniform(1, 1, 1e12, 1.0, fast_link(), fast_link());  // one device: one group
-  auto none = make_plan(g, roomy, o);
+  auto none = make_plan(f.g, roomy, f.o);
   ASSERT_FALSE(none.is_ok());
   EXPECT_EQ(none.status().code(), ErrorCode::kUnsupported) << none.status().to_string();
 }
 
 TEST(Planner, ZeroBubbleVPlansHoldTwoPiecesPerGroupInAV) {
-  // The interleaved test's model: no replica holds it, so there are device groups to fold
-  // the model over, down and back up.
-  CostGraph g = uniform_chain(16, 1e-3, 2e-3, 1e9, 1e5);
-  Cluster cluster = Cluster::uniform(1, 8, 20e9, 1.0, fast_link(), fast_link());
-  PlanOptions o;
-  o.batch = 32;
-  o.microbatches = 16;
-  o.schedules = {ScheduleKind::kZeroBubbleV};
-  auto plan = make_plan(g, cluster, o);
+  FoldedModel f(ScheduleKind::kZeroBubbleV);
+  auto plan = make_plan(f.g, f.cluster, f.o);
   ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
   EXPECT_EQ(plan->schedule, ScheduleKind::kZeroBubbleV);
   ASSERT_EQ(plan->chunks, 2);
   const int groups = plan->ranks();
   ASSERT_GE(groups, 2) << plan->table();
-  for (int k = 0; k < groups; ++k) {
+  for (int k = 0; k < groups; ++k) {  // the model down the groups and back up
     const auto& down = plan->stages[k];
     const auto& up = plan->stages[2 * groups - 1 - k];
     EXPECT_EQ(down.first_device, up.first_device) << plan->table();
     EXPECT_EQ(down.replicas, up.replicas);
     EXPECT_LE(down.memory_bytes, 20e9);
   }
-  auto sim = plan->simulate();
-  ASSERT_TRUE(sim.is_ok()) << sim.status().to_string();
-  EXPECT_NEAR(sim->step_time_s, plan->predicted_step_s, 1e-12);
-  auto back = Plan::from_json(plan->to_json());
-  ASSERT_TRUE(back.is_ok()) << back.status().to_string();
-  EXPECT_EQ(back->schedule, ScheduleKind::kZeroBubbleV);
-  EXPECT_EQ(back->chunks, 2);
+  expect_consistent(*plan);
   std::string three = plan->to_json();
   const std::string two = "\"chunks\": 2";
   ASSERT_NE(three.find(two), std::string::npos) << three;
@@ -568,8 +569,8 @@ TEST(Planner, ZeroBubbleVPlansHoldTwoPiecesPerGroupInAV) {
   ASSERT_FALSE(bad.is_ok());
   EXPECT_NE(bad.status().message().find("ZB-V"), std::string::npos) << bad.status().message();
   // Among every schedule the simulated step decides: never slower than ZB-V alone.
-  o.schedules.clear();
-  auto any = make_plan(g, cluster, o);
+  f.o.schedules.clear();
+  auto any = make_plan(f.g, f.cluster, f.o);
   ASSERT_TRUE(any.is_ok()) << any.status().to_string();
   EXPECT_LE(any->predicted_step_s, plan->predicted_step_s + 1e-12);
 }
