@@ -17,7 +17,7 @@ MOST_CAPTURES = 16  # beyond this many, a model that fixes a size is asked to pa
 
 # What a Module holds per capture: its graph and everything built from it.
 PER_CAPTURE = ("_graph", "_step", "plan", "_layout", "_stage_nodes", "_small_steps", "_built_batch", "_least",
-               "_replanning")
+               "_replanning", "_planned_sizes")
 
 
 def fixed_size_mismatch(graph, inputs: list) -> str | None:
@@ -100,7 +100,7 @@ class Captures:
     def _take(module) -> dict:
         saved = {name: getattr(module, name) for name in PER_CAPTURE}
         for name in PER_CAPTURE:
-            setattr(module, name, {} if name == "_small_steps" else None)
+            setattr(module, name, {} if name in ("_small_steps", "_planned_sizes") else None)
         return saved
 
     @staticmethod

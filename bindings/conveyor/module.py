@@ -64,6 +64,8 @@ process 0's is used). The masks are not eager's: eager draws one stream in execu
                   runs the forward again, with the same dropout masks, just before the
                   backward: less memory, a forward more per microbatch); True: every stage;
                   False: none; a list: one flag per stage, as given
+    max_sizes     the largest symbolic sizes batches will have, by name ({"input_ids dim 1":
+                  512}): the plan's memory is made for them (bindings/conveyor/sizes.py)
 """
 from __future__ import annotations
 
@@ -84,6 +86,7 @@ from .memory import memory_rows, memory_table, optimizer_state_per_param_byte, r
 from .errors import ConveyorValueError, UnsupportedError
 from .planning import FixedParts, Plan, cluster_text, plan as make_plan, profile, read_plan
 from .replanning import Replanning, switch_to
+from .sizes import as_max_sizes, check_max_sizes, sizes_of, tiled_to, warn_beyond
 
 __all__ = ["Module"]
 
@@ -180,7 +183,8 @@ class Module(torch.nn.Module):
                  schedule: str = "auto", devices: int | None = None, cluster: str | None = None,
                  trace: str | os.PathLike | None = None, loss_fn=None, timeout: float | None = None,
                  plan: str | os.PathLike | None = None, transport: str | None = None, replan: str | None = None,
-                 replan_horizon: int | None = None, recompute: bool | list | None = None):
+                 replan_horizon: int | None = None, recompute: bool | list | None = None,
+                 max_sizes: dict | None = None):
         super().__init__()
         # What `conveyor launch` (or its job config) asks of every process, where not given here.
         launched = distributed.launch_settings()
@@ -208,6 +212,7 @@ class Module(torch.nn.Module):
         self._replicas = replicas
         self._schedule = schedule
         self._recompute = recompute
+        self._max_sizes, self._planned_sizes, self._warned_sizes = as_max_sizes(max_sizes), {}, set()
         self._devices = devices or max(2, min(4, os.cpu_count() or 2))
         self._cluster = cluster
         self._loss_fn = loss_fn
@@ -328,7 +333,10 @@ class Module(torch.nn.Module):
                 saved_threads = torch.get_num_threads()
                 torch.set_num_threads(self._threads_per_device())
                 try:
-                    prof = profile(graph, tuple(small), small_kw)
+                    check_max_sizes(graph, self._max_sizes)
+                    flat = tiled_to(graph, graph.flatten_inputs(tuple(small), small_kw), self._max_sizes)
+                    self._planned_sizes = sizes_of(graph, flat)
+                    prof = profile(graph, (), flat_inputs=flat)
                 finally:
                     torch.set_num_threads(saved_threads)
                     for p, g in grads.items():
@@ -509,6 +517,7 @@ class Module(torch.nn.Module):
         pipeline was built for, the plan's pipeline refuses it, naming what to change."""
         _, schedule, m, chunks, replicas = self._layout
         batch, least = _batch_of(inputs), self._least
+        warn_beyond(self._planned_sizes, sizes_of(self._graph, inputs), self._warned_sizes)
         if (batch is None or self._group is not None or batch >= self._built_batch
                 or batch // m // max(replicas) >= least):
             return self._step

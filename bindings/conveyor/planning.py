@@ -12,6 +12,7 @@ the activations autograd saves for backward, and the working memory. See docs/fo
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -69,26 +70,29 @@ def _units(graph: Graph) -> list[list[int]]:
 
 
 def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: int = 3, warmup: int = 1,
-            cache: bool = True) -> dict:
+            cache: bool = True, flat_inputs: list | None = None) -> dict:
     """Measures `graph` on `args` (one microbatch: its batch size is the profile's) and returns
-    the profile document. With `cache`, a profile of the same graph, device and batch size is
+    the profile document. With `cache`, a profile of the same graph, device and input sizes is
     read from and written to profile_cache_dir(). Parameter gradients and buffers (BatchNorm
-    statistics) are left as they were."""
+    statistics) are left as they were. `flat_inputs`: the inputs already flattened
+    (Graph.flatten_inputs), instead of `args` and `kwargs`."""
     if not isinstance(graph, Graph):
         raise ConveyorValueError("conveyor.profile expects a captured conveyor.Graph; capture the model first "
                                  "with conveyor.capture(model, args)")
     if repeats < 1:
         raise ConveyorValueError("repeats must be at least 1")
     kwargs = kwargs or {}
-    inputs = graph.flatten_inputs(args, kwargs)
+    inputs = list(flat_inputs) if flat_inputs is not None else graph.flatten_inputs(args, kwargs)
     tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
     device = tensors[0].device if tensors else torch.device("cpu")
     microbatch = tensors[0].shape[0] if tensors and tensors[0].dim() > 0 else 1
     ghash = _C.graph_hash(graph.ir)
     name = _device_name(device)
     key = "".join(c if c.isalnum() else "_" for c in name)
-    # "m2": how working memory is measured (with the parameters' gradients); older entries are measured again.
-    path = profile_cache_dir() / f"{ghash}-{key}-mb{microbatch}-m3.json"
+    # Keyed by every input's sizes (a sequence length changes the profile as a batch does);
+    # "m3": how working memory is measured, so that older entries are measured again.
+    sizes = hashlib.sha256(repr([tuple(t.shape) for t in tensors]).encode()).hexdigest()[:12]
+    path = profile_cache_dir() / f"{ghash}-{key}-mb{microbatch}-{sizes}-m3.json"
     if cache and path.exists():
         try:
             doc = json.loads(path.read_text())
