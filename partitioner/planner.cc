@@ -97,8 +97,7 @@ Plan build_plan(const CostGraph& g, const Cluster& cluster, const PlanOptions& o
 // group k mod G (interleaved) or down the groups and back up (ZB-V: piece k on group k,
 // piece 2G - 1 - k on group k, v = 2), with a share of the work proportional to the group's
 // speed. Memory per device is checked with the simulated peak (each group holds v pieces'
-// weights and their activations in flight) plus the largest piece's working memory and
-// buffers.
+// weights and their activations in flight) plus the largest piece's working memory.
 void chunked_candidates(ScheduleKind kind, const Cluster& cluster, const Units& u, const CutStates& lin,
                         const Model& model, const Plan& base, std::vector<Plan>& out) {
   const int groups = static_cast<int>(base.stages.size());
@@ -167,8 +166,9 @@ void chunked_candidates(ScheduleKind kind, const Cluster& cluster, const Units& 
 // priced each stage with the in-flight count of 1F1B (or GPipe), but a split backward keeps
 // a microbatch's activations until its W, later than its B. The simulated peak per rank
 // (static bytes and the activations alive at once, action by action) replaces that term;
-// working memory, buffers and a recomputing stage's one whole microbatch stay as priced.
-// False when the candidate then no longer fits its devices.
+// working memory and a recomputing stage's one whole microbatch stay as priced. Once per
+// plan (it reads the searched term back from memory_bytes). False when the candidate then
+// no longer fits its devices.
 bool memory_as_simulated(Plan& p, const scheduler::SimulationResult& sim, const Cluster& cluster) {
   for (std::size_t s = 0; s < p.stages.size(); ++s) {
     StagePlan& st = p.stages[s];

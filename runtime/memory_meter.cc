@@ -3,7 +3,10 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 
+#include <pthread.h>
+
 #include <mutex>
+#include <new>
 #include <unordered_map>
 #include <utility>
 
@@ -42,6 +45,10 @@ class CountingAllocator final : public c10::Allocator {
   }
 
   c10::DeleterFnPtr raw_deleter() const override { return &metered_delete; }
+
+  // A child forked while another thread held the table's lock (a DataLoader's worker) gets
+  // a free lock: no thread of the parent runs in it.
+  void after_fork_in_child() { new (&mu_) std::mutex(); }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     inner_->copy_data(dest, src, count);
@@ -93,6 +100,7 @@ bool install_memory_meter() {
   std::call_once(once, [] {
     // Never freed: allocations it counted may be freed at any time until the process ends.
     the_meter = new CountingAllocator(c10::GetCPUAllocator());
+    pthread_atfork(nullptr, nullptr, [] { the_meter->after_fork_in_child(); });
     c10::SetCPUAllocator(the_meter, /*priority=*/1);
   });
   return memory_meter_active();

@@ -125,8 +125,9 @@ void zero_bubble_h1(std::vector<ActionList>& lists, int p, int m) {
 
 // ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", section 6): rank r holds the down
 // stage r and the up stage 2p - 1 - r, and the backward is split into Bi and W. At unit
-// cost (F = Bi = W) the order below leaves no bubble once m >= 2p - 1, while no rank keeps
-// more activations than 1F1B's first rank (2p stage-microbatches of half a rank's model):
+// cost (F = Bi = W) and m >= 2p - 1 the order below idles only while the first forward
+// fills the ranks (p - 1 units per rank in all), while no rank keeps more activations than
+// 1F1B's first rank (2p stage-microbatches of half a rank's model):
 //   fill     2(p - r) - 1 forwards down, then r times: F up, F down;
 //   ramp     p - r times: F up, Bi up, W up;
 //   steady   until every forward ran: F down (while any is left), Bi down, W down, F up,
@@ -143,7 +144,7 @@ void zero_bubble_v(ActionList& list, const ScheduleSpec& spec, int r) {
   struct Leg {
     int stage, forwards = 0, inputs = 0, weights = 0;
   };
-  Leg legs[2] = {{down}, {up}};
+  Leg d{down}, u{up};
   auto f = [&](Leg& l) {
     if (l.forwards < m) forward(list, spec, l.stage, l.forwards);
     ++l.forwards;
@@ -156,8 +157,6 @@ void zero_bubble_v(ActionList& list, const ScheduleSpec& spec, int r) {
     if (l.weights < m) list.push_back({ActionKind::kBackwardWeight, l.weights, -1, l.stage});
     ++l.weights;
   };
-  Leg& d = legs[0];
-  Leg& u = legs[1];
   for (int k = 0; k < 2 * (p - r) - 1; ++k) f(d);
   for (int k = 0; k < r; ++k) f(u), f(d);
   for (int k = 0; k < p - r; ++k) f(u), bi(u), w(u);

@@ -326,6 +326,9 @@ class Module(torch.nn.Module):
                      for a in args]
             small_kw = {k: (v[:sample] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch else v)
                         for k, v in kwargs.items()}
+            check_max_sizes(graph, self._max_sizes)  # on every process: a bad one fails them all alike
+            flat = tiled_to(graph, graph.flatten_inputs(tuple(small), small_kw), self._max_sizes)
+            self._planned_sizes = sizes_of(graph, flat)
             prof = None
             if self._group is None or self._group.rank == 0:  # across processes, process 0 plans
                 grads = {p: p.grad for p in self.module.parameters()}
@@ -333,9 +336,6 @@ class Module(torch.nn.Module):
                 saved_threads = torch.get_num_threads()
                 torch.set_num_threads(self._threads_per_device())
                 try:
-                    check_max_sizes(graph, self._max_sizes)
-                    flat = tiled_to(graph, graph.flatten_inputs(tuple(small), small_kw), self._max_sizes)
-                    self._planned_sizes = sizes_of(graph, flat)
                     prof = profile(graph, (), flat_inputs=flat)
                 finally:
                     torch.set_num_threads(saved_threads)
