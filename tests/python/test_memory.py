@@ -115,3 +115,22 @@ def test_declared_sizes_must_name_a_symbolic_size_within_its_range():
             model.train_step(*case.args, **case.kwargs)
     with pytest.raises(conveyor.ConveyorValueError, match="expected a dict from size names"):
         conveyor.Module(case.model, torch.optim.SGD(case.model.parameters(), lr=0.01), max_sizes=[20])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")
+def test_cuda_memory_is_the_allocators_peak_against_the_plans():
+    """On CUDA with one device in the process the measured peak is the caching allocator's
+    (reset before every step): printed against the prediction for the next GPU session."""
+    torch.manual_seed(0)
+    case = zoo.gpt2(batch=16)
+    case.model.cuda()
+    args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in case.args)
+    kwargs = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in case.kwargs.items()}
+    model = conveyor.Module(case.model, torch.optim.Adam(case.model.parameters()), stages=1, replicas=1,
+                            microbatches=4, replan="off")
+    for _ in range(3):
+        model.train_step(*args, **kwargs)
+    rows = model.profile_report().memory
+    print(model.profile_report())
+    assert len(rows) == 1 and rows[0]["measured_bytes"] and rows[0]["predicted_bytes"], rows
+    assert 0.5 <= rows[0]["measured_bytes"] / rows[0]["predicted_bytes"] <= 1.5, rows
