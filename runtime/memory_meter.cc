@@ -5,8 +5,12 @@
 
 #include <pthread.h>
 
+#include <array>
+#include <cstdint>
+#include <cstdlib>
 #include <mutex>
 #include <new>
+#include <string_view>
 #include <unordered_map>
 #include <utility>
 
@@ -38,17 +42,20 @@ class CountingAllocator final : public c10::Allocator {
     const c10::Device device = d.device();
     counter->add(static_cast<std::int64_t>(n));
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      counted_.emplace(data, Counted{std::move(d), static_cast<std::int64_t>(n), counter});
+      Shard& s = shard(data);
+      std::lock_guard<std::mutex> lock(s.mu);
+      s.counted.emplace(data, Counted{std::move(d), static_cast<std::int64_t>(n), counter});
     }
     return {data, data, &metered_delete, device};
   }
 
   c10::DeleterFnPtr raw_deleter() const override { return &metered_delete; }
 
-  // A child forked while another thread held the table's lock (a DataLoader's worker) gets
-  // a free lock: no thread of the parent runs in it.
-  void after_fork_in_child() { new (&mu_) std::mutex(); }
+  // A child forked while another thread held a table's lock (a DataLoader's worker) gets
+  // free locks: no thread of the parent runs in it.
+  void after_fork_in_child() {
+    for (Shard& s : shards_) new (&s.mu) std::mutex();
+  }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     inner_->copy_data(dest, src, count);
@@ -59,14 +66,15 @@ class CountingAllocator final : public c10::Allocator {
   void release(void* data) {
     Counted c;
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = counted_.find(data);
-      if (it == counted_.end()) {
+      Shard& s = shard(data);
+      std::lock_guard<std::mutex> lock(s.mu);
+      auto it = s.counted.find(data);
+      if (it == s.counted.end()) {
         inner_->raw_deallocate(data);
         return;
       }
       c = std::move(it->second);
-      counted_.erase(it);
+      s.counted.erase(it);
     }
     c.counter->remove(c.bytes);
     // c.inner frees the memory as it leaves.
@@ -78,9 +86,15 @@ class CountingAllocator final : public c10::Allocator {
     std::int64_t bytes = 0;
     std::shared_ptr<MemoryCounter> counter;
   };
+  // The table of counted allocations, in shards by address: replicas allocating at once
+  // rarely meet on a lock.
+  struct Shard {
+    std::mutex mu;
+    std::unordered_map<void*, Counted> counted;
+  };
+  Shard& shard(void* data) { return shards_[(reinterpret_cast<std::uintptr_t>(data) >> 6) % shards_.size()]; }
   c10::Allocator* inner_;
-  std::mutex mu_;
-  std::unordered_map<void*, Counted> counted_;
+  std::array<Shard, 32> shards_;
 };
 
 CountingAllocator* the_meter = nullptr;
@@ -98,6 +112,8 @@ MeterScope::~MeterScope() { current_counter = std::move(previous_); }
 bool install_memory_meter() {
   static std::once_flag once;
   std::call_once(once, [] {
+    const char* off = std::getenv("CONVEYOR_MEMORY_METER");
+    if (off != nullptr && std::string_view(off) == "0") return;  // torch's allocator alone; peaks unknown
     // Never freed: allocations it counted may be freed at any time until the process ends.
     the_meter = new CountingAllocator(c10::GetCPUAllocator());
     pthread_atfork(nullptr, nullptr, [] { the_meter->after_fork_in_child(); });

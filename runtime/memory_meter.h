@@ -10,7 +10,7 @@
 // context, as torch's own allocator does, so raw_allocate/raw_deallocate (oneDNN's scratch
 // memory) work through it.
 //
-/// @note Thread-safe: counters are atomics, the table of counted allocations has a lock.
+/// @note Thread-safe: counters are atomics, the table of counted allocations has locks.
 #pragma once
 
 #include <atomic>
@@ -47,8 +47,9 @@ class MeterScope {
 };
 
 /// Puts the counting allocator in front of torch's CPU allocator (once; later calls do
-/// nothing). False when another allocator of higher priority is in place, so nothing can be
-/// counted: counters then stay at 0 and memory_meter_active() says so.
+/// nothing). False when another allocator of higher priority is in place, or
+/// CONVEYOR_MEMORY_METER=0 asks for torch's allocator alone, so nothing can be counted:
+/// counters then stay at 0 and memory_meter_active() says so.
 bool install_memory_meter();
 /// Whether torch's CPU allocations go through the meter.
 bool memory_meter_active();
