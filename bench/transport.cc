@@ -39,27 +39,20 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// Writes and reads whole buffers over a pipe (the two processes' address exchange).
-bool write_all(int fd, const void* data, std::size_t n) {
-  const auto* p = static_cast<const char*>(data);
+// Writes and reads whole buffers over a pipe (the two processes' address exchange): `io`
+// is write or read, called until all `n` bytes went.
+template <class Io, class Byte>
+bool whole(Io io, int fd, Byte* p, std::size_t n) {
   while (n > 0) {
-    const ssize_t k = write(fd, p, n);
+    const ssize_t k = io(fd, p, n);
     if (k <= 0) return false;
     p += k;
     n -= static_cast<std::size_t>(k);
   }
   return true;
 }
-bool read_all(int fd, void* data, std::size_t n) {
-  auto* p = static_cast<char*>(data);
-  while (n > 0) {
-    const ssize_t k = read(fd, p, n);
-    if (k <= 0) return false;
-    p += k;
-    n -= static_cast<std::size_t>(k);
-  }
-  return true;
-}
+bool write_all(int fd, const void* data, std::size_t n) { return whole(::write, fd, static_cast<const char*>(data), n); }
+bool read_all(int fd, void* data, std::size_t n) { return whole(::read, fd, static_cast<char*>(data), n); }
 
 // This process's member `rank` of two, connected to the other through the pipes.
 std::shared_ptr<UcxEndpoint> member_of_two(int rank, int out, int in) {

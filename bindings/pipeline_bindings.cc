@@ -153,6 +153,9 @@ void bind_pipeline(py::module_& m) {
          "(seconds from the step's start; on CUDA the device's times).")
       .def("last_reduction", &runtime::PipelineStep::last_reduction,
            "(buckets, reduced during backward) of the last step's gradient reduction across replicas.")
+      .def("stages_of_rank", [](const runtime::PipelineStep& step, int rank) { return step.spec().stages_of_rank(rank); },
+           py::arg("rank"), "The stages pipeline rank `rank` holds (the schedule's placement: one, round-robin "
+           "chunks, or ZB-V's two in a V).")
       .def("memory_peaks", &runtime::PipelineStep::memory_peaks,
            "{(rank, replica): bytes} for the replicas of this process: the most host memory each one's compute "
            "held at once during the last step (torch's CPU allocator: activations, gradients, working memory; "

@@ -216,10 +216,11 @@ class BranchAndBound {
         const StageEval e = model_.eval(ss, left, r, j, used > 0);
         if (!e.fits()) continue;
         const double forward = ss.fwd * model_.scale() / e.speed + model_.options().action_overhead_s;
-        stack_.push_back({inner, outer, r, e.compute, forward, e.comm});
+        const Fixed f{inner, outer, r, e.compute, forward, e.comm};
+        stack_.push_back(f);
         const double lb = lower_bound(rest_work / speed_left, cs_.fwd[inner] * model_.scale() / speed_left);
         stack_.pop_back();
-        if (lb < best_.step_s) children.push_back({lb, {inner, outer, r, e.compute, forward, e.comm}});
+        if (lb < best_.step_s) children.push_back({lb, f});
       }
     }
     std::stable_sort(children.begin(), children.end(), [](const Child& a, const Child& b) { return a.lb < b.lb; });

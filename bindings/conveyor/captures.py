@@ -10,6 +10,7 @@ import warnings
 import torch
 
 from .errors import CaptureError, ConveyorValueError
+from .sizes import input_dims, range_text
 
 __all__ = ["Captures", "fixed_size_mismatch", "MOST_CAPTURES"]
 
@@ -30,18 +31,13 @@ def fixed_size_mismatch(graph, inputs: list) -> str | None:
     if len(inputs) != len(doc["inputs"]):
         return None
     ranges, symbols = doc.get("ranges", {}), doc.get("symbols", {})
-    for entry, x in zip(doc["inputs"], inputs):
-        shape = doc["values"][entry["value"]].get("shape")
-        if not isinstance(x, torch.Tensor) or shape is None or x.dim() != len(shape):
-            continue
-        for d, size in enumerate(shape):
-            where = f"{entry['name']} dim {d} is {x.shape[d]}"
-            if isinstance(size, int) and x.shape[d] != size:
-                return f"{where} (captured fixed at {size})"
-            bounds = ranges.get(size) if isinstance(size, str) and symbols.get(size) != "batch" else None
-            if bounds and not bounds.get("min", 0) <= x.shape[d] <= bounds.get("max", x.shape[d]):
-                held = f"{bounds['min']} to {bounds['max']}" if "max" in bounds else f"{bounds.get('min', 0)} and more"
-                return f"{where} (the capture holds {held})"
+    for _, name, x, d, size in input_dims(graph, inputs):
+        where = f"{name} dim {d} is {x.shape[d]}"
+        if isinstance(size, int) and x.shape[d] != size:
+            return f"{where} (captured fixed at {size})"
+        bounds = ranges.get(size) if isinstance(size, str) and symbols.get(size) != "batch" else None
+        if bounds and not bounds.get("min", 0) <= x.shape[d] <= bounds.get("max", x.shape[d]):
+            return f"{where} (the capture holds {range_text(bounds)})"
     return None
 
 

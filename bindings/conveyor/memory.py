@@ -57,19 +57,13 @@ def memory_rows(module) -> list[dict]:
     step, plan, graph = module._step, module.plan, module._graph
     if step is None or graph is None:
         return []
-    stages, _, _, chunks, replicas = module._layout
-    ranks = stages // chunks
-    spec_stages = module._stage_nodes
-    # Which stages each rank holds: round-robin, or down and back up for ZB-V.
-    if module._layout[1] == "zb-v":
-        rank_stages = {r: [r, 2 * ranks - 1 - r] for r in range(ranks)}
-    else:
-        rank_stages = {r: list(range(r, stages, ranks)) for r in range(ranks)}
+    stage_nodes = module._stage_nodes
     peaks = step.memory_peaks()
     cuda = any(t.is_cuda for t in graph.tensors.values())
     rows = []
     for (rank, replica), peak in sorted(peaks.items()):
-        names = sorted({n for s in rank_stages[rank] for n in _stage_tensors(graph, spec_stages[s])})
+        stages = step.stages_of_rank(rank)
+        names = sorted({n for s in stages for n in _stage_tensors(graph, stage_nodes[s])})
         held = sum(_nbytes(graph.tensors[n]) for n in names)
         if replica == 0 and module.optimizer is not None:
             params = {graph.tensors[n] for n in names}
@@ -78,7 +72,7 @@ def memory_rows(module) -> list[dict]:
                     held += sum(_nbytes(v) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
         predicted = None
         if plan is not None:
-            predicted = max(float(plan.document["stages"][s]["memory_bytes"]) for s in rank_stages[rank])
+            predicted = max(float(plan.document["stages"][s]["memory_bytes"]) for s in stages)
         measured = None
         if cuda and len(peaks) == 1:
             measured = float(torch.cuda.max_memory_allocated())

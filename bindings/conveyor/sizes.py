@@ -17,6 +17,22 @@ import torch
 from .errors import ConveyorValueError
 
 
+def input_dims(graph, inputs: list):
+    """(index, input name, tensor, dim, captured size: an int, or a symbol) for every dimension
+    of `inputs`' (flattened) tensors whose rank the capture knows."""
+    doc = graph.document
+    for k, (entry, x) in enumerate(zip(doc["inputs"], inputs)):
+        shape = doc["values"][entry["value"]].get("shape")
+        if isinstance(x, torch.Tensor) and shape is not None and x.dim() == len(shape):
+            for d, size in enumerate(shape):
+                yield k, entry["name"], x, d, size
+
+
+def range_text(bounds: dict) -> str:
+    """A symbol's range as errors say it: "2 to 32", "11 and more"."""
+    return f"{bounds.get('min', 0)} to {bounds['max']}" if "max" in bounds else f"{bounds.get('min', 0)} and more"
+
+
 def _symbol_names(graph) -> dict[str, str]:
     """Symbolic non-batch sizes by name ("input_ids dim 1") -> symbol ("s70")."""
     return {name: sym for sym, name in graph.document.get("symbols", {}).items() if name != "batch"}
@@ -46,43 +62,32 @@ def check_max_sizes(graph, max_sizes: dict) -> None:
         bounds = ranges.get(names[name], {})
         lo, hi = bounds.get("min"), bounds.get("max")
         if (lo is not None and size < lo) or (hi is not None and size > hi):
-            held = f"{lo} to {hi}" if hi is not None else f"{lo} and more"
-            raise ConveyorValueError(f"max_sizes[{name!r}] = {size} lies outside the {held} the capture holds for; "
-                                     "declare a size within it")
+            raise ConveyorValueError(f"max_sizes[{name!r}] = {size} lies outside the {range_text(bounds)} the capture "
+                                     "holds for; declare a size within it")
 
 
 def sizes_of(graph, inputs: list) -> dict[str, int]:
     """The symbolic non-batch sizes of `inputs` (flattened), by name."""
-    doc = graph.document
-    symbols = doc.get("symbols", {})
+    symbols = graph.document.get("symbols", {})
     out: dict[str, int] = {}
-    for entry, x in zip(doc["inputs"], inputs):
-        shape = doc["values"][entry["value"]].get("shape")
-        if not isinstance(x, torch.Tensor) or shape is None or x.dim() != len(shape):
-            continue
-        for d, size in enumerate(shape):
-            name = symbols.get(size) if isinstance(size, str) else None
-            if name is not None and name != "batch":
-                out[name] = max(out.get(name, 0), int(x.shape[d]))
+    for _, _, x, d, size in input_dims(graph, inputs):
+        name = symbols.get(size) if isinstance(size, str) else None
+        if name is not None and name != "batch":
+            out[name] = max(out.get(name, 0), int(x.shape[d]))
     return out
 
 
 def tiled_to(graph, inputs: list, max_sizes: dict) -> list:
     """`inputs` (flattened) with every dimension of a declared size tiled to it: the batch's
     own values repeated, so token ids, masks and labels stay valid."""
-    doc = graph.document
-    symbols = doc.get("symbols", {})
-    out = []
-    for entry, x in zip(doc["inputs"], inputs):
-        shape = doc["values"][entry["value"]].get("shape")
-        if isinstance(x, torch.Tensor) and shape is not None and x.dim() == len(shape):
-            for d, size in enumerate(shape):
-                want = max_sizes.get(symbols.get(size)) if isinstance(size, str) else None
-                if want is not None and x.shape[d] != want:
-                    reps = [1] * x.dim()
-                    reps[d] = -(-want // x.shape[d])
-                    x = x.repeat(*reps).narrow(d, 0, want)
-        out.append(x)
+    symbols = graph.document.get("symbols", {})
+    out = list(inputs)
+    for k, _, x, d, size in input_dims(graph, inputs):
+        want = max_sizes.get(symbols.get(size)) if isinstance(size, str) else None
+        if want is not None and x.shape[d] != want:
+            reps = [1] * x.dim()
+            reps[d] = -(-want // x.shape[d])
+            out[k] = out[k].repeat(*reps).narrow(d, 0, want)
     return out
 
 

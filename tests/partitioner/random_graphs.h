@@ -5,6 +5,7 @@
 #include <random>
 #include <vector>
 
+#include "partitioner/cluster.h"
 #include "partitioner/cost_graph.h"
 
 namespace conveyor::partitioner::testing {
@@ -15,6 +16,9 @@ CostGraph random_dag(int n, std::uint64_t seed, double chain_p = 0.8, double ski
 
 /// A chain of `n` identical operators (balanced synthetic workload).
 CostGraph uniform_chain(int n, double forward_s, double backward_s, double param_bytes, double activation_bytes);
+
+/// A link fast enough not to matter (100 GB/s, 1 us).
+inline Link fast_link() { return {100e9, 1e-6}; }
 
 /// reach[a][b]: b is reachable from a (a path of one or more edges).
 std::vector<std::vector<bool>> reachability(const CostGraph& g);

@@ -1,0 +1,286 @@
+// The plans the planner makes, beyond the searches' optimality (planner_test.cc): memory
+// (what does not fit, recomputation, a split backward's activations), the chunked
+// schedules (interleaved, ZB-V), plan documents and bad options.
+#include "partitioner/planner.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "random_graphs.h"
+
+namespace conveyor::partitioner {
+namespace {
+
+using scheduler::ScheduleKind;
+using testing::fast_link;
+using testing::random_dag;
+using testing::uniform_chain;
+
+TEST(Planner, ModelThatCannotFitGetsTheMemoryItWouldNeed) {
+  CostGraph g = uniform_chain(16, 1e-3, 2e-3, 1e9, 1e6);  // 16 GB of weights, x4 with Adam
+  Cluster small = Cluster::uniform(1, 4, 8e9, 1.0, fast_link(), fast_link());
+  PlanOptions o;
+  o.batch = 8;
+  auto plan = make_plan(g, small, o);
+  ASSERT_FALSE(plan.is_ok());
+  EXPECT_EQ(plan.status().code(), ErrorCode::kDoesNotFit);
+  const std::string& msg = plan.status().message();
+  EXPECT_NE(msg.find("needs at least"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("per device"), std::string::npos) << msg;
+  // The stated figure is right: with that much memory per device a plan exists, with a bit
+  // less none does.
+  const auto pos = msg.find("needs at least ") + 15;
+  const double gib = std::stod(msg.substr(pos));
+  ASSERT_NE(msg.find("GiB", pos), std::string::npos);
+  Cluster enough = Cluster::uniform(1, 4, (gib + 0.1) * 1024 * 1024 * 1024, 1.0, fast_link(), fast_link());
+  EXPECT_TRUE(make_plan(g, enough, o).is_ok()) << msg;
+  Cluster short_of = Cluster::uniform(1, 4, (gib - 0.2) * 1024 * 1024 * 1024, 1.0, fast_link(), fast_link());
+  EXPECT_FALSE(make_plan(g, short_of, o).is_ok()) << msg;
+}
+
+TEST(Planner, StagesRecomputeWhereTheyWouldNotFitOtherwise) {
+  // Activations dominate: 8 layers of 100 MB saved each per microbatch, small weights.
+  CostGraph g = uniform_chain(8, 1e-3, 2e-3, 1e6, 1e8);
+  PlanOptions o;
+  o.batch = 8;
+  o.microbatches = 4;
+  o.ranks = 2;
+  o.schedules = {ScheduleKind::kOneFOneB};
+  o.recompute = PlanOptions::Recompute::kNever;
+  auto roomy = make_plan(g, Cluster::uniform(1, 2, 1e12, 1.0, fast_link(), fast_link()), o);
+  ASSERT_TRUE(roomy.is_ok()) << roomy.status().to_string();
+  double need = 0;
+  for (const auto& s : roomy->stages) need = std::max(need, s.memory_bytes);
+  const Cluster tight = Cluster::uniform(1, 2, 0.6 * need, 1.0, fast_link(), fast_link());
+  EXPECT_EQ(make_plan(g, tight, o).status().code(), ErrorCode::kDoesNotFit);  // without recomputation: none
+  o.recompute = PlanOptions::Recompute::kWhenNeeded;
+  auto plan = make_plan(g, tight, o);
+  ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
+  int recomputing = 0;
+  for (const auto& s : plan->stages) {
+    EXPECT_LE(s.memory_bytes, 0.6 * need);
+    if (!s.recompute) continue;
+    ++recomputing;
+    EXPECT_NEAR(s.backward_s, s.forward_s + 2 * s.forward_s, 1e-12);  // the forward again, then B = 2F
+  }
+  EXPECT_GE(recomputing, 1);
+  EXPECT_GT(plan->predicted_step_s, roomy->predicted_step_s);  // memory for time
+  EXPECT_NE(plan->table().find("yes"), std::string::npos) << plan->table();
+  auto back = Plan::from_json(plan->to_json());
+  ASSERT_TRUE(back.is_ok());
+  for (std::size_t s = 0; s < plan->stages.size(); ++s) EXPECT_EQ(back->stages[s].recompute, plan->stages[s].recompute);
+  // Always: every stage recomputes, even with room to spare.
+  o.recompute = PlanOptions::Recompute::kAlways;
+  auto always = make_plan(g, Cluster::uniform(1, 2, 1e12, 1.0, fast_link(), fast_link()), o);
+  ASSERT_TRUE(always.is_ok());
+  for (const auto& s : always->stages) EXPECT_TRUE(s.recompute);
+}
+
+TEST(Planner, PlanDocumentRoundTripsAndSimulatesToItsPrediction) {
+  CostGraph g = random_dag(30, 5);
+  Cluster cluster = Cluster::uniform(2, 2, 1e9, 1.0, {50e6, 1e-5}, {5e6, 1e-4});
+  PlanOptions o;
+  o.batch = 32;
+  auto plan = make_plan(g, cluster, o);
+  ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
+  auto back = Plan::from_json(plan->to_json());
+  ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+  EXPECT_EQ(back->to_json(), plan->to_json());
+  auto sim = back->simulate();
+  ASSERT_TRUE(sim.is_ok());
+  EXPECT_NEAR(sim->step_time_s, plan->predicted_step_s, 1e-12);
+  EXPECT_NE(plan->table().find("predicted step"), std::string::npos);
+}
+
+TEST(Planner, PlanDocumentErrorsNameThePath) {
+  CostGraph g = uniform_chain(8, 1e-3, 2e-3, 1e3, 1e3);
+  Cluster cluster = Cluster::uniform(1, 2, 1e9, 1.0, fast_link(), fast_link());
+  PlanOptions o;
+  o.batch = 4;
+  auto plan = make_plan(g, cluster, o);
+  ASSERT_TRUE(plan.is_ok());
+  std::string doc = plan->to_json();
+  auto bad = Plan::from_json(doc.substr(0, doc.size() / 2));
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_NE(bad.status().message().find("not valid JSON"), std::string::npos);
+  std::string wrong = doc;
+  wrong.replace(wrong.find("\"replicas\": "), 13, "\"replicas\": 9");
+  auto bad2 = Plan::from_json(wrong);
+  ASSERT_FALSE(bad2.is_ok());
+  EXPECT_NE(bad2.status().message().find("/stages/"), std::string::npos) << bad2.status().message();
+}
+
+TEST(Planner, RejectsBadOptions) {
+  CostGraph g = uniform_chain(4, 1e-3, 2e-3, 1e3, 1e3);
+  Cluster cluster = Cluster::uniform(1, 2, 1e9, 1.0, fast_link(), fast_link());
+  PlanOptions o;
+  EXPECT_EQ(make_plan(g, cluster, o).status().code(), ErrorCode::kInvalidArgument);  // no batch
+  o.batch = 4;
+  o.microbatches = 8;
+  auto r = make_plan(g, cluster, o);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_NE(r.status().message().find("smaller than the microbatch count"), std::string::npos);
+  g.ops[2].group = 1;  // a group that is not convex: 0 and 2 without 1
+  g.ops[0].group = 1;
+  o.microbatches = 0;
+  auto nc = make_plan(g, cluster, o);
+  ASSERT_FALSE(nc.is_ok());
+  EXPECT_NE(nc.status().message().find("not convex"), std::string::npos) << nc.status().message();
+}
+
+// 16 layers of 1 GB (4 GB with gradients and Adam) on 8 devices of 20 GB: no replica holds
+// the model, so a plan has several device groups to fold it over under `kind`.
+struct FoldedModel {
+  CostGraph g = uniform_chain(16, 1e-3, 2e-3, 1e9, 1e5);
+  Cluster cluster = Cluster::uniform(1, 8, 20e9, 1.0, fast_link(), fast_link());
+  PlanOptions o;
+  explicit FoldedModel(ScheduleKind kind) {
+    o.batch = 32;
+    o.microbatches = 16;
+    o.schedules = {kind};
+  }
+};
+
+// A chunked plan simulates to its prediction and keeps its chunks through a JSON round trip.
+void expect_consistent(const Plan& plan) {
+  auto sim = plan.simulate();
+  ASSERT_TRUE(sim.is_ok()) << sim.status().to_string();
+  EXPECT_NEAR(sim->step_time_s, plan.predicted_step_s, 1e-12);
+  auto back = Plan::from_json(plan.to_json());
+  ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+  EXPECT_EQ(back->schedule, plan.schedule);
+  EXPECT_EQ(back->chunks, plan.chunks);
+}
+
+TEST(Planner, InterleavedPlansRegroupStagesOntoDeviceGroups) {
+  FoldedModel f(ScheduleKind::kInterleaved);
+  auto plan = make_plan(f.g, f.cluster, f.o);
+  ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
+  EXPECT_EQ(plan->schedule, ScheduleKind::kInterleaved);
+  ASSERT_GT(plan->chunks, 1);
+  const int groups = plan->ranks();
+  for (std::size_t k = 0; k < plan->stages.size(); ++k) {
+    EXPECT_EQ(plan->stages[k].first_device, plan->stages[k % groups].first_device);
+    EXPECT_LE(plan->stages[k].memory_bytes, 20e9);
+  }
+  expect_consistent(*plan);
+  // A plan that cannot be interleaved says so rather than blaming memory.
+  Cluster roomy = Cluster::uniform(1, 1, 1e12, 1.0, fast_link(), fast_link());  // one device: one group
+  auto none = make_plan(f.g, roomy, f.o);
+  ASSERT_FALSE(none.is_ok());
+  EXPECT_EQ(none.status().code(), ErrorCode::kUnsupported) << none.status().to_string();
+}
+
+TEST(Planner, ZeroBubbleVPlansHoldTwoPiecesPerGroupInAV) {
+  FoldedModel f(ScheduleKind::kZeroBubbleV);
+  auto plan = make_plan(f.g, f.cluster, f.o);
+  ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
+  EXPECT_EQ(plan->schedule, ScheduleKind::kZeroBubbleV);
+  ASSERT_EQ(plan->chunks, 2);
+  const int groups = plan->ranks();
+  ASSERT_GE(groups, 2) << plan->table();
+  for (int k = 0; k < groups; ++k) {  // the model down the groups and back up
+    const auto& down = plan->stages[k];
+    const auto& up = plan->stages[2 * groups - 1 - k];
+    EXPECT_EQ(down.first_device, up.first_device) << plan->table();
+    EXPECT_EQ(down.replicas, up.replicas);
+    EXPECT_LE(down.memory_bytes, 20e9);
+  }
+  expect_consistent(*plan);
+  std::string three = plan->to_json();
+  const std::string two = "\"chunks\": 2";
+  ASSERT_NE(three.find(two), std::string::npos) << three;
+  three.replace(three.find(two), two.size(), "\"chunks\": 4");
+  auto bad = Plan::from_json(three);
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_NE(bad.status().message().find("ZB-V"), std::string::npos) << bad.status().message();
+  // Among every schedule the simulated step decides: never slower than ZB-V alone.
+  f.o.schedules.clear();
+  auto any = make_plan(f.g, f.cluster, f.o);
+  ASSERT_TRUE(any.is_ok()) << any.status().to_string();
+  EXPECT_LE(any->predicted_step_s, plan->predicted_step_s + 1e-12);
+}
+
+TEST(Planner, ASplitBackwardsMemoryIsWhatItsScheduleKeeps) {
+  // ZB-H1 keeps a microbatch's activations until its W, later than 1F1B's B: on the same
+  // stages its first rank holds more at once, and the plan says so (the simulated peak).
+  CostGraph g = uniform_chain(8, 1e-3, 2e-3, 1e6, 1e6);
+  for (auto& op : g.ops) op.backward_weight_s = 1e-3;
+  Cluster roomy = Cluster::uniform(1, 4, 1e12, 1.0, fast_link(), fast_link());
+  PlanOptions o;
+  o.batch = 16;
+  o.microbatches = 8;
+  o.ranks = 4;
+  o.replicas = {1};
+  o.schedules = {ScheduleKind::kOneFOneB};
+  auto ofob = make_plan(g, roomy, o);
+  o.schedules = {ScheduleKind::kZeroBubbleH1};
+  auto zb = make_plan(g, roomy, o);
+  ASSERT_TRUE(ofob.is_ok() && zb.is_ok()) << ofob.status().to_string() << zb.status().to_string();
+  auto sim = zb->simulate();
+  ASSERT_TRUE(sim.is_ok());
+  EXPECT_GT(zb->stages[0].memory_bytes, ofob->stages[0].memory_bytes);
+  EXPECT_GE(zb->stages[0].memory_bytes, sim->peak_bytes[0]);
+  // Memory between the two: ZB-H1 does not fit where 1F1B does, and the error says why.
+  const double between = (zb->stages[0].memory_bytes + ofob->stages[0].memory_bytes) / 2;
+  Cluster tight = Cluster::uniform(1, 4, between, 1.0, fast_link(), fast_link());
+  o.recompute = PlanOptions::Recompute::kNever;
+  auto refused = make_plan(g, tight, o);
+  ASSERT_FALSE(refused.is_ok());
+  EXPECT_EQ(refused.status().code(), ErrorCode::kDoesNotFit);
+  EXPECT_NE(refused.status().message().find("weight-gradient pass"), std::string::npos) << refused.status().message();
+  o.schedules = {ScheduleKind::kOneFOneB, ScheduleKind::kZeroBubbleH1};
+  auto either = make_plan(g, tight, o);
+  ASSERT_TRUE(either.is_ok()) << either.status().to_string();
+  EXPECT_EQ(either->schedule, ScheduleKind::kOneFOneB);
+}
+
+TEST(Planner, PrefersPipelinesWhenReplicasCannotHoldTheModel) {
+  // 8 layers of 1 GB weights on 4 devices of 10 GB: a replica holds at most 2 layers.
+  CostGraph g = uniform_chain(8, 1e-3, 2e-3, 1e9, 1e5);
+  Cluster cluster = Cluster::uniform(1, 4, 10e9, 1.0, fast_link(), fast_link());
+  PlanOptions o;
+  o.batch = 16;
+  auto plan = make_plan(g, cluster, o);
+  ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
+  EXPECT_EQ(plan->ranks(), 4) << plan->table();  // four device groups (ZB-V folds 8 stages over them)
+  for (const auto& s : plan->stages) EXPECT_LE(s.memory_bytes, 10e9);
+}
+
+TEST(Planner, EveryReplicaKeepsTheSamplesTheModelRunsAtOnce) {
+  // Light layers on fast links: without a bound the plan replicates down to a sample or two.
+  CostGraph g = uniform_chain(8, 1e-3, 2e-3, 1e3, 1e3);
+  Cluster cluster = Cluster::uniform(1, 4, 1e9, 1.0, fast_link(), fast_link());
+  PlanOptions o;
+  o.batch = 8;
+  auto smallest_share = [&](const Plan& p) {
+    int least = o.batch;
+    for (const auto& s : p.stages) least = std::min(least, o.batch / p.microbatches / s.replicas);
+    return least;
+  };
+  auto free = make_plan(g, cluster, o);
+  ASSERT_TRUE(free.is_ok()) << free.status().to_string();
+  ASSERT_LT(smallest_share(*free), 4) << free->table();  // the bound below changes the plan
+  g.min_share = 4;
+  auto bound = make_plan(g, cluster, o);
+  ASSERT_TRUE(bound.is_ok()) << bound.status().to_string();
+  EXPECT_GE(smallest_share(*bound), 4) << bound->table();
+  auto back = CostGraph::from_json(g.to_json());
+  ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+  EXPECT_EQ(back->min_share, 4);
+  // Asked microbatches that split below the bound, or a batch below it: errors naming both.
+  o.microbatches = 4;
+  auto split = make_plan(g, cluster, o);
+  ASSERT_FALSE(split.is_ok());
+  EXPECT_NE(split.status().message().find("use at most 2 microbatches"), std::string::npos) << split.status().message();
+  o.microbatches = 0;
+  o.batch = 2;
+  auto tiny = make_plan(g, cluster, o);
+  ASSERT_FALSE(tiny.is_ok());
+  EXPECT_NE(tiny.status().message().find("batch of at least 4"), std::string::npos) << tiny.status().message();
+}
+
+}  // namespace
+}  // namespace conveyor::partitioner
