@@ -175,7 +175,8 @@ def test_cli_plans_a_plain_op_graph(tmp_path):
 def test_a_fixed_stage_count_gets_the_best_cut_by_the_profile(name):
     """Two stages fixed (what `Module(stages=2)` asks): the planner's cut simulates within 5% of
     the best two-stage cut in capture order, found by pricing every cut point on the same
-    profile and cluster (brute force), and it is the one of those the analytic model ranks first."""
+    profile and cluster (brute force), and it is the one of those the simulator ranks first
+    (the search returns the simulator's best, which can rank below the analytic model's)."""
     torch.manual_seed(0)
     case = getattr(zoo, name)()
     graph = conveyor.capture(case.model, case.args, case.kwargs)
@@ -186,7 +187,7 @@ def test_a_fixed_stage_count_gets_the_best_cut_by_the_profile(name):
                          ranks=2, replicas=[1])
     assert len(plan.stage_nodes) == 2 and plan.replicas == [1, 1], str(plan)
     order = sorted(n for stage in plan.stage_nodes for n in stage)
-    simulated, analytic = [], []
+    simulated = []
     for k in range(1, len(order)):
         try:
             doc, _ = conveyor._C.plan_stages(graph.ir, json.dumps(prof), cluster, [order[:k], order[k:]], [1, 1],
@@ -195,10 +196,10 @@ def test_a_fixed_stage_count_gets_the_best_cut_by_the_profile(name):
             continue  # not a valid cut (a later node read by an earlier one, or a group split)
         doc = json.loads(doc)
         simulated.append(doc["predicted_step_s"])
-        analytic.append(doc["objective_s"])
     assert len(simulated) >= 10, "too few valid cut points to compare"
     best = min(simulated)
     print(f"{name}: planned cut {plan.document['predicted_step_s'] * 1e3:.3f} ms, best of {len(simulated)} cut "
           f"points {best * 1e3:.3f} ms ({plan.document['predicted_step_s'] / best:.3f}x)")
     assert plan.document["predicted_step_s"] <= 1.05 * best
-    assert plan.document["objective_s"] <= min(analytic) * (1 + 1e-9)
+    # The search returns the simulator's best of its space, which holds every cut point here.
+    assert plan.document["predicted_step_s"] <= best * (1 + 1e-9)
