@@ -28,11 +28,13 @@ partitioner::PlanOptions plan_options(int batch, int microbatches, const std::ve
     o.recompute = R::kWhenNeeded;
   } else if (recompute == "never") {
     o.recompute = R::kNever;
-  } else if (recompute == "always") {
+  } else if (recompute == "always" || recompute == "full") {
     o.recompute = R::kAlways;
+  } else if (recompute == "selective") {
+    o.recompute = R::kSelective;
   } else {
-    raise(Status(ErrorCode::kInvalidArgument,
-                 "recompute \"" + recompute + "\" (expected \"auto\", \"never\" or \"always\")"));
+    raise(Status(ErrorCode::kInvalidArgument, "recompute \"" + recompute +
+                                                  "\" (expected \"auto\", \"never\", \"selective\" or \"always\")"));
   }
   o.ranks = ranks;
   o.replicas = replicas;
@@ -129,6 +131,18 @@ void bind_graph(py::module_& m) {
         return unwrap(s.forward(std::move(values), seed));
       }, py::arg("inputs"), py::arg("seed") = py::none(),
       "Runs the stage; with seed, its random operators draw from generators seeded with it.")
+      .def("forward_selective", [](const StageProgram& s, const py::sequence& inputs, std::optional<std::uint64_t> seed) {
+        auto values = to_ivalues(inputs);
+        py::gil_scoped_release nogil;
+        return unwrap(s.forward_selective(std::move(values), seed));
+      }, py::arg("inputs"), py::arg("seed") = py::none(),
+      "Runs the stage keeping only what selective recomputation keeps: its cheap operators run again "
+      "in the backward.")
+      .def_property_readonly("selective_runs", [](const StageProgram& s) {
+        py::list out;
+        for (const auto& run : s.selective_runs()) out.append(py::make_tuple(run.nodes, run.inputs));
+        return out;
+      }, "The runs forward_selective recomputes in the backward: (nodes, the values each keeps in their stead).")
       .def("backward", [](const StageProgram& s, StageActivation& act, const py::sequence& grads) {
         auto values = to_ivalues(grads);
         std::vector<c10::IValue> out;
@@ -188,7 +202,9 @@ void bind_graph(py::module_& m) {
       "Plans a captured graph from its profile on a cluster (TOML text); returns (plan JSON, table). even_shares: "
       "replicas split microbatches evenly, as the runtime does (off: in proportion to their devices' speeds). "
       "ranks, replicas (one count, or one per rank) and chunks fix those parts (0 or empty: planned); recompute: "
-      "\"auto\" (a stage recomputes its activations where it would not fit otherwise), \"never\" or \"always\".");
+      "\"auto\" (a stage recomputes its activations where it would not fit otherwise: selectively where that "
+      "fits, else fully), \"never\", \"selective\" (every stage its cheap operators) or \"always\" (every stage "
+      "fully).");
 
   m.def(
       "read_plan",

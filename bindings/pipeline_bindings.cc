@@ -27,7 +27,7 @@ void bind_pipeline(py::module_& m) {
                        std::int64_t bucket_bytes, int intra_op_threads, const std::string& plan_json,
                        std::shared_ptr<runtime::ProcessGroup> processes, std::vector<int> rank_process,
                        double step_timeout_s, std::vector<std::vector<int>> replica_process,
-                       std::optional<std::uint64_t> seed, const std::string& transport, std::vector<bool> recompute,
+                       std::optional<std::uint64_t> seed, const std::string& transport, std::vector<std::string> recompute,
                        std::vector<std::vector<double>> shares, std::map<std::string, std::vector<int>> holders) {
              scheduler::ScheduleSpec spec;
              spec.kind = unwrap(scheduler::schedule_kind_from_name(schedule));
@@ -51,7 +51,14 @@ void bind_pipeline(py::module_& m) {
                options.step_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(step_timeout_s * 1000));
              }
              options.seed = seed;
-             options.recompute = std::move(recompute);
+             for (const std::string& r : recompute) {
+               auto mode = recomputation_from_name(r);
+               if (!mode) {
+                 check(Status(ErrorCode::kInvalidArgument,
+                              "recompute \"" + r + "\" (expected \"none\", \"selective\" or \"full\")"));
+               }
+               options.recompute.push_back(*mode);
+             }
              if (transport == "nccl") {
                options.transport = runtime::PipelineOptions::Transport::kNccl;
              } else if (transport != "ucx") {
@@ -65,7 +72,7 @@ void bind_pipeline(py::module_& m) {
            py::arg("intra_op_threads") = 0, py::arg("plan") = std::string(), py::arg("processes") = nullptr,
            py::arg("rank_process") = std::vector<int>{}, py::arg("step_timeout_s") = 0.0,
            py::arg("replica_process") = std::vector<std::vector<int>>{}, py::arg("seed") = py::none(),
-           py::arg("transport") = "ucx", py::arg("recompute") = std::vector<bool>{},
+           py::arg("transport") = "ucx", py::arg("recompute") = std::vector<std::string>{},
            py::arg("shares") = std::vector<std::vector<double>>{},
            py::arg("holders") = std::map<std::string, std::vector<int>>{},
            "replicas: per rank (empty: one each); shares: per rank, each replica's weight in splitting a "
@@ -81,8 +88,9 @@ void bind_pipeline(py::module_& m) {
            "of each forward draw from a generator seeded from it, the step, the stage, the microbatch and the "
            "replica (None: drawn from torch's global generator now; across processes, process 0's); transport: how "
            "activations and gradients cross between processes, \"ucx\" (host memory) or \"nccl\" (GPU memory, "
-           "one GPU per process); recompute: per stage, keep only its inputs between forward and backward and run "
-           "its forward again before the backward (activation recomputation).")
+           "one GPU per process); recompute: per stage, \"none\", \"full\" (keep only its inputs between forward and "
+           "backward and run its forward again before the backward) or \"selective\" (run its cheap operators "
+           "again: activation recomputation).")
       .def("gather_state", [](runtime::PipelineStep& step) {
         py::gil_scoped_release nogil;
         check(step.gather_state());

@@ -96,6 +96,9 @@ class SeededGenerators {
   explicit SeededGenerators(std::uint64_t seed) : seed_(seed) {}
   /// The generator for `device`, made on first use.
   at::Generator& on(c10::Device device);
+  /// Independent generators in the states these are in now: a recomputed part of a forward
+  /// draws from a copy taken where it first ran, so it draws what it drew then.
+  SeededGenerators copy() const;
 
  private:
   std::uint64_t seed_;

@@ -125,16 +125,22 @@ std::vector<StageProgram::Step> GraphExecutor::plan_steps(const std::vector<Node
 
 Status GraphExecutor::execute(const std::vector<StageProgram::Step>& steps, std::vector<c10::IValue>& values,
                               std::optional<std::uint64_t> random_seed) const {
-  torch::jit::Stack stack;
   std::optional<SeededGenerators> generators;
   if (random_seed) generators.emplace(*random_seed);
-  for (const auto& step : steps) {
+  return execute_steps(steps.data(), steps.data() + steps.size(), values, generators ? &*generators : nullptr);
+}
+
+Status GraphExecutor::execute_steps(const StageProgram::Step* first, const StageProgram::Step* last,
+                                    std::vector<c10::IValue>& values, SeededGenerators* generators) const {
+  torch::jit::Stack stack;
+  for (const StageProgram::Step* it = first; it != last; ++it) {
+    const StageProgram::Step& step = *it;
     const CompiledNode& cn = *compiled_[step.compiled];
     const Node& n = *cn.node;
     stack.clear();
     stack.reserve(cn.args.size());
     for (const auto& a : cn.args) stack.push_back(materialize(a, values));
-    const bool seeded = generators && cn.draws != Draws::kNone && cn.draws != Draws::kGlobalOnly;
+    const bool seeded = generators != nullptr && cn.draws != Draws::kNone && cn.draws != Draws::kGlobalOnly;
     if (cn.sym != SymOp::kNone) {
       auto r = evaluate_sym(cn.sym, stack);
       if (!r) return r.status().with_context(where(n));
@@ -350,6 +356,7 @@ Result<std::shared_ptr<const StageProgram>> GraphExecutor::stage(std::vector<Nod
   program->draws_random_ = std::any_of(nodes.begin(), nodes.end(),
                                        [&](NodeId n) { return graph_.nodes[n].nondeterministic_seeded; });
   find_written(graph_, nodes, program->boundary_, program->inputs_written_, program->buffers_written_);
+  program->segments_ = plan_segments(nodes, program->steps_);
   program->nodes_ = std::move(nodes);
   return std::shared_ptr<const StageProgram>(std::move(program));
 }
@@ -364,13 +371,21 @@ std::vector<NodeId> GraphExecutor::unseeded_random_nodes() const {
 
 Result<StageActivation> StageProgram::forward(std::vector<c10::IValue> inputs,
                                               std::optional<std::uint64_t> random_seed) const {
-  const Graph& g = executor_->graph();
+  StageActivation act;
+  CONVEYOR_ASSIGN_OR_RETURN(std::vector<c10::IValue> values, bind_inputs(std::move(inputs), act));
+  CONVEYOR_RETURN_IF_ERROR(executor_->execute(steps_, values, random_seed));
+  act.outputs.reserve(boundary_.outputs.size());
+  for (ValueId v : boundary_.outputs) act.outputs.push_back(std::move(values[v]));
+  return act;
+}
+
+Result<std::vector<c10::IValue>> StageProgram::bind_inputs(std::vector<c10::IValue> inputs,
+                                                           StageActivation& act) const {
   if (inputs.size() != boundary_.inputs.size()) {
     return Status(ErrorCode::kInvalidArgument, "the stage takes " + std::to_string(boundary_.inputs.size()) +
                                                    " inputs but got " + std::to_string(inputs.size()));
   }
-  StageActivation act;
-  std::vector<c10::IValue> values(g.values.size());
+  std::vector<c10::IValue> values(executor_->graph().values.size());
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     c10::IValue& in = inputs[i];
     if (in.isTensor()) {
@@ -382,10 +397,7 @@ Result<StageActivation> StageProgram::forward(std::vector<c10::IValue> inputs,
     values[boundary_.inputs[i]] = in;
   }
   act.inputs = std::move(inputs);
-  CONVEYOR_RETURN_IF_ERROR(executor_->execute(steps_, values, random_seed));
-  act.outputs.reserve(boundary_.outputs.size());
-  for (ValueId v : boundary_.outputs) act.outputs.push_back(std::move(values[v]));
-  return act;
+  return values;
 }
 
 }  // namespace conveyor::graph

@@ -25,6 +25,13 @@ using TensorMap = std::unordered_map<std::string, at::Tensor>;
 /// paths leave the input paths, with the gradients captured there (opaque; torch inside).
 struct DeferredWeightGradient;
 
+/// A run of operators selective recomputation runs again: its nodes, ascending, and the
+/// values it keeps in their stead (those it reads from before it).
+struct RecomputedRun {
+  std::vector<NodeId> nodes;
+  std::vector<ValueId> inputs;
+};
+
 /// What a stage keeps between its forward and its backward (one per microbatch in flight).
 struct StageActivation {
   std::vector<c10::IValue> inputs;   ///< as the stage saw them: tensors are detached leaves
@@ -35,6 +42,8 @@ struct StageActivation {
 };
 
 class GraphExecutor;
+class SeededGenerators;
+struct SelectiveSegment;
 
 /// A compiled stage: a convex set of nodes with explicit inputs and outputs.
 /// Immutable after creation; forward/backward may run on any thread, one call per activation.
@@ -66,6 +75,19 @@ class StageProgram {
   /// its outputs. Buffers (BatchNorm's running statistics) are updated here, once.
   Result<StageActivation> forward_for_recompute(std::vector<c10::IValue> inputs,
                                                 std::optional<std::uint64_t> random_seed = std::nullopt) const;
+  /// Runs the stage for selective recomputation: every run of cheap operators that read no
+  /// parameter and write nothing in place (elementwise math, activations, softmax, dropout,
+  /// attention between activations) that saves tensors for its backward is one autograd
+  /// node that keeps only the run's inputs and runs the run again when its gradient is
+  /// asked for, with the dropout draws and autocast of its first run. The operators that
+  /// read parameters (linear, convolution, norms) keep their activations as forward() does.
+  /// backward() and backward_input() then work as after forward(), to the same bits.
+  Result<StageActivation> forward_selective(std::vector<c10::IValue> inputs,
+                                            std::optional<std::uint64_t> random_seed = std::nullopt) const;
+  /// The runs forward_selective recomputes, in execution order (none: it keeps what forward()
+  /// keeps).
+  std::vector<RecomputedRun> selective_runs() const;
+
   /// Runs the forward again from what forward_for_recompute kept, with autograd and the
   /// same `random_seed` (the same dropout masks), and leaves the buffers it writes as they
   /// were: `activation` is then what forward() would have made, ready for backward(). The
@@ -96,6 +118,17 @@ class StageProgram {
     std::size_t compiled;  ///< index into the executor's compiled nodes
     std::vector<ValueId> release;  ///< values dead after this step
   };
+  /// A run of steps forward_selective recomputes: steps [first, last), the values it reads
+  /// from before it and those read after it.
+  struct Segment {
+    std::size_t first = 0, last = 0;
+    std::vector<ValueId> inputs, outputs;
+  };
+  friend struct SelectiveSegment;
+  /// The stage's input values as autograd leaves (their gradients are the stage's input
+  /// gradients), kept in `act.inputs`.
+  Result<std::vector<c10::IValue>> bind_inputs(std::vector<c10::IValue> inputs, StageActivation& act) const;
+
   std::shared_ptr<const GraphExecutor> executor_;
   std::vector<NodeId> nodes_;
   StageBoundary boundary_;
@@ -103,6 +136,7 @@ class StageProgram {
   bool draws_random_ = false;
   std::vector<std::size_t> inputs_written_;     ///< input positions the stage writes in place (through views too)
   std::vector<std::string> buffers_written_;    ///< buffer bindings the stage writes in place
+  std::vector<Segment> segments_;               ///< what forward_selective recomputes
 };
 
 /// Owns a graph, the tensors bound to it, and every node's resolved operator.
@@ -151,8 +185,16 @@ class GraphExecutor : public std::enable_shared_from_this<GraphExecutor> {
  private:
   friend class StageProgram;
   GraphExecutor() = default;
+  friend struct SelectiveSegment;
   Status execute(const std::vector<StageProgram::Step>& steps, std::vector<c10::IValue>& values,
                  std::optional<std::uint64_t> random_seed = std::nullopt) const;
+  /// Runs steps [first, last) on `values`; random operators draw from `generators` (null:
+  /// torch's global generators).
+  Status execute_steps(const StageProgram::Step* first, const StageProgram::Step* last,
+                       std::vector<c10::IValue>& values, SeededGenerators* generators) const;
+  /// The runs of `steps` (a stage of `nodes`) that forward_selective recomputes.
+  std::vector<StageProgram::Segment> plan_segments(const std::vector<NodeId>& nodes,
+                                                   const std::vector<StageProgram::Step>& steps) const;
   std::vector<StageProgram::Step> plan_steps(const std::vector<NodeId>& nodes,
                                              const std::vector<ValueId>& keep) const;
 

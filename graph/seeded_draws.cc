@@ -124,6 +124,12 @@ at::Generator& SeededGenerators::on(c10::Device device) {
   return made_.emplace(device.str(), std::move(g)).first->second;
 }
 
+SeededGenerators SeededGenerators::copy() const {
+  SeededGenerators out(seed_);
+  for (const auto& [device, g] : made_) out.made_.emplace(device, g.clone());
+  return out;
+}
+
 void call_seeded(const GraphExecutor::CompiledNode& cn, torch::jit::Stack& stack, SeededGenerators& generators) {
   at::Generator& gen = generators.on(drawing_device(stack));
   switch (cn.draws) {

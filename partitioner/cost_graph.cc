@@ -50,7 +50,8 @@ Status CostGraph::validate() const {
   for (std::size_t i = 0; i < ops.size(); ++i) {
     const auto& op = ops[i];
     const std::string who = "operator " + std::to_string(i) + (op.name.empty() ? "" : " ('" + op.name + "')");
-    for (double c : {op.forward_s, op.backward_s, op.backward_weight_s, op.saved_bytes, op.work_bytes}) {
+    for (double c : {op.forward_s, op.backward_s, op.backward_weight_s, op.saved_bytes, op.work_bytes,
+                     op.selective_forward_s, op.selective_freed_bytes, op.selective_work_bytes}) {
       if (!finite_nonneg(c)) return bad(who + " has a negative or non-finite cost");
     }
     if (op.backward_weight_s > op.backward_s) {
@@ -122,6 +123,12 @@ Result<CostGraph> CostGraph::from_json(std::string_view text) {
       }
       op.saved_bytes = amount_or(o, path, "saved_bytes", 0);
       op.work_bytes = amount_or(o, path, "work_bytes", 0);
+      op.selective_forward_s = amount_or(o, path, "selective_forward_s", 0);
+      op.selective_freed_bytes = amount_or(o, path, "selective_freed_bytes", 0);
+      op.selective_work_bytes = amount_or(o, path, "selective_work_bytes", 0);
+      if (op.selective_freed_bytes > op.saved_bytes) {
+        throw JsonError(path + "/selective_freed_bytes", "selective recomputation cannot free more than saved_bytes");
+      }
       if (o.contains("group")) op.group = as_int_in(o["group"], path + "/group", -1);
       op.params = int_list(o, path, "params");
       for (std::size_t k = 0; k < op.params.size(); ++k) {
@@ -199,6 +206,9 @@ std::string CostGraph::to_json() const {
     if (op.backward_weight_s > 0) o["backward_weight_s"] = op.backward_weight_s;
     if (op.saved_bytes > 0) o["saved_bytes"] = op.saved_bytes;
     if (op.work_bytes > 0) o["work_bytes"] = op.work_bytes;
+    if (op.selective_forward_s > 0) o["selective_forward_s"] = op.selective_forward_s;
+    if (op.selective_freed_bytes > 0) o["selective_freed_bytes"] = op.selective_freed_bytes;
+    if (op.selective_work_bytes > 0) o["selective_work_bytes"] = op.selective_work_bytes;
     if (op.group >= 0) o["group"] = op.group;
     if (!op.params.empty()) o["params"] = op.params;
     json ins = json::array();
@@ -248,6 +258,9 @@ Result<Profile> Profile::from_json(std::string_view text) {
       n.backward_weight_s = amount_or(nodes[i], path, "backward_weight_s", 0);
       n.saved_bytes = amount_or(nodes[i], path, "saved_bytes", 0);
       n.work_bytes = amount_or(nodes[i], path, "work_bytes", 0);
+      n.selective_forward_s = amount_or(nodes[i], path, "selective_forward_s", 0);
+      n.selective_freed_bytes = amount_or(nodes[i], path, "selective_freed_bytes", 0);
+      n.selective_work_bytes = amount_or(nodes[i], path, "selective_work_bytes", 0);
       if (n.backward_weight_s > n.backward_s) {
         throw JsonError(path + "/backward_weight_s", "the weight-gradient part cannot exceed backward_s");
       }
@@ -273,7 +286,10 @@ std::string Profile::to_json() const {
                        {"backward_s", n.backward_s},
                        {"backward_weight_s", n.backward_weight_s},
                        {"saved_bytes", n.saved_bytes},
-                       {"work_bytes", n.work_bytes}});
+                       {"work_bytes", n.work_bytes},
+                       {"selective_forward_s", n.selective_forward_s},
+                       {"selective_freed_bytes", n.selective_freed_bytes},
+                       {"selective_work_bytes", n.selective_work_bytes}});
   }
   doc["nodes"] = std::move(nodes_j);
   doc["value_bytes"] = value_bytes;
@@ -336,6 +352,9 @@ Result<CostGraph> cost_graph_from_profile(const graph::Graph& g, const Profile& 
     op.backward_weight_s = np.backward_weight_s;
     op.saved_bytes = np.saved_bytes;
     op.work_bytes = np.work_bytes;
+    op.selective_forward_s = np.selective_forward_s;
+    op.selective_freed_bytes = std::min(np.selective_freed_bytes, np.saved_bytes);
+    op.selective_work_bytes = np.selective_work_bytes;
     op.group = group_of[i];
     std::set<int> ins, ps;
     for (graph::ValueId v : graph::Graph::node_inputs(node)) {

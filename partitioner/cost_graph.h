@@ -22,6 +22,11 @@ struct CostOp {
   double backward_weight_s = 0;  ///< its weight-gradient part (split-backward schedules)
   double saved_bytes = 0;        ///< activations kept from forward to backward
   double work_bytes = 0;         ///< transient memory while the operator runs
+  /// Selective recomputation (common/recomputation.h): the forward time it pays again, the
+  /// part of saved_bytes it does not keep, and the transient memory while the operator's run
+  /// is recomputed for its backward (its outputs again, and their gradients held meanwhile)
+  /// (all 0: it changes nothing for this operator).
+  double selective_forward_s = 0, selective_freed_bytes = 0, selective_work_bytes = 0;
   std::vector<int> inputs;       ///< values read (CostGraph::values)
   std::vector<int> params;       ///< parameters read (CostGraph::params)
   int group = -1;                ///< operators sharing a group >= 0 are never put in different stages
@@ -70,6 +75,7 @@ Result<CostGraph> load_cost_graph(const std::string& path);
 struct NodeProfile {
   double forward_s = 0, backward_s = 0, backward_weight_s = 0;
   double saved_bytes = 0, work_bytes = 0;
+  double selective_forward_s = 0, selective_freed_bytes = 0, selective_work_bytes = 0;  ///< as CostOp's
 };
 /// Measured costs of a captured graph's nodes at one microbatch size.
 struct Profile {

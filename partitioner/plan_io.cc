@@ -1,6 +1,8 @@
 // Plan documents (docs/formats.md) and the table `conveyor plan` prints.
 #include <cstdio>
+#include <optional>
 #include <set>
+#include <string>
 
 #include "common/file.h"
 #include "common/json_reader.h"
@@ -61,7 +63,7 @@ std::string Plan::to_json() const {
                   {"saved_bytes", s.saved_bytes},
                   {"memory_bytes", s.memory_bytes},
                   {"in_flight", s.in_flight},
-                  {"recompute", s.recompute}});
+                  {"recompute", std::string(recomputation_name(s.recompute))}});
   }
   doc["stages"] = std::move(st);
   json ls = json::array();
@@ -139,8 +141,13 @@ Result<Plan> Plan::from_json(std::string_view text) {
       s.memory_bytes = j["memory_bytes"].get<double>();
       if (j.contains("in_flight")) s.in_flight = as_int_in(j["in_flight"], path + "/in_flight", 0);
       if (j.contains("recompute")) {
-        if (!j["recompute"].is_boolean()) throw JsonError(path + "/recompute", "expected true or false");
-        s.recompute = j["recompute"].get<bool>();
+        // true and false: plans written before selective recomputation (full, none).
+        const auto& r = j["recompute"];
+        std::optional<Recomputation> mode;
+        if (r.is_boolean()) mode = r.get<bool>() ? Recomputation::kFull : Recomputation::kNone;
+        if (r.is_string()) mode = recomputation_from_name(r.get<std::string>());
+        if (!mode) throw JsonError(path + "/recompute", "expected \"none\", \"selective\" or \"full\"");
+        s.recompute = *mode;
       }
       if (j.contains("shares")) {
         const auto& sh = as_array(j["shares"], path + "/shares");
@@ -200,7 +207,7 @@ std::string Plan::table() const {
                   device_range(st).c_str(), st.replicas, human_seconds(st.forward_s).c_str(),
                   human_seconds(st.backward_s).c_str(), human_bytes(st.memory_bytes).c_str(),
                   human_bytes(st.send_bytes).c_str(), st.replicas > 1 ? human_seconds(st.allreduce_s).c_str() : "-",
-                  st.recompute ? "yes" : "-");
+                  st.recompute == Recomputation::kNone ? "-" : std::string(recomputation_name(st.recompute)).c_str());
     out += line;
   }
   int used = 0;

@@ -50,14 +50,14 @@ StagePlan stage_plan(const Units& u, const CutStates& cs, int inner, int outer, 
   sp.replicas = replicas;
   sp.shares = model.shares(first, replicas);
   sp.forward_s = ss.fwd * model.scale() / e.speed + model.options().action_overhead_s;
-  sp.backward_s = (e.recompute ? ss.fwd + ss.bwd : ss.bwd) * model.scale() / e.speed + model.options().action_overhead_s;
+  sp.backward_s = (ss.forward_again(e.recompute) + ss.bwd) * model.scale() / e.speed + model.options().action_overhead_s;
   sp.backward_weight_s = ss.bwd_w * model.scale() / e.speed;
   sp.send_bytes = has_next ? ss.out_bytes * model.scale() : 0;
   sp.recv_bytes = has_prev ? ss.in_bytes * model.scale() : 0;
   sp.allreduce_s = e.allreduce;
   sp.param_bytes = ss.params;
   sp.static_bytes = e.static_bytes;
-  sp.saved_bytes = ((e.recompute ? ss.in_bytes : ss.saved) + ss.out_bytes) * model.scale() * e.max_share;
+  sp.saved_bytes = (ss.kept(e.recompute) + ss.out_bytes) * model.scale() * e.max_share;
   sp.recompute = e.recompute;
   sp.memory_bytes = e.need;
   sp.in_flight = e.in_flight;

@@ -7,6 +7,7 @@
 #include <string_view>
 #include <vector>
 
+#include "common/recomputation.h"
 #include "common/status.h"
 #include "partitioner/cluster.h"
 #include "partitioner/cost_graph.h"
@@ -48,11 +49,13 @@ struct PlanOptions {
   /// host), added to each stage's forward and backward per microbatch: with it the planner
   /// weighs more microbatches (a smaller bubble) against more actions. Re-planning measures it.
   double action_overhead_s = 0;
-  /// Activation recomputation: a stage keeps only its inputs between forward and backward and
-  /// runs its forward again before the backward (a forward more of time, one microbatch's
-  /// activations of memory). kWhenNeeded: a stage recomputes only where it would not fit
-  /// otherwise.
-  enum class Recompute : std::uint8_t { kNever, kWhenNeeded, kAlways } recompute = Recompute::kWhenNeeded;
+  /// Activation recomputation (common/recomputation.h): selective (the cheap operators'
+  /// forward again; their activations are not kept) or full (a stage keeps only its inputs
+  /// and runs its whole forward again: a forward more of time, one microbatch's activations
+  /// of memory). kWhenNeeded: a stage keeps everything where it fits, else recomputes
+  /// selectively where that fits, else fully. kAlways: every stage fully; kSelective: every
+  /// stage selectively.
+  enum class Recompute : std::uint8_t { kNever, kWhenNeeded, kAlways, kSelective } recompute = Recompute::kWhenNeeded;
   SearchMode search = SearchMode::kAuto;
   /// After an exact search: enumerate, by branch and bound, every plan of the same space whose
   /// simulated step could beat the analytic optimum's, and return the simulator's best
@@ -80,7 +83,8 @@ struct StagePlan {
   double saved_bytes = 0;          ///< per device and microbatch in flight
   double memory_bytes = 0;         ///< predicted peak per device
   int in_flight = 0;               ///< microbatches whose activations are alive at once
-  bool recompute = false;          ///< keeps only its inputs; backward_s includes the forward again
+  /// What it recomputes before the backward; backward_s includes that forward again.
+  Recomputation recompute = Recomputation::kNone;
 };
 
 /// A plan: stages, replicas and devices, schedule and microbatches, with its predictions.

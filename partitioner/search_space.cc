@@ -82,7 +82,10 @@ Result<Units> make_units(const CostGraph& g) {
     unit.bwd += op.backward_s;
     unit.bwd_w += op.backward_weight_s;
     unit.saved += op.saved_bytes;
+    unit.sel_fwd += op.selective_forward_s;
+    unit.sel_freed += op.selective_freed_bytes;
     unit.work = std::max(unit.work, op.work_bytes);
+    unit.sel_work = std::max(unit.sel_work, op.selective_work_bytes);
     for (int p : op.params) params_of[u].push_back(p);
   }
   for (int u = 0; u < count; ++u) {
@@ -145,6 +148,8 @@ void fill_sums(const Units& u, CutStates& cs) {
   cs.saved.assign(c, 0);
   cs.params.assign(c, 0);
   cs.out_bytes.assign(c, 0);
+  cs.sel_fwd.assign(c, 0);
+  cs.sel_freed.assign(c, 0);
   for (std::size_t k = 0; k < c; ++k) {
     const Bits& b = cs.sets[k];
     for (std::size_t x = 0; x < u.units.size(); ++x) {
@@ -155,6 +160,8 @@ void fill_sums(const Units& u, CutStates& cs) {
       cs.bwd_w[k] += unit.bwd_w;
       cs.saved[k] += unit.saved;
       cs.params[k] += unit.params;
+      cs.sel_fwd[k] += unit.sel_fwd;
+      cs.sel_freed[k] += unit.sel_freed;
     }
     for (const Edge& e : u.edges) {
       if (!test(b, e.from)) continue;
@@ -204,13 +211,19 @@ CutStates linear_states(const Units& u, int max_blocks) {
     cs.sets.push_back(b);
   }
   fill_sums(u, cs);
-  std::vector<double> work;
+  std::vector<double> work, sel_work;
   for (const auto& block : cs.blocks) {
     double w = 0;
-    for (int x : block) w = std::max(w, u.units[x].work);
+    double sw = 0;
+    for (int x : block) {
+      w = std::max(w, u.units[x].work);
+      sw = std::max(sw, u.units[x].sel_work);
+    }
     work.push_back(w);
+    sel_work.push_back(sw);
   }
   cs.block_work.build(work, false);
+  cs.block_sel_work.build(sel_work, false);
   return cs;
 }
 

@@ -23,6 +23,7 @@ inline constexpr double kInf = std::numeric_limits<double>::infinity();
 struct Unit {
   std::vector<int> ops;
   double fwd = 0, bwd = 0, bwd_w = 0, saved = 0, work = 0, params = 0;
+  double sel_fwd = 0, sel_freed = 0, sel_work = 0;  // selective recomputation: forward again, freed, transient
 };
 
 /// A value between units: its producer, its bytes, its readers.
@@ -95,9 +96,9 @@ struct CutStates {
   bool linear = false;
   std::vector<Bits> sets;               // ascending by size; [0] empty, back() everything
   std::vector<std::vector<int>> blocks;  // linear: the units of each block
-  RangeTable block_work;                 // linear: max working memory over block ranges
+  RangeTable block_work, block_sel_work;  // linear: max working memory over block ranges (selective: its own)
   // Sums over the units of each state:
-  std::vector<double> fwd, bwd, bwd_w, saved, params, out_bytes;
+  std::vector<double> fwd, bwd, bwd_w, saved, params, out_bytes, sel_fwd, sel_freed;
 };
 
 /// Enumerates all downsets; false when there are more than `limit`.

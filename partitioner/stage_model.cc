@@ -12,10 +12,13 @@ StageSums stage_sums(const Units& u, const CutStates& cs, int outer, int inner) 
   s.bwd_w = cs.bwd_w[outer] - cs.bwd_w[inner];
   s.saved = cs.saved[outer] - cs.saved[inner];
   s.params = cs.params[outer] - cs.params[inner];
+  s.sel_fwd = cs.sel_fwd[outer] - cs.sel_fwd[inner];
+  s.sel_freed = cs.sel_freed[outer] - cs.sel_freed[inner];
   s.in_bytes = cs.out_bytes[inner];
   s.out_bytes = cs.out_bytes[outer];
   if (cs.linear && !cs.blocks.empty()) {
     s.work = cs.block_work.query(inner, outer - inner);
+    s.sel_work = cs.block_sel_work.query(inner, outer - inner);
   } else {
     const Bits& a = cs.sets[outer];
     const Bits& b = cs.sets[inner];
@@ -25,6 +28,7 @@ StageSums stage_sums(const Units& u, const CutStates& cs, int outer, int inner) 
         int bit = __builtin_ctzll(diff);
         diff &= diff - 1;
         s.work = std::max(s.work, u.units[static_cast<int>(w) * 64 + bit].work);
+        s.sel_work = std::max(s.sel_work, u.units[static_cast<int>(w) * 64 + bit].sel_work);
       }
     }
   }

@@ -20,6 +20,17 @@ namespace conveyor::partitioner::detail {
 struct StageSums {
   double fwd = 0, bwd = 0, bwd_w = 0, saved = 0, params = 0, work = 0;
   double in_bytes = 0, out_bytes = 0;  // cut bytes before and after the stage, at profile size
+  double sel_fwd = 0, sel_freed = 0;   // selective recomputation: forward again, saved bytes freed
+  double sel_work = 0;                 // selective recomputation: the largest run's transient
+
+  /// The forward time `r` pays again before the backward.
+  double forward_again(Recomputation r) const {
+    return r == Recomputation::kFull ? fwd : r == Recomputation::kSelective ? sel_fwd : 0;
+  }
+  /// What each microbatch in flight keeps from its forward to its backward under `r`.
+  double kept(Recomputation r) const {
+    return r == Recomputation::kFull ? in_bytes : r == Recomputation::kSelective ? saved - sel_freed : saved;
+  }
 };
 
 /// A stage on a range of devices: its times and its memory.
@@ -34,7 +45,7 @@ struct StageEval {
   double speed = 0;
   double max_share = 1;
   int in_flight = 0;
-  bool recompute = false;  // keeps its inputs only; compute includes the forward again
+  Recomputation recompute = Recomputation::kNone;  // compute includes what it runs again
   bool fits() const { return need <= capacity; }
 };
 
@@ -125,24 +136,33 @@ class Model {
   }
 
   /// The stage as it runs: keeping its activations, or recomputing them where the options
-  /// ask for it always or where it would not fit otherwise (every search prices it so).
+  /// ask for it always, or, the cheapest way first (selective, then full), where it would not
+  /// fit otherwise (every search prices it so).
   StageEval eval(const StageSums& s, int first, int r, int stages_after, bool has_next) const {
     using R = PlanOptions::Recompute;
-    if (options_.recompute == R::kAlways) return eval_as(s, first, r, stages_after, has_next, true);
-    StageEval e = eval_as(s, first, r, stages_after, has_next, false);
+    using M = Recomputation;
+    if (options_.recompute == R::kAlways) return eval_as(s, first, r, stages_after, has_next, M::kFull);
+    if (options_.recompute == R::kSelective) return eval_as(s, first, r, stages_after, has_next, M::kSelective);
+    StageEval e = eval_as(s, first, r, stages_after, has_next, M::kNone);
     if (e.fits() || options_.recompute == R::kNever) return e;
-    StageEval again = eval_as(s, first, r, stages_after, has_next, true);
+    if (s.sel_freed > 0) {
+      StageEval selective = eval_as(s, first, r, stages_after, has_next, M::kSelective);
+      if (selective.fits()) return selective;
+    }
+    StageEval again = eval_as(s, first, r, stages_after, has_next, M::kFull);
     return again.fits() ? again : e;
   }
 
-  /// One way of running the stage. Recomputing, each microbatch in flight keeps the stage's
-  /// inputs only, and the one in its backward all its activations; the forward is paid twice.
-  StageEval eval_as(const StageSums& s, int first, int r, int stages_after, bool has_next, bool recompute) const {
+  /// One way of running the stage. Recomputing, each microbatch in flight keeps less (full:
+  /// the stage's inputs only; selective: all but what the cheap operators saved), and the
+  /// one in its backward what was dropped again; that forward is paid twice.
+  StageEval eval_as(const StageSums& s, int first, int r, int stages_after, bool has_next,
+                    Recomputation recompute) const {
     StageEval e;
     e.recompute = recompute;
     e.speed = speed(first, r);
     e.max_share = max_share(first, r);
-    e.compute = ((recompute ? 2 * s.fwd : s.fwd) + s.bwd) * scale_ / e.speed + 2 * options_.action_overhead_s;
+    e.compute = (s.fwd + s.forward_again(recompute) + s.bwd) * scale_ / e.speed + 2 * options_.action_overhead_s;
     e.comm = has_next ? comm_time(s.out_bytes, first + r - 1, r) : 0;
     e.allreduce = allreduce_time(s.params, first, r);
     e.in_flight = in_flight(stages_after);
@@ -151,9 +171,15 @@ class Model {
     // outputs, which stay until its backward; working memory: the largest unit's backward.
     // Values between stages are the same tensors on both sides in a process, and a
     // message's buffer becomes the received value, so no transfer buffer is added.
-    e.transient_bytes = s.work * scale_ * e.max_share;
-    const double each = (recompute ? s.in_bytes : s.saved) + s.out_bytes;
-    const double kept = e.in_flight * each + (recompute ? s.saved : 0);
+    // Recomputing selectively, a run's backward holds its outputs again with their gradients.
+    e.transient_bytes = (recompute == Recomputation::kSelective ? std::max(s.work, s.sel_work) : s.work) * scale_ *
+                        e.max_share;
+    const double each = s.kept(recompute) + s.out_bytes;
+    // The microbatch in its backward holds again what its forward dropped.
+    const double again = recompute == Recomputation::kFull        ? s.saved
+                         : recompute == Recomputation::kSelective ? s.sel_freed
+                                                                  : 0;
+    const double kept = e.in_flight * each + again;
     e.need = e.static_bytes + kept * scale_ * e.max_share + e.transient_bytes;
     e.capacity = memory_override_ > 0 ? memory_override_ : min_memory_.query(first, r);
     return e;

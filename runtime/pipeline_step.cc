@@ -139,7 +139,7 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
     im.executors.push_back(std::move(replica));
   }
   im.settings.recompute = options.recompute;
-  im.settings.recompute.resize(static_cast<std::size_t>(num_stages), false);
+  im.settings.recompute.resize(static_cast<std::size_t>(num_stages), Recomputation::kNone);
   if (options.seed) {
     im.settings.random_seed = *options.seed;
   } else {

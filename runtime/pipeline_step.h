@@ -26,6 +26,7 @@
 #include "runtime/coordinator.h"
 #include "runtime/device_streams.h"
 #include "runtime/model_state.h"
+#include "common/recomputation.h"
 #include "common/status.h"
 #include "graph/executor.h"
 #include "runtime/process_group.h"
@@ -79,10 +80,11 @@ struct PipelineOptions {
   /// torch's global CPU generator when the pipeline is made (so torch.manual_seed decides);
   /// across processes, process 0's.
   std::optional<std::uint64_t> seed;
-  /// Per stage: recompute its activations (keep only the stage's inputs between its
-  /// forward and its backward, and run the forward again just before the backward); empty
-  /// or shorter: the stages beyond keep theirs.
-  std::vector<bool> recompute;
+  /// Per stage: how it recomputes its activations (kFull: keeps only the stage's inputs
+  /// between its forward and its backward and runs the forward again just before the
+  /// backward; kSelective: runs its cheap operators again); empty or shorter: the stages
+  /// beyond keep theirs.
+  std::vector<Recomputation> recompute;
   /// Many processes, a pipeline replacing one placed otherwise (a re-plan): per parameter
   /// and buffer, the processes that hold it whole and current (the old pipeline's readers:
   /// PipelineStep::readers). Each process then receives from a holder only what its stages

@@ -2,61 +2,17 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/autocast_mode.h>
 #include <c10/core/StreamGuard.h>
 
 #include <optional>
 
 namespace conveyor::runtime {
 
+using graph::AutocastScope;
+
 using graph::ValueId;
 using scheduler::Action;
 using scheduler::ActionKind;
-
-namespace {
-
-constexpr std::array<c10::DeviceType, 2> kAutocastTypes{c10::DeviceType::CPU, c10::DeviceType::CUDA};
-
-// Runs a replica's forward under the caller's autocast, as eager's forward runs under the
-// user's `torch.autocast`; the weight casts it cached go with it (eager clears them when the
-// outermost autocast region ends, so an optimizer step is never served stale copies).
-class AutocastScope {
- public:
-  explicit AutocastScope(const AutocastState& wanted) : active_(wanted.any()) {
-    if (!active_) return;
-    previous_ = AutocastState::of_this_thread();
-    wanted.apply();
-  }
-  ~AutocastScope() {
-    if (!active_) return;
-    at::autocast::clear_cache();
-    previous_.apply();
-  }
-  AutocastScope(const AutocastScope&) = delete;
-  AutocastScope& operator=(const AutocastScope&) = delete;
-
- private:
-  bool active_;
-  AutocastState previous_;
-};
-
-}  // namespace
-
-AutocastState AutocastState::of_this_thread() {
-  AutocastState s;
-  for (std::size_t i = 0; i < kAutocastTypes.size(); ++i) {
-    s.enabled[i] = at::autocast::is_autocast_enabled(kAutocastTypes[i]);
-    s.dtype[i] = at::autocast::get_autocast_dtype(kAutocastTypes[i]);
-  }
-  return s;
-}
-
-void AutocastState::apply() const {
-  for (std::size_t i = 0; i < kAutocastTypes.size(); ++i) {
-    at::autocast::set_autocast_enabled(kAutocastTypes[i], enabled[i]);
-    at::autocast::set_autocast_dtype(kAutocastTypes[i], dtype[i]);
-  }
-}
 
 StageReplica::StageReplica(int rank, int replica, const PipelineLayout& layout, const Placement& placement,
                            std::map<int, std::shared_ptr<const graph::StageProgram>> programs, ValueStore& store,
@@ -140,9 +96,15 @@ Status StageReplica::forward(const Action& a) {
   CONVEYOR_ASSIGN_OR_RETURN(std::vector<c10::IValue> in, store_.read(program.inputs(), a.microbatch, a.stage, replica_));
   std::optional<std::uint64_t> seed;
   if (program.draws_random()) seed = forward_seed(a.stage, a.microbatch);
-  CONVEYOR_ASSIGN_OR_RETURN(graph::StageActivation act, settings_.recompute[a.stage]
-                                                            ? program.forward_for_recompute(std::move(in), seed)
-                                                            : program.forward(std::move(in), seed));
+  auto run = [&]() -> Result<graph::StageActivation> {
+    switch (settings_.recompute[a.stage]) {
+      case Recomputation::kSelective: return program.forward_selective(std::move(in), seed);
+      case Recomputation::kFull: return program.forward_for_recompute(std::move(in), seed);
+      case Recomputation::kNone: break;
+    }
+    return program.forward(std::move(in), seed);
+  };
+  CONVEYOR_ASSIGN_OR_RETURN(graph::StageActivation act, run());
   c10::Event* done = streams_ != nullptr ? streams_->events.record(streams_->compute) : nullptr;
   store_.put(program.outputs(), act.outputs, a.microbatch, a.stage, replica_, done);
   activations_[{a.stage, a.microbatch}] = std::move(act);

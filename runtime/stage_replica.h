@@ -20,6 +20,8 @@
 #include <vector>
 
 #include "common/status.h"
+#include "common/recomputation.h"
+#include "graph/autocast.h"
 #include "graph/executor.h"
 #include "runtime/device_streams.h"
 #include "runtime/gradient_reducer.h"
@@ -31,14 +33,7 @@
 
 namespace conveyor::runtime {
 
-/// The torch.autocast state of one thread for the device types a model runs on.
-struct AutocastState {
-  std::array<bool, 2> enabled{};                            ///< CPU, CUDA
-  std::array<at::ScalarType, 2> dtype{at::kBFloat16, at::kHalf};
-  static AutocastState of_this_thread();
-  bool any() const { return enabled[0] || enabled[1]; }
-  void apply() const;
-};
+using graph::AutocastState;
 
 /// What every replica reads of the step it runs: set by the caller before the step starts,
 /// read-only while it runs.
@@ -48,7 +43,7 @@ struct StepSettings {
   AutocastState autocast;      ///< the caller's: forwards run under it
   std::uint64_t random_seed = 0;  ///< the pipeline's
   std::uint64_t step = 0;         ///< the step running, counting every step begun
-  std::vector<bool> recompute;    ///< per stage: recompute its activations before the backward
+  std::vector<Recomputation> recompute;  ///< per stage: what it recomputes before the backward
 };
 
 /// One replica's compute.

@@ -79,6 +79,24 @@ def check_output_path(path, what: str) -> None:
         raise ConveyorValueError(f"{what}={str(path)!r} is a folder; name a file in it")
 
 
+RECOMPUTATIONS = ("none", "selective", "full")
+
+
+def _recomputation(value) -> bool:
+    return isinstance(value, bool) or (isinstance(value, str) and value in RECOMPUTATIONS)
+
+
+def recomputation(value) -> str:
+    """A stage's activation recomputation by its name ("none", "selective", "full"): True
+    is "full" and False or None "none" (flags, and plans written before selective
+    recomputation)."""
+    if value is True:
+        return "full"
+    if value is False or value is None:
+        return "none"
+    return value
+
+
 def check_module_arguments(model, optimizer, *, stages, replicas, microbatches, schedule, devices, cluster, trace,
                            loss_fn, plan, transport, replan, replan_horizon, recompute) -> None:
     check_model(model, optimizer)
@@ -95,9 +113,11 @@ def check_module_arguments(model, optimizer, *, stages, replicas, microbatches, 
             isinstance(replicas, list) and replicas and all(_whole(r, 1) for r in replicas)):
         raise ConveyorValueError(f"replicas={replicas!r}: every stage needs at least one replica "
                                  "(an int for all stages, or a list with one count per stage)")
-    if recompute is not None and not isinstance(recompute, bool) and not (
-            isinstance(recompute, list) and all(isinstance(r, bool) for r in recompute)):
-        raise ConveyorValueError(f"recompute={recompute!r}: expected True (every stage), False, or one bool per stage")
+    if recompute is not None and not _recomputation(recompute) and not (
+            isinstance(recompute, list) and all(_recomputation(r) for r in recompute)):
+        raise ConveyorValueError(f"recompute={recompute!r}: expected True or 'full' (every stage keeps only its "
+                                 "inputs), 'selective' (every stage runs its cheap operators again), False or "
+                                 "'none', or a list with one of those per stage")
     if microbatches is not None and not _whole(microbatches, 1):
         raise ConveyorValueError(f"microbatches={microbatches!r}: expected a whole number, at least 1 (or None: planned)")
     if devices is not None:

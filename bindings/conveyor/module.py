@@ -60,10 +60,11 @@ process 0's is used). The masks are not eager's: eager draws one stream in execu
                   a re-plan keeps what `stages`, `replicas` and `microbatches` fixed.
     replan_horizon  steps within which a switch must pay for moving (default 100)
     recompute     None (default): a stage recomputes its activations where the plan needs it
-                  to fit (it keeps only its inputs between its forward and its backward and
-                  runs the forward again, with the same dropout masks, just before the
-                  backward: less memory, a forward more per microbatch); True: every stage;
-                  False: none; a list: one flag per stage, as given
+                  to fit: "selective" (its cheap operators, elementwise, softmax, dropout and
+                  attention, keep nothing and run again just before the backward) where that
+                  is enough, else "full" (it keeps only its inputs and runs its whole forward
+                  again), with the same dropout masks: less memory for more time; True or
+                  "full", "selective": every stage; False or "none": none; a list: one per stage
     max_sizes     the largest symbolic sizes batches will have, by name ({"input_ids dim 1":
                   512}): the plan's memory is made for them (bindings/conveyor/sizes.py)
 """
@@ -78,7 +79,7 @@ from typing import Any
 import torch
 
 from . import _C, distributed
-from .arguments import TWO_STAGES_PER_RANK, check_module_arguments, seconds
+from .arguments import TWO_STAGES_PER_RANK, check_module_arguments, recomputation, seconds
 from .capture import capture
 from .captures import Captures
 from .loss_wrapper import loss_wrapper
@@ -438,11 +439,11 @@ class Module(torch.nn.Module):
         against; across processes, every replica on the process _placement gives it."""
         placement = self._placement(replicas, plan) if across_processes else {}
         if isinstance(self._recompute, list):
-            recompute = self._recompute
+            recompute = [recomputation(r) for r in self._recompute]
         elif plan is not None and self._recompute is None:  # the plan's choice, stage by stage
-            recompute = [bool(s.get("recompute", False)) for s in plan.document["stages"]]
+            recompute = [recomputation(s.get("recompute", False)) for s in plan.document["stages"]]
         else:
-            recompute = [bool(self._recompute)] * len(stage_nodes)
+            recompute = [recomputation(self._recompute)] * len(stage_nodes)
         if len(recompute) != len(stage_nodes):
             raise ConveyorValueError(f"recompute has {len(recompute)} flags but the pipeline has {len(stage_nodes)} stages")
         # The plan's shares: devices of different speeds take microbatch shares to match.

@@ -27,6 +27,7 @@ from . import _C
 from .arguments import TWO_STAGES_PER_RANK
 from .errors import ConveyorValueError, GraphFormatError
 from .graph import Graph
+from .selective import SelectiveAccounting
 
 __all__ = ["profile", "plan", "Plan", "profile_cache_dir"]
 
@@ -90,9 +91,10 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
     name = _device_name(device)
     key = "".join(c if c.isalnum() else "_" for c in name)
     # Keyed by every input's sizes (a sequence length changes the profile as a batch does);
-    # "m3": how working memory is measured, so that older entries are measured again.
+    # "m4": how memory is measured (working memory; what selective recomputation frees), so
+    # that older entries are measured again.
     sizes = hashlib.sha256(repr([tuple(t.shape) for t in tensors]).encode()).hexdigest()[:12]
-    path = profile_cache_dir() / f"{ghash}-{key}-mb{microbatch}-{sizes}-m3.json"
+    path = profile_cache_dir() / f"{ghash}-{key}-mb{microbatch}-{sizes}-m4.json"
     if cache and path.exists():
         try:
             doc = json.loads(path.read_text())
@@ -114,8 +116,11 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
         value_bytes[b["value"]] = _nbytes(bound[b["name"]])
     for v, t in values.items():
         value_bytes[v] = _nbytes(t)
-    nodes = [dict(forward_s=0.0, backward_s=0.0, backward_weight_s=0.0, saved_bytes=0.0, work_bytes=0.0)
+    nodes = [dict(forward_s=0.0, backward_s=0.0, backward_weight_s=0.0, saved_bytes=0.0, work_bytes=0.0,
+                  selective_forward_s=0.0, selective_freed_bytes=0.0, selective_work_bytes=0.0)
              for _ in range(graph.num_nodes)]
+    selective = SelectiveAccounting(graph, doc_in)
+    selective.note_values(values, list(values))
     reads_param = set()
     bound_ids = {b["value"] for b in doc_in["bindings"] if b["kind"] != "constant"}
     trained = {b["value"] for b in doc_in["bindings"] if b["kind"] == "parameter" and bound[b["name"]].requires_grad}
@@ -161,6 +166,8 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
             for v, out in zip(stage.outputs, outputs):
                 values[v] = out
                 value_bytes[v] = _nbytes(out)
+            selective.note_values(values, stage.outputs)
+            selective.note_unit(unit, saved)
             grads = [torch.ones_like(o) if isinstance(o, torch.Tensor) and o.requires_grad else None
                      for o in outputs]
             differentiable = any(g is not None for g in grads)
@@ -193,6 +200,7 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
                 nodes[first]["backward_weight_s"] = nodes[first]["backward_s"] / 2
             nodes[first]["saved_bytes"] = float(sum(saved.values()))
             nodes[first]["work_bytes"] = float(max(work, 0))
+        selective.finish(nodes, values)
     finally:
         for n, t in bound.items():
             if n in saved_grads:
@@ -283,7 +291,9 @@ def plan(graph: Graph, profile_doc: dict, cluster: str | os.PathLike, *, batch: 
     in proportion to their devices' speeds, the plan's `shares`). `ranks` (pipeline ranks),
     `replicas` (one count for every stage, or one per rank) and `chunks` (interleaved stages
     per rank) fix those parts of the plan; the planner chooses the rest. `recompute`: "auto"
-    (a stage recomputes its activations where it would not fit otherwise), "never" or "always"."""
+    (a stage recomputes its activations where it would not fit otherwise: selectively where
+    that is enough, else fully), "never", "selective" (every stage its cheap operators) or
+    "always" (every stage fully)."""
     doc, table = _C.plan(graph.ir, json.dumps(profile_doc), cluster_text(cluster), batch, microbatches, schedules or [],
                          optimizer_state, max_replicas, max_microbatches, even_shares, ranks, replicas or [], chunks,
                          recompute)
@@ -313,7 +323,8 @@ class FixedParts:
         self.ranks, self.chunks = 0, 0
         # A Module's recompute: True or False fixes it for every stage; None or a list (which
         # the runtime applies as given) leave it to the planner where a stage would not fit.
-        self.recompute = "always" if recompute is True else "never" if recompute is False else "auto"
+        self.recompute = {True: "always", "full": "always", "selective": "selective", False: "never",
+                          "none": "never"}.get(recompute, "auto") if not isinstance(recompute, list) else "auto"
         if schedule == "auto":
             # A fixed stage count keeps the schedules whose stages are the device groups.
             self.schedules = ["gpipe", "1f1b", "zb-h1"] if stages else ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]

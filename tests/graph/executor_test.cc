@@ -1,3 +1,4 @@
+#include "common/recomputation.h"
 #include "graph/executor.h"
 
 #include <gtest/gtest.h>
@@ -51,10 +52,12 @@ TEST(GraphExecutor, BatchSizeIsFreeAtRunTime) {
 }
 
 // Runs `stages` in order like a pipeline and returns the loss; backward leaves grads in `t`.
-// Runs `parts` as a pipeline of one microbatch; with `recompute`, every stage keeps only its
-// inputs (forward_for_recompute) and runs its forward again before its backward.
+// Runs `parts` as a pipeline of one microbatch; recomputing fully, every stage keeps only its
+// inputs (forward_for_recompute) and runs its forward again before its backward; selectively,
+// its cheap operators run again inside the backward (forward_selective).
 double run_staged(const std::shared_ptr<GraphExecutor>& ex, const std::vector<std::vector<NodeId>>& parts,
-                  const at::Tensor& x, bool recompute = false) {
+                  const at::Tensor& x, Recomputation mode = Recomputation::kNone) {
+  const bool recompute = mode == Recomputation::kFull;
   const Graph& g = ex->graph();
   std::map<ValueId, c10::IValue> values = {{g.inputs[0].value, x}};
   std::vector<std::shared_ptr<const StageProgram>> stages;
@@ -64,7 +67,9 @@ double run_staged(const std::shared_ptr<GraphExecutor>& ex, const std::vector<st
     EXPECT_TRUE(s.is_ok()) << s.status().to_string();
     std::vector<c10::IValue> in;
     for (ValueId v : (*s)->inputs()) in.push_back(values.at(v));
-    auto act = recompute ? (*s)->forward_for_recompute(in) : (*s)->forward(in);
+    auto act = recompute                               ? (*s)->forward_for_recompute(in)
+               : mode == Recomputation::kSelective ? (*s)->forward_selective(in)
+                                                   : (*s)->forward(in);
     EXPECT_TRUE(act.is_ok()) << act.status().to_string();
     if (recompute) {  // no autograd graph is kept: the outputs are leaves that still ask for gradients
       for (const auto& out : act->outputs) {
@@ -127,14 +132,78 @@ TEST(StageProgram, RandomCutsGiveTheSameLossAndGradientsWithAndWithoutRecomputat
         zero_grads(t);
         auto parts = random_partition(g, k, seed, false);
         ASSERT_TRUE(parts.is_ok());
-        for (bool recompute : {false, true}) {
+        for (Recomputation mode : {Recomputation::kNone, Recomputation::kSelective, Recomputation::kFull}) {
           zero_grads(t);
-          double loss = run_staged(*ex, *parts, x, recompute);
+          double loss = run_staged(*ex, *parts, x, mode);
           EXPECT_DOUBLE_EQ(loss, whole->at(0).toTensor().item<double>());
           for (auto& [n, p] : t) {
             EXPECT_TRUE(torch::allclose(expected[n], p.grad(), 1e-12, 1e-12))
-                << n << " k=" << k << " seed=" << seed << (recompute ? " recomputed" : "");
+                << n << " k=" << k << " seed=" << seed << " recomputing " << recomputation_name(mode);
           }
+        }
+      }
+    }
+  }
+}
+
+// Selective recomputation wraps only runs that free something: the diamond's relu, sigmoid,
+// sum and product (the sigmoid's output and the sum are saved inside the run), not the mlp's
+// lone relu between two linear layers (it would keep what the relu keeps), and nothing that
+// reads or writes a storage written in place. A split backward over a selective stage equals the whole one.
+TEST(StageProgram, SelectiveRecomputationRunsOnlyCheapOperatorsThatFreeSomething) {
+  auto bind = [](const Graph& g) {
+    TensorMap t;
+    torch::manual_seed(3);
+    for (const auto& b : g.bindings) {
+      std::vector<int64_t> shape;
+      for (const auto& d : g.values[b.value].shape) shape.push_back(d.size);
+      t[b.name] = torch::randn(shape, torch::dtype(torch::kDouble).requires_grad(true));
+    }
+    return t;
+  };
+  auto runs_of = [&](const Graph& g) {
+    auto ex = GraphExecutor::create(g, bind(g));
+    EXPECT_TRUE(ex.is_ok());
+    std::vector<NodeId> all(g.nodes.size());
+    for (std::size_t i = 0; i < all.size(); ++i) all[i] = static_cast<NodeId>(i);
+    return (*(*ex)->stage(all))->selective_runs();
+  };
+  const std::vector<RecomputedRun> diamond = runs_of(testing::diamond_graph());
+  ASSERT_EQ(diamond.size(), 1u);
+  EXPECT_EQ(diamond[0].nodes, (std::vector<NodeId>{1, 2, 3, 4, 5}));
+  EXPECT_EQ(diamond[0].inputs, (std::vector<ValueId>{0, 2}));  // x and the linear's output: kept in their stead
+  EXPECT_TRUE(runs_of(testing::mlp_graph()).empty());
+  for (const RecomputedRun& run : runs_of(testing::inplace_view_graph())) {
+    for (NodeId n : run.nodes) EXPECT_GE(n, 6) << "node " << n << " reads or writes y, which node 4 writes in place";
+  }
+
+  const Graph g = testing::diamond_graph();
+  TensorMap t = bind(g);
+  auto ex = GraphExecutor::create(g, t);
+  ASSERT_TRUE(ex.is_ok());
+  auto stage = (*ex)->stage({0, 1, 2, 3, 4, 5});
+  ASSERT_TRUE(stage.is_ok());
+  const at::Tensor x = torch::randn({5, 4}, torch::kDouble);
+  std::map<std::string, at::Tensor> whole;
+  for (bool selective : {false, true}) {
+    for (bool split : {false, true}) {
+      zero_grads(t);
+      auto act = selective ? (*stage)->forward_selective({x}) : (*stage)->forward({x});
+      ASSERT_TRUE(act.is_ok()) << act.status().to_string();
+      const at::Tensor loss = act->outputs[0].toTensor();
+      EXPECT_NE(loss.grad_fn(), nullptr);
+      std::vector<c10::IValue> grads{torch::ones_like(loss)};
+      if (split) {
+        ASSERT_TRUE((*stage)->backward_input(*act, grads).is_ok());
+        ASSERT_TRUE((*stage)->backward_weight(*act).is_ok());
+      } else {
+        ASSERT_TRUE((*stage)->backward(*act, grads).is_ok());
+      }
+      for (auto& [n, p] : t) {
+        if (!selective && !split) {
+          whole[n] = p.grad().clone();
+        } else {
+          EXPECT_TRUE(torch::equal(whole[n], p.grad())) << n << (selective ? " selective" : "") << (split ? " split" : "");
         }
       }
     }

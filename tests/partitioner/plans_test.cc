@@ -61,13 +61,14 @@ TEST(Planner, StagesRecomputeWhereTheyWouldNotFitOtherwise) {
   int recomputing = 0;
   for (const auto& s : plan->stages) {
     EXPECT_LE(s.memory_bytes, 0.6 * need);
-    if (!s.recompute) continue;
+    if (s.recompute == Recomputation::kNone) continue;
+    EXPECT_EQ(s.recompute, Recomputation::kFull);  // the chain's operators say nothing of selective recomputation
     ++recomputing;
     EXPECT_NEAR(s.backward_s, s.forward_s + 2 * s.forward_s, 1e-12);  // the forward again, then B = 2F
   }
   EXPECT_GE(recomputing, 1);
   EXPECT_GT(plan->predicted_step_s, roomy->predicted_step_s);  // memory for time
-  EXPECT_NE(plan->table().find("yes"), std::string::npos) << plan->table();
+  EXPECT_NE(plan->table().find("full"), std::string::npos) << plan->table();
   auto back = Plan::from_json(plan->to_json());
   ASSERT_TRUE(back.is_ok());
   for (std::size_t s = 0; s < plan->stages.size(); ++s) EXPECT_EQ(back->stages[s].recompute, plan->stages[s].recompute);
@@ -75,7 +76,68 @@ TEST(Planner, StagesRecomputeWhereTheyWouldNotFitOtherwise) {
   o.recompute = PlanOptions::Recompute::kAlways;
   auto always = make_plan(g, Cluster::uniform(1, 2, 1e12, 1.0, fast_link(), fast_link()), o);
   ASSERT_TRUE(always.is_ok());
-  for (const auto& s : always->stages) EXPECT_TRUE(s.recompute);
+  for (const auto& s : always->stages) EXPECT_EQ(s.recompute, Recomputation::kFull);
+}
+
+// Selective recomputation frees part of what a stage keeps for a part of its forward: where
+// that is enough the planner takes it before full recomputation (a smaller price), where it
+// is not, full; memory and time as the model says.
+TEST(Plans, SelectiveRecomputationWhereItFitsFullWhereOnlyThatFits) {
+  CostGraph g = uniform_chain(8, 1e-3, 2e-3, 1e6, 1e8);
+  for (CostOp& op : g.ops) {
+    op.selective_forward_s = 0.25 * op.forward_s;
+    op.selective_freed_bytes = 0.6 * op.saved_bytes;
+  }
+  PlanOptions o;
+  o.batch = 8;
+  o.microbatches = 4;
+  o.ranks = 2;
+  o.schedules = {ScheduleKind::kOneFOneB};
+  o.recompute = PlanOptions::Recompute::kNever;
+  auto roomy = make_plan(g, Cluster::uniform(1, 2, 1e12, 1.0, fast_link(), fast_link()), o);
+  ASSERT_TRUE(roomy.is_ok()) << roomy.status().to_string();
+  o.recompute = PlanOptions::Recompute::kSelective;
+  auto selective = make_plan(g, Cluster::uniform(1, 2, 1e12, 1.0, fast_link(), fast_link()), o);
+  ASSERT_TRUE(selective.is_ok()) << selective.status().to_string();
+  double need = 0, selective_need = 0;
+  for (const auto& s : roomy->stages) need = std::max(need, s.memory_bytes);
+  for (std::size_t k = 0; k < selective->stages.size(); ++k) {
+    const StagePlan& s = selective->stages[k];
+    EXPECT_EQ(s.recompute, Recomputation::kSelective);
+    selective_need = std::max(selective_need, s.memory_bytes);
+    // The forward's cheap quarter again before the backward (B = 2F).
+    EXPECT_NEAR(s.backward_s, 0.25 * s.forward_s + 2 * s.forward_s, 1e-12);
+  }
+  ASSERT_LT(selective_need, need);
+  o.recompute = PlanOptions::Recompute::kWhenNeeded;
+  // Room for selective but not for keeping everything: selective, where it must.
+  auto plan = make_plan(g, Cluster::uniform(1, 2, 0.5 * (need + selective_need), 1.0, fast_link(), fast_link()), o);
+  ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
+  int selective_stages = 0;
+  for (const auto& s : plan->stages) {
+    EXPECT_NE(s.recompute, Recomputation::kFull);
+    selective_stages += s.recompute == Recomputation::kSelective;
+  }
+  EXPECT_GE(selective_stages, 1);
+  EXPECT_NE(plan->table().find("selective"), std::string::npos) << plan->table();
+  auto back = Plan::from_json(plan->to_json());
+  ASSERT_TRUE(back.is_ok());
+  for (std::size_t s = 0; s < plan->stages.size(); ++s) EXPECT_EQ(back->stages[s].recompute, plan->stages[s].recompute);
+  // Less memory, until no plan fits with selective recomputation alone: full where it must.
+  double capacity = selective_need;
+  PlanOptions only_selective = o;
+  only_selective.recompute = PlanOptions::Recompute::kSelective;
+  while (make_plan(g, Cluster::uniform(1, 2, capacity, 1.0, fast_link(), fast_link()), only_selective).is_ok()) {
+    capacity *= 0.97;
+  }
+  auto tight = make_plan(g, Cluster::uniform(1, 2, capacity, 1.0, fast_link(), fast_link()), o);
+  ASSERT_TRUE(tight.is_ok()) << tight.status().to_string();
+  int full = 0;
+  for (const auto& s : tight->stages) {
+    full += s.recompute == Recomputation::kFull;
+    EXPECT_LE(s.memory_bytes, capacity);
+  }
+  EXPECT_GE(full, 1);
 }
 
 TEST(Planner, PlanDocumentRoundTripsAndSimulatesToItsPrediction) {
