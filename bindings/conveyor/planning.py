@@ -91,10 +91,10 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
     name = _device_name(device)
     key = "".join(c if c.isalnum() else "_" for c in name)
     # Keyed by every input's sizes (a sequence length changes the profile as a batch does);
-    # "m4": how memory is measured (working memory; what selective recomputation frees), so
-    # that older entries are measured again.
+    # "m5": how memory is measured (working memory; a value two units save counted once; what
+    # selective recomputation frees), so that older entries are measured again.
     sizes = hashlib.sha256(repr([tuple(t.shape) for t in tensors]).encode()).hexdigest()[:12]
-    path = profile_cache_dir() / f"{ghash}-{key}-mb{microbatch}-{sizes}-m4.json"
+    path = profile_cache_dir() / f"{ghash}-{key}-mb{microbatch}-{sizes}-m5.json"
     if cache and path.exists():
         try:
             doc = json.loads(path.read_text())
@@ -120,6 +120,7 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
                   selective_forward_s=0.0, selective_freed_bytes=0.0, selective_work_bytes=0.0)
              for _ in range(graph.num_nodes)]
     selective = SelectiveAccounting(graph, doc_in)
+    counted_values: set[int] = set()  # storages of graph values a unit's saved bytes include
     selective.note_values(values, list(values))
     reads_param = set()
     bound_ids = {b["value"] for b in doc_in["bindings"] if b["kind"] != "constant"}
@@ -147,12 +148,14 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
             stage_inputs = [values[v] for v in stage.inputs]
             # Forward: the saved activations are counted once, then the time is measured.
             saved: dict[int, int] = {}
+            saved_here: set[int] = set()
 
             def pack(t):
                 try:
                     ptr = t.untyped_storage().data_ptr()
                     if ptr not in param_storages:
                         saved[ptr] = max(saved.get(ptr, 0), t.untyped_storage().nbytes())
+                        saved_here.add(ptr)
                 except (RuntimeError, NotImplementedError):
                     pass
                 return t
@@ -167,7 +170,11 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
                 values[v] = out
                 value_bytes[v] = _nbytes(out)
             selective.note_values(values, stage.outputs)
-            selective.note_unit(unit, saved)
+            # A graph value two units save (a residual both a norm and a sum read) is held once:
+            # counted for the first that saves it. Storages made inside a unit are its own.
+            own = {ptr: b for ptr, b in saved.items() if ptr not in counted_values}
+            counted_values.update(ptr for ptr in own if ptr in selective.value_storages)
+            selective.note_unit(unit, own, kept_too=saved_here)
             grads = [torch.ones_like(o) if isinstance(o, torch.Tensor) and o.requires_grad else None
                      for o in outputs]
             differentiable = any(g is not None for g in grads)
@@ -198,7 +205,7 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
             # parameters (dW costs what dX costs for matmuls and convolutions), else none.
             if any(n in reads_param for n in unit):
                 nodes[first]["backward_weight_s"] = nodes[first]["backward_s"] / 2
-            nodes[first]["saved_bytes"] = float(sum(saved.values()))
+            nodes[first]["saved_bytes"] = float(sum(own.values()))
             nodes[first]["work_bytes"] = float(max(work, 0))
         selective.finish(nodes, values)
     finally:

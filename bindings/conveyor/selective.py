@@ -43,12 +43,13 @@ class SelectiveAccounting:
             if isinstance(t, torch.Tensor):
                 self.value_storages.setdefault(t.untyped_storage().data_ptr(), set()).add(v)
 
-    def note_unit(self, unit: list[int], saved: dict[int, int]) -> None:
+    def note_unit(self, unit: list[int], saved: dict[int, int], kept_too: set[int]) -> None:
         """A unit ran forward (its outputs noted) while what it saved is alive: `saved`, the
-        storages its backward saves with their bytes."""
-        self.saved.update(saved)
+        storages its saved bytes count (a value's storage only for the first unit saving
+        it), with their bytes; `kept_too`, every storage its backward saves."""
+        self.saved.update(kept_too)
         if not all(n in self.recomputed for n in unit):
-            self.saved_by_kept.update(saved)
+            self.saved_by_kept.update(kept_too)
             return
         inside = sum(b for ptr, b in saved.items() if ptr not in self.value_storages)
         self.units[unit[0]] = (inside, {ptr: b for ptr, b in saved.items() if ptr in self.value_storages})
