@@ -83,6 +83,14 @@ inline const json& as_array(const json& j, const std::string& path) {
   return j;
 }
 
+/// A finite number.
+inline double as_number(const json& j, const std::string& path) {
+  if (!j.is_number()) throw JsonError(path, "expected a number, got " + excerpt(j));
+  double v = j.get<double>();
+  if (!std::isfinite(v)) throw JsonError(path, "expected a finite number, got " + excerpt(j));
+  return v;
+}
+
 /// A finite number >= 0 (times, byte counts).
 inline double as_amount(const json& j, const std::string& path) {
   if (!j.is_number()) throw JsonError(path, "expected a number, got " + excerpt(j));

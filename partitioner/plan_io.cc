@@ -61,6 +61,7 @@ std::string Plan::to_json() const {
                   {"param_bytes", s.param_bytes},
                   {"static_bytes", s.static_bytes},
                   {"saved_bytes", s.saved_bytes},
+                  {"input_freed_bytes", s.input_freed_bytes},
                   {"memory_bytes", s.memory_bytes},
                   {"in_flight", s.in_flight},
                   {"recompute", std::string(recomputation_name(s.recompute))}});
@@ -138,6 +139,9 @@ Result<Plan> Plan::from_json(std::string_view text) {
       s.param_bytes = j["param_bytes"].get<double>();
       s.static_bytes = j["static_bytes"].get<double>();
       s.saved_bytes = j["saved_bytes"].get<double>();
+      if (j.contains("input_freed_bytes")) {  // may be negative: a stage recomputing fully
+        s.input_freed_bytes = as_number(j["input_freed_bytes"], path + "/input_freed_bytes");
+      }
       s.memory_bytes = j["memory_bytes"].get<double>();
       if (j.contains("in_flight")) s.in_flight = as_int_in(j["in_flight"], path + "/in_flight", 0);
       if (j.contains("recompute")) {

@@ -58,6 +58,9 @@ StagePlan stage_plan(const Units& u, const CutStates& cs, int inner, int outer, 
   sp.param_bytes = ss.params;
   sp.static_bytes = e.static_bytes;
   sp.saved_bytes = (ss.kept(e.recompute) + ss.out_bytes) * model.scale() * e.max_share;
+  // A stage that reads nothing from another (the first) has no input gradient to compute: its
+  // split backward does everything at W.
+  sp.input_freed_bytes = ss.in_bytes > 0 ? sp.saved_bytes - ss.saved_w * model.scale() * e.max_share : 0;
   sp.recompute = e.recompute;
   sp.memory_bytes = e.need;
   sp.in_flight = e.in_flight;
@@ -297,6 +300,7 @@ std::vector<scheduler::StageCost> Plan::stage_costs() const {
     c.allreduce_s = st.allreduce_s;
     c.static_bytes = st.static_bytes;
     c.saved_bytes = st.saved_bytes;
+    c.input_freed_bytes = st.input_freed_bytes;
     out.push_back(c);
   }
   return out;

@@ -81,6 +81,10 @@ struct StagePlan {
   double param_bytes = 0;
   double static_bytes = 0;         ///< per device: parameters, gradients, optimizer state
   double saved_bytes = 0;          ///< per device and microbatch in flight
+  /// Of saved_bytes, what a split backward's Bi frees: all but the weight gradients' factors
+  /// (what the operators that read parameters saved, and the gradients of their outputs),
+  /// which stay until its W.
+  double input_freed_bytes = 0;
   double memory_bytes = 0;         ///< predicted peak per device
   int in_flight = 0;               ///< microbatches whose activations are alive at once
   /// What it recomputes before the backward; backward_s includes that forward again.

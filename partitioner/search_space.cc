@@ -84,6 +84,7 @@ Result<Units> make_units(const CostGraph& g) {
     unit.saved += op.saved_bytes;
     unit.sel_fwd += op.selective_forward_s;
     unit.sel_freed += op.selective_freed_bytes;
+    if (!op.params.empty()) unit.saved_w += op.saved_bytes;
     unit.work = std::max(unit.work, op.work_bytes);
     unit.sel_work = std::max(unit.sel_work, op.selective_work_bytes);
     for (int p : op.params) params_of[u].push_back(p);
@@ -97,6 +98,11 @@ Result<Units> make_units(const CostGraph& g) {
   out.preds.resize(count);
   for (std::size_t v = 0; v < g.values.size(); ++v) {
     if (g.values[v].producer < 0) continue;
+    // A split backward holds, until its W, the gradient arriving at each operator that reads
+    // parameters (the weight gradient's other factor).
+    if (!g.ops[g.values[v].producer].params.empty()) {
+      out.units[out.unit_of_op[g.values[v].producer]].saved_w += g.values[v].bytes;
+    }
     Edge e;
     e.from = out.unit_of_op[g.values[v].producer];
     e.bytes = g.values[v].bytes;
@@ -150,6 +156,7 @@ void fill_sums(const Units& u, CutStates& cs) {
   cs.out_bytes.assign(c, 0);
   cs.sel_fwd.assign(c, 0);
   cs.sel_freed.assign(c, 0);
+  cs.saved_w.assign(c, 0);
   for (std::size_t k = 0; k < c; ++k) {
     const Bits& b = cs.sets[k];
     for (std::size_t x = 0; x < u.units.size(); ++x) {
@@ -162,6 +169,7 @@ void fill_sums(const Units& u, CutStates& cs) {
       cs.params[k] += unit.params;
       cs.sel_fwd[k] += unit.sel_fwd;
       cs.sel_freed[k] += unit.sel_freed;
+      cs.saved_w[k] += unit.saved_w;
     }
     for (const Edge& e : u.edges) {
       if (!test(b, e.from)) continue;

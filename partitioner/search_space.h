@@ -24,6 +24,7 @@ struct Unit {
   std::vector<int> ops;
   double fwd = 0, bwd = 0, bwd_w = 0, saved = 0, work = 0, params = 0;
   double sel_fwd = 0, sel_freed = 0, sel_work = 0;  // selective recomputation: forward again, freed, transient
+  double saved_w = 0;  // saved by operators that read parameters, and the gradients of their outputs: kept to W
 };
 
 /// A value between units: its producer, its bytes, its readers.
@@ -98,7 +99,7 @@ struct CutStates {
   std::vector<std::vector<int>> blocks;  // linear: the units of each block
   RangeTable block_work, block_sel_work;  // linear: max working memory over block ranges (selective: its own)
   // Sums over the units of each state:
-  std::vector<double> fwd, bwd, bwd_w, saved, params, out_bytes, sel_fwd, sel_freed;
+  std::vector<double> fwd, bwd, bwd_w, saved, params, out_bytes, sel_fwd, sel_freed, saved_w;
 };
 
 /// Enumerates all downsets; false when there are more than `limit`.

@@ -58,13 +58,18 @@ Result<SimulationResult> simulate(const Schedule& s, const std::vector<StageCost
             pipeline_end = std::max(pipeline_end, span.end_s);
             result.busy_s[r] += d;
             result.spans.push_back(span);
-            // Activations live from a forward until the backward that consumes them (W of a split one).
+            // Activations live from a forward until the backward that consumes them; a split
+            // one frees most at its Bi and the weight gradients' inputs at its W.
             if (a.kind == ActionKind::kForward) {
               live[r] += c.saved_bytes;
-              result.peak_bytes[r] = std::max(result.peak_bytes[r], static_bytes[r] + live[r]);
-            } else if (a.kind != ActionKind::kBackwardInput) {
+            } else if (a.kind == ActionKind::kBackwardInput) {
+              live[r] -= c.input_freed_bytes;
+            } else if (a.kind == ActionKind::kBackwardWeight) {
+              live[r] -= c.saved_bytes - c.input_freed_bytes;
+            } else {
               live[r] -= c.saved_bytes;
             }
+            result.peak_bytes[r] = std::max(result.peak_bytes[r], static_bytes[r] + live[r]);
             break;
           }
           case ActionKind::kSendActivation:

@@ -23,6 +23,9 @@ struct StageCost {
   double optimizer_s = 0;        ///< per step: the optimizer update of the stage's parameters
   double static_bytes = 0;       ///< per device: parameters, gradients, optimizer state, buffers
   double saved_bytes = 0;        ///< per device and microbatch: activations kept from F to B/W
+  /// Of saved_bytes, what a split backward frees at its Bi: only the weight gradients'
+  /// inputs stay until its W (negative: W keeps more, as a stage recomputing fully does).
+  double input_freed_bytes = 0;
 };
 
 /// A point-to-point link: time = latency + bytes / bandwidth (bandwidth 0 means free).

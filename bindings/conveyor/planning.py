@@ -91,10 +91,10 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
     name = _device_name(device)
     key = "".join(c if c.isalnum() else "_" for c in name)
     # Keyed by every input's sizes (a sequence length changes the profile as a batch does);
-    # "m5": how memory is measured (working memory; a value two units save counted once; what
+    # "m6": how memory is measured (working memory; a value two units save counted once; what
     # selective recomputation frees), so that older entries are measured again.
     sizes = hashlib.sha256(repr([tuple(t.shape) for t in tensors]).encode()).hexdigest()[:12]
-    path = profile_cache_dir() / f"{ghash}-{key}-mb{microbatch}-{sizes}-m5.json"
+    path = profile_cache_dir() / f"{ghash}-{key}-mb{microbatch}-{sizes}-m6.json"
     if cache and path.exists():
         try:
             doc = json.loads(path.read_text())
@@ -120,7 +120,7 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
                   selective_forward_s=0.0, selective_freed_bytes=0.0, selective_work_bytes=0.0)
              for _ in range(graph.num_nodes)]
     selective = SelectiveAccounting(graph, doc_in)
-    counted_values: set[int] = set()  # storages of graph values a unit's saved bytes include
+    measured: list = []  # per unit: (nodes, bytes saved on storages made inside it, {value storage: bytes}, every storage saved)
     selective.note_values(values, list(values))
     reads_param = set()
     bound_ids = {b["value"] for b in doc_in["bindings"] if b["kind"] != "constant"}
@@ -170,11 +170,10 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
                 values[v] = out
                 value_bytes[v] = _nbytes(out)
             selective.note_values(values, stage.outputs)
-            # A graph value two units save (a residual both a norm and a sum read) is held once:
-            # counted for the first that saves it. Storages made inside a unit are its own.
-            own = {ptr: b for ptr, b in saved.items() if ptr not in counted_values}
-            counted_values.update(ptr for ptr in own if ptr in selective.value_storages)
-            selective.note_unit(unit, own, kept_too=saved_here)
+            # Storages made inside the unit (alive now, so no value's) are its own; a graph
+            # value's storage is counted for one unit only (below).
+            measured.append((unit, sum(b for ptr, b in saved.items() if ptr not in selective.value_storages),
+                             {ptr: b for ptr, b in saved.items() if ptr in selective.value_storages}, saved_here))
             grads = [torch.ones_like(o) if isinstance(o, torch.Tensor) and o.requires_grad else None
                      for o in outputs]
             differentiable = any(g is not None for g in grads)
@@ -205,8 +204,8 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
             # parameters (dW costs what dX costs for matmuls and convolutions), else none.
             if any(n in reads_param for n in unit):
                 nodes[first]["backward_weight_s"] = nodes[first]["backward_s"] / 2
-            nodes[first]["saved_bytes"] = float(sum(own.values()))
             nodes[first]["work_bytes"] = float(max(work, 0))
+        _count_saved_once(measured, reads_param, nodes, selective)
         selective.finish(nodes, values)
     finally:
         for n, t in bound.items():
@@ -226,6 +225,24 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
         tmp.write_text(json.dumps(doc))
         os.replace(tmp, path)  # atomic: a concurrent reader never sees half a profile
     return doc
+
+
+def _count_saved_once(measured: list, reads_param: set, nodes: list[dict], selective: SelectiveAccounting) -> None:
+    """Each unit's saved bytes: the storages made inside it, and the graph values it saves
+    that count for it. A process holds a value two units save (a residual stream a norm and
+    a sum both read) once: it counts for the first unit that reads parameters and saves it
+    (a split backward keeps that unit's saved tensors until its W), else for the first."""
+    owner: dict[int, int] = {}
+    param = [any(n in reads_param for n in unit) for unit, _, _, _ in measured]
+    for i, (_, _, on_values, _) in enumerate(measured):
+        for ptr in on_values:
+            j = owner.get(ptr)
+            if j is None or (param[i] and not param[j]):
+                owner[ptr] = i
+    for i, (unit, inside, on_values, every) in enumerate(measured):
+        own = {ptr: b for ptr, b in on_values.items() if owner[ptr] == i}
+        nodes[unit[0]]["saved_bytes"] = float(inside + sum(own.values()))
+        selective.note_unit(unit, inside, own, kept_too=every)
 
 
 def _node_value_inputs(node: dict) -> list[int]:

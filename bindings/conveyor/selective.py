@@ -37,22 +37,22 @@ class SelectiveAccounting:
         self.units: dict[int, tuple[int, dict[int, int]]] = {}  # first node -> (bytes made inside, {value storage: bytes})
 
     def note_values(self, values: dict[int, Any], ids) -> None:
-        """Values now alive (graph inputs, a unit's outputs): their storages stay theirs."""
+        """Values now alive (graph inputs, a unit's outputs): their storages stay theirs (the
+        profile keeps every value alive to its end)."""
         for v in ids:
             t = values.get(v)
             if isinstance(t, torch.Tensor):
                 self.value_storages.setdefault(t.untyped_storage().data_ptr(), set()).add(v)
 
-    def note_unit(self, unit: list[int], saved: dict[int, int], kept_too: set[int]) -> None:
-        """A unit ran forward (its outputs noted) while what it saved is alive: `saved`, the
-        storages its saved bytes count (a value's storage only for the first unit saving
-        it), with their bytes; `kept_too`, every storage its backward saves."""
+    def note_unit(self, unit: list[int], inside: int, on_values: dict[int, int], kept_too: set[int]) -> None:
+        """A unit's saved bytes as the profile counts them: `inside`, on storages made inside
+        it; `on_values`, the graph values' storages that count for it, with their bytes;
+        `kept_too`, every storage its backward saves."""
         self.saved.update(kept_too)
         if not all(n in self.recomputed for n in unit):
             self.saved_by_kept.update(kept_too)
             return
-        inside = sum(b for ptr, b in saved.items() if ptr not in self.value_storages)
-        self.units[unit[0]] = (inside, {ptr: b for ptr, b in saved.items() if ptr in self.value_storages})
+        self.units[unit[0]] = (inside, on_values)
 
     def finish(self, nodes: list[dict], values: dict[int, Any]) -> None:
         """Writes each recomputed unit's figures into its first node's profile entry. A run

@@ -191,5 +191,34 @@ TEST(Simulator, PeakMemoryFollowsActivationsInFlight) {
   }
 }
 
+// A split backward frees most of a microbatch's activations at its Bi and keeps the weight
+// gradients' inputs until its W: with nothing kept past Bi, ZB-H1 holds what 1F1B holds
+// (its Bi come in 1F1B's order); kept whole to W, more on the first ranks; between, between.
+TEST(Simulator, ASplitBackwardFreesAtItsInputHalfWhatItsWeightHalfDoesNotNeed) {
+  const int p = 4, m = 8;
+  auto peaks = [&](ScheduleKind kind, double freed_at_input) {
+    std::vector<StageCost> costs(p, StageCost{1.0, 2.0, 1.0});
+    for (auto& c : costs) {
+      c.static_bytes = 100;
+      c.saved_bytes = 10;
+      c.input_freed_bytes = freed_at_input;
+    }
+    auto sim = simulate(*make_schedule({kind, p, m}), costs, LinkCost{});
+    EXPECT_TRUE(sim.is_ok());
+    return sim->peak_bytes;
+  };
+  const auto ofob = peaks(ScheduleKind::kOneFOneB, 0);
+  const auto all_to_w = peaks(ScheduleKind::kZeroBubbleH1, 0);
+  const auto none_to_w = peaks(ScheduleKind::kZeroBubbleH1, 10);
+  const auto some_to_w = peaks(ScheduleKind::kZeroBubbleH1, 6);
+  for (int r = 0; r < p; ++r) {
+    EXPECT_DOUBLE_EQ(none_to_w[r], ofob[r]) << "rank " << r;
+    EXPECT_LE(none_to_w[r], some_to_w[r]);
+    EXPECT_LE(some_to_w[r], all_to_w[r]);
+  }
+  EXPECT_GT(all_to_w[0], ofob[0]);
+  EXPECT_LT(some_to_w[0], all_to_w[0]);
+}
+
 }  // namespace
 }  // namespace conveyor::scheduler
