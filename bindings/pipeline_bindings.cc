@@ -126,6 +126,25 @@ void bind_pipeline(py::module_& m) {
           "Runs every microbatch forward and backward; returns (loss, measured seconds, actions timed). Gradients "
           "reach .grad times grad_scale; with hold_gradients they are held, and .grad keeps what it had, until "
           "take_held_gradients.")
+      .def(
+          "run_packed",
+          [](runtime::PipelineStep& step, const py::sequence& microbatches, double grad_scale, bool hold_gradients) {
+            std::vector<std::vector<c10::IValue>> packed;
+            for (auto mb : microbatches) {
+              std::vector<c10::IValue> values;
+              for (auto h : py::reinterpret_borrow<py::sequence>(mb)) values.push_back(to_ivalue(h));
+              packed.push_back(std::move(values));
+            }
+            runtime::StepResult r;
+            {
+              py::gil_scoped_release nogil;
+              r = unwrap(step.run_packed(packed, grad_scale, hold_gradients));
+            }
+            return py::make_tuple(r.loss, r.measured.step_time_s, r.measured.spans.size());
+          },
+          py::arg("microbatches"), py::arg("grad_scale") = 1.0, py::arg("hold_gradients") = false,
+          "run over microbatches packed by the caller (one list of flattened inputs each, as many as the pipeline "
+          "runs; each with its own samples and symbolic sizes, its loss weighed by its samples over the step's).")
       .def("take_held_gradients", &runtime::PipelineStep::take_held_gradients,
            "The gradients the last run held (hold_gradients=True): each run holds its own until applied.")
       .def("write_trace", [](const runtime::PipelineStep& step, const std::string& path,

@@ -260,23 +260,61 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
   return step;
 }
 
-Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, double grad_scale, bool hold_gradients) {
-  Impl& im = *impl_;
-  const PipelineLayout& layout = im.layout;
-  if (im.out_of_step) {
-    return Status(ErrorCode::kExecution, "an earlier step failed and left the processes out of step; "
-                                         "restart the job (every process) after fixing its cause");
-  }
-  // Every input against the capture before anything runs (the shares against the batch range
-  // follow in check_step).
-  CONVEYOR_RETURN_IF_ERROR(im.executors[0]->check_inputs(inputs, /*whole_batch=*/false));
+namespace {
+
+const Status kOutOfStep(ErrorCode::kExecution, "an earlier step failed and left the processes out of step; "
+                                               "restart the job (every process) after fixing its cause");
+
+// The samples of a batch (its batched inputs' first size), checked against the capture
+// before anything runs (the shares against the batch range follow in check_step).
+Result<std::int64_t> samples_of(const graph::GraphExecutor& executor, const PipelineLayout& layout,
+                                const std::vector<c10::IValue>& inputs) {
+  CONVEYOR_RETURN_IF_ERROR(executor.check_inputs(inputs, /*whole_batch=*/false));
   std::int64_t batch = -1;
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     if (layout.batch.batched_input[i] && inputs[i].isTensor()) batch = inputs[i].toTensor().size(0);
   }
   if (batch < 0) return Status(ErrorCode::kInvalidArgument, "no input has a batch dimension to split into microbatches");
+  return batch;
+}
+
+}  // namespace
+
+Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, double grad_scale, bool hold_gradients) {
+  Impl& im = *impl_;
+  const PipelineLayout& layout = im.layout;
+  if (im.out_of_step) return kOutOfStep;
+  CONVEYOR_ASSIGN_OR_RETURN(const std::int64_t batch, samples_of(*im.executors[0], layout, inputs));
   CONVEYOR_RETURN_IF_ERROR(layout.batch.check_step(batch, layout.microbatches(), layout.stage_replicas, layout.stage_weights()));
   CONVEYOR_RETURN_IF_ERROR(im.store->begin_step(inputs, batch));
+  return run_begun(grad_scale, hold_gradients);
+}
+
+Result<StepResult> PipelineStep::run_packed(const std::vector<std::vector<c10::IValue>>& microbatches,
+                                            double grad_scale, bool hold_gradients) {
+  Impl& im = *impl_;
+  const PipelineLayout& layout = im.layout;
+  if (im.out_of_step) return kOutOfStep;
+  if (static_cast<int>(microbatches.size()) != layout.microbatches()) {
+    return Status(ErrorCode::kInvalidArgument, "packed " + std::to_string(microbatches.size()) +
+                                                   " microbatches but the pipeline runs " +
+                                                   std::to_string(layout.microbatches()) + " a step; pack that many");
+  }
+  std::vector<std::int64_t> rows;
+  for (std::size_t k = 0; k < microbatches.size(); ++k) {
+    auto samples = samples_of(*im.executors[0], layout, microbatches[k]);
+    if (!samples) return samples.status().with_context("microbatch " + std::to_string(k));
+    Status fits = layout.batch.check_step(*samples, 1, layout.stage_replicas, layout.stage_weights());
+    if (!fits.is_ok()) return fits.with_context("microbatch " + std::to_string(k));
+    rows.push_back(*samples);
+  }
+  CONVEYOR_RETURN_IF_ERROR(im.store->begin_packed_step(microbatches, rows));
+  return run_begun(grad_scale, hold_gradients);
+}
+
+Result<StepResult> PipelineStep::run_begun(double grad_scale, bool hold_gradients) {
+  Impl& im = *impl_;
+  const PipelineLayout& layout = im.layout;
   im.state->begin_step();
   if (hold_gradients) im.state->set_gradients_aside();
   // Each replica's compute thread gets its share of the caller's intra-op threads: the

@@ -109,6 +109,12 @@ class PipelineStep {
   /// `.grad` keeps what it had, until apply_held_gradients (a loss whose backward comes
   /// later, with a gradient of its own: torch.autograd's, a GradScaler's).
   Result<StepResult> run(const std::vector<c10::IValue>& inputs, double grad_scale = 1.0, bool hold_gradients = false);
+  /// The same over microbatches the caller packed, one list of the graph's flattened inputs
+  /// each, as many as the pipeline runs: each may have its own number of samples and its
+  /// own symbolic sizes (a sequence length), and its loss weighs by its samples over the
+  /// step's. Each is checked against the capture before anything runs.
+  Result<StepResult> run_packed(const std::vector<std::vector<c10::IValue>>& microbatches, double grad_scale = 1.0,
+                                bool hold_gradients = false);
   /// The gradients the last run held (hold_gradients), taken: each call to run holds its own.
   std::shared_ptr<HeldGradients> take_held_gradients();
 
@@ -160,6 +166,8 @@ class PipelineStep {
   Status write_trace(const std::string& path, const std::vector<trace::Marker>& markers = {}) const;
 
  private:
+  /// A step whose store holds its microbatches: runs it and gathers what it measured.
+  Result<StepResult> run_begun(double grad_scale, bool hold_gradients);
   struct Impl;
   explicit PipelineStep(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;

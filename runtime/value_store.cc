@@ -43,6 +43,20 @@ Status ValueStore::begin_step(const std::vector<c10::IValue>& inputs, std::int64
   return Status::ok();
 }
 
+Status ValueStore::begin_packed_step(const std::vector<std::vector<c10::IValue>>& microbatches,
+                                     const std::vector<std::int64_t>& rows) {
+  if (static_cast<int>(microbatches.size()) != layout_.microbatches() || rows.size() != microbatches.size()) {
+    return Status(ErrorCode::kInternal, "a packed step needs one list of inputs per microbatch");
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  micro_inputs_ = microbatches;
+  micro_length_ = rows;
+  batch_ = 0;
+  for (std::int64_t r : rows) batch_ += r;
+  losses_.clear();
+  return Status::ok();
+}
+
 void ValueStore::end_step() {
   std::lock_guard<std::mutex> lock(mu_);
   values_.clear();

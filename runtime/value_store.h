@@ -44,6 +44,10 @@ class ValueStore {
   /// samples): the batched ones are split into the schedule's microbatches. Drops what
   /// the last step left.
   Status begin_step(const std::vector<c10::IValue>& inputs, std::int64_t batch);
+  /// A new step over microbatches the caller packed (each the graph's flattened inputs, of
+  /// `rows[k]` samples), as many as the schedule's. Drops what the last step left.
+  Status begin_packed_step(const std::vector<std::vector<c10::IValue>>& microbatches,
+                           const std::vector<std::int64_t>& rows);
   /// Drops every value and gradient of the step (once the device is done with them).
   void end_step();
 

@@ -33,11 +33,12 @@ from .graph import Graph, StagedGraph  # noqa: E402
 from .capture import capture  # noqa: E402
 from .planning import Plan, plan, profile  # noqa: E402
 from .module import Module  # noqa: E402
+from .microbatches import Microbatches  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "capture", "Graph", "StagedGraph", "profile", "plan", "Plan", "Module", "DoesNotFitError",
+    "capture", "Graph", "StagedGraph", "profile", "plan", "Plan", "Module", "Microbatches", "DoesNotFitError",
     "ConveyorError", "ConveyorIOError", "CaptureError", "ConveyorValueError", "ExecutionError", "GraphCorruptError",
     "GraphFormatError", "GraphVersionError", "InvalidGraphError", "InvalidStageError",
     "UnknownOpError", "UnsupportedError",

@@ -83,6 +83,7 @@ from .arguments import TWO_STAGES_PER_RANK, check_module_arguments, recomputatio
 from .capture import capture
 from .captures import Captures
 from .loss_wrapper import loss_wrapper
+from .microbatches import is_packed, run_packed
 from .memory import memory_rows, memory_table, optimizer_state_per_param_byte, reset_device_peak
 from .errors import ConveyorValueError, UnsupportedError
 from .planning import FixedParts, Plan, cluster_text, plan as make_plan, profile, read_plan
@@ -454,6 +455,10 @@ class Module(torch.nn.Module):
 
     # -- running ----------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        if is_packed(args, kwargs):  # one step over microbatches the caller packed
+            loss, step = run_packed(self, args[0], hold_gradients=True)
+            return _PipelinedLoss.apply(loss, step.take_held_gradients(),
+                                        *[p for p in self.module.parameters() if p.requires_grad])
         self._captures.select(self, args, kwargs)
         if self._graph is None:
             self._build(args, kwargs)
@@ -566,6 +571,10 @@ class Module(torch.nn.Module):
         if self.optimizer is None:
             raise ConveyorValueError("train_step needs the optimizer: conveyor.Module(model, optimizer)")
         self.optimizer.zero_grad(set_to_none=True)
+        if is_packed(args, kwargs):
+            loss, _ = run_packed(self, args[0], hold_gradients=False)
+            self.optimizer.step()
+            return loss.detach()
         self._captures.select(self, args, kwargs)
         if self._graph is None:
             self._build(args, kwargs)

@@ -52,6 +52,9 @@ def main():
                     help="token models: one step per sequence length (padded batches, attention masks)")
     ap.add_argument("--stop-at-step", type=int, default=-1,
                     help="process 1 stops itself (SIGSTOP: hung, not dead) before that step")
+    ap.add_argument("--packed", action="store_true",
+                    help="with --lengths: each step packs --microbatches microbatches of those lengths "
+                         "(conveyor.Microbatches), of batch / microbatches rows, one more on every other")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -59,7 +62,13 @@ def main():
     optimizer = torch.optim.SGD(case.model.parameters(), lr=0.1)
     model = conveyor.Module(case.model, optimizer, loss_fn=case.loss, plan=args.plan, stages=args.stages,
                             replicas=args.replicas, microbatches=args.microbatches, schedule=args.schedule)
-    if args.lengths:
+    if args.lengths and args.packed:
+        draws = torch.Generator().manual_seed(1)
+        m, lengths = args.microbatches, [int(n) for n in args.lengths.split(",")]
+        batches = [((conveyor.Microbatches([zoo.padded_tokens(args.batch // m + j % 2, n, 96, draws)
+                                            for j, n in enumerate(lengths[s:s + m])]),), {})
+                   for s in range(0, len(lengths), m)]
+    elif args.lengths:
         draws = torch.Generator().manual_seed(1)
         batches = [((), zoo.padded_tokens(args.batch, int(n), 96, draws)) for n in args.lengths.split(",")]
     else:
