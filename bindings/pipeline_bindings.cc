@@ -2,6 +2,7 @@
 #include "bindings/bindings.h"
 
 #include <optional>
+#include <tuple>
 
 #include "partitioner/planner.h"
 #include "runtime/pipeline_step.h"
@@ -9,6 +10,16 @@
 namespace conveyor::bindings {
 
 using namespace conveyor::graph;
+
+namespace {
+
+// What run and run_packed return: (loss, measured seconds, actions timed), made without the
+// GIL (pybind casts it once the GIL is held again).
+std::tuple<at::Tensor, double, std::size_t> step_summary(const runtime::StepResult& r) {
+  return {r.loss, r.measured.step_time_s, r.measured.spans.size()};
+}
+
+}  // namespace
 
 void bind_pipeline(py::module_& m) {
   m.def("host_waits", &runtime::host_waits,
@@ -115,12 +126,8 @@ void bind_pipeline(py::module_& m) {
           [](runtime::PipelineStep& step, const py::sequence& inputs, double grad_scale, bool hold_gradients) {
             std::vector<c10::IValue> values;
             for (auto h : inputs) values.push_back(to_ivalue(h));
-            runtime::StepResult r;
-            {
-              py::gil_scoped_release nogil;
-              r = unwrap(step.run(values, grad_scale, hold_gradients));
-            }
-            return py::make_tuple(r.loss, r.measured.step_time_s, r.measured.spans.size());
+            py::gil_scoped_release nogil;
+            return step_summary(unwrap(step.run(values, grad_scale, hold_gradients)));
           },
           py::arg("inputs"), py::arg("grad_scale") = 1.0, py::arg("hold_gradients") = false,
           "Runs every microbatch forward and backward; returns (loss, measured seconds, actions timed). Gradients "
@@ -135,12 +142,8 @@ void bind_pipeline(py::module_& m) {
               for (auto h : py::reinterpret_borrow<py::sequence>(mb)) values.push_back(to_ivalue(h));
               packed.push_back(std::move(values));
             }
-            runtime::StepResult r;
-            {
-              py::gil_scoped_release nogil;
-              r = unwrap(step.run_packed(packed, grad_scale, hold_gradients));
-            }
-            return py::make_tuple(r.loss, r.measured.step_time_s, r.measured.spans.size());
+            py::gil_scoped_release nogil;
+            return step_summary(unwrap(step.run_packed(packed, grad_scale, hold_gradients)));
           },
           py::arg("microbatches"), py::arg("grad_scale") = 1.0, py::arg("hold_gradients") = false,
           "run over microbatches packed by the caller (one list of flattened inputs each, as many as the pipeline "

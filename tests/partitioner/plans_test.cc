@@ -40,14 +40,20 @@ TEST(Planner, ModelThatCannotFitGetsTheMemoryItWouldNeed) {
   EXPECT_FALSE(make_plan(g, short_of, o).is_ok()) << msg;
 }
 
-TEST(Planner, StagesRecomputeWhereTheyWouldNotFitOtherwise) {
-  // Activations dominate: 8 layers of 100 MB saved each per microbatch, small weights.
-  CostGraph g = uniform_chain(8, 1e-3, 2e-3, 1e6, 1e8);
+// A batch of 8 in 4 microbatches over 2 ranks of 1F1B: the recomputation tests' plans.
+PlanOptions two_ranks_of_four_microbatches() {
   PlanOptions o;
   o.batch = 8;
   o.microbatches = 4;
   o.ranks = 2;
   o.schedules = {ScheduleKind::kOneFOneB};
+  return o;
+}
+
+TEST(Planner, StagesRecomputeWhereTheyWouldNotFitOtherwise) {
+  // Activations dominate: 8 layers of 100 MB saved each per microbatch, small weights.
+  CostGraph g = uniform_chain(8, 1e-3, 2e-3, 1e6, 1e8);
+  PlanOptions o = two_ranks_of_four_microbatches();
   o.recompute = PlanOptions::Recompute::kNever;
   auto roomy = make_plan(g, Cluster::uniform(1, 2, 1e12, 1.0, fast_link(), fast_link()), o);
   ASSERT_TRUE(roomy.is_ok()) << roomy.status().to_string();
@@ -88,11 +94,7 @@ TEST(Plans, SelectiveRecomputationWhereItFitsFullWhereOnlyThatFits) {
     op.selective_forward_s = 0.25 * op.forward_s;
     op.selective_freed_bytes = 0.6 * op.saved_bytes;
   }
-  PlanOptions o;
-  o.batch = 8;
-  o.microbatches = 4;
-  o.ranks = 2;
-  o.schedules = {ScheduleKind::kOneFOneB};
+  PlanOptions o = two_ranks_of_four_microbatches();
   o.recompute = PlanOptions::Recompute::kNever;
   auto roomy = make_plan(g, Cluster::uniform(1, 2, 1e12, 1.0, fast_link(), fast_link()), o);
   ASSERT_TRUE(roomy.is_ok()) << roomy.status().to_string();

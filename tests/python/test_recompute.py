@@ -115,13 +115,16 @@ def cluster_toml(memory_bytes: float, devices: int = 2) -> str:
             '[link.intra_node]\nbandwidth = "10 GB/s"\nlatency = "10 us"\n')
 
 
-def smallest_memory(graph, prof, recompute: str) -> float:
+def smallest_memory(graph, prof, recompute: str, **options) -> float:
     """The least memory a device needs for some plan to exist, by bisection on the planner
-    (with the options conveyor.Module plans a batch of 8 with, under SGD: no optimizer state)."""
+    (with the options conveyor.Module plans a batch of 8 with, under SGD: no optimizer state;
+    `options` replace or add to them)."""
+    options = {"max_microbatches": 4, **options}
+
     def fits(memory):
         try:
             conveyor.plan(graph, prof, cluster_toml(memory), batch=8, recompute=recompute, even_shares=True,
-                          max_microbatches=4, optimizer_state=0.0)
+                          optimizer_state=0.0, **options)
             return True
         except conveyor.DoesNotFitError:
             return False
@@ -132,6 +135,26 @@ def smallest_memory(graph, prof, recompute: str) -> float:
         mid = (lo + hi) / 2
         lo, hi = (lo, mid) if fits(mid) else (mid, hi)
     return hi
+
+
+def train_eager_alike(case, ref, model, losses, shares: int, batch: int = 8):
+    """Trains `ref` (the eager copy) as `model` was trained, the batch cut in `shares` (each
+    share's loss averaged), and checks `losses` (the model's, one per step) against eager's."""
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    threads = torch.get_num_threads()
+    for step in range(len(losses)):
+        ref_opt.zero_grad(set_to_none=True)
+        torch.set_num_threads(model._threads_per_device())
+        try:
+            total = 0
+            for a, k in split_batch(case.args, case.kwargs, shares, batch):
+                part = case.loss(ref(*a, **k)) / shares
+                part.backward()
+                total = total + part.detach()
+        finally:
+            torch.set_num_threads(threads)
+        assert losses[step] == pytest.approx(total.item(), rel=TOLERANCE, abs=0)
+        ref_opt.step()
 
 
 def test_a_model_that_fits_only_by_recomputing_is_planned_so_and_trains_exactly(tmp_path):
@@ -160,22 +183,7 @@ def test_a_model_that_fits_only_by_recomputing_is_planned_so_and_trains_exactly(
     assert all(f in model.plan.table for f in flags if f != "none"), model.plan.table
     assert all(s["memory_bytes"] <= memory for s in model.plan.document["stages"])
     # Eager with the plan's microbatches and replicas (the loss of each share, averaged).
-    m, last = model.plan.microbatches, model.plan.replicas[-1]
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
-    threads = torch.get_num_threads()
-    for step in range(2):
-        ref_opt.zero_grad(set_to_none=True)
-        torch.set_num_threads(model._threads_per_device())
-        try:
-            total = 0
-            for a, k in split_batch(case.args, case.kwargs, m * last, 8):
-                part = case.loss(ref(*a, **k)) / (m * last)
-                part.backward()
-                total = total + part.detach()
-        finally:
-            torch.set_num_threads(threads)
-        assert losses[step] == pytest.approx(total.item(), rel=TOLERANCE, abs=0)
-        ref_opt.step()
+    train_eager_alike(case, ref, model, losses, model.plan.microbatches * model.plan.replicas[-1])
     assert_same_state(case.model, ref, "gpt2 planned to recompute")
 
 
@@ -192,22 +200,8 @@ def test_where_selective_recomputation_is_enough_the_plan_takes_it_trains_exactl
     prof = conveyor.profile(graph, case.args, case.kwargs, cache=False)
     assert sum(n["selective_freed_bytes"] for n in prof["nodes"]) > 0.3 * sum(n["saved_bytes"] for n in prof["nodes"])
 
-    def smallest(recompute):
-        def fits(memory):
-            try:
-                conveyor.plan(graph, prof, cluster_toml(memory), batch=8, microbatches=4, ranks=2,
-                              schedules=["gpipe"], recompute=recompute, even_shares=True, optimizer_state=0.0)
-                return True
-            except conveyor.DoesNotFitError:
-                return False
-        lo, hi = 1.0, 1.0
-        while not fits(hi):
-            lo, hi = hi, hi * 2
-        for _ in range(24):
-            mid = (lo + hi) / 2
-            lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-        return hi
-    keeping, selective = smallest("never"), smallest("selective")
+    gpipe = dict(microbatches=4, ranks=2, schedules=["gpipe"])
+    keeping, selective = smallest_memory(graph, prof, "never", **gpipe), smallest_memory(graph, prof, "selective", **gpipe)
     assert selective < 0.9 * keeping, (selective, keeping)
     memory = keeping - 0.2 * (keeping - selective)
     ref = copy.deepcopy(case.model)
@@ -225,21 +219,7 @@ def test_where_selective_recomputation_is_enough_the_plan_takes_it_trains_exactl
     assert all(s["memory_bytes"] <= memory for s in model.plan.document["stages"])
     for r in report.memory:
         assert 0.9 <= r["measured_bytes"] / r["predicted_bytes"] <= 1.1, r
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
-    threads = torch.get_num_threads()
-    for step in range(2):
-        ref_opt.zero_grad(set_to_none=True)
-        torch.set_num_threads(model._threads_per_device())
-        try:
-            total = 0
-            for a, k in split_batch(case.args, case.kwargs, 4, 8):
-                part = case.loss(ref(*a, **k)) / 4
-                part.backward()
-                total = total + part.detach()
-        finally:
-            torch.set_num_threads(threads)
-        assert losses[step] == pytest.approx(total.item(), rel=TOLERANCE, abs=0)
-        ref_opt.step()
+    train_eager_alike(case, ref, model, losses, 4)
     assert_same_state(case.model, ref, "gpt2 planned to recompute selectively")
 
 
