@@ -24,8 +24,8 @@ struct CostOp {
   double work_bytes = 0;         ///< transient memory while the operator runs
   /// Selective recomputation (common/recomputation.h): the forward time it pays again, the
   /// part of saved_bytes it does not keep, and the transient memory while the operator's run
-  /// is recomputed for its backward (its outputs again, and their gradients held meanwhile)
-  /// (all 0: it changes nothing for this operator).
+  /// is recomputed for its backward (what the run freed, its outputs again, and their
+  /// gradients held meanwhile) (all 0: it changes nothing for this operator).
   double selective_forward_s = 0, selective_freed_bytes = 0, selective_work_bytes = 0;
   std::vector<int> inputs;       ///< values read (CostGraph::values)
   std::vector<int> params;       ///< parameters read (CostGraph::params)

@@ -172,14 +172,15 @@ class Model {
     // outputs, which stay until its backward; working memory: the largest unit's backward.
     // Values between stages are the same tensors on both sides in a process, and a
     // message's buffer becomes the received value, so no transfer buffer is added.
-    // Recomputing selectively, a run's backward holds its outputs again with their gradients.
+    // Recomputing selectively, a run's backward holds its activations and outputs again with
+    // the outputs' gradients.
     e.transient_bytes = (recompute == Recomputation::kSelective ? std::max(s.work, s.sel_work) : s.work) * scale_ *
                         e.max_share;
     const double each = s.kept(recompute) + s.out_bytes;
-    // The microbatch in its backward holds again what its forward dropped.
-    const double again = recompute == Recomputation::kFull        ? s.saved
-                         : recompute == Recomputation::kSelective ? s.sel_freed
-                                                                  : 0;
+    // The microbatch in its backward holds again what its forward dropped: all of it when
+    // the whole forward runs again; recomputing selectively, one run's at a time, which the
+    // run's transient (sel_work) holds.
+    const double again = recompute == Recomputation::kFull ? s.saved : 0;
     const double kept = e.in_flight * each + again;
     e.need = e.static_bytes + kept * scale_ * e.max_share + e.transient_bytes;
     e.capacity = memory_override_ > 0 ? memory_override_ : min_memory_.query(first, r);

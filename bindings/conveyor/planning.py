@@ -91,10 +91,11 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
     name = _device_name(device)
     key = "".join(c if c.isalnum() else "_" for c in name)
     # Keyed by every input's sizes (a sequence length changes the profile as a batch does);
-    # "m6": how memory is measured (working memory; a value two units save counted once; what
-    # selective recomputation frees), so that older entries are measured again.
+    # "m7": how memory and time are measured (working memory; a value two units save counted
+    # once; what selective recomputation frees; a first pass over the units unmeasured), so
+    # that older entries are measured again.
     sizes = hashlib.sha256(repr([tuple(t.shape) for t in tensors]).encode()).hexdigest()[:12]
-    path = profile_cache_dir() / f"{ghash}-{key}-mb{microbatch}-{sizes}-m6.json"
+    path = profile_cache_dir() / f"{ghash}-{key}-mb{microbatch}-{sizes}-m7.json"
     if cache and path.exists():
         try:
             doc = json.loads(path.read_text())
@@ -144,6 +145,18 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
             unit, stage = pending.pop(k)
             available.update(stage.outputs)
             order.append((unit, stage))
+        # A pass over every unit first, unmeasured: the first pass in a process measured the
+        # backwards up to twice as slow as a whole step runs them (the allocator's and the
+        # kernels' first uses), and unevenly, which skewed the cuts.
+        warm = dict(values)
+        for unit, stage in order:
+            act = stage.forward([warm[v] for v in stage.inputs])
+            warm.update(zip(stage.outputs, act.outputs))
+            grads = [torch.ones_like(o) if isinstance(o, torch.Tensor) and o.requires_grad else None
+                     for o in act.outputs]
+            if any(g is not None for g in grads):
+                stage.backward(act, grads)
+        del warm, act, grads
         for unit, stage in order:
             stage_inputs = [values[v] for v in stage.inputs]
             # Forward: the saved activations are counted once, then the time is measured.

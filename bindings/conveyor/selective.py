@@ -71,7 +71,8 @@ class SelectiveAccounting:
         kept: set[int] = set()
         work: dict[int, float] = {}
         for run_nodes, inputs in self.runs:
-            # Its backward makes its outputs again and holds their gradients meanwhile.
+            # Its backward makes its outputs again and holds their gradients meanwhile, beside
+            # the activations it makes again (added below).
             inside = set(run_nodes)
             out_bytes = 0
             for v, n in self.producer.items():
@@ -94,6 +95,8 @@ class SelectiveAccounting:
                     take = min(cost, freed[n])
                     freed[n] -= take
                     cost -= take
+        for run_nodes, _ in self.runs:  # and, while it runs again, what it had freed
+            work[run_nodes[0]] += sum(freed.get(n, 0.0) for n in run_nodes)
         for first, amount in freed.items():
             nodes[first]["selective_forward_s"] = nodes[first]["forward_s"]
             nodes[first]["selective_freed_bytes"] = float(min(amount, nodes[first]["saved_bytes"]))
