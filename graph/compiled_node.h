@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -73,6 +74,8 @@ struct GraphExecutor::CompiledNode {
   bool factory = false;
 };
 
+/// The storages (as storage_roots gives them) that `nodes` write in place.
+std::set<ValueId> written_storages(const Graph& g, const std::vector<ValueId>& root, const std::vector<NodeId>& nodes);
 /// "node 3 (aten::add.Tensor, from model.py:12)": how errors name a node.
 std::string where(const Node& n);
 /// Compiles node `n` of `g` against its operator's schema; `bound` holds the tensors bound to

@@ -17,9 +17,6 @@ namespace conveyor::graph {
 
 GraphExecutor::~GraphExecutor() = default;
 
-namespace {
-
-// The storages (as storage_roots gives them) that `nodes` write in place.
 std::set<ValueId> written_storages(const Graph& g, const std::vector<ValueId>& root, const std::vector<NodeId>& nodes) {
   std::set<ValueId> written;
   for (NodeId id : nodes) {
@@ -35,6 +32,8 @@ std::set<ValueId> written_storages(const Graph& g, const std::vector<ValueId>& r
   }
   return written;
 }
+
+namespace {
 
 // torch.export drops a `.contiguous()` whose input was contiguous when it traced, and the
 // strides an operator returns can differ at run time (an attention kernel chosen by size or

@@ -231,17 +231,8 @@ std::vector<StageProgram::Segment> GraphExecutor::plan_segments(const std::vecto
                                                                 const std::vector<StageProgram::Step>& steps) const {
   const Graph& g = graph_;
   const std::vector<ValueId> root = storage_roots(g);
-  std::set<ValueId> written;  // storages the stage writes in place: recomputing around them could see other data
-  for (NodeId id : nodes) {
-    const Node& n = g.nodes[id];
-    for (int a : n.mutated_args) {
-      if (a < 0 || a >= static_cast<int>(n.args.size())) continue;
-      if (n.args[a].kind == Argument::Kind::kValue) written.insert(root[n.args[a].value]);
-      for (const Argument& item : n.args[a].items) {
-        if (item.kind == Argument::Kind::kValue) written.insert(root[item.value]);
-      }
-    }
-  }
+  // Storages the stage writes in place: recomputing around them could see other data.
+  const std::set<ValueId> written = written_storages(g, root, nodes);
   const std::vector<bool> grad = may_require_grad(g);
   std::vector<bool> parameter(g.values.size(), false), bound(g.values.size(), false);
   for (const Binding& b : g.bindings) {

@@ -30,6 +30,21 @@ def _spec_loads(text: str | None):
         return None
 
 
+def node_value_inputs(node: dict) -> list[int]:
+    """The value ids a node of a graph document reads, lists flattened, in argument order."""
+    out = []
+
+    def walk(arg):
+        if "value" in arg:
+            out.append(arg["value"])
+        for item in arg.get("list", []):
+            walk(item)
+
+    for a in node["args"]:
+        walk(a)
+    return out
+
+
 class Graph:
     """A model captured into conveyor's IR and bound to tensors.
 

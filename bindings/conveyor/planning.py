@@ -26,7 +26,7 @@ import torch
 from . import _C
 from .arguments import TWO_STAGES_PER_RANK
 from .errors import ConveyorValueError, GraphFormatError
-from .graph import Graph
+from .graph import Graph, node_value_inputs
 from .selective import SelectiveAccounting
 
 __all__ = ["profile", "plan", "Plan", "profile_cache_dir"]
@@ -128,9 +128,9 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
     trained = {b["value"] for b in doc_in["bindings"] if b["kind"] == "parameter" and bound[b["name"]].requires_grad}
     grad_bytes = [0] * graph.num_nodes  # the gradients of the parameters a node reads: its backward makes them
     for i, node in enumerate(graph.nodes):
-        if any(v in bound_ids for v in _node_value_inputs(node)):
+        if any(v in bound_ids for v in node_value_inputs(node)):
             reads_param.add(i)
-            grad_bytes[i] = sum(value_bytes[v] for v in set(_node_value_inputs(node)) if v in trained)
+            grad_bytes[i] = sum(value_bytes[v] for v in set(node_value_inputs(node)) if v in trained)
     try:
         # Units in a topological order: the first (by node id) whose inputs all exist.
         pending = [(unit, executor.stage(unit)) for unit in _units(graph)]
@@ -256,20 +256,6 @@ def _count_saved_once(measured: list, reads_param: set, nodes: list[dict], selec
         own = {ptr: b for ptr, b in on_values.items() if owner[ptr] == i}
         nodes[unit[0]]["saved_bytes"] = float(inside + sum(own.values()))
         selective.note_unit(unit, inside, own, kept_too=every)
-
-
-def _node_value_inputs(node: dict) -> list[int]:
-    out = []
-
-    def walk(arg):
-        if "value" in arg:
-            out.append(arg["value"])
-        for item in arg.get("list", []):
-            walk(item)
-
-    for a in node["args"]:
-        walk(a)
-    return out
 
 
 class Plan:

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from .graph import node_value_inputs
+
 
 class SelectiveAccounting:
     """Per unit of a profile: the forward time selective recomputation pays again and the
@@ -28,7 +30,7 @@ class SelectiveAccounting:
                          for r in node["returns"] if "value" in r}
         self.readers: dict[int, set[int]] = {}
         for i, node in enumerate(document["nodes"]):
-            for v in _values_read(node["args"]):
+            for v in node_value_inputs(node):
                 self.readers.setdefault(v, set()).add(i)
         self.outputs = set(document["outputs"]) if "outputs" in document else set()
         self.value_storages: dict[int, set[int]] = {}  # storage -> the graph values on it
@@ -103,11 +105,3 @@ class SelectiveAccounting:
         for first, amount in work.items():
             nodes[first]["selective_work_bytes"] = amount
 
-
-def _values_read(args: list) -> list[int]:
-    out = []
-    for a in args:
-        if "value" in a:
-            out.append(a["value"])
-        out.extend(_values_read(a.get("list", [])))
-    return out
