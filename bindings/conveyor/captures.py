@@ -18,7 +18,7 @@ MOST_CAPTURES = 16  # beyond this many, a model that fixes a size is asked to pa
 
 # What a Module holds per capture: its graph and everything built from it.
 PER_CAPTURE = ("_graph", "_step", "plan", "_layout", "_stage_nodes", "_small_steps", "_built_batch", "_least",
-               "_replanning", "_planned_sizes")
+               "_replanning", "_plan_maker", "_planned_sizes")
 
 
 def fixed_size_mismatch(graph, inputs: list) -> str | None:

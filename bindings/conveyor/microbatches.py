@@ -22,7 +22,7 @@ import torch
 
 from .errors import ConveyorValueError
 from .memory import reset_device_peak
-from .sizes import sizes_of, warn_beyond
+from .plan_maker import plan_for_larger_sizes
 
 
 class Microbatches:
@@ -64,7 +64,8 @@ def is_packed(args: tuple, kwargs: dict) -> bool:
 
 def run_packed(module, packed: Microbatches, hold_gradients: bool) -> tuple[torch.Tensor, Any]:
     """Runs one step of `module` (a conveyor.Module) over `packed`; returns the loss and the
-    pipeline that ran it. Built on the first microbatch when the Module is not built yet.
+    pipeline that ran it. A Module not built yet is built for this step: captured on its first
+    microbatch, planned for its microbatches, rows and largest sizes.
     The plan's pipeline runs it when its microbatch count matches; on one process, else one
     over the same stages and replicas with as many microbatches as were packed."""
     if not (torch.is_grad_enabled() and module.training):
@@ -72,11 +73,11 @@ def run_packed(module, packed: Microbatches, hold_gradients: bool) -> tuple[torc
     first_args, first_kwargs = packed.calls[0]
     module._captures.select(module, first_args, first_kwargs)
     if module._graph is None:
-        module._build(first_args, first_kwargs)
+        module._build(first_args, first_kwargs, packed)
     graph = module._graph
     flat = [graph.flatten_inputs(args, kwargs) for args, kwargs in packed.calls]
-    for inputs in flat:
-        warn_beyond(module._planned_sizes, sizes_of(graph, inputs), module._warned_sizes)
+    module._maybe_replan()
+    plan_for_larger_sizes(module, flat)
     stages, schedule, m, chunks, replicas = module._layout
     k = len(packed)
     step = module._step

@@ -66,7 +66,9 @@ process 0's is used). The masks are not eager's: eager draws one stream in execu
                   again), with the same dropout masks: less memory for more time; True or
                   "full", "selective": every stage; False or "none": none; a list: one per stage
     max_sizes     the largest symbolic sizes batches will have, by name ({"input_ids dim 1":
-                  512}): the plan's memory is made for them (bindings/conveyor/sizes.py)
+                  512}): the plan's memory is made for them (bindings/conveyor/sizes.py);
+                  undeclared, a larger size plans again before its step where re-planning
+                  is on (bindings/conveyor/plan_maker.py), else gets a warning
 """
 from __future__ import annotations
 
@@ -83,12 +85,13 @@ from .arguments import TWO_STAGES_PER_RANK, check_module_arguments, recomputatio
 from .capture import capture
 from .captures import Captures
 from .loss_wrapper import loss_wrapper
-from .microbatches import is_packed, run_packed
-from .memory import memory_rows, memory_table, optimizer_state_per_param_byte, reset_device_peak
+from .microbatches import Microbatches, is_packed, run_packed
+from .memory import memory_rows, memory_table, reset_device_peak
 from .errors import ConveyorValueError, UnsupportedError
-from .planning import FixedParts, Plan, cluster_text, plan as make_plan, profile, read_plan
+from .plan_maker import PlanMaker, plan_for_larger_sizes
+from .planning import FixedParts, Plan, read_plan
 from .replanning import Replanning, switch_to
-from .sizes import as_max_sizes, check_max_sizes, sizes_of, tiled_to, warn_beyond
+from .sizes import as_max_sizes, check_max_sizes, sizes_of
 
 __all__ = ["Module"]
 
@@ -230,6 +233,7 @@ class Module(torch.nn.Module):
         self._small_steps: dict[int, Any] = {}  # microbatches -> pipeline for batches too small for the plan
         self._replan, self._replan_horizon = replan, replan_horizon
         self._replanning: Replanning | None = None  # with a plan conveyor made and replan="auto"
+        self._plan_maker: PlanMaker | None = None  # the same: to plan again for larger sizes
         self._marker: str | None = None  # a switch of plan, marked in the next step's trace
         self._switches: list[dict] = []  # Module.replans
         self._captures = Captures()  # a model that fixes a size: one capture per size met
@@ -284,7 +288,9 @@ class Module(torch.nn.Module):
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     # -- building ---------------------------------------------------------------------
-    def _build(self, args: tuple, kwargs: dict) -> None:
+    def _build(self, args: tuple, kwargs: dict, packed: Microbatches | None = None) -> None:
+        """Captures the model on this call (`packed`: a first step of packed microbatches, the
+        call its first one), then plans it, or reads its plan, or takes the stages given."""
         wrapper = loss_wrapper(self.module, self._loss_fn, args, kwargs)
         graph = capture(wrapper, args, kwargs)
         unseeded = graph.executor.unseeded_random_nodes()
@@ -293,8 +299,7 @@ class Module(torch.nn.Module):
             warnings.warn(f"conveyor: {len(unseeded)} random operators ({', '.join(ops)}) take no generator, so they "
                           "draw from torch's global one: their draws depend on thread timing and on which process runs "
                           "them (dropout of every kind, attention dropout, rand, randn and bernoulli draw reproducibly)", stacklevel=3)
-        inputs = graph.flatten_inputs(args, kwargs)
-        batch = _batch_of(inputs) or 1
+        batch = (sum(packed.rows()) if packed is not None else _batch_of(graph.flatten_inputs(args, kwargs))) or 1
         least = _least_share(graph)  # samples a replica must run at once (the model's own bound)
         replicas = None
         if self._world is not None:
@@ -310,7 +315,8 @@ class Module(torch.nn.Module):
             replicas = (self._replicas if isinstance(self._replicas, list) else [self._replicas or 1] * ranks)
             if len(replicas) != ranks:
                 raise ConveyorValueError(f"replicas has {len(replicas)} counts but the pipeline has {ranks} ranks")
-            m = self._microbatches or max(1, min(batch // (max(replicas) * least), 2 * ranks))
+            m = self._microbatches or (len(packed) if packed is not None else
+                                       max(1, min(batch // (max(replicas) * least), 2 * ranks)))
         elif self._plan_file is not None:
             self.plan = read_plan(self._plan_file)
             self._step = self._pipeline(graph, self.plan)
@@ -320,50 +326,30 @@ class Module(torch.nn.Module):
             fixed = self._fixed
             # Every fixed stage replica gets a device of its own to plan for.
             self._devices = max(self._devices, fixed.devices())
-            m_hint = self._microbatches or 0
+            # A packed first step: its microbatches are the plan's, its largest sizes planned for.
+            m_hint = self._microbatches or (len(packed) if packed is not None else 0)
             # Microbatches keep at least two samples (BatchNorm needs them), unless fixed.
             sample = max(1, batch // m_hint) if m_hint else min(batch, max(2, least, batch // (2 * self._devices)))
             most_microbatches = max(1, batch // max(2, least))
-            small = [a[:sample] if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == batch else a
-                     for a in args]
-            small_kw = {k: (v[:sample] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch else v)
-                        for k, v in kwargs.items()}
+            # The profile's example: the call's rows (a packed step's microbatch with most rows).
+            example = graph.flatten_inputs(*(packed.calls[packed.rows().index(max(packed.rows()))]
+                                             if packed is not None else (args, kwargs)))
+            first = _batch_of(example)
+            example = [a[:sample] if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == first else a
+                       for a in example]
             check_max_sizes(graph, self._max_sizes)  # on every process: a bad one fails them all alike
-            flat = tiled_to(graph, graph.flatten_inputs(tuple(small), small_kw), self._max_sizes)
-            self._planned_sizes = sizes_of(graph, flat)
-            prof = None
-            if self._group is None or self._group.rank == 0:  # across processes, process 0 plans
-                grads = {p: p.grad for p in self.module.parameters()}
-                # Profile at the intra-op threads each virtual device's replica will run with.
-                saved_threads = torch.get_num_threads()
-                torch.set_num_threads(self._threads_per_device())
-                try:
-                    prof = profile(graph, (), flat_inputs=flat)
-                finally:
-                    torch.set_num_threads(saved_threads)
-                    for p, g in grads.items():
-                        p.grad = g
+            sizes = dict(self._max_sizes)
+            for call in (packed.calls if packed is not None else []):
+                for name, size in sizes_of(graph, graph.flatten_inputs(*call)).items():
+                    sizes[name] = max(sizes.get(name, 0), size)
             cluster = self._cluster or _local_cluster(self._devices, self._threads_per_device(),
                                                       _model_gpu_memory(self.module), one_gpu=self._group is None)
-            used_cap = 0  # the replica cap of the plan that runs (re-planning keeps it)
-
-            def planned(max_replicas: int) -> Plan:
-                nonlocal used_cap
-                used_cap = max_replicas
-                if self._group is not None and self._group.rank != 0:
-                    made = None
-                else:
-                    made = make_plan(graph, prof, cluster, batch=batch, microbatches=m_hint, schedules=fixed.schedules,
-                                     max_replicas=max_replicas, max_microbatches=most_microbatches,
-                                     optimizer_state=optimizer_state_per_param_byte(self.optimizer), **fixed.options())
-                if self._group is None:
-                    return made
-                # Process 0 plans for one device per process; every process runs that plan.
-                sent = (json.dumps(made.document) + "\0" + made.table).encode() if made is not None else b""
-                document, table = self._group.broadcast_bytes(0, sent).decode().split("\0", 1)
-                return Plan(document, table)
-
-            self.plan = planned(0)
+            maker = PlanMaker(graph, example, batch=batch, microbatches=m_hint, most_microbatches=most_microbatches,
+                              fixed=fixed, cluster=cluster, optimizer=self.optimizer, group=self._group,
+                              threads=self._threads_per_device(), horizon_steps=self._replan_horizon)
+            prof = maker.profile(sizes)
+            self._planned_sizes = dict(maker.sizes)
+            self.plan = maker.plan(prof, 0)
             try:
                 self._step = self._pipeline(graph, self.plan)
             except UnsupportedError:
@@ -372,20 +358,13 @@ class Module(torch.nn.Module):
                 # replica per stage, unless the replicas were fixed.
                 if fixed.replicas:
                     raise
-                self.plan = planned(1)
+                self.plan = maker.plan(prof, 1)
                 self._step = self._pipeline(graph, self.plan)
             stage_nodes, replicas = self.plan.stage_nodes, self.plan.replicas
             schedule, m, chunks = self.plan.schedule, self.plan.microbatches, self.plan.document["chunks"]
             if self._replan == "auto":
-                replanner = None
-                if prof is not None:
-                    replanner = _C.Replanner(graph.ir, json.dumps(prof), cluster_text(cluster), json.dumps(self.plan.document),
-                                             batch=batch, microbatches=m_hint, schedules=fixed.schedules,
-                                             max_replicas=used_cap, max_microbatches=most_microbatches,
-                                             horizon_steps=self._replan_horizon, moves_bytes=self._group is not None,
-                                             optimizer_state=optimizer_state_per_param_byte(self.optimizer),
-                                             **fixed.options())
-                self._replanning = Replanning(replanner, self._group, self._switches)
+                self._plan_maker = maker
+                self._replanning = Replanning(maker.replanner(prof, self.plan), self._group, self._switches)
         if self._step is None:
             self._step = self._make_pipeline(graph, stage_nodes, schedule, m, chunks, replicas)
         self._graph = graph
@@ -468,6 +447,7 @@ class Module(torch.nn.Module):
             with torch.no_grad():
                 return self._graph(*args, **kwargs)
         self._maybe_replan()
+        plan_for_larger_sizes(self, [inputs])
         step = self._step_for(inputs)
         loss = self._run(step, inputs, hold_gradients=True)
         params = [p for p in self.module.parameters() if p.requires_grad]
@@ -523,7 +503,6 @@ class Module(torch.nn.Module):
         pipeline was built for, the plan's pipeline refuses it, naming what to change."""
         _, schedule, m, chunks, replicas = self._layout
         batch, least = _batch_of(inputs), self._least
-        warn_beyond(self._planned_sizes, sizes_of(self._graph, inputs), self._warned_sizes)
         if (batch is None or self._group is not None or batch >= self._built_batch
                 or batch // m // max(replicas) >= least):
             return self._step
@@ -582,6 +561,7 @@ class Module(torch.nn.Module):
             raise ConveyorValueError("train_step trains: call model.train() first")
         inputs = self._graph.flatten_inputs(args, kwargs)
         self._maybe_replan()
+        plan_for_larger_sizes(self, [inputs])
         # The loss's gradient is 1 here: the step's gradients go straight to .grad.
         loss = self._run(self._step_for(inputs), inputs, hold_gradients=False)
         self.optimizer.step()

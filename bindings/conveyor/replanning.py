@@ -184,13 +184,13 @@ class Replanning:
                 f"  switches so far: {len(self.switches)}\n")
 
 
-def switch_to(module, plan, decision: dict | None) -> None:
+def switch_to(module, plan, decision: dict | None, reason: str = "switch_plan") -> None:
     """Moves `module` (a conveyor.Module, between steps) to `plan`: the pipeline rebuilt over
     the same live parameters; across processes each parameter and buffer, and its optimizer
     state, goes from a process that holds it to each process whose new stages read it and
     lack it, and once every process has confirmed, what a process no longer reads is
     released (the state now, the tensors at the first step); the switch logged (`decision`:
-    the Replanner's, or None when forced)."""
+    the Replanner's, or None when forced, for `reason`)."""
     old_plan = module.plan
     old = old_plan.document if old_plan is not None else None
     t0 = time.perf_counter()
@@ -229,7 +229,7 @@ def switch_to(module, plan, decision: dict | None) -> None:
     transfer_s = handed_s + (moved_at - built)
     rebuild_s = built - t0 - handed_s
     entry = dict(step=module._steps_run, old=plan_summary(old) if old else None, new=plan_summary(plan.document),
-                 reason=decision["reason"] if decision else "switch_plan", arithmetic=decision["arithmetic"] if decision else "",
+                 reason=decision["reason"] if decision else reason, arithmetic=decision["arithmetic"] if decision else "",
                  predicted_gain_s=decision["gain_s"] if decision else 0.0,
                  step_before_s=decision["measured_step_s"] if decision else 0.0, move_s=moved_at - t0,
                  move_bytes=moved, tensor_bytes=module._step.handed_over_bytes() if group is not None else 0,
@@ -244,6 +244,6 @@ def switch_to(module, plan, decision: dict | None) -> None:
         r.steps, r.rebuild_s = 0, rebuild_s
         if moved and transfer_s > 0:
             r.bytes_per_s = moved / transfer_s
-        r.say(f"step {entry['step']}: {entry['old']} -> {entry['new']}; {entry['arithmetic']}; moved in "
+        r.say(f"step {entry['step']}: {entry['old']} -> {entry['new']}; {entry['arithmetic'] or entry['reason']}; moved in "
               f"{entry['move_s'] * 1e3:.1f} ms ({moved} bytes of parameters, buffers and optimizer state received "
               f"here in {transfer_s * 1e3:.1f} ms, rebuilding {rebuild_s * 1e3:.1f} ms)")

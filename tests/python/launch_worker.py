@@ -80,7 +80,8 @@ def main():
         losses.append(model.train_step(*a, **k).item())
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # every process takes part
     if model.rank == 0:
-        torch.save({"losses": losses, "state": state, "world": model.world_size}, args.out)
+        torch.save({"losses": losses, "state": state, "world": model.world_size,
+                    "replans": [r["reason"] for r in model.replans]}, args.out)
         if model.plan is not None:  # planned (node lists have no plan)
             with open(args.out + ".plan.json", "w") as f:
                 json.dump(model.plan.document, f)

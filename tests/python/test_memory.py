@@ -71,13 +71,13 @@ def test_measured_memory_per_device_meets_the_prediction(name, optimizer, fixed)
         assert 0.8 <= ratio <= 1.2, f"{name} {fixed}: rank {r['rank']} measured / predicted {ratio:.3f}"
 
 
-def llama_steps(lengths, **kwargs):
+def llama_steps(lengths, replan="off", **kwargs):
     """A Llama trained on padded batches of 16 rows of each length in turn, SGD, 2 stages of
     1F1B; returns the Module and its memory rows after the last step."""
     torch.manual_seed(0)
     case = zoo.llama(batch=16, seq=lengths[0])
     model = conveyor.Module(case.model, torch.optim.SGD(case.model.parameters(), lr=0.01), stages=2, replicas=1,
-                            microbatches=4, schedule="1f1b", replan="off", **kwargs)
+                            microbatches=4, schedule="1f1b", replan=replan, **kwargs)
     g = torch.Generator().manual_seed(1)
     for seq in lengths:
         model.train_step(**zoo.padded_tokens(16, seq, 96, generator=g))
@@ -101,6 +101,23 @@ def test_memory_is_planned_for_the_largest_size_declared():
     assert all(0.7 <= x <= 1.15 for x in ratios), ratios
     predicted = lambda rows: sum(r["predicted_bytes"] for r in rows)
     assert predicted(declared_rows) > 1.3 * predicted(rows)
+
+
+def test_a_larger_size_than_planned_plans_again_for_it():
+    """With re-planning on (the default) and nothing declared, the 12- and then the 20-token
+    batch each make the Module profile its example at the larger size and plan again before
+    the step runs (no warning): the 20-token step's measured peak meets the plan's."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning: the plan is made for the size
+        model, rows = llama_steps([8, 12, 20], replan="auto")
+    reasons = [r["reason"] for r in model.replans]
+    ratios = [r["measured_bytes"] / r["predicted_bytes"] for r in rows]
+    print(f"switches: {reasons}; measured/predicted at 20 tokens: {[round(x, 3) for x in ratios]}")
+    print(model.profile_report())
+    assert len(reasons) == 2 and "input_ids dim 1 is 20 (planned for 12)" in reasons[1], reasons
+    assert model._planned_sizes == {"input_ids dim 1": 20, "labels dim 1": 20}
+    assert all(0.7 <= x <= 1.15 for x in ratios), ratios
 
 
 def test_declared_sizes_must_name_a_symbolic_size_within_its_range():

@@ -73,6 +73,21 @@ def test_more_microbatches_than_the_plan_runs_on_its_stages():
     assert model.microbatches == 2  # the plan's own steps keep theirs
 
 
+def test_a_module_first_called_with_packed_microbatches_plans_for_them():
+    """Nothing fixed but the stages: the first step's microbatches are the plan's count, its
+    rows its batch, and its longest microbatch the size its memory is made for, so the next
+    steps (no longer) run on that plan without planning again; every step equals eager."""
+    torch.manual_seed(0)
+    case = zoo.gpt2(batch=4, seq=8)
+    model = conveyor.Module(case.model, torch.optim.SGD(case.model.parameters(), lr=0.05), stages=2)
+    steps = [[(2, 8), (3, 20), (2, 12)], [(4, 7), (2, 16), (3, 8)]]
+    assert packed_like_eager(case, model, steps, torch.Generator().manual_seed(3)) <= TOLERANCE
+    print(model.plan)
+    assert model.microbatches == 3 and model.plan.document["batch"] == 7
+    assert model._planned_sizes == {"input_ids dim 1": 20, "labels dim 1": 20}
+    assert model.replans == []
+
+
 def test_a_bad_microbatch_is_refused_naming_it():
     torch.manual_seed(0)
     case = zoo.gpt2(batch=4, seq=8)

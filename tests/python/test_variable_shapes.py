@@ -19,12 +19,12 @@ LENGTHS = (8, 12, 20, 7)
 TOLERANCE = 1e-9
 
 
-def train_like_eager(case, model, batches, shares: int):
+def train_like_eager(case, model, batches, shares: int, momentum: float = 0.0):
     """Trains `model` (a conveyor.Module over case.model) and an eager copy on `batches`,
     each step's loss the mean of `shares` equal parts of the batch (what the pipeline's
     microbatches and last-stage replicas compute), and checks losses and weights."""
     ref = copy.deepcopy(case.model)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=momentum)
     threads = torch.get_num_threads()
     for args, kwargs in batches:
         batch = next(t for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor)).shape[0]
@@ -65,6 +65,22 @@ def test_token_models_train_on_every_sequence_length_with_one_capture(name, stag
     print(f"{name}: {len(LENGTHS)} lengths, 1 capture, symbolic sizes {sorted(symbols.values())}, "
           f"{model.extra_repr()}")
     assert "input_ids dim 1" in symbols.values(), symbols
+
+
+def test_lengths_beyond_the_first_plan_train_like_eager_on_plans_made_for_them():
+    """With re-planning on (the default), 12 and then 20 tokens after a first batch of 8 each
+    plan again for the larger length before their step (the model's parameters and SGD's
+    momentum carried over): every step equals eager."""
+    torch.manual_seed(0)
+    case = zoo.gpt2(batch=8, seq=8)
+    model = conveyor.Module(case.model, torch.optim.SGD(case.model.parameters(), lr=0.05, momentum=0.9), stages=2,
+                            microbatches=2, schedule="1f1b")
+    draws = torch.Generator().manual_seed(1)
+    batches = [((), zoo.padded_tokens(8, n, 96, draws)) for n in LENGTHS]
+    train_like_eager(case, model, batches, shares=2, momentum=0.9)
+    print("\n".join(f"step {r['step']}: {r['reason']}: {r['old']} -> {r['new']}" for r in model.replans))
+    assert [r["step"] for r in model.replans] == [1, 2]
+    assert model._planned_sizes["input_ids dim 1"] == 20
 
 
 def test_a_vision_model_trains_on_two_image_sizes_with_one_capture():
@@ -114,7 +130,8 @@ BUILD = os.environ.get("CONVEYOR_BUILD_DIR", os.path.join(os.path.dirname(__file
 def test_two_processes_train_every_sequence_length_like_one(tmp_path, name):
     """Under `conveyor launch -n 2` (a stage per process, activations of every length
     crossing over UCX) the lengths train to the same losses and weights as one process
-    running the same plan."""
+    running the same plan. The job plans again for 12 and for 20 tokens before their steps
+    (collective: process 0 profiles the whole model gathered, every process switches)."""
     from test_launch import assert_trains_like_one_process, launch
     tool = os.path.join(BUILD, "tools", "conveyor")
     if not os.path.exists(tool):
@@ -123,6 +140,8 @@ def test_two_processes_train_every_sequence_length_like_one(tmp_path, name):
               "--schedule", "1f1b"]
     code, out = launch("-n", 2, "--", sys.executable, WORKER, *common, "--stages", "2", "--out", tmp_path / "two.pt")
     assert code == 0, out[-4000:]
+    replans = torch.load(tmp_path / "two.pt")["replans"]
+    assert len(replans) == 2 and "input_ids dim 1 is 20 (planned for 12)" in replans[1], replans
     assert_trains_like_one_process(tmp_path / "two.pt", 2, [*common, "--plan", tmp_path / "two.pt.plan.json"],
                                    tmp_path)
 

@@ -1,0 +1,135 @@
+"""How conveyor.Module plans its model, kept so that it can plan again: on the first call
+(module.py), and when a call brings a symbolic size beyond those the plan's memory was made
+for (a longer sequence, a larger image), which with replan="auto" makes it profile the same
+example tiled to the new sizes and plan again, keeping what the Module fixed."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from . import _C, errors
+from .errors import ConveyorError, ConveyorValueError
+from .memory import optimizer_state_per_param_byte
+from .planning import Plan, cluster_text, plan as make_plan, profile
+from .replanning import switch_to
+from .sizes import sizes_of, tiled_to, warn_beyond
+
+
+class PlanMaker:
+    """What a Module's plans are made from: the captured graph, one microbatch of the first
+    batch (the profile's example, flattened), the batch and microbatch count asked for, what
+    the Module fixed, the cluster, the optimizer (its state per parameter byte) and, across
+    processes, the group (process 0 profiles and plans; every process gets its plan)."""
+
+    def __init__(self, graph, example: list, *, batch: int, microbatches: int, most_microbatches: int, fixed,
+                 cluster: str, optimizer, group, threads: int, horizon_steps: int):
+        self.graph, self.example = graph, example
+        self.batch, self.microbatches, self.most_microbatches = batch, microbatches, most_microbatches
+        self.fixed, self.cluster, self.optimizer, self.group = fixed, cluster, optimizer, group
+        self.threads, self.horizon_steps = threads, horizon_steps
+        self.max_replicas = 0  # the replica cap of the plan that runs (0: none; re-planning keeps it)
+        self.sizes: dict[str, int] = {}  # the symbolic sizes the last profile was taken at
+
+    @property
+    def plans_here(self) -> bool:
+        """Whether this process profiles and plans (process 0, or the only one)."""
+        return self.group is None or self.group.rank == 0
+
+    def profile(self, sizes: dict[str, int]) -> dict | None:
+        """The example tiled to `sizes` (by name), profiled at the intra-op threads each device's
+        replica runs with; the model's gradients left as they were. None off process 0."""
+        flat = tiled_to(self.graph, self.example, sizes)
+        self.sizes = sizes_of(self.graph, flat)
+        if not self.plans_here:
+            return None
+        grads = {t: t.grad for t in self.graph.tensors.values() if isinstance(t, torch.Tensor) and t.requires_grad}
+        saved_threads = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            return profile(self.graph, (), flat_inputs=flat)
+        finally:
+            torch.set_num_threads(saved_threads)
+            for p, g in grads.items():
+                p.grad = g
+
+    def plan(self, prof: dict | None, max_replicas: int | None = None) -> Plan:
+        """The plan for `prof` (process 0's; every process returns the same)."""
+        if max_replicas is not None:
+            self.max_replicas = max_replicas
+        made, refused = None, None
+        if self.plans_here:
+            try:
+                made = make_plan(self.graph, prof, self.cluster, batch=self.batch, microbatches=self.microbatches,
+                                 schedules=self.fixed.schedules, max_replicas=self.max_replicas,
+                                 max_microbatches=self.most_microbatches,
+                                 optimizer_state=optimizer_state_per_param_byte(self.optimizer), **self.fixed.options())
+            except ConveyorError as e:
+                refused = e
+        if self.group is None:
+            if refused is not None:
+                raise refused
+            return made
+        # Process 0 plans for one device per process; every process runs that plan, or hears
+        # why there is none (instead of waiting for it until the timeout).
+        if made is not None:
+            sent = b"plan\0" + (json.dumps(made.document) + "\0" + made.table).encode()
+        else:
+            sent = f"refused\0{type(refused).__name__}\0{refused}".encode() if refused is not None else b""
+        kind, _, body = self.group.broadcast_bytes(0, sent).decode().partition("\0")
+        if kind == "refused":
+            if refused is not None:
+                raise refused
+            name, _, text = body.partition("\0")
+            raise getattr(errors, name, ConveyorError)(f"process 0 found no plan: {text}")
+        document, table = body.split("\0", 1)
+        return Plan(document, table)
+
+    def replanner(self, prof: dict | None, running: Plan):
+        """The re-planning partitioner (partitioner/replan.h) over `prof`, from the running
+        plan; None off process 0."""
+        if prof is None:
+            return None
+        return _C.Replanner(self.graph.ir, json.dumps(prof), cluster_text(self.cluster), json.dumps(running.document),
+                            batch=self.batch, microbatches=self.microbatches, schedules=self.fixed.schedules,
+                            max_replicas=self.max_replicas, max_microbatches=self.most_microbatches,
+                            horizon_steps=self.horizon_steps, moves_bytes=self.group is not None,
+                            optimizer_state=optimizer_state_per_param_byte(self.optimizer), **self.fixed.options())
+
+
+def plan_for_larger_sizes(module, calls: list[list]) -> None:
+    """Before a step of `module` (a conveyor.Module) over `calls` (each call's inputs,
+    flattened): where a symbolic size runs beyond those its plan's memory was made for, with
+    replan="auto" and a plan conveyor made, the example is profiled again tiled to the larger
+    sizes, planned again with what the Module fixed, and the job switches to that plan before
+    the step (collective across processes: every process is fed the same batches); otherwise
+    one warning per size names it and what to declare. A size no plan fits is refused before
+    anything runs, the running plan kept for the sizes it holds."""
+    seen: dict[str, int] = {}
+    for inputs in calls:
+        for name, size in sizes_of(module._graph, inputs).items():
+            seen[name] = max(seen.get(name, 0), size)
+    planned = module._planned_sizes
+    beyond = {name: size for name, size in seen.items() if size > planned.get(name, size)}
+    maker = module._plan_maker
+    if not beyond:
+        return
+    if maker is None:
+        warn_beyond(planned, seen, module._warned_sizes)
+        return
+    # Across processes, profiling needs the whole model where process 0 runs only its stages:
+    # every part from its owner (collective; the next step frees again what is not read).
+    module._gather()
+    what = ", ".join(f"{name} is {size} (planned for {planned[name]})" for name, size in sorted(beyond.items()))
+    prof = maker.profile({**planned, **beyond})
+    try:
+        plan = maker.plan(prof)
+    except ConveyorError as e:
+        maker.sizes = dict(planned)
+        raise ConveyorValueError(f"{what}, and no plan holds it: {e}. Nothing ran; the "
+                                 "running plan still takes the sizes it was made for (cut the batch's rows or "
+                                 "its length, or add memory)") from None
+    switch_to(module, plan, None, reason=f"{what}: planned again for the larger size")
+    module._planned_sizes = dict(maker.sizes)
+    if module._replanning is not None:
+        module._replanning.replanner = maker.replanner(prof, plan)
