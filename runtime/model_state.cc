@@ -68,10 +68,12 @@ void ModelState::release() {
 }
 
 void ModelState::materialize() {
-  if (!released_) return;
   c10::NoGradGuard no_grad;
   for (const auto& t : not_here_) {
     const at::Tensor* mine = executors_[0]->tensor(t.name);
+    // Before this pipeline's first release a tensor may still be empty from the pipeline it
+    // replaced (a re-plan, another capture's): that one gets its shape back too.
+    if (!released_ && mine->sizes().vec() == t.sizes) continue;
     mine->set_data(at::empty(t.sizes, mine->options()));
     for (std::size_t r = 1; r < executors_.size(); ++r) {
       if (const at::Tensor* x = executors_[r]->tensor(t.name)) x->set_data(*mine);

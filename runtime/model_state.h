@@ -75,7 +75,9 @@ class ModelState {
 
  private:
   ModelState(const PipelineLayout& layout, const Placement& placement) : layout_(layout), placement_(placement) {}
-  void materialize();  // gives the released tensors their shapes back (contents: gather's broadcast)
+  // Gives the released tensors (or ones still empty from a replaced pipeline) their shapes
+  // back (contents: gather's broadcast).
+  void materialize();
   // `name` becomes `whole` here, on every replica's handle (parameters share it, buffers copy it).
   void take(const std::string& name, const at::Tensor& whole);
 

@@ -2,7 +2,8 @@
 length, an image size) is captured for its example's side of the branch (the size fixed, or
 symbolic within the branch's bound), so a call with a size on the other side needs another
 graph. conveyor.Module keeps one pipeline per such capture, built on the first call
-that needs it, and switches between them call by call (on one process)."""
+that needs it, and switches between them call by call (across processes a capture's
+pipeline is built again at each switch, from what the other capture's stages held)."""
 from __future__ import annotations
 
 import warnings
@@ -10,6 +11,7 @@ import warnings
 import torch
 
 from .errors import CaptureError, ConveyorValueError
+from .replanning import carry_optimizer_state
 from .sizes import input_dims, range_text
 
 __all__ = ["Captures", "fixed_size_mismatch", "MOST_CAPTURES"]
@@ -46,6 +48,11 @@ class Captures:
 
     def __init__(self):
         self._stashed: list[dict] = []
+        # Across processes, per parameter and buffer, the processes that hold it whole and
+        # current with its optimizer state: the readers under the last pipeline that read it
+        # (a capture's pipeline leaves what its graph does not read as it found it); a tensor
+        # no pipeline has read yet is held by every process, as the job began.
+        self._holders: dict[str, list[int]] = {}
 
     def __len__(self) -> int:
         return len(self._stashed) + 1
@@ -53,47 +60,72 @@ class Captures:
     def select(self, module, args: tuple, kwargs: dict) -> None:
         """Makes `module` use the capture whose fixed sizes `args`, `kwargs` fit, stashing the
         one in use; when none fits, captures, plans and builds again for them. A size the
-        model cannot take at all (a weight's width) gets the captured graph's own error."""
+        model cannot take at all (a weight's width) gets the captured graph's own error.
+        Across processes every process changes capture at the same call (they are fed the
+        same batches): the pipeline of the capture taken up is built again from what the
+        other's stages held, parameters and optimizer state moving as a re-plan moves them."""
         if module._graph is None:
             return
         mismatch = fixed_size_mismatch(module._graph, module._graph.flatten_inputs(args, kwargs))
         if mismatch is None:
             return
-        if module._group is not None:
-            raise ConveyorValueError(
-                f"{mismatch}: the model fixes that size (it branches on it, or uses it as a constant), so each size "
-                "needs its own capture, which conveyor makes on one process only; pad every batch to the captured "
-                "size, or train this model in one process")
         if isinstance(module._stages, list):
             raise ConveyorValueError(f"{mismatch}: the model fixes that size, and the stages given as node lists name "
                                      "the nodes of one capture; pass a number of stages, or pad every batch to the "
                                      "captured size")
+        group = module._group
+        holders = {}
+        if group is not None:
+            self._holders.update(module._step.readers())
+            everyone = list(range(group.world_size))
+            holders = {name: self._holders.get(name, everyone) for name in {*self._holders, *module._graph.tensors}}
         for k, saved in enumerate(self._stashed):
             if fixed_size_mismatch(saved["_graph"], saved["_graph"].flatten_inputs(args, kwargs)) is None:
                 self._stashed[k] = self._take(module)
                 self._restore(module, saved)
+                if group is not None:
+                    self._rebuild(module, holders)
                 return
         if len(self) >= MOST_CAPTURES:
             raise ConveyorValueError(
                 f"{mismatch}: the model fixes that size and {len(self)} captures of it exist already; pad batches to "
                 "a few sizes (bucket the lengths) so that few captures serve them")
+        if group is not None:
+            module._gather()  # process 0 profiles the whole model; the new pipeline starts from it
         saved = self._take(module)
         try:
             module._build(args, kwargs)
         except CaptureError:
             self._restore(module, saved)
+            self._rebuild(module, holders)
             with torch.no_grad():
                 module._graph(*args, **kwargs)  # refuses the inputs, naming them, before running
             raise
         except BaseException:
             self._restore(module, saved)
+            self._rebuild(module, holders)
             raise
+        if group is not None:
+            carry_optimizer_state(module, holders)
         self._stashed.append(saved)
         warnings.warn(f"conveyor: {mismatch}: the model fixes that size, so conveyor captures it again for this "
                       f"one; {len(self)} captures of the model now exist (one graph and pipeline each)", stacklevel=4)
 
     @staticmethod
+    def _rebuild(module, holders: dict) -> None:
+        """Across processes, the pipeline of the capture just taken up, built again from what
+        `holders` hold (a stashed capture keeps no pipeline there: only one runs at a time
+        over the job's processes)."""
+        if module._group is None or module._step is not None:
+            return
+        module._step = module._pipeline(module._graph, module.plan, holders=holders)
+        carry_optimizer_state(module, holders)
+
+    @staticmethod
     def _take(module) -> dict:
+        if module._group is not None:  # its actors stop before another pipeline's start
+            module._step = None
+            module._small_steps = {}
         saved = {name: getattr(module, name) for name in PER_CAPTURE}
         for name in PER_CAPTURE:
             setattr(module, name, {} if name in ("_small_steps", "_planned_sizes") else None)

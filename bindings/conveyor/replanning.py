@@ -127,6 +127,19 @@ def release_unread_state(optimizer, tensors: dict, readers: dict, me: int) -> No
             del optimizer.state[t]
 
 
+def carry_optimizer_state(module, holders: dict) -> int:
+    """After `module`'s pipeline was rebuilt across processes from `holders` (the old
+    pipeline's readers): each parameter's optimizer state to each process whose new stages
+    read it, every process confirming, then what no stage here reads released (collective).
+    Returns the bytes of optimizer state received here."""
+    group = module._group
+    readers = module._step.readers()
+    moved = move_optimizer_state(module.optimizer, module._graph.tensors, holders, readers, group)
+    group.broadcast_bytes(0, b"")  # every process has what its stages read
+    release_unread_state(module.optimizer, module._graph.tensors, readers, group.rank)
+    return moved
+
+
 class Replanning:
     """The Module's re-planning between steps: when a window is due, what the Replanner
     decided (process 0 decides, every process hears it), and the log of switches."""
@@ -195,7 +208,6 @@ def switch_to(module, plan, decision: dict | None, reason: str = "switch_plan") 
     old = old_plan.document if old_plan is not None else None
     t0 = time.perf_counter()
     moved, handed_s = 0, 0.0
-    tensors = module._graph.tensors
     group = module._group
     holders = module._step.readers() if group is not None else {}
     module._step = None  # the old pipeline's actors stop before the new ones start
@@ -205,11 +217,7 @@ def switch_to(module, plan, decision: dict | None, reason: str = "switch_plan") 
         built = time.perf_counter()
         if group is not None:
             handed_s = module._step.handed_over_s()
-            readers = module._step.readers()
-            moved = module._step.handed_over_bytes()
-            moved += move_optimizer_state(module.optimizer, tensors, holders, readers, group)
-            group.broadcast_bytes(0, b"")  # every process has what its stages read
-            release_unread_state(module.optimizer, tensors, readers, group.rank)
+            moved = module._step.handed_over_bytes() + carry_optimizer_state(module, holders)
     except ConveyorError as e:
         if group is None or not isinstance(e, ExecutionError):
             # Refused before anything moved (alike on every process: the plan itself): the

@@ -30,12 +30,33 @@ class NeedsFourSamples(torch.nn.Module):
         return (self.body(x) - y).pow(2).mean()
 
 
+class BranchesOnLength(torch.nn.Module):
+    """Takes a different path for long sequences (a Python branch on the length): torch.export
+    keeps the length symbolic on the captured side of the branch only (11 and more), so the
+    other side needs a capture of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 16)
+        self.short, self.long = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 32)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        h = torch.tanh(self.long(h) if ids.shape[1] > 10 else self.short(h))
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), ids.flatten())
+
+
+def branches(batch=8):
+    return zoo.ZooCase("branches", BranchesOnLength().double(), (torch.randint(0, 32, (batch, 12)),), {})
+
+
 def bounded(batch=8):
     return zoo.ZooCase("bounded", NeedsFourSamples().double(), (torch.randn(batch, 16, dtype=torch.float64),
                                                        torch.randn(batch, 16, dtype=torch.float64)), {})
 
 
-CASES = dict(zoo.CASES, bounded=bounded)
+CASES = dict(zoo.CASES, bounded=bounded, branches=branches)
 
 
 def main():
@@ -55,11 +76,12 @@ def main():
     ap.add_argument("--packed", action="store_true",
                     help="with --lengths: each step packs --microbatches microbatches of those lengths "
                          "(conveyor.Microbatches), of batch / microbatches rows, one more on every other")
+    ap.add_argument("--momentum", type=float, default=0.0, help="SGD's (its state moves with a switch)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.manual_seed(0)
     case = CASES[args.case](batch=args.batch)
-    optimizer = torch.optim.SGD(case.model.parameters(), lr=0.1)
+    optimizer = torch.optim.SGD(case.model.parameters(), lr=0.1, momentum=args.momentum)
     model = conveyor.Module(case.model, optimizer, loss_fn=case.loss, plan=args.plan, stages=args.stages,
                             replicas=args.replicas, microbatches=args.microbatches, schedule=args.schedule)
     if args.lengths and args.packed:
@@ -68,6 +90,10 @@ def main():
         batches = [((conveyor.Microbatches([zoo.padded_tokens(args.batch // m + j % 2, n, 96, draws)
                                             for j, n in enumerate(lengths[s:s + m])]),), {})
                    for s in range(0, len(lengths), m)]
+    elif args.lengths and args.case == "branches":  # token ids only, of each length
+        draws = torch.Generator().manual_seed(1)
+        batches = [((torch.randint(0, 32, (args.batch, int(n)), generator=draws),), {})
+                   for n in args.lengths.split(",")]
     elif args.lengths:
         draws = torch.Generator().manual_seed(1)
         batches = [((), zoo.padded_tokens(args.batch, int(n), 96, draws)) for n in args.lengths.split(",")]
@@ -81,7 +107,7 @@ def main():
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # every process takes part
     if model.rank == 0:
         torch.save({"losses": losses, "state": state, "world": model.world_size,
-                    "replans": [r["reason"] for r in model.replans]}, args.out)
+                    "replans": [r["reason"] for r in model.replans], "captures": len(model._captures)}, args.out)
         if model.plan is not None:  # planned (node lists have no plan)
             with open(args.out + ".plan.json", "w") as f:
                 json.dump(model.plan.document, f)

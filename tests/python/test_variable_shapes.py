@@ -13,6 +13,7 @@ import torch
 
 import conveyor
 from conftest import split_batch
+from launch_worker import BranchesOnLength
 from conveyor import _C, zoo
 
 LENGTHS = (8, 12, 20, 7)
@@ -146,23 +147,6 @@ def test_two_processes_train_every_sequence_length_like_one(tmp_path, name):
                                    tmp_path)
 
 
-class BranchesOnLength(torch.nn.Module):
-    """Takes a different path for long sequences (a Python branch on the length): torch.export
-    keeps the length symbolic on the captured side of the branch only (11 and more), so the
-    other side needs a capture of its own."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed = torch.nn.Embedding(32, 16)
-        self.short, self.long = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
-        self.head = torch.nn.Linear(16, 32)
-
-    def forward(self, ids):
-        h = self.embed(ids)
-        h = torch.tanh(self.long(h) if ids.shape[1] > 10 else self.short(h))
-        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), ids.flatten())
-
-
 def test_a_model_that_branches_on_its_length_is_captured_once_per_side():
     torch.manual_seed(0)
     net = BranchesOnLength().double()
@@ -179,3 +163,22 @@ def test_a_model_that_branches_on_its_length_is_captured_once_per_side():
     again(torch.randint(0, 32, (8, 16)))
     with pytest.raises(conveyor.ConveyorValueError, match=r"ids dim 1 is 6 \(the capture holds 11 and more\).*node"):
         again(torch.randint(0, 32, (8, 6)))
+
+
+@pytest.mark.skipif(bool(_C.ucx_status()), reason=f"UCX cannot start here: {_C.ucx_status()}")
+def test_two_processes_train_a_model_that_branches_on_its_length_like_one(tmp_path):
+    """Under `conveyor launch -n 2` the model that branches on its length gets its second
+    capture at the same step on both processes; each change of capture builds that
+    capture's pipeline again from what the other's stages held (parameters and SGD's
+    momentum moving between the processes), and the job trains like one process."""
+    from test_launch import assert_trains_like_one_process, launch
+    tool = os.path.join(BUILD, "tools", "conveyor")
+    if not os.path.exists(tool):
+        pytest.skip(f"conveyor tool not built at {tool}")
+    common = ["--case", "branches", "--batch", "8", "--lengths", "12,6,12,7,16", "--microbatches", "2",
+              "--stages", "2", "--schedule", "1f1b", "--momentum", "0.9"]
+    code, out = launch("-n", 2, "--", sys.executable, WORKER, *common, "--out", tmp_path / "two.pt")
+    assert code == 0, out[-4000:]
+    assert "2 captures of the model now exist" in out, out[-4000:]
+    assert torch.load(tmp_path / "two.pt")["captures"] == 2
+    assert_trains_like_one_process(tmp_path / "two.pt", 2, common, tmp_path)
