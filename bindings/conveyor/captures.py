@@ -111,6 +111,27 @@ class Captures:
         warnings.warn(f"conveyor: {mismatch}: the model fixes that size, so conveyor captures it again for this "
                       f"one; {len(self)} captures of the model now exist (one graph and pipeline each)", stacklevel=4)
 
+    def gather_others(self, module) -> None:
+        """Across processes, after the pipeline in use gathered its own: every parameter and
+        buffer that only the other captures read (the other branch's weights) made whole on
+        every process from the lowest process that holds it (collective: state_dict,
+        evaluation)."""
+        if module._group is None or not self._stashed:
+            return
+        current = set(module._step.readers())  # what the pipeline in use gathered
+        others: dict[str, tuple] = {}
+        for graph in [saved["_graph"] for saved in self._stashed]:
+            for b in graph.document["bindings"]:
+                name = b["name"]
+                if name not in current and name not in others and name in self._holders:
+                    others[name] = (graph.tensors[name], graph.document["values"][b["value"]]["shape"])
+        with torch.no_grad():
+            for name in sorted(others):
+                t, shape = others[name]
+                if list(t.shape) != list(shape):  # released here by the pipeline that read it
+                    t.data = torch.empty(shape, dtype=t.dtype, device=t.device)
+                module._group.broadcast(t, min(self._holders[name]))
+
     @staticmethod
     def _rebuild(module, holders: dict) -> None:
         """Across processes, the pipeline of the capture just taken up, built again from what

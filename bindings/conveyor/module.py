@@ -255,6 +255,7 @@ class Module(torch.nn.Module):
         (collective; the next training step frees again what this process's stages do not read)."""
         if self._group is not None and self._step is not None:
             self._step.gather_state()
+            self._captures.gather_others(self)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over the whole model: across processes the norm

@@ -105,6 +105,8 @@ def main():
             os.kill(os.getpid(), signal.SIGSTOP)
         losses.append(model.train_step(*a, **k).item())
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # every process takes part
+    if model.rank != 0:  # what state_dict() gathered here: the whole model as well
+        torch.save({"state": state}, f"{args.out}.rank{model.rank}")
     if model.rank == 0:
         torch.save({"losses": losses, "state": state, "world": model.world_size,
                     "replans": [r["reason"] for r in model.replans], "captures": len(model._captures)}, args.out)

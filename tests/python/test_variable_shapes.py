@@ -170,15 +170,20 @@ def test_two_processes_train_a_model_that_branches_on_its_length_like_one(tmp_pa
     """Under `conveyor launch -n 2` the model that branches on its length gets its second
     capture at the same step on both processes; each change of capture builds that
     capture's pipeline again from what the other's stages held (parameters and SGD's
-    momentum moving between the processes), and the job trains like one process."""
+    momentum moving between the processes), and the job trains like one process; state_dict()
+    gathers both branches' weights on every process."""
     from test_launch import assert_trains_like_one_process, launch
     tool = os.path.join(BUILD, "tools", "conveyor")
     if not os.path.exists(tool):
         pytest.skip(f"conveyor tool not built at {tool}")
-    common = ["--case", "branches", "--batch", "8", "--lengths", "12,6,12,7,16", "--microbatches", "2",
+    common = ["--case", "branches", "--batch", "8", "--lengths", "12,6,12,7,16,6", "--microbatches", "2",
               "--stages", "2", "--schedule", "1f1b", "--momentum", "0.9"]
     code, out = launch("-n", 2, "--", sys.executable, WORKER, *common, "--out", tmp_path / "two.pt")
     assert code == 0, out[-4000:]
     assert "2 captures of the model now exist" in out, out[-4000:]
-    assert torch.load(tmp_path / "two.pt")["captures"] == 2
+    job = torch.load(tmp_path / "two.pt")
+    assert job["captures"] == 2
+    # state_dict() on process 1 gathers the whole model too, both branches' weights included.
+    theirs = torch.load(tmp_path / "two.pt.rank1")["state"]
+    assert all(torch.equal(theirs[k], v) for k, v in job["state"].items()), "process 1's state_dict differs"
     assert_trains_like_one_process(tmp_path / "two.pt", 2, common, tmp_path)
