@@ -76,6 +76,7 @@ def main():
     ap.add_argument("--packed", action="store_true",
                     help="with --lengths: each step packs --microbatches microbatches of those lengths "
                          "(conveyor.Microbatches), of batch / microbatches rows, one more on every other")
+    ap.add_argument("--cluster", default=None, help="a cluster file to plan for")
     ap.add_argument("--momentum", type=float, default=0.0, help="SGD's (its state moves with a switch)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -83,7 +84,8 @@ def main():
     case = CASES[args.case](batch=args.batch)
     optimizer = torch.optim.SGD(case.model.parameters(), lr=0.1, momentum=args.momentum)
     model = conveyor.Module(case.model, optimizer, loss_fn=case.loss, plan=args.plan, stages=args.stages,
-                            replicas=args.replicas, microbatches=args.microbatches, schedule=args.schedule)
+                            replicas=args.replicas, microbatches=args.microbatches, schedule=args.schedule,
+                            cluster=args.cluster)
     if args.lengths and args.packed:
         draws = torch.Generator().manual_seed(1)
         m, lengths = args.microbatches, [int(n) for n in args.lengths.split(",")]
