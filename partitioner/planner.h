@@ -61,7 +61,7 @@ struct PlanOptions {
   /// simulated step could beat the analytic optimum's, and return the simulator's best
   /// (docs/planner.md). Off: the analytic optimum as found.
   bool simulated_search = true;
-  long long simulated_budget = 300000;  ///< stages the branch and bound may try
+  long long simulated_budget = 3000000;  ///< stages the branch and bound may try
   int max_downsets = 1500;   ///< more convex cut states than this: stages cut a linear order of blocks
   int max_blocks = 192;      ///< blocks of that linear order
   double exact_budget = 3e7; ///< transitions the exact search may take before bottleneck search is used

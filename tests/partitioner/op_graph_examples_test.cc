@@ -1,0 +1,134 @@
+// The planner on public operator and layer graphs of another group's device-placement
+// benchmark (examples/op_graphs: BERT and ResNet-50 operator graphs, BERT-24, GNMT,
+// Inception-v3 and ResNet-50 layer graphs, converted by tools/fiddle_op_graph.py), where a
+// value crossing a cut costs as much as a stage's work or more: the plan returned simulates
+// at least as fast (within 1%) as every pipeline a brute force cuts from the graph's
+// operator order, each with every replica assignment, scored by the same simulator.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "partitioner/planner.h"
+
+namespace conveyor::partitioner {
+namespace {
+
+using scheduler::ScheduleKind;
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+// Their cost model sends 2^31 bytes a second between devices, with no latency.
+constexpr double kBandwidth = 2147483648.0;
+
+std::string example(const std::string& name) {
+  return std::string(CONVEYOR_SOURCE_ROOT) + "/examples/op_graphs/" + name + ".json";
+}
+
+// The best simulated step over every split of the operators' order into `stages` contiguous
+// ranges (cut positions among `cuts`), each with every replica assignment that fits the
+// cluster's devices.
+double best_cut(const CostGraph& g, const Cluster& cluster, const PlanOptions& o, int stages,
+                const std::vector<int>& cuts, int* tried) {
+  const int n = static_cast<int>(g.ops.size());
+  const int devices = static_cast<int>(cluster.devices.size());
+  double best = kInf;
+  std::vector<int> at;  // chosen cut positions (an op index where a stage begins)
+  Candidate c;
+  c.microbatches = o.microbatches;
+  c.schedule = o.schedules.front();
+  std::function<void(std::size_t)> choose = [&](std::size_t from) {
+    if (static_cast<int>(at.size()) == stages - 1) {
+      c.stages.clear();
+      int begin = 0;
+      for (int k = 0; k < stages; ++k) {
+        const int end = k + 1 < stages ? at[k] : n;
+        std::vector<int> stage(end - begin);
+        for (int x = begin; x < end; ++x) stage[x - begin] = x;
+        c.stages.push_back(std::move(stage));
+        begin = end;
+      }
+      c.replicas.assign(stages, 1);
+      std::function<void(int, int)> assign = [&](int s, int left) {
+        if (s == stages) {
+          ++*tried;
+          auto plan = plan_candidate(g, cluster, o, c);
+          if (plan) best = std::min(best, plan->predicted_step_s);
+          return;
+        }
+        for (int r = 1; r <= left - (stages - s - 1); ++r) {
+          c.replicas[s] = r;
+          assign(s + 1, left - r);
+        }
+      };
+      assign(0, devices);
+      return;
+    }
+    for (std::size_t i = from; i < cuts.size(); ++i) {
+      at.push_back(cuts[i]);
+      choose(i + 1);
+      at.pop_back();
+    }
+  };
+  choose(0);
+  return best;
+}
+
+struct Case {
+  const char* graph;
+  int devices;
+  int microbatches;
+  int most_stages;  // the brute force's (every cut position up to this many stages)
+};
+
+TEST(OpGraphExamples, NoPipelineCutFromTheOperatorOrderSimulatesFasterThanThePlan) {
+  const std::vector<Case> cases = {
+      {"layer-bert24", 4, 8, 4},     {"layer-gnmt", 4, 8, 3},          {"layer-resnet50", 3, 8, 3},
+      {"layer-inceptionv3", 2, 4, 2}, {"operator-bert_l-3", 3, 8, 3}, {"operator-bert_l-6", 2, 8, 2},
+      {"operator-resnet50", 2, 4, 2},
+  };
+  int compared = 0;
+  double worst = 0;
+  for (const Case& k : cases) {
+    auto g = load_cost_graph(example(k.graph));
+    ASSERT_TRUE(g.is_ok()) << g.status().to_string();
+    const int n = static_cast<int>(g->ops.size());
+    std::vector<int> cuts(n - 1);
+    for (int x = 1; x < n; ++x) cuts[x - 1] = x;
+    for (ScheduleKind kind : {ScheduleKind::kOneFOneB, ScheduleKind::kGPipe}) {
+      const Cluster cluster = Cluster::uniform(1, k.devices, 1e12, 1.0, {kBandwidth, 0}, {kBandwidth, 0});
+      PlanOptions o;
+      o.batch = 2 * k.microbatches * k.devices;
+      o.microbatches = k.microbatches;
+      o.schedules = {kind};
+      const auto t0 = std::chrono::steady_clock::now();
+      auto plan = make_plan(*g, cluster, o);
+      const double planning_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      ASSERT_TRUE(plan.is_ok()) << k.graph << ": " << plan.status().to_string();
+      double best = kInf;
+      int tried = 0;
+      for (int stages = 1; stages <= k.most_stages; ++stages) {
+        best = std::min(best, best_cut(*g, cluster, o, stages, cuts, &tried));
+      }
+      ASSERT_TRUE(std::isfinite(best)) << k.graph;
+      const double ratio = plan->predicted_step_s / best;
+      worst = std::max(worst, ratio);
+      std::printf("%-18s %d devices, %-5s m=%d: plan %.3f ms (%zu stages, replicas", k.graph, k.devices,
+                  std::string(scheduler::schedule_kind_name(kind)).c_str(), k.microbatches, plan->predicted_step_s * 1e3,
+                  plan->stages.size());
+      for (const auto& s : plan->stages) std::printf(" %d", s.replicas);
+      std::printf(", planned in %.2f s), the best of %d cuts %.3f ms: %.3fx\n", planning_s, tried, best * 1e3, ratio);
+      EXPECT_LE(ratio, 1.01) << k.graph << " " << scheduler::schedule_kind_name(kind) << "\n" << plan->table();
+      ++compared;
+    }
+  }
+  std::printf("%d plans on public op graphs: worst %.3fx the best brute-force cut\n", compared, worst);
+}
+
+}  // namespace
+}  // namespace conveyor::partitioner
