@@ -77,11 +77,13 @@ def main():
                     help="with --lengths: each step packs --microbatches microbatches of those lengths "
                          "(conveyor.Microbatches), of batch / microbatches rows, one more on every other")
     ap.add_argument("--cluster", default=None, help="a cluster file to plan for")
+    ap.add_argument("--images", default=None, help="image sizes HxW, one step each (a vision case)")
     ap.add_argument("--momentum", type=float, default=0.0, help="SGD's (its state moves with a switch)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.manual_seed(0)
-    case = CASES[args.case](batch=args.batch)
+    sizes = [tuple(int(x) for x in hw.split("x")) for hw in args.images.split(",")] if args.images else []
+    case = CASES[args.case](batch=args.batch, **({"image": sizes[0][0]} if sizes else {}))
     optimizer = torch.optim.SGD(case.model.parameters(), lr=0.1, momentum=args.momentum)
     model = conveyor.Module(case.model, optimizer, loss_fn=case.loss, plan=args.plan, stages=args.stages,
                             replicas=args.replicas, microbatches=args.microbatches, schedule=args.schedule,
@@ -92,6 +94,11 @@ def main():
         batches = [((conveyor.Microbatches([zoo.padded_tokens(args.batch // m + j % 2, n, 96, draws)
                                             for j, n in enumerate(lengths[s:s + m])]),), {})
                    for s in range(0, len(lengths), m)]
+    elif sizes:  # random images and labels of each size
+        draws = torch.Generator().manual_seed(1)
+        dtype = case.args[0].dtype
+        batches = [((torch.randn(args.batch, 3, h, w, generator=draws, dtype=dtype),
+                     torch.randint(0, 10, (args.batch,), generator=draws)), {}) for h, w in sizes]
     elif args.lengths and args.case == "branches":  # token ids only, of each length
         draws = torch.Generator().manual_seed(1)
         batches = [((torch.randint(0, 32, (args.batch, int(n)), generator=draws),), {})

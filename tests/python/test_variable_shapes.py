@@ -84,16 +84,17 @@ def test_lengths_beyond_the_first_plan_train_like_eager_on_plans_made_for_them()
     assert model._planned_sizes["input_ids dim 1"] == 20
 
 
-def test_a_vision_model_trains_on_two_image_sizes_with_one_capture():
+@pytest.mark.parametrize("stages,replicas,schedule", [(2, 2, "1f1b"), (3, 1, "zb-h1")])
+def test_a_vision_model_trains_on_two_image_sizes_with_one_capture(stages, replicas, schedule):
     torch.manual_seed(0)
     case = zoo.resnet18(batch=8, image=48)
-    model = conveyor.Module(case.model, torch.optim.SGD(case.model.parameters(), lr=0.05), stages=2, replicas=2,
-                            microbatches=2, schedule="1f1b", replan="off")
+    model = conveyor.Module(case.model, torch.optim.SGD(case.model.parameters(), lr=0.05), stages=stages,
+                            replicas=replicas, microbatches=2, schedule=schedule, replan="off")
     draws = torch.Generator().manual_seed(1)
     batches = [((torch.randn(8, 3, h, w, generator=draws, dtype=torch.float64),
                  torch.randint(0, 10, (8,), generator=draws)), {}) for h, w in ((48, 48), (64, 40), (48, 48))]
     # BatchNorm normalizes over each replica's share: the eager reference does the same.
-    train_like_eager(case, model, batches, shares=4)
+    train_like_eager(case, model, batches, shares=2 * replicas)
     roles = set(model._graph.document["symbols"].values())
     assert roles == {"batch", "x dim 2", "x dim 3"}, roles
     # Captured at 32 pixels the network ends at 1x1, and torch.export bounds the size there:
@@ -143,6 +144,23 @@ def test_two_processes_train_every_sequence_length_like_one(tmp_path, name):
     assert code == 0, out[-4000:]
     replans = torch.load(tmp_path / "two.pt")["replans"]
     assert len(replans) == 2 and "input_ids dim 1 is 20 (planned for 12)" in replans[1], replans
+    assert_trains_like_one_process(tmp_path / "two.pt", 2, [*common, "--plan", tmp_path / "two.pt.plan.json"],
+                                   tmp_path)
+
+
+@pytest.mark.skipif(bool(_C.ucx_status()), reason=f"UCX cannot start here: {_C.ucx_status()}")
+def test_two_processes_train_a_vision_model_on_two_image_sizes_like_one(tmp_path):
+    """ResNet-18 under `conveyor launch -n 2` on 48x48, 64x40 and 48x48 images (one capture,
+    height and width symbolic): the same losses and weights as one process running the plan."""
+    from test_launch import assert_trains_like_one_process, launch
+    tool = os.path.join(BUILD, "tools", "conveyor")
+    if not os.path.exists(tool):
+        pytest.skip(f"conveyor tool not built at {tool}")
+    common = ["--case", "resnet18", "--batch", "8", "--images", "48x48,64x40,48x48", "--microbatches", "2",
+              "--schedule", "1f1b"]
+    code, out = launch("-n", 2, "--", sys.executable, WORKER, *common, "--stages", "2", "--out", tmp_path / "two.pt")
+    assert code == 0, out[-4000:]
+    assert torch.load(tmp_path / "two.pt")["captures"] == 1
     assert_trains_like_one_process(tmp_path / "two.pt", 2, [*common, "--plan", tmp_path / "two.pt.plan.json"],
                                    tmp_path)
 
