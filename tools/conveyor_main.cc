@@ -191,8 +191,9 @@ int simulate_command(const std::string& path, const std::string& trace_path) {
               plan->batch / sim->step_time_s);
   std::printf("bubble        %.2f%%\n", 100 * sim->bubble_fraction);
   for (std::size_t r = 0; r < sim->busy_s.size(); ++r) {
-    std::printf("rank %-3zu      busy %s, peak memory %s\n", r, human_seconds(sim->busy_s[r]).c_str(),
-                human_bytes(sim->peak_bytes[r]).c_str());
+    std::printf("rank %-3zu      busy %s, peak memory %s (%.0f bytes: weights, gradients, optimizer state and "
+                "activations alive at once)\n",
+                r, human_seconds(sim->busy_s[r]).c_str(), human_bytes(sim->peak_bytes[r]).c_str(), sim->peak_bytes[r]);
   }
   if (!trace_path.empty()) {
     Status st = write_simulation_trace(*plan, trace_path);
