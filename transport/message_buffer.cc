@@ -2,18 +2,83 @@
 
 #include <ATen/ATen.h>
 
+#include <bit>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <mutex>
+#include <new>
+#include <string>
+#include <unordered_map>
 
 namespace conveyor::transport {
 
 namespace {
 
 constexpr std::size_t kAlign = 64;
+constexpr std::size_t kPooledFrom = 64 << 10;
+// Idle buffers kept at most (beyond, a returned buffer is freed), and per size class.
+constexpr std::size_t kMostIdleBytes = std::size_t{1} << 30;
+constexpr std::size_t kMostIdlePerClass = 64;
 
 std::size_t aligned(std::size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
+// Sizes rounded up to a quarter of their power of two, so that messages of nearly one size
+// (the same tensors, another header) share buffers, wasting at most a fifth.
+std::size_t size_class(std::size_t n) {
+  const std::size_t quarter = std::bit_floor(n) / 4;
+  return (n + quarter - 1) / quarter * quarter;
+}
+
+struct Pool {
+  std::mutex mu;
+  std::unordered_map<std::size_t, std::vector<void*>> idle;  // size class -> buffers
+  std::size_t idle_bytes = 0;
+};
+
+Pool& pool() {
+  static Pool* p = new Pool;  // never destroyed: tensors over its buffers may die at exit
+  return *p;
+}
+
+void give_back(void* ptr, std::size_t cls) {
+  Pool& p = pool();
+  {
+    std::lock_guard<std::mutex> lock(p.mu);
+    auto& bucket = p.idle[cls];
+    if (p.idle_bytes + cls <= kMostIdleBytes && bucket.size() < kMostIdlePerClass) {
+      bucket.push_back(ptr);
+      p.idle_bytes += cls;
+      return;
+    }
+  }
+  std::free(ptr);
+}
+
 }  // namespace
+
+at::Tensor message_bytes(std::size_t n) {
+  const auto bytes = at::TensorOptions().dtype(at::kByte);
+  static const bool pooled = [] {  // CONVEYOR_MESSAGE_POOL=0: every buffer fresh (to measure the pool)
+    const char* v = std::getenv("CONVEYOR_MESSAGE_POOL");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  if (n < kPooledFrom || !pooled) return at::empty({static_cast<std::int64_t>(n)}, bytes);
+  const std::size_t cls = size_class(n);
+  void* ptr = nullptr;
+  {
+    Pool& p = pool();
+    std::lock_guard<std::mutex> lock(p.mu);
+    auto it = p.idle.find(cls);
+    if (it != p.idle.end() && !it->second.empty()) {
+      ptr = it->second.back();
+      it->second.pop_back();
+      p.idle_bytes -= cls;
+    }
+  }
+  if (ptr == nullptr && posix_memalign(&ptr, kAlign, cls) != 0) throw std::bad_alloc();
+  return at::from_blob(ptr, {static_cast<std::int64_t>(n)}, [cls](void* q) { give_back(q, cls); }, bytes);
+}
 
 at::Tensor pack_message(const std::vector<at::Tensor>& tensors) {
   std::vector<std::int64_t> header{static_cast<std::int64_t>(tensors.size())};
@@ -32,7 +97,7 @@ at::Tensor pack_message(const std::vector<at::Tensor>& tensors) {
   for (const auto& c : host) {
     if (c.defined()) total += aligned(c.nbytes());
   }
-  at::Tensor out = at::empty({static_cast<std::int64_t>(total)}, at::TensorOptions().dtype(at::kByte));
+  at::Tensor out = message_bytes(total);
   auto* bytes = static_cast<std::uint8_t*>(out.data_ptr());
   const std::int64_t n = static_cast<std::int64_t>(header.size());
   std::memcpy(bytes, &n, sizeof n);

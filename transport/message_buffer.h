@@ -2,6 +2,10 @@
 // and each tensor's bytes at a 64-byte boundary. Packing copies once into an uninitialized
 // buffer (the caller may change its tensors as soon as send() returns); unpacking copies
 // nothing: the tensors received are made over the received buffer, which they keep alive.
+// Buffers of 64 KiB and more come from a pool and go back to it when their last tensor
+// dies: a fresh large allocation is fresh pages from the kernel, each faulted in and zeroed
+// on first touch, which cost more than the copy itself from a few MB up
+// (CONVEYOR_MESSAGE_POOL=0 turns the pool off, to measure it).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -12,6 +16,10 @@
 #include "common/status.h"
 
 namespace conveyor::transport {
+
+/// `n` uninitialized bytes for a message (a CPU byte tensor), pooled from 64 KiB up: its
+/// memory returns to the pool when the last tensor over it dies. Thread-safe.
+at::Tensor message_bytes(std::size_t n);
 
 /// `tensors` (undefined ones allowed; device tensors copied to the host) as one message:
 /// a CPU byte tensor, contiguous.

@@ -305,7 +305,7 @@ class UcxMember final : public UcxEndpoint {
   // On the progress thread: receives the probed message `msg` of `length` bytes from member
   // `from` and hands its tensors, or the error, to `done`.
   void receive_probed(ucp_tag_message_h msg, std::size_t length, int from, Received done) {
-    auto* ctx = new RecvContext{at::empty({static_cast<std::int64_t>(length)}, at::TensorOptions().dtype(at::kByte)),
+    auto* ctx = new RecvContext{message_bytes(length),
                                 std::move(done), &in_flight_, lost(from)};
     ++in_flight_;
     ucp_request_param_t p{};
