@@ -61,6 +61,7 @@ StagePlan stage_plan(const Units& u, const CutStates& cs, int inner, int outer, 
   // A stage that reads nothing from another (the first) has no input gradient to compute: its
   // split backward does everything at W.
   sp.input_freed_bytes = ss.in_bytes > 0 ? sp.saved_bytes - ss.saved_w * model.scale() * e.max_share : 0;
+  sp.captured_bytes = ss.in_bytes > 0 ? ss.grads_w * model.scale() * e.max_share : 0;
   sp.recompute = e.recompute;
   sp.memory_bytes = e.need;
   sp.in_flight = e.in_flight;
@@ -301,6 +302,7 @@ std::vector<scheduler::StageCost> Plan::stage_costs() const {
     c.static_bytes = st.static_bytes;
     c.saved_bytes = st.saved_bytes;
     c.input_freed_bytes = st.input_freed_bytes;
+    c.captured_bytes = st.captured_bytes;
     out.push_back(c);
   }
   return out;

@@ -85,6 +85,10 @@ struct StagePlan {
   /// (what the operators that read parameters saved, and the gradients of their outputs),
   /// which stay until its W.
   double input_freed_bytes = 0;
+  /// The gradients a split backward's Bi captures for its W (at the outputs of the operators
+  /// that read parameters); Bi makes them before it frees anything, so it peaks this much
+  /// above what was held when it began. 0 for a first stage (its Bi computes nothing).
+  double captured_bytes = 0;
   double memory_bytes = 0;         ///< predicted peak per device
   int in_flight = 0;               ///< microbatches whose activations are alive at once
   /// What it recomputes before the backward; backward_s includes that forward again.

@@ -102,6 +102,7 @@ Result<Units> make_units(const CostGraph& g) {
     // parameters (the weight gradient's other factor).
     if (!g.ops[g.values[v].producer].params.empty()) {
       out.units[out.unit_of_op[g.values[v].producer]].saved_w += g.values[v].bytes;
+      out.units[out.unit_of_op[g.values[v].producer]].grads_w += g.values[v].bytes;
     }
     Edge e;
     e.from = out.unit_of_op[g.values[v].producer];
@@ -157,6 +158,7 @@ void fill_sums(const Units& u, CutStates& cs) {
   cs.sel_fwd.assign(c, 0);
   cs.sel_freed.assign(c, 0);
   cs.saved_w.assign(c, 0);
+  cs.grads_w.assign(c, 0);
   for (std::size_t k = 0; k < c; ++k) {
     const Bits& b = cs.sets[k];
     for (std::size_t x = 0; x < u.units.size(); ++x) {
@@ -170,6 +172,7 @@ void fill_sums(const Units& u, CutStates& cs) {
       cs.sel_fwd[k] += unit.sel_fwd;
       cs.sel_freed[k] += unit.sel_freed;
       cs.saved_w[k] += unit.saved_w;
+      cs.grads_w[k] += unit.grads_w;
     }
     for (const Edge& e : u.edges) {
       if (!test(b, e.from)) continue;

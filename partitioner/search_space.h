@@ -25,6 +25,7 @@ struct Unit {
   double fwd = 0, bwd = 0, bwd_w = 0, saved = 0, work = 0, params = 0;
   double sel_fwd = 0, sel_freed = 0, sel_work = 0;  // selective recomputation: forward again, freed, transient
   double saved_w = 0;  // saved by operators that read parameters, and the gradients of their outputs: kept to W
+  double grads_w = 0;  // of saved_w, those gradients: a split backward's Bi makes them while still holding all
 };
 
 /// A value between units: its producer, its bytes, its readers.
@@ -99,7 +100,7 @@ struct CutStates {
   std::vector<std::vector<int>> blocks;  // linear: the units of each block
   RangeTable block_work, block_sel_work;  // linear: max working memory over block ranges (selective: its own)
   // Sums over the units of each state:
-  std::vector<double> fwd, bwd, bwd_w, saved, params, out_bytes, sel_fwd, sel_freed, saved_w;
+  std::vector<double> fwd, bwd, bwd_w, saved, params, out_bytes, sel_fwd, sel_freed, saved_w, grads_w;
 };
 
 /// Enumerates all downsets; false when there are more than `limit`.

@@ -15,6 +15,7 @@ StageSums stage_sums(const Units& u, const CutStates& cs, int outer, int inner) 
   s.sel_fwd = cs.sel_fwd[outer] - cs.sel_fwd[inner];
   s.sel_freed = cs.sel_freed[outer] - cs.sel_freed[inner];
   s.saved_w = cs.saved_w[outer] - cs.saved_w[inner];
+  s.grads_w = cs.grads_w[outer] - cs.grads_w[inner];
   s.in_bytes = cs.out_bytes[inner];
   s.out_bytes = cs.out_bytes[outer];
   if (cs.linear && !cs.blocks.empty()) {

@@ -23,6 +23,7 @@ struct StageSums {
   double sel_fwd = 0, sel_freed = 0;   // selective recomputation: forward again, saved bytes freed
   double sel_work = 0;                 // selective recomputation: the largest run's transient
   double saved_w = 0;                  // what a split backward keeps from Bi to W (Unit::saved_w)
+  double grads_w = 0;                  // of that, the gradients Bi captures (Unit::grads_w)
 
   /// The forward time `r` pays again before the backward.
   double forward_again(Recomputation r) const {

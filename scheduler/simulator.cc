@@ -63,6 +63,7 @@ Result<SimulationResult> simulate(const Schedule& s, const std::vector<StageCost
             if (a.kind == ActionKind::kForward) {
               live[r] += c.saved_bytes;
             } else if (a.kind == ActionKind::kBackwardInput) {
+              result.peak_bytes[r] = std::max(result.peak_bytes[r], static_bytes[r] + live[r] + c.captured_bytes);
               live[r] -= c.input_freed_bytes;
             } else if (a.kind == ActionKind::kBackwardWeight) {
               live[r] -= c.saved_bytes - c.input_freed_bytes;

@@ -26,6 +26,9 @@ struct StageCost {
   /// Of saved_bytes, what a split backward frees at its Bi: only the weight gradients'
   /// inputs stay until its W (negative: W keeps more, as a stage recomputing fully does).
   double input_freed_bytes = 0;
+  /// The gradients a split backward's Bi makes for its W, on top of everything held until
+  /// Bi ends (its peak); they are part of what stays to W.
+  double captured_bytes = 0;
 };
 
 /// A point-to-point link: time = latency + bytes / bandwidth (bandwidth 0 means free).

@@ -220,5 +220,24 @@ TEST(Simulator, ASplitBackwardFreesAtItsInputHalfWhatItsWeightHalfDoesNotNeed) {
   EXPECT_LT(some_to_w[0], all_to_w[0]);
 }
 
+TEST(Simulator, ASplitBackwardPeaksWithTheGradientsItsInputHalfCaptures) {
+  // Bi makes the gradients W needs before it frees anything: one stage, one microbatch
+  // (F, Bi, W in a row), 100 static, 10 saved of which Bi frees 6, 3 captured: the peak is
+  // held + saved + captured = 113, where 1F1B's whole backward peaks at 110.
+  auto peak = [](ScheduleKind kind, double captured) {
+    std::vector<StageCost> costs(1, StageCost{1.0, 2.0, 1.0});
+    costs[0].static_bytes = 100;
+    costs[0].saved_bytes = 10;
+    costs[0].input_freed_bytes = 6;
+    costs[0].captured_bytes = captured;
+    auto sim = simulate(*make_schedule({kind, 1, 1}), costs, LinkCost{});
+    EXPECT_TRUE(sim.is_ok());
+    return sim->peak_bytes[0];
+  };
+  EXPECT_DOUBLE_EQ(peak(ScheduleKind::kOneFOneB, 3), 110);  // a whole backward captures nothing apart
+  EXPECT_DOUBLE_EQ(peak(ScheduleKind::kZeroBubbleH1, 0), 110);
+  EXPECT_DOUBLE_EQ(peak(ScheduleKind::kZeroBubbleH1, 3), 113);
+}
+
 }  // namespace
 }  // namespace conveyor::scheduler
