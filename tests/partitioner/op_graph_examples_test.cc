@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "partitioner/planner.h"
+#include "random_graphs.h"
 
 namespace conveyor::partitioner {
 namespace {
@@ -54,19 +55,11 @@ double best_cut(const CostGraph& g, const Cluster& cluster, const PlanOptions& o
         begin = end;
       }
       c.replicas.assign(stages, 1);
-      std::function<void(int, int)> assign = [&](int s, int left) {
-        if (s == stages) {
-          ++*tried;
-          auto plan = plan_candidate(g, cluster, o, c);
-          if (plan) best = std::min(best, plan->predicted_step_s);
-          return;
-        }
-        for (int r = 1; r <= left - (stages - s - 1); ++r) {
-          c.replicas[s] = r;
-          assign(s + 1, left - r);
-        }
-      };
-      assign(0, devices);
+      testing::for_each_replica_assignment(c.replicas, devices, [&] {
+        ++*tried;
+        auto plan = plan_candidate(g, cluster, o, c);
+        if (plan) best = std::min(best, plan->predicted_step_s);
+      });
       return;
     }
     for (std::size_t i = from; i < cuts.size(); ++i) {

@@ -20,6 +20,7 @@ namespace {
 
 using scheduler::ScheduleKind;
 using testing::fast_link;
+using testing::for_each_replica_assignment;
 using testing::is_convex;
 using testing::random_dag;
 using testing::reachability;
@@ -73,26 +74,17 @@ double brute_force(const CostGraph& g, const Cluster& cluster, const PlanOptions
         EXPECT_TRUE(is_convex(reach, stage, n));  // nested downsets give convex stages
         c.stages.push_back(stage);
       }
-      const int stages = static_cast<int>(c.stages.size());
-      c.replicas.assign(stages, 1);
-      std::function<void(int, int)> assign = [&](int s, int left) {
-        if (s == stages) {
-          if (allowed && !allowed(c)) return;
-          if (simulated) {
-            auto plan = plan_candidate(g, cluster, o, c);
-            if (plan) best = std::min(best, plan->predicted_step_s);
-            return;
-          }
-          auto obj = candidate_objective(g, cluster, o, c);
-          if (obj) best = std::min(best, *obj);
+      c.replicas.assign(c.stages.size(), 1);
+      for_each_replica_assignment(c.replicas, devices, [&] {
+        if (allowed && !allowed(c)) return;
+        if (simulated) {
+          auto plan = plan_candidate(g, cluster, o, c);
+          if (plan) best = std::min(best, plan->predicted_step_s);
           return;
         }
-        for (int r = 1; r <= left - (stages - s - 1); ++r) {
-          c.replicas[s] = r;
-          assign(s + 1, left - r);
-        }
-      };
-      assign(0, devices);
+        auto obj = candidate_objective(g, cluster, o, c);
+        if (obj) best = std::min(best, *obj);
+      });
       return;
     }
     if (static_cast<int>(chain.size()) - 1 >= devices) return;  // each stage needs a device

@@ -83,4 +83,16 @@ bool is_convex(const std::vector<std::vector<bool>>& reach, const std::vector<in
   return true;
 }
 
+void for_each_replica_assignment(std::vector<int>& replicas, int devices, const std::function<void()>& visit) {
+  const int stages = static_cast<int>(replicas.size());
+  std::function<void(int, int)> assign = [&](int s, int left) {
+    if (s == stages) return visit();
+    for (int r = 1; r <= left - (stages - s - 1); ++r) {
+      replicas[s] = r;
+      assign(s + 1, left - r);
+    }
+  };
+  assign(0, devices);
+}
+
 }  // namespace conveyor::partitioner::testing

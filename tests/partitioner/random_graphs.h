@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <random>
 #include <vector>
 
@@ -25,5 +26,9 @@ std::vector<std::vector<bool>> reachability(const CostGraph& g);
 
 /// Independent convexity check of a stage: no path leaves the set and re-enters it.
 bool is_convex(const std::vector<std::vector<bool>>& reach, const std::vector<int>& stage, int n);
+
+/// Calls `visit` with every assignment of at least one of `devices` devices to each of
+/// `replicas.size()` stages (written into `replicas`), as brute forces enumerate them.
+void for_each_replica_assignment(std::vector<int>& replicas, int devices, const std::function<void()>& visit);
 
 }  // namespace conveyor::partitioner::testing
