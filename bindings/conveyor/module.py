@@ -91,7 +91,7 @@ from .errors import ConveyorValueError, UnsupportedError
 from .plan_maker import PlanMaker, plan_for_larger_sizes
 from .planning import FixedParts, Plan, read_plan
 from .replanning import Replanning, switch_to
-from .sizes import as_max_sizes, check_max_sizes, sizes_of
+from .sizes import as_max_sizes, check_max_sizes, largest_sizes
 
 __all__ = ["Module"]
 
@@ -339,10 +339,8 @@ class Module(torch.nn.Module):
             example = [a[:sample] if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == first else a
                        for a in example]
             check_max_sizes(graph, self._max_sizes)  # on every process: a bad one fails them all alike
-            sizes = dict(self._max_sizes)
-            for call in (packed.calls if packed is not None else []):
-                for name, size in sizes_of(graph, graph.flatten_inputs(*call)).items():
-                    sizes[name] = max(sizes.get(name, 0), size)
+            calls = [graph.flatten_inputs(*call) for call in packed.calls] if packed is not None else []
+            sizes = largest_sizes(graph, calls, self._max_sizes)
             cluster = self._cluster or _local_cluster(self._devices, self._threads_per_device(),
                                                       _model_gpu_memory(self.module), one_gpu=self._group is None)
             maker = PlanMaker(graph, example, batch=batch, microbatches=m_hint, most_microbatches=most_microbatches,

@@ -13,7 +13,7 @@ from .errors import ConveyorError, ConveyorValueError
 from .memory import optimizer_state_per_param_byte
 from .planning import Plan, cluster_text, plan as make_plan, profile
 from .replanning import switch_to
-from .sizes import sizes_of, tiled_to, warn_beyond
+from .sizes import largest_sizes, sizes_of, tiled_to, warn_beyond
 
 
 class PlanMaker:
@@ -105,15 +105,12 @@ def plan_for_larger_sizes(module, calls: list[list]) -> None:
     the step (collective across processes: every process is fed the same batches); otherwise
     one warning per size names it and what to declare. A size no plan fits is refused before
     anything runs, the running plan kept for the sizes it holds."""
-    seen: dict[str, int] = {}
-    for inputs in calls:
-        for name, size in sizes_of(module._graph, inputs).items():
-            seen[name] = max(seen.get(name, 0), size)
+    seen = largest_sizes(module._graph, calls)
     planned = module._planned_sizes
     beyond = {name: size for name, size in seen.items() if size > planned.get(name, size)}
-    maker = module._plan_maker
     if not beyond:
         return
+    maker = module._plan_maker
     if maker is None:
         warn_beyond(planned, seen, module._warned_sizes)
         return

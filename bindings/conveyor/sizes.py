@@ -78,6 +78,16 @@ def sizes_of(graph, inputs: list) -> dict[str, int]:
     return out
 
 
+def largest_sizes(graph, calls: list[list], start: dict | None = None) -> dict[str, int]:
+    """The largest of each symbolic non-batch size over `calls` (each call's inputs,
+    flattened), and over `start` (sizes by name) where given."""
+    out = dict(start or {})
+    for inputs in calls:
+        for name, size in sizes_of(graph, inputs).items():
+            out[name] = max(out.get(name, 0), size)
+    return out
+
+
 def tiled_to(graph, inputs: list, max_sizes: dict) -> list:
     """`inputs` (flattened) with every dimension of a declared size tiled to it: the batch's
     own values repeated, so token ids, masks and labels stay valid."""
