@@ -173,8 +173,8 @@ Result<Plan> Plan::from_json(std::string_view text) {
     if (p.chunks < 1 || p.stages.size() % static_cast<std::size_t>(p.chunks) != 0) {
       throw JsonError("/chunks", "expected a divisor of the stage count " + std::to_string(p.stages.size()));
     }
-    if (p.schedule == scheduler::ScheduleKind::kZeroBubbleV && p.chunks != 2) {
-      throw JsonError("/chunks", "expected 2 (ZB-V holds two stages per device group)");
+    if (scheduler::is_v_shape(p.schedule) && p.chunks != 2) {
+      throw JsonError("/chunks", "expected 2 (ZB-V and DualPipeV hold two stages per device group)");
     }
     const auto& ls = as_array(field(doc, "", "links"), "/links");
     if (ls.size() + 1 != p.stages.size()) {

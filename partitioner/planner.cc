@@ -26,8 +26,8 @@ std::vector<int> microbatch_candidates(const PlanOptions& o, int min_share) {
 
 std::vector<ScheduleKind> schedule_candidates(const PlanOptions& o) {
   if (!o.schedules.empty()) return o.schedules;
-  return {ScheduleKind::kGPipe, ScheduleKind::kOneFOneB, ScheduleKind::kInterleaved, ScheduleKind::kZeroBubbleH1,
-          ScheduleKind::kZeroBubbleV};
+  return {ScheduleKind::kGPipe,        ScheduleKind::kOneFOneB,    ScheduleKind::kInterleaved,
+          ScheduleKind::kZeroBubbleH1, ScheduleKind::kZeroBubbleV, ScheduleKind::kDualPipeV};
 }
 
 // The schedule whose memory model a search runs under (ZB-H1 keeps 1F1B's activations; the
@@ -107,8 +107,9 @@ void chunked_candidates(ScheduleKind kind, const Cluster& cluster, const Units& 
   const int groups = static_cast<int>(base.stages.size());
   const int m = model.microbatches();
   const int k_blocks = static_cast<int>(lin.sets.size()) - 1;
-  const bool v_shape = kind == ScheduleKind::kZeroBubbleV;
+  const bool v_shape = scheduler::is_v_shape(kind);
   if (groups < (v_shape ? 1 : 2) || (!v_shape && m % groups != 0)) return;
+  if (kind == ScheduleKind::kDualPipeV && m < 2 * groups) return;
   double speed_total = 0;
   std::vector<double> group_speed;
   for (const auto& st : base.stages) {
@@ -193,7 +194,7 @@ void simulator_best(const CostGraph& g, const Cluster& cluster, const PlanOption
                     const std::vector<ScheduleKind>& wanted, std::vector<Plan>& out) {
   std::vector<ScheduleKind> plain;
   for (ScheduleKind k : wanted) {
-    if (memory_kind(k) == model.kind() && k != ScheduleKind::kInterleaved && k != ScheduleKind::kZeroBubbleV) {
+    if (memory_kind(k) == model.kind() && !scheduler::is_chunked(k)) {
       plain.push_back(k);
     }
   }
@@ -428,12 +429,12 @@ Result<Plan> make_plan(const CostGraph& g, const Cluster& cluster, const PlanOpt
       }
       for (ScheduleKind k : wanted) {
         if (memory_kind(k) != mk) continue;
-        if (k == ScheduleKind::kInterleaved || k == ScheduleKind::kZeroBubbleV) continue;
+        if (scheduler::is_chunked(k)) continue;
         Plan p = base;
         p.schedule = k;
         candidates.push_back(std::move(p));
       }
-      for (ScheduleKind k : {ScheduleKind::kInterleaved, ScheduleKind::kZeroBubbleV}) {
+      for (ScheduleKind k : {ScheduleKind::kInterleaved, ScheduleKind::kZeroBubbleV, ScheduleKind::kDualPipeV}) {
         if (mk == ScheduleKind::kOneFOneB && want(k)) chunked_candidates(k, cluster, units, linear, model, base, candidates);
       }
     }
@@ -443,6 +444,7 @@ Result<Plan> make_plan(const CostGraph& g, const Cluster& cluster, const PlanOpt
                   "plans fit, but none can run the requested schedule: the interleaved schedule needs at least two "
                   "device groups, a microbatch count divisible by their number, and memory for two or more model "
                   "pieces per group; ZB-V needs memory for two pieces per group and at least two blocks per group; "
+                  "DualPipeV needs that and at least two microbatches per stage; "
                   "allow other schedules (schedule \"auto\") or fix the microbatch count");
   }
   if (candidates.empty() && (options.ranks > 0 || !options.replicas.empty())) {
@@ -511,9 +513,9 @@ Result<double> candidate_objective(const CostGraph& g, const Cluster& cluster, c
 
 Result<Plan> plan_candidate(const CostGraph& g, const Cluster& cluster, const PlanOptions& options,
                             const Candidate& c) {
-  if (c.schedule == ScheduleKind::kInterleaved || c.schedule == ScheduleKind::kZeroBubbleV) {
+  if (scheduler::is_chunked(c.schedule)) {
     return Status(ErrorCode::kInvalidArgument,
-                  "a candidate is priced as a plain pipeline; interleaved and ZB-V plans come from make_plan");
+                  "a candidate is priced as a plain pipeline; interleaved and V-shaped plans come from make_plan");
   }
   CONVEYOR_ASSIGN_OR_RETURN(Units units, make_units(g));
   if (c.stages.size() != c.replicas.size() || c.stages.empty()) {

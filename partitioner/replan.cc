@@ -30,8 +30,7 @@ std::vector<std::set<int>> holders(const CostGraph& costs, const Plan& plan) {
 // The actions one rank walks per step: its stages' forward and backward (and weight-gradient
 // under a split backward) of every microbatch.
 double actions_per_rank(const Plan& plan) {
-  const bool split = plan.schedule == scheduler::ScheduleKind::kZeroBubbleH1 ||
-                     plan.schedule == scheduler::ScheduleKind::kZeroBubbleV;
+  const bool split = scheduler::splits_backward(plan.schedule);
   const int per_microbatch = split ? 3 : 2;
   return std::max(1.0, static_cast<double>(plan.stages.size()) / std::max(plan.ranks(), 1) * plan.microbatches *
                            per_microbatch);

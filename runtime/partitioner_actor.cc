@@ -13,7 +13,9 @@ using scheduler::ActionKind;
 using scheduler::Span;
 
 // Per stage: the mean time per microbatch of F, B (or Bi) and W, a microbatch's time being
-// its slowest replica's; the mean transfer; the allreduce. Fills the measured fields.
+// its slowest replica's; the mean transfer; the allreduce. Fills the measured fields. Where
+// a list splits only some backwards (DualPipeV), a whole B counts as B: the sum of the three
+// stays the stage's compute, which is what the comparison with the plan reads.
 std::vector<StageProfile> summarize(const std::vector<Span>& spans, const scheduler::ScheduleSpec& spec,
                                     const std::vector<int>& replicas) {
   const int stages = spec.stages();

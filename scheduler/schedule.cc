@@ -1,6 +1,7 @@
 #include "scheduler/schedule.h"
 
 #include <algorithm>
+#include <deque>
 #include <map>
 #include <set>
 #include <tuple>
@@ -173,6 +174,55 @@ void zero_bubble_v(ActionList& list, const ScheduleSpec& spec, int r) {
                  "ZB-V left a microbatch unfinished");
 }
 
+// DualPipeV (DeepSeek-V3's DualPipe cut in half, as torch.distributed.pipelining's
+// ScheduleDualPipeV orders it): ZB-V's placement, with m >= 2p microbatches. Its steady state
+// pairs a forward of one leg with a whole backward of the other (F down + B up, then F up +
+// B down), which DualPipe overlaps with the other's communication; here the pair runs in
+// order on the replica's compute stream while transfers proceed on theirs. Input-gradient
+// halves (with their W deferred) fill the warm-up and the drain:
+//   1: 2 (p - r - 1) forwards down;  2: r + 1 times F down, F up;
+//   3: p - r - 1 times Bi up, a pending W, F up;
+//   4: m - 2p + r + 1 times F down + B up (the last rank's first pair unpaired), F up + B down;
+//   5: p - r - 1 times B up, F up + B down;
+//   6: r + 1 times B up, B down, the second half of them split (Bi) for the drain;
+//   7: p - r - 1 times a pending W, B down (split when 6 ended split);  8: every W left.
+void dual_pipe_v(ActionList& list, const ScheduleSpec& spec, int r) {
+  const int p = spec.ranks, m = spec.microbatches;
+  const int down = r, up = 2 * p - 1 - r;
+  std::map<int, int> forwards, backwards;  // next microbatch per stage
+  std::deque<std::pair<int, int>> weights;  // (stage, microbatch) whose W is pending
+  auto f = [&](int stage) { forward(list, spec, stage, forwards[stage]++); };
+  auto b = [&](int stage, bool split) {
+    const int mb = backwards[stage]++;
+    backward(list, spec, stage, mb, split ? ActionKind::kBackwardInput : ActionKind::kBackward);
+    if (split) weights.emplace_back(stage, mb);
+  };
+  auto w = [&] {
+    if (weights.empty()) return;
+    list.push_back({ActionKind::kBackwardWeight, weights.front().second, -1, weights.front().first});
+    weights.pop_front();
+  };
+  for (int k = 0; k < 2 * (p - r - 1); ++k) f(down);
+  for (int k = 0; k < r + 1; ++k) f(down), f(up);
+  for (int k = 0; k < p - r - 1; ++k) b(up, true), w(), f(up);
+  for (int k = 0; k < m - 2 * p + r + 1; ++k) {
+    f(down), b(up, false);
+    f(up), b(down, false);
+  }
+  for (int k = 0; k < p - r - 1; ++k) b(up, false), f(up), b(down, false);
+  bool split = false;
+  for (int k = 0; k < r + 1; ++k) {
+    if (k == (r + 1) / 2 && r % 2 == 1) split = true;
+    b(up, split);
+    if (k == (r + 1) / 2 && r % 2 == 0) split = true;
+    b(down, split);
+  }
+  for (int k = 0; k < p - r - 1; ++k) w(), b(down, split);
+  while (!weights.empty()) w();
+  CONVEYOR_CHECK(forwards[down] == m && forwards[up] == m && backwards[down] == m && backwards[up] == m,
+                 "DualPipeV left a microbatch unfinished");
+}
+
 }  // namespace
 
 Result<ScheduleKind> schedule_kind_from_name(std::string_view name) {
@@ -181,8 +231,9 @@ Result<ScheduleKind> schedule_kind_from_name(std::string_view name) {
   if (name == "interleaved") return ScheduleKind::kInterleaved;
   if (name == "zb-h1") return ScheduleKind::kZeroBubbleH1;
   if (name == "zb-v") return ScheduleKind::kZeroBubbleV;
-  return Status(ErrorCode::kInvalidArgument,
-                "unknown schedule '" + std::string(name) + "' (expected gpipe, 1f1b, interleaved, zb-h1 or zb-v)");
+  if (name == "dualpipev") return ScheduleKind::kDualPipeV;
+  return Status(ErrorCode::kInvalidArgument, "unknown schedule '" + std::string(name) +
+                                                 "' (expected gpipe, 1f1b, interleaved, zb-h1, zb-v or dualpipev)");
 }
 
 std::string_view schedule_kind_name(ScheduleKind kind) {
@@ -192,6 +243,7 @@ std::string_view schedule_kind_name(ScheduleKind kind) {
     case ScheduleKind::kInterleaved: return "interleaved";
     case ScheduleKind::kZeroBubbleH1: return "zb-h1";
     case ScheduleKind::kZeroBubbleV: return "zb-v";
+    case ScheduleKind::kDualPipeV: return "dualpipev";
   }
   return "1f1b";
 }
@@ -231,13 +283,20 @@ Result<Schedule> make_schedule(const ScheduleSpec& spec) {
   if (spec.microbatches < 1) {
     return Status(ErrorCode::kInvalidArgument, "a schedule needs at least one microbatch");
   }
-  if (spec.kind == ScheduleKind::kZeroBubbleV && spec.chunks != 2) {
-    return Status(ErrorCode::kInvalidArgument, "ZB-V holds exactly two stages (chunks) per rank, not " +
+  if (spec.v_shape() && spec.chunks != 2) {
+    return Status(ErrorCode::kInvalidArgument, std::string(schedule_kind_name(spec.kind)) +
+                                                   " holds exactly two stages (chunks) per rank, not " +
                                                    std::to_string(spec.chunks));
+  }
+  if (spec.kind == ScheduleKind::kDualPipeV && spec.microbatches < 2 * spec.ranks) {
+    return Status(ErrorCode::kInvalidArgument,
+                  "DualPipeV needs at least as many microbatches as stages (2 per rank): " +
+                      std::to_string(spec.microbatches) + " microbatches for " + std::to_string(2 * spec.ranks) +
+                      " stages");
   }
   if (spec.chunks < 1 || (spec.chunks > 1 && spec.kind != ScheduleKind::kInterleaved && !spec.v_shape())) {
     return Status(ErrorCode::kInvalidArgument,
-                  "only the interleaved and ZB-V schedules hold several stages (chunks) per rank");
+                  "only the interleaved and V-shaped (ZB-V, DualPipeV) schedules hold several stages (chunks) per rank");
   }
   if (spec.kind == ScheduleKind::kInterleaved && spec.microbatches % spec.ranks != 0) {
     return Status(ErrorCode::kInvalidArgument,
@@ -269,6 +328,9 @@ Result<Schedule> make_schedule(const ScheduleSpec& spec) {
         break;
       case ScheduleKind::kZeroBubbleV:
         zero_bubble_v(list, spec, r);
+        break;
+      case ScheduleKind::kDualPipeV:
+        dual_pipe_v(list, spec, r);
         break;
       case ScheduleKind::kZeroBubbleH1:
         break;  // all ranks at once, below

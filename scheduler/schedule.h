@@ -6,7 +6,8 @@
 // replica the same list on its share of each microbatch. A rank holds one stage, or with the
 // interleaved schedule `chunks` stages (rank r holds stages r, r + ranks, r + 2 ranks, ...),
 // or with ZB-V two stages in a V (rank r holds stages r and 2 ranks - 1 - r: the first rank
-// holds the first and the last stage, and the middle two stages share the last rank).
+// holds the first and the last stage, and the middle two stages share the last rank); DualPipeV
+// places stages as ZB-V does.
 #pragma once
 
 #include <cstdint>
@@ -19,11 +20,21 @@
 namespace conveyor::scheduler {
 
 /// The schedules conveyor generates action lists for.
-enum class ScheduleKind : std::uint8_t { kGPipe, kOneFOneB, kInterleaved, kZeroBubbleH1, kZeroBubbleV };
+enum class ScheduleKind : std::uint8_t { kGPipe, kOneFOneB, kInterleaved, kZeroBubbleH1, kZeroBubbleV, kDualPipeV };
 
-/// Parses "gpipe", "1f1b", "interleaved", "zb-h1" or "zb-v".
+/// Parses "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v" or "dualpipev".
 Result<ScheduleKind> schedule_kind_from_name(std::string_view name);
 std::string_view schedule_kind_name(ScheduleKind kind);
+/// Whether a schedule places two stages per rank in a V (ZB-V, DualPipeV).
+inline bool is_v_shape(ScheduleKind kind) {
+  return kind == ScheduleKind::kZeroBubbleV || kind == ScheduleKind::kDualPipeV;
+}
+/// Whether a schedule holds several stages per rank (interleaved, and the V shapes).
+inline bool is_chunked(ScheduleKind kind) { return kind == ScheduleKind::kInterleaved || is_v_shape(kind); }
+/// Whether a schedule splits (some) backwards into an input and a weight half.
+inline bool splits_backward(ScheduleKind kind) {
+  return kind == ScheduleKind::kZeroBubbleH1 || is_v_shape(kind);
+}
 
 /// What one action of a rank's list does.
 enum class ActionKind : std::uint8_t {
@@ -56,7 +67,7 @@ struct Action {
 using ActionList = std::vector<Action>;
 
 /// What to generate: `ranks` pipeline positions, `microbatches` per step, and for the
-/// interleaved schedule `chunks` stages per rank (stages = ranks * chunks; ZB-V: 2).
+/// interleaved schedule `chunks` stages per rank (stages = ranks * chunks; ZB-V, DualPipeV: 2).
 struct ScheduleSpec {
   ScheduleKind kind = ScheduleKind::kOneFOneB;
   int ranks = 1;
@@ -64,8 +75,8 @@ struct ScheduleSpec {
   int chunks = 1;
 
   int stages() const { return ranks * chunks; }
-  /// Whether stages run down the ranks and back up (ZB-V) rather than round-robin.
-  bool v_shape() const { return kind == ScheduleKind::kZeroBubbleV; }
+  /// Whether stages run down the ranks and back up (ZB-V, DualPipeV) rather than round-robin.
+  bool v_shape() const { return is_v_shape(kind); }
   int rank_of_stage(int stage) const {
     if (v_shape()) return stage < ranks ? stage : 2 * ranks - 1 - stage;
     return stage % ranks;

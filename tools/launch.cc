@@ -139,7 +139,7 @@ Result<JobConfig> parse_job_config(const std::string& content, const std::string
     if (c.plan != "auto" && (access(c.plan.c_str(), R_OK) != 0 || std::filesystem::is_directory(c.plan, ec))) {
       throw TomlError(t.get("plan")->line(), "plan = \"" + c.plan.substr(0, 200) + "\": no such readable file (or \"auto\")");
     }
-    c.schedule = text(t, "schedule", "auto", {"auto", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"});
+    c.schedule = text(t, "schedule", "auto", {"auto", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"});
     c.trace = text(t, "trace", "");
     if (!c.trace.empty()) {
       const std::filesystem::path dir = std::filesystem::absolute(c.trace, ec).parent_path();

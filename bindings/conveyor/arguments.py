@@ -15,9 +15,9 @@ from .errors import ConveyorValueError
 # The range of every timeout (seconds), as common/timeouts.h holds it for C++: at most a week.
 LEAST_SECONDS, MOST_SECONDS = 0.001, 604800.0
 
-SCHEDULES = ("auto", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+SCHEDULES = ("auto", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
 # Schedules that put two stages on each device group (pipeline rank).
-TWO_STAGES_PER_RANK = ("interleaved", "zb-v")
+TWO_STAGES_PER_RANK = ("interleaved", "zb-v", "dualpipev")
 
 
 def _whole(value, least: int) -> bool:

@@ -40,9 +40,9 @@ process 0's is used). The masks are not eager's: eager draws one stream in execu
     replicas      None: planned (node lists: 1); an int: every stage that many; a list: one
                   count per pipeline rank (with stages)
     microbatches  None: planned; an int: fixed
-    schedule      "auto" (planned), "gpipe", "1f1b", "interleaved", "zb-h1" or "zb-v";
-                  with an int `stages`, "auto" plans among gpipe, 1f1b and zb-h1
-                  (interleaved and zb-v put 2 of the stages on each device group)
+    schedule      "auto" (planned), "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v" or
+                  "dualpipev"; with an int `stages`, "auto" plans among gpipe, 1f1b and
+                  zb-h1 (interleaved, zb-v and dualpipev put 2 stages on each device group)
     devices       virtual devices of the local machine to plan for (default: 2-4 by cores)
     cluster       a cluster TOML file (or text) to plan for instead of the local machine
     trace         a path: the second step's measured actions are written there (Perfetto;

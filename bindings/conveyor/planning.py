@@ -350,7 +350,8 @@ class FixedParts:
                           "none": "never"}.get(recompute, "auto") if not isinstance(recompute, list) else "auto"
         if schedule == "auto":
             # A fixed stage count keeps the schedules whose stages are the device groups.
-            self.schedules = ["gpipe", "1f1b", "zb-h1"] if stages else ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]
+            self.schedules = ["gpipe", "1f1b", "zb-h1"] if stages else [
+                "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"]
         else:
             self.schedules = [schedule]
         if stages is not None:

@@ -270,6 +270,28 @@ TEST(Planner, ZeroBubbleVPlansHoldTwoPiecesPerGroupInAV) {
   EXPECT_LE(any->predicted_step_s, plan->predicted_step_s + 1e-12);
 }
 
+TEST(Planner, DualPipeVPlansAreVsWithTwoMicrobatchesPerStage) {
+  FoldedModel f(ScheduleKind::kDualPipeV);
+  auto plan = make_plan(f.g, f.cluster, f.o);
+  ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
+  EXPECT_EQ(plan->schedule, ScheduleKind::kDualPipeV);
+  ASSERT_EQ(plan->chunks, 2);
+  const int groups = plan->ranks();
+  ASSERT_GE(groups, 2) << plan->table();
+  EXPECT_GE(plan->microbatches, 2 * groups);
+  for (int k = 0; k < groups; ++k) {
+    EXPECT_EQ(plan->stages[k].first_device, plan->stages[2 * groups - 1 - k].first_device) << plan->table();
+    EXPECT_LE(plan->stages[k].memory_bytes, 20e9);
+  }
+  expect_consistent(*plan);
+  EXPECT_NE(plan->table().find("dualpipev"), std::string::npos) << plan->table();
+  // Fewer microbatches than stages: no DualPipeV plan, and the error says what it needs.
+  f.o.microbatches = 2;
+  auto few = make_plan(f.g, f.cluster, f.o);
+  ASSERT_FALSE(few.is_ok());
+  EXPECT_NE(few.status().message().find("DualPipeV needs"), std::string::npos) << few.status().message();
+}
+
 TEST(Planner, ASplitBackwardsMemoryIsWhatItsScheduleKeeps) {
   // ZB-H1 keeps a microbatch's activations until its W, later than 1F1B's B: on the same
   // stages its first rank holds more at once, and the plan says so (the simulated peak).

@@ -71,20 +71,22 @@ def test_automatic_plan_trains_like_eager_accumulation(name, batch):
             assert torch.equal(b, c) or (b - c).abs().max() <= 1e-9 * max(c.abs().max().item(), 1e-6), n
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "interleaved", "zb-v"])
-def test_fixed_stages_with_replicas_train_like_eager_accumulation(schedule):
+@pytest.mark.parametrize("schedule,microbatches", [("1f1b", 2), ("zb-h1", 2), ("interleaved", 2), ("zb-v", 2),
+                                                   ("dualpipev", 4)])
+def test_fixed_stages_with_replicas_train_like_eager_accumulation(schedule, microbatches):
     torch.manual_seed(0)
     case = zoo.gpt2(batch=8)
     ref = copy.deepcopy(case.model)
     opt = torch.optim.SGD(case.model.parameters(), lr=0.05)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
-    model = conveyor.Module(case.model, opt, stages=4, replicas=2, microbatches=2, schedule=schedule)
+    model = conveyor.Module(case.model, opt, stages=4, replicas=2, microbatches=microbatches, schedule=schedule)
+    shares = 2 * microbatches  # microbatches x 2 replicas
     for _ in range(3):
         loss = model.train_step(*case.args, **case.kwargs)
         ref_opt.zero_grad(set_to_none=True)
         ref_loss = 0
-        for a, k in split_batch(case.args, case.kwargs, 4, 8):  # 2 microbatches x 2 replicas
-            part = case.loss(ref(*a, **k)) * 0.25
+        for a, k in split_batch(case.args, case.kwargs, shares, 8):
+            part = case.loss(ref(*a, **k)) / shares
             part.backward()
             ref_loss = ref_loss + part.detach()
         ref_opt.step()
@@ -102,7 +104,7 @@ def test_fixed_stages_with_replicas_train_like_eager_accumulation(schedule):
     # Node lists run as given: no plan, so the live profile has measured figures only.
     again = copy.deepcopy(ref)
     given = conveyor.Module(again, torch.optim.SGD(again.parameters(), lr=0.05), stages=model._stage_nodes,
-                            replicas=2, microbatches=2, schedule=schedule)
+                            replicas=2, microbatches=microbatches, schedule=schedule)
     for _ in range(3):
         given.train_step(*case.args, **case.kwargs)
     report = given.profile_report()

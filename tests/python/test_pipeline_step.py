@@ -3,7 +3,7 @@ exactly like eager PyTorch with gradient accumulation over the same microbatches
 
 For the deterministic zoo (float64): 3 SGD steps with stages in {2, 3, 4}, replicas in
 {1, 2}, microbatches in {1, 4, 8} (keeping two samples per share for BatchNorm) and the
-schedules GPipe, 1F1B, ZB-H1 (split backward) and interleaved (2 chunks per rank) leave
+schedules GPipe, 1F1B, ZB-H1 (split backward), interleaved, ZB-V and DualPipeV (2 chunks per rank) leave
 every parameter (and, with one replica, every buffer) within a relative 1e-9 of eager.
 """
 import copy
@@ -103,8 +103,9 @@ def has_batchnorm(model):
 
 def configs(batch, batchnorm):
     """(schedule, stages, chunks, replicas, microbatches): stages in {2, 3, 4}, replicas in
-    {1, 2}, microbatches in {1, 4, 8}, every schedule (interleaved and ZB-V: 2 chunks per
-    rank; ZB-V's ranks hold stages in a V, so its middle stages share the last rank). A
+    {1, 2}, microbatches in {1, 4, 8}, every schedule (interleaved, ZB-V and DualPipeV: 2
+    chunks per rank; ZB-V's and DualPipeV's ranks hold stages in a V, so their middle stages
+    share the last rank). A
     BatchNorm model needs two samples in every share, so its larger splits are left out."""
     out = []
     for stages in (2, 3, 4):
@@ -118,6 +119,8 @@ def configs(batch, batchnorm):
                     out.append(("interleaved", stages, 2, replicas, m))
                 if stages % 2 == 0:
                     out.append(("zb-v", stages, 2, replicas, m))
+                if stages % 2 == 0 and m >= stages:  # DualPipeV: a microbatch per stage at least
+                    out.append(("dualpipev", stages, 2, replicas, m))
     return out
 
 

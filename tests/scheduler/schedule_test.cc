@@ -127,13 +127,58 @@ TEST(Schedule, ZeroBubbleVRunsDownTheRanksAndBackUp) {
   EXPECT_EQ(schedule_kind_from_name("zb-v").value(), ScheduleKind::kZeroBubbleV);
 }
 
+// The compute actions of a list, in order ("F0@s0 Bi0@s3 W0@s3 ...").
+std::string compute_order(const ActionList& list) {
+  std::string out;
+  for (const auto& a : list) {
+    if (a.is_compute()) out += (out.empty() ? "" : " ") + action_text(a, /*with_stage=*/true);
+  }
+  return out;
+}
+
+TEST(Schedule, DualPipeVOrdersComputeAsTorchPipeliningDoes) {
+  // torch.distributed.pipelining's ScheduleDualPipeV (2.11) for 3 ranks and 7 microbatches,
+  // its overlapped F+B pairs written as the forward then the backward.
+  const std::vector<std::string> torch_order = {
+      "F0@s0 F1@s0 F2@s0 F3@s0 F4@s0 F0@s5 Bi0@s5 W0@s5 F1@s5 Bi1@s5 W1@s5 F2@s5 F5@s0 B2@s5 F3@s5 B0@s0 F6@s0 "
+      "B3@s5 F4@s5 B1@s0 B4@s5 F5@s5 B2@s0 B5@s5 F6@s5 B3@s0 B6@s5 Bi4@s0 W4@s0 Bi5@s0 W5@s0 Bi6@s0 W6@s0",
+      "F0@s1 F1@s1 F2@s1 F0@s4 F3@s1 F1@s4 Bi0@s4 W0@s4 F2@s4 F4@s1 B1@s4 F3@s4 B0@s1 F5@s1 B2@s4 F4@s4 B1@s1 "
+      "F6@s1 B3@s4 F5@s4 B2@s1 B4@s4 F6@s4 B3@s1 B5@s4 B4@s1 Bi6@s4 Bi5@s1 W6@s4 Bi6@s1 W5@s1 W6@s1",
+      "F0@s2 F0@s3 F1@s2 F1@s3 F2@s2 F2@s3 F3@s2 B0@s3 F3@s3 B0@s2 F4@s2 B1@s3 F4@s3 B1@s2 F5@s2 B2@s3 F5@s3 "
+      "B2@s2 F6@s2 B3@s3 F6@s3 B3@s2 B4@s3 B4@s2 B5@s3 Bi5@s2 Bi6@s3 Bi6@s2 W5@s2 W6@s3 W6@s2"};
+  Schedule s = make_schedule({ScheduleKind::kDualPipeV, 3, 7, 2}).value();
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(compute_order(s.ranks[r]), torch_order[r]) << "rank " << r;
+}
+
+TEST(Schedule, DualPipeVIsValidFromTwoMicrobatchesPerStage) {
+  for (int p = 1; p <= 8; ++p) {
+    for (int m = 1; m <= 3 * p + 5; ++m) {
+      auto s = make_schedule({ScheduleKind::kDualPipeV, p, m, 2});
+      if (m < 2 * p) {
+        ASSERT_FALSE(s.is_ok()) << "p=" << p << " m=" << m;
+        EXPECT_NE(s.status().message().find("at least as many microbatches as stages"), std::string::npos);
+        continue;
+      }
+      ASSERT_TRUE(s.is_ok()) << "p=" << p << " m=" << m << ": " << s.status().message();
+      for (int r = 0; r < p; ++r) {
+        EXPECT_EQ(s->spec.stages_of_rank(r), (std::vector<int>{r, 2 * p - 1 - r}));
+        // DualPipe's activation memory: 2p + 2 stage-microbatches in flight (p + 1 whole
+        // microbatches of a rank's model) at most, one more than ZB-V's bound.
+        EXPECT_LE(peak_in_flight(s->ranks[r]), 2 * p + 2) << "p=" << p << " m=" << m << " rank " << r;
+      }
+    }
+  }
+  EXPECT_EQ(schedule_kind_from_name("dualpipev").value(), ScheduleKind::kDualPipeV);
+  EXPECT_FALSE(make_schedule({ScheduleKind::kDualPipeV, 2, 4, 1}).is_ok());
+}
+
 TEST(Schedule, BadSpecsAndNames) {
   EXPECT_FALSE(make_schedule({ScheduleKind::kGPipe, 0, 4}).is_ok());
   EXPECT_FALSE(make_schedule({ScheduleKind::kGPipe, 2, 0}).is_ok());
   EXPECT_EQ(schedule_kind_from_name("1f1b").value(), ScheduleKind::kOneFOneB);
   auto bad = schedule_kind_from_name("pipedream");
   ASSERT_FALSE(bad.is_ok());
-  EXPECT_NE(bad.status().message().find("expected gpipe, 1f1b, interleaved, zb-h1 or zb-v"), std::string::npos);
+  EXPECT_NE(bad.status().message().find("expected gpipe, 1f1b, interleaved, zb-h1, zb-v or dualpipev"), std::string::npos);
   EXPECT_EQ(schedule_kind_from_name("zb-h1").value(), ScheduleKind::kZeroBubbleH1);
 }
 

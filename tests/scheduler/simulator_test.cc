@@ -239,5 +239,26 @@ TEST(Simulator, ASplitBackwardPeaksWithTheGradientsItsInputHalfCaptures) {
   EXPECT_DOUBLE_EQ(peak(ScheduleKind::kZeroBubbleH1, 3), 113);
 }
 
+
+TEST(Simulator, DualPipeVIdlesOnlyTheFillAndHoldsOneStageMicrobatchMoreThanZeroBubbleV) {
+  // DualPipeV's gain over ZB-V is overlapping the forward and the backward it pairs (F&B in
+  // DeepSeek-V3's table 2), which one compute stream per replica does not do. Run in order,
+  // at unit costs (F = Bi = W = 1 per stage) it idles only the fill, p - 1 units per rank,
+  // as ZB-V does; its activations peak at 2p + 1 stage-microbatches against ZB-V's 2p
+  // (DualPipe's PP + 1 against PP).
+  for (int p : {1, 2, 3, 4, 8}) {
+    for (int m : {2 * p, 2 * p + 3, 4 * p, 32}) {
+      const std::vector<StageCost> costs(2 * p, StageCost{1.0, 2.0, 1.0, 0, 0, 0, 0, 0, 1.0});
+      auto dpv = simulate(*make_schedule({ScheduleKind::kDualPipeV, p, m, 2}), costs, LinkCost{});
+      auto zbv = simulate(*make_schedule({ScheduleKind::kZeroBubbleV, p, m, 2}), costs, LinkCost{});
+      ASSERT_TRUE(dpv.is_ok() && zbv.is_ok()) << dpv.status().to_string();
+      EXPECT_NEAR(dpv->step_time_s, 6.0 * m + (p - 1), 1e-9) << "p=" << p << " m=" << m;
+      EXPECT_NEAR(dpv->bubble_fraction * dpv->step_time_s, p - 1.0, 1e-9) << "p=" << p << " m=" << m;
+      EXPECT_NEAR(dpv->peak_bytes[0], 2.0 * p + 1, 1e-9) << "p=" << p << " m=" << m;
+      EXPECT_NEAR(zbv->peak_bytes[0], 2.0 * p, 1e-9) << "p=" << p << " m=" << m;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace conveyor::scheduler
