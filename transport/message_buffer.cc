@@ -80,22 +80,36 @@ at::Tensor message_bytes(std::size_t n) {
   return at::from_blob(ptr, {static_cast<std::int64_t>(n)}, [cls](void* q) { give_back(q, cls); }, bytes);
 }
 
-at::Tensor pack_message(const std::vector<at::Tensor>& tensors) {
-  std::vector<std::int64_t> header{static_cast<std::int64_t>(tensors.size())};
-  std::vector<at::Tensor> host;
-  for (const auto& t : tensors) {
-    at::Tensor c = t.defined() ? t.detach().to(at::kCPU).contiguous() : at::Tensor();
+namespace {
+
+// The header of `host` (count, then per tensor dtype, rank, sizes, bytes), its count negated
+// when the bytes follow in parts.
+std::vector<std::int64_t> header_of(const std::vector<at::Tensor>& host, bool in_parts) {
+  const auto count = static_cast<std::int64_t>(host.size());
+  std::vector<std::int64_t> header{in_parts ? -count : count};
+  for (const auto& c : host) {
     header.push_back(c.defined() ? static_cast<std::int64_t>(c.scalar_type()) : -1);
     header.push_back(c.defined() ? c.dim() : 0);
     if (c.defined()) {
       for (std::int64_t d = 0; d < c.dim(); ++d) header.push_back(c.size(d));
     }
     header.push_back(c.defined() ? static_cast<std::int64_t>(c.nbytes()) : 0);
-    host.push_back(std::move(c));
   }
+  return header;
+}
+
+std::vector<at::Tensor> on_host(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> host;
+  for (const auto& t : tensors) host.push_back(t.defined() ? t.detach().to(at::kCPU).contiguous() : at::Tensor());
+  return host;
+}
+
+// One buffer: the header (its word count first), then each tensor's bytes unless in parts.
+at::Tensor pack(const std::vector<at::Tensor>& host, bool in_parts) {
+  const std::vector<std::int64_t> header = header_of(host, in_parts);
   std::size_t total = aligned(sizeof(std::int64_t) * (1 + header.size()));
   for (const auto& c : host) {
-    if (c.defined()) total += aligned(c.nbytes());
+    if (c.defined() && !in_parts) total += aligned(c.nbytes());
   }
   at::Tensor out = message_bytes(total);
   auto* bytes = static_cast<std::uint8_t*>(out.data_ptr());
@@ -104,14 +118,30 @@ at::Tensor pack_message(const std::vector<at::Tensor>& tensors) {
   std::memcpy(bytes + sizeof n, header.data(), sizeof(std::int64_t) * header.size());
   std::size_t at = aligned(sizeof(std::int64_t) * (1 + header.size()));
   for (const auto& c : host) {
-    if (!c.defined()) continue;
+    if (!c.defined() || in_parts) continue;
     if (c.nbytes() > 0) std::memcpy(bytes + at, c.data_ptr(), c.nbytes());
     at += aligned(c.nbytes());
   }
   return out;
 }
 
-Result<std::vector<at::Tensor>> unpack_message(const at::Tensor& buffer) {
+}  // namespace
+
+at::Tensor pack_message(const std::vector<at::Tensor>& tensors) { return pack(on_host(tensors), false); }
+
+OutgoingMessage frame_message(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> host = on_host(tensors);
+  std::size_t data = 0;
+  for (const auto& c : host) data += c.defined() ? c.nbytes() : 0;
+  if (data < kPartsFrom) return {pack(host, false), {}};
+  OutgoingMessage out{pack(host, true), {}};
+  for (auto& c : host) {
+    if (c.defined() && c.nbytes() > 0) out.parts.push_back(std::move(c));
+  }
+  return out;
+}
+
+Result<IncomingMessage> read_message(const at::Tensor& buffer) {
   auto corrupt = [] { return Status(ErrorCode::kCorrupt, "a UCX message with a malformed header (a peer of another version?)"); };
   const auto* b = static_cast<const std::uint8_t*>(buffer.data_ptr());
   const std::size_t size = static_cast<std::size_t>(buffer.numel());
@@ -122,8 +152,10 @@ Result<std::vector<at::Tensor>> unpack_message(const at::Tensor& buffer) {
   std::vector<std::int64_t> h(static_cast<std::size_t>(n));
   std::memcpy(h.data(), b + sizeof n, sizeof(std::int64_t) * h.size());
   std::size_t at = aligned(sizeof(std::int64_t) * (1 + h.size())), k = 1;
-  std::vector<at::Tensor> out;
-  for (std::int64_t i = 0; i < h[0]; ++i) {
+  const bool in_parts = h[0] < 0;
+  const std::int64_t count = in_parts ? -h[0] : h[0];
+  IncomingMessage out;
+  for (std::int64_t i = 0; i < count; ++i) {
     if (k + 2 > h.size()) return corrupt();
     const std::int64_t dtype = h[k++], ndim = h[k++];
     if (ndim < 0 || k + static_cast<std::size_t>(ndim) + 1 > h.size()) return corrupt();
@@ -131,11 +163,11 @@ Result<std::vector<at::Tensor>> unpack_message(const at::Tensor& buffer) {
     k += static_cast<std::size_t>(ndim);
     const std::int64_t bytes = h[k++];
     if (dtype < 0) {
-      out.emplace_back();
+      out.tensors.emplace_back();
       continue;
     }
-    if (dtype >= static_cast<std::int64_t>(at::ScalarType::NumOptions) || bytes < 0 || at > size ||
-        static_cast<std::size_t>(bytes) > size - at) {
+    if (dtype >= static_cast<std::int64_t>(at::ScalarType::NumOptions) || bytes < 0 ||
+        (!in_parts && (at > size || static_cast<std::size_t>(bytes) > size - at))) {
       return corrupt();
     }
     std::int64_t elements = 1;
@@ -143,17 +175,24 @@ Result<std::vector<at::Tensor>> unpack_message(const at::Tensor& buffer) {
       if (d < 0 || (d > 0 && elements > std::numeric_limits<std::int64_t>::max() / d)) return corrupt();
       elements *= d;
     }
-    const auto options = at::TensorOptions().dtype(static_cast<at::ScalarType>(dtype));
-    const std::int64_t item = static_cast<std::int64_t>(c10::elementSize(static_cast<at::ScalarType>(dtype)));
+    const auto type = static_cast<at::ScalarType>(dtype);
+    const auto options = at::TensorOptions().dtype(type);
+    const std::int64_t item = static_cast<std::int64_t>(c10::elementSize(type));
     if (elements > std::numeric_limits<std::int64_t>::max() / item || elements * item != bytes) return corrupt();
     if (bytes == 0) {
-      out.push_back(at::empty(sizes, options));
+      out.tensors.push_back(at::empty(sizes, options));
+      continue;
+    }
+    if (in_parts) {  // received later, into a pooled buffer that the tensor keeps
+      at::Tensor part = message_bytes(static_cast<std::size_t>(bytes));
+      out.parts.push_back(part);
+      out.tensors.push_back(at::from_blob(part.data_ptr(), sizes, [part](void*) mutable { part.reset(); }, options));
       continue;
     }
     // A tensor over the received bytes; its deleter keeps the buffer alive.
     at::Tensor keep = buffer;
-    out.push_back(at::from_blob(const_cast<std::uint8_t*>(b + at), sizes, [keep](void*) mutable { keep.reset(); },
-                                options));
+    out.tensors.push_back(at::from_blob(const_cast<std::uint8_t*>(b + at), sizes,
+                                        [keep](void*) mutable { keep.reset(); }, options));
     at += aligned(static_cast<std::size_t>(bytes));
   }
   return out;

@@ -1,7 +1,10 @@
-// Tensors as one UCX message: a header (count, then per tensor dtype, rank, sizes and bytes)
-// and each tensor's bytes at a 64-byte boundary. Packing copies once into an uninitialized
-// buffer (the caller may change its tensors as soon as send() returns); unpacking copies
-// nothing: the tensors received are made over the received buffer, which they keep alive.
+// Tensors as UCX messages: a header (count, then per tensor dtype, rank, sizes and bytes)
+// and each tensor's bytes at a 64-byte boundary. Below kPartsFrom bytes of data, packing
+// copies once into one buffer and the tensors received are made over it, which they keep
+// alive. From kPartsFrom, the header goes alone (its count negated) and each tensor's bytes
+// follow as a message of its own under the same tag, sent from the caller's memory and
+// received into the tensor it becomes: over shared memory the one copy is the receiver's
+// read from the sender (transport.h: a sender does not modify what it sent until done).
 // Buffers of 64 KiB and more come from a pool and go back to it when their last tensor
 // dies: a fresh large allocation is fresh pages from the kernel, each faulted in and zeroed
 // on first touch, which cost more than the copy itself from a few MB up
@@ -10,6 +13,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -25,8 +29,31 @@ at::Tensor message_bytes(std::size_t n);
 /// a CPU byte tensor, contiguous.
 at::Tensor pack_message(const std::vector<at::Tensor>& tensors);
 
-/// The tensors of a message `buffer` (a CPU byte tensor, contiguous, as received), sharing
-/// its memory. Errors: a malformed header or sizes that do not add up (kCorrupt).
-Result<std::vector<at::Tensor>> unpack_message(const at::Tensor& buffer);
+/// A message as it goes out: one buffer (`header` holds everything, `parts` is empty), or
+/// from kPartsFrom bytes of tensor data a header followed by `parts`, the bytes of each
+/// defined non-empty tensor as the caller gave it (host, contiguous; nothing copied).
+struct OutgoingMessage {
+  at::Tensor header;
+  std::vector<at::Tensor> parts;
+};
+
+/// Messages with this many bytes of tensor data or more travel in parts.
+inline constexpr std::size_t kPartsFrom = std::size_t{64} << 10;
+
+/// `tensors` (undefined ones allowed; device tensors copied to the host) framed for sending.
+OutgoingMessage frame_message(const std::vector<at::Tensor>& tensors);
+
+/// A received first buffer, read: the message's `tensors`, complete when `parts` is empty;
+/// otherwise the buffers each following part is to be received into, in order (the bytes
+/// of tensors, pooled like message_bytes).
+struct IncomingMessage {
+  std::vector<at::Tensor> tensors;
+  std::vector<at::Tensor> parts;
+};
+
+/// Reads a message's first `buffer` (a CPU byte tensor, contiguous, as received); the
+/// tensors of a message in one buffer share its memory. Errors: a malformed header or sizes
+/// that do not add up (kCorrupt).
+Result<IncomingMessage> read_message(const at::Tensor& buffer);
 
 }  // namespace conveyor::transport

@@ -13,13 +13,16 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <future>
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <unordered_set>
 
 #include "transport/message_buffer.h"
 #include "transport/peer_liveness.h"
+#include "transport/ucx_request.h"
 
 namespace conveyor::transport {
 
@@ -35,35 +38,7 @@ constexpr Tag kByeTag = kMaxTag - 2;
 
 ucp_tag_t ucx_tag(Tag tag, int from) { return (tag << kRankBits) | static_cast<ucp_tag_t>(from); }
 
-Status ucx_error(const std::string& what, ucs_status_t s) {
-  return Status(ErrorCode::kExecution, what + ": " + ucs_status_string(s));
-}
-
 int sender_of(ucp_tag_t tag) { return static_cast<int>(tag & ((ucp_tag_t{1} << kRankBits) - 1)); }
-
-// A transfer with `peer` that failed: when the status says the peer is gone, named as the
-// endpoint's error handler names it (a request can fail before that handler runs). Over
-// shared memory a peer that died fails the copy from its memory with an I/O error.
-Status transfer_error(const char* what, const std::string& lost_peer, ucs_status_t s) {
-  const bool gone = s == UCS_ERR_ENDPOINT_TIMEOUT || s == UCS_ERR_CONNECTION_RESET || s == UCS_ERR_UNREACHABLE ||
-                    s == UCS_ERR_IO_ERROR;
-  return ucx_error(gone ? lost_peer : what, s);
-}
-
-// What a UCX request's callback needs; `in_flight` is the member's count of open requests.
-// `lost_peer`: how an error names the peer when it is gone ("process 2 was lost").
-struct SendContext {
-  at::Tensor buffer;  // the message (transport/message_buffer.h)
-  Done done;
-  int* in_flight = nullptr;
-  std::string lost_peer;
-};
-struct RecvContext {
-  at::Tensor buffer;
-  Received done;
-  int* in_flight = nullptr;
-  std::string lost_peer;
-};
 
 class UcxMember final : public UcxEndpoint {
  public:
@@ -201,28 +176,33 @@ class UcxMember final : public UcxEndpoint {
 
   void send_tagged(int peer, Tag tag, std::vector<at::Tensor> tensors, Done done) {
     if (Status e = current_error(); !e) return done(e);
-    auto ctx = std::make_shared<SendContext>(SendContext{pack_message(tensors), std::move(done), &in_flight_, lost(peer)});
-    post([this, peer, tag, ctx] {
-      if (Status e = current_error(); !e) return ctx->done(e);
-      if (!eps_[peer]) return ctx->done(Status(ErrorCode::kInvalidArgument, "member " + std::to_string(rank_) +
-                                                                              " is not connected to member " + std::to_string(peer)));
-      auto* raw = new SendContext(*ctx);  // owned by the request's callback
-      ++in_flight_;
-      ucp_request_param_t p{};
-      p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-      p.cb.send = [](void* request, ucs_status_t status, void* user) {
-        std::unique_ptr<SendContext> c(static_cast<SendContext*>(user));
-        --*c->in_flight;
-        ucp_request_free(request);
-        c->done(status == UCS_OK ? Status::ok() : transfer_error("a UCX send", c->lost_peer, status));
+    auto message = std::make_shared<OutgoingMessage>(frame_message(tensors));
+    post([this, peer, tag, message, done = std::move(done)]() mutable {
+      if (Status e = current_error(); !e) return done(e);
+      if (!eps_[peer]) return done(Status(ErrorCode::kInvalidArgument, "member " + std::to_string(rank_) +
+                                                                          " is not connected to member " + std::to_string(peer)));
+      // The header, then each part, under one tag (UCX keeps their order): done once all went.
+      struct Left {
+        std::size_t count;
+        Status status;
+        Done done;
       };
-      p.user_data = raw;
-      ucs_status_ptr_t r = ucp_tag_send_nbx(eps_[peer], raw->buffer.data_ptr(), static_cast<std::size_t>(raw->buffer.numel()), ucx_tag(tag, rank_), &p);
-      if (r == nullptr || UCS_PTR_IS_ERR(r)) {  // done inline, or failed: no callback comes
-        --in_flight_;
-        std::unique_ptr<SendContext> c(raw);
-        c->done(r == nullptr ? Status::ok() : transfer_error("a UCX send", c->lost_peer, UCS_PTR_STATUS(r)));
-      }
+      auto left = std::make_shared<Left>(Left{1 + message->parts.size(), Status::ok(), std::move(done)});
+      auto send = [&](const at::Tensor& t) {
+        ++in_flight_;
+        post_request(
+            [this, left, message, peer](ucs_status_t s) {
+              --in_flight_;
+              if (s != UCS_OK && left->status.is_ok()) left->status = transfer_error("a UCX send", lost(peer), s);
+              if (--left->count == 0) left->done(left->status);
+            },
+            [&](const ucp_request_param_t& p) {
+              return ucp_tag_send_nbx(eps_[peer], t.data_ptr(), t.nbytes(), ucx_tag(tag, rank_), &p);
+            },
+            /*receive=*/false);
+      };
+      send(message->header);
+      for (const auto& part : message->parts) send(part);
     });
   }
 
@@ -265,7 +245,7 @@ class UcxMember final : public UcxEndpoint {
       if (msg == nullptr) break;
       any = true;
       const int from = sender_of(info.sender_tag);
-      receive_probed(msg, info.length, from,
+      receive_probed(msg, info.length, from, info.sender_tag,
                      [this, from](Result<std::vector<at::Tensor>>) { send_tagged(from, kPongTag, {}, [](Status) {}); });
     }
     while (true) {  // a peer that closed: what it sent before stays receivable
@@ -275,7 +255,7 @@ class UcxMember final : public UcxEndpoint {
       if (msg == nullptr) return any;
       any = true;
       const int from = sender_of(info.sender_tag);
-      receive_probed(msg, info.length, from, [this, from](Result<std::vector<at::Tensor>>) {
+      receive_probed(msg, info.length, from, info.sender_tag, [this, from](Result<std::vector<at::Tensor>>) {
         if (from >= 0 && from < world_) closed_at_[static_cast<std::size_t>(from)] = std::chrono::steady_clock::now();
       });
     }
@@ -303,30 +283,58 @@ class UcxMember final : public UcxEndpoint {
   }
 
   // On the progress thread: receives the probed message `msg` of `length` bytes from member
-  // `from` and hands its tensors, or the error, to `done`.
-  void receive_probed(ucp_tag_message_h msg, std::size_t length, int from, Received done) {
-    auto* ctx = new RecvContext{message_bytes(length),
-                                std::move(done), &in_flight_, lost(from)};
+  // `from` under `tag`, then the parts its header announces, and hands its tensors, or the
+  // error, to `done`.
+  void receive_probed(ucp_tag_message_h msg, std::size_t length, int from, ucp_tag_t tag, Received done) {
+    at::Tensor first = message_bytes(length);
     ++in_flight_;
-    ucp_request_param_t p{};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    p.cb.recv = [](void* request, ucs_status_t status, const ucp_tag_recv_info_t*, void* user) {
-      std::unique_ptr<RecvContext> c(static_cast<RecvContext*>(user));
-      --*c->in_flight;
-      ucp_request_free(request);
-      if (status != UCS_OK) return c->done(transfer_error("a UCX receive", c->lost_peer, status));
-      c->done(unpack_message(c->buffer));
+    reading_.insert(tag);  // until the whole message is in, no other receive takes the tag's next one
+    post_request(
+        [this, first, from, tag, done = std::move(done)](ucs_status_t s) mutable {
+          --in_flight_;
+          auto message = s == UCS_OK ? read_message(first) : transfer_error("a UCX receive", lost(from), s);
+          if (message.is_ok() && !message->parts.empty()) return receive_parts(std::move(*message), from, tag, std::move(done));
+          reading_.erase(tag);
+          if (!message.is_ok()) return done(message.status());
+          done(std::move(message->tensors));
+        },
+        [&](const ucp_request_param_t& p) { return ucp_tag_msg_recv_nbx(worker_, first.data_ptr(), length, msg, &p); },
+        /*receive=*/true);
+  }
+
+  // On the progress thread, as the header is received: receives each part the header
+  // announced into its tensor. Until all are in, no other receive matches the tag, so the
+  // receives of one (peer, tag) complete in order. Parts still posted when the member fails
+  // are cancelled (fail_now) and fail with its error.
+  void receive_parts(IncomingMessage message, int from, ucp_tag_t tag, Received done) {
+    struct Left {
+      std::size_t count;
+      Status status;
+      std::vector<at::Tensor> tensors;
+      Received done;
     };
-    p.user_data = ctx;
-    ucs_status_ptr_t r = ucp_tag_msg_recv_nbx(worker_, ctx->buffer.data_ptr(), length, msg, &p);
-    if (r == nullptr || UCS_PTR_IS_ERR(r)) {  // done inline, or failed: no callback comes
-      --in_flight_;
-      std::unique_ptr<RecvContext> c(ctx);
-      if (r == nullptr) {
-        c->done(unpack_message(c->buffer));
-      } else {
-        c->done(transfer_error("a UCX receive", c->lost_peer, UCS_PTR_STATUS(r)));
-      }
+    auto left = std::make_shared<Left>(Left{message.parts.size(), Status::ok(), std::move(message.tensors), std::move(done)});
+    for (at::Tensor& part : message.parts) {
+      ++in_flight_;
+      auto posted = std::make_shared<void*>(nullptr);
+      *posted = post_request(
+          [this, left, part, from, tag, posted](ucs_status_t s) {
+            --in_flight_;
+            posted_parts_.erase(*posted);
+            if (s != UCS_OK && left->status.is_ok()) {
+              Status failed = current_error();
+              left->status = s == UCS_ERR_CANCELED && !failed.is_ok() ? failed : transfer_error("a UCX receive", lost(from), s);
+            }
+            if (--left->count > 0) return;
+            reading_.erase(tag);
+            if (!left->status.is_ok()) return left->done(left->status);
+            left->done(std::move(left->tensors));
+          },
+          [&](const ucp_request_param_t& p) {
+            return ucp_tag_recv_nbx(worker_, part.data_ptr(), part.nbytes(), tag, ~ucp_tag_t{0}, &p);
+          },
+          /*receive=*/true);
+      if (*posted != nullptr) posted_parts_.insert(*posted);
     }
   }
 
@@ -354,6 +362,8 @@ class UcxMember final : public UcxEndpoint {
     std::deque<PendingReceive> pending;
     pending.swap(receives_);
     for (auto& r : pending) r.done(error);
+    const std::unordered_set<void*> parts = posted_parts_;  // each cancelled completes (and erases itself)
+    for (void* r : parts) ucp_request_cancel(worker_, r);
   }
 
   void loop() {
@@ -369,6 +379,10 @@ class UcxMember final : public UcxEndpoint {
       busy |= answer_pings();
       // Match pending receives in order: per (peer, tag) messages complete in arrival order.
       for (auto it = receives_.begin(); it != receives_.end();) {
+        if (reading_.contains(it->tag)) {
+          ++it;
+          continue;
+        }
         ucp_tag_recv_info_t info{};
         ucp_tag_message_h msg = ucp_tag_probe_nb(worker_, it->tag, ~ucp_tag_t{0}, 1, &info);
         if (msg == nullptr) {
@@ -390,7 +404,7 @@ class UcxMember final : public UcxEndpoint {
         Received done = std::move(it->done);
         const int from = sender_of(it->tag);
         it = receives_.erase(it);
-        receive_probed(msg, info.length, from, std::move(done));
+        receive_probed(msg, info.length, from, info.sender_tag, std::move(done));
       }
       fail_exited();
       if (stop_) break;
@@ -401,7 +415,10 @@ class UcxMember final : public UcxEndpoint {
       }
       // Just after traffic a reply often follows within microseconds (shared memory raises
       // its wakeup late): keep polling a short while before sleeping.
-      if (now - last_busy_ < kSpin) continue;
+      if (now - last_busy_ < kSpin) {
+        std::this_thread::yield();  // to a thread woken on this core (a waiter polls too: transport.cc)
+        continue;
+      }
       // A transfer in flight may need progress that raises no event (a send waiting for
       // socket or FIFO space): keep progressing, yielding the core between rounds, and
       // looking at the watched peers every millisecond (one that died holds it forever).
@@ -520,6 +537,8 @@ class UcxMember final : public UcxEndpoint {
   std::vector<std::unique_ptr<std::pair<UcxMember*, int>>> handler_args_;
   std::deque<PendingReceive> receives_;  // progress thread only
   int in_flight_ = 0;                    // UCX requests not completed (progress thread only)
+  std::unordered_set<void*> posted_parts_;  // receives of message parts in flight (progress thread only)
+  std::unordered_set<ucp_tag_t> reading_;  // tags with a message being received (progress thread only)
   std::thread progress_;
   std::atomic<bool> stop_{false};
   bool shared_memory_ = false;  // peers on this host over shared memory (start)

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <functional>
 #include <mutex>
 #include <numeric>
@@ -164,6 +165,59 @@ TEST_P(Conformance, MessagesArriveWholeInOrderPerTagWhicheverSideComesFirst) {
     ASSERT_TRUE(from2.is_ok() && from0.is_ok());
     EXPECT_EQ((*from2)[0].item<float>(), k);
     EXPECT_EQ((*from0)[0].item<float>(), 100 + k);
+  }
+}
+
+// From kPartsFrom bytes a UCX message travels as a header and a message per tensor under
+// one tag: several in flight under that tag still arrive whole and in order, with the
+// receives posted before or after the sends, mixed with small messages.
+TEST_P(Conformance, LargeMessagesSharingATagArriveWholeInOrder) {
+  WORLD_OR_SKIP(eps, 2);
+  auto message = [](int k) {
+    return std::vector<at::Tensor>{at::full({300, 1000}, k, at::kFloat), at::Tensor(), at::arange(k + 1, at::kLong),
+                                   at::full({70000}, -k, at::kDouble)};
+  };
+  auto check = [&](const Result<std::vector<at::Tensor>>& got, int k) {
+    ASSERT_TRUE(got.is_ok()) << got.status().to_string();
+    const auto want = k % 3 == 2 ? std::vector<at::Tensor>{at::full({2}, k, at::kInt)} : message(k);
+    ASSERT_EQ(got->size(), want.size()) << "message " << k;
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      EXPECT_EQ((*got)[i].defined(), want[i].defined());
+      if (want[i].defined()) EXPECT_TRUE(at::equal((*got)[i], want[i])) << "message " << k << " tensor " << i;
+    }
+  };
+  for (bool receives_first : {true, false}) {
+    std::vector<std::future<Result<std::vector<at::Tensor>>>> got;
+    auto post_receives = [&] {
+      for (int k = 0; k < 6; ++k) got.push_back(std::async(std::launch::async, [&eps] { return receive(*eps[1], 0, 3); }));
+    };
+    if (receives_first) post_receives();
+    std::vector<std::future<Status>> sent;
+    for (int k = 0; k < 6; ++k) {  // every third small; all in flight at once, sent in order
+      auto done = std::make_shared<std::promise<Status>>();
+      sent.push_back(done->get_future());
+      eps[0]->send(1, 3, k % 3 == 2 ? std::vector<at::Tensor>{at::full({2}, k, at::kInt)} : message(k),
+                   [done](Status s) { done->set_value(s); });
+    }
+    if (!receives_first) {
+      // One at a time: each receive is the next message under the tag.
+      for (int k = 0; k < 6; ++k) check(receive(*eps[1], 0, 3), k);
+    } else {
+      // Posted at once from six threads, so which receive gets which message is open: the
+      // messages, sorted by their first value, are still each whole and all there.
+      std::vector<Result<std::vector<at::Tensor>>> results;
+      for (auto& g : got) results.push_back(g.get());
+      std::vector<int> seen;
+      for (auto& r : results) {
+        ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+        const int k = static_cast<int>((*r)[0].flatten()[0].item<double>());
+        seen.push_back(k);
+        check(r, k);
+      }
+      std::sort(seen.begin(), seen.end());
+      EXPECT_EQ(seen, (std::vector<int>{0, 1, 2, 3, 4, 5}));
+    }
+    for (auto& s : sent) EXPECT_TRUE(s.get().is_ok());
   }
 }
 
