@@ -240,15 +240,16 @@ TEST(Planner, InterleavedPlansRegroupStagesOntoDeviceGroups) {
   EXPECT_EQ(none.status().code(), ErrorCode::kUnsupported) << none.status().to_string();
 }
 
-TEST(Planner, ZeroBubbleVPlansHoldTwoPiecesPerGroupInAV) {
-  FoldedModel f(ScheduleKind::kZeroBubbleV);
+// A plan of `kind` for f's model holds two pieces per device group in a V: the model down
+// the groups and back up, within the devices' memory.
+Result<Plan> v_shaped_plan(const FoldedModel& f, ScheduleKind kind) {
   auto plan = make_plan(f.g, f.cluster, f.o);
-  ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
-  EXPECT_EQ(plan->schedule, ScheduleKind::kZeroBubbleV);
-  ASSERT_EQ(plan->chunks, 2);
+  if (!plan.is_ok()) return plan;
+  EXPECT_EQ(plan->schedule, kind);
+  EXPECT_EQ(plan->chunks, 2);
   const int groups = plan->ranks();
-  ASSERT_GE(groups, 2) << plan->table();
-  for (int k = 0; k < groups; ++k) {  // the model down the groups and back up
+  EXPECT_GE(groups, 2) << plan->table();
+  for (int k = 0; k < groups && plan->chunks == 2; ++k) {
     const auto& down = plan->stages[k];
     const auto& up = plan->stages[2 * groups - 1 - k];
     EXPECT_EQ(down.first_device, up.first_device) << plan->table();
@@ -256,6 +257,13 @@ TEST(Planner, ZeroBubbleVPlansHoldTwoPiecesPerGroupInAV) {
     EXPECT_LE(down.memory_bytes, 20e9);
   }
   expect_consistent(*plan);
+  return plan;
+}
+
+TEST(Planner, ZeroBubbleVPlansHoldTwoPiecesPerGroupInAV) {
+  FoldedModel f(ScheduleKind::kZeroBubbleV);
+  auto plan = v_shaped_plan(f, ScheduleKind::kZeroBubbleV);
+  ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
   std::string three = plan->to_json();
   const std::string two = "\"chunks\": 2";
   ASSERT_NE(three.find(two), std::string::npos) << three;
@@ -272,18 +280,9 @@ TEST(Planner, ZeroBubbleVPlansHoldTwoPiecesPerGroupInAV) {
 
 TEST(Planner, DualPipeVPlansAreVsWithTwoMicrobatchesPerStage) {
   FoldedModel f(ScheduleKind::kDualPipeV);
-  auto plan = make_plan(f.g, f.cluster, f.o);
+  auto plan = v_shaped_plan(f, ScheduleKind::kDualPipeV);
   ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
-  EXPECT_EQ(plan->schedule, ScheduleKind::kDualPipeV);
-  ASSERT_EQ(plan->chunks, 2);
-  const int groups = plan->ranks();
-  ASSERT_GE(groups, 2) << plan->table();
-  EXPECT_GE(plan->microbatches, 2 * groups);
-  for (int k = 0; k < groups; ++k) {
-    EXPECT_EQ(plan->stages[k].first_device, plan->stages[2 * groups - 1 - k].first_device) << plan->table();
-    EXPECT_LE(plan->stages[k].memory_bytes, 20e9);
-  }
-  expect_consistent(*plan);
+  EXPECT_GE(plan->microbatches, 2 * plan->ranks());
   EXPECT_NE(plan->table().find("dualpipev"), std::string::npos) << plan->table();
   // Fewer microbatches than stages: no DualPipeV plan, and the error says what it needs.
   f.o.microbatches = 2;
