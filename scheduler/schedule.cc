@@ -188,14 +188,16 @@ void zero_bubble_v(ActionList& list, const ScheduleSpec& spec, int r) {
 //   7: p - r - 1 times a pending W, B down (split when 6 ended split);  8: every W left.
 void dual_pipe_v(ActionList& list, const ScheduleSpec& spec, int r) {
   const int p = spec.ranks, m = spec.microbatches;
-  const int down = r, up = 2 * p - 1 - r;
-  std::map<int, int> forwards, backwards;  // next microbatch per stage
+  struct Leg {
+    int stage, forwards = 0, backwards = 0;
+  };
+  Leg down{r}, up{2 * p - 1 - r};
   std::deque<std::pair<int, int>> weights;  // (stage, microbatch) whose W is pending
-  auto f = [&](int stage) { forward(list, spec, stage, forwards[stage]++); };
-  auto b = [&](int stage, bool split) {
-    const int mb = backwards[stage]++;
-    backward(list, spec, stage, mb, split ? ActionKind::kBackwardInput : ActionKind::kBackward);
-    if (split) weights.emplace_back(stage, mb);
+  auto f = [&](Leg& l) { forward(list, spec, l.stage, l.forwards++); };
+  auto b = [&](Leg& l, bool split) {
+    const int mb = l.backwards++;
+    backward(list, spec, l.stage, mb, split ? ActionKind::kBackwardInput : ActionKind::kBackward);
+    if (split) weights.emplace_back(l.stage, mb);
   };
   auto w = [&] {
     if (weights.empty()) return;
@@ -219,7 +221,7 @@ void dual_pipe_v(ActionList& list, const ScheduleSpec& spec, int r) {
   }
   for (int k = 0; k < p - r - 1; ++k) w(), b(down, split);
   while (!weights.empty()) w();
-  CONVEYOR_CHECK(forwards[down] == m && forwards[up] == m && backwards[down] == m && backwards[up] == m,
+  CONVEYOR_CHECK(down.forwards == m && up.forwards == m && down.backwards == m && up.backwards == m,
                  "DualPipeV left a microbatch unfinished");
 }
 

@@ -127,8 +127,6 @@ at::Tensor pack(const std::vector<at::Tensor>& host, bool in_parts) {
 
 }  // namespace
 
-at::Tensor pack_message(const std::vector<at::Tensor>& tensors) { return pack(on_host(tensors), false); }
-
 OutgoingMessage frame_message(const std::vector<at::Tensor>& tensors) {
   std::vector<at::Tensor> host = on_host(tensors);
   std::size_t data = 0;

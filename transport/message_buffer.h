@@ -25,10 +25,6 @@ namespace conveyor::transport {
 /// memory returns to the pool when the last tensor over it dies. Thread-safe.
 at::Tensor message_bytes(std::size_t n);
 
-/// `tensors` (undefined ones allowed; device tensors copied to the host) as one message:
-/// a CPU byte tensor, contiguous.
-at::Tensor pack_message(const std::vector<at::Tensor>& tensors);
-
 /// A message as it goes out: one buffer (`header` holds everything, `parts` is empty), or
 /// from kPartsFrom bytes of tensor data a header followed by `parts`, the bytes of each
 /// defined non-empty tensor as the caller gave it (host, contiguous; nothing copied).

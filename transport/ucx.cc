@@ -182,19 +182,13 @@ class UcxMember final : public UcxEndpoint {
       if (!eps_[peer]) return done(Status(ErrorCode::kInvalidArgument, "member " + std::to_string(rank_) +
                                                                           " is not connected to member " + std::to_string(peer)));
       // The header, then each part, under one tag (UCX keeps their order): done once all went.
-      struct Left {
-        std::size_t count;
-        Status status;
-        Done done;
-      };
-      auto left = std::make_shared<Left>(Left{1 + message->parts.size(), Status::ok(), std::move(done)});
+      auto sent = std::make_shared<Countdown>(1 + message->parts.size(), std::move(done));
       auto send = [&](const at::Tensor& t) {
         ++in_flight_;
         post_request(
-            [this, left, message, peer](ucs_status_t s) {
+            [this, sent, message, peer](ucs_status_t s) {
               --in_flight_;
-              if (s != UCS_OK && left->status.is_ok()) left->status = transfer_error("a UCX send", lost(peer), s);
-              if (--left->count == 0) left->done(left->status);
+              sent->completed(s == UCS_OK ? Status::ok() : transfer_error("a UCX send", lost(peer), s));
             },
             [&](const ucp_request_param_t& p) {
               return ucp_tag_send_nbx(eps_[peer], t.data_ptr(), t.nbytes(), ucx_tag(tag, rank_), &p);
@@ -264,7 +258,7 @@ class UcxMember final : public UcxEndpoint {
   // On the progress thread, closing: tells every connected peer (what waits on this member
   // there fails at once), progressing the messages for at most 200 ms.
   void say_goodbye() {
-    at::Tensor bye = pack_message({});
+    at::Tensor bye = frame_message({}).header;
     std::vector<ucs_status_ptr_t> sent;
     for (int peer = 0; peer < world_; ++peer) {
       if (peer == rank_ || !eps_[peer]) continue;
@@ -307,28 +301,23 @@ class UcxMember final : public UcxEndpoint {
   // receives of one (peer, tag) complete in order. Parts still posted when the member fails
   // are cancelled (fail_now) and fail with its error.
   void receive_parts(IncomingMessage message, int from, ucp_tag_t tag, Received done) {
-    struct Left {
-      std::size_t count;
-      Status status;
-      std::vector<at::Tensor> tensors;
-      Received done;
-    };
-    auto left = std::make_shared<Left>(Left{message.parts.size(), Status::ok(), std::move(message.tensors), std::move(done)});
+    auto received = std::make_shared<Countdown>(
+        message.parts.size(), [this, tag, tensors = std::move(message.tensors), done = std::move(done)](Status s) mutable {
+          reading_.erase(tag);
+          if (!s.is_ok()) return done(s);
+          done(std::move(tensors));
+        });
     for (at::Tensor& part : message.parts) {
       ++in_flight_;
       auto posted = std::make_shared<void*>(nullptr);
       *posted = post_request(
-          [this, left, part, from, tag, posted](ucs_status_t s) {
+          [this, received, part, from, posted](ucs_status_t s) {
             --in_flight_;
             posted_parts_.erase(*posted);
-            if (s != UCS_OK && left->status.is_ok()) {
-              Status failed = current_error();
-              left->status = s == UCS_ERR_CANCELED && !failed.is_ok() ? failed : transfer_error("a UCX receive", lost(from), s);
-            }
-            if (--left->count > 0) return;
-            reading_.erase(tag);
-            if (!left->status.is_ok()) return left->done(left->status);
-            left->done(std::move(left->tensors));
+            if (s == UCS_OK) return received->completed(Status::ok());
+            Status failed = current_error();  // a cancelled part fails with the member's error
+            received->completed(s == UCS_ERR_CANCELED && !failed.is_ok() ? failed
+                                                                        : transfer_error("a UCX receive", lost(from), s));
           },
           [&](const ucp_request_param_t& p) {
             return ucp_tag_recv_nbx(worker_, part.data_ptr(), part.nbytes(), tag, ~ucp_tag_t{0}, &p);

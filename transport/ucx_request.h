@@ -33,6 +33,22 @@ inline Status transfer_error(const char* what, const std::string& lost_peer, ucs
 /// progresses the worker (at once when the request completes as it is posted).
 using Completed = std::function<void(ucs_status_t)>;
 
+/// Requests that finish together (a message's header and parts): `finish` runs once, after
+/// the last completes, with the first failure or ok.
+class Countdown {
+ public:
+  Countdown(std::size_t count, std::function<void(Status)> finish) : left_(count), finish_(std::move(finish)) {}
+  void completed(Status status) {
+    if (!status.is_ok() && first_failure_.is_ok()) first_failure_ = std::move(status);
+    if (--left_ == 0) finish_(first_failure_);
+  }
+
+ private:
+  std::size_t left_;
+  Status first_failure_ = Status::ok();
+  std::function<void(Status)> finish_;
+};
+
 /// Posts the transfer `start` makes from the request parameters it is given (a send when
 /// `receive` is false), whose completion runs `completed`; returns the request while it is
 /// in flight (for ucp_request_cancel), else nullptr.
