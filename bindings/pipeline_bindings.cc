@@ -5,6 +5,7 @@
 #include <tuple>
 
 #include "partitioner/planner.h"
+#include "runtime/memory_meter.h"
 #include "runtime/pipeline_step.h"
 
 namespace conveyor::bindings {
@@ -22,6 +23,32 @@ std::tuple<at::Tensor, double, std::size_t> step_summary(const runtime::StepResu
 }  // namespace
 
 void bind_pipeline(py::module_& m) {
+  // The host memory one piece of work allocates through torch's CPU allocator (the profile's
+  // working memory of a unit on the CPU, as torch.cuda.max_memory_allocated is on CUDA).
+  struct HostMeter {
+    std::shared_ptr<runtime::MemoryCounter> counter = std::make_shared<runtime::MemoryCounter>();
+    std::unique_ptr<runtime::MeterScope> scope;
+  };
+  py::class_<HostMeter>(m, "HostMemoryMeter",
+                        "with HostMemoryMeter() as meter: what this thread allocates through torch's CPU allocator "
+                        "inside the block is charged to meter until freed (live, peak). Counts nothing when "
+                        "HostMemoryMeter.active() is False.")
+      .def(py::init([] {
+        runtime::install_memory_meter();
+        return HostMeter{};
+      }))
+      .def("__enter__", [](HostMeter& h) -> HostMeter& {
+        if (!h.scope) h.scope = std::make_unique<runtime::MeterScope>(h.counter);
+        return h;
+      }, py::return_value_policy::reference)
+      .def("__exit__", [](HostMeter& h, const py::args&) { h.scope.reset(); })
+      .def_property_readonly("live", [](const HostMeter& h) { return h.counter->live(); },
+                             "Bytes allocated inside the block and not yet freed.")
+      .def_property_readonly("peak", [](const HostMeter& h) { return h.counter->peak(); },
+                             "The most bytes live at once since the meter was made or reset_peak.")
+      .def("reset_peak", [](HostMeter& h) { h.counter->reset_peak(); }, "The peak from now on starts at live.")
+      .def_static("active", &runtime::memory_meter_active,
+                  "Whether torch's CPU allocations go through the meter (CONVEYOR_MEMORY_METER=0 turns it off).");
   m.def("host_waits", &runtime::host_waits,
         "How many times this process's pipelines made the host wait for a device (docs/thread_model.md: once a step).");
   py::class_<runtime::HeldGradients, std::shared_ptr<runtime::HeldGradients>>(

@@ -63,6 +63,7 @@ std::string Plan::to_json() const {
                   {"saved_bytes", s.saved_bytes},
                   {"input_freed_bytes", s.input_freed_bytes},
                   {"captured_bytes", s.captured_bytes},
+                  {"backward_extra_bytes", s.backward_extra_bytes},
                   {"memory_bytes", s.memory_bytes},
                   {"in_flight", s.in_flight},
                   {"recompute", std::string(recomputation_name(s.recompute))}});
@@ -144,6 +145,9 @@ Result<Plan> Plan::from_json(std::string_view text) {
         s.input_freed_bytes = as_number(j["input_freed_bytes"], path + "/input_freed_bytes");
       }
       if (j.contains("captured_bytes")) s.captured_bytes = as_amount(j["captured_bytes"], path + "/captured_bytes");
+      if (j.contains("backward_extra_bytes")) {
+        s.backward_extra_bytes = as_amount(j["backward_extra_bytes"], path + "/backward_extra_bytes");
+      }
       s.memory_bytes = j["memory_bytes"].get<double>();
       if (j.contains("in_flight")) s.in_flight = as_int_in(j["in_flight"], path + "/in_flight", 0);
       if (j.contains("recompute")) {

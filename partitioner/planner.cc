@@ -63,6 +63,7 @@ StagePlan stage_plan(const Units& u, const CutStates& cs, int inner, int outer, 
   sp.input_freed_bytes = ss.in_bytes > 0 ? sp.saved_bytes - ss.saved_w * model.scale() * e.max_share : 0;
   sp.captured_bytes = ss.in_bytes > 0 ? ss.grads_w * model.scale() * e.max_share : 0;
   sp.recompute = e.recompute;
+  sp.backward_extra_bytes = e.backward_extra_bytes;
   sp.memory_bytes = e.need;
   sp.in_flight = e.in_flight;
   return sp;
@@ -101,7 +102,7 @@ Plan build_plan(const CostGraph& g, const Cluster& cluster, const PlanOptions& o
 // group k mod G (interleaved) or down the groups and back up (ZB-V: piece k on group k,
 // piece 2G - 1 - k on group k, v = 2), with a share of the work proportional to the group's
 // speed. Memory per device is checked with the simulated peak (each group holds v pieces'
-// weights and their activations in flight) plus the largest piece's working memory.
+// weights and their activations in flight, and each backward's working memory while it runs).
 void chunked_candidates(ScheduleKind kind, const Cluster& cluster, const Units& u, const CutStates& lin,
                         const Model& model, const Plan& base, std::vector<Plan>& out) {
   const int groups = static_cast<int>(base.stages.size());
@@ -136,13 +137,11 @@ void chunked_candidates(ScheduleKind kind, const Cluster& cluster, const Units& 
     p.chunks = v;
     p.stages.clear();
     p.links.clear();
-    std::vector<double> extra(static_cast<std::size_t>(groups), 0);  // work and buffers per group
     for (int k = 0; k < pieces; ++k) {
       const int gk = spec.rank_of_stage(k);
       const StagePlan& grp = base.stages[gk];
       const StageSums ss = stage_sums(u, lin, cut[k + 1], cut[k]);
       const StageEval e = model.eval(ss, grp.first_device, grp.replicas, pieces - 1 - k, k + 1 < pieces);
-      extra[gk] = std::max(extra[gk], e.transient_bytes);
       p.stages.push_back(stage_plan(u, lin, cut[k], cut[k + 1], model, cluster, grp.first_device, grp.replicas, e,
                                     k > 0, k + 1 < pieces));
       if (k + 1 < pieces) {
@@ -159,7 +158,7 @@ void chunked_candidates(ScheduleKind kind, const Cluster& cluster, const Units& 
       for (int d = grp.first_device; d < grp.first_device + grp.replicas; ++d) {
         cap = std::min(cap, cluster.devices[d].memory_bytes);
       }
-      const double need = sim->peak_bytes[gi] + extra[gi];
+      const double need = sim->peak_bytes[gi];
       fits = need <= cap;
       for (int k : spec.stages_of_rank(gi)) p.stages[k].memory_bytes = need;
     }
@@ -170,15 +169,13 @@ void chunked_candidates(ScheduleKind kind, const Cluster& cluster, const Units& 
 // A plain candidate's memory per device as its schedule keeps activations: the search
 // priced each stage with the in-flight count of 1F1B (or GPipe), but a split backward keeps
 // a microbatch's activations until its W, later than its B. The simulated peak per rank
-// (static bytes and the activations alive at once, action by action) replaces that term;
-// working memory and a recomputing stage's one whole microbatch stay as priced. Once per
-// plan (it reads the searched term back from memory_bytes). False when the candidate then
+// (static bytes, the activations alive at once action by action, and each backward's working
+// memory and recomputed forward while it runs) replaces it. False when the candidate then
 // no longer fits its devices.
 bool memory_as_simulated(Plan& p, const scheduler::SimulationResult& sim, const Cluster& cluster) {
   for (std::size_t s = 0; s < p.stages.size(); ++s) {
     StagePlan& st = p.stages[s];
-    const double beyond = st.memory_bytes - st.static_bytes - st.in_flight * st.saved_bytes;
-    st.memory_bytes = sim.peak_bytes[s] + beyond;
+    st.memory_bytes = sim.peak_bytes[s];
     for (int d = st.first_device; d < st.first_device + st.replicas; ++d) {
       if (st.memory_bytes > cluster.devices[d].memory_bytes) return false;
     }
@@ -304,6 +301,7 @@ std::vector<scheduler::StageCost> Plan::stage_costs() const {
     c.saved_bytes = st.saved_bytes;
     c.input_freed_bytes = st.input_freed_bytes;
     c.captured_bytes = st.captured_bytes;
+    c.backward_extra_bytes = st.backward_extra_bytes;
     out.push_back(c);
   }
   return out;

@@ -43,6 +43,8 @@ struct StageEval {
   double need = 0;       // bytes per device: static + activations in flight + transient
   double static_bytes = 0;     // per device: weights, gradients, optimizer state
   double transient_bytes = 0;  // per device: working memory and transfer buffers
+  // per device, while its backward runs: the transient and what a recomputing stage holds again
+  double backward_extra_bytes = 0;
   double capacity = 0;   // the smallest memory among the stage's devices
   double speed = 0;
   double max_share = 1;
@@ -184,6 +186,7 @@ class Model {
     const double again = recompute == Recomputation::kFull ? s.saved : 0;
     const double kept = e.in_flight * each + again;
     e.need = e.static_bytes + kept * scale_ * e.max_share + e.transient_bytes;
+    e.backward_extra_bytes = again * scale_ * e.max_share + e.transient_bytes;
     e.capacity = memory_override_ > 0 ? memory_override_ : min_memory_.query(first, r);
     return e;
   }

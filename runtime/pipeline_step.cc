@@ -314,7 +314,6 @@ Result<StepResult> PipelineStep::run_packed(const std::vector<std::vector<c10::I
 
 Result<StepResult> PipelineStep::run_begun(double grad_scale, bool hold_gradients) {
   Impl& im = *impl_;
-  const PipelineLayout& layout = im.layout;
   im.state->begin_step();
   if (hold_gradients) im.state->set_gradients_aside();
   // Each replica's compute thread gets its share of the caller's intra-op threads: the

@@ -60,10 +60,16 @@ Result<SimulationResult> simulate(const Schedule& s, const std::vector<StageCost
             result.spans.push_back(span);
             // Activations live from a forward until the backward that consumes them; a split
             // one frees most at its Bi and the weight gradients' inputs at its W.
+            // A backward peaks while it runs, at what was held plus its extra (and a Bi
+            // plus the gradients it captures for W).
+            if (a.kind != ActionKind::kForward) {
+              const double captured = a.kind == ActionKind::kBackwardInput ? c.captured_bytes : 0;
+              result.peak_bytes[r] =
+                  std::max(result.peak_bytes[r], static_bytes[r] + live[r] + captured + c.backward_extra_bytes);
+            }
             if (a.kind == ActionKind::kForward) {
               live[r] += c.saved_bytes;
             } else if (a.kind == ActionKind::kBackwardInput) {
-              result.peak_bytes[r] = std::max(result.peak_bytes[r], static_bytes[r] + live[r] + c.captured_bytes);
               live[r] -= c.input_freed_bytes;
             } else if (a.kind == ActionKind::kBackwardWeight) {
               live[r] -= c.saved_bytes - c.input_freed_bytes;

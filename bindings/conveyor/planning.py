@@ -12,6 +12,7 @@ the activations autograd saves for backward, and the working memory. See docs/fo
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -91,11 +92,11 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
     name = _device_name(device)
     key = "".join(c if c.isalnum() else "_" for c in name)
     # Keyed by every input's sizes (a sequence length changes the profile as a batch does);
-    # "m7": how memory and time are measured (working memory; a value two units save counted
+    # "m8": how memory and time are measured (working memory, metered on the CPU; a value two units save counted
     # once; what selective recomputation frees; a first pass over the units unmeasured), so
     # that older entries are measured again.
     sizes = hashlib.sha256(repr([tuple(t.shape) for t in tensors]).encode()).hexdigest()[:12]
-    path = profile_cache_dir() / f"{ghash}-{key}-mb{microbatch}-{sizes}-m7.json"
+    path = profile_cache_dir() / f"{ghash}-{key}-mb{microbatch}-{sizes}-m8.json"
     if cache and path.exists():
         try:
             doc = json.loads(path.read_text())
@@ -176,7 +177,13 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
                 base = torch.cuda.memory_allocated(device)
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            # On the CPU the meter charges what the unit allocates from here on, and credits
+            # what of it is freed: the backward's working memory is its peak over what the
+            # forward left (the incoming gradients, every gradient it holds at once, less the
+            # saved activations it has freed by then).
+            meter = _C.HostMemoryMeter() if device.type != "cuda" else None
+            with meter if meter is not None else contextlib.nullcontext(), \
+                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 act = stage.forward(stage_inputs)
             outputs = act.outputs
             for v, out in zip(stage.outputs, outputs):
@@ -187,14 +194,20 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
             # value's storage is counted for one unit only (below).
             measured.append((unit, sum(b for ptr, b in saved.items() if ptr not in selective.value_storages),
                              {ptr: b for ptr, b in saved.items() if ptr in selective.value_storages}, saved_here))
-            grads = [torch.ones_like(o) if isinstance(o, torch.Tensor) and o.requires_grad else None
-                     for o in outputs]
-            differentiable = any(g is not None for g in grads)
-            if differentiable:
-                stage.backward(act, grads)
+            if meter is not None:
+                meter.reset_peak()
+                held = meter.live
+            with meter if meter is not None else contextlib.nullcontext():
+                grads = [torch.ones_like(o) if isinstance(o, torch.Tensor) and o.requires_grad else None
+                         for o in outputs]
+                differentiable = any(g is not None for g in grads)
+                if differentiable:
+                    stage.backward(act, grads)
             if device.type == "cuda":
                 work = torch.cuda.max_memory_allocated(device) - base
-            else:  # beyond its kept activations, what the unit's backward holds at once
+            elif _C.HostMemoryMeter.active():  # beyond its kept activations, what its backward holds at once
+                work = meter.peak - held
+            else:  # the meter is off: the incoming gradients and the parameters' gradients
                 work = sum(_nbytes(o) for o in outputs) + sum(grad_bytes[n] for n in unit)
             fwd, bwd = [], []
             for rep in range(warmup + repeats):

@@ -59,8 +59,8 @@ def test_each_device_measures_the_activations_its_schedule_keeps():
 def test_measured_memory_per_device_meets_the_prediction(name, optimizer, fixed):
     """The plan's peak per device (static bytes for the optimizer in use, the activations and
     outputs the schedule keeps as simulated action by action, the largest unit's working
-    memory) against the measured one. Not exact: measured/predicted runs from about 0.91 to
-    1.11 on these, ZB-V's first rank (the first and the last stage) the highest
+    memory, metered, while each backward runs) against the measured one. Not exact:
+    measured/predicted runs from about 0.86 to 1.04 on these, the prediction erring high
     (docs/planner.md)."""
     model = trained(name, optimizer, **fixed)
     report = model.profile_report()
