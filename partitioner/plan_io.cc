@@ -64,6 +64,7 @@ std::string Plan::to_json() const {
                   {"input_freed_bytes", s.input_freed_bytes},
                   {"captured_bytes", s.captured_bytes},
                   {"backward_extra_bytes", s.backward_extra_bytes},
+                  {"split_backward_extra_bytes", s.split_backward_extra_bytes},
                   {"memory_bytes", s.memory_bytes},
                   {"in_flight", s.in_flight},
                   {"recompute", std::string(recomputation_name(s.recompute))}});
@@ -147,6 +148,10 @@ Result<Plan> Plan::from_json(std::string_view text) {
       if (j.contains("captured_bytes")) s.captured_bytes = as_amount(j["captured_bytes"], path + "/captured_bytes");
       if (j.contains("backward_extra_bytes")) {
         s.backward_extra_bytes = as_amount(j["backward_extra_bytes"], path + "/backward_extra_bytes");
+      }
+      if (j.contains("split_backward_extra_bytes")) {
+        s.split_backward_extra_bytes =
+            as_amount(j["split_backward_extra_bytes"], path + "/split_backward_extra_bytes");
       }
       s.memory_bytes = j["memory_bytes"].get<double>();
       if (j.contains("in_flight")) s.in_flight = as_int_in(j["in_flight"], path + "/in_flight", 0);

@@ -63,7 +63,20 @@ StagePlan stage_plan(const Units& u, const CutStates& cs, int inner, int outer, 
   sp.input_freed_bytes = ss.in_bytes > 0 ? sp.saved_bytes - ss.saved_w * model.scale() * e.max_share : 0;
   sp.captured_bytes = ss.in_bytes > 0 ? ss.grads_w * model.scale() * e.max_share : 0;
   sp.recompute = e.recompute;
+  sp.split_backward_extra_bytes = e.backward_extra_bytes;
   sp.backward_extra_bytes = e.backward_extra_bytes;
+  if (e.recompute == Recomputation::kNone) {
+    double after = 0, extra = 0;  // the units of the stage, last to first
+    for (std::size_t x = u.units.size(); x-- > 0;) {
+      if (test(cs.sets[outer], static_cast<int>(x)) && !test(cs.sets[inner], static_cast<int>(x))) {
+        extra = std::max(extra, u.units[x].work - after);
+        after += u.units[x].saved;
+      }
+    }
+    sp.backward_extra_bytes = extra * model.scale() * e.max_share;
+    // A first stage's Bi computes nothing: its W is a whole backward, freeing as it goes.
+    if (!has_prev) sp.split_backward_extra_bytes = sp.backward_extra_bytes;
+  }
   sp.memory_bytes = e.need;
   sp.in_flight = e.in_flight;
   return sp;
@@ -302,6 +315,7 @@ std::vector<scheduler::StageCost> Plan::stage_costs() const {
     c.input_freed_bytes = st.input_freed_bytes;
     c.captured_bytes = st.captured_bytes;
     c.backward_extra_bytes = st.backward_extra_bytes;
+    c.split_backward_extra_bytes = st.split_backward_extra_bytes;
     out.push_back(c);
   }
   return out;

@@ -89,9 +89,14 @@ struct StagePlan {
   /// that read parameters); Bi makes them before it frees anything, so it peaks this much
   /// above what was held when it began. 0 for a first stage (its Bi computes nothing).
   double captured_bytes = 0;
-  /// What its backward holds while it runs beyond what is kept (working memory, and a
-  /// recomputing stage's forward run again): the simulator adds it at each B, Bi and W.
+  /// What its whole backward (B) holds while it runs beyond what is kept (working memory,
+  /// and a recomputing stage's forward run again): the simulator adds it at each B. The
+  /// units run last to first, each freeing what it saved, so a unit's working memory comes
+  /// on top of what the units before it keep.
   double backward_extra_bytes = 0;
+  /// The same for a split backward's Bi and W, which keep everything until W: the largest
+  /// unit's working memory on all of it.
+  double split_backward_extra_bytes = 0;
   double memory_bytes = 0;         ///< predicted peak per device
   int in_flight = 0;               ///< microbatches whose activations are alive at once
   /// What it recomputes before the backward; backward_s includes that forward again.

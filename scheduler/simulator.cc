@@ -63,9 +63,10 @@ Result<SimulationResult> simulate(const Schedule& s, const std::vector<StageCost
             // A backward peaks while it runs, at what was held plus its extra (and a Bi
             // plus the gradients it captures for W).
             if (a.kind != ActionKind::kForward) {
-              const double captured = a.kind == ActionKind::kBackwardInput ? c.captured_bytes : 0;
-              result.peak_bytes[r] =
-                  std::max(result.peak_bytes[r], static_bytes[r] + live[r] + captured + c.backward_extra_bytes);
+              const double extra = a.kind == ActionKind::kBackward         ? c.backward_extra_bytes
+                                   : a.kind == ActionKind::kBackwardInput ? c.captured_bytes + c.split_backward_extra_bytes
+                                                                          : c.split_backward_extra_bytes;
+              result.peak_bytes[r] = std::max(result.peak_bytes[r], static_bytes[r] + live[r] + extra);
             }
             if (a.kind == ActionKind::kForward) {
               live[r] += c.saved_bytes;

@@ -29,9 +29,11 @@ struct StageCost {
   /// The gradients a split backward's Bi makes for its W, on top of everything held until
   /// Bi ends (its peak); they are part of what stays to W.
   double captured_bytes = 0;
-  /// What its backward (B, Bi or W) holds while it runs beyond everything kept: working
-  /// memory, and a recomputing stage's forward run again; it peaks there, not in between.
+  /// What its whole backward (B) holds while it runs beyond what was kept when it began:
+  /// working memory, and a recomputing stage's forward run again; it peaks there, not between.
   double backward_extra_bytes = 0;
+  /// The same for a split backward's Bi and W, which keep the stage's graph whole until W.
+  double split_backward_extra_bytes = 0;
 };
 
 /// A point-to-point link: time = latency + bytes / bandwidth (bandwidth 0 means free).

@@ -68,7 +68,7 @@ def test_measured_memory_per_device_meets_the_prediction(name, optimizer, fixed)
     assert report.memory and all(r["measured_bytes"] and r["predicted_bytes"] for r in report.memory)
     for r in report.memory:
         ratio = r["measured_bytes"] / r["predicted_bytes"]
-        assert 0.8 <= ratio <= 1.2, f"{name} {fixed}: rank {r['rank']} measured / predicted {ratio:.3f}"
+        assert 0.85 <= ratio <= 1.15, f"{name} {fixed}: rank {r['rank']} measured / predicted {ratio:.3f}"
 
 
 def llama_steps(lengths, replan="off", **kwargs):
