@@ -52,6 +52,9 @@ def test_each_device_measures_the_activations_its_schedule_keeps():
 @pytest.mark.parametrize("name,optimizer,fixed", [
     ("gpt2", "adam", dict(stages=3, microbatches=8, schedule="1f1b")),
     ("gpt2", "sgd", dict(stages=4, microbatches=8, schedule="zb-v")),
+    ("gpt2", "sgd", dict(stages=4, microbatches=4, schedule="zb-v")),
+    ("gpt2", "sgd", dict(stages=4, microbatches=16, schedule="zb-v")),
+    ("llama", "sgd", dict(stages=4, microbatches=8, schedule="zb-v")),
     ("gpt2", "sgd", dict(stages=2, microbatches=8, schedule="zb-h1")),
     ("resnet18", "sgd", dict(stages=2, microbatches=4, schedule="1f1b")),
     ("llama", "sgd", dict(stages=3, microbatches=8, schedule="1f1b")),
