@@ -34,6 +34,27 @@ std::vector<ScheduleKind> schedule_candidates(const PlanOptions& o) {
 // chunked schedules start from a 1F1B plan's device groups).
 ScheduleKind memory_kind(ScheduleKind k) { return k == ScheduleKind::kGPipe ? ScheduleKind::kGPipe : ScheduleKind::kOneFOneB; }
 
+// Parameters, their gradients and optimizer state per device, each parameter once: the
+// searches count a parameter once per unit that reads it (conservative), but a stage holds
+// it once, and so does a rank for all its stages (GPT-2's tied embedding in the first and
+// the last stage of a V): it is counted with the rank's first stage that reads it.
+void count_parameters_once(const CostGraph& g, const scheduler::ScheduleSpec& spec, double state_per_byte,
+                           Plan& p) {
+  std::vector<std::vector<bool>> held(static_cast<std::size_t>(spec.ranks),
+                                      std::vector<bool>(g.params.size(), false));
+  for (std::size_t s = 0; s < p.stages.size(); ++s) {
+    std::vector<bool>& seen = held[static_cast<std::size_t>(spec.rank_of_stage(static_cast<int>(s)))];
+    double bytes = 0;
+    for (int op : p.stages[s].ops) {
+      for (int q : g.ops[op].params) {
+        if (!seen[q]) bytes += g.params[q].bytes;
+        seen[q] = true;
+      }
+    }
+    p.stages[s].static_bytes = bytes * (2 + state_per_byte);
+  }
+}
+
 // The plan row of the stage outer \ inner on devices [first, first + replicas).
 StagePlan stage_plan(const Units& u, const CutStates& cs, int inner, int outer, const Model& model,
                      const Cluster& cluster, int first, int replicas, const StageEval& e, bool has_prev,
@@ -102,6 +123,7 @@ Plan build_plan(const CostGraph& g, const Cluster& cluster, const PlanOptions& o
         stage_plan(u, cs, inner, outer, model, cluster, first, sol.replicas[s], evals[s], s > 0, s + 1 < stages));
     first += sol.replicas[s];
   }
+  count_parameters_once(g, plan.schedule_spec(), options.optimizer_bytes_per_param_byte, plan);
   for (int s = 0; s + 1 < stages; ++s) {
     const auto& a = plan.stages[s];
     const int last = a.first_device + a.replicas - 1;
@@ -116,7 +138,8 @@ Plan build_plan(const CostGraph& g, const Cluster& cluster, const PlanOptions& o
 // piece 2G - 1 - k on group k, v = 2), with a share of the work proportional to the group's
 // speed. Memory per device is checked with the simulated peak (each group holds v pieces'
 // weights and their activations in flight, and each backward's working memory while it runs).
-void chunked_candidates(ScheduleKind kind, const Cluster& cluster, const Units& u, const CutStates& lin,
+void chunked_candidates(ScheduleKind kind, const CostGraph& g, const Cluster& cluster, const Units& u,
+                        const CutStates& lin,
                         const Model& model, const Plan& base, std::vector<Plan>& out) {
   const int groups = static_cast<int>(base.stages.size());
   const int m = model.microbatches();
@@ -162,6 +185,7 @@ void chunked_candidates(ScheduleKind kind, const Cluster& cluster, const Units& 
         p.links.push_back(cluster.link(grp.first_device + grp.replicas - 1, next.first_device));
       }
     }
+    count_parameters_once(g, spec, model.options().optimizer_bytes_per_param_byte, p);
     auto sim = p.simulate();
     if (!sim) continue;
     bool fits = true;
@@ -447,7 +471,7 @@ Result<Plan> make_plan(const CostGraph& g, const Cluster& cluster, const PlanOpt
         candidates.push_back(std::move(p));
       }
       for (ScheduleKind k : {ScheduleKind::kInterleaved, ScheduleKind::kZeroBubbleV, ScheduleKind::kDualPipeV}) {
-        if (mk == ScheduleKind::kOneFOneB && want(k)) chunked_candidates(k, cluster, units, linear, model, base, candidates);
+        if (mk == ScheduleKind::kOneFOneB && want(k)) chunked_candidates(k, g, cluster, units, linear, model, base, candidates);
       }
     }
   }

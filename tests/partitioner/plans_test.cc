@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <set>
 #include <string>
 #include <vector>
 
@@ -289,6 +290,41 @@ TEST(Planner, DualPipeVPlansAreVsWithTwoMicrobatchesPerStage) {
   auto few = make_plan(f.g, f.cluster, f.o);
   ASSERT_FALSE(few.is_ok());
   EXPECT_NE(few.status().message().find("DualPipeV needs"), std::string::npos) << few.status().message();
+}
+
+TEST(Planner, ATiedParameterIsHeldOnceByTheRankWhoseStagesShareIt) {
+  // The last layer reads the first layer's weight too (GPT-2's tied embedding and head). In
+  // a V the first rank holds both stages and the weight once; in a plain pipeline the first
+  // and the last rank each hold it.
+  auto held = [](const CostGraph& g, const Plan& plan, int rank) {
+    std::set<int> params;
+    double static_bytes = 0;
+    for (int s : plan.schedule_spec().stages_of_rank(rank)) {
+      static_bytes += plan.stages[s].static_bytes;
+      for (int op : plan.stages[s].ops) params.insert(g.ops[op].params.begin(), g.ops[op].params.end());
+    }
+    double bytes = 0;
+    for (int q : params) bytes += g.params[q].bytes;
+    return std::pair{static_bytes, bytes * (2 + 2)};  // weights, gradients, Adam's two states
+  };
+  FoldedModel f(ScheduleKind::kZeroBubbleV);
+  f.g.ops.back().params.push_back(0);
+  auto v = make_plan(f.g, f.cluster, f.o);
+  ASSERT_TRUE(v.is_ok()) << v.status().to_string();
+  ASSERT_EQ(v->chunks, 2);
+  for (int r = 0; r < v->ranks(); ++r) {
+    const auto [planned, once] = held(f.g, *v, r);
+    EXPECT_DOUBLE_EQ(planned, once) << "rank " << r << "\n" << v->table();
+  }
+  const auto [first_rank, _] = held(f.g, *v, 0);
+  f.o.schedules = {ScheduleKind::kOneFOneB};
+  auto plain = make_plan(f.g, f.cluster, f.o);
+  ASSERT_TRUE(plain.is_ok()) << plain.status().to_string();
+  const int last = plain->ranks() - 1;
+  ASSERT_GE(last, 1);
+  EXPECT_DOUBLE_EQ(held(f.g, *plain, 0).first, held(f.g, *plain, 0).second);
+  EXPECT_DOUBLE_EQ(held(f.g, *plain, last).first, held(f.g, *plain, last).second);
+  EXPECT_GT(first_rank, 0);
 }
 
 TEST(Planner, ASplitBackwardsMemoryIsWhatItsScheduleKeeps) {
