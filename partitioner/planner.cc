@@ -77,7 +77,7 @@ StagePlan stage_plan(const Units& u, const CutStates& cs, int inner, int outer, 
   sp.recv_bytes = has_prev ? ss.in_bytes * model.scale() : 0;
   sp.allreduce_s = e.allreduce;
   sp.param_bytes = ss.params;
-  sp.static_bytes = e.static_bytes;
+  // static_bytes: count_parameters_once, over every stage of the plan.
   sp.saved_bytes = (ss.kept(e.recompute) + ss.out_bytes) * model.scale() * e.max_share;
   // A stage that reads nothing from another (the first) has no input gradient to compute: its
   // split backward does everything at W.

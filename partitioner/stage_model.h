@@ -42,8 +42,7 @@ struct StageEval {
   double allreduce = 0;
   double need = 0;       // bytes per device: static + activations in flight + transient
   double static_bytes = 0;     // per device: weights, gradients, optimizer state
-  double transient_bytes = 0;  // per device: working memory and transfer buffers
-  // per device, while its backward runs: the transient and what a recomputing stage holds again
+  // per device, while its backward runs: working memory and what a recomputing stage holds again
   double backward_extra_bytes = 0;
   double capacity = 0;   // the smallest memory among the stage's devices
   double speed = 0;
@@ -177,16 +176,16 @@ class Model {
     // message's buffer becomes the received value, so no transfer buffer is added.
     // Recomputing selectively, a run's backward holds its activations and outputs again with
     // the outputs' gradients.
-    e.transient_bytes = (recompute == Recomputation::kSelective ? std::max(s.work, s.sel_work) : s.work) * scale_ *
-                        e.max_share;
+    const double transient = (recompute == Recomputation::kSelective ? std::max(s.work, s.sel_work) : s.work) *
+                             scale_ * e.max_share;
     const double each = s.kept(recompute) + s.out_bytes;
     // The microbatch in its backward holds again what its forward dropped: all of it when
     // the whole forward runs again; recomputing selectively, one run's at a time, which the
     // run's transient (sel_work) holds.
     const double again = recompute == Recomputation::kFull ? s.saved : 0;
     const double kept = e.in_flight * each + again;
-    e.need = e.static_bytes + kept * scale_ * e.max_share + e.transient_bytes;
-    e.backward_extra_bytes = again * scale_ * e.max_share + e.transient_bytes;
+    e.need = e.static_bytes + kept * scale_ * e.max_share + transient;
+    e.backward_extra_bytes = again * scale_ * e.max_share + transient;
     e.capacity = memory_override_ > 0 ? memory_override_ : min_memory_.query(first, r);
     return e;
   }
