@@ -43,6 +43,10 @@ Status CostGraph::validate() const {
                  ", which is not an operator");
     }
     if (!finite_nonneg(val.bytes)) return bad("value " + std::to_string(v) + " has a negative or non-finite size");
+    if (val.saved_by < -1 || val.saved_by >= static_cast<int>(ops.size())) {
+      return bad("value " + std::to_string(v) + " names saved_by " + std::to_string(val.saved_by) +
+                 ", which is not an operator");
+    }
   }
   for (std::size_t p = 0; p < params.size(); ++p) {
     if (!finite_nonneg(params[p].bytes)) return bad("parameter '" + params[p].name + "' has a negative or non-finite size");
@@ -268,6 +272,18 @@ Result<Profile> Profile::from_json(std::string_view text) {
     }
     const auto& vb = as_array(field(doc, "", "value_bytes"), "/value_bytes");
     for (std::size_t i = 0; i < vb.size(); ++i) p.value_bytes.push_back(as_amount(vb[i], "/value_bytes/" + std::to_string(i)));
+    if (doc.contains("value_saved_by")) {
+      const auto& sb = as_array(doc["value_saved_by"], "/value_saved_by");
+      if (sb.size() != vb.size()) throw JsonError("/value_saved_by", "expected one entry per value (as value_bytes)");
+      for (std::size_t i = 0; i < sb.size(); ++i) {
+        const std::string path = "/value_saved_by/" + std::to_string(i);
+        if (!sb[i].is_number_integer() || sb[i].get<long long>() < -1 ||
+            sb[i].get<long long>() >= static_cast<long long>(nodes.size())) {
+          throw JsonError(path, "expected a node id or -1");
+        }
+        p.value_saved_by.push_back(sb[i].get<int>());
+      }
+    }
     return p;
   });
 }
@@ -293,6 +309,7 @@ std::string Profile::to_json() const {
   }
   doc["nodes"] = std::move(nodes_j);
   doc["value_bytes"] = value_bytes;
+  if (!value_saved_by.empty()) doc["value_saved_by"] = value_saved_by;
   return doc.dump();
 }
 
@@ -338,7 +355,8 @@ Result<CostGraph> cost_graph_from_profile(const graph::Graph& g, const Profile& 
   for (std::size_t v = 0; v < g.values.size(); ++v) {
     if (producers[v] < 0) continue;
     cost_value[v] = static_cast<int>(c.values.size());
-    c.values.push_back({producers[v], profile.value_bytes[v]});
+    const int saved_by = profile.value_saved_by.empty() ? -1 : profile.value_saved_by[v];
+    c.values.push_back({producers[v], profile.value_bytes[v], saved_by});
   }
   const auto groups = graph::atomic_groups(g);
   const auto group_of = graph::group_of_nodes(g, groups);

@@ -37,6 +37,9 @@ struct CostOp {
 struct CostValue {
   int producer = -1;
   double bytes = 0;  ///< per microbatch
+  /// The operator whose saved_bytes hold this value (it saves it for its backward), -1: none
+  /// or unknown. A stage that sends the value on holds it once, not as saved and as sent.
+  int saved_by = -1;
 };
 
 /// A parameter (or tied set) that operators read: its bytes, for memory and allreduce.
@@ -84,6 +87,7 @@ struct Profile {
   int microbatch = 1;
   std::vector<NodeProfile> nodes;               ///< indexed by node id
   std::vector<double> value_bytes;              ///< indexed by value id; 0 for non-tensors
+  std::vector<int> value_saved_by;              ///< indexed by value id: the node whose saved_bytes hold it, -1 none (empty: unknown)
   std::string torch_version;
 
   static Result<Profile> from_json(std::string_view text);

@@ -60,6 +60,7 @@ std::string Plan::to_json() const {
                   {"allreduce_s", s.allreduce_s},
                   {"param_bytes", s.param_bytes},
                   {"static_bytes", s.static_bytes},
+                  {"weight_grad_bytes", s.weight_grad_bytes},
                   {"saved_bytes", s.saved_bytes},
                   {"input_freed_bytes", s.input_freed_bytes},
                   {"captured_bytes", s.captured_bytes},
@@ -144,6 +145,9 @@ Result<Plan> Plan::from_json(std::string_view text) {
       s.saved_bytes = j["saved_bytes"].get<double>();
       if (j.contains("input_freed_bytes")) {  // may be negative: a stage recomputing fully
         s.input_freed_bytes = as_number(j["input_freed_bytes"], path + "/input_freed_bytes");
+      }
+      if (j.contains("weight_grad_bytes")) {
+        s.weight_grad_bytes = as_amount(j["weight_grad_bytes"], path + "/weight_grad_bytes");
       }
       if (j.contains("captured_bytes")) s.captured_bytes = as_amount(j["captured_bytes"], path + "/captured_bytes");
       if (j.contains("backward_extra_bytes")) {

@@ -28,6 +28,7 @@ std::vector<scheduler::StageCost> Plan::stage_costs() const {
     c.gradient_bytes = st.recv_bytes / std::min(st.replicas, prev);
     c.allreduce_s = st.allreduce_s;
     c.static_bytes = st.static_bytes;
+    c.weight_grad_bytes = st.weight_grad_bytes;
     c.saved_bytes = st.saved_bytes;
     c.input_freed_bytes = st.input_freed_bytes;
     c.captured_bytes = st.captured_bytes;

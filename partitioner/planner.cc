@@ -37,22 +37,50 @@ ScheduleKind memory_kind(ScheduleKind k) { return k == ScheduleKind::kGPipe ? Sc
 // Parameters, their gradients and optimizer state per device, each parameter once: the
 // searches count a parameter once per unit that reads it (conservative), but a stage holds
 // it once, and so does a rank for all its stages (GPT-2's tied embedding in the first and
-// the last stage of a V): it is counted with the rank's first stage that reads it.
+// the last stage of a V): it is counted with the rank's first stage that reads it. Its
+// gradient comes with the rank's last stage that reads it, whose backward runs first.
 void count_parameters_once(const CostGraph& g, const scheduler::ScheduleSpec& spec, double state_per_byte,
                            Plan& p) {
-  std::vector<std::vector<bool>> held(static_cast<std::size_t>(spec.ranks),
-                                      std::vector<bool>(g.params.size(), false));
-  for (std::size_t s = 0; s < p.stages.size(); ++s) {
-    std::vector<bool>& seen = held[static_cast<std::size_t>(spec.rank_of_stage(static_cast<int>(s)))];
+  const auto ranks = static_cast<std::size_t>(spec.ranks);
+  std::vector<std::vector<bool>> held(ranks, std::vector<bool>(g.params.size(), false));
+  std::vector<std::vector<bool>> graded(ranks, std::vector<bool>(g.params.size(), false));
+  auto bytes_of_new = [&](const StagePlan& stage, std::vector<bool>& seen) {
     double bytes = 0;
-    for (int op : p.stages[s].ops) {
+    for (int op : stage.ops) {
       for (int q : g.ops[op].params) {
         if (!seen[q]) bytes += g.params[q].bytes;
         seen[q] = true;
       }
     }
-    p.stages[s].static_bytes = bytes * (2 + state_per_byte);
+    return bytes;
+  };
+  for (std::size_t s = 0; s < p.stages.size(); ++s) {
+    const auto r = static_cast<std::size_t>(spec.rank_of_stage(static_cast<int>(s)));
+    p.stages[s].static_bytes = bytes_of_new(p.stages[s], held[r]) * (2 + state_per_byte);
   }
+  for (std::size_t s = p.stages.size(); s-- > 0;) {
+    const auto r = static_cast<std::size_t>(spec.rank_of_stage(static_cast<int>(s)));
+    p.stages[s].weight_grad_bytes = bytes_of_new(p.stages[s], graded[r]);
+  }
+}
+
+// Bytes the stage outer \ inner both sends on and saves for its own backward: a stage holds
+// such a value once, where the searches (StageModel) count it as kept and as sent.
+double sent_and_saved(const Units& u, const CutStates& cs, int outer, int inner) {
+  double bytes = 0;
+  for (const Edge& e : u.edges) {
+    if (e.saved_by < 0 || !test(cs.sets[outer], e.from) || !test(cs.sets[outer], e.saved_by) ||
+        test(cs.sets[inner], e.saved_by)) {
+      continue;
+    }
+    for (int t : e.to) {
+      if (!test(cs.sets[outer], t)) {
+        bytes += e.bytes;
+        break;
+      }
+    }
+  }
+  return bytes;
 }
 
 // The plan row of the stage outer \ inner on devices [first, first + replicas).
@@ -78,7 +106,8 @@ StagePlan stage_plan(const Units& u, const CutStates& cs, int inner, int outer, 
   sp.allreduce_s = e.allreduce;
   sp.param_bytes = ss.params;
   // static_bytes: count_parameters_once, over every stage of the plan.
-  sp.saved_bytes = (ss.kept(e.recompute) + ss.out_bytes) * model.scale() * e.max_share;
+  sp.saved_bytes = (ss.kept(e.recompute) + ss.out_bytes - (e.recompute == Recomputation::kNone ? sent_and_saved(u, cs, outer, inner) : 0)) *
+                   model.scale() * e.max_share;
   // A stage that reads nothing from another (the first) has no input gradient to compute: its
   // split backward does everything at W.
   sp.input_freed_bytes = ss.in_bytes > 0 ? sp.saved_bytes - ss.saved_w * model.scale() * e.max_share : 0;

@@ -80,6 +80,9 @@ struct StagePlan {
   double allreduce_s = 0;          ///< per step, gradient reduction across replicas
   double param_bytes = 0;
   double static_bytes = 0;         ///< per device: parameters, gradients, optimizer state
+  /// Of its rank's static_bytes, the parameters' gradients this stage makes first (the rank's
+  /// last stage that reads the parameter): held from its first backward on (StageCost).
+  double weight_grad_bytes = 0;
   double saved_bytes = 0;          ///< per device and microbatch in flight
   /// Of saved_bytes, what a split backward's Bi frees: all but the weight gradients' factors
   /// (what the operators that read parameters saved, and the gradients of their outputs),

@@ -107,6 +107,7 @@ Result<Units> make_units(const CostGraph& g) {
     Edge e;
     e.from = out.unit_of_op[g.values[v].producer];
     e.bytes = g.values[v].bytes;
+    if (g.values[v].saved_by >= 0) e.saved_by = out.unit_of_op[g.values[v].saved_by];
     for (int r : readers[v]) {
       int b = out.unit_of_op[r];
       if (b != e.from && std::find(e.to.begin(), e.to.end(), b) == e.to.end()) e.to.push_back(b);

@@ -33,6 +33,7 @@ struct Edge {
   int from = 0;
   double bytes = 0;
   std::vector<int> to;  // reading units other than `from`
+  int saved_by = -1;    // the unit whose saved bytes hold it, -1: none
 };
 
 /// A cost graph contracted into units, in a topological order.

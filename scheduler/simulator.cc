@@ -29,7 +29,10 @@ Result<SimulationResult> simulate(const Schedule& s, const std::vector<StageCost
   std::vector<double> compute_free(static_cast<std::size_t>(p), 0);     // compute stream per rank
   std::vector<double> collective_free(static_cast<std::size_t>(p), 0);  // collective stream per rank
   std::vector<double> static_bytes(static_cast<std::size_t>(p), 0), live(static_cast<std::size_t>(p), 0);
-  for (int stage = 0; stage < stages; ++stage) static_bytes[s.spec.rank_of_stage(stage)] += costs[stage].static_bytes;
+  for (int stage = 0; stage < stages; ++stage) {
+    static_bytes[s.spec.rank_of_stage(stage)] += costs[stage].static_bytes - costs[stage].weight_grad_bytes;
+  }
+  std::vector<bool> grads_made(static_cast<std::size_t>(stages), false);
   for (int r = 0; r < p; ++r) result.peak_bytes[r] = static_bytes[r];
   double pipeline_end = 0;
   std::map<std::pair<int, int>, double> link_free;                    // send stream per directed rank pair
@@ -67,6 +70,11 @@ Result<SimulationResult> simulate(const Schedule& s, const std::vector<StageCost
                                    : a.kind == ActionKind::kBackwardInput ? c.captured_bytes + c.split_backward_extra_bytes
                                                                           : c.split_backward_extra_bytes;
               result.peak_bytes[r] = std::max(result.peak_bytes[r], static_bytes[r] + live[r] + extra);
+            }
+            // Its weight gradients stay from here on (the working memory above made them).
+            if ((a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardWeight) && !grads_made[a.stage]) {
+              grads_made[a.stage] = true;
+              static_bytes[r] += c.weight_grad_bytes;
             }
             if (a.kind == ActionKind::kForward) {
               live[r] += c.saved_bytes;

@@ -34,6 +34,10 @@ struct StageCost {
   double backward_extra_bytes = 0;
   /// The same for a split backward's Bi and W, which keep the stage's graph whole until W.
   double split_backward_extra_bytes = 0;
+  /// Of its rank's static bytes, the parameters' gradients this stage makes first: they are
+  /// freed before a step (zero_grad) and held from the stage's first backward that makes
+  /// weight gradients (B, or W where split) to the step's end (0: held throughout).
+  double weight_grad_bytes = 0;
 };
 
 /// A point-to-point link: time = latency + bytes / bandwidth (bandwidth 0 means free).

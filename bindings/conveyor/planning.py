@@ -92,11 +92,12 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
     name = _device_name(device)
     key = "".join(c if c.isalnum() else "_" for c in name)
     # Keyed by every input's sizes (a sequence length changes the profile as a batch does);
-    # "m8": how memory and time are measured (working memory, metered on the CPU; a value two units save counted
-    # once; what selective recomputation frees; a first pass over the units unmeasured), so
+    # "m9": how memory and time are measured (working memory, metered on the CPU; a value two units save counted
+    # once, and which unit it counts for; what selective recomputation frees; a first pass over the units
+    # unmeasured), so
     # that older entries are measured again.
     sizes = hashlib.sha256(repr([tuple(t.shape) for t in tensors]).encode()).hexdigest()[:12]
-    path = profile_cache_dir() / f"{ghash}-{key}-mb{microbatch}-{sizes}-m8.json"
+    path = profile_cache_dir() / f"{ghash}-{key}-mb{microbatch}-{sizes}-m9.json"
     if cache and path.exists():
         try:
             doc = json.loads(path.read_text())
@@ -114,6 +115,7 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
     doc_in = graph.document
     values: dict[int, Any] = dict(zip([i["value"] for i in doc_in["inputs"]], inputs))
     value_bytes = [0] * graph.ir.num_values
+    saved_by = [-1] * graph.ir.num_values
     for b in doc_in["bindings"]:
         value_bytes[b["value"]] = _nbytes(bound[b["name"]])
     for v, t in values.items():
@@ -231,7 +233,7 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
             if any(n in reads_param for n in unit):
                 nodes[first]["backward_weight_s"] = nodes[first]["backward_s"] / 2
             nodes[first]["work_bytes"] = float(max(work, 0))
-        _count_saved_once(measured, reads_param, nodes, selective)
+        _count_saved_once(measured, reads_param, nodes, selective, saved_by)
         selective.finish(nodes, values)
     finally:
         for n, t in bound.items():
@@ -243,7 +245,7 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
     doc = {
         "format": "conveyor.profile", "version": 1, "graph_hash": ghash, "device": name,
         "microbatch": int(microbatch), "torch": torch.__version__, "nodes": nodes,
-        "value_bytes": [float(b) for b in value_bytes],
+        "value_bytes": [float(b) for b in value_bytes], "value_saved_by": saved_by,
     }
     if cache:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -253,11 +255,14 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
     return doc
 
 
-def _count_saved_once(measured: list, reads_param: set, nodes: list[dict], selective: SelectiveAccounting) -> None:
+def _count_saved_once(measured: list, reads_param: set, nodes: list[dict], selective: SelectiveAccounting,
+                      saved_by: list[int]) -> None:
     """Each unit's saved bytes: the storages made inside it, and the graph values it saves
     that count for it. A process holds a value two units save (a residual stream a norm and
     a sum both read) once: it counts for the first unit that reads parameters and saves it
-    (a split backward keeps that unit's saved tensors until its W), else for the first."""
+    (a split backward keeps that unit's saved tensors until its W), else for the first.
+    `saved_by[value]` becomes the first node of the unit it counts for (the value of lowest
+    id where several share a storage), so that a stage sending it on holds it once."""
     owner: dict[int, int] = {}
     param = [any(n in reads_param for n in unit) for unit, _, _, _ in measured]
     for i, (_, _, on_values, _) in enumerate(measured):
@@ -267,6 +272,10 @@ def _count_saved_once(measured: list, reads_param: set, nodes: list[dict], selec
                 owner[ptr] = i
     for i, (unit, inside, on_values, every) in enumerate(measured):
         own = {ptr: b for ptr, b in on_values.items() if owner[ptr] == i}
+        for ptr in own:
+            on_storage = selective.value_storages.get(ptr)
+            if on_storage:
+                saved_by[min(on_storage)] = unit[0]
         nodes[unit[0]]["saved_bytes"] = float(inside + sum(own.values()))
         selective.note_unit(unit, inside, own, kept_too=every)
 

@@ -78,6 +78,19 @@ TEST(Profile, RoundTripsAndChecksItsGraph) {
   auto back = Profile::from_json(p.to_json());
   ASSERT_TRUE(back.is_ok()) << back.status().to_string();
   EXPECT_EQ(back->to_json(), p.to_json());
+  p.value_saved_by = {-1, 0};  // value 1 is in node 0's saved bytes
+  back = Profile::from_json(p.to_json());
+  ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+  EXPECT_EQ(back->value_saved_by, p.value_saved_by);
+  for (const char* wrong : {"[-1]", "[-1, 1]", "[-1, -2]", "[-1, \"0\"]"}) {
+    std::string text = p.to_json();
+    const std::string field = "\"value_saved_by\":[-1,0]";
+    ASSERT_NE(text.find(field), std::string::npos) << text;
+    text.replace(text.find(field), field.size(), std::string("\"value_saved_by\":") + wrong);
+    auto refused = Profile::from_json(text);
+    ASSERT_FALSE(refused.is_ok()) << wrong;
+    EXPECT_NE(refused.status().message().find("/value_saved_by"), std::string::npos) << refused.status().message();
+  }
   auto bad = Profile::from_json(R"({"format": "conveyor.profile", "version": 1, "graph_hash": "x", "device": "cpu",
                                     "microbatch": 0, "nodes": [], "value_bytes": []})");
   ASSERT_FALSE(bad.is_ok());

@@ -316,6 +316,21 @@ TEST(Planner, ATiedParameterIsHeldOnceByTheRankWhoseStagesShareIt) {
     const auto [planned, once] = held(f.g, *v, r);
     EXPECT_DOUBLE_EQ(planned, once) << "rank " << r << "\n" << v->table();
   }
+  // Each rank makes each of its parameters' gradients once, the tied one with its last stage
+  // (whose backward runs first in the step).
+  const auto spec = v->schedule_spec();
+  for (int r = 0; r < v->ranks(); ++r) {
+    double grads = 0;
+    for (int s : spec.stages_of_rank(r)) grads += v->stages[s].weight_grad_bytes;
+    EXPECT_DOUBLE_EQ(grads, held(f.g, *v, r).second / 4) << "rank " << r;
+  }
+  const int last_stage = static_cast<int>(v->stages.size()) - 1;
+  ASSERT_EQ(spec.rank_of_stage(last_stage), 0);
+  double last_reads = 0;
+  for (int op : v->stages[last_stage].ops) {
+    for (int q : f.g.ops[op].params) last_reads += f.g.params[q].bytes;
+  }
+  EXPECT_DOUBLE_EQ(v->stages[last_stage].weight_grad_bytes, last_reads);
   const auto [first_rank, _] = held(f.g, *v, 0);
   f.o.schedules = {ScheduleKind::kOneFOneB};
   auto plain = make_plan(f.g, f.cluster, f.o);
@@ -325,6 +340,32 @@ TEST(Planner, ATiedParameterIsHeldOnceByTheRankWhoseStagesShareIt) {
   EXPECT_DOUBLE_EQ(held(f.g, *plain, 0).first, held(f.g, *plain, 0).second);
   EXPECT_DOUBLE_EQ(held(f.g, *plain, last).first, held(f.g, *plain, last).second);
   EXPECT_GT(first_rank, 0);
+}
+
+TEST(Planner, AStageHoldsAValueItSendsOnAndSavesOnce) {
+  // Each layer saves its own output (a ReLU's backward reads it): a stage keeps its last
+  // layer's output once for its backward and for the next stage, not as saved and as sent.
+  // Without knowing who saves a value, the plan counts it twice.
+  CostGraph g = uniform_chain(8, 1e-3, 2e-3, 1e6, 1e6);
+  Cluster roomy = Cluster::uniform(1, 4, 1e12, 1.0, fast_link(), fast_link());
+  PlanOptions o;
+  o.batch = 8;
+  o.microbatches = 8;
+  o.ranks = 4;
+  o.replicas = {1};
+  o.schedules = {ScheduleKind::kOneFOneB};
+  auto unknown = make_plan(g, roomy, o);
+  for (std::size_t v = 0; v < g.values.size(); ++v) g.values[v].saved_by = g.values[v].producer;
+  auto known = make_plan(g, roomy, o);
+  ASSERT_TRUE(unknown.is_ok() && known.is_ok()) << unknown.status().to_string() << known.status().to_string();
+  for (std::size_t s = 0; s < known->stages.size(); ++s) {
+    ASSERT_EQ(known->stages[s].ops, unknown->stages[s].ops);
+    const double layers = static_cast<double>(known->stages[s].ops.size());
+    const bool sends = s + 1 < known->stages.size();
+    EXPECT_DOUBLE_EQ(unknown->stages[s].saved_bytes, (layers + (sends ? 1 : 0)) * 1e6) << "stage " << s;
+    EXPECT_DOUBLE_EQ(known->stages[s].saved_bytes, layers * 1e6) << "stage " << s;
+  }
+  EXPECT_LT(known->stages[0].memory_bytes, unknown->stages[0].memory_bytes);
 }
 
 TEST(Planner, ASplitBackwardsMemoryIsWhatItsScheduleKeeps) {

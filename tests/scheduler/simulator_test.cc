@@ -263,6 +263,41 @@ TEST(Simulator, ABackwardsWorkingMemoryCountsWhileItRunsNotBetween) {
   EXPECT_DOUBLE_EQ(peak(ScheduleKind::kZeroBubbleH1, 5), 24);
 }
 
+TEST(Simulator, WeightGradientsAreHeldFromTheirStagesFirstBackward) {
+  // Two stages on two ranks, 1F1B over two microbatches; each stage holds 100 static bytes
+  // of which 40 are its parameters' gradients, and saves 10 per microbatch. The gradients are
+  // freed before the step (zero_grad) and made by the stage's first B: stage 0 holds both
+  // microbatches (20) before its first B, so it peaks there at 60 + 20 + its B's extra of 5,
+  // not at 100 + 20; after its B the gradients stay (100 + 10 + 5 at the second B).
+  auto peak = [](ScheduleKind kind, double grads) {
+    std::vector<StageCost> costs(2, StageCost{1.0, 2.0, 1.0});
+    for (auto& c : costs) {
+      c.static_bytes = 100;
+      c.weight_grad_bytes = grads;
+      c.saved_bytes = 10;
+      c.input_freed_bytes = 6;
+      c.backward_extra_bytes = 5;
+      c.split_backward_extra_bytes = 5;
+    }
+    auto sim = simulate(*make_schedule({kind, 2, 2}), costs, LinkCost{});
+    EXPECT_TRUE(sim.is_ok());
+    return sim->peak_bytes[0];
+  };
+  EXPECT_DOUBLE_EQ(peak(ScheduleKind::kOneFOneB, 0), 125);
+  EXPECT_DOUBLE_EQ(peak(ScheduleKind::kOneFOneB, 40), 115);
+  // A split backward makes them at W, not at Bi: one microbatch through one stage (F Bi W)
+  // peaks at 60 + 10 + 5 in its Bi, 60 + 4 + 5 in its W, then holds 100. Made at Bi, the
+  // gradients would have peaked there at 100 + 10 + 5.
+  std::vector<StageCost> one(1, StageCost{1.0, 2.0, 1.0});
+  one[0].static_bytes = 100;
+  one[0].weight_grad_bytes = 40;
+  one[0].saved_bytes = 10;
+  one[0].input_freed_bytes = 6;
+  one[0].split_backward_extra_bytes = 5;
+  auto split = simulate(*make_schedule({ScheduleKind::kZeroBubbleH1, 1, 1}), one, LinkCost{});
+  ASSERT_TRUE(split.is_ok()) << split.status().to_string();
+  EXPECT_DOUBLE_EQ(split->peak_bytes[0], 100);
+}
 
 TEST(Simulator, DualPipeVIdlesOnlyTheFillAndHoldsOneStageMicrobatchMoreThanZeroBubbleV) {
   // DualPipeV's gain over ZB-V is overlapping the forward and the backward it pairs (F&B in
