@@ -220,6 +220,9 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--group") members = std::max(2, std::atoi(argv[i + 1]));
   }
   setenv("UCX_NET_DEVICES", "lo", 0);
+  // As `conveyor launch` runs its processes (tools/launch.cc): torch's large CPU allocations
+  // on transparent huge pages. Set before torch allocates; the receiver inherits it.
+  setenv("THP_MEM_ALLOC_ENABLE", "1", 0);
   for (int i = 1; i + 1 < argc; ++i) {
     if (std::string(argv[i]) != "--receiver") continue;
     int out = -1, in = -1;

@@ -228,6 +228,10 @@ int launch(const JobConfig& c, const std::vector<std::string>& command) {
       const int asked = inherited != nullptr ? std::atoi(inherited) : 0;
       setenv("OMP_NUM_THREADS", std::to_string(asked > 0 ? std::min(asked, threads) : threads).c_str(), 1);
       if (one_machine && loopback(master)) setenv("UCX_NET_DEVICES", "lo", 0);
+      // torch's CPU allocations of 2 MB and more on transparent huge pages (unless the caller
+      // says otherwise): a peer process of this host reads a message from the sender's
+      // memory (CMA), pinning its pages, and 256 MB then moved at 6.4 GB/s instead of 5.2.
+      setenv("THP_MEM_ALLOC_ENABLE", "1", 0);
       std::vector<char*> argv;
       for (const auto& a : command) argv.push_back(const_cast<char*>(a.c_str()));
       argv.push_back(nullptr);
