@@ -222,8 +222,12 @@ Status GradientReducer::finish_stage(int stage, const std::vector<c10::Event*>& 
 // queued to be summed across them.
 Status GradientReducer::reduce_bucket(int stage, int b) {
   Bucket& bucket = buckets_[stage][b];
-  CONVEYOR_ASSIGN_OR_RETURN(at::Tensor sum, sum_replicas(bucket.names, placement_.local_replicas[stage], local_groups_[stage]));
-  if (!groups_.across[stage]) {
+  const bool across = groups_.across[stage] != nullptr;
+  // Summed across processes, the last element counts the replicas with gradients (so that
+  // a bucket no process has gradients for stays without).
+  CONVEYOR_ASSIGN_OR_RETURN(at::Tensor sum, sum_replicas(bucket.names, placement_.local_replicas[stage],
+                                                         local_groups_[stage], /*with_count=*/across));
+  if (!across) {
     if (sum.defined()) write_back(bucket.names, sum);
     return Status::ok();
   }
@@ -232,7 +236,7 @@ Status GradientReducer::reduce_bucket(int stage, int b) {
     for (const auto& name : bucket.names) numel += tensors_(0, name)->numel();
     bucket.across = at::zeros({numel + 1}, tensors_(0, bucket.names[0])->options());
   } else {
-    bucket.across = at::cat({sum, at::ones({1}, sum.options())});  // the last element counts processes with gradients
+    bucket.across = std::move(sum);
   }
   issue_across(stage);
   return Status::ok();
@@ -294,7 +298,9 @@ Status GradientReducer::write_across() {
   const at::Tensor had = at::cat(counts).to(at::kCPU, at::kDouble);
   for (std::size_t k = 0; k < summed.size(); ++k) {
     Bucket& b = *summed[k];
-    if (had[static_cast<std::int64_t>(k)].item<double>() > 0) write_back(b.names, b.across.narrow(0, 0, b.across.numel() - 1));
+    if (had[static_cast<std::int64_t>(k)].item<double>() > 0) {
+      write_back(b.names, b.across.narrow(0, 0, b.across.numel() - 1), /*as_views=*/true);
+    }
     b.across = at::Tensor();
   }
   return Status::ok();
@@ -302,24 +308,30 @@ Status GradientReducer::write_across() {
 
 // The gradients of `names` summed over `members` as one flat tensor (zeros for a member
 // without one), through `group` (member order: the same sums wherever they run); every
-// member's gradients but replica 0's are released. Undefined when no member has any.
+// member's gradients but replica 0's are released. Undefined when no member has any. With
+// `with_count` each member's flat ends in 1 where it has gradients, else 0.
 Result<at::Tensor> GradientReducer::sum_replicas(const std::vector<std::string>& names, const std::vector<int>& members,
-                                                 const std::vector<std::shared_ptr<transport::Collective>>& group) {
+                                                 const std::vector<std::shared_ptr<transport::Collective>>& group,
+                                                 bool with_count) {
   c10::NoGradGuard no_grad;
   std::vector<at::Tensor> flat_per_member;
   bool any = false;
   for (int r : members) {
     std::vector<at::Tensor> flat;
+    bool has = false;
     for (const auto& name : names) {
       at::Tensor p = *tensors_(r, name);
       at::Tensor g = p.grad();
-      any = any || g.defined();
+      has = has || g.defined();
       flat.push_back(g.defined() ? g.reshape(-1) : at::zeros({p.numel()}, p.options()));
       if (r > 0 && g.defined()) {
         if (streams_ != nullptr) used_on(g, current_stream(streams_->device()));  // the collective stream
         p.mutable_grad().reset();
       }
     }
+    any = any || has;
+    // One cat with the count, not a second copy of the sum to append it.
+    if (with_count) flat.push_back(at::full({1}, has ? 1 : 0, tensors_(r, names[0])->options()));
     flat_per_member.push_back(at::cat(flat));
   }
   if (!any) return at::Tensor();
@@ -346,8 +358,9 @@ Result<at::Tensor> GradientReducer::sum_replicas(const std::vector<std::string>&
 }
 
 // A flat sum of `names`' gradients becomes replica 0's (the user's) `.grad` (not for
-// tensors released here).
-void GradientReducer::write_back(const std::vector<std::string>& names, const at::Tensor& flat) {
+// tensors released here): copied into it, or, `as_views`, each `.grad` a view of `flat`
+// (a buffer of this step's alone, as DDP's gradient_as_bucket_view: a step-sized copy less).
+void GradientReducer::write_back(const std::vector<std::string>& names, const at::Tensor& flat, bool as_views) {
   c10::NoGradGuard no_grad;
   std::int64_t offset = 0;
   for (const auto& name : names) {
@@ -355,7 +368,9 @@ void GradientReducer::write_back(const std::vector<std::string>& names, const at
     at::Tensor part = flat.narrow(0, offset, p.numel()).view(p.sizes());
     offset += p.numel();
     if (released_ && released_(name) != nullptr) continue;
-    if (p.grad().defined()) {
+    if (as_views && part.scalar_type() == p.scalar_type() && part.device() == p.device()) {
+      p.mutable_grad() = part;
+    } else if (p.grad().defined()) {
       p.mutable_grad().copy_(part);
     } else {
       p.mutable_grad() = part.clone();

@@ -109,8 +109,9 @@ class GradientReducer {
   Status reduce_bucket(int stage, int b);                // communication thread
   void issue_across(int stage);                          // communication thread
   Result<at::Tensor> sum_replicas(const std::vector<std::string>& names, const std::vector<int>& members,
-                                  const std::vector<std::shared_ptr<transport::Collective>>& group);
-  void write_back(const std::vector<std::string>& names, const at::Tensor& flat);
+                                  const std::vector<std::shared_ptr<transport::Collective>>& group,
+                                  bool with_count = false);
+  void write_back(const std::vector<std::string>& names, const at::Tensor& flat, bool as_views = false);
   std::vector<std::vector<std::string>> make_buckets(const std::vector<std::string>& names) const;
 
   const PipelineLayout& layout_;

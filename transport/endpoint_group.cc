@@ -4,6 +4,8 @@
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
+#include <atomic>
+#include <functional>
 #include <mutex>
 #include <set>
 
@@ -78,10 +80,17 @@ struct Operation : std::enable_shared_from_this<Operation> {
   }
 
   void send(int member, int phase, const at::Tensor& payload) {
+    send_then(member, phase, payload, nullptr);
+  }
+
+  // As send, and `sent` runs once the member has taken the payload (not on failure).
+  void send_then(int member, int phase, const at::Tensor& payload, std::function<void()> sent) {
     auto self = shared_from_this();
-    group->endpoint->send(group->members[member], tag(phase), {header, payload}, [self](Status s) {
-      if (!s) self->finish(std::move(s));
-    });
+    group->endpoint->send(group->members[member], tag(phase), {header, payload},
+                          [self, sent = std::move(sent)](Status s) {
+                            if (!s) return self->finish(std::move(s));
+                            if (sent) sent();
+                          });
   }
 
   // Receives one message from each of `from` in `phase`; checks each sender's call against
@@ -168,6 +177,23 @@ at::Tensor sum_in_member_order(const std::vector<at::Tensor>& parts, const at::T
   return acc;
 }
 
+// Sums `parts` in member order into `own` (this member's part; `parts[me]` unused), equal
+// bit for bit to sum_in_member_order: ((p0 + p1) + p2) + ... Member 0 and member 1 sum in
+// place (p0 + own is own + p0: one addition commutes exactly), others from a sum of the
+// parts before theirs. Received parts are not written: a transport may hand over the
+// sender's own tensor.
+void sum_into_own_part(const std::vector<at::Tensor>& parts, at::Tensor& own, int me) {
+  auto part = [&](int j) { return parts[static_cast<std::size_t>(j)].to(own.device()); };
+  if (me >= 2) {
+    at::Tensor before = part(0) + part(1);
+    for (int j = 2; j < me; ++j) before.add_(part(j));
+    own.add_(before);
+  } else if (me == 1) {
+    own.add_(part(0));
+  }
+  for (int j = me == 0 ? 1 : me + 1; j < static_cast<int>(parts.size()); ++j) own.add_(part(j));
+}
+
 class Member final : public EndpointGroup {
  public:
   explicit Member(std::shared_ptr<GroupState> g) : g_(std::move(g)) {}
@@ -189,23 +215,34 @@ class Member final : public EndpointGroup {
       return;
     }
     // reduce_scatter: member j owns part j; then every owner sends its reduced part to all.
+    // Sums and results are written into `flat` itself (t's memory when t is contiguous),
+    // with no step-sized buffer: a fresh one per step cost page faults and two more copies.
+    // `flat` is overwritten only where it is no longer read: this member's part after the
+    // others sent theirs (it is never sent in the first phase), part j once member j's
+    // reduced part arrived (j had received this member's part j before it summed).
     for (int j : op->others()) {
       const auto [offset, length] = part_of(flat.numel(), n, j);
       op->send(j, 0, flat.narrow(0, offset, length));
     }
-    op->receive(op->others(), 0, [op, t, flat, me, n](std::vector<at::Tensor>& parts) {
+    // Done when every reduced part is in and this member's own has been taken by all: a
+    // caller may write t again once done.
+    auto left = std::make_shared<std::atomic<int>>(static_cast<int>(op->others().size()) + 1);
+    auto one_more = [op, left, t, flat]() {
+      if (left->fetch_sub(1) != 1) return;
+      if (flat.data_ptr() != t.data_ptr() || !t.is_contiguous()) t.copy_(flat.view(t.sizes()));
+      op->finish(Status::ok());
+    };
+    op->receive(op->others(), 0, [op, flat, me, n, one_more](std::vector<at::Tensor>& parts) {
       const auto [offset, length] = part_of(flat.numel(), n, me);
-      at::Tensor result = at::empty_like(flat);
-      at::Tensor mine = sum_in_member_order(parts, flat.narrow(0, offset, length), me);
-      result.narrow(0, offset, length).copy_(mine);
-      for (int j : op->others()) op->send(j, 1, mine);
-      op->receive(op->others(), 1, [op, t, result, n](std::vector<at::Tensor>& reduced) {
+      at::Tensor mine = flat.narrow(0, offset, length);
+      sum_into_own_part(parts, mine, me);
+      for (int j : op->others()) op->send_then(j, 1, mine, one_more);
+      op->receive(op->others(), 1, [op, flat, n, one_more](std::vector<at::Tensor>& reduced) {
         for (int j : op->others()) {
-          const auto [o, l] = part_of(result.numel(), n, j);
-          result.narrow(0, o, l).copy_(reduced[j]);
+          const auto [o, l] = part_of(flat.numel(), n, j);
+          flat.narrow(0, o, l).copy_(reduced[j]);
         }
-        t.copy_(result.view(t.sizes()));
-        op->finish(Status::ok());
+        one_more();
         return Status::ok();
       });
       return Status::ok();

@@ -329,6 +329,23 @@ TEST_P(CollectiveConformance, SumsAreBitwiseDeterministicInMemberOrder) {
   }
 }
 
+TEST_P(CollectiveConformance, AllreduceWritesANonContiguousTensorInPlace) {
+  // A transposed gradient: summed through a contiguous copy, written back element by element.
+  const int n = 3;
+  GROUP_OR_SKIP(group, n);
+  std::vector<at::Tensor> ts;
+  at::Tensor expected = at::zeros({300, 200}, at::kDouble);
+  for (int i = 0; i < n; ++i) {
+    ts.push_back(at::randn({200, 300}, at::kDouble).t());
+    expected += ts.back();
+  }
+  on_threads(n, [&](int me) { ASSERT_TRUE(wait_for([&](Done d) { group[me]->allreduce(ts[me], d); }).is_ok()); });
+  for (int i = 0; i < n; ++i) {
+    EXPECT_FALSE(ts[i].is_contiguous());
+    EXPECT_TRUE(at::allclose(ts[i], expected)) << "member " << i;
+  }
+}
+
 TEST_P(CollectiveConformance, MismatchedCallsFailEveryMemberNamingBoth) {
   GROUP_OR_SKIP(group, 2);
   std::vector<Status> got(2, Status::ok());
