@@ -1,6 +1,6 @@
 // Transport bandwidth and latency between two processes of this host (forked; shared memory
 // unless CONVEYOR_UCX_SHM=0, then loopback tcp): the UCX Endpoint's point-to-point
-// throughput (a stream of messages, acknowledged at the end) against a plain memcpy of the
+// throughput (a stream of messages, 64 MB or more, acknowledged at the end) against a plain memcpy of the
 // same bytes, from 1 KB to 256 MB; small-message latency (half an 8-byte round trip);
 // allreduce over UCX (transport/endpoint_group.h) among --group members (threads of one
 // process), its bus bandwidth (bytes x 2(n-1)/n per second, what each member's link
@@ -75,6 +75,16 @@ std::shared_ptr<UcxEndpoint> member_of_two(int rank, int out, int in) {
   return me;
 }
 
+// Messages in one size's stream: `iters`, and below 64 MB enough for 64 MB in all (at most
+// 2,000), so that the stream's one acknowledgement and the threads' wake-ups are a small part
+// of it, as in ucx_perftest's 2,000-message runs; from 64 MB a quarter of `iters`. The
+// receiver takes one message at a time: posting a stream's receives all at once made large
+// messages slower (each posted receive is probed while it waits).
+int messages_per_stream(std::int64_t bytes, int iters) {
+  if (bytes >= (64 << 20)) return std::max(3, iters / 4);
+  return static_cast<int>(std::clamp<std::int64_t>((std::int64_t{64} << 20) / bytes, iters, 2000));
+}
+
 Result<std::vector<at::Tensor>> receive_from(Endpoint& e, int peer, Tag tag) {
   auto got = receive_within(e, peer, tag, std::chrono::seconds(60));
   if (!got.is_ok()) std::fprintf(stderr, "receiving: %s\n", got.status().to_string().c_str());
@@ -86,7 +96,7 @@ void receiver(int out, int in, int iters, std::int64_t max_mb) {
   auto me = member_of_two(1, out, in);
   Tag tag = 1;
   for (std::int64_t bytes = 1 << 10; bytes <= max_mb << 20; bytes *= 4) {
-    const int n = bytes >= (64 << 20) ? std::max(3, iters / 4) : iters;
+    const int n = messages_per_stream(bytes, iters);
     for (int round = 0; round < 2; ++round) {  // a warm-up stream, then the measured one
       for (int k = 0; k < n; ++k) {
         if (!receive_from(*me, 0, tag++).is_ok()) std::exit(1);
@@ -119,14 +129,14 @@ int two_process_point_to_point(int iters, std::int64_t max_mb, std::map<std::int
   }
   auto me = member_of_two(0, to_child[1], to_parent[0]);
   const char* shm = std::getenv("CONVEYOR_UCX_SHM");
-  std::printf("UCX endpoint, 2 processes of this host over %s; a stream of %d messages per size\n",
+  std::printf("UCX endpoint, 2 processes of this host over %s; a stream of 64 MB (%d to 2000 messages) per size\n",
               shm != nullptr && std::string(shm) == "0" ? "loopback tcp" : "shared memory", iters);
   std::printf("%10s %14s %14s %10s\n", "bytes", "ucx GB/s", "memcpy GB/s", "ratio");
   Tag tag = 1;
   for (std::int64_t bytes = 1 << 10; bytes <= max_mb << 20; bytes *= 4) {
     at::Tensor t = at::randint(0, 255, {bytes}, at::kByte);
     at::Tensor dst = at::empty_like(t);
-    const int n = bytes >= (64 << 20) ? std::max(3, iters / 4) : iters;
+    const int n = messages_per_stream(bytes, iters);
     double stream_s = 0;
     for (int round = 0; round < 2; ++round) {
       const auto start = Clock::now();
