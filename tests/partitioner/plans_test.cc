@@ -342,18 +342,24 @@ TEST(Planner, ATiedParameterIsHeldOnceByTheRankWhoseStagesShareIt) {
   EXPECT_GT(first_rank, 0);
 }
 
+// 1F1B on 4 ranks of one replica, 8 microbatches of `batch` samples in all.
+PlanOptions four_ranks_of_1f1b(int batch) {
+  PlanOptions o;
+  o.batch = batch;
+  o.microbatches = 8;
+  o.ranks = 4;
+  o.replicas = {1};
+  o.schedules = {ScheduleKind::kOneFOneB};
+  return o;
+}
+
 TEST(Planner, AStageHoldsAValueItSendsOnAndSavesOnce) {
   // Each layer saves its own output (a ReLU's backward reads it): a stage keeps its last
   // layer's output once for its backward and for the next stage, not as saved and as sent.
   // Without knowing who saves a value, the plan counts it twice.
   CostGraph g = uniform_chain(8, 1e-3, 2e-3, 1e6, 1e6);
   Cluster roomy = Cluster::uniform(1, 4, 1e12, 1.0, fast_link(), fast_link());
-  PlanOptions o;
-  o.batch = 8;
-  o.microbatches = 8;
-  o.ranks = 4;
-  o.replicas = {1};
-  o.schedules = {ScheduleKind::kOneFOneB};
+  const PlanOptions o = four_ranks_of_1f1b(8);
   auto unknown = make_plan(g, roomy, o);
   for (std::size_t v = 0; v < g.values.size(); ++v) g.values[v].saved_by = g.values[v].producer;
   auto known = make_plan(g, roomy, o);
@@ -374,12 +380,7 @@ TEST(Planner, ASplitBackwardsMemoryIsWhatItsScheduleKeeps) {
   CostGraph g = uniform_chain(8, 1e-3, 2e-3, 1e6, 1e6);
   for (auto& op : g.ops) op.backward_weight_s = 1e-3;
   Cluster roomy = Cluster::uniform(1, 4, 1e12, 1.0, fast_link(), fast_link());
-  PlanOptions o;
-  o.batch = 16;
-  o.microbatches = 8;
-  o.ranks = 4;
-  o.replicas = {1};
-  o.schedules = {ScheduleKind::kOneFOneB};
+  PlanOptions o = four_ranks_of_1f1b(16);
   auto ofob = make_plan(g, roomy, o);
   o.schedules = {ScheduleKind::kZeroBubbleH1};
   auto zb = make_plan(g, roomy, o);
