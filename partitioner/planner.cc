@@ -106,8 +106,8 @@ StagePlan stage_plan(const Units& u, const CutStates& cs, int inner, int outer, 
   sp.allreduce_s = e.allreduce;
   sp.param_bytes = ss.params;
   // static_bytes: count_parameters_once, over every stage of the plan.
-  sp.saved_bytes = (ss.kept(e.recompute) + ss.out_bytes - (e.recompute == Recomputation::kNone ? sent_and_saved(u, cs, outer, inner) : 0)) *
-                   model.scale() * e.max_share;
+  const double held_once = e.recompute == Recomputation::kNone ? sent_and_saved(u, cs, outer, inner) : 0;
+  sp.saved_bytes = (ss.kept(e.recompute) + ss.out_bytes - held_once) * model.scale() * e.max_share;
   // A stage that reads nothing from another (the first) has no input gradient to compute: its
   // split backward does everything at W.
   sp.input_freed_bytes = ss.in_bytes > 0 ? sp.saved_bytes - ss.saved_w * model.scale() * e.max_share : 0;

@@ -227,9 +227,10 @@ class Member final : public EndpointGroup {
     // Done when every reduced part is in and this member's own has been taken by all: a
     // caller may write t again once done.
     auto left = std::make_shared<std::atomic<int>>(static_cast<int>(op->others().size()) + 1);
-    auto one_more = [op, left, t, flat]() {
+    const bool into_t = t.is_contiguous() && flat.data_ptr() == t.data_ptr();
+    auto one_more = [op, left, t, flat, into_t]() {
       if (left->fetch_sub(1) != 1) return;
-      if (flat.data_ptr() != t.data_ptr() || !t.is_contiguous()) t.copy_(flat.view(t.sizes()));
+      if (!into_t) t.copy_(flat.view(t.sizes()));
       op->finish(Status::ok());
     };
     op->receive(op->others(), 0, [op, flat, me, n, one_more](std::vector<at::Tensor>& parts) {
