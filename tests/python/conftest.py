@@ -1,4 +1,5 @@
 import os
+import random
 import socket
 import warnings
 
@@ -36,7 +37,22 @@ def rel_err():
 
 
 def free_port() -> int:
-    """A TCP port free on loopback now (for a test job's rendezvous)."""
-    with socket.socket() as s:
+    """A TCP port free on loopback now (for a test job's rendezvous), below the kernel's
+    ephemeral range: a port from that range (bind to 0) was taken again, by a connection of
+    another process, in the seconds before the job's process 0 listened on it."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_from = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_from = 32768
+    low = 10000 if ephemeral_from > 12000 else 1024
+    for port in random.Random().sample(range(low, max(low + 1, ephemeral_from)), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # everything tried was taken: any free one
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
