@@ -80,6 +80,8 @@ std::shared_ptr<UcxEndpoint> member_of_two(int rank, int out, int in) {
 // of it, as in ucx_perftest's 2,000-message runs; from 64 MB a quarter of `iters`. The
 // receiver takes one message at a time: posting a stream's receives all at once made large
 // messages slower (each posted receive is probed while it waits).
+constexpr int kWindow = 2;  // receives a stream's receiver has posted at a time
+
 int messages_per_stream(std::int64_t bytes, int iters) {
   if (bytes >= (64 << 20)) return std::max(3, iters / 4);
   return static_cast<int>(std::clamp<std::int64_t>((std::int64_t{64} << 20) / bytes, iters, 2000));
@@ -91,6 +93,39 @@ Result<std::vector<at::Tensor>> receive_from(Endpoint& e, int peer, Tag tag) {
   return got;
 }
 
+// Receives the `n` messages `peer` sends under tags `first` on, with `window` receives
+// posted at a time, as a consumer that asks ahead does (the runtime posts a step's receives
+// as it schedules them): each completion posts the next receive, on the transport's thread.
+Status receive_stream(Endpoint& e, int peer, Tag first, int n, int window) {
+  struct Stream {
+    Stream(Endpoint& e, int peer, Tag first, int n, int window) : e(e), peer(peer), n(n), window(window), first(first), left(n) {}
+    Endpoint& e;
+    const int peer, n, window;
+    const Tag first;
+    std::atomic<int> left;
+    std::promise<Status> finished;
+    std::atomic<bool> failed{false};
+    void post(int k, const std::shared_ptr<Stream>& self) {
+      e.recv(peer, first + static_cast<Tag>(k), [this, k, self](Result<std::vector<at::Tensor>> got) {
+        if (!got.is_ok()) {
+          if (!failed.exchange(true)) finished.set_value(got.status());
+          return;
+        }
+        got->clear();  // the buffer goes back to the pool before the next receive takes one
+        if (k + window < n) post(k + window, self);
+        if (--left == 0 && !failed) finished.set_value(Status::ok());
+      });
+    }
+  };
+  auto stream = std::make_shared<Stream>(e, peer, first, n, window);
+  auto finished = stream->finished.get_future();
+  for (int k = 0; k < std::min(window, n); ++k) stream->post(k, stream);
+  if (finished.wait_for(std::chrono::seconds(60)) != std::future_status::ready) {
+    return Status(ErrorCode::kExecution, "a stream of " + std::to_string(n) + " messages did not arrive within 60 s");
+  }
+  return finished.get();
+}
+
 // Process 1 (forked): receives each size's stream and acknowledges it, then echoes the pings.
 void receiver(int out, int in, int iters, std::int64_t max_mb) {
   auto me = member_of_two(1, out, in);
@@ -98,9 +133,11 @@ void receiver(int out, int in, int iters, std::int64_t max_mb) {
   for (std::int64_t bytes = 1 << 10; bytes <= max_mb << 20; bytes *= 4) {
     const int n = messages_per_stream(bytes, iters);
     for (int round = 0; round < 2; ++round) {  // a warm-up stream, then the measured one
-      for (int k = 0; k < n; ++k) {
-        if (!receive_from(*me, 0, tag++).is_ok()) std::exit(1);
+      if (Status s = receive_stream(*me, 0, tag, n, kWindow); !s) {
+        std::fprintf(stderr, "receiving: %s\n", s.to_string().c_str());
+        std::exit(1);
       }
+      tag += static_cast<Tag>(n);
       me->send(0, tag++, {at::zeros({1}, at::kLong)}, [](Status) {});
     }
   }

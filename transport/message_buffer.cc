@@ -115,12 +115,16 @@ std::vector<at::Tensor> on_host(const std::vector<at::Tensor>& tensors) {
   return host;
 }
 
-// One buffer: the header (its word count first), then each tensor's bytes unless in parts.
-at::Tensor pack(const std::vector<at::Tensor>& host, bool in_parts) {
+enum class Layout { kPacked, kGathered, kInParts };
+
+// One buffer: the header (its word count first), then each tensor's bytes when packed (a
+// gathered message's bytes follow from the caller's memory; in parts, as messages of their own).
+at::Tensor pack(const std::vector<at::Tensor>& host, Layout layout) {
+  const bool in_parts = layout == Layout::kInParts, copy = layout == Layout::kPacked;
   const std::vector<std::int64_t> header = header_of(host, in_parts);
   std::size_t total = aligned(sizeof(std::int64_t) * (1 + header.size()));
   for (const auto& c : host) {
-    if (c.defined() && !in_parts) total += aligned(c.nbytes());
+    if (c.defined() && copy) total += aligned(c.nbytes());
   }
   at::Tensor out = message_bytes(total);
   auto* bytes = static_cast<std::uint8_t*>(out.data_ptr());
@@ -129,7 +133,7 @@ at::Tensor pack(const std::vector<at::Tensor>& host, bool in_parts) {
   std::memcpy(bytes + sizeof n, header.data(), sizeof(std::int64_t) * header.size());
   std::size_t at = aligned(sizeof(std::int64_t) * (1 + header.size()));
   for (const auto& c : host) {
-    if (!c.defined() || in_parts) continue;
+    if (!c.defined() || !copy) continue;
     if (c.nbytes() > 0) std::memcpy(bytes + at, c.data_ptr(), c.nbytes());
     at += aligned(c.nbytes());
   }
@@ -142,10 +146,21 @@ OutgoingMessage frame_message(const std::vector<at::Tensor>& tensors) {
   std::vector<at::Tensor> host = on_host(tensors);
   std::size_t data = 0;
   for (const auto& c : host) data += c.defined() ? c.nbytes() : 0;
-  if (data < kPartsFrom) return {pack(host, false), {}};
-  OutgoingMessage out{pack(host, true), {}};
+  if (data < kPartsFrom) return {pack(host, Layout::kPacked), {}};
+  const bool gathered = data < kGatheredBelow;
+  OutgoingMessage out{pack(host, gathered ? Layout::kGathered : Layout::kInParts), {}, gathered};
   for (auto& c : host) {
     if (c.defined() && c.nbytes() > 0) out.parts.push_back(std::move(c));
+  }
+  return out;
+}
+
+std::vector<std::pair<const void*, std::size_t>> gathered_segments(const OutgoingMessage& message) {
+  static const std::uint8_t zeros[kAlign] = {};
+  std::vector<std::pair<const void*, std::size_t>> out{{message.header.data_ptr(), message.header.nbytes()}};
+  for (const auto& part : message.parts) {
+    out.emplace_back(part.data_ptr(), part.nbytes());
+    if (const std::size_t pad = aligned(part.nbytes()) - part.nbytes(); pad > 0) out.emplace_back(zeros, pad);
   }
   return out;
 }

@@ -15,6 +15,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "common/status.h"
@@ -31,13 +32,23 @@ at::Tensor message_bytes(std::size_t n);
 struct OutgoingMessage {
   at::Tensor header;
   std::vector<at::Tensor> parts;
+  /// The header and the parts go as one message, each padded to 64 bytes (gathered_segments),
+  /// and arrive as a packed one.
+  bool gathered = false;
 };
 
-/// Messages with this many bytes of tensor data or more travel in parts.
+/// Messages with this many bytes of tensor data or more are not packed.
 inline constexpr std::size_t kPartsFrom = std::size_t{64} << 10;
+/// Below this many bytes of tensor data, such a message is gathered; from it, its parts
+/// travel as messages of their own.
+inline constexpr std::size_t kGatheredBelow = std::size_t{16} << 20;
 
 /// `tensors` (undefined ones allowed; device tensors copied to the host) framed for sending.
 OutgoingMessage frame_message(const std::vector<at::Tensor>& tensors);
+
+/// The memory a gathered message is sent from, in order: the header, then each part and the
+/// zeros that pad it to 64 bytes.
+std::vector<std::pair<const void*, std::size_t>> gathered_segments(const OutgoingMessage& message);
 
 /// A received first buffer, read: the message's `tensors`, complete when `parts` is empty;
 /// otherwise the buffers each following part is to be received into, in order (the bytes

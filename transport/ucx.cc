@@ -22,6 +22,7 @@
 
 #include "transport/message_buffer.h"
 #include "transport/peer_liveness.h"
+#include "transport/ucx_message.h"
 #include "transport/ucx_request.h"
 
 namespace conveyor::transport {
@@ -181,22 +182,11 @@ class UcxMember final : public UcxEndpoint {
       if (Status e = current_error(); !e) return done(e);
       if (!eps_[peer]) return done(Status(ErrorCode::kInvalidArgument, "member " + std::to_string(rank_) +
                                                                           " is not connected to member " + std::to_string(peer)));
-      // The header, then each part, under one tag (UCX keeps their order): done once all went.
-      auto sent = std::make_shared<Countdown>(1 + message->parts.size(), std::move(done));
-      auto send = [&](const at::Tensor& t) {
-        ++in_flight_;
-        post_request(
-            [this, sent, message, peer](ucs_status_t s) {
-              --in_flight_;
-              sent->completed(s == UCS_OK ? Status::ok() : transfer_error("a UCX send", lost(peer), s));
-            },
-            [&](const ucp_request_param_t& p) {
-              return ucp_tag_send_nbx(eps_[peer], t.data_ptr(), t.nbytes(), ucx_tag(tag, rank_), &p);
-            },
-            /*receive=*/false);
-      };
-      send(message->header);
-      for (const auto& part : message->parts) send(part);
+      ++in_flight_;
+      send_message(eps_[peer], ucx_tag(tag, rank_), message, [this, peer, done = std::move(done)](ucs_status_t s) {
+        --in_flight_;
+        done(s == UCS_OK ? Status::ok() : transfer_error("a UCX send", lost(peer), s));
+      });
     });
   }
 
@@ -331,12 +321,14 @@ class UcxMember final : public UcxEndpoint {
     std::lock_guard<std::mutex> lock(mu_);
     return error_;
   }
+  // Queues `work` for the progress thread, waking it only when it sleeps (a write to the
+  // eventfd is a system call; the spinning thread takes the work on its next round).
   void post(std::function<void()> work) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       commands_.push_back(std::move(work));
     }
-    wake();
+    if (sleeping_.load()) wake();
   }
   void wake() {
     const std::uint64_t one = 1;
@@ -421,7 +413,14 @@ class UcxMember final : public UcxEndpoint {
       }
       // Idle: sleep until the worker has events, someone queues work or a watched peer ends.
       if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
-      wait_for_events(receives_.empty() ? 1000 : 10);
+      sleeping_ = true;  // before looking at the queue: work posted after this wakes the thread
+      bool queued = false;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        queued = !commands_.empty();
+      }
+      if (!queued) wait_for_events(receives_.empty() ? 1000 : 10);
+      sleeping_ = false;
     }
     // Closing: pending receives failed; endpoints flushed first (what was sent reaches the
     // peers, within 5 s) unless the member failed or was told to go at once.
@@ -530,6 +529,7 @@ class UcxMember final : public UcxEndpoint {
   std::unordered_set<ucp_tag_t> reading_;  // tags with a message being received (progress thread only)
   std::thread progress_;
   std::atomic<bool> stop_{false};
+  std::atomic<bool> sleeping_{false};  // the progress thread is (about to be) in poll: post wakes it
   bool shared_memory_ = false;  // peers on this host over shared memory (start)
   // When each peer said goodbye (progress thread only).
   std::vector<std::optional<std::chrono::steady_clock::time_point>> closed_at_ =

@@ -168,14 +168,17 @@ TEST_P(Conformance, MessagesArriveWholeInOrderPerTagWhicheverSideComesFirst) {
   }
 }
 
-// From kPartsFrom bytes a UCX message travels as a header and a message per tensor under
-// one tag: several in flight under that tag still arrive whole and in order, with the
-// receives posted before or after the sends, mixed with small messages.
+// A UCX message is packed below kPartsFrom bytes, gathered from the caller's tensors up to
+// kGatheredBelow, and from there a header and a message per tensor under one tag: several
+// of each in flight under one tag still arrive whole and in order, with the receives posted
+// before or after the sends.
 TEST_P(Conformance, LargeMessagesSharingATagArriveWholeInOrder) {
   WORLD_OR_SKIP(eps, 2);
-  auto message = [](int k) {
-    return std::vector<at::Tensor>{at::full({300, 1000}, k, at::kFloat), at::Tensor(), at::arange(k + 1, at::kLong),
-                                   at::full({70000}, -k, at::kDouble)};
+  auto message = [](int k) {  // 1.7 MB (gathered), and for k = 4 17 MB more (in parts)
+    std::vector<at::Tensor> m{at::full({300, 1000}, k, at::kFloat), at::Tensor(), at::arange(k + 1, at::kLong),
+                              at::full({70000}, -k, at::kDouble)};
+    if (k == 4) m.push_back(at::full({17 << 18}, k, at::kFloat));
+    return m;
   };
   auto check = [&](const Result<std::vector<at::Tensor>>& got, int k) {
     ASSERT_TRUE(got.is_ok()) << got.status().to_string();
