@@ -7,7 +7,11 @@
 // carries) against the ring bound: a member's link cannot beat point-to-point bandwidth,
 // measured above at the same size.
 //
-//   ./run bench transport [--max-mb 256] [--iters 20] [--group 4]
+// With `--device cuda` (a GPU machine), the stream's tensors are CUDA tensors, moved from
+// device memory into the receiver's by UCX's CUDA transports (cuda_ipc between the processes
+// of one GPU), against a device-to-device copy (cudaMemcpy through torch's copy_).
+//
+//   ./run bench transport [--max-mb 256] [--iters 20] [--group 4] [--device cpu|cuda]
 #include <ATen/ATen.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -25,6 +29,7 @@
 #include <thread>
 #include <vector>
 
+#include "transport/cuda_memory.h"
 #include "transport/endpoint_group.h"
 #include "transport/ucx.h"
 
@@ -33,6 +38,8 @@ using namespace conveyor::transport;
 using Clock = std::chrono::steady_clock;
 
 namespace {
+
+bool on_cuda = false;  // --device cuda: the point-to-point stream moves CUDA tensors
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -161,17 +168,19 @@ int two_process_point_to_point(int iters, std::int64_t max_mb, std::map<std::int
     const std::string fds = std::to_string(to_parent[1]) + "," + std::to_string(to_child[0]);
     const std::string mb = std::to_string(max_mb), n = std::to_string(iters);
     execl("/proc/self/exe", "transport", "--receiver", fds.c_str(), "--max-mb", mb.c_str(), "--iters", n.c_str(),
-          static_cast<char*>(nullptr));
+          "--device", on_cuda ? "cuda" : "cpu", static_cast<char*>(nullptr));
     std::_Exit(127);
   }
   auto me = member_of_two(0, to_child[1], to_parent[0]);
   const char* shm = std::getenv("CONVEYOR_UCX_SHM");
   std::printf("UCX endpoint, 2 processes of this host over %s; a stream of 64 MB (%d to 2000 messages) per size\n",
               shm != nullptr && std::string(shm) == "0" ? "loopback tcp" : "shared memory", iters);
-  std::printf("%10s %14s %14s %10s\n", "bytes", "ucx GB/s", "memcpy GB/s", "ratio");
+  if (on_cuda) std::printf("CUDA tensors from device memory to device memory, against a device-to-device copy\n");
+  std::printf("%10s %14s %14s %10s\n", "bytes", "ucx GB/s", on_cuda ? "copy_ GB/s" : "memcpy GB/s", "ratio");
   Tag tag = 1;
   for (std::int64_t bytes = 1 << 10; bytes <= max_mb << 20; bytes *= 4) {
     at::Tensor t = at::randint(0, 255, {bytes}, at::kByte);
+    if (on_cuda) t = t.to(at::kCUDA);
     at::Tensor dst = at::empty_like(t);
     const int n = messages_per_stream(bytes, iters);
     double stream_s = 0;
@@ -184,7 +193,12 @@ int two_process_point_to_point(int iters, std::int64_t max_mb, std::map<std::int
     std::vector<double> copy;
     for (int k = 0; k < n; ++k) {
       const auto start = Clock::now();
-      std::memcpy(dst.data_ptr(), t.data_ptr(), static_cast<std::size_t>(bytes));
+      if (on_cuda) {
+        dst.copy_(t);
+        wait_for_current_streams({dst});
+      } else {
+        std::memcpy(dst.data_ptr(), t.data_ptr(), static_cast<std::size_t>(bytes));
+      }
       copy.push_back(std::chrono::duration<double>(Clock::now() - start).count());
     }
     const double u = static_cast<double>(bytes) * n / stream_s / 1e9;
@@ -268,6 +282,11 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--max-mb") max_mb = std::atoll(argv[i + 1]);
     if (std::string(argv[i]) == "--iters") iters = std::atoi(argv[i + 1]);
     if (std::string(argv[i]) == "--group") members = std::max(2, std::atoi(argv[i + 1]));
+    if (std::string(argv[i]) == "--device") on_cuda = std::string(argv[i + 1]) == "cuda";
+  }
+  if (on_cuda && !process_sees_a_gpu()) {
+    std::fprintf(stderr, "--device cuda: this process sees no GPU (torch without CUDA, or none visible)\n");
+    return 2;
   }
   setenv("UCX_NET_DEVICES", "lo", 0);
   // As `conveyor launch` runs its processes (tools/launch.cc): torch's large CPU allocations
@@ -282,5 +301,6 @@ int main(int argc, char** argv) {
   }
   std::map<std::int64_t, double> p2p;  // bytes -> GB/s
   if (int failed = two_process_point_to_point(iters, max_mb, p2p)) return failed;
+  if (on_cuda) return 0;  // the allreduce below is of host tensors
   return allreduce_bus_bandwidth(members, iters, max_mb, p2p);
 }

@@ -12,6 +12,8 @@
 #include <string>
 #include <unordered_map>
 
+#include "transport/cuda_memory.h"
+
 namespace conveyor::transport {
 
 namespace {
@@ -93,13 +95,16 @@ at::Tensor message_bytes(std::size_t n) {
 
 namespace {
 
+// A tensor whose bytes travel in device memory has this bit set in its header's dtype word.
+constexpr std::int64_t kOnDevice = std::int64_t{1} << 16;
+
 // The header of `host` (count, then per tensor dtype, rank, sizes, bytes), its count negated
 // when the bytes follow in parts.
 std::vector<std::int64_t> header_of(const std::vector<at::Tensor>& host, bool in_parts) {
   const auto count = static_cast<std::int64_t>(host.size());
   std::vector<std::int64_t> header{in_parts ? -count : count};
   for (const auto& c : host) {
-    header.push_back(c.defined() ? static_cast<std::int64_t>(c.scalar_type()) : -1);
+    header.push_back(c.defined() ? static_cast<std::int64_t>(c.scalar_type()) | (c.is_cuda() ? kOnDevice : 0) : -1);
     header.push_back(c.defined() ? c.dim() : 0);
     if (c.defined()) {
       for (std::int64_t d = 0; d < c.dim(); ++d) header.push_back(c.size(d));
@@ -109,10 +114,19 @@ std::vector<std::int64_t> header_of(const std::vector<at::Tensor>& host, bool in
   return header;
 }
 
-std::vector<at::Tensor> on_host(const std::vector<at::Tensor>& tensors) {
-  std::vector<at::Tensor> host;
-  for (const auto& t : tensors) host.push_back(t.defined() ? t.detach().to(at::kCPU).contiguous() : at::Tensor());
-  return host;
+// `tensors` as they go: contiguous, on the host, or CUDA ones kept on their device with
+// `device_memory` (once the work that made them is done).
+std::vector<at::Tensor> as_sent(const std::vector<at::Tensor>& tensors, bool device_memory) {
+  std::vector<at::Tensor> out;
+  for (const auto& t : tensors) {
+    if (!t.defined()) {
+      out.emplace_back();
+    } else {
+      out.push_back(device_memory && t.is_cuda() ? t.detach().contiguous() : t.detach().to(at::kCPU).contiguous());
+    }
+  }
+  if (device_memory) wait_for_current_streams(out);
+  return out;
 }
 
 enum class Layout { kPacked, kGathered, kInParts };
@@ -142,12 +156,16 @@ at::Tensor pack(const std::vector<at::Tensor>& host, Layout layout) {
 
 }  // namespace
 
-OutgoingMessage frame_message(const std::vector<at::Tensor>& tensors) {
-  std::vector<at::Tensor> host = on_host(tensors);
+OutgoingMessage frame_message(const std::vector<at::Tensor>& tensors, bool device_memory) {
+  std::vector<at::Tensor> host = as_sent(tensors, device_memory);
   std::size_t data = 0;
-  for (const auto& c : host) data += c.defined() ? c.nbytes() : 0;
-  if (data < kPartsFrom) return {pack(host, Layout::kPacked), {}};
-  const bool gathered = data < kGatheredBelow;
+  bool on_device = false;  // then every tensor's bytes go as a part: one message holds one memory type
+  for (const auto& c : host) {
+    data += c.defined() ? c.nbytes() : 0;
+    on_device |= c.defined() && c.is_cuda();
+  }
+  if (data < kPartsFrom && !on_device) return {pack(host, Layout::kPacked), {}};
+  const bool gathered = data < kGatheredBelow && !on_device;
   OutgoingMessage out{pack(host, gathered ? Layout::kGathered : Layout::kInParts), {}, gathered};
   for (auto& c : host) {
     if (c.defined() && c.nbytes() > 0) out.parts.push_back(std::move(c));
@@ -165,7 +183,7 @@ std::vector<std::pair<const void*, std::size_t>> gathered_segments(const Outgoin
   return out;
 }
 
-Result<IncomingMessage> read_message(const at::Tensor& buffer) {
+Result<IncomingMessage> read_message(const at::Tensor& buffer, const std::optional<c10::Device>& device) {
   auto corrupt = [] { return Status(ErrorCode::kCorrupt, "a UCX message with a malformed header (a peer of another version?)"); };
   const auto* b = static_cast<const std::uint8_t*>(buffer.data_ptr());
   const std::size_t size = static_cast<std::size_t>(buffer.numel());
@@ -181,7 +199,10 @@ Result<IncomingMessage> read_message(const at::Tensor& buffer) {
   IncomingMessage out;
   for (std::int64_t i = 0; i < count; ++i) {
     if (k + 2 > h.size()) return corrupt();
-    const std::int64_t dtype = h[k++], ndim = h[k++];
+    const bool sent_from_device = h[k] >= 0 && (h[k] & kOnDevice) != 0;
+    const std::int64_t dtype = sent_from_device ? h[k] & ~kOnDevice : h[k];
+    ++k;
+    const std::int64_t ndim = h[k++];
     if (ndim < 0 || k + static_cast<std::size_t>(ndim) + 1 > h.size()) return corrupt();
     std::vector<std::int64_t> sizes(h.begin() + static_cast<std::ptrdiff_t>(k), h.begin() + static_cast<std::ptrdiff_t>(k + ndim));
     k += static_cast<std::size_t>(ndim);
@@ -190,7 +211,7 @@ Result<IncomingMessage> read_message(const at::Tensor& buffer) {
       out.tensors.emplace_back();
       continue;
     }
-    if (dtype >= static_cast<std::int64_t>(at::ScalarType::NumOptions) || bytes < 0 ||
+    if (dtype >= static_cast<std::int64_t>(at::ScalarType::NumOptions) || bytes < 0 || (sent_from_device && !in_parts) ||
         (!in_parts && (at > size || static_cast<std::size_t>(bytes) > size - at))) {
       return corrupt();
     }
@@ -205,6 +226,12 @@ Result<IncomingMessage> read_message(const at::Tensor& buffer) {
     if (elements > std::numeric_limits<std::int64_t>::max() / item || elements * item != bytes) return corrupt();
     if (bytes == 0) {
       out.tensors.push_back(at::empty(sizes, options));
+      continue;
+    }
+    if (in_parts && sent_from_device && device) {  // received later, into `device` memory
+      at::Tensor part = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(*device));
+      out.parts.push_back(part);
+      out.tensors.push_back(part.view(type).view(sizes));
       continue;
     }
     if (in_parts) {  // received later, into a pooled buffer that the tensor keeps

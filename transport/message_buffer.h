@@ -1,10 +1,12 @@
 // Tensors as UCX messages: a header (count, then per tensor dtype, rank, sizes and bytes)
 // and each tensor's bytes at a 64-byte boundary. Below kPartsFrom bytes of data, packing
 // copies once into one buffer and the tensors received are made over it, which they keep
-// alive. From kPartsFrom, the header goes alone (its count negated) and each tensor's bytes
-// follow as a message of its own under the same tag, sent from the caller's memory and
-// received into the tensor it becomes: over shared memory the one copy is the receiver's
-// read from the sender (transport.h: a sender does not modify what it sent until done).
+// alive; up to kGatheredBelow the same layout is gathered from the caller's memory as one
+// message. From there, and whenever a tensor travels in device memory, the header goes alone
+// (its count negated) and each tensor's bytes follow as a message of its own under the same
+// tag, sent from the caller's memory and received into the tensor it becomes: over shared
+// memory the one copy is the receiver's read from the sender (transport.h: a sender does not
+// modify what it sent until done).
 // Buffers of 64 KiB and more come from a pool and go back to it when their last tensor
 // dies: a fresh large allocation is fresh pages from the kernel, each faulted in and zeroed
 // on first touch, which cost more than the copy itself from a few MB up
@@ -12,9 +14,11 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -43,8 +47,11 @@ inline constexpr std::size_t kPartsFrom = std::size_t{64} << 10;
 /// travel as messages of their own.
 inline constexpr std::size_t kGatheredBelow = std::size_t{16} << 20;
 
-/// `tensors` (undefined ones allowed; device tensors copied to the host) framed for sending.
-OutgoingMessage frame_message(const std::vector<at::Tensor>& tensors);
+/// `tensors` (undefined ones allowed) framed for sending, on the caller's thread. CUDA
+/// tensors are copied to the host, unless `device_memory` (the transport moves device
+/// memory): then they stay on their device, the message goes in parts, and this waits for
+/// the work queued on their devices' current streams (what made them).
+OutgoingMessage frame_message(const std::vector<at::Tensor>& tensors, bool device_memory = false);
 
 /// The memory a gathered message is sent from, in order: the header, then each part and the
 /// zeros that pad it to 64 bytes.
@@ -59,8 +66,9 @@ struct IncomingMessage {
 };
 
 /// Reads a message's first `buffer` (a CPU byte tensor, contiguous, as received); the
-/// tensors of a message in one buffer share its memory. Errors: a malformed header or sizes
-/// that do not add up (kCorrupt).
-Result<IncomingMessage> read_message(const at::Tensor& buffer);
+/// tensors of a message in one buffer share its memory. Parts sent from device memory are to
+/// be received into `device` (this process's CUDA device), or the host without one. Errors: a
+/// malformed header or sizes that do not add up (kCorrupt).
+Result<IncomingMessage> read_message(const at::Tensor& buffer, const std::optional<c10::Device>& device = std::nullopt);
 
 }  // namespace conveyor::transport

@@ -20,6 +20,7 @@
 #include <thread>
 #include <unordered_set>
 
+#include "transport/cuda_memory.h"
 #include "transport/message_buffer.h"
 #include "transport/peer_liveness.h"
 #include "transport/ucx_message.h"
@@ -56,7 +57,12 @@ class UcxMember final : public UcxEndpoint {
     // CONVEYOR_UCX_SHM=0 keeps every peer on tcp.
     const char* shm = std::getenv("CONVEYOR_UCX_SHM");
     shared_memory_ = std::getenv("UCX_TLS") == nullptr && !(shm != nullptr && std::string(shm) == "0");
-    if (std::getenv("UCX_TLS") == nullptr) ucp_config_modify(config, "TLS", shared_memory_ ? "sm,tcp,self" : "tcp,self");
+    // With a GPU, UCX's CUDA transports move CUDA tensors from and into device memory
+    // (CONVEYOR_UCX_CUDA=0: through the host, as without them).
+    const char* cuda = std::getenv("CONVEYOR_UCX_CUDA");
+    const bool with_cuda = process_sees_a_gpu() && !(cuda != nullptr && std::string(cuda) == "0");
+    const std::string tls = std::string(shared_memory_ ? "sm," : "") + (with_cuda ? "cuda," : "") + "tcp,self";
+    if (std::getenv("UCX_TLS") == nullptr) ucp_config_modify(config, "TLS", tls.c_str());
     // A peer that dies is noticed within about a second, even with nothing in flight to it.
     if (std::getenv("UCX_KEEPALIVE_INTERVAL") == nullptr) ucp_config_modify(config, "KEEPALIVE_INTERVAL", "1s");
     // Listen only where the job's processes meet; the user's UCX_NET_DEVICES wins.
@@ -69,6 +75,10 @@ class UcxMember final : public UcxEndpoint {
     s = ucp_init(&params, config, &context_);
     ucp_config_release(config);
     if (s != UCS_OK) return ucx_error("starting UCX", s);
+    ucp_context_attr_t attr{};
+    attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+    device_memory_ = with_cuda && ucp_context_query(context_, &attr) == UCS_OK &&
+                     (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
     ucp_worker_params_t wp{};
     wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
     wp.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the progress thread calls UCX after this
@@ -156,7 +166,7 @@ class UcxMember final : public UcxEndpoint {
     for (int peer = 0; peer < world_; ++peer) {
       if (peer == rank_) continue;
       post([this, peer, answers] {
-        receives_.push_back({ucx_tag(kPongTag, peer), [answers, peer](Result<std::vector<at::Tensor>> r) {
+        receives_.push_back({ucx_tag(kPongTag, peer), std::nullopt, [answers, peer](Result<std::vector<at::Tensor>> r) {
                                std::lock_guard<std::mutex> lock(answers->mu);
                                if (!r.is_ok() || answers->answered[peer]) return;
                                answers->answered[peer] = true;
@@ -177,7 +187,7 @@ class UcxMember final : public UcxEndpoint {
 
   void send_tagged(int peer, Tag tag, std::vector<at::Tensor> tensors, Done done) {
     if (Status e = current_error(); !e) return done(e);
-    auto message = std::make_shared<OutgoingMessage>(frame_message(tensors));
+    auto message = std::make_shared<OutgoingMessage>(frame_message(tensors, device_memory_));
     post([this, peer, tag, message, done = std::move(done)]() mutable {
       if (Status e = current_error(); !e) return done(e);
       if (!eps_[peer]) return done(Status(ErrorCode::kInvalidArgument, "member " + std::to_string(rank_) +
@@ -194,9 +204,11 @@ class UcxMember final : public UcxEndpoint {
     if (Status s = check_peer(peer); !s) return done(s);
     if (tag >= kByeTag) return done(Status(ErrorCode::kInvalidArgument, "a UCX message tag at or above 2^48 - 3"));
     if (Status e = current_error(); !e) return done(e);
-    post([this, peer, tag, done = std::move(done)]() mutable {
+    // CUDA tensors sent from device memory arrive on the caller's current device.
+    std::optional<c10::Device> into = device_memory_ ? current_cuda_device() : std::nullopt;
+    post([this, peer, tag, into, done = std::move(done)]() mutable {
       if (Status e = current_error(); !e) return done(e);
-      receives_.push_back({ucx_tag(tag, peer), std::move(done)});
+      receives_.push_back({ucx_tag(tag, peer), into, std::move(done)});
     });
   }
 
@@ -213,6 +225,7 @@ class UcxMember final : public UcxEndpoint {
  private:
   struct PendingReceive {
     ucp_tag_t tag;
+    std::optional<c10::Device> device;  // where parts sent from device memory land
     Received done;
   };
 
@@ -269,14 +282,15 @@ class UcxMember final : public UcxEndpoint {
   // On the progress thread: receives the probed message `msg` of `length` bytes from member
   // `from` under `tag`, then the parts its header announces, and hands its tensors, or the
   // error, to `done`.
-  void receive_probed(ucp_tag_message_h msg, std::size_t length, int from, ucp_tag_t tag, Received done) {
+  void receive_probed(ucp_tag_message_h msg, std::size_t length, int from, ucp_tag_t tag, Received done,
+                      const std::optional<c10::Device>& device = std::nullopt) {
     at::Tensor first = message_bytes(length);
     ++in_flight_;
     reading_.insert(tag);  // until the whole message is in, no other receive takes the tag's next one
     post_request(
-        [this, first, from, tag, done = std::move(done)](ucs_status_t s) mutable {
+        [this, first, from, tag, device, done = std::move(done)](ucs_status_t s) mutable {
           --in_flight_;
-          auto message = s == UCS_OK ? read_message(first) : transfer_error("a UCX receive", lost(from), s);
+          auto message = s == UCS_OK ? read_message(first, device) : transfer_error("a UCX receive", lost(from), s);
           if (message.is_ok() && !message->parts.empty()) return receive_parts(std::move(*message), from, tag, std::move(done));
           reading_.erase(tag);
           if (!message.is_ok()) return done(message.status());
@@ -309,7 +323,8 @@ class UcxMember final : public UcxEndpoint {
             received->completed(s == UCS_ERR_CANCELED && !failed.is_ok() ? failed
                                                                         : transfer_error("a UCX receive", lost(from), s));
           },
-          [&](const ucp_request_param_t& p) {
+          [&](const ucp_request_param_t& given) {
+            ucp_request_param_t p = with_memory_type(given, part);
             return ucp_tag_recv_nbx(worker_, part.data_ptr(), part.nbytes(), tag, ~ucp_tag_t{0}, &p);
           },
           /*receive=*/true);
@@ -384,8 +399,9 @@ class UcxMember final : public UcxEndpoint {
         busy = true;
         Received done = std::move(it->done);
         const int from = sender_of(it->tag);
+        const std::optional<c10::Device> device = it->device;
         it = receives_.erase(it);
-        receive_probed(msg, info.length, from, info.sender_tag, std::move(done));
+        receive_probed(msg, info.length, from, info.sender_tag, std::move(done), device);
       }
       fail_exited();
       if (stop_) break;
@@ -452,29 +468,7 @@ class UcxMember final : public UcxEndpoint {
       }
       if (ucp_request_check_status(r) != UCS_INPROGRESS) ucp_request_free(r);
     }
-    drop_unreceived();
-  }
-
-  // Closing: small messages that arrived and nobody will receive (a peer's goodbye, a late
-  // ping) taken off UCX's queue, so that destroying the worker does not warn about each.
-  void drop_unreceived() {
-    std::vector<std::uint8_t> sink;
-    for (int k = 0; k < 4096; ++k) {
-      ucp_tag_recv_info_t info{};
-      if (ucp_tag_probe_nb(worker_, 0, 0, 0, &info) == nullptr || info.length > (64 << 10)) return;
-      ucp_tag_message_h msg = ucp_tag_probe_nb(worker_, 0, 0, 1, &info);
-      if (msg == nullptr) return;
-      sink.resize(info.length);
-      ucp_request_param_t p{};
-      ucs_status_ptr_t r = ucp_tag_msg_recv_nbx(worker_, sink.data(), sink.size(), msg, &p);
-      if (!UCS_PTR_IS_PTR(r)) continue;
-      const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(10);
-      while (ucp_request_check_status(r) == UCS_INPROGRESS && std::chrono::steady_clock::now() < until) {
-        ucp_worker_progress(worker_);
-      }
-      if (ucp_request_check_status(r) == UCS_INPROGRESS) return;  // its data is not here: leave the rest
-      ucp_request_free(r);
-    }
+    drop_unreceived(worker_);
   }
 
   const int rank_, world_;
@@ -531,6 +525,7 @@ class UcxMember final : public UcxEndpoint {
   std::atomic<bool> stop_{false};
   std::atomic<bool> sleeping_{false};  // the progress thread is (about to be) in poll: post wakes it
   bool shared_memory_ = false;  // peers on this host over shared memory (start)
+  bool device_memory_ = false;  // CUDA tensors travel from and into device memory (start)
   // When each peer said goodbye (progress thread only).
   std::vector<std::optional<std::chrono::steady_clock::time_point>> closed_at_ =
       std::vector<std::optional<std::chrono::steady_clock::time_point>>(static_cast<std::size_t>(world_));

@@ -1,5 +1,5 @@
-// A framed message (message_buffer.h) as UCX tagged sends: the send side of the UCX
-// endpoint's wire format.
+// The UCX endpoint's wire format on the UCX side: a framed message (message_buffer.h) as
+// tagged sends, the memory type of a transfer's buffer, and clearing what nobody received.
 #pragma once
 
 #include <ucp/api/ucp.h>
@@ -11,10 +11,18 @@
 
 namespace conveyor::transport {
 
+/// `given` with the memory type of `t`'s memory said (CUDA), for a transfer from or into it.
+ucp_request_param_t with_memory_type(const ucp_request_param_t& given, const at::Tensor& t);
+
 /// Sends `message` to `ep` under `tag`: a gathered message as one UCX message from its
 /// segments' memory (an iov), else its header and then each part, under the same tag (UCX
 /// keeps their order). `sent` runs once, after the last request completed, with the first
 /// failure or UCS_OK. Call on the thread that progresses the worker.
 void send_message(ucp_ep_h ep, ucp_tag_t tag, std::shared_ptr<const OutgoingMessage> message, Completed sent);
+
+/// Closing: small messages that arrived on `worker` and nobody will receive (a peer's
+/// goodbye, a late ping) taken off UCX's queue, so that destroying the worker does not warn
+/// about each.
+void drop_unreceived(ucp_worker_h worker);
 
 }  // namespace conveyor::transport

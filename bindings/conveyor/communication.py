@@ -1,9 +1,10 @@
 """Differentiable communication between the processes of a job, for models split by hand:
 each function's backward is its paired communication (send <-> recv, bcast -> the gradients
 summed at the root, gather <-> scatter, allgather -> reduce-scatter, alltoall <-> alltoall,
-allreduce -> allreduce), over the job's process group (UCX, host memory: CUDA tensors are
-copied to the host to travel; what arrives for a collective lands on the caller's tensor's
-device).
+allreduce -> allreduce), over the job's process group (UCX: with a GPU, CUDA tensors travel
+from device memory into the receiver's current CUDA device through UCX's CUDA transports;
+without them, or with CONVEYOR_UCX_CUDA=0, through host memory; what arrives for a
+collective lands on the caller's tensor's device).
 
 No delegate variables: a process whose graph the communication cuts (one that sends but
 holds no loss) calls `backward()` (with its losses, if any) instead of `loss.backward()`.
@@ -141,7 +142,7 @@ def send(x, dst: int) -> None:
     seq = st.sent[dst]
     st.sent[dst] += 1
     flags = torch.tensor([int(sequence)] + [int(n) for n in needs], dtype=torch.int8)
-    payload = [t.detach().cpu().contiguous() for t in values] + [flags]
+    payload = [t.detach().contiguous() for t in values] + [flags]
     st.in_flight.append(st.group.send(dst, _MESSAGE_BIT | seq, payload, f"conveyor.distributed: send #{seq} to process {dst}"))
     if any(needs):
         st.records.append(_Record("send", dst, seq, tensors=[t for t, n in zip(values, needs) if n]))
@@ -179,15 +180,16 @@ def _return_gradient(st: _State, record: _Record) -> None:
         return
     record.done = True
     grads = record.grads or [None] * len(record.shapes)
-    payload = [(g if g is not None else torch.zeros(shape, dtype=dtype, device=device)).detach().cpu().contiguous()
+    payload = [(g if g is not None else torch.zeros(shape, dtype=dtype, device=device)).detach().contiguous()
                for g, (shape, dtype, device) in zip(grads, record.shapes)]
     st.in_flight.append(st.group.send(record.peer, _MESSAGE_BIT | _GRADIENT_BIT | record.seq, payload,
                                       f"conveyor.distributed: the gradient of receive #{record.seq} from process {record.peer}"))
 
 
 def recv(src: int, device=None):
-    """What process `src` sends next: a tensor, or the tuple it sent (on `device`, default the
-    CPU). Its backward sends the gradient back to `src`."""
+    """What process `src` sends next: a tensor, or the tuple it sent, on `device`; by default
+    where it arrives: the CPU, or for CUDA tensors sent from device memory this process's
+    current CUDA device. Its backward sends the gradient back to `src`."""
     st = _job()
     src = _peer(st, src, "src")
     seq = st.received[src]
@@ -249,7 +251,7 @@ def _device_of(x):
 
 def bcast(x, root: int, device=None):
     """`x` of process `root`, on every process (pass None elsewhere; it arrives on `device`,
-    default the CPU). Backward: the gradients of every process summed at the root."""
+    by default where recv() puts it). Backward: the gradients of every process summed at the root."""
     st = _job()
     if st.group.rank == root:
         for p in _others(st):
@@ -270,7 +272,7 @@ def gather(x, root: int):
 
 def scatter(xs, root: int, device=None):
     """Process p gets `xs[p]` of process `root` (pass None elsewhere; it arrives on `device`,
-    default the CPU). Backward: the gradients gathered at the root."""
+    by default where recv() puts it). Backward: the gradients gathered at the root."""
     st = _job()
     if st.group.rank != root:
         return recv(root, device)

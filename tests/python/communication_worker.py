@@ -27,6 +27,28 @@ def main():
     def leaf(value):
         return torch.full((2,), float(value), device=device, requires_grad=True)
 
+    if device == "cuda":
+        # With no device asked for, CUDA tensors sent from device memory arrive in device
+        # memory (UCX's CUDA transports), or on the CPU through the host with CONVEYOR_UCX_CUDA=0;
+        # a small, a non-contiguous and a 24 MB tensor, and their gradients.
+        arrives_on = "cpu" if os.environ.get("CONVEYOR_UCX_CUDA") == "0" else "cuda"
+        sent = [leaf(7), torch.arange(12.0, device=device).reshape(3, 4).t().requires_grad_(),
+                torch.arange(3 << 20, dtype=torch.float64, device=device).requires_grad_()]
+        if me == 0:
+            dist.send(tuple(sent), 1)
+            dist.backward()
+            for t in sent:
+                expect("a CUDA send's gradient", t.grad, torch.full(t.shape, 2.0))
+        elif me == 1:
+            got = dist.recv(0)
+            for t, g in zip(sent, got):
+                if g.device.type != arrives_on:
+                    raise SystemExit(f"process 1: a CUDA tensor arrived on {g.device}, not {arrives_on}")
+                expect("a CUDA tensor received", g.detach(), t.detach())
+            dist.backward(weight * sum(g.sum() for g in got))
+        else:
+            dist.backward()
+
     # allreduce: y = sum_p x_p; dL/dx_p = sum_q (q + 1)
     x = leaf(me + 1)
     y = dist.allreduce(x)

@@ -63,10 +63,13 @@ def test_every_collective_s_backward_is_its_pair(processes):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (tools/gpu_session runs it)")
-def test_every_collective_on_cuda_tensors():
-    """Two processes on the one GPU: CUDA tensors cross through host memory and arrive on the
-    caller's device; every backward still pairs."""
-    code, out = launch(2, Path(__file__).with_name("communication_worker.py"), env=environment(DEVICE="cuda"))
+@pytest.mark.parametrize("device_memory", ["1", "0"])
+def test_every_collective_on_cuda_tensors(device_memory):
+    """Two processes on the one GPU: CUDA tensors cross from device memory to device memory
+    through UCX's CUDA transports (cuda_ipc), or with CONVEYOR_UCX_CUDA=0 through host memory,
+    and arrive on the caller's device; every backward still pairs."""
+    code, out = launch(2, Path(__file__).with_name("communication_worker.py"),
+                       env=environment(DEVICE="cuda", CONVEYOR_UCX_CUDA=device_memory))
     assert code == 0, out[-4000:]
     assert out.count("every collective and its backward as expected") == 2, out[-4000:]
 
