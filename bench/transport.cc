@@ -84,18 +84,17 @@ std::shared_ptr<UcxEndpoint> member_of_two(int rank, int out, int in) {
 
 // Messages in one size's stream: `iters`, and below 64 MB enough for 64 MB in all (at most
 // 2,000), so that the stream's one acknowledgement and the threads' wake-ups are a small part
-// of it, as in ucx_perftest's 2,000-message runs; from 64 MB a quarter of `iters`. The
-// receiver takes one message at a time: posting a stream's receives all at once made large
-// messages slower (each posted receive is probed while it waits).
-// Receives a stream's receiver has posted at a time: two below 64 MB; one from there, where
-// a message dwarfs the wait between two and a second one posted holds (and reads into)
-// another such buffer at once (2 of 24 runs read 256 MB at 2 GB/s with two).
-int window_for(std::int64_t bytes) { return bytes >= (64 << 20) ? 1 : 2; }
-
+// of it, as in ucx_perftest's 2,000-message runs; from 64 MB a quarter of `iters`.
 int messages_per_stream(std::int64_t bytes, int iters) {
   if (bytes >= (64 << 20)) return std::max(3, iters / 4);
   return static_cast<int>(std::clamp<std::int64_t>((std::int64_t{64} << 20) / bytes, iters, 2000));
 }
+
+// Receives a stream's receiver has posted at a time: two below 64 MB; one from there, where
+// a message dwarfs the wait between two and a second one posted holds (and reads into)
+// another such buffer at once (2 of 24 runs read 256 MB at 2 GB/s with two; posting a whole
+// stream's receives at once made large messages slower still).
+int window_for(std::int64_t bytes) { return bytes >= (64 << 20) ? 1 : 2; }
 
 Result<std::vector<at::Tensor>> receive_from(Endpoint& e, int peer, Tag tag) {
   auto got = receive_within(e, peer, tag, std::chrono::seconds(60));

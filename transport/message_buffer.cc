@@ -157,17 +157,17 @@ at::Tensor pack(const std::vector<at::Tensor>& host, Layout layout) {
 }  // namespace
 
 OutgoingMessage frame_message(const std::vector<at::Tensor>& tensors, bool device_memory) {
-  std::vector<at::Tensor> host = as_sent(tensors, device_memory);
+  std::vector<at::Tensor> sent = as_sent(tensors, device_memory);
   std::size_t data = 0;
   bool on_device = false;  // then every tensor's bytes go as a part: one message holds one memory type
-  for (const auto& c : host) {
+  for (const auto& c : sent) {
     data += c.defined() ? c.nbytes() : 0;
     on_device |= c.defined() && c.is_cuda();
   }
-  if (data < kPartsFrom && !on_device) return {pack(host, Layout::kPacked), {}};
+  if (data < kPartsFrom && !on_device) return {pack(sent, Layout::kPacked), {}};
   const bool gathered = data < kGatheredBelow && !on_device;
-  OutgoingMessage out{pack(host, gathered ? Layout::kGathered : Layout::kInParts), {}, gathered};
-  for (auto& c : host) {
+  OutgoingMessage out{pack(sent, gathered ? Layout::kGathered : Layout::kInParts), {}, gathered};
+  for (auto& c : sent) {
     if (c.defined() && c.nbytes() > 0) out.parts.push_back(std::move(c));
   }
   return out;

@@ -193,9 +193,9 @@ class UcxMember final : public UcxEndpoint {
       if (!eps_[peer]) return done(Status(ErrorCode::kInvalidArgument, "member " + std::to_string(rank_) +
                                                                           " is not connected to member " + std::to_string(peer)));
       ++in_flight_;
-      send_message(eps_[peer], ucx_tag(tag, rank_), message, [this, peer, done = std::move(done)](ucs_status_t s) {
+      send_message(eps_[peer], ucx_tag(tag, rank_), message, lost(peer), [this, done = std::move(done)](Status s) {
         --in_flight_;
-        done(s == UCS_OK ? Status::ok() : transfer_error("a UCX send", lost(peer), s));
+        done(std::move(s));
       });
     });
   }

@@ -3,26 +3,11 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
 namespace conveyor::transport {
-
-namespace {
-
-// Requests that finish together: `finish` runs once, after the last, with the first failure.
-struct AllSent {
-  AllSent(std::size_t count, Completed finish) : left(count), finish(std::move(finish)) {}
-  void completed(ucs_status_t s) {
-    if (s != UCS_OK && first_failure == UCS_OK) first_failure = s;
-    if (--left == 0) finish(first_failure);
-  }
-  std::size_t left;
-  ucs_status_t first_failure = UCS_OK;
-  Completed finish;
-};
-
-}  // namespace
 
 ucp_request_param_t with_memory_type(const ucp_request_param_t& given, const at::Tensor& t) {
   ucp_request_param_t p = given;
@@ -33,11 +18,15 @@ ucp_request_param_t with_memory_type(const ucp_request_param_t& given, const at:
   return p;
 }
 
-void send_message(ucp_ep_h ep, ucp_tag_t tag, std::shared_ptr<const OutgoingMessage> message, Completed sent) {
+void send_message(ucp_ep_h ep, ucp_tag_t tag, std::shared_ptr<const OutgoingMessage> message,
+                  const std::string& lost_peer, std::function<void(Status)> sent) {
+  auto as_status = [lost_peer](ucs_status_t s) {
+    return s == UCS_OK ? Status::ok() : transfer_error("a UCX send", lost_peer, s);
+  };
   if (message->gathered) {
     auto iov = std::make_shared<std::vector<ucp_dt_iov_t>>();  // UCX reads it until the send completes
     for (const auto& [at, bytes] : gathered_segments(*message)) iov->push_back({const_cast<void*>(at), bytes});
-    post_request([message, iov, sent = std::move(sent)](ucs_status_t s) { sent(s); },
+    post_request([message, iov, as_status, sent = std::move(sent)](ucs_status_t s) { sent(as_status(s)); },
                  [&](const ucp_request_param_t& given) {
                    ucp_request_param_t p = given;
                    p.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
@@ -47,9 +36,9 @@ void send_message(ucp_ep_h ep, ucp_tag_t tag, std::shared_ptr<const OutgoingMess
                  /*receive=*/false);
     return;
   }
-  auto all = std::make_shared<AllSent>(1 + message->parts.size(), std::move(sent));
+  auto all = std::make_shared<Countdown>(1 + message->parts.size(), std::move(sent));
   auto send = [&](const at::Tensor& t) {
-    post_request([all, message](ucs_status_t s) { all->completed(s); },
+    post_request([all, message, as_status](ucs_status_t s) { all->completed(as_status(s)); },
                  [&](const ucp_request_param_t& given) {
                    ucp_request_param_t p = with_memory_type(given, t);
                    return ucp_tag_send_nbx(ep, t.data_ptr(), t.nbytes(), tag, &p);

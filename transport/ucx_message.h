@@ -4,7 +4,9 @@
 
 #include <ucp/api/ucp.h>
 
+#include <functional>
 #include <memory>
+#include <string>
 
 #include "transport/message_buffer.h"
 #include "transport/ucx_request.h"
@@ -17,8 +19,10 @@ ucp_request_param_t with_memory_type(const ucp_request_param_t& given, const at:
 /// Sends `message` to `ep` under `tag`: a gathered message as one UCX message from its
 /// segments' memory (an iov), else its header and then each part, under the same tag (UCX
 /// keeps their order). `sent` runs once, after the last request completed, with the first
-/// failure or UCS_OK. Call on the thread that progresses the worker.
-void send_message(ucp_ep_h ep, ucp_tag_t tag, std::shared_ptr<const OutgoingMessage> message, Completed sent);
+/// failure (a lost peer named `lost_peer`, transfer_error) or ok. Call on the thread that
+/// progresses the worker.
+void send_message(ucp_ep_h ep, ucp_tag_t tag, std::shared_ptr<const OutgoingMessage> message,
+                  const std::string& lost_peer, std::function<void(Status)> sent);
 
 /// Closing: small messages that arrived on `worker` and nobody will receive (a peer's
 /// goodbye, a late ping) taken off UCX's queue, so that destroying the worker does not warn
