@@ -1,7 +1,7 @@
 // Transport bandwidth and latency between two processes of this host (forked; shared memory
 // unless CONVEYOR_UCX_SHM=0, then loopback tcp): the UCX Endpoint's point-to-point
-// throughput (a stream of messages, 64 MB or more, acknowledged at the end) against a plain memcpy of the
-// same bytes, from 1 KB to 256 MB; small-message latency (half an 8-byte round trip);
+// throughput (a stream of messages, 64 MB or more, acknowledged at the end; the median of
+// several streams) against a plain memcpy of the same bytes, from 1 KB to 256 MB; small-message latency (half an 8-byte round trip);
 // allreduce over UCX (transport/endpoint_group.h) among --group members (threads of one
 // process), its bus bandwidth (bytes x 2(n-1)/n per second, what each member's link
 // carries) against the ring bound: a member's link cannot beat point-to-point bandwidth,
@@ -90,6 +90,11 @@ int messages_per_stream(std::int64_t bytes, int iters) {
   return static_cast<int>(std::clamp<std::int64_t>((std::int64_t{64} << 20) / bytes, iters, 2000));
 }
 
+// Streams measured per size, after one that warms up: the median is reported, with the
+// slowest and fastest (two processes' copies on two shared cores: some streams get the
+// cores together, some do not).
+int measured_streams(std::int64_t bytes) { return bytes >= (64 << 20) ? 3 : 5; }
+
 // Receives a stream's receiver has posted at a time: two below 64 MB; one from there, where
 // a message dwarfs the wait between two and a second one posted holds (and reads into)
 // another such buffer at once (2 of 24 runs read 256 MB at 2 GB/s with two; posting a whole
@@ -141,7 +146,7 @@ void receiver(int out, int in, int iters, std::int64_t max_mb) {
   Tag tag = 1;
   for (std::int64_t bytes = 1 << 10; bytes <= max_mb << 20; bytes *= 4) {
     const int n = messages_per_stream(bytes, iters);
-    for (int round = 0; round < 2; ++round) {  // a warm-up stream, then the measured one
+    for (int round = 0; round <= measured_streams(bytes); ++round) {  // a warm-up stream, then the measured ones
       if (Status s = receive_stream(*me, 0, tag, n, window_for(bytes)); !s) {
         std::fprintf(stderr, "receiving: %s\n", s.to_string().c_str());
         std::exit(1);
@@ -178,19 +183,21 @@ int two_process_point_to_point(int iters, std::int64_t max_mb, std::map<std::int
   std::printf("UCX endpoint, 2 processes of this host over %s; a stream of 64 MB (%d to 2000 messages) per size\n",
               shm != nullptr && std::string(shm) == "0" ? "loopback tcp" : "shared memory", iters);
   if (on_cuda) std::printf("CUDA tensors from device memory to device memory, against a device-to-device copy\n");
-  std::printf("%10s %14s %14s %10s\n", "bytes", "ucx GB/s", on_cuda ? "copy_ GB/s" : "memcpy GB/s", "ratio");
+  std::printf("%10s %14s %16s %14s %10s\n", "bytes", "ucx GB/s", "(slowest-fastest)", on_cuda ? "copy_ GB/s" : "memcpy GB/s",
+              "ratio");
   Tag tag = 1;
   for (std::int64_t bytes = 1 << 10; bytes <= max_mb << 20; bytes *= 4) {
     at::Tensor t = at::randint(0, 255, {bytes}, at::kByte);
     if (on_cuda) t = t.to(at::kCUDA);
     at::Tensor dst = at::empty_like(t);
     const int n = messages_per_stream(bytes, iters);
-    double stream_s = 0;
-    for (int round = 0; round < 2; ++round) {
+    std::vector<double> streams;  // GB/s of each measured stream
+    for (int round = 0; round <= measured_streams(bytes); ++round) {
       const auto start = Clock::now();
       for (int k = 0; k < n; ++k) me->send(1, tag++, {t}, [](Status) {});
       if (!receive_from(*me, 1, tag++).is_ok()) return 1;
-      stream_s = std::chrono::duration<double>(Clock::now() - start).count();
+      const double s = std::chrono::duration<double>(Clock::now() - start).count();
+      if (round > 0) streams.push_back(static_cast<double>(bytes) * n / s / 1e9);
     }
     std::vector<double> copy;
     for (int k = 0; k < n; ++k) {
@@ -203,9 +210,10 @@ int two_process_point_to_point(int iters, std::int64_t max_mb, std::map<std::int
       }
       copy.push_back(std::chrono::duration<double>(Clock::now() - start).count());
     }
-    const double u = static_cast<double>(bytes) * n / stream_s / 1e9;
-    const double c = static_cast<double>(bytes) / median(copy) / 1e9;
-    std::printf("%10lld %14.3f %14.3f %9.3fx\n", static_cast<long long>(bytes), u, c, u / c);
+    const double u = median(streams), c = static_cast<double>(bytes) / median(copy) / 1e9;
+    const auto [slowest, fastest] = std::minmax_element(streams.begin(), streams.end());
+    std::printf("%10lld %14.3f %7.2f-%-8.2f %14.3f %9.3fx\n", static_cast<long long>(bytes), u, *slowest, *fastest, c,
+                u / c);
     p2p[bytes] = u;
   }
   at::Tensor small = at::zeros({1}, at::kLong);

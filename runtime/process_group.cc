@@ -76,7 +76,7 @@ void ProcessGroup::close() {
 }
 
 Status ProcessGroup::wait(const std::function<void(transport::Done)>& issue, const std::string& what) const {
-  std::optional<Status> done = transport::wait_within(issue, timeout_);
+  std::optional<Status> done = transport::wait_within(issue, timeout_, endpoint_.get());
   if (!done) {
     return Status(ErrorCode::kExecution, "process " + std::to_string(rank_) + ": " + what + " did not complete within " +
                                              std::to_string(timeout_.count()) + " ms" + whom_it_waited_for());

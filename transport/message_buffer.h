@@ -45,7 +45,7 @@ struct OutgoingMessage {
 inline constexpr std::size_t kPartsFrom = std::size_t{64} << 10;
 /// Below this many bytes of tensor data, such a message is gathered; from it, its parts
 /// travel as messages of their own.
-inline constexpr std::size_t kGatheredBelow = std::size_t{16} << 20;
+inline constexpr std::size_t kGatheredBelow = std::size_t{32} << 20;
 
 /// `tensors` (undefined ones allowed) framed for sending, on the caller's thread. CUDA
 /// tensors are copied to the host, unless `device_memory` (the transport moves device

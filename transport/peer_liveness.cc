@@ -3,6 +3,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
@@ -78,6 +79,46 @@ int watch_process(int pid) {
   (void)pid;
   return -1;
 #endif
+}
+
+WatchedPeers::~WatchedPeers() {
+  for (const auto& [peer, fd] : watched_) close(fd);
+}
+
+void WatchedPeers::add(int peer, int pidfd) { watched_.emplace_back(peer, pidfd); }
+
+std::vector<int> WatchedPeers::poll(std::vector<pollfd>& fds, int timeout_ms) {
+  if (!ended_.empty()) timeout_ms = std::min(timeout_ms, 20);
+  const std::size_t own = fds.size();
+  for (const auto& [peer, fd] : watched_) fds.push_back({fd, POLLIN, 0});
+  ::poll(fds.data(), fds.size(), timeout_ms);
+  std::vector<int> ended;
+  std::vector<std::pair<int, int>> alive;
+  for (std::size_t k = 0; k < watched_.size(); ++k) {
+    if (fds[own + k].revents == 0) {
+      alive.push_back(watched_[k]);
+      continue;
+    }
+    close(watched_[k].second);
+    ended_.emplace_back(watched_[k].first, std::chrono::steady_clock::now());
+    ended.push_back(watched_[k].first);
+  }
+  watched_.swap(alive);
+  fds.resize(own);
+  return ended;
+}
+
+std::vector<int> WatchedPeers::ended_before(std::chrono::steady_clock::duration grace) {
+  std::vector<int> peers;
+  for (auto it = ended_.begin(); it != ended_.end();) {
+    if (std::chrono::steady_clock::now() - it->second < grace) {
+      ++it;
+      continue;
+    }
+    peers.push_back(it->first);
+    it = ended_.erase(it);
+  }
+  return peers;
 }
 
 }  // namespace conveyor::transport

@@ -6,8 +6,12 @@
 // (UcxEndpoint::silent_peers).
 #pragma once
 
+#include <poll.h>
+
+#include <chrono>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace conveyor::transport {
@@ -31,5 +35,27 @@ ProcessIdentity split_identity(std::vector<std::uint8_t>& address);
 /// A descriptor that becomes readable when process `pid` exits; -1 where the kernel cannot
 /// give one (the peer is then reached as a remote one).
 int watch_process(int pid);
+
+/// The watched same-host peers of one UCX member (its progress thread's): their pidfds,
+/// polled with the member's own descriptors, and the peers whose processes ended.
+class WatchedPeers {
+ public:
+  WatchedPeers() = default;
+  WatchedPeers(const WatchedPeers&) = delete;
+  WatchedPeers& operator=(const WatchedPeers&) = delete;
+  ~WatchedPeers();
+  /// Watches `peer` through `pidfd` (watch_process), which this now owns.
+  void add(int peer, int pidfd);
+  /// Polls the caller's `fds` (their revents set on return) with the watched pidfds, for at
+  /// most `timeout_ms` (20 while a peer that ended waits out its grace); returns the peers
+  /// whose processes ended, no longer watched.
+  std::vector<int> poll(std::vector<pollfd>& fds, int timeout_ms);
+  /// The peers whose processes ended `grace` ago or longer, each returned once.
+  std::vector<int> ended_before(std::chrono::steady_clock::duration grace);
+
+ private:
+  std::vector<std::pair<int, int>> watched_;  // (peer, pidfd)
+  std::vector<std::pair<int, std::chrono::steady_clock::time_point>> ended_;  // (peer, when noticed)
+};
 
 }  // namespace conveyor::transport

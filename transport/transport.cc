@@ -111,13 +111,16 @@ Status check_collective_call(const CollectiveCall& first, int first_member, cons
 namespace {
 
 // Whether `future` is ready within `timeout`. It first polls for a few microseconds, yielding
-// the core: the reply to a small message often comes that soon, and a thread that slept
-// waits for the kernel to wake it (tens of microseconds on a virtual machine's cores).
+// the core, and advancing `helping` (the endpoint it waits on) itself meanwhile: the reply to
+// a small message often comes that soon, and a thread that slept waits for the kernel to
+// wake it (tens of microseconds on a virtual machine's cores).
 template <class T>
-bool ready_within(std::future<T>& future, std::chrono::milliseconds timeout) {
+bool ready_within(std::future<T>& future, std::chrono::milliseconds timeout, Endpoint* helping = nullptr) {
   constexpr auto kPoll = std::chrono::microseconds(50);
   const auto until = std::chrono::steady_clock::now() + kPoll;
   while (std::chrono::steady_clock::now() < until) {
+    if (future.wait_for(std::chrono::seconds(0)) == std::future_status::ready) return true;
+    if (helping != nullptr) helping->progress_here();
     if (future.wait_for(std::chrono::seconds(0)) == std::future_status::ready) return true;
     std::this_thread::yield();
   }
@@ -132,11 +135,12 @@ bool ready_within(std::future<T>& future, std::chrono::milliseconds timeout) {
 
 Status wait_for(const std::function<void(Done)>& issue) { return *wait_within(issue, std::chrono::milliseconds::max()); }
 
-std::optional<Status> wait_within(const std::function<void(Done)>& issue, std::chrono::milliseconds timeout) {
+std::optional<Status> wait_within(const std::function<void(Done)>& issue, std::chrono::milliseconds timeout,
+                                  Endpoint* helping) {
   auto promise = std::make_shared<std::promise<Status>>();
   auto future = promise->get_future();
   issue([promise](Status s) { promise->set_value(std::move(s)); });
-  if (!ready_within(future, timeout)) return std::nullopt;
+  if (!ready_within(future, timeout, helping)) return std::nullopt;
   return future.get();
 }
 
@@ -145,7 +149,7 @@ Result<std::vector<at::Tensor>> receive_within(Endpoint& endpoint, int peer, Tag
   auto promise = std::make_shared<std::promise<Result<std::vector<at::Tensor>>>>();
   auto future = promise->get_future();
   endpoint.recv(peer, tag, [promise](Result<std::vector<at::Tensor>> r) { promise->set_value(std::move(r)); });
-  if (!ready_within(future, timeout)) {
+  if (!ready_within(future, timeout, &endpoint)) {
     return Status(ErrorCode::kExecution, "no message from member " + std::to_string(peer) + " under tag " +
                                              std::to_string(tag) + " within " + std::to_string(timeout.count()) + " ms");
   }

@@ -42,6 +42,10 @@ class Endpoint {
   /// Receives the message `peer` sends under `tag` (before or after it was sent), on this
   /// endpoint's device. Messages under one (peer, tag) arrive in the order they were sent.
   virtual void recv(int peer, Tag tag, Received done) = 0;
+  /// Advances the transport once on the calling thread, a waiter's, if it can without
+  /// blocking: true if it did. Callbacks of operations this thread issued may run in it;
+  /// others' stay on the communication thread. Backends without a progress engine: false.
+  virtual bool progress_here() { return false; }
 };
 
 /// The collective operations.
@@ -99,8 +103,10 @@ std::string describe_tensor(const at::Tensor& t);
 /// overlap). Inproc operations complete inline; others complete on their progress thread.
 Status wait_for(const std::function<void(Done)>& issue);
 /// The same, waiting at most `timeout`: nothing when the operation has not completed by then
-/// (its callback may still run later).
-std::optional<Status> wait_within(const std::function<void(Done)>& issue, std::chrono::milliseconds timeout);
+/// (its callback may still run later). `helping`: the endpoint the operation runs on, which
+/// the waiter advances itself for a few microseconds before it sleeps (Endpoint::progress_here).
+std::optional<Status> wait_within(const std::function<void(Done)>& issue, std::chrono::milliseconds timeout,
+                                  Endpoint* helping = nullptr);
 
 /// Receives the next message `peer` sends under `tag`, waiting at most `timeout`.
 Result<std::vector<at::Tensor>> receive_within(Endpoint& endpoint, int peer, Tag tag,

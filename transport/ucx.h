@@ -1,11 +1,13 @@
 // The UCX transport: each member has its own UCP context and worker, driven by a progress
-// thread of its own that makes every UCX call (senders and receivers only queue work for it),
-// sleeping on the worker's event file descriptor when idle. Peers connect by worker address,
-// exchanged by the caller (in one process directly; between processes through the
-// rendezvous). A message is one UCX tagged message (transport/message_buffer.h); the UCX tag
-// carries the message tag and the sender's rank, so receives match exactly. Peers on this
-// host go through shared memory, watched by pidfd (transport/peer_liveness.h); others over
-// tcp with UCX's peer failure detection. Host memory only: Debian's UCX is built without CUDA.
+// thread of its own that makes the UCX calls (receivers and senders queue work for it, but a
+// small message is sent by the caller's thread itself when the worker is free), sleeping on
+// the worker's event file descriptor when idle. Peers connect by worker address, exchanged
+// by the caller (in one process directly; between processes through the rendezvous). A
+// message is one UCX tagged message, or a header and parts under one tag
+// (transport/message_buffer.h); the UCX tag carries the message tag and the sender's rank,
+// so receives match exactly. Peers on this host go through shared memory, watched by pidfd
+// (transport/peer_liveness.h); others over tcp with UCX's peer failure detection. With a
+// GPU, CUDA tensors travel from and into device memory through UCX's CUDA transports.
 #pragma once
 
 #include <cstdint>

@@ -49,6 +49,30 @@ void send_message(ucp_ep_h ep, ucp_tag_t tag, std::shared_ptr<const OutgoingMess
   for (const auto& part : message->parts) send(part);
 }
 
+void wait_for_requests(ucp_worker_h worker, const std::vector<ucs_status_ptr_t>& requests,
+                       std::chrono::steady_clock::time_point deadline) {
+  for (ucs_status_ptr_t r : requests) {
+    while (ucp_request_check_status(r) == UCS_INPROGRESS && std::chrono::steady_clock::now() < deadline) {
+      ucp_worker_progress(worker);
+    }
+    if (ucp_request_check_status(r) != UCS_INPROGRESS) ucp_request_free(r);
+  }
+}
+
+void close_endpoints(ucp_worker_h worker, std::vector<ucp_ep_h>& eps, bool flush) {
+  std::vector<ucs_status_ptr_t> closing;
+  for (ucp_ep_h& ep : eps) {
+    if (!ep) continue;
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = flush ? 0 : UCP_EP_CLOSE_FLAG_FORCE;
+    ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &p);
+    if (UCS_PTR_IS_PTR(r)) closing.push_back(r);
+    ep = nullptr;
+  }
+  wait_for_requests(worker, closing, std::chrono::steady_clock::now() + std::chrono::seconds(flush ? 5 : 1));
+}
+
 void drop_unreceived(ucp_worker_h worker) {
   std::vector<std::uint8_t> sink;
   for (int k = 0; k < 4096; ++k) {

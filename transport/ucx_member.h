@@ -1,0 +1,157 @@
+// The UCX endpoint's member (transport/ucx.h), shared by the two files that implement it:
+// ucx.cc (starting, connecting, sending, the progress thread's rounds and closing) and
+// ucx_receive.cc (matching receives to the messages that arrived, pings and goodbyes).
+//
+// Threads. Calls into the worker are serialized by worker_mu_. The progress thread holds it
+// for each of its rounds. A caller's thread takes it only when it is free (try_lock) and
+// briefly: to send a small message itself (sent_by_caller), and while it waits for a
+// receive it asked for, to run rounds itself (progress_here). While a caller's thread holds
+// it, completions go through complete(): those of operations that thread issued run on it
+// once it lets go of the worker; the others are queued for the progress thread. So no
+// callback runs under worker_mu_ on a caller's thread, and no callback runs on a caller's
+// thread that did not issue its operation.
+#pragma once
+
+#include <ucp/api/ucp.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_set>
+#include <vector>
+
+#include "transport/message_buffer.h"
+#include "transport/peer_liveness.h"
+#include "transport/ucx.h"
+
+namespace conveyor::transport {
+
+inline constexpr int kRankBits = 16;
+inline constexpr Tag kMaxTag = (Tag{1} << (64 - kRankBits)) - 1;
+// The two highest tags carry liveness pings and their answers (silent_peers); callers' tags stay below.
+inline constexpr Tag kPingTag = kMaxTag - 1, kPongTag = kMaxTag;
+// A member that closes says so to every peer under this tag (below the pings): over shared
+// memory nothing else tells them, and they fail what waits on it at once instead of at the timeout.
+inline constexpr Tag kByeTag = kMaxTag - 2;
+
+inline ucp_tag_t ucx_tag(Tag tag, int from) { return (tag << kRankBits) | static_cast<ucp_tag_t>(from); }
+inline int sender_of(ucp_tag_t tag) { return static_cast<int>(tag & ((ucp_tag_t{1} << kRankBits) - 1)); }
+
+/// One member of a UCX world: its context, worker, progress thread and peers.
+class UcxMember final : public UcxEndpoint {
+ public:
+  UcxMember(int rank, int world, std::string noun)
+      : rank_(rank), world_(world), noun_(std::move(noun)), eps_(static_cast<std::size_t>(world), nullptr) {}
+  ~UcxMember() override;
+  /// Creates the context and worker (transports as ucx.h says) and starts the progress thread.
+  Status start(const std::string& net_device);
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_; }
+  std::vector<std::uint8_t> address() const override { return with_identity(this_process(), address_); }
+  bool on_progress_thread() const { return std::this_thread::get_id() == progress_.get_id(); }
+  Status connect(int peer, const std::vector<std::uint8_t>& given) override;
+  void send(int peer, Tag tag, std::vector<at::Tensor> tensors, Done done) override;
+  void recv(int peer, Tag tag, Received done) override;
+  bool progress_here() override;
+  std::vector<int> silent_peers(std::chrono::milliseconds within) override;
+  void close_gracefully() override { graceful_ = true; }
+  void abort(Status error) override;
+
+ private:
+  struct PendingReceive {
+    ucp_tag_t tag;
+    std::optional<c10::Device> device;  // where parts sent from device memory land
+    std::thread::id owner;              // the thread that asked (complete)
+    Received done;
+  };
+  /// Completions met by a caller's thread while it held the worker (complete).
+  struct HeldCompletions {
+    std::vector<std::function<void()>> mine, others;
+  };
+
+  Status check_peer(int peer) const { return transport::check_peer(rank_, world_, peer); }
+  std::string lost(int peer) const { return noun_ + " " + std::to_string(peer) + " was lost"; }
+  Status current_error();
+
+  // Runs `completion`, of an operation thread `owner` issued: at once, unless this is a
+  // caller's thread holding the worker; then once it lets go, on it if it is `owner`, else
+  // on the progress thread.
+  static void complete(std::thread::id owner, std::function<void()> completion);
+  // Runs `body` on the calling thread holding the worker, if the worker is free and this
+  // thread holds no worker already; then the completions met, as complete() says. False when
+  // it did not run, or `body` said false.
+  // `then_wake`: the progress thread is woken if it sleeps (what `body` issued needs it).
+  bool with_worker_on_caller(const std::function<bool()>& body, bool then_wake);
+
+  // ucx.cc: sending, and the progress thread.
+  void send_tagged(int peer, Tag tag, std::vector<at::Tensor> tensors, Done done);
+  void issue_send(int peer, Tag tag, const std::shared_ptr<OutgoingMessage>& message, std::thread::id owner, Done done);
+  bool sent_by_caller(int peer, Tag tag, const std::shared_ptr<OutgoingMessage>& message, Done& done);
+  void post(std::function<void()> work);
+  void wake();
+  bool round();
+  void loop();
+  void close_on_progress_thread();
+  void fail_now(Status error);
+  void fail_exited();
+  void wait_for_events(int timeout_ms);
+
+  // ucx_receive.cc: receiving (holding the worker).
+  bool match_receives();
+  bool answer_pings();
+  void say_goodbye();
+  void receive_probed(ucp_tag_message_h msg, std::size_t length, int from, ucp_tag_t tag, std::thread::id owner,
+                      Received done, const std::optional<c10::Device>& device = std::nullopt);
+  void receive_parts(IncomingMessage message, int from, ucp_tag_t tag, std::thread::id owner, Received done);
+  // `done` with `result`, as complete() says.
+  static void deliver(std::thread::id owner, Received done, Result<std::vector<at::Tensor>> result);
+
+  const int rank_, world_;
+  const std::string noun_;  // what a peer is called in errors ("member", "process")
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  int efd_ = -1, wake_ = -1;
+  std::vector<std::uint8_t> address_;
+  std::vector<ucp_ep_h> eps_;  // under worker_mu_
+  std::vector<std::unique_ptr<std::pair<UcxMember*, int>>> handler_args_;
+  std::deque<PendingReceive> receives_;     // under worker_mu_
+  int in_flight_ = 0;                       // UCX requests not completed (under worker_mu_)
+  std::unordered_set<void*> posted_parts_;  // receives of message parts in flight (under worker_mu_)
+  std::unordered_set<ucp_tag_t> reading_;   // tags with a message being received (under worker_mu_)
+  std::thread progress_;
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> sleeping_{false};  // the progress thread is (about to be) in poll: post wakes it
+  bool shared_memory_ = false;         // peers on this host over shared memory (start)
+  bool device_memory_ = false;         // CUDA tensors travel from and into device memory (start)
+  // When each peer said goodbye (progress thread only).
+  std::vector<std::optional<std::chrono::steady_clock::time_point>> closed_at_ =
+      std::vector<std::optional<std::chrono::steady_clock::time_point>>(static_cast<std::size_t>(world_));
+  WatchedPeers watched_;  // same-host peers' processes (progress thread only)
+  std::vector<int> ended_;  // peers whose process ended, for closed_at_ (progress thread only)
+  static constexpr auto kSpin = std::chrono::microseconds(50);
+  // What a peer that closed or exited sent just before has this long to be received.
+  static constexpr auto kGrace = std::chrono::milliseconds(500);
+  std::chrono::steady_clock::time_point last_busy_{}, last_watch_{};  // progress thread only
+  std::atomic<bool> graceful_{false};  // flush the endpoints when closing
+  std::mutex mu_;
+  std::deque<std::function<void()>> commands_;     // for whoever holds the worker next
+  std::deque<std::function<void()>> completions_;  // met by a waiter, for the progress thread
+  Status error_ = Status::ok();
+  // Held while calling into the worker (the threads above). Taken before mu_.
+  std::mutex worker_mu_;
+  std::atomic<bool> poked_{false};  // a caller sent: the progress thread polls a while
+  // When a waiting caller last ran a round itself (steady clock, ns): the progress thread
+  // leaves the worker to it meanwhile.
+  std::atomic<std::int64_t> helped_at_{0};
+  static thread_local HeldCompletions* held_;  // set while a caller's thread holds a worker
+};
+
+}  // namespace conveyor::transport

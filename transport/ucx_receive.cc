@@ -1,0 +1,146 @@
+// The UCX member's receiving side (transport/ucx_member.h): matching pending receives to the
+// messages that arrived, in order per (peer, tag); a message's header and then its parts;
+// pings and goodbyes. Everything here runs holding the worker.
+#include <ATen/ATen.h>
+
+#include "transport/ucx_member.h"
+#include "transport/ucx_message.h"
+#include "transport/ucx_request.h"
+
+namespace conveyor::transport {
+
+void UcxMember::deliver(std::thread::id owner, Received done, Result<std::vector<at::Tensor>> result) {
+  complete(owner, [done = std::move(done), result = std::move(result)]() mutable { done(std::move(result)); });
+}
+
+bool UcxMember::match_receives() {
+  bool busy = false;
+  // In the order they were asked for: per (peer, tag) messages complete in arrival order.
+  for (auto it = receives_.begin(); it != receives_.end();) {
+    if (reading_.contains(it->tag)) {
+      ++it;
+      continue;
+    }
+    ucp_tag_recv_info_t info{};
+    ucp_tag_message_h msg = ucp_tag_probe_nb(worker_, it->tag, ~ucp_tag_t{0}, 1, &info);
+    const int from = sender_of(it->tag);
+    if (msg == nullptr) {
+      // Nothing more comes from a peer that closed (after a grace for what it sent just
+      // before, which may arrive around its goodbye).
+      const auto closed = closed_at_[static_cast<std::size_t>(from)];
+      if (!closed || std::chrono::steady_clock::now() - *closed < kGrace) {
+        ++it;
+        continue;
+      }
+      PendingReceive r = std::move(*it);
+      it = receives_.erase(it);
+      deliver(r.owner, std::move(r.done), Status(ErrorCode::kExecution, lost(from) + " (it closed its endpoint)"));
+      busy = true;
+      continue;
+    }
+    busy = true;
+    PendingReceive r = std::move(*it);
+    it = receives_.erase(it);
+    receive_probed(msg, info.length, from, info.sender_tag, r.owner, std::move(r.done), r.device);
+  }
+  return busy;
+}
+
+bool UcxMember::answer_pings() {
+  // Answers every ping that arrived (so a process whose main thread is busy still counts as
+  // alive; a stopped or hung process answers nothing). True if any came.
+  bool any = false;
+  const ucp_tag_t mask = ~((ucp_tag_t{1} << kRankBits) - 1);
+  while (true) {
+    ucp_tag_recv_info_t info{};
+    ucp_tag_message_h msg = ucp_tag_probe_nb(worker_, ucx_tag(kPingTag, 0), mask, 1, &info);
+    if (msg == nullptr) break;
+    any = true;
+    const int from = sender_of(info.sender_tag);
+    receive_probed(msg, info.length, from, info.sender_tag, std::thread::id{},
+                   [this, from](Result<std::vector<at::Tensor>>) { send_tagged(from, kPongTag, {}, [](Status) {}); });
+  }
+  while (true) {  // a peer that closed: what it sent before stays receivable
+    ucp_tag_recv_info_t info{};
+    ucp_tag_message_h msg = ucp_tag_probe_nb(worker_, ucx_tag(kByeTag, 0), mask, 1, &info);
+    if (msg == nullptr) return any;
+    any = true;
+    const int from = sender_of(info.sender_tag);
+    receive_probed(msg, info.length, from, info.sender_tag, std::thread::id{},
+                   [this, from](Result<std::vector<at::Tensor>>) {
+                     if (from >= 0 && from < world_) closed_at_[static_cast<std::size_t>(from)] = std::chrono::steady_clock::now();
+                   });
+  }
+}
+
+void UcxMember::say_goodbye() {
+  // Closing: tells every connected peer (what waits on this member there fails at once),
+  // progressing the messages for at most 200 ms.
+  at::Tensor bye = frame_message({}).header;
+  std::vector<ucs_status_ptr_t> sent;
+  for (int peer = 0; peer < world_; ++peer) {
+    if (peer == rank_ || !eps_[peer]) continue;
+    ucp_request_param_t p{};
+    ucs_status_ptr_t r = ucp_tag_send_nbx(eps_[peer], bye.data_ptr(), static_cast<std::size_t>(bye.numel()),
+                                          ucx_tag(kByeTag, rank_), &p);
+    if (UCS_PTR_IS_PTR(r)) sent.push_back(r);
+  }
+  wait_for_requests(worker_, sent, std::chrono::steady_clock::now() + std::chrono::milliseconds(200));
+}
+
+void UcxMember::receive_probed(ucp_tag_message_h msg, std::size_t length, int from, ucp_tag_t tag,
+                               std::thread::id owner, Received done, const std::optional<c10::Device>& device) {
+  // Receives the probed message `msg` of `length` bytes from member `from` under `tag`, then
+  // the parts its header announces, and hands its tensors, or the error, to `done`.
+  at::Tensor first = message_bytes(length);
+  ++in_flight_;
+  reading_.insert(tag);  // until the whole message is in, no other receive takes the tag's next one
+  post_request(
+      [this, first, from, tag, owner, device, done = std::move(done)](ucs_status_t s) mutable {
+        --in_flight_;
+        auto message = s == UCS_OK ? read_message(first, device) : transfer_error("a UCX receive", lost(from), s);
+        if (message.is_ok() && !message->parts.empty()) {
+          return receive_parts(std::move(*message), from, tag, owner, std::move(done));
+        }
+        reading_.erase(tag);
+        if (!message.is_ok()) return deliver(owner, std::move(done), message.status());
+        deliver(owner, std::move(done), std::move(message->tensors));
+      },
+      [&](const ucp_request_param_t& p) { return ucp_tag_msg_recv_nbx(worker_, first.data_ptr(), length, msg, &p); },
+      /*receive=*/true);
+}
+
+void UcxMember::receive_parts(IncomingMessage message, int from, ucp_tag_t tag, std::thread::id owner, Received done) {
+  // As the header is received: receives each part the header announced into its tensor.
+  // Until all are in, no other receive matches the tag, so the receives of one (peer, tag)
+  // complete in order. Parts still posted when the member fails are cancelled (fail_now)
+  // and fail with its error.
+  auto received = std::make_shared<Countdown>(
+      message.parts.size(),
+      [this, tag, owner, tensors = std::move(message.tensors), done = std::move(done)](Status s) mutable {
+        reading_.erase(tag);
+        if (!s.is_ok()) return deliver(owner, std::move(done), s);
+        deliver(owner, std::move(done), std::move(tensors));
+      });
+  for (at::Tensor& part : message.parts) {
+    ++in_flight_;
+    auto posted = std::make_shared<void*>(nullptr);
+    *posted = post_request(
+        [this, received, part, from, posted](ucs_status_t s) {
+          --in_flight_;
+          posted_parts_.erase(*posted);
+          if (s == UCS_OK) return received->completed(Status::ok());
+          Status failed = current_error();  // a cancelled part fails with the member's error
+          received->completed(s == UCS_ERR_CANCELED && !failed.is_ok() ? failed
+                                                                      : transfer_error("a UCX receive", lost(from), s));
+        },
+        [&](const ucp_request_param_t& given) {
+          ucp_request_param_t p = with_memory_type(given, part);
+          return ucp_tag_recv_nbx(worker_, part.data_ptr(), part.nbytes(), tag, ~ucp_tag_t{0}, &p);
+        },
+        /*receive=*/true);
+    if (*posted != nullptr) posted_parts_.insert(*posted);
+  }
+}
+
+}  // namespace conveyor::transport
