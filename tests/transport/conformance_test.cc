@@ -432,6 +432,45 @@ TEST(Ucx, ALostPeerFailsTheReceiveWaitingOnIt) {
   EXPECT_NE(got.status().message().find("member 1 was lost"), std::string::npos) << got.status().message();
 }
 
+// A caller's thread sends small messages itself and a waiter runs the transport's rounds
+// itself (ucx_member.h): a done that sends again runs once the caller let go of the worker,
+// and a waiter never runs another thread's callback, though it meets its message.
+TEST(Ucx, CallbacksRunOnTheirIssuerOrTheProgressThreadNeverOnAnotherWaiter) {
+  auto world = make_ucx_world_in_process(2);
+  if (!world.is_ok()) GTEST_SKIP() << "UCX cannot run here: " << world.status().to_string();
+  Endpoint& sender = *(*world)[0];
+  Endpoint& receiver = *(*world)[1];
+  const at::Tensor small = at::arange(4, at::kLong);
+  for (int k = 0; k < 200; ++k) {
+    const Tag theirs = 2 * k + 10, mine = 2 * k + 11;
+    // Another thread's receive, pending while this thread waits for its own.
+    std::promise<std::thread::id> ran_on;
+    std::thread([&] {
+      receiver.recv(0, theirs, [&](Result<std::vector<at::Tensor>> r) {
+        EXPECT_TRUE(r.is_ok());
+        ran_on.set_value(std::this_thread::get_id());
+      });
+    }).join();
+    // Both messages come while this thread waits: a done that sends again, once the first went.
+    std::thread sending([&] {
+      std::this_thread::sleep_for(std::chrono::microseconds(k % 20));
+      EXPECT_TRUE(wait_for([&](Done d) {
+                    sender.send(1, theirs, {small}, [&, d](Status s) {
+                      EXPECT_TRUE(s.is_ok());
+                      sender.send(1, mine, {small}, d);
+                    });
+                  }).is_ok());
+    });
+    auto got = receive_within(receiver, 0, mine, std::chrono::seconds(10));
+    sending.join();
+    ASSERT_TRUE(got.is_ok()) << got.status().to_string();
+    EXPECT_TRUE(at::equal((*got)[0], small));
+    auto other = ran_on.get_future();
+    ASSERT_EQ(other.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+    EXPECT_NE(other.get(), std::this_thread::get_id()) << "round " << k << ": a waiter ran another thread's callback";
+  }
+}
+
 // Lane endpoint specifics. On "meta" the lane carries the meta tensors and the header the
 // host ones, inline: both paths, with undefined tensors between them.
 TEST(LaneEndpoint, DeviceTensorsGoOverTheLaneOthersInlineWithTheHeader) {
