@@ -94,7 +94,10 @@ Status UcxMember::start(const std::string& net_device) {
   ucp_worker_release_address(worker_, address);
   wake_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (wake_ < 0) return Status(ErrorCode::kExecution, "eventfd failed for the UCX progress thread");
-  progress_ = std::thread([this] { loop(); });
+  progress_ = std::thread([this] {
+    pthread_setname_np(pthread_self(), "ucx progress");  // as top -H and debuggers list it
+    loop();
+  });
   return Status::ok();
 }
 
@@ -360,19 +363,12 @@ void UcxMember::loop() {
       std::this_thread::yield();  // to a thread woken on this core (a waiter polls too: transport.cc)
       continue;
     }
-    // A transfer in flight may need progress that raises no event (a send waiting for
-    // socket or FIFO space): keep progressing, yielding the core between rounds, and
-    // looking at the watched peers every millisecond (one that died holds it forever).
-    if (in_flight_ > 0) {
-      if (now - last_watch_ > std::chrono::milliseconds(1)) {
-        last_watch_ = now;
-        wait_for_events(0);
-      }
-      worker.unlock();
-      std::this_thread::yield();
-      continue;
-    }
-    // Idle: sleep until the worker has events, someone queues work or a watched peer ends.
+    // Idle, or a transfer in flight that moved nothing for kSpin (a send waiting for its
+    // receiver to ask for it): sleep until the worker has events, someone queues work or a
+    // watched peer ends; at most a millisecond while a transfer is in flight, since one
+    // waiting for FIFO or socket space raises no event. (Polling instead, yielding, took a
+    // core's share from the compute threads of a pipeline whose sends waited long for their
+    // receives.)
     if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
     sleeping_ = true;  // before looking at the queue: work posted after this wakes the thread
     bool queued = false;
@@ -380,7 +376,7 @@ void UcxMember::loop() {
       std::lock_guard<std::mutex> lock(mu_);
       queued = !commands_.empty() || !completions_.empty();
     }
-    const int timeout_ms = receives_.empty() ? 1000 : 10;
+    const int timeout_ms = in_flight_ > 0 ? 1 : receives_.empty() ? 1000 : 10;
     worker.unlock();
     if (!queued) wait_for_events(timeout_ms);
     sleeping_ = false;

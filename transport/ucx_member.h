@@ -139,7 +139,7 @@ class UcxMember final : public UcxEndpoint {
   static constexpr auto kSpin = std::chrono::microseconds(50);
   // What a peer that closed or exited sent just before has this long to be received.
   static constexpr auto kGrace = std::chrono::milliseconds(500);
-  std::chrono::steady_clock::time_point last_busy_{}, last_watch_{};  // progress thread only
+  std::chrono::steady_clock::time_point last_busy_{};  // progress thread only
   std::atomic<bool> graceful_{false};  // flush the endpoints when closing
   std::mutex mu_;
   std::deque<std::function<void()>> commands_;     // for whoever holds the worker next
