@@ -164,7 +164,13 @@ void UcxMember::recv(int peer, Tag tag, Received done) {
       std::lock_guard<std::mutex> lock(mu_);
       if (!commands_.empty()) return false;
     }
-    receives_.push_back({ucx_tag(tag, peer), into, std::this_thread::get_id(), std::move(done)});
+    const std::thread::id owner = std::this_thread::get_id();
+    // Failed since the check above: fail_now may have run already, and would not see it.
+    if (Status e = current_error(); !e) {
+      deliver(owner, std::move(done), e);
+    } else {
+      receives_.push_back({ucx_tag(tag, peer), into, owner, std::move(done)});
+    }
     return true;
   }, /*then_wake=*/false);
   if (asked) return;
@@ -175,12 +181,11 @@ void UcxMember::recv(int peer, Tag tag, Received done) {
 }
 
 bool UcxMember::progress_here() {
-  const bool ran = with_worker_on_caller([this] {
+  return with_worker_on_caller([this] {
     round();
+    helped_at_ = now_ns();  // here: a completion this thread runs after may drop the member
     return true;
   }, /*then_wake=*/false);
-  if (ran) helped_at_ = now_ns();
-  return ran;
 }
 
 void UcxMember::abort(Status error) {
