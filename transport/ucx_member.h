@@ -131,7 +131,7 @@ class UcxMember final : public UcxEndpoint {
   std::atomic<bool> sleeping_{false};  // the progress thread is (about to be) in poll: post wakes it
   bool shared_memory_ = false;         // peers on this host over shared memory (start)
   bool device_memory_ = false;         // CUDA tensors travel from and into device memory (start)
-  // When each peer said goodbye (progress thread only).
+  // When each peer said goodbye (written by the progress thread; read holding the worker).
   std::vector<std::optional<std::chrono::steady_clock::time_point>> closed_at_ =
       std::vector<std::optional<std::chrono::steady_clock::time_point>>(static_cast<std::size_t>(world_));
   WatchedPeers watched_;  // same-host peers' processes (progress thread only)

@@ -23,7 +23,7 @@ ucp_request_param_t with_memory_type(const ucp_request_param_t& given, const at:
 /// segments' memory (an iov), else its header and then each part, under the same tag (UCX
 /// keeps their order). `sent` runs once, after the last request completed, with the first
 /// failure (a lost peer named `lost_peer`, transfer_error) or ok. Call on the thread that
-/// progresses the worker.
+/// holds the worker.
 void send_message(ucp_ep_h ep, ucp_tag_t tag, std::shared_ptr<const OutgoingMessage> message,
                   const std::string& lost_peer, std::function<void(Status)> sent);
 
