@@ -324,13 +324,15 @@ def test_a_placement_that_does_not_match_the_pipeline_is_refused_naming_it():
 @needs_ucx
 @pytest.mark.parametrize("placement", ["blocks", "replicas"])
 def test_a_process_that_dies_mid_step_stops_every_other_naming_it(placement, tmp_path):
-    """Process 1 kills itself during step 1: the others exit within 10 s, naming process 1
-    (with replicas spread, while the others may be summing gradients with it)."""
+    """Process 1 kills itself during step 2: the others exit within 10 s, naming process 1
+    (with replicas spread, while the others may be summing gradients with it). Step 2, not 1:
+    the kill comes half the previous step's time in, and the first step (connections, pools)
+    can take longer than the three after it together, which then all ended before it."""
     port = free_port()
     args = ["--case", "gpt2", "--stages", "3", "--steps", "4", "--microbatches", "8", "--timeout", "60",
             "--placement", placement] + (["--replicas", "2", "--batch", "32"] if placement == "replicas" else [])
     with Job() as job:
-        procs = [job.start([*args, "--out", str(tmp_path / "x.pt")] + (["--die-at-step", "1"] if r == 1 else []),
+        procs = [job.start([*args, "--out", str(tmp_path / "x.pt")] + (["--die-at-step", "2"] if r == 1 else []),
                            env_for(r, 3, port)) for r in range(3)]
         deadline = time.monotonic() + 180
         while procs[1].poll() is None and time.monotonic() < deadline:
