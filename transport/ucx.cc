@@ -158,7 +158,8 @@ void UcxMember::recv(int peer, Tag tag, Received done) {
   // CUDA tensors sent from device memory arrive on the caller's current device.
   std::optional<c10::Device> into = device_memory_ ? current_cuda_device() : std::nullopt;
   // Asked for directly when the worker is free and nothing is queued before it (receives
-  // under a tag are matched in the order asked): no wake-up of a sleeping progress thread.
+  // under a tag are matched in the order asked). A sleeping progress thread is woken still:
+  // the message may be in already, and its arrival will raise no event.
   const bool asked = with_worker_on_caller([&] {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -172,7 +173,7 @@ void UcxMember::recv(int peer, Tag tag, Received done) {
       receives_.push_back({ucx_tag(tag, peer), into, owner, std::move(done)});
     }
     return true;
-  }, /*then_wake=*/false);
+  }, /*then_wake=*/true);
   if (asked) return;
   post([this, peer, tag, into, owner = std::this_thread::get_id(), done = std::move(done)]() mutable {
     if (Status e = current_error(); !e) return deliver(owner, std::move(done), e);

@@ -471,6 +471,27 @@ TEST(Ucx, CallbacksRunOnTheirIssuerOrTheProgressThreadNeverOnAnotherWaiter) {
   }
 }
 
+// A receive asked for after its message came in, while the receiver's progress thread
+// sleeps (idle, its worker armed): the message raises no event any more, so asking wakes it.
+TEST(Ucx, AReceiveAskedForAfterItsMessageCameInCompletesPromptly) {
+  auto world = make_ucx_world_in_process(2);
+  if (!world.is_ok()) GTEST_SKIP() << "UCX cannot run here: " << world.status().to_string();
+  Endpoint& receiver = *(*world)[1];
+  for (int k = 0; k < 3; ++k) {
+    ASSERT_TRUE(wait_for([&](Done d) { (*world)[0]->send(1, 40 + k, {at::ones({3})}, d); }).is_ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // both progress threads asleep by now
+    std::promise<void> arrived;
+    const auto start = std::chrono::steady_clock::now();
+    receiver.recv(0, 40 + k, [&](Result<std::vector<at::Tensor>> r) {
+      EXPECT_TRUE(r.is_ok());
+      arrived.set_value();
+    });
+    ASSERT_EQ(arrived.get_future().wait_for(std::chrono::seconds(5)), std::future_status::ready);
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(300))
+        << "the receive waited for the sleeping progress thread's timeout";
+  }
+}
+
 // Lane endpoint specifics. On "meta" the lane carries the meta tensors and the header the
 // host ones, inline: both paths, with undefined tensors between them.
 TEST(LaneEndpoint, DeviceTensorsGoOverTheLaneOthersInlineWithTheHeader) {
