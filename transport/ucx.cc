@@ -182,11 +182,14 @@ void UcxMember::recv(int peer, Tag tag, Received done) {
 }
 
 bool UcxMember::progress_here() {
+  // A progress thread asleep since before is woken (once: then it yields to this waiter):
+  // this thread's calls may leave the worker disarmed, and what it starts may need progress
+  // once it stops waiting.
   return with_worker_on_caller([this] {
     round();
     helped_at_ = now_ns();  // here: a completion this thread runs after may drop the member
     return true;
-  }, /*then_wake=*/false);
+  }, /*then_wake=*/true);
 }
 
 void UcxMember::abort(Status error) {
