@@ -160,25 +160,21 @@ void UcxMember::recv(int peer, Tag tag, Received done) {
   // Asked for directly when the worker is free and nothing is queued before it (receives
   // under a tag are matched in the order asked). A sleeping progress thread is woken still:
   // the message may be in already, and its arrival will raise no event.
+  const std::thread::id owner = std::this_thread::get_id();
   const bool asked = with_worker_on_caller([&] {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!commands_.empty()) return false;
-    }
-    const std::thread::id owner = std::this_thread::get_id();
-    // Failed since the check above: fail_now may have run already, and would not see it.
-    if (Status e = current_error(); !e) {
-      deliver(owner, std::move(done), e);
-    } else {
-      receives_.push_back({ucx_tag(tag, peer), into, owner, std::move(done)});
-    }
+    if (!nothing_queued()) return false;
+    ask_receive(ucx_tag(tag, peer), into, owner, std::move(done));
     return true;
   }, /*then_wake=*/true);
   if (asked) return;
-  post([this, peer, tag, into, owner = std::this_thread::get_id(), done = std::move(done)]() mutable {
-    if (Status e = current_error(); !e) return deliver(owner, std::move(done), e);
-    receives_.push_back({ucx_tag(tag, peer), into, owner, std::move(done)});
+  post([this, peer, tag, into, owner, done = std::move(done)]() mutable {
+    ask_receive(ucx_tag(tag, peer), into, owner, std::move(done));
   });
+}
+
+bool UcxMember::nothing_queued() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return commands_.empty();
 }
 
 bool UcxMember::progress_here() {
@@ -236,16 +232,8 @@ void UcxMember::complete(std::thread::id owner, std::function<void()> completion
   (owner == std::this_thread::get_id() ? held_->mine : held_->others).push_back(std::move(completion));
 }
 
-bool UcxMember::with_worker_on_caller(const std::function<bool()>& body, bool then_wake) {
-  if (held_ != nullptr || on_progress_thread()) return false;
-  std::unique_lock<std::mutex> worker(worker_mu_, std::try_to_lock);
-  if (!worker.owns_lock()) return false;
-  HeldCompletions held;
-  held_ = &held;
-  const bool did = body();
-  held_ = nullptr;
-  worker.unlock();
-  if (did && then_wake && sleeping_.load()) wake();
+void UcxMember::let_go_on_caller(HeldCompletions& held, bool wake_a_sleeper) {
+  if (wake_a_sleeper && sleeping_.load()) wake();
   if (!held.others.empty()) {  // for the progress thread alone (a waiter's rounds run commands_)
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -254,7 +242,6 @@ bool UcxMember::with_worker_on_caller(const std::function<bool()>& body, bool th
     if (sleeping_.load()) wake();
   }
   for (auto& c : held.mine) c();  // the last may drop this member: nothing touches it after
-  return did;
 }
 
 void UcxMember::send_tagged(int peer, Tag tag, std::vector<at::Tensor> tensors, Done done) {
@@ -289,10 +276,7 @@ bool UcxMember::sent_by_caller(int peer, Tag tag, const std::shared_ptr<Outgoing
     return false;
   }
   return with_worker_on_caller([&] {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!commands_.empty()) return false;  // queued earlier, it goes first
-    }
+    if (!nothing_queued()) return false;  // queued earlier, it goes first
     issue_send(peer, tag, message, std::this_thread::get_id(), std::move(done));
     poked_ = true;  // a reply often follows: the progress thread polls for it instead of sleeping
     return true;

@@ -87,9 +87,25 @@ class UcxMember final : public UcxEndpoint {
   static void complete(std::thread::id owner, std::function<void()> completion);
   // Runs `body` on the calling thread holding the worker, if the worker is free and this
   // thread holds no worker already; then the completions met, as complete() says. False when
-  // it did not run, or `body` said false.
-  // `then_wake`: the progress thread is woken if it sleeps (what `body` issued needs it).
-  bool with_worker_on_caller(const std::function<bool()>& body, bool then_wake);
+  // it did not run, or `body` said false. `then_wake`: the progress thread is woken if it
+  // sleeps (what `body` issued needs it). A template: it runs on every small send and receive.
+  template <class Body>
+  bool with_worker_on_caller(Body&& body, bool then_wake) {
+    if (held_ != nullptr || on_progress_thread()) return false;
+    std::unique_lock<std::mutex> worker(worker_mu_, std::try_to_lock);
+    if (!worker.owns_lock()) return false;
+    HeldCompletions held;
+    held_ = &held;
+    const bool did = body();
+    held_ = nullptr;
+    worker.unlock();
+    let_go_on_caller(held, did && then_wake);
+    return did;
+  }
+  // After a caller's thread let go of the worker: wakes the progress thread if asked and it
+  // sleeps, hands it the others' completions and runs this thread's.
+  void let_go_on_caller(HeldCompletions& held, bool wake_a_sleeper);
+  bool nothing_queued();  // no work queued for the worker (what a caller's own call would overtake)
 
   // ucx.cc: sending, and the progress thread.
   void send_tagged(int peer, Tag tag, std::vector<at::Tensor> tensors, Done done);
@@ -105,6 +121,7 @@ class UcxMember final : public UcxEndpoint {
   void wait_for_events(int timeout_ms);
 
   // ucx_receive.cc: receiving (holding the worker).
+  void ask_receive(ucp_tag_t tag, const std::optional<c10::Device>& into, std::thread::id owner, Received done);
   bool match_receives();
   bool answer_pings();
   void say_goodbye();

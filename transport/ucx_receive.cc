@@ -13,6 +13,14 @@ void UcxMember::deliver(std::thread::id owner, Received done, Result<std::vector
   complete(owner, [done = std::move(done), result = std::move(result)]() mutable { done(std::move(result)); });
 }
 
+void UcxMember::ask_receive(ucp_tag_t tag, const std::optional<c10::Device>& into, std::thread::id owner,
+                            Received done) {
+  // The member may have failed since recv() looked: fail_now may have run already, and would
+  // not see this receive.
+  if (Status e = current_error(); !e) return deliver(owner, std::move(done), e);
+  receives_.push_back({tag, into, owner, std::move(done)});
+}
+
 bool UcxMember::match_receives() {
   bool busy = false;
   // In the order they were asked for: per (peer, tag) messages complete in arrival order.

@@ -1,5 +1,6 @@
 // One conformance suite for every transport backend: each test runs against every backend
 // that can run on this machine (inproc here; UCX and NCCL register themselves where built).
+// What is UCX's alone is in ucx_test.cc.
 // Members run on threads of their own, as stage replicas do.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -395,101 +396,6 @@ TEST(Inproc, SameDeviceMessagesShareStorage) {
   auto got = receive(*eps[1], 0, 1);
   ASSERT_TRUE(got.is_ok());
   EXPECT_EQ((*got)[0].data_ptr(), a.data_ptr());
-}
-
-// UCX specifics: large messages, and a lost peer failing what waits on it.
-TEST(Ucx, LargeMessagesArriveIntact) {
-  auto world = make_ucx_world_in_process(2);
-  if (!world.is_ok()) GTEST_SKIP() << "UCX cannot run here: " << world.status().to_string();
-  at::Tensor big = at::randn({8 << 20}, at::kFloat);  // 32 MiB
-  at::Tensor ints = at::arange(1000, at::kLong);
-  auto pending = std::async(std::launch::async, [&] { return receive(*(*world)[1], 0, 5); });
-  ASSERT_TRUE(wait_for([&](Done d) { (*world)[0]->send(1, 5, {big, at::Tensor(), ints}, d); }).is_ok());
-  auto got = pending.get();
-  ASSERT_TRUE(got.is_ok()) << got.status().to_string();
-  ASSERT_EQ(got->size(), 3u);
-  EXPECT_TRUE(at::equal((*got)[0], big));
-  EXPECT_FALSE((*got)[1].defined());
-  EXPECT_TRUE(at::equal((*got)[2], ints));
-}
-
-TEST(Ucx, ALostPeerFailsTheReceiveWaitingOnIt) {
-  auto world = make_ucx_world_in_process(2);
-  if (!world.is_ok()) GTEST_SKIP() << "UCX cannot run here: " << world.status().to_string();
-  auto members = std::move(*world);  // the only references: member 1 can go away
-  // Connected both ways (as pipeline neighbours are after their first step).
-  ASSERT_TRUE(wait_for([&](Done d) { members[0]->send(1, 1, {at::ones({1})}, d); }).is_ok());
-  ASSERT_TRUE(receive(*members[1], 0, 1).is_ok());
-  ASSERT_TRUE(wait_for([&](Done d) { members[1]->send(0, 1, {at::ones({1})}, d); }).is_ok());
-  ASSERT_TRUE(receive(*members[0], 1, 1).is_ok());
-  auto pending = std::async(std::launch::async, [&] { return receive(*members[0], 1, 9); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  const auto start = std::chrono::steady_clock::now();
-  members[1].reset();  // member 1 goes away: its endpoints close
-  auto got = pending.get();
-  ASSERT_FALSE(got.is_ok());
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
-  EXPECT_NE(got.status().message().find("member 1 was lost"), std::string::npos) << got.status().message();
-}
-
-// A caller's thread sends small messages itself and a waiter runs the transport's rounds
-// itself (ucx_member.h): a done that sends again runs once the caller let go of the worker,
-// and a waiter never runs another thread's callback, though it meets its message.
-TEST(Ucx, CallbacksRunOnTheirIssuerOrTheProgressThreadNeverOnAnotherWaiter) {
-  auto world = make_ucx_world_in_process(2);
-  if (!world.is_ok()) GTEST_SKIP() << "UCX cannot run here: " << world.status().to_string();
-  Endpoint& sender = *(*world)[0];
-  Endpoint& receiver = *(*world)[1];
-  const at::Tensor small = at::arange(4, at::kLong);
-  for (int k = 0; k < 200; ++k) {
-    const Tag theirs = 2 * k + 10, mine = 2 * k + 11;
-    // Another thread's receive, pending while this thread waits for its own.
-    std::promise<std::thread::id> ran_on;
-    std::thread([&] {
-      receiver.recv(0, theirs, [&](Result<std::vector<at::Tensor>> r) {
-        EXPECT_TRUE(r.is_ok());
-        ran_on.set_value(std::this_thread::get_id());
-      });
-    }).join();
-    // Both messages come while this thread waits: a done that sends again, once the first went.
-    std::thread sending([&] {
-      std::this_thread::sleep_for(std::chrono::microseconds(k % 20));
-      EXPECT_TRUE(wait_for([&](Done d) {
-                    sender.send(1, theirs, {small}, [&, d](Status s) {
-                      EXPECT_TRUE(s.is_ok());
-                      sender.send(1, mine, {small}, d);
-                    });
-                  }).is_ok());
-    });
-    auto got = receive_within(receiver, 0, mine, std::chrono::seconds(10));
-    sending.join();
-    ASSERT_TRUE(got.is_ok()) << got.status().to_string();
-    EXPECT_TRUE(at::equal((*got)[0], small));
-    auto other = ran_on.get_future();
-    ASSERT_EQ(other.wait_for(std::chrono::seconds(10)), std::future_status::ready);
-    EXPECT_NE(other.get(), std::this_thread::get_id()) << "round " << k << ": a waiter ran another thread's callback";
-  }
-}
-
-// A receive asked for after its message came in, while the receiver's progress thread
-// sleeps (idle, its worker armed): the message raises no event any more, so asking wakes it.
-TEST(Ucx, AReceiveAskedForAfterItsMessageCameInCompletesPromptly) {
-  auto world = make_ucx_world_in_process(2);
-  if (!world.is_ok()) GTEST_SKIP() << "UCX cannot run here: " << world.status().to_string();
-  Endpoint& receiver = *(*world)[1];
-  for (int k = 0; k < 3; ++k) {
-    ASSERT_TRUE(wait_for([&](Done d) { (*world)[0]->send(1, 40 + k, {at::ones({3})}, d); }).is_ok());
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // both progress threads asleep by now
-    std::promise<void> arrived;
-    const auto start = std::chrono::steady_clock::now();
-    receiver.recv(0, 40 + k, [&](Result<std::vector<at::Tensor>> r) {
-      EXPECT_TRUE(r.is_ok());
-      arrived.set_value();
-    });
-    ASSERT_EQ(arrived.get_future().wait_for(std::chrono::seconds(5)), std::future_status::ready);
-    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(300))
-        << "the receive waited for the sleeping progress thread's timeout";
-  }
 }
 
 // Lane endpoint specifics. On "meta" the lane carries the meta tensors and the header the
