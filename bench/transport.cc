@@ -1,9 +1,9 @@
 // Transport bandwidth and latency between two processes of this host (forked; shared memory
 // unless CONVEYOR_UCX_SHM=0, then loopback tcp): the UCX Endpoint's point-to-point
 // throughput (a stream of messages, 64 MB or more, acknowledged at the end; the median of
-// several streams) against a plain memcpy of the same bytes, from 1 KB to 256 MB; small-message latency (half an 8-byte round trip);
-// allreduce over UCX (transport/endpoint_group.h) among --group members (threads of one
-// process), its bus bandwidth (bytes x 2(n-1)/n per second, what each member's link
+// several streams) against a plain memcpy of the same bytes, alternated round by round, from 1 KB to 256 MB; small-message latency (half an 8-byte round trip);
+// allreduce over UCX (transport/endpoint_group.h) between the two processes, and among
+// --group members (threads of one process, as a stage's replicas), its bus bandwidth (bytes x 2(n-1)/n per second, what each member's link
 // carries) against the ring bound: a member's link cannot beat point-to-point bandwidth,
 // measured above at the same size.
 //
@@ -11,7 +11,7 @@
 // device memory into the receiver's by UCX's CUDA transports (cuda_ipc between the processes
 // of one GPU), against a device-to-device copy (cudaMemcpy through torch's copy_).
 //
-//   ./run bench transport [--max-mb 256] [--iters 20] [--group 4] [--device cpu|cuda]
+//   ./run bench transport [--min-kb 1] [--max-mb 256] [--iters 20] [--group 4] [--device cpu|cuda]
 #include <ATen/ATen.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -40,6 +40,7 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 bool on_cuda = false;  // --device cuda: the point-to-point stream moves CUDA tensors
+std::int64_t min_kb = 1;  // --min-kb: the smallest size measured (1 KB; powers of 4 from there)
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -87,7 +88,7 @@ std::shared_ptr<UcxEndpoint> member_of_two(int rank, int out, int in) {
 // of it, as in ucx_perftest's 2,000-message runs; from 64 MB a quarter of `iters`.
 int messages_per_stream(std::int64_t bytes, int iters) {
   if (bytes >= (64 << 20)) return std::max(3, iters / 4);
-  return static_cast<int>(std::clamp<std::int64_t>((std::int64_t{64} << 20) / bytes, iters, 2000));
+  return static_cast<int>(std::clamp<std::int64_t>((std::int64_t{64} << 20) / bytes, iters, std::max(iters, 2000)));
 }
 
 // Streams measured per size, after one that warms up: the median is reported, with the
@@ -140,11 +141,43 @@ Status receive_stream(Endpoint& e, int peer, Tag first, int n, int window) {
   return finished.get();
 }
 
+// Allreduce of float32 tensors between the two processes (rank 0 prints): the group the
+// issue's two processes of one host form; bus bandwidth (here the tensor's bytes per second)
+// against the point-to-point bound at the same size, which a member's link cannot beat.
+bool allreduce_of_two(const std::shared_ptr<UcxEndpoint>& me, int iters, std::int64_t max_mb,
+                      const std::map<std::int64_t, double>* p2p) {
+  auto group = make_endpoint_group(me, {0, 1}, 1);
+  if (!group.is_ok()) return false;
+  if (p2p != nullptr) {
+    std::printf("\nallreduce over UCX, the 2 processes; median of %d\n", iters);
+    std::printf("%10s %12s %14s %16s %10s\n", "bytes", "time ms", "bus GB/s", "p2p bound GB/s", "ratio");
+  }
+  for (std::int64_t bytes = std::max<std::int64_t>(min_kb << 10, 1 << 20); bytes <= std::min<std::int64_t>(max_mb, 64) << 20;
+       bytes *= 4) {
+    at::Tensor t = at::ones({bytes / 4}, at::kFloat);
+    std::vector<double> times;
+    const int rounds = bytes >= (16 << 20) ? std::max(3, iters / 4) : iters;
+    for (int k = 0; k <= rounds; ++k) {  // the first round warms up
+      const auto start = Clock::now();
+      // As conveyor.distributed waits (ProcessGroup::wait): advancing the endpoint a while itself.
+      auto done = wait_within([&](Done d) { (*group)->allreduce(t, d); }, std::chrono::seconds(60), me.get());
+      if (!done || !done->is_ok()) return false;
+      if (k > 0) times.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+    }
+    if (p2p == nullptr) continue;
+    const double time = median(times), bus = static_cast<double>(bytes) / time / 1e9;
+    auto bound = p2p->find(bytes);
+    const double b = bound == p2p->end() ? 0 : bound->second;
+    std::printf("%10lld %12.3f %14.3f %16.3f %9.3fx\n", static_cast<long long>(bytes), time * 1e3, bus, b, b > 0 ? bus / b : 0);
+  }
+  return true;
+}
+
 // Process 1 (forked): receives each size's stream and acknowledges it, then echoes the pings.
 void receiver(int out, int in, int iters, std::int64_t max_mb) {
   auto me = member_of_two(1, out, in);
   Tag tag = 1;
-  for (std::int64_t bytes = 1 << 10; bytes <= max_mb << 20; bytes *= 4) {
+  for (std::int64_t bytes = min_kb << 10; bytes <= max_mb << 20; bytes *= 4) {
     const int n = messages_per_stream(bytes, iters);
     for (int round = 0; round <= measured_streams(bytes); ++round) {  // a warm-up stream, then the measured ones
       if (Status s = receive_stream(*me, 0, tag, n, window_for(bytes)); !s) {
@@ -161,6 +194,7 @@ void receiver(int out, int in, int iters, std::int64_t max_mb) {
     if (!got.is_ok()) std::exit(1);
     me->send(0, tag++, *got, [](Status) {});
   }
+  if (!on_cuda && !allreduce_of_two(me, iters, max_mb, nullptr)) std::exit(1);
   me->close_gracefully();
 }
 
@@ -173,8 +207,8 @@ int two_process_point_to_point(int iters, std::int64_t max_mb, std::map<std::int
   if (child < 0) return 1;
   if (child == 0) {  // a fresh process (torch is not safe to use across fork): this program again
     const std::string fds = std::to_string(to_parent[1]) + "," + std::to_string(to_child[0]);
-    const std::string mb = std::to_string(max_mb), n = std::to_string(iters);
-    execl("/proc/self/exe", "transport", "--receiver", fds.c_str(), "--max-mb", mb.c_str(), "--iters", n.c_str(),
+    const std::string mb = std::to_string(max_mb), kb = std::to_string(min_kb), n = std::to_string(iters);
+    execl("/proc/self/exe", "transport", "--receiver", fds.c_str(), "--max-mb", mb.c_str(), "--min-kb", kb.c_str(), "--iters", n.c_str(),
           "--device", on_cuda ? "cuda" : "cpu", static_cast<char*>(nullptr));
     std::_Exit(127);
   }
@@ -186,34 +220,38 @@ int two_process_point_to_point(int iters, std::int64_t max_mb, std::map<std::int
   std::printf("%10s %14s %16s %14s %10s\n", "bytes", "ucx GB/s", "(slowest-fastest)", on_cuda ? "copy_ GB/s" : "memcpy GB/s",
               "ratio");
   Tag tag = 1;
-  for (std::int64_t bytes = 1 << 10; bytes <= max_mb << 20; bytes *= 4) {
+  for (std::int64_t bytes = min_kb << 10; bytes <= max_mb << 20; bytes *= 4) {
     at::Tensor t = at::randint(0, 255, {bytes}, at::kByte);
     if (on_cuda) t = t.to(at::kCUDA);
     at::Tensor dst = at::empty_like(t);
     const int n = messages_per_stream(bytes, iters);
-    std::vector<double> streams;  // GB/s of each measured stream
+    // Each round a stream, then memcpy of the same bytes (A B A B: the slow spells of this
+    // shared machine fall on both); the ratio is the median of the rounds' ratios.
+    std::vector<double> streams, copies, ratios;  // GB/s of each measured round, and their ratio
     for (int round = 0; round <= measured_streams(bytes); ++round) {
-      const auto start = Clock::now();
+      auto start = Clock::now();
       for (int k = 0; k < n; ++k) me->send(1, tag++, {t}, [](Status) {});
       if (!receive_from(*me, 1, tag++).is_ok()) return 1;
       const double s = std::chrono::duration<double>(Clock::now() - start).count();
-      if (round > 0) streams.push_back(static_cast<double>(bytes) * n / s / 1e9);
-    }
-    std::vector<double> copy;
-    for (int k = 0; k < n; ++k) {
-      const auto start = Clock::now();
-      if (on_cuda) {
-        dst.copy_(t);
-        wait_for_current_streams({dst});
-      } else {
-        std::memcpy(dst.data_ptr(), t.data_ptr(), static_cast<std::size_t>(bytes));
+      start = Clock::now();
+      for (int k = 0; k < n; ++k) {
+        if (on_cuda) {
+          dst.copy_(t);
+        } else {
+          std::memcpy(dst.data_ptr(), t.data_ptr(), static_cast<std::size_t>(bytes));
+        }
       }
-      copy.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+      if (on_cuda) wait_for_current_streams({dst});
+      const double c = std::chrono::duration<double>(Clock::now() - start).count();
+      if (round == 0) continue;  // the first round warms up
+      streams.push_back(static_cast<double>(bytes) * n / s / 1e9);
+      copies.push_back(static_cast<double>(bytes) * n / c / 1e9);
+      ratios.push_back(c / s);
     }
-    const double u = median(streams), c = static_cast<double>(bytes) / median(copy) / 1e9;
+    const double u = median(streams), c = median(copies);
     const auto [slowest, fastest] = std::minmax_element(streams.begin(), streams.end());
     std::printf("%10lld %14.3f %7.2f-%-8.2f %14.3f %9.3fx\n", static_cast<long long>(bytes), u, *slowest, *fastest, c,
-                u / c);
+                median(ratios));
     p2p[bytes] = u;
   }
   at::Tensor small = at::zeros({1}, at::kLong);
@@ -234,6 +272,10 @@ int two_process_point_to_point(int iters, std::int64_t max_mb, std::map<std::int
   auto at = [&](double q) { return rtt[static_cast<std::size_t>(q * static_cast<double>(rtt.size() - 1))] / 2 * 1e6; };
   std::printf("small-message latency (half the round trip of 8 bytes): %.1f us (10%% of round trips under %.1f, 90%% under %.1f)\n",
               at(0.5), at(0.1), at(0.9));
+  if (!on_cuda && !allreduce_of_two(me, iters, max_mb, &p2p)) {
+    std::fprintf(stderr, "the allreduce of the two processes failed\n");
+    return 1;
+  }
   int status = 0;
   waitpid(child, &status, 0);
   me.reset();
@@ -292,6 +334,7 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--max-mb") max_mb = std::atoll(argv[i + 1]);
     if (std::string(argv[i]) == "--iters") iters = std::atoi(argv[i + 1]);
     if (std::string(argv[i]) == "--group") members = std::max(2, std::atoi(argv[i + 1]));
+    if (std::string(argv[i]) == "--min-kb") min_kb = std::max<std::int64_t>(1, std::atoll(argv[i + 1]));
     if (std::string(argv[i]) == "--device") on_cuda = std::string(argv[i + 1]) == "cuda";
   }
   if (on_cuda && !process_sees_a_gpu()) {

@@ -37,10 +37,6 @@ constexpr std::size_t kSentByCallerUpTo = std::size_t{16} << 10;
 // How long after a waiting caller's last round the progress thread leaves the worker to it.
 constexpr std::int64_t kLeftToHelperNs = 20'000;
 
-std::int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
 }  // namespace
 
 thread_local UcxMember::HeldCompletions* UcxMember::held_ = nullptr;
@@ -362,7 +358,7 @@ void UcxMember::loop() {
     // waiting for FIFO or socket space raises no event. (Polling instead, yielding, took a
     // core's share from the compute threads of a pipeline whose sends waited long for their
     // receives.)
-    if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
+    if (answer_pings(/*now=*/true) || ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
     sleeping_ = true;  // before looking at the queue: work posted after this wakes the thread
     bool queued = false;
     {

@@ -42,6 +42,9 @@ inline constexpr Tag kPingTag = kMaxTag - 1, kPongTag = kMaxTag;
 inline constexpr Tag kByeTag = kMaxTag - 2;
 
 inline ucp_tag_t ucx_tag(Tag tag, int from) { return (tag << kRankBits) | static_cast<ucp_tag_t>(from); }
+inline std::int64_t now_ns() {  // steady clock
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 inline int sender_of(ucp_tag_t tag) { return static_cast<int>(tag & ((ucp_tag_t{1} << kRankBits) - 1)); }
 
 /// One member of a UCX world: its context, worker, progress thread and peers.
@@ -123,7 +126,7 @@ class UcxMember final : public UcxEndpoint {
   // ucx_receive.cc: receiving (holding the worker).
   void ask_receive(ucp_tag_t tag, const std::optional<c10::Device>& into, std::thread::id owner, Received done);
   bool match_receives();
-  bool answer_pings();
+  bool answer_pings(bool now = false);
   void say_goodbye();
   void receive_probed(ucp_tag_message_h msg, std::size_t length, int from, ucp_tag_t tag, std::thread::id owner,
                       Received done, const std::optional<c10::Device>& device = std::nullopt);
@@ -157,6 +160,10 @@ class UcxMember final : public UcxEndpoint {
   // What a peer that closed or exited sent just before has this long to be received.
   static constexpr auto kGrace = std::chrono::milliseconds(500);
   std::chrono::steady_clock::time_point last_busy_{};  // progress thread only
+  // answer_pings: how often it probes in larger worlds; when it last did (under worker_mu_).
+  static constexpr int kPeersProbedEveryRound = 16;
+  static constexpr std::int64_t kPingProbeIntervalNs = 100'000;
+  std::int64_t pings_probed_at_ = 0;
   std::atomic<bool> graceful_{false};  // flush the endpoints when closing
   std::mutex mu_;
   std::deque<std::function<void()>> commands_;     // for whoever holds the worker next

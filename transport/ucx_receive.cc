@@ -54,31 +54,37 @@ bool UcxMember::match_receives() {
   return busy;
 }
 
-bool UcxMember::answer_pings() {
+bool UcxMember::answer_pings(bool now) {
   // Answers every ping that arrived (so a process whose main thread is busy still counts as
-  // alive; a stopped or hung process answers nothing). True if any came.
+  // alive; a stopped or hung process answers nothing) and notes every goodbye. True if any
+  // came. Each peer's tags are probed exactly, a lookup in UCX's hash of unexpected messages:
+  // a probe under a mask walks all of them, thousands while a stream of large sends waits to
+  // be received, and made each round cost more than a 1 MB transfer's share. In worlds of
+  // more than kPeersProbedEveryRound, every kPingProbeInterval, or `now` (before sleeping).
+  if (world_ > kPeersProbedEveryRound && !now && now_ns() - pings_probed_at_ < kPingProbeIntervalNs) return false;
+  pings_probed_at_ = now_ns();
   bool any = false;
-  const ucp_tag_t mask = ~((ucp_tag_t{1} << kRankBits) - 1);
-  while (true) {
-    ucp_tag_recv_info_t info{};
-    ucp_tag_message_h msg = ucp_tag_probe_nb(worker_, ucx_tag(kPingTag, 0), mask, 1, &info);
-    if (msg == nullptr) break;
-    any = true;
-    const int from = sender_of(info.sender_tag);
-    receive_probed(msg, info.length, from, info.sender_tag, std::thread::id{},
-                   [this, from](Result<std::vector<at::Tensor>>) { send_tagged(from, kPongTag, {}, [](Status) {}); });
+  for (int peer = 0; peer < world_; ++peer) {
+    if (peer == rank_) continue;
+    for (const Tag tag : {kPingTag, kByeTag}) {
+      while (true) {
+        ucp_tag_recv_info_t info{};
+        ucp_tag_message_h msg = ucp_tag_probe_nb(worker_, ucx_tag(tag, peer), ~ucp_tag_t{0}, 1, &info);
+        if (msg == nullptr) break;
+        any = true;
+        if (tag == kPingTag) {
+          receive_probed(msg, info.length, peer, info.sender_tag, std::thread::id{},
+                         [this, peer](Result<std::vector<at::Tensor>>) { send_tagged(peer, kPongTag, {}, [](Status) {}); });
+        } else {  // a peer that closed: what it sent before stays receivable
+          receive_probed(msg, info.length, peer, info.sender_tag, std::thread::id{},
+                         [this, peer](Result<std::vector<at::Tensor>>) {
+                           closed_at_[static_cast<std::size_t>(peer)] = std::chrono::steady_clock::now();
+                         });
+        }
+      }
+    }
   }
-  while (true) {  // a peer that closed: what it sent before stays receivable
-    ucp_tag_recv_info_t info{};
-    ucp_tag_message_h msg = ucp_tag_probe_nb(worker_, ucx_tag(kByeTag, 0), mask, 1, &info);
-    if (msg == nullptr) return any;
-    any = true;
-    const int from = sender_of(info.sender_tag);
-    receive_probed(msg, info.length, from, info.sender_tag, std::thread::id{},
-                   [this, from](Result<std::vector<at::Tensor>>) {
-                     if (from >= 0 && from < world_) closed_at_[static_cast<std::size_t>(from)] = std::chrono::steady_clock::now();
-                   });
-  }
+  return any;
 }
 
 void UcxMember::say_goodbye() {

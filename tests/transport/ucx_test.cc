@@ -1,5 +1,6 @@
 // The UCX endpoint's own behaviour, beyond the conformance suite every backend passes
-// (conformance_test.cc): large messages, a lost peer failing what waits on it, and who runs
+// (conformance_test.cc): large messages, a lost peer failing what waits on it, liveness pings
+// and goodbyes in a large world and behind a backlog, and who runs
 // a callback when callers' threads send, ask and wait for themselves (transport/ucx_member.h).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -53,6 +54,45 @@ TEST(Ucx, ALostPeerFailsTheReceiveWaitingOnIt) {
   ASSERT_FALSE(got.is_ok());
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
   EXPECT_NE(got.status().message().find("member 1 was lost"), std::string::npos) << got.status().message();
+}
+
+// Pings and goodbyes are probed under each peer's exact tag (ucx_member.h, answer_pings):
+// in a world larger than probed every round, every member still answers, though its rounds
+// skip them, since it probes before it sleeps; and one whose peer closed fails what waits
+// on that peer at once, not at a timeout.
+TEST(Ucx, EveryMemberOfALargeWorldAnswersPingsAndHearsGoodbyes) {
+  constexpr int kMembers = 18;  // above kPeersProbedEveryRound
+  auto world = make_ucx_world_in_process(kMembers);
+  if (!world.is_ok()) GTEST_SKIP() << "UCX cannot run here: " << world.status().to_string();
+  auto members = std::move(*world);
+  auto& first = dynamic_cast<UcxEndpoint&>(*members[0]);
+  // Member 0 pings every other: each answers from its progress thread.
+  EXPECT_TRUE(first.silent_peers(std::chrono::seconds(5)).empty());
+  // Connected both ways, then the last member closes: member 0's receive from it fails
+  // promptly (its goodbye heard), naming it.
+  const int last = kMembers - 1;
+  ASSERT_TRUE(wait_for([&](Done d) { members[last]->send(0, 1, {at::ones({1})}, d); }).is_ok());
+  ASSERT_TRUE(receive(*members[0], last, 1).is_ok());
+  auto pending = std::async(std::launch::async, [&] { return receive(*members[0], last, 2); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  const auto start = std::chrono::steady_clock::now();
+  members[last].reset();
+  auto got = pending.get();
+  ASSERT_FALSE(got.is_ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  EXPECT_NE(got.status().message().find("member 17 was lost"), std::string::npos) << got.status().message();
+}
+
+// Many large messages wait unreceived (a stream sent ahead of its receives) while pings
+// come in: each is still answered.
+TEST(Ucx, PingsAreAnsweredBehindABacklogOfUnreceivedMessages) {
+  auto world = make_ucx_world_in_process(2);
+  if (!world.is_ok()) GTEST_SKIP() << "UCX cannot run here: " << world.status().to_string();
+  at::Tensor part = at::ones({256 << 10}, at::kFloat);  // 1 MiB
+  for (Tag tag = 100; tag < 300; ++tag) (*world)[0]->send(1, tag, {part}, [](Status) {});
+  auto& second = dynamic_cast<UcxEndpoint&>(*(*world)[1]);
+  EXPECT_TRUE(second.silent_peers(std::chrono::seconds(5)).empty());
+  for (Tag tag = 100; tag < 300; ++tag) ASSERT_TRUE(receive(*(*world)[1], 0, tag).is_ok());
 }
 
 // A caller's thread sends small messages itself and a waiter runs the transport's rounds
