@@ -1,11 +1,12 @@
 // Transport bandwidth and latency between two processes of this host (forked; shared memory
 // unless CONVEYOR_UCX_SHM=0, then loopback tcp): the UCX Endpoint's point-to-point
 // throughput (a stream of messages, 64 MB or more, acknowledged at the end; the median of
-// several streams) against a plain memcpy of the same bytes, alternated round by round, from 1 KB to 256 MB; small-message latency (half an 8-byte round trip);
-// allreduce over UCX (transport/endpoint_group.h) between the two processes, and among
-// --group members (threads of one process, as a stage's replicas), its bus bandwidth (bytes x 2(n-1)/n per second, what each member's link
-// carries) against the ring bound: a member's link cannot beat point-to-point bandwidth,
-// measured above at the same size.
+// several streams) against a plain memcpy of the same bytes, alternated round by round,
+// from 1 KB to 256 MB; small-message latency (half an 8-byte round trip); allreduce over UCX
+// (transport/endpoint_group.h) between the two processes, and among --group members
+// (threads of one process, as a stage's replicas): its bus bandwidth (bytes x 2(n-1)/n per
+// second, what each member's link carries) against the ring bound: a member's link cannot
+// beat point-to-point bandwidth, measured above at the same size.
 //
 // With `--device cuda` (a GPU machine), the stream's tensors are CUDA tensors, moved from
 // device memory into the receiver's by UCX's CUDA transports (cuda_ipc between the processes
@@ -141,9 +142,10 @@ Status receive_stream(Endpoint& e, int peer, Tag first, int n, int window) {
   return finished.get();
 }
 
-// Allreduce of float32 tensors between the two processes (rank 0 prints): the group the
-// issue's two processes of one host form; bus bandwidth (here the tensor's bytes per second)
-// against the point-to-point bound at the same size, which a member's link cannot beat.
+// Allreduce of float32 tensors between the two processes (rank 0 prints), as
+// conveyor.distributed's processes of one host run it: bus bandwidth (for two members the
+// tensor's bytes per second) against the point-to-point bound at the same size, which a
+// member's link cannot beat.
 bool allreduce_of_two(const std::shared_ptr<UcxEndpoint>& me, int iters, std::int64_t max_mb,
                       const std::map<std::int64_t, double>* p2p) {
   auto group = make_endpoint_group(me, {0, 1}, 1);
