@@ -142,6 +142,32 @@ Status receive_stream(Endpoint& e, int peer, Tag first, int n, int window) {
   return finished.get();
 }
 
+// The allreduce sizes: the point-to-point sizes (--min-kb times powers of 4) from 1 MB to
+// 64 MB; and the rounds measured at each, after one that warms up.
+std::vector<std::int64_t> allreduce_sizes(std::int64_t max_mb) {
+  std::vector<std::int64_t> out;
+  for (std::int64_t b = min_kb << 10; b <= std::min<std::int64_t>(max_mb, 64) << 20; b *= 4) {
+    if (b >= (1 << 20)) out.push_back(b);
+  }
+  return out;
+}
+int allreduce_rounds(std::int64_t bytes, int iters) { return bytes >= (16 << 20) ? std::max(3, iters / 4) : iters; }
+
+void print_allreduce_head(const std::string& members, int iters) {
+  std::printf("\nallreduce over UCX, %s; median of %d\n", members.c_str(), iters);
+  std::printf("%10s %12s %14s %16s %10s\n", "bytes", "time ms", "bus GB/s", "p2p bound GB/s", "ratio");
+}
+
+// One size's row: the median time of `n` members' allreduce, its bus bandwidth (bytes x
+// 2(n-1)/n per second) and its ratio to the point-to-point bandwidth at that size.
+void print_allreduce_row(std::int64_t bytes, int n, const std::vector<double>& times,
+                         const std::map<std::int64_t, double>& p2p) {
+  const double t = median(times), bus = static_cast<double>(bytes) * 2 * (n - 1) / n / t / 1e9;
+  auto bound = p2p.find(bytes);
+  const double b = bound == p2p.end() ? 0 : bound->second;
+  std::printf("%10lld %12.3f %14.3f %16.3f %9.3fx\n", static_cast<long long>(bytes), t * 1e3, bus, b, b > 0 ? bus / b : 0);
+}
+
 // Allreduce of float32 tensors between the two processes (rank 0 prints), as
 // conveyor.distributed's processes of one host run it: bus bandwidth (for two members the
 // tensor's bytes per second) against the point-to-point bound at the same size, which a
@@ -150,27 +176,18 @@ bool allreduce_of_two(const std::shared_ptr<UcxEndpoint>& me, int iters, std::in
                       const std::map<std::int64_t, double>* p2p) {
   auto group = make_endpoint_group(me, {0, 1}, 1);
   if (!group.is_ok()) return false;
-  if (p2p != nullptr) {
-    std::printf("\nallreduce over UCX, the 2 processes; median of %d\n", iters);
-    std::printf("%10s %12s %14s %16s %10s\n", "bytes", "time ms", "bus GB/s", "p2p bound GB/s", "ratio");
-  }
-  for (std::int64_t bytes = std::max<std::int64_t>(min_kb << 10, 1 << 20); bytes <= std::min<std::int64_t>(max_mb, 64) << 20;
-       bytes *= 4) {
+  if (p2p != nullptr) print_allreduce_head("the 2 processes", iters);
+  for (const std::int64_t bytes : allreduce_sizes(max_mb)) {
     at::Tensor t = at::ones({bytes / 4}, at::kFloat);
     std::vector<double> times;
-    const int rounds = bytes >= (16 << 20) ? std::max(3, iters / 4) : iters;
-    for (int k = 0; k <= rounds; ++k) {  // the first round warms up
+    for (int k = 0; k <= allreduce_rounds(bytes, iters); ++k) {  // the first round warms up
       const auto start = Clock::now();
       // As conveyor.distributed waits (ProcessGroup::wait): advancing the endpoint a while itself.
       auto done = wait_within([&](Done d) { (*group)->allreduce(t, d); }, std::chrono::seconds(60), me.get());
       if (!done || !done->is_ok()) return false;
       if (k > 0) times.push_back(std::chrono::duration<double>(Clock::now() - start).count());
     }
-    if (p2p == nullptr) continue;
-    const double time = median(times), bus = static_cast<double>(bytes) / time / 1e9;
-    auto bound = p2p->find(bytes);
-    const double b = bound == p2p->end() ? 0 : bound->second;
-    std::printf("%10lld %12.3f %14.3f %16.3f %9.3fx\n", static_cast<long long>(bytes), time * 1e3, bus, b, b > 0 ? bus / b : 0);
+    if (p2p != nullptr) print_allreduce_row(bytes, 2, times, *p2p);
   }
   return true;
 }
@@ -296,14 +313,12 @@ int allreduce_bus_bandwidth(int n, int iters, std::int64_t max_mb, const std::ma
   std::iota(ranks.begin(), ranks.end(), 0);
   std::vector<std::shared_ptr<EndpointGroup>> group;
   for (int i = 0; i < n; ++i) group.push_back(*make_endpoint_group((*world)[i], ranks, 0));
-  std::printf("\nallreduce over UCX, %d members (threads of this process); median of %d\n", n, iters);
-  std::printf("%10s %12s %14s %16s %10s\n", "bytes", "time ms", "bus GB/s", "p2p bound GB/s", "ratio");
-  for (std::int64_t bytes = 1 << 20; bytes <= std::min<std::int64_t>(max_mb, 64) << 20; bytes *= 4) {
+  print_allreduce_head(std::to_string(n) + " members (threads of this process)", iters);
+  for (const std::int64_t bytes : allreduce_sizes(max_mb)) {
     std::vector<at::Tensor> ts;
     for (int i = 0; i < n; ++i) ts.push_back(at::ones({bytes / 4}, at::kFloat));
     std::vector<double> times;
-    const int rounds = bytes >= (16 << 20) ? std::max(3, iters / 4) : iters;
-    for (int k = 0; k <= rounds; ++k) {  // the first round warms up
+    for (int k = 0; k <= allreduce_rounds(bytes, iters); ++k) {  // the first round warms up
       const auto start = Clock::now();
       std::vector<std::thread> threads;
       std::atomic<int> failed{0};
@@ -319,10 +334,7 @@ int allreduce_bus_bandwidth(int n, int iters, std::int64_t max_mb, const std::ma
       }
       if (k > 0) times.push_back(std::chrono::duration<double>(Clock::now() - start).count());
     }
-    const double t = median(times), bus = static_cast<double>(bytes) * 2 * (n - 1) / n / t / 1e9;
-    auto bound = p2p.lower_bound(bytes);
-    const double b = bound == p2p.end() ? 0 : bound->second;
-    std::printf("%10lld %12.3f %14.3f %16.3f %9.3fx\n", static_cast<long long>(bytes), t * 1e3, bus, b, b > 0 ? bus / b : 0);
+    print_allreduce_row(bytes, n, times, p2p);
   }
   return 0;
 }

@@ -358,7 +358,7 @@ void UcxMember::loop() {
     // waiting for FIFO or socket space raises no event. (Polling instead, yielding, took a
     // core's share from the compute threads of a pipeline whose sends waited long for their
     // receives.)
-    if (answer_pings(/*now=*/true) || ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
+    if (answer_pings(/*before_sleep=*/true) || ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
     sleeping_ = true;  // before looking at the queue: work posted after this wakes the thread
     bool queued = false;
     {

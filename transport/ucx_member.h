@@ -4,8 +4,8 @@
 //
 // Threads. Calls into the worker are serialized by worker_mu_. The progress thread holds it
 // for each of its rounds. A caller's thread takes it only when it is free (try_lock) and
-// briefly: to send a small message itself (sent_by_caller), and while it waits for a
-// receive it asked for, to run rounds itself (progress_here). While a caller's thread holds
+// briefly: to send a small message itself (sent_by_caller), to ask for a receive itself
+// (recv), and while it waits, to run rounds itself (progress_here). While a caller's thread holds
 // it, completions go through complete(): those of operations that thread issued run on it
 // once it lets go of the worker; the others are queued for the progress thread. So no
 // callback runs under worker_mu_ on a caller's thread, and no callback runs on a caller's
@@ -126,7 +126,7 @@ class UcxMember final : public UcxEndpoint {
   // ucx_receive.cc: receiving (holding the worker).
   void ask_receive(ucp_tag_t tag, const std::optional<c10::Device>& into, std::thread::id owner, Received done);
   bool match_receives();
-  bool answer_pings(bool now = false);
+  bool answer_pings(bool before_sleep = false);
   void say_goodbye();
   void receive_probed(ucp_tag_message_h msg, std::size_t length, int from, ucp_tag_t tag, std::thread::id owner,
                       Received done, const std::optional<c10::Device>& device = std::nullopt);

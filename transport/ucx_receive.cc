@@ -54,15 +54,18 @@ bool UcxMember::match_receives() {
   return busy;
 }
 
-bool UcxMember::answer_pings(bool now) {
+bool UcxMember::answer_pings(bool before_sleep) {
   // Answers every ping that arrived (so a process whose main thread is busy still counts as
   // alive; a stopped or hung process answers nothing) and notes every goodbye. True if any
   // came. Each peer's tags are probed exactly, a lookup in UCX's hash of unexpected messages:
   // a probe under a mask walks all of them, thousands while a stream of large sends waits to
-  // be received, and made each round cost more than a 1 MB transfer's share. In worlds of
-  // more than kPeersProbedEveryRound, every kPingProbeInterval, or `now` (before sleeping).
-  if (world_ > kPeersProbedEveryRound && !now && now_ns() - pings_probed_at_ < kPingProbeIntervalNs) return false;
-  pings_probed_at_ = now_ns();
+  // be received, and made each round cost more than a 1 MB transfer's share. Small worlds
+  // probe every round; worlds of more than kPeersProbedEveryRound every kPingProbeIntervalNs,
+  // and again `before_sleep` (a ping that came since their last probe raised no event).
+  const std::int64_t now = now_ns();
+  const bool every_round = world_ <= kPeersProbedEveryRound;
+  if (every_round ? before_sleep : !before_sleep && now - pings_probed_at_ < kPingProbeIntervalNs) return false;
+  pings_probed_at_ = now;
   bool any = false;
   for (int peer = 0; peer < world_; ++peer) {
     if (peer == rank_) continue;
