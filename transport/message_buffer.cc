@@ -131,30 +131,54 @@ std::vector<at::Tensor> as_sent(const std::vector<at::Tensor>& tensors, bool dev
 
 enum class Layout { kPacked, kGathered, kInParts };
 
-// One buffer: the header (its word count first), then each tensor's bytes when packed (a
-// gathered message's bytes follow from the caller's memory; in parts, as messages of their own).
-at::Tensor pack(const std::vector<at::Tensor>& host, Layout layout) {
-  const bool in_parts = layout == Layout::kInParts, copy = layout == Layout::kPacked;
-  const std::vector<std::int64_t> header = header_of(host, in_parts);
-  std::size_t total = aligned(sizeof(std::int64_t) * (1 + header.size()));
-  for (const auto& c : host) {
-    if (c.defined() && copy) total += aligned(c.nbytes());
-  }
-  at::Tensor out = message_bytes(total);
-  auto* bytes = static_cast<std::uint8_t*>(out.data_ptr());
+// The bytes a header takes, its word count first, padded to kAlign.
+std::size_t header_bytes(const std::vector<std::int64_t>& header) { return aligned(sizeof(std::int64_t) * (1 + header.size())); }
+
+// Writes `header` (its word count first) at `bytes`, and returns where the data starts.
+std::size_t write_header(const std::vector<std::int64_t>& header, std::uint8_t* bytes) {
   const std::int64_t n = static_cast<std::int64_t>(header.size());
   std::memcpy(bytes, &n, sizeof n);
   std::memcpy(bytes + sizeof n, header.data(), sizeof(std::int64_t) * header.size());
-  std::size_t at = aligned(sizeof(std::int64_t) * (1 + header.size()));
-  for (const auto& c : host) {
-    if (!c.defined() || !copy) continue;
-    if (c.nbytes() > 0) std::memcpy(bytes + at, c.data_ptr(), c.nbytes());
-    at += aligned(c.nbytes());
+  return header_bytes(header);
+}
+
+// One buffer: the header, then each tensor's bytes when packed (a gathered message's bytes
+// follow from the caller's memory; in parts, as messages of their own).
+at::Tensor pack(const std::vector<at::Tensor>& host, Layout layout) {
+  if (layout == Layout::kPacked) {
+    at::Tensor out = message_bytes(*packed_size(host));
+    pack_into(host, static_cast<std::uint8_t*>(out.data_ptr()));
+    return out;
   }
+  const std::vector<std::int64_t> header = header_of(host, layout == Layout::kInParts);
+  at::Tensor out = message_bytes(header_bytes(header));
+  write_header(header, static_cast<std::uint8_t*>(out.data_ptr()));
   return out;
 }
 
 }  // namespace
+
+std::optional<std::size_t> packed_size(const std::vector<at::Tensor>& tensors) {
+  std::size_t total = header_bytes(header_of(tensors, /*in_parts=*/false));
+  for (const auto& c : tensors) {
+    if (c.defined() && !c.device().is_cpu()) return std::nullopt;
+    if (c.defined()) total += aligned(c.nbytes());
+  }
+  return total;
+}
+
+void pack_into(const std::vector<at::Tensor>& tensors, std::uint8_t* out) {
+  std::size_t at = write_header(header_of(tensors, /*in_parts=*/false), out);
+  for (const auto& c : tensors) {
+    if (!c.defined()) continue;
+    if (c.is_contiguous()) {
+      if (c.nbytes() > 0) std::memcpy(out + at, c.data_ptr(), c.nbytes());
+    } else {  // one strided copy, straight into place
+      at::from_blob(out + at, c.sizes(), at::TensorOptions().dtype(c.scalar_type())).copy_(c.detach());
+    }
+    at += aligned(c.nbytes());
+  }
+}
 
 OutgoingMessage frame_message(const std::vector<at::Tensor>& tensors, bool device_memory) {
   std::vector<at::Tensor> sent = as_sent(tensors, device_memory);

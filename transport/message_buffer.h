@@ -6,7 +6,9 @@
 // (its count negated) and each tensor's bytes follow as a message of its own under the same
 // tag, sent from the caller's memory and received into the tensor it becomes: over shared
 // memory the one copy is the receiver's read from the sender (transport.h: a sender does not
-// modify what it sent until done).
+// modify what it sent until done). Between the processes of one host such messages go in
+// the packed layout through the sender's shared region instead, where it has room
+// (transport/shared_region.h).
 // Buffers of 64 KiB and more come from a pool and go back to it when their last tensor
 // dies: a fresh large allocation is fresh pages from the kernel, each faulted in and zeroed
 // on first touch, which cost more than the copy itself from a few MB up
@@ -52,6 +54,13 @@ inline constexpr std::size_t kGatheredBelow = std::size_t{32} << 20;
 /// memory): then they stay on their device, the message goes in parts, and this waits for
 /// the work queued on their devices' current streams (what made them).
 OutgoingMessage frame_message(const std::vector<at::Tensor>& tensors, bool device_memory = false);
+
+/// The size of `tensors` in the packed layout (read_message's), when every defined one is on
+/// the host; nothing otherwise.
+std::optional<std::size_t> packed_size(const std::vector<at::Tensor>& tensors);
+/// Writes host `tensors` in the packed layout into `out` (packed_size bytes): one copy, from
+/// any strides.
+void pack_into(const std::vector<at::Tensor>& tensors, std::uint8_t* out);
 
 /// The memory a gathered message is sent from, in order: the header, then each part and the
 /// zeros that pad it to 64 bytes.

@@ -88,6 +88,9 @@ Status UcxMember::start(const std::string& net_device) {
   if (s != UCS_OK) return ucx_error("the UCX worker's address", s);
   address_.assign(reinterpret_cast<std::uint8_t*>(address), reinterpret_cast<std::uint8_t*>(address) + length);
   ucp_worker_release_address(worker_, address);
+  if (shared_memory_ && region_capacity() > 0) {  // without one (no memfd), everything goes through UCX
+    if (auto made = OutboundRegion::create(region_capacity()); made.is_ok()) region_ = std::move(*made);
+  }
   wake_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (wake_ < 0) return Status(ErrorCode::kExecution, "eventfd failed for the UCX progress thread");
   progress_ = std::thread([this] {
@@ -112,6 +115,7 @@ Status UcxMember::connect(int peer, const std::vector<std::uint8_t>& given) {
   if (Status s = check_peer(peer); !s) return s;
   std::vector<std::uint8_t> address = given;
   const ProcessIdentity who = split_identity(address);
+  const std::optional<RegionName> their_region = split_region(address);
   // A peer on this host: shared memory, and its process watched here (itself when it is
   // this process: members of one process). Else, or with no pidfd: UCX detects failures.
   int watch = -1;
@@ -120,10 +124,18 @@ Status UcxMember::connect(int peer, const std::vector<std::uint8_t>& given) {
     watch = watch_process(who.pid);
     local = watch >= 0;
   }
+  // Its region mapped here: what it writes there is read here, and (the same permissions
+  // both ways) what this member writes in its own is read there.
+  std::shared_ptr<InboundRegion> inbound;
+  if (local && their_region) {
+    if (auto opened = InboundRegion::open(who.pid, *their_region); opened.is_ok()) inbound = *opened;
+  }
+  region_to_[static_cast<std::size_t>(peer)] = inbound != nullptr && region_ != nullptr;
   auto result = std::make_shared<std::promise<Status>>();
   auto future = result->get_future();
-  post([this, peer, address, result, local, watch] {
+  post([this, peer, address, result, local, watch, inbound] {
     if (watch >= 0) watched_.add(peer, watch);
+    inbound_[static_cast<std::size_t>(peer)] = inbound;
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                     UCP_EP_PARAM_FIELD_ERR_HANDLER;
@@ -242,11 +254,29 @@ void UcxMember::let_go_on_caller(HeldCompletions& held, bool wake_a_sleeper) {
 
 void UcxMember::send_tagged(int peer, Tag tag, std::vector<at::Tensor> tensors, Done done) {
   if (Status e = current_error(); !e) return done(e);
-  auto message = std::make_shared<OutgoingMessage>(frame_message(tensors, device_memory_));
-  if (sent_by_caller(peer, tag, message, done)) return;
+  std::shared_ptr<OutgoingMessage> message;
+  std::optional<at::Tensor> notice = written_to_region(peer, tensors);
+  if (notice) {
+    message = std::make_shared<OutgoingMessage>(OutgoingMessage{std::move(*notice), {}});
+  } else {
+    message = std::make_shared<OutgoingMessage>(frame_message(tensors, device_memory_));
+  }
+  if (sent_by_caller(peer, tag, message, done, /*reply_likely=*/!notice)) return;
   post([this, peer, tag, message, owner = std::this_thread::get_id(), done = std::move(done)]() mutable {
     issue_send(peer, tag, message, owner, std::move(done));
   });
+}
+
+std::optional<at::Tensor> UcxMember::written_to_region(int peer, const std::vector<at::Tensor>& tensors) {
+  // The copy runs on the caller's thread, where the tensors were just made (in its caches),
+  // while the progress thread moves other messages.
+  if (!region_to_[static_cast<std::size_t>(peer)]) return std::nullopt;
+  const std::optional<std::size_t> bytes = packed_size(tensors);
+  if (!bytes || *bytes < kPartsFrom) return std::nullopt;
+  const std::optional<RegionSlot> slot = region_->allocate(peer, *bytes);
+  if (!slot) return std::nullopt;
+  pack_into(tensors, slot->data);
+  return region_notice(slot->offset, *bytes);
 }
 
 void UcxMember::issue_send(int peer, Tag tag, const std::shared_ptr<OutgoingMessage>& message, std::thread::id owner,
@@ -266,17 +296,26 @@ void UcxMember::issue_send(int peer, Tag tag, const std::shared_ptr<OutgoingMess
                });
 }
 
-bool UcxMember::sent_by_caller(int peer, Tag tag, const std::shared_ptr<OutgoingMessage>& message, Done& done) {
+bool UcxMember::sent_by_caller(int peer, Tag tag, const std::shared_ptr<OutgoingMessage>& message, Done& done,
+                               bool reply_likely) {
   if (message->gathered || !message->parts.empty() ||
       static_cast<std::size_t>(message->header.nbytes()) > kSentByCallerUpTo) {
     return false;
   }
-  return with_worker_on_caller([&] {
+  // A small message's reply often follows: the progress thread is woken to poll for it
+  // instead of sleeping. Not for a large message's notice, unless UCX still has the send in
+  // flight: in a stream of them, a thread woken for each took the core its sender copies the
+  // next one on.
+  bool in_flight = false;
+  const bool sent = with_worker_on_caller([&] {
     if (!nothing_queued()) return false;  // queued earlier, it goes first
     issue_send(peer, tag, message, std::this_thread::get_id(), std::move(done));
-    poked_ = true;  // a reply often follows: the progress thread polls for it instead of sleeping
+    in_flight = in_flight_ > 0;
+    if (reply_likely) poked_ = true;
     return true;
-  }, /*then_wake=*/true);
+  }, /*then_wake=*/reply_likely);
+  if (sent && !reply_likely && in_flight && sleeping_.load()) wake();
+  return sent;
 }
 
 Status UcxMember::current_error() {

@@ -6,7 +6,8 @@
 // message is one UCX tagged message, or a header and parts under one tag
 // (transport/message_buffer.h); the UCX tag carries the message tag and the sender's rank,
 // so receives match exactly. Peers on this host go through shared memory, watched by pidfd
-// (transport/peer_liveness.h); others over tcp with UCX's peer failure detection. With a
+// (transport/peer_liveness.h), large host messages written into the sender's shared region
+// (transport/shared_region.h); others over tcp with UCX's peer failure detection. With a
 // GPU, CUDA tensors travel from and into device memory through UCX's CUDA transports.
 #pragma once
 

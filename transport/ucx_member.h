@@ -29,6 +29,7 @@
 
 #include "transport/message_buffer.h"
 #include "transport/peer_liveness.h"
+#include "transport/shared_region.h"
 #include "transport/ucx.h"
 
 namespace conveyor::transport {
@@ -58,7 +59,9 @@ class UcxMember final : public UcxEndpoint {
 
   int rank() const override { return rank_; }
   int world_size() const override { return world_; }
-  std::vector<std::uint8_t> address() const override { return with_identity(this_process(), address_); }
+  std::vector<std::uint8_t> address() const override {
+    return with_identity(this_process(), with_region(region_ ? std::optional(region_->name()) : std::nullopt, address_));
+  }
   bool on_progress_thread() const { return std::this_thread::get_id() == progress_.get_id(); }
   Status connect(int peer, const std::vector<std::uint8_t>& given) override;
   void send(int peer, Tag tag, std::vector<at::Tensor> tensors, Done done) override;
@@ -113,7 +116,10 @@ class UcxMember final : public UcxEndpoint {
   // ucx.cc: sending, and the progress thread.
   void send_tagged(int peer, Tag tag, std::vector<at::Tensor> tensors, Done done);
   void issue_send(int peer, Tag tag, const std::shared_ptr<OutgoingMessage>& message, std::thread::id owner, Done done);
-  bool sent_by_caller(int peer, Tag tag, const std::shared_ptr<OutgoingMessage>& message, Done& done);
+  bool sent_by_caller(int peer, Tag tag, const std::shared_ptr<OutgoingMessage>& message, Done& done, bool reply_likely);
+  // `tensors` written into this member's region for `peer` (shared_region.h), as the notice
+  // to send in their place; nothing when they go through UCX.
+  std::optional<at::Tensor> written_to_region(int peer, const std::vector<at::Tensor>& tensors);
   void post(std::function<void()> work);
   void wake();
   bool round();
@@ -130,6 +136,8 @@ class UcxMember final : public UcxEndpoint {
   void say_goodbye();
   void receive_probed(ucp_tag_message_h msg, std::size_t length, int from, ucp_tag_t tag, std::thread::id owner,
                       Received done, const std::optional<c10::Device>& device = std::nullopt);
+  // A received first buffer from `from`, read: a message, or the one a region notice names.
+  Result<IncomingMessage> read_received(const at::Tensor& first, int from, const std::optional<c10::Device>& device);
   void receive_parts(IncomingMessage message, int from, ucp_tag_t tag, std::thread::id owner, Received done);
   // `done` with `result`, as complete() says.
   static void deliver(std::thread::id owner, Received done, Result<std::vector<at::Tensor>> result);
@@ -155,6 +163,12 @@ class UcxMember final : public UcxEndpoint {
   std::vector<std::optional<std::chrono::steady_clock::time_point>> closed_at_ =
       std::vector<std::optional<std::chrono::steady_clock::time_point>>(static_cast<std::size_t>(world_));
   WatchedPeers watched_;  // same-host peers' processes (progress thread only)
+  // Large host messages to same-host peers (shared_region.h): this member's region (start),
+  // whether each peer is sent to through it (connect), and each peer's region as mapped here
+  // (progress thread only).
+  std::unique_ptr<OutboundRegion> region_;
+  std::unique_ptr<std::atomic<bool>[]> region_to_ = std::make_unique<std::atomic<bool>[]>(static_cast<std::size_t>(world_));
+  std::vector<std::shared_ptr<InboundRegion>> inbound_ = std::vector<std::shared_ptr<InboundRegion>>(static_cast<std::size_t>(world_));
   std::vector<int> ended_;  // peers whose process ended, for closed_at_ (progress thread only)
   static constexpr auto kSpin = std::chrono::microseconds(50);
   // What a peer that closed or exited sent just before has this long to be received.

@@ -115,7 +115,7 @@ void UcxMember::receive_probed(ucp_tag_message_h msg, std::size_t length, int fr
   post_request(
       [this, first, from, tag, owner, device, done = std::move(done)](ucs_status_t s) mutable {
         --in_flight_;
-        auto message = s == UCS_OK ? read_message(first, device) : transfer_error("a UCX receive", lost(from), s);
+        auto message = s == UCS_OK ? read_received(first, from, device) : transfer_error("a UCX receive", lost(from), s);
         if (message.is_ok() && !message->parts.empty()) {
           return receive_parts(std::move(*message), from, tag, owner, std::move(done));
         }
@@ -125,6 +125,20 @@ void UcxMember::receive_probed(ucp_tag_message_h msg, std::size_t length, int fr
       },
       [&](const ucp_request_param_t& p) { return ucp_tag_msg_recv_nbx(worker_, first.data_ptr(), length, msg, &p); },
       /*receive=*/true);
+}
+
+Result<IncomingMessage> UcxMember::read_received(const at::Tensor& first, int from,
+                                                 const std::optional<c10::Device>& device) {
+  const std::optional<RegionNotice> notice = read_region_notice(first);
+  if (!notice) return read_message(first, device);
+  const std::shared_ptr<InboundRegion>& region = inbound_[static_cast<std::size_t>(from)];
+  if (!region) {
+    return Status(ErrorCode::kExecution, noun_ + " " + std::to_string(from) +
+                                             " sent a message through its shared-memory region, which this process "
+                                             "could not map; set CONVEYOR_UCX_REGION_MB=0 for every process of the job");
+  }
+  CONVEYOR_ASSIGN_OR_RETURN(at::Tensor buffer, region->message(notice->offset, notice->length, region));
+  return read_message(buffer, device);
 }
 
 void UcxMember::receive_parts(IncomingMessage message, int from, ucp_tag_t tag, std::thread::id owner, Received done) {

@@ -1,6 +1,7 @@
-"""Run by test_communication under `conveyor launch -n N`: every differentiable collective's
-forward values and backward pairing against what they must be, in float64, then a receive
-nobody sends (the last process stops calling) to show the timeout naming the call."""
+"""Run by test_communication under `conveyor launch -n N`: large messages between processes
+(over the sender's shared region and past it), every differentiable collective's forward
+values and backward pairing against what they must be, in float64, then a receive nobody
+sends (the last process stops calling) to show the timeout naming the call."""
 import os
 import sys
 
@@ -14,6 +15,17 @@ def expect(name, got, want):
     got, want = got.cpu(), want.cpu()
     if not torch.equal(got, want):
         raise SystemExit(f"process {dist.rank()}: {name}: got {got.tolist()}, want {want.tolist()}")
+
+
+def in_message_region(t) -> bool:
+    """Whether `t`'s memory lies in a UCX member's message region (a memfd this process maps)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if "conveyor-ucx-messages" in line:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                if lo <= t.data_ptr() < hi:
+                    return True
+    return False
 
 
 def main():
@@ -46,6 +58,34 @@ def main():
                     raise SystemExit(f"process 1: a CUDA tensor arrived on {g.device}, not {arrives_on}")
                 expect("a CUDA tensor received", g.detach(), t.detach())
             dist.backward(weight * sum(g.sum() for g in got))
+        else:
+            dist.backward()
+
+    if device == "cpu":
+        # Large host messages between the processes of a host are written into the sender's
+        # shared region and received over it (transport/shared_region.h), up to the sender's
+        # window of what its receiver has not released; past it they go through UCX. 24 1 MB
+        # messages (data: received as they arrive) that the receiver keeps, and a
+        # non-contiguous 2 MB one with a gradient: each arrives equal, some of the 24 over the
+        # region (none with CONVEYOR_UCX_REGION_MB=0) and some not, and the gradient pairs.
+        data = [torch.full((1 << 17,), float(k)) for k in range(24)]
+        odd = torch.arange(float(1 << 18)).reshape(512, 512).t().requires_grad_()
+        if me == 0:
+            for t in data + [odd]:
+                dist.send(t, 1)
+            dist.backward()
+            expect("a large send's gradient", odd.grad, torch.full(odd.shape, 2.0))
+        elif me == 1:
+            got = [dist.recv(0) for _ in range(len(data) + 1)]
+            for t, g in zip(data + [odd], got):
+                expect("a large tensor received", g.detach(), t.detach())
+            over_region = sum(in_message_region(g) for g in got[:-1])
+            region = os.environ.get("CONVEYOR_UCX_REGION_MB") != "0"
+            print(f"process 1: {over_region} of {len(data)} large messages arrived over the sender's region",
+                  flush=True)
+            if (region and not 0 < over_region < len(data)) or (not region and over_region):
+                raise SystemExit(f"process 1: with the region {'on' if region else 'off'}, that is wrong")
+            dist.backward(weight * got[-1].sum())
         else:
             dist.backward()
 

@@ -62,6 +62,14 @@ def test_every_collective_s_backward_is_its_pair(processes):
     assert out.count("every collective and its backward as expected") == processes, out[-4000:]
 
 
+def test_large_messages_without_the_shared_region():
+    """CONVEYOR_UCX_REGION_MB=0: every large message goes through UCX, and arrives the same."""
+    code, out = launch(2, Path(__file__).with_name("communication_worker.py"),
+                       env=environment(CONVEYOR_UCX_REGION_MB="0"))
+    assert code == 0, out[-4000:]
+    assert "process 1: 0 of 24 large messages arrived over the sender's region" in out, out[-4000:]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (tools/gpu_session runs it)")
 @pytest.mark.parametrize("device_memory", ["1", "0"])
 def test_every_collective_on_cuda_tensors(device_memory):
@@ -92,7 +100,7 @@ def test_a_receive_nobody_sends_ends_within_the_timeout_naming_the_call():
 
 def test_a_send_nobody_receives_fails_the_job_at_exit_naming_both():
     out = mismatched("send", 20)
-    assert "process 0 sent 7 messages to process 1, which received 6: a send nobody received" in out, out[-3000:]
+    assert "process 0 sent 32 messages to process 1, which received 31: a send nobody received" in out, out[-3000:]
 
 
 def test_without_a_job_it_says_how_to_start_one():
