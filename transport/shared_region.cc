@@ -116,14 +116,6 @@ std::optional<RegionSlot> OutboundRegion::allocate(int peer, std::size_t bytes) 
   return RegionSlot{at + kControl, base_ + at + kControl};
 }
 
-std::size_t OutboundRegion::held_bytes() {
-  std::lock_guard<std::mutex> lock(mu_);
-  reclaim();
-  std::size_t total = 0;
-  for (const auto& [offset, held] : held_) total += held.size;
-  return total;
-}
-
 Result<std::shared_ptr<InboundRegion>> InboundRegion::open(int pid, const RegionName& name) {
   const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(name.fd);
   const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);

@@ -65,8 +65,6 @@ class OutboundRegion {
   /// last call is reclaimed first. The lowest free offset wins: what was just released is
   /// written again while still in the caches.
   std::optional<RegionSlot> allocate(int peer, std::size_t bytes);
-  /// Bytes held for messages not yet released (tests).
-  std::size_t held_bytes();
 
   static constexpr std::size_t kWindowBytes = std::size_t{16} << 20;
 
@@ -111,6 +109,7 @@ class InboundRegion {
 /// The notice a sender sends for a message it wrote into its region: a small packed buffer,
 /// which read_message refuses (its first word is negative), and back.
 at::Tensor region_notice(std::uint64_t offset, std::uint64_t length);
+/// A notice read back: where the message starts in the sender's region, and its length.
 struct RegionNotice {
   std::uint64_t offset, length;
 };
