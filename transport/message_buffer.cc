@@ -142,24 +142,10 @@ std::size_t write_header(const std::vector<std::int64_t>& header, std::uint8_t* 
   return header_bytes(header);
 }
 
-// One buffer: the header, then each tensor's bytes when packed (a gathered message's bytes
-// follow from the caller's memory; in parts, as messages of their own).
-at::Tensor pack(const std::vector<at::Tensor>& host, Layout layout) {
-  if (layout == Layout::kPacked) {
-    at::Tensor out = message_bytes(*packed_size(host));
-    pack_into(host, static_cast<std::uint8_t*>(out.data_ptr()));
-    return out;
-  }
-  const std::vector<std::int64_t> header = header_of(host, layout == Layout::kInParts);
-  at::Tensor out = message_bytes(header_bytes(header));
-  write_header(header, static_cast<std::uint8_t*>(out.data_ptr()));
-  return out;
-}
-
-}  // namespace
-
-std::optional<std::size_t> packed_size(const std::vector<at::Tensor>& tensors) {
-  std::size_t total = header_bytes(header_of(tensors, /*in_parts=*/false));
+// The packed layout's size for `tensors` under `header` (header_of), when every defined
+// tensor is on the host.
+std::optional<std::size_t> packed_size(const std::vector<std::int64_t>& header, const std::vector<at::Tensor>& tensors) {
+  std::size_t total = header_bytes(header);
   for (const auto& c : tensors) {
     if (c.defined() && !c.device().is_cpu()) return std::nullopt;
     if (c.defined()) total += aligned(c.nbytes());
@@ -167,8 +153,9 @@ std::optional<std::size_t> packed_size(const std::vector<at::Tensor>& tensors) {
   return total;
 }
 
-void pack_into(const std::vector<at::Tensor>& tensors, std::uint8_t* out) {
-  std::size_t at = write_header(header_of(tensors, /*in_parts=*/false), out);
+// Writes `tensors` packed under `header` into `out`.
+void pack_into(const std::vector<std::int64_t>& header, const std::vector<at::Tensor>& tensors, std::uint8_t* out) {
+  std::size_t at = write_header(header, out);
   for (const auto& c : tensors) {
     if (!c.defined()) continue;
     if (c.is_contiguous()) {
@@ -178,6 +165,30 @@ void pack_into(const std::vector<at::Tensor>& tensors, std::uint8_t* out) {
     }
     at += aligned(c.nbytes());
   }
+}
+
+// One buffer: the header, then each tensor's bytes when packed (a gathered message's bytes
+// follow from the caller's memory; in parts, as messages of their own).
+at::Tensor pack(const std::vector<at::Tensor>& host, Layout layout) {
+  const std::vector<std::int64_t> header = header_of(host, layout == Layout::kInParts);
+  if (layout == Layout::kPacked) {
+    at::Tensor out = message_bytes(*packed_size(header, host));
+    pack_into(header, host, static_cast<std::uint8_t*>(out.data_ptr()));
+    return out;
+  }
+  at::Tensor out = message_bytes(header_bytes(header));
+  write_header(header, static_cast<std::uint8_t*>(out.data_ptr()));
+  return out;
+}
+
+}  // namespace
+
+std::optional<std::size_t> packed_size(const std::vector<at::Tensor>& tensors) {
+  return packed_size(header_of(tensors, /*in_parts=*/false), tensors);
+}
+
+void pack_into(const std::vector<at::Tensor>& tensors, std::uint8_t* out) {
+  pack_into(header_of(tensors, /*in_parts=*/false), tensors, out);
 }
 
 OutgoingMessage frame_message(const std::vector<at::Tensor>& tensors, bool device_memory) {

@@ -271,8 +271,11 @@ std::optional<at::Tensor> UcxMember::written_to_region(int peer, const std::vect
   // The copy runs on the caller's thread, where the tensors were just made (in its caches),
   // while the progress thread moves other messages.
   if (!region_to_[static_cast<std::size_t>(peer)]) return std::nullopt;
+  std::size_t data = 0;  // a small message (most) leaves here before its header is built
+  for (const auto& t : tensors) data += t.defined() ? t.nbytes() : 0;
+  if (data < kPartsFrom) return std::nullopt;
   const std::optional<std::size_t> bytes = packed_size(tensors);
-  if (!bytes || *bytes < kPartsFrom) return std::nullopt;
+  if (!bytes) return std::nullopt;
   const std::optional<RegionSlot> slot = region_->allocate(peer, *bytes);
   if (!slot) return std::nullopt;
   pack_into(tensors, slot->data);
@@ -302,20 +305,20 @@ bool UcxMember::sent_by_caller(int peer, Tag tag, const std::shared_ptr<Outgoing
       static_cast<std::size_t>(message->header.nbytes()) > kSentByCallerUpTo) {
     return false;
   }
-  // A small message's reply often follows: the progress thread is woken to poll for it
-  // instead of sleeping. Not for a large message's notice, unless UCX still has the send in
-  // flight: in a stream of them, a thread woken for each took the core its sender copies the
-  // next one on.
-  bool in_flight = false;
-  const bool sent = with_worker_on_caller([&] {
+  return with_worker_on_caller([&] {
     if (!nothing_queued()) return false;  // queued earlier, it goes first
     issue_send(peer, tag, message, std::this_thread::get_id(), std::move(done));
-    in_flight = in_flight_ > 0;
-    if (reply_likely) poked_ = true;
+    // A small message's reply often follows: the progress thread is woken to poll for it
+    // instead of sleeping. Not for a large message's notice, unless UCX left its send in
+    // flight: in a stream of them, a thread woken for each took the core its sender copies
+    // the next one on.
+    if (reply_likely) {
+      poked_ = true;
+    } else if (in_flight_ > 0 && sleeping_.load()) {
+      wake();
+    }
     return true;
   }, /*then_wake=*/reply_likely);
-  if (sent && !reply_likely && in_flight && sleeping_.load()) wake();
-  return sent;
 }
 
 Status UcxMember::current_error() {
