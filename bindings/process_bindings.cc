@@ -145,6 +145,9 @@ void bind_processes(py::module_& m) {
         py::gil_scoped_release nogil;
         g.close();
       }, "Leaves the job in step with the others (a last exchange, then connections flushed as they close).")
+      .def("leave", &runtime::ProcessGroup::leave,
+           "Says this process's work ended: it sends nothing more but the last collective exchanges (a receive "
+           "from it that finds nothing then fails at once, naming it).")
       .def("abort", [](runtime::ProcessGroup& g, const std::string& why) {
         g.abort(Status(ErrorCode::kExecution, why));
       }, py::arg("why"), "Gives up: everything pending and later fails with `why`; close() then only closes.")

@@ -65,10 +65,15 @@ Result<std::shared_ptr<ProcessGroup>> ProcessGroup::create(const ProcessGroupOpt
 
 ProcessGroup::~ProcessGroup() { close(); }
 
+void ProcessGroup::leave() {
+  if (endpoint_) endpoint_->leave();
+}
+
 void ProcessGroup::close() {
   if (closed_ || !all_) return;
   closed_ = true;
   if (failed_) return;
+  leave();
   at::Tensor here = at::ones({1}, at::kLong);
   if (wait([&](transport::Done d) { all_->allreduce(here, d); }, "leaving the job (every process's last step)")) {
     endpoint_->close_gracefully();

@@ -92,7 +92,11 @@ class ProcessGroup {
   Result<std::shared_ptr<transport::EndpointGroup>> subgroup(const std::vector<int>& members);
   /// Fails everything pending and later with `error` (a process that gives up), NCCL groups included.
   void abort(Status error);
-  /// Leaves the job in step: waits (within the timeout) until every process has come here,
+  /// Says to every process that this one's work ended: it sends nothing more but the last
+  /// collective exchanges, so a receive from it that finds nothing fails at once there,
+  /// naming it, instead of at the timeout (a script that ended early, by SystemExit too).
+  void leave();
+  /// Leaves the job in step (after leave()): waits (within the timeout) until every process has come here,
   /// so none leaves while another still waits for what it sent, then lets the connections
   /// flush as they close. The destructor does it too; after an error it only closes.
   void close();

@@ -155,13 +155,13 @@ Status UcxMember::connect(int peer, const std::vector<std::uint8_t>& given) {
 
 void UcxMember::send(int peer, Tag tag, std::vector<at::Tensor> tensors, Done done) {
   if (Status s = check_peer(peer); !s) return done(s);
-  if (tag >= kByeTag) return done(Status(ErrorCode::kInvalidArgument, "a UCX message tag at or above 2^48 - 3"));
+  if (tag >= kLeavingTag) return done(Status(ErrorCode::kInvalidArgument, "a UCX message tag at or above 2^48 - 4"));
   send_tagged(peer, tag, std::move(tensors), std::move(done));
 }
 
 void UcxMember::recv(int peer, Tag tag, Received done) {
   if (Status s = check_peer(peer); !s) return done(s);
-  if (tag >= kByeTag) return done(Status(ErrorCode::kInvalidArgument, "a UCX message tag at or above 2^48 - 3"));
+  if (tag >= kLeavingTag) return done(Status(ErrorCode::kInvalidArgument, "a UCX message tag at or above 2^48 - 4"));
   if (Status e = current_error(); !e) return done(e);
   // CUDA tensors sent from device memory arrive on the caller's current device.
   std::optional<c10::Device> into = device_memory_ ? current_cuda_device() : std::nullopt;
@@ -178,6 +178,13 @@ void UcxMember::recv(int peer, Tag tag, Received done) {
   post([this, peer, tag, into, owner, done = std::move(done)]() mutable {
     ask_receive(ucx_tag(tag, peer), into, owner, std::move(done));
   });
+}
+
+void UcxMember::leave() {
+  if (left_.exchange(true)) return;
+  for (int peer = 0; peer < world_; ++peer) {
+    if (peer != rank_) send_tagged(peer, kLeavingTag, {}, [](Status) {});
+  }
 }
 
 bool UcxMember::nothing_queued() {

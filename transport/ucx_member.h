@@ -41,6 +41,9 @@ inline constexpr Tag kPingTag = kMaxTag - 1, kPongTag = kMaxTag;
 // A member that closes says so to every peer under this tag (below the pings): over shared
 // memory nothing else tells them, and they fail what waits on it at once instead of at the timeout.
 inline constexpr Tag kByeTag = kMaxTag - 2;
+// A member that leaves (UcxEndpoint::leave) says so under this tag: it sends nothing more but
+// collectives. Callers' tags stay below it.
+inline constexpr Tag kLeavingTag = kMaxTag - 3;
 
 inline ucp_tag_t ucx_tag(Tag tag, int from) { return (tag << kRankBits) | static_cast<ucp_tag_t>(from); }
 inline std::int64_t now_ns() {  // steady clock
@@ -69,6 +72,7 @@ class UcxMember final : public UcxEndpoint {
   bool progress_here() override;
   std::vector<int> silent_peers(std::chrono::milliseconds within) override;
   void close_gracefully() override { graceful_ = true; }
+  void leave() override;
   void abort(Status error) override;
 
  private:
@@ -132,6 +136,9 @@ class UcxMember final : public UcxEndpoint {
   // ucx_receive.cc: receiving (holding the worker).
   void ask_receive(ucp_tag_t tag, const std::optional<c10::Device>& into, std::thread::id owner, Received done);
   bool match_receives();
+  // Why a pending receive of `tag` will never be met (its sender closed, or left and the
+  // tag is not a collective's), once the grace after the sender's word has passed; or "".
+  std::string why_nothing_comes(ucp_tag_t tag) const;
   bool answer_pings(bool before_sleep = false);
   void say_goodbye();
   void receive_probed(ucp_tag_message_h msg, std::size_t length, int from, ucp_tag_t tag, std::thread::id owner,
@@ -162,6 +169,10 @@ class UcxMember final : public UcxEndpoint {
   // When each peer said goodbye (written by the progress thread; read holding the worker).
   std::vector<std::optional<std::chrono::steady_clock::time_point>> closed_at_ =
       std::vector<std::optional<std::chrono::steady_clock::time_point>>(static_cast<std::size_t>(world_));
+  // When each peer said it leaves (kLeavingTag; as closed_at_).
+  std::vector<std::optional<std::chrono::steady_clock::time_point>> leaving_at_ =
+      std::vector<std::optional<std::chrono::steady_clock::time_point>>(static_cast<std::size_t>(world_));
+  std::atomic<bool> left_{false};  // leave() was called
   WatchedPeers watched_;  // same-host peers' processes (progress thread only)
   // Large host messages to same-host peers (shared_region.h): this member's region (start),
   // whether each peer is sent to through it (connect), and each peer's region as mapped here

@@ -1,8 +1,9 @@
 // The UCX member's receiving side (transport/ucx_member.h): matching pending receives to the
 // messages that arrived, in order per (peer, tag); a message's header and then its parts;
-// pings and goodbyes. Everything here runs holding the worker.
+// pings, goodbyes and leavings. Everything here runs holding the worker.
 #include <ATen/ATen.h>
 
+#include "transport/endpoint_group.h"
 #include "transport/ucx_member.h"
 #include "transport/ucx_message.h"
 #include "transport/ucx_request.h"
@@ -33,16 +34,17 @@ bool UcxMember::match_receives() {
     ucp_tag_message_h msg = ucp_tag_probe_nb(worker_, it->tag, ~ucp_tag_t{0}, 1, &info);
     const int from = sender_of(it->tag);
     if (msg == nullptr) {
-      // Nothing more comes from a peer that closed (after a grace for what it sent just
-      // before, which may arrive around its goodbye).
-      const auto closed = closed_at_[static_cast<std::size_t>(from)];
-      if (!closed || std::chrono::steady_clock::now() - *closed < kGrace) {
+      // Nothing more comes from a peer that closed, nor anything but collectives from one
+      // that leaves (after a grace for what it sent just before, which may arrive around
+      // its word).
+      const std::string gone = why_nothing_comes(it->tag);
+      if (gone.empty()) {
         ++it;
         continue;
       }
       PendingReceive r = std::move(*it);
       it = receives_.erase(it);
-      deliver(r.owner, std::move(r.done), Status(ErrorCode::kExecution, lost(from) + " (it closed its endpoint)"));
+      deliver(r.owner, std::move(r.done), Status(ErrorCode::kExecution, gone));
       busy = true;
       continue;
     }
@@ -54,9 +56,23 @@ bool UcxMember::match_receives() {
   return busy;
 }
 
+std::string UcxMember::why_nothing_comes(ucp_tag_t tag) const {
+  const int from = sender_of(tag);
+  const auto now = std::chrono::steady_clock::now();
+  const auto closed = closed_at_[static_cast<std::size_t>(from)];
+  if (closed && now - *closed >= kGrace) return lost(from) + " (it closed its endpoint)";
+  const auto leaving = leaving_at_[static_cast<std::size_t>(from)];
+  const Tag caller_tag = tag >> kRankBits;
+  if (leaving && now - *leaving >= kGrace && caller_tag < kLeavingTag && (caller_tag & kCollectiveTagBit) == 0) {
+    return noun_ + " " + std::to_string(from) + " sent nothing for this before it left the job (its work ended, " +
+           "by returning or exiting): every " + noun_ + " must make the same calls in the same order";
+  }
+  return {};
+}
+
 bool UcxMember::answer_pings(bool before_sleep) {
   // Answers every ping that arrived (so a process whose main thread is busy still counts as
-  // alive; a stopped or hung process answers nothing) and notes every goodbye. True if any
+  // alive; a stopped or hung process answers nothing) and notes every goodbye and leaving. True if any
   // came. Each peer's tags are probed exactly, a lookup in UCX's hash of unexpected messages:
   // a probe under a mask walks all of them, thousands while a stream of large sends waits to
   // be received, and made each round cost more than a 1 MB transfer's share. Small worlds
@@ -69,7 +85,7 @@ bool UcxMember::answer_pings(bool before_sleep) {
   bool any = false;
   for (int peer = 0; peer < world_; ++peer) {
     if (peer == rank_) continue;
-    for (const Tag tag : {kPingTag, kByeTag}) {
+    for (const Tag tag : {kPingTag, kByeTag, kLeavingTag}) {
       while (true) {
         ucp_tag_recv_info_t info{};
         ucp_tag_message_h msg = ucp_tag_probe_nb(worker_, ucx_tag(tag, peer), ~ucp_tag_t{0}, 1, &info);
@@ -78,11 +94,10 @@ bool UcxMember::answer_pings(bool before_sleep) {
         if (tag == kPingTag) {
           receive_probed(msg, info.length, peer, info.sender_tag, std::thread::id{},
                          [this, peer](Result<std::vector<at::Tensor>>) { send_tagged(peer, kPongTag, {}, [](Status) {}); });
-        } else {  // a peer that closed: what it sent before stays receivable
+        } else {  // a peer that closed or leaves: what it sent before stays receivable
+          auto& when = (tag == kByeTag ? closed_at_ : leaving_at_)[static_cast<std::size_t>(peer)];
           receive_probed(msg, info.length, peer, info.sender_tag, std::thread::id{},
-                         [this, peer](Result<std::vector<at::Tensor>>) {
-                           closed_at_[static_cast<std::size_t>(peer)] = std::chrono::steady_clock::now();
-                         });
+                         [&when](Result<std::vector<at::Tensor>>) { when = std::chrono::steady_clock::now(); });
         }
       }
     }

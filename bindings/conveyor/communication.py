@@ -16,7 +16,8 @@ Where a process only receives (its graph reaches a loss), `loss.backward()` work
 each receive sends its gradient back when autograd reaches it.
 
 Every process of the job must call the same functions in the same order (as in MPI); a
-mismatch ends within the job's timeout naming the process waited for and the call. Sender
+mismatch ends within the job's timeout naming the process waited for and the call, and at
+once where that process's script already ended (returned or exited). Sender
 and receiver agree on gradients: a value received under torch.no_grad() sends none back, so
 its sender must not wait for one (run evaluation without gradients on every process).
 """
@@ -86,6 +87,7 @@ def _check_every_message_was_received() -> None:
     st = _state
     if st is None or sys.exc_info()[0] is not None:
         return
+    st.group.leave()  # a process still waiting for a message from this one fails now, naming it
     n = st.group.world_size
     counts = torch.zeros(2, n, n, dtype=torch.int64)
     counts[0, st.group.rank] = torch.tensor(st.sent)       # [0, p, q]: p sent to q

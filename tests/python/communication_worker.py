@@ -155,6 +155,14 @@ def main():
         if me == 0:
             dist.send(torch.ones(1), dst=1)
         sys.exit(0)
+    if os.environ.get("MISMATCH") == "exit":
+        # Process 0 waits for a message process n - 1 never sends: its script ends early
+        # with SystemExit(3), which no excepthook sees.
+        if me == 0:
+            dist.recv(src=n - 1)
+        elif me == n - 1:
+            sys.exit(3)
+        sys.exit(0)
     if os.environ.get("MISMATCH") == "1":
         # Process 0 waits for a message process n - 1 never sends (it stops calling).
         if me == 0:

@@ -98,6 +98,15 @@ def test_a_receive_nobody_sends_ends_within_the_timeout_naming_the_call():
         out[-3000:]
 
 
+def test_a_receive_from_a_process_that_exited_fails_at_once_naming_it():
+    """SystemExit(3) mid-job reaches no excepthook; the process still says it leaves, and the
+    one waiting for its message fails within seconds, not at the (60 s) timeout."""
+    out = mismatched("exit", 60)
+    assert ("process 0, conveyor.distributed: receive #7 from process 1: process 1 sent nothing for this before it "
+            "left the job") in out, out[-3000:]
+    assert "did not complete within" not in out, out[-3000:]
+
+
 def test_a_send_nobody_receives_fails_the_job_at_exit_naming_both():
     out = mismatched("send", 20)
     assert "process 0 sent 32 messages to process 1, which received 31: a send nobody received" in out, out[-3000:]

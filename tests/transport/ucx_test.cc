@@ -1,6 +1,6 @@
 // The UCX endpoint's own behaviour, beyond the conformance suite every backend passes
-// (conformance_test.cc): large messages, a lost peer failing what waits on it, liveness pings
-// and goodbyes in a large world and behind a backlog, and who runs
+// (conformance_test.cc): large messages, a lost peer failing what waits on it, a peer that
+// left, liveness pings and goodbyes in a large world and behind a backlog, and who runs
 // a callback when callers' threads send, ask and wait for themselves (transport/ucx_member.h).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -10,6 +10,7 @@
 #include <future>
 #include <thread>
 
+#include "transport/endpoint_group.h"
 #include "transport/ucx.h"
 
 namespace conveyor::transport {
@@ -54,6 +55,38 @@ TEST(Ucx, ALostPeerFailsTheReceiveWaitingOnIt) {
   ASSERT_FALSE(got.is_ok());
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
   EXPECT_NE(got.status().message().find("member 1 was lost"), std::string::npos) << got.status().message();
+}
+
+// A member that leaves (its script ended) sends nothing more but collectives: what it sent
+// before stays receivable, a receive of anything else fails at once naming it, a
+// collective's message still arrives.
+TEST(Ucx, AReceiveFromAMemberThatLeftFailsUnlessItsMessageCameOrItIsACollectives) {
+  auto world = make_ucx_world_in_process(2);
+  if (!world.is_ok()) GTEST_SKIP() << "UCX cannot run here: " << world.status().to_string();
+  auto leaver = std::dynamic_pointer_cast<UcxEndpoint>((*world)[1]);
+  ASSERT_NE(leaver, nullptr);
+  Endpoint& stays = *(*world)[0];
+  ASSERT_TRUE(wait_for([&](Done d) { leaver->send(0, 3, {at::full({2}, 3.0)}, d); }).is_ok());
+  auto waiting = std::async(std::launch::async, [&] { return receive(stays, 1, 9); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  const auto start = std::chrono::steady_clock::now();
+  leaver->leave();
+  const Tag collective = kCollectiveTagBit | 4;
+  ASSERT_TRUE(wait_for([&](Done d) { leaver->send(0, collective, {at::full({1}, 4.0)}, d); }).is_ok());
+  auto never = waiting.get();
+  ASSERT_FALSE(never.is_ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  EXPECT_NE(never.status().message().find("member 1 sent nothing for this before it left the job"), std::string::npos)
+      << never.status().message();
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));  // past the grace after its word
+  auto before = receive(stays, 1, 3);
+  ASSERT_TRUE(before.is_ok()) << before.status().to_string();
+  EXPECT_TRUE(at::equal((*before)[0], at::full({2}, 3.0)));
+  auto last = receive(stays, 1, collective);
+  ASSERT_TRUE(last.is_ok()) << last.status().to_string();
+  EXPECT_TRUE(at::equal((*last)[0], at::full({1}, 4.0)));
+  auto after = receive(stays, 1, 10);
+  EXPECT_FALSE(after.is_ok());
 }
 
 // Pings and goodbyes are probed under each peer's exact tag (ucx_member.h, answer_pings):

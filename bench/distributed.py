@@ -1,0 +1,144 @@
+"""conveyor.distributed side by side with torch.distributed on gloo, in one run: 2 processes
+on this machine, host tensors (float32), the same calls a script split by hand makes.
+
+  send/recv   process 0 sends a stream of tensors (64 MB in all, at least 8) to process 1,
+              which receives each; then one 8-byte message back. conveyor:
+              conveyor.distributed.send / recv (the shape and dtype travel; the receiver gets a
+              new tensor). gloo: torch.distributed isend for the stream then one wait each,
+              recv into a buffer of the known shape (gloo needs it given).
+  allreduce   a run of allreduces of one tensor (16 MB in all, at least 4): conveyor:
+              conveyor.distributed.allreduce (differentiable: every process sends its tensor
+              to every other and sums in process order); gloo: torch.distributed.all_reduce,
+              in place.
+
+Both groups join once; the contenders alternate in rounds (A B, then B A), process 0 times
+each from a barrier to the stream's last reply, and the figures are medians over rounds with
+their spread. Ratios are throughputs (above 1: conveyor faster).
+
+    ./run bench distributed [--rounds 5] [--sizes-kb 64,1024,16384,65536]
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from two_processes import free_port, run_two
+
+STREAM_BYTES = 64 << 20
+ALLREDUCE_BYTES = 16 << 20
+
+
+def stream_length(nbytes: int) -> int:
+    return max(8, STREAM_BYTES // nbytes)
+
+
+def allreduce_count(nbytes: int) -> int:
+    return max(4, ALLREDUCE_BYTES // nbytes)
+
+
+def contenders(rank: int, nbytes: int):
+    """(op, name) -> a function running one measured stream, every process calling it."""
+    import torch.distributed as dist
+    import conveyor.distributed as cd
+    x = torch.ones(nbytes // 4)
+    buf = torch.empty(nbytes // 4)
+    ack = torch.zeros(2)
+    n, k = stream_length(nbytes), allreduce_count(nbytes)
+
+    def conveyor_stream():
+        if rank == 0:
+            for _ in range(n):
+                cd.send(x, 1)
+            cd.recv(1)
+        else:
+            for _ in range(n):
+                cd.recv(0)
+            cd.send(ack, 0)
+
+    def gloo_stream():
+        if rank == 0:
+            for w in [dist.isend(x, 1) for _ in range(n)]:
+                w.wait()
+            dist.recv(ack, 1)
+        else:
+            for _ in range(n):
+                dist.recv(buf, 0)
+            dist.send(ack, 0)
+
+    def conveyor_allreduce():
+        for _ in range(k):
+            cd.allreduce(x)
+
+    def gloo_allreduce():
+        y = x.clone()
+        for _ in range(k):
+            dist.all_reduce(y)
+
+    return {("send/recv", "conveyor"): (conveyor_stream, n * nbytes),
+            ("send/recv", "gloo"): (gloo_stream, n * nbytes),
+            ("allreduce", "conveyor"): (conveyor_allreduce, k * nbytes),
+            ("allreduce", "gloo"): (gloo_allreduce, k * nbytes)}
+
+
+def worker(args):
+    import torch.distributed as dist
+    import conveyor.distributed as cd
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.gloo_port}", rank=rank, world_size=2)
+    cd.rank()  # joins conveyor's group
+    sizes = [int(s) << 10 for s in args.sizes_kb.split(",")]
+    runs = {nbytes: contenders(rank, nbytes) for nbytes in sizes}
+    for nbytes in sizes:  # each warmed up once, every process in the same order
+        for run, _ in runs[nbytes].values():
+            run()
+    for r in range(args.rounds):
+        for nbytes in sizes:
+            for op in ("send/recv", "allreduce"):
+                order = ["conveyor", "gloo"] if r % 2 == 0 else ["gloo", "conveyor"]  # neither always first
+                for name in order:
+                    run, moved = runs[nbytes][(op, name)]
+                    dist.barrier()
+                    start = time.perf_counter()
+                    run()
+                    elapsed = time.perf_counter() - start
+                    if rank == 0:
+                        print(f"RESULT {op}\t{nbytes}\t{name}\t{moved / elapsed / 1e9}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--sizes-kb", default="64,1024,16384,65536", help="message sizes in KB, comma-separated")
+    ap.add_argument("--gloo-port", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    outputs = run_two([sys.executable, __file__, "--worker", "--gloo-port", free_port(), *sys.argv[1:]], 1800,
+                      "distributed")
+    rates: dict[tuple, list[float]] = {}
+    for line in outputs[0].splitlines():
+        if line.startswith("RESULT "):
+            op, nbytes, name, rate = line[len("RESULT "):].split("\t")
+            rates.setdefault((op, int(nbytes), name), []).append(float(rate))
+    cores = os.cpu_count() or 2
+    print(f"conveyor.distributed against torch.distributed (gloo): 2 processes on {cores} cores, float32 host tensors; "
+          f"GB/s of tensor data (allreduce: the tensor's bytes per call), median over {args.rounds} alternating "
+          "rounds (min-max)")
+    print(f"{'':10} {'bytes':>10} {'conveyor GB/s':>26} {'gloo GB/s':>26} {'ratio':>8}")
+    for op in ("send/recv", "allreduce"):
+        for nbytes in sorted({k[1] for k in rates}):
+            ours, theirs = rates[(op, nbytes, "conveyor")], rates[(op, nbytes, "gloo")]
+            a, b = statistics.median(ours), statistics.median(theirs)
+            print(f"{op:10} {nbytes:>10} {a:>9.3f} ({min(ours):.3f}-{max(ours):.3f})".ljust(48) +
+                  f"{b:>9.3f} ({min(theirs):.3f}-{max(theirs):.3f})".ljust(27) + f"{a / b:>7.2f}x")
+
+
+if __name__ == "__main__":
+    main()
