@@ -155,19 +155,15 @@ def main():
         if me == 0:
             dist.send(torch.ones(1), dst=1)
         sys.exit(0)
-    if os.environ.get("MISMATCH") == "exit":
-        # Process 0 waits for a message process n - 1 never sends: its script ends early
-        # with SystemExit(3), which no excepthook sees.
+    if os.environ.get("MISMATCH") in ("1", "exit"):
+        # Process 0 waits for a message process n - 1 never sends: with "1" it stops calling
+        # (a hang, found at the timeout); with "exit" its script ends early with SystemExit(3),
+        # which no excepthook sees (it says it leaves, so process 0 fails at once).
         if me == 0:
             dist.recv(src=n - 1)
         elif me == n - 1:
-            sys.exit(3)
-        sys.exit(0)
-    if os.environ.get("MISMATCH") == "1":
-        # Process 0 waits for a message process n - 1 never sends (it stops calling).
-        if me == 0:
-            dist.recv(src=n - 1)
-        elif me == n - 1:
+            if os.environ["MISMATCH"] == "exit":
+                sys.exit(3)
             import time
             time.sleep(30)
         sys.exit(0)
