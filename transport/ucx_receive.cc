@@ -57,11 +57,14 @@ bool UcxMember::match_receives() {
 }
 
 std::string UcxMember::why_nothing_comes(ucp_tag_t tag) const {
+  // Every round asks this of every receive still waiting: no clock read unless the sender
+  // said something.
   const int from = sender_of(tag);
+  const auto& closed = closed_at_[static_cast<std::size_t>(from)];
+  const auto& leaving = leaving_at_[static_cast<std::size_t>(from)];
+  if (!closed && !leaving) return {};
   const auto now = std::chrono::steady_clock::now();
-  const auto closed = closed_at_[static_cast<std::size_t>(from)];
   if (closed && now - *closed >= kGrace) return lost(from) + " (it closed its endpoint)";
-  const auto leaving = leaving_at_[static_cast<std::size_t>(from)];
   const Tag caller_tag = tag >> kRankBits;
   if (leaving && now - *leaving >= kGrace && caller_tag < kLeavingTag && (caller_tag & kCollectiveTagBit) == 0) {
     return noun_ + " " + std::to_string(from) + " sent nothing for this before it left the job (its work ended, " +
