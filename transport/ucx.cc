@@ -166,15 +166,23 @@ void UcxMember::recv(int peer, Tag tag, Received done) {
   // CUDA tensors sent from device memory arrive on the caller's current device.
   std::optional<c10::Device> into = device_memory_ ? current_cuda_device() : std::nullopt;
   // Asked for directly when the worker is free and nothing is queued before it (receives
-  // under a tag are matched in the order asked). A sleeping progress thread is woken still:
-  // the message may be in already, and its arrival will raise no event.
+  // under a tag are matched in the order asked), and matched at once: a message already in
+  // completes here, on the caller, with no thread woken. A sleeping progress thread is woken
+  // while anything stays pending: the message may have come in during this round, whose
+  // arrival then raises no event.
   const std::thread::id owner = std::this_thread::get_id();
+  bool pending = false;
   const bool asked = with_worker_on_caller([&] {
     if (!nothing_queued()) return false;
     ask_receive(ucx_tag(tag, peer), into, owner, std::move(done));
+    round();
+    pending = !receives_.empty() || in_flight_ > 0;
     return true;
-  }, /*then_wake=*/true);
-  if (asked) return;
+  }, /*then_wake=*/false);
+  if (asked) {
+    if (pending && sleeping_.load()) wake();
+    return;
+  }
   post([this, peer, tag, into, owner, done = std::move(done)]() mutable {
     ask_receive(ucx_tag(tag, peer), into, owner, std::move(done));
   });
