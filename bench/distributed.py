@@ -10,6 +10,9 @@ on this machine, host tensors (float32), the same calls a script split by hand m
               conveyor.distributed.allreduce (differentiable: every process sends its tensor
               to every other and sums in process order); gloo: torch.distributed.all_reduce,
               in place.
+  ping-pong   an 8-byte tensor back and forth (2,000 round trips): half a round trip, as a
+              script whose processes hand each other small tensors in turn waits for each.
+              conveyor: send / recv; gloo: send / recv into a buffer of the known shape.
 
 Both groups join once; the contenders alternate in rounds (A B, then B A), process 0 times
 each from a barrier to the stream's last reply, and the figures are medians over rounds with
@@ -83,6 +86,36 @@ def contenders(rank: int, nbytes: int):
             ("allreduce", "gloo"): (gloo_allreduce, k * nbytes)}
 
 
+PING_PONGS = 2000
+
+
+def ping_pong_contenders(rank: int):
+    """name -> a function running PING_PONGS round trips of an 8-byte tensor."""
+    import torch.distributed as dist
+    import conveyor.distributed as cd
+    x, buf = torch.zeros(2), torch.empty(2)
+    other = 1 - rank
+
+    def conveyor_ping_pong():
+        for _ in range(PING_PONGS):
+            if rank == 0:
+                cd.send(x, other)
+                cd.recv(other)
+            else:
+                cd.send(cd.recv(other), other)
+
+    def gloo_ping_pong():
+        for _ in range(PING_PONGS):
+            if rank == 0:
+                dist.send(x, other)
+                dist.recv(buf, other)
+            else:
+                dist.recv(buf, other)
+                dist.send(buf, other)
+
+    return {"conveyor": conveyor_ping_pong, "gloo": gloo_ping_pong}
+
+
 def worker(args):
     import torch.distributed as dist
     import conveyor.distributed as cd
@@ -92,10 +125,20 @@ def worker(args):
     cd.rank()  # joins conveyor's group
     sizes = [int(s) << 10 for s in args.sizes_kb.split(",")]
     runs = {nbytes: contenders(rank, nbytes) for nbytes in sizes}
+    ping_pongs = ping_pong_contenders(rank)
     for nbytes in sizes:  # each warmed up once, every process in the same order
         for run, _ in runs[nbytes].values():
             run()
+    for run in ping_pongs.values():
+        run()
     for r in range(args.rounds):
+        for name in (["conveyor", "gloo"] if r % 2 == 0 else ["gloo", "conveyor"]):
+            dist.barrier()
+            start = time.perf_counter()
+            ping_pongs[name]()
+            elapsed = time.perf_counter() - start
+            if rank == 0:
+                print(f"LATENCY {name}\t{elapsed / PING_PONGS / 2 * 1e6}", flush=True)
         for nbytes in sizes:
             for op in ("send/recv", "allreduce"):
                 order = ["conveyor", "gloo"] if r % 2 == 0 else ["gloo", "conveyor"]  # neither always first
@@ -123,7 +166,11 @@ def main():
     outputs = run_two([sys.executable, __file__, "--worker", "--gloo-port", free_port(), *sys.argv[1:]], 1800,
                       "distributed")
     rates: dict[tuple, list[float]] = {}
+    latencies: dict[str, list[float]] = {}
     for line in outputs[0].splitlines():
+        if line.startswith("LATENCY "):
+            name, us = line[len("LATENCY "):].split("\t")
+            latencies.setdefault(name, []).append(float(us))
         if line.startswith("RESULT "):
             op, nbytes, name, rate = line[len("RESULT "):].split("\t")
             rates.setdefault((op, int(nbytes), name), []).append(float(rate))
@@ -138,6 +185,10 @@ def main():
             a, b = statistics.median(ours), statistics.median(theirs)
             print(f"{op:10} {nbytes:>10} {a:>9.3f} ({min(ours):.3f}-{max(ours):.3f})".ljust(48) +
                   f"{b:>9.3f} ({min(theirs):.3f}-{max(theirs):.3f})".ljust(27) + f"{a / b:>7.2f}x")
+    ours, theirs = latencies["conveyor"], latencies["gloo"]
+    a, b = statistics.median(ours), statistics.median(theirs)
+    print(f"{'ping-pong':10} {8:>10} {a:>9.1f} us ({min(ours):.1f}-{max(ours):.1f})".ljust(51) +
+          f"{b:>9.1f} us ({min(theirs):.1f}-{max(theirs):.1f})".ljust(27) + f"{b / a:>4.2f}x  (half a round trip)")
 
 
 if __name__ == "__main__":

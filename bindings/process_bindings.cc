@@ -2,6 +2,9 @@
 #include "bindings/bindings.h"
 
 #include <chrono>
+#include <condition_variable>
+#include <map>
+#include <mutex>
 #include <cstdio>
 #include <functional>
 #include <future>
@@ -50,11 +53,82 @@ struct SendHandle {
   }
 };
 
+// The sends conveyor.distributed has in flight, counted: no object per send, however many a
+// script makes before it next waits (a loop that only sends, as inference, never waits).
+// wait() returns once the peers have them all; the first that failed is raised, by name, at
+// the next send or wait.
+class SendsInFlight {
+ public:
+  explicit SendsInFlight(std::shared_ptr<runtime::ProcessGroup> group) : group_(std::move(group)) {}
+
+  void send(int peer, std::uint64_t tag, std::vector<at::Tensor> tensors, std::string what) {
+    raise_failure();
+    std::uint64_t serial = 0;
+    {
+      std::lock_guard<std::mutex> lock(state_->mu);
+      serial = state_->next++;
+      state_->pending.emplace(serial, std::move(what));
+    }
+    group_->endpoint()->send(peer, tag, std::move(tensors), [state = state_, serial](Status s) {
+      std::lock_guard<std::mutex> lock(state->mu);
+      auto it = state->pending.find(serial);
+      if (!s && state->failed.is_ok()) state->failed = s.with_context(it->second);
+      state->pending.erase(it);
+      if (state->pending.empty()) state->all_done.notify_all();
+    });
+  }
+
+  void wait() {
+    {
+      py::gil_scoped_release nogil;
+      std::unique_lock<std::mutex> lock(state_->mu);
+      if (!state_->all_done.wait_for(lock, group_->timeout(), [&] { return state_->pending.empty(); })) {
+        const std::string& oldest = state_->pending.begin()->second;
+        const std::size_t n = state_->pending.size();
+        Status late(ErrorCode::kExecution, "process " + std::to_string(group_->rank()) + ": " + oldest +
+                                               " did not complete within " + std::to_string(group_->timeout().count()) +
+                                               " ms" + (n > 1 ? " (nor " + std::to_string(n - 1) + " later sends)" : ""));
+        lock.unlock();
+        check(late);
+      }
+    }
+    raise_failure();
+  }
+
+ private:
+  void raise_failure() {
+    Status failed = Status::ok();
+    {
+      std::lock_guard<std::mutex> lock(state_->mu);
+      failed = state_->failed;
+    }
+    check(failed.with_context("process " + std::to_string(group_->rank())));
+  }
+
+  struct State {
+    std::mutex mu;
+    std::condition_variable all_done;
+    std::map<std::uint64_t, std::string> pending;  // serial -> what the send is, for errors
+    std::uint64_t next = 0;
+    Status failed = Status::ok();  // the first send that failed
+  };
+  std::shared_ptr<runtime::ProcessGroup> group_;
+  std::shared_ptr<State> state_ = std::make_shared<State>();  // shared with the sends' callbacks
+};
+
 }  // namespace
 
 void bind_processes(py::module_& m) {
   py::class_<SendHandle>(m, "SendHandle", "A send in flight; wait() until the peer has it.")
       .def("wait", &SendHandle::wait);
+  py::class_<SendsInFlight>(m, "SendsInFlight",
+                            "conveyor.distributed's sends in flight on a ProcessGroup, counted; wait() until the peers "
+                            "have them all, or raise the first that failed.")
+      .def(py::init<std::shared_ptr<runtime::ProcessGroup>>(), py::arg("group"))
+      .def("send", &SendsInFlight::send, py::arg("peer"), py::arg("tag"), py::arg("tensors"), py::arg("what"),
+           "Sends tensors to process peer under tag without waiting (raises if an earlier send failed); `what` "
+           "names the send in errors.")
+      .def("wait", &SendsInFlight::wait, "Returns once every send so far reached its peer; raises the first that failed.");
 
   m.def("ucx_status", [] {
     auto probe = transport::make_ucx_endpoint(0, 1);

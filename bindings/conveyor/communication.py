@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import _C
 from .errors import ConveyorValueError
 
 __all__ = ["send", "recv", "bcast", "gather", "scatter", "allgather", "alltoall", "reduce_scatter", "allreduce",
@@ -59,7 +60,8 @@ class _State:
         self.sent = [0] * group.world_size       # per peer: messages sent so far
         self.received = [0] * group.world_size   # per peer: messages received so far
         self.records: list[_Record] = []
-        self.in_flight = []                       # SendHandles not yet waited for
+        self.sends = _C.SendsInFlight(group)      # sent, not yet known to have arrived
+        self.flags: dict[tuple, torch.Tensor] = {}  # a message's flags tensor, per flags (never written)
         self.replaying = False
 
 
@@ -143,9 +145,12 @@ def send(x, dst: int) -> None:
     needs = [torch.is_grad_enabled() and t.requires_grad for t in values]
     seq = st.sent[dst]
     st.sent[dst] += 1
-    flags = torch.tensor([int(sequence)] + [int(n) for n in needs], dtype=torch.int8)
+    key = (sequence, *needs)
+    flags = st.flags.get(key)
+    if flags is None:
+        flags = st.flags[key] = torch.tensor([int(f) for f in key], dtype=torch.int8)
     payload = [t.detach().contiguous() for t in values] + [flags]
-    st.in_flight.append(st.group.send(dst, _MESSAGE_BIT | seq, payload, f"conveyor.distributed: send #{seq} to process {dst}"))
+    st.sends.send(dst, _MESSAGE_BIT | seq, payload, f"conveyor.distributed: send #{seq} to process {dst}")
     if any(needs):
         st.records.append(_Record("send", dst, seq, tensors=[t for t, n in zip(values, needs) if n]))
 
@@ -153,12 +158,13 @@ def send(x, dst: int) -> None:
 class _Received(torch.autograd.Function):
     """A receive in the autograd graph: its backward holds (or, outside a replay, sends back)
     the gradient of what was received. `anchor` only gives the node an input that needs a
-    gradient, so autograd calls it."""
+    gradient, so autograd calls it. The received tensors come in a list, not as inputs:
+    outputs that are no input of the node need no copy (an input returned would be cloned)."""
 
     @staticmethod
-    def forward(ctx, anchor, record, *values):
+    def forward(ctx, anchor, record, values):
         ctx.record = record
-        return tuple(v.clone() for v in values)
+        return tuple(values)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -171,9 +177,7 @@ class _Received(torch.autograd.Function):
         if _state is not None and not _state.replaying:  # loss.backward(): back at once
             _return_gradient(_state, record)
             _state.records.remove(record)
-            if len(_state.in_flight) > 1024:
-                _drain(_state)
-        return (None, None) + (None,) * len(grads)
+        return None, None, None
 
 
 def _return_gradient(st: _State, record: _Record) -> None:
@@ -184,8 +188,8 @@ def _return_gradient(st: _State, record: _Record) -> None:
     grads = record.grads or [None] * len(record.shapes)
     payload = [(g if g is not None else torch.zeros(shape, dtype=dtype, device=device)).detach().contiguous()
                for g, (shape, dtype, device) in zip(grads, record.shapes)]
-    st.in_flight.append(st.group.send(record.peer, _MESSAGE_BIT | _GRADIENT_BIT | record.seq, payload,
-                                      f"conveyor.distributed: the gradient of receive #{record.seq} from process {record.peer}"))
+    st.sends.send(record.peer, _MESSAGE_BIT | _GRADIENT_BIT | record.seq, payload,
+                  f"conveyor.distributed: the gradient of receive #{record.seq} from process {record.peer}")
 
 
 def recv(src: int, device=None):
@@ -204,7 +208,7 @@ def recv(src: int, device=None):
         record = _Record("recv", src, seq, shapes=[(v.shape, v.dtype, v.device) for v, n in zip(values, needs) if n])
         st.records.append(record)
         wanted = [v for v, n in zip(values, needs) if n]
-        out = _Received.apply(torch.empty(0, requires_grad=True), record, *wanted)
+        out = _Received.apply(torch.empty(0, requires_grad=True), record, wanted)
         outputs = iter(out if isinstance(out, tuple) else (out,))
         values = [next(outputs) if n else v for v, n in zip(values, needs)]
     return tuple(values) if sequence else values[0]
@@ -236,9 +240,7 @@ def backward(*roots) -> None:
 
 def _drain(st: _State) -> None:
     """Waits until every peer has what this process sent (so none is lost at exit)."""
-    handles, st.in_flight = st.in_flight, []
-    for h in handles:
-        h.wait()
+    st.sends.wait()
 
 
 # -- collectives, as the sends and receives they are (their backward pairs follow) ---------

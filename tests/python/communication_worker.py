@@ -1,7 +1,8 @@
 """Run by test_communication under `conveyor launch -n N`: large messages between processes
 (over the sender's shared region and past it), every differentiable collective's forward
-values and backward pairing against what they must be, in float64, then a receive nobody
-sends (the last process stops calling) to show the timeout naming the call."""
+values and backward pairing against what they must be, in float64, a stream of sends that
+keeps nothing per send, then (MISMATCH) the mismatches: a receive nobody sends (the last
+process stops calling, or exits), a send nobody receives."""
 import os
 import sys
 
@@ -26,6 +27,29 @@ def in_message_region(t) -> bool:
                 if lo <= t.data_ptr() < hi:
                     return True
     return False
+
+
+def sends_keep_nothing(me):
+    """A script that only sends (inference under no_grad) keeps nothing per send: process 0
+    sends 20,000 tensors, process 1 receives them; what process 0 still holds of the Python
+    memory allocated meanwhile stays small (a handle kept per send held megabytes)."""
+    import tracemalloc
+    count = 20000
+    with torch.no_grad():
+        if me == 0:
+            x = torch.ones(4)
+            tracemalloc.start()
+            for _ in range(count):
+                dist.send(x, dst=1)
+            dist.recv(src=1)
+            kept = tracemalloc.get_traced_memory()[0]
+            tracemalloc.stop()
+            if kept > 256 << 10:
+                raise SystemExit(f"process 0: {count} sends kept {kept} bytes of Python memory")
+        elif me == 1:
+            for _ in range(count):
+                dist.recv(src=0)
+            dist.send(torch.ones(1), dst=0)
 
 
 def main():
@@ -143,6 +167,9 @@ def main():
     for q in range(n):
         expect("reduce_scatter backward", xs[q].grad, torch.full((2,), float(q + 1)))
     print(f"process {me}: every collective and its backward as expected", flush=True)
+
+    if "MISMATCH" not in os.environ:
+        sends_keep_nothing(me)
 
     try:
         dist.allreduce(torch.ones(me + 1))
