@@ -3,11 +3,11 @@
 
 #include <chrono>
 #include <condition_variable>
-#include <map>
-#include <mutex>
 #include <cstdio>
 #include <functional>
 #include <future>
+#include <map>
+#include <mutex>
 #include <optional>
 
 #include "common/timeouts.h"

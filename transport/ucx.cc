@@ -171,18 +171,15 @@ void UcxMember::recv(int peer, Tag tag, Received done) {
   // while anything stays pending: the message may have come in during this round, whose
   // arrival then raises no event.
   const std::thread::id owner = std::this_thread::get_id();
-  bool pending = false;
+  bool pending = true;  // read by with_worker_on_caller once the body ran
   const bool asked = with_worker_on_caller([&] {
     if (!nothing_queued()) return false;
     ask_receive(ucx_tag(tag, peer), into, owner, std::move(done));
     round();
     pending = !receives_.empty() || in_flight_ > 0;
     return true;
-  }, /*then_wake=*/false);
-  if (asked) {
-    if (pending && sleeping_.load()) wake();
-    return;
-  }
+  }, /*then_wake=*/pending);
+  if (asked) return;
   post([this, peer, tag, into, owner, done = std::move(done)]() mutable {
     ask_receive(ucx_tag(tag, peer), into, owner, std::move(done));
   });

@@ -97,10 +97,12 @@ class UcxMember final : public UcxEndpoint {
   static void complete(std::thread::id owner, std::function<void()> completion);
   // Runs `body` on the calling thread holding the worker, if the worker is free and this
   // thread holds no worker already; then the completions met, as complete() says. False when
-  // it did not run, or `body` said false. `then_wake`: the progress thread is woken if it
-  // sleeps (what `body` issued needs it). A template: it runs on every small send and receive.
+  // it did not run, or `body` said false. `then_wake`, read once `body` ran (it may set it):
+  // the progress thread is woken if it sleeps (what `body` issued needs it). Nothing may
+  // touch the member after this returns: the last completion may have dropped it. A
+  // template: it runs on every small send and receive.
   template <class Body>
-  bool with_worker_on_caller(Body&& body, bool then_wake) {
+  bool with_worker_on_caller(Body&& body, const bool& then_wake) {
     if (held_ != nullptr || on_progress_thread()) return false;
     std::unique_lock<std::mutex> worker(worker_mu_, std::try_to_lock);
     if (!worker.owns_lock()) return false;
