@@ -5,7 +5,6 @@
 #include <condition_variable>
 #include <cstdio>
 #include <functional>
-#include <future>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -39,22 +38,9 @@ struct NcclHandle {
   }
 };
 
-// A send in flight (conveyor.distributed): wait() returns once the peer has it, or raises.
-struct SendHandle {
-  std::shared_future<Status> done;
-  std::chrono::milliseconds timeout;
-  std::string what;
-  void wait() const {
-    py::gil_scoped_release nogil;
-    if (done.wait_for(timeout) != std::future_status::ready) {
-      check(Status(ErrorCode::kExecution, what + " did not complete within " + std::to_string(timeout.count()) + " ms"));
-    }
-    check(done.get().with_context(what));
-  }
-};
-
-// The sends conveyor.distributed has in flight, counted: no object per send, however many a
-// script makes before it next waits (a loop that only sends, as inference, never waits).
+// Sends in flight on a ProcessGroup (conveyor.distributed's, re-planning's), counted: no
+// object per send, however many a script makes before it next waits (a loop that only
+// sends, as inference, never waits).
 // wait() returns once the peers have them all; the first that failed is raised, by name, at
 // the next send or wait.
 class SendsInFlight {
@@ -102,7 +88,7 @@ class SendsInFlight {
       std::lock_guard<std::mutex> lock(state_->mu);
       failed = state_->failed;
     }
-    check(failed.with_context("process " + std::to_string(group_->rank())));
+    if (!failed.is_ok()) check(failed.with_context("process " + std::to_string(group_->rank())));
   }
 
   struct State {
@@ -119,10 +105,8 @@ class SendsInFlight {
 }  // namespace
 
 void bind_processes(py::module_& m) {
-  py::class_<SendHandle>(m, "SendHandle", "A send in flight; wait() until the peer has it.")
-      .def("wait", &SendHandle::wait);
   py::class_<SendsInFlight>(m, "SendsInFlight",
-                            "conveyor.distributed's sends in flight on a ProcessGroup, counted; wait() until the peers "
+                            "Sends in flight on a ProcessGroup, counted; wait() until the peers "
                             "have them all, or raise the first that failed.")
       .def(py::init<std::shared_ptr<runtime::ProcessGroup>>(), py::arg("group"))
       .def("send", &SendsInFlight::send, py::arg("peer"), py::arg("tag"), py::arg("tensors"), py::arg("what"),
@@ -240,15 +224,6 @@ void bind_processes(py::module_& m) {
         py::gil_scoped_release nogil;
         check(g.broadcast(std::move(t), root));
       }, py::arg("tensor"), py::arg("root"), "tensor becomes process root's, in place, on every process.")
-      .def("send", [](const runtime::ProcessGroup& g, int peer, std::uint64_t tag, std::vector<at::Tensor> tensors,
-                      const std::string& what) {
-        auto promise = std::make_shared<std::promise<Status>>();
-        SendHandle handle{promise->get_future().share(), g.timeout(), "process " + std::to_string(g.rank()) + ": " + what};
-        g.endpoint()->send(peer, tag, std::move(tensors), [promise](Status s) { promise->set_value(std::move(s)); });
-        return handle;
-      }, py::arg("peer"), py::arg("tag"), py::arg("tensors"), py::arg("what"),
-         "Sends tensors (shapes and dtypes travel with them) to process peer under tag, without waiting; "
-         "`what` names the send in errors.")
       .def("recv", [](const runtime::ProcessGroup& g, int peer, std::uint64_t tag, const std::string& what) {
         py::gil_scoped_release nogil;
         return unwrap(g.receive(peer, tag, what));

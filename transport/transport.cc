@@ -121,7 +121,6 @@ bool ready_within(std::future<T>& future, std::chrono::milliseconds timeout, End
   while (std::chrono::steady_clock::now() < until) {
     if (future.wait_for(std::chrono::seconds(0)) == std::future_status::ready) return true;
     if (helping != nullptr) helping->progress_here();
-    if (future.wait_for(std::chrono::seconds(0)) == std::future_status::ready) return true;
     std::this_thread::yield();
   }
   if (timeout == std::chrono::milliseconds::max()) {

@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from . import _C
 from .errors import ConveyorError, ExecutionError
 
 WINDOW = 5  # steps of the running pipeline between two evaluations
@@ -100,12 +101,12 @@ def move_optimizer_state(optimizer, tensors: dict, holders: dict, readers: dict,
                 outgoing.setdefault(p, {})[name] = optimizer.state[t] if t in optimizer.state else {}
             elif p == me:
                 senders.add(source)
-    handles = []
+    sends = _C.SendsInFlight(group)
     for p, states in sorted(outgoing.items()):
         buffer = io.BytesIO()
         torch.save(states, buffer)
         payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-        handles.append(group.send(p, STATE_TAG, [payload], f"handing optimizer state to process {p} for the new plan"))
+        sends.send(p, STATE_TAG, [payload], f"handing optimizer state to process {p} for the new plan")
     received = 0
     for source in sorted(senders):
         data = group.recv(source, STATE_TAG, f"receiving optimizer state from process {source} for the new plan")[0]
@@ -113,8 +114,7 @@ def move_optimizer_state(optimizer, tensors: dict, holders: dict, readers: dict,
         for name, state in torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False).items():
             if state:
                 optimizer.state[tensors[name]] = state
-    for h in handles:
-        h.wait()
+    sends.wait()
     return received
 
 
