@@ -11,6 +11,7 @@
 
 #include "common/timeouts.h"
 #include "runtime/process_group.h"
+#include "transport/lane_endpoint.h"
 #include "transport/nccl.h"
 #include "transport/ucx.h"
 
@@ -45,7 +46,10 @@ struct NcclHandle {
 // the next send or wait.
 class SendsInFlight {
  public:
-  explicit SendsInFlight(std::shared_ptr<runtime::ProcessGroup> group) : group_(std::move(group)) {}
+  /// Sends over `via` (a lane endpoint of `group`), or with null over the group's UCX endpoint.
+  SendsInFlight(std::shared_ptr<runtime::ProcessGroup> group, std::shared_ptr<transport::LaneEndpoint> via)
+      : group_(std::move(group)),
+        endpoint_(via ? std::shared_ptr<transport::Endpoint>(std::move(via)) : group_->endpoint()) {}
 
   void send(int peer, std::uint64_t tag, std::vector<at::Tensor> tensors, std::string what) {
     raise_failure();
@@ -55,7 +59,7 @@ class SendsInFlight {
       serial = state_->next++;
       state_->pending.emplace(serial, std::move(what));
     }
-    group_->endpoint()->send(peer, tag, std::move(tensors), [state = state_, serial](Status s) {
+    endpoint_->send(peer, tag, std::move(tensors), [state = state_, serial](Status s) {
       std::lock_guard<std::mutex> lock(state->mu);
       auto it = state->pending.find(serial);
       if (!s && state->failed.is_ok()) state->failed = s.with_context(it->second);
@@ -99,6 +103,7 @@ class SendsInFlight {
     Status failed = Status::ok();  // the first send that failed
   };
   std::shared_ptr<runtime::ProcessGroup> group_;
+  std::shared_ptr<transport::Endpoint> endpoint_;
   std::shared_ptr<State> state_ = std::make_shared<State>();  // shared with the sends' callbacks
 };
 
@@ -108,11 +113,19 @@ void bind_processes(py::module_& m) {
   py::class_<SendsInFlight>(m, "SendsInFlight",
                             "Sends in flight on a ProcessGroup, counted; wait() until the peers "
                             "have them all, or raise the first that failed.")
-      .def(py::init<std::shared_ptr<runtime::ProcessGroup>>(), py::arg("group"))
+      .def(py::init<std::shared_ptr<runtime::ProcessGroup>, std::shared_ptr<transport::LaneEndpoint>>(),
+           py::arg("group"), py::arg("via") = nullptr,
+           "Sends over `via` (a LaneEndpoint of the group), or over the group's UCX endpoint when None.")
       .def("send", &SendsInFlight::send, py::arg("peer"), py::arg("tag"), py::arg("tensors"), py::arg("what"),
            "Sends tensors to process peer under tag without waiting (raises if an earlier send failed); `what` "
            "names the send in errors.")
       .def("wait", &SendsInFlight::wait, "Returns once every send so far reached its peer; raises the first that failed.");
+
+  py::class_<transport::LaneEndpoint, std::shared_ptr<transport::LaneEndpoint>>(
+      m, "LaneEndpoint",
+      "Tagged messages between the processes of a job whose tensors on one GPU travel over NCCL "
+      "(transport/lane_endpoint.h): headers and other tensors over the group's UCX endpoint. Made by "
+      "ProcessGroup.nccl_endpoint; pass it to SendsInFlight and ProcessGroup.recv.");
 
   m.def("ucx_status", [] {
     auto probe = transport::make_ucx_endpoint(0, 1);
@@ -224,11 +237,13 @@ void bind_processes(py::module_& m) {
         py::gil_scoped_release nogil;
         check(g.broadcast(std::move(t), root));
       }, py::arg("tensor"), py::arg("root"), "tensor becomes process root's, in place, on every process.")
-      .def("recv", [](const runtime::ProcessGroup& g, int peer, std::uint64_t tag, const std::string& what) {
+      .def("recv", [](const runtime::ProcessGroup& g, int peer, std::uint64_t tag, const std::string& what,
+                      const std::shared_ptr<transport::LaneEndpoint>& via) {
         py::gil_scoped_release nogil;
-        return unwrap(g.receive(peer, tag, what));
-      }, py::arg("peer"), py::arg("tag"), py::arg("what"),
-         "The tensors process peer sends under tag (waiting at most the group's timeout); `what` names it in errors.")
+        return unwrap(g.receive(peer, tag, what, via.get()));
+      }, py::arg("peer"), py::arg("tag"), py::arg("what"), py::arg("via") = nullptr,
+         "The tensors process peer sends under tag (waiting at most the group's timeout); `what` names it in errors. "
+         "`via`: the LaneEndpoint it comes over (None: the group's UCX endpoint).")
       .def("allreduce", [](const runtime::ProcessGroup& g, at::Tensor t) {
         py::gil_scoped_release nogil;
         check(g.wait([&](transport::Done d) { g.all().allreduce(t, d); }, "an allreduce"));
@@ -239,6 +254,14 @@ void bind_processes(py::module_& m) {
         return NcclHandle{unwrap(g.nccl(dev)), g.timeout()};
       }, py::arg("device"), "The NCCL group over every process on this process's CUDA device (member i is process i); "
          "made on first use. Every process calls it, in the same order.")
+      .def("nccl_endpoint", [](runtime::ProcessGroup& g, const std::string& device, std::vector<std::pair<int, int>> links) {
+        auto dev = c10::Device(device);
+        py::gil_scoped_release nogil;
+        return unwrap(g.nccl_endpoint(dev, std::move(links)));
+      }, py::arg("device"), py::arg("links"),
+         "A LaneEndpoint whose tensors on this process's CUDA device go over NCCL, a two-member group per "
+         "(sender, receiver) of `links` this process is in. Every process calls it with the same links, in one "
+         "order with the job's other collective calls.")
       .def("nccl_subgroup", [](runtime::ProcessGroup& g, std::vector<int> members, const std::string& device) -> py::object {
         auto dev = c10::Device(device);
         std::shared_ptr<transport::NcclGroup> group;

@@ -89,12 +89,14 @@ Status ProcessGroup::wait(const std::function<void(transport::Done)>& issue, con
   return done->with_context("process " + std::to_string(rank_) + ", " + what);
 }
 
-Result<std::vector<at::Tensor>> ProcessGroup::receive(int peer, transport::Tag tag, const std::string& what) const {
+Result<std::vector<at::Tensor>> ProcessGroup::receive(int peer, transport::Tag tag, const std::string& what,
+                                                      transport::Endpoint* via) const {
+  transport::Endpoint& from = via != nullptr ? *via : *endpoint_;
   // Shared with the callback, which may still run after a timeout.
   auto got = std::make_shared<Result<std::vector<at::Tensor>>>(Status(ErrorCode::kInternal, "nothing received"));
   CONVEYOR_RETURN_IF_ERROR(wait(
       [&](transport::Done done) {
-        endpoint_->recv(peer, tag, [got, done](Result<std::vector<at::Tensor>> r) {
+        from.recv(peer, tag, [got, done](Result<std::vector<at::Tensor>> r) {
           const Status status = r.status();
           *got = std::move(r);
           done(status);

@@ -56,8 +56,10 @@ class ProcessGroup {
   /// Waits for `issue`'s operation within the group's timeout; a timeout names `what`.
   Status wait(const std::function<void(transport::Done)>& issue, const std::string& what) const;
   /// The next message process `peer` sends under `tag`, within the group's timeout; a timeout
-  /// names `what` and the processes that do not answer, as wait() does.
-  Result<std::vector<at::Tensor>> receive(int peer, transport::Tag tag, const std::string& what) const;
+  /// names `what` and the processes that do not answer, as wait() does. `via`: the endpoint
+  /// it comes over (one of this group's lane endpoints); null, the group's UCX endpoint.
+  Result<std::vector<at::Tensor>> receive(int peer, transport::Tag tag, const std::string& what,
+                                          transport::Endpoint* via = nullptr) const;
   /// Why a wait between processes timed out, naming the processes that do not answer a ping
   /// within 2 s (stopped or hung), to append to the timeout's message. Before abort().
   std::string whom_it_waited_for() const;

@@ -282,6 +282,10 @@ int main(int argc, char** argv) {
                           ->check(CLI::Range(kLeastSeconds, kMostSeconds));
   auto* grace_opt = launch_cmd->add_option("--grace", job.grace_s, "seconds from SIGTERM to SIGKILL when stopping")
                         ->check(CLI::Range(kLeastSeconds, kMostSeconds));
+  auto* transport_opt = launch_cmd->add_option("--transport", job.transport,
+                                                "ucx or nccl: how GPU tensors cross between processes (pipelines, "
+                                                "conveyor.distributed)")
+                            ->check(CLI::IsMember({"ucx", "nccl"}));
   launch_cmd->add_option("command", command, "the command every process runs (after --)")->expected(-1);
 
   CLI11_PARSE(app, argc, argv);
@@ -299,6 +303,7 @@ int main(int argc, char** argv) {
       if (*port_opt) job.master_port = from_cli.master_port;
       if (*timeout_opt) job.timeout_s = from_cli.timeout_s;
       if (*grace_opt) job.grace_s = from_cli.grace_s;
+      if (*transport_opt) job.transport = from_cli.transport;
     }
     if (*hosts_opt) {
       job.hosts.clear();

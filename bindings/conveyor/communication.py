@@ -4,7 +4,8 @@ summed at the root, gather <-> scatter, allgather -> reduce-scatter, alltoall <-
 allreduce -> allreduce), over the job's process group (UCX: with a GPU, CUDA tensors travel
 from device memory into the receiver's current CUDA device through UCX's CUDA transports;
 without them, or with CONVEYOR_UCX_CUDA=0, through host memory; what arrives for a
-collective lands on the caller's tensor's device).
+collective lands on the caller's tensor's device). With `init(transport="nccl")` (or the
+job's transport nccl) tensors on each process's GPU go GPU to GPU over NCCL instead.
 
 No delegate variables: a process whose graph the communication cuts (one that sends but
 holds no loss) calls `backward()` (with its losses, if any) instead of `loss.backward()`.
@@ -31,10 +32,10 @@ from dataclasses import dataclass, field
 import torch
 
 from . import _C
-from .errors import ConveyorValueError
+from .errors import ConveyorError, ConveyorValueError
 
-__all__ = ["send", "recv", "bcast", "gather", "scatter", "allgather", "alltoall", "reduce_scatter", "allreduce",
-           "backward", "rank", "world_size", "Sequential"]
+__all__ = ["init", "send", "recv", "bcast", "gather", "scatter", "allgather", "alltoall", "reduce_scatter",
+           "allreduce", "backward", "rank", "world_size", "Sequential"]
 
 # Tags (below the pipeline's collective and lane bits): messages carry a per-pair sequence
 # number, their gradients the same number with the gradient bit.
@@ -55,12 +56,13 @@ class _Record:
 
 
 class _State:
-    def __init__(self, group):
+    def __init__(self, group, via=None):
         self.group = group
+        self.via = via                           # the NCCL lane endpoint messages go over, or None: UCX
         self.sent = [0] * group.world_size       # per peer: messages sent so far
         self.received = [0] * group.world_size   # per peer: messages received so far
         self.records: list[_Record] = []
-        self.sends = _C.SendsInFlight(group)      # sent, not yet known to have arrived
+        self.sends = _C.SendsInFlight(group, via)  # sent, not yet known to have arrived
         self.flags: dict[tuple, torch.Tensor] = {}  # a message's flags tensor, per flags (never written)
         self.replaying = False
 
@@ -68,17 +70,60 @@ class _State:
 _state: _State | None = None
 
 
-def _job() -> _State:
+def init(transport: str | None = None, device=None) -> None:
+    """Chooses how this job's messages travel. Optional, and collective: every process calls
+    it, with the same transport, before its first communication (which otherwise chooses the
+    job's transport: `conveyor launch --transport`, a job config's `transport`, or
+    CONVEYOR_TRANSPORT; else "ucx").
+
+    "ucx": every message over UCX (host memory; CUDA tensors from device memory where UCX has
+    its CUDA transports). "nccl": tensors on this process's GPU `device` (default: the
+    current CUDA device) go GPU to GPU over NCCL, a two-member NCCL group for each direction
+    between two processes; headers and every other tensor over UCX, and what arrives over
+    NCCL lands on `device`. Each process needs a GPU of its own (NCCL refuses two members on
+    one): call `torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))` first on a machine with
+    several. Where a process cannot join (no GPU, NCCL missing), every process fails at once,
+    naming it."""
     global _state
-    if _state is None:
+    if _state is not None:
+        raise ConveyorValueError("conveyor.distributed.init() comes before the first communication, once per process")
+    if transport is None:
         from . import distributed
-        group = distributed.process_group("conveyor.distributed", distributed.default_timeout())
-        if group is None:
-            raise ConveyorValueError("conveyor.distributed needs the processes of a job: start the script with "
-                                     "`conveyor launch -n N -- python script.py`, or set RANK, WORLD_SIZE, MASTER_ADDR "
-                                     "and MASTER_PORT as torchrun does")
-        _state = _State(group)
-        atexit.register(_check_every_message_was_received)  # runs before the group leaves (LIFO)
+        transport = distributed.launch_settings().get("transport", "ucx")
+    if transport not in ("ucx", "nccl"):
+        raise ConveyorValueError(f"transport={transport!r}: expected \"ucx\" or \"nccl\"")
+    group = _group()
+    via = None
+    if transport == "nccl":
+        if device is None:  # where no GPU is seen, NCCL's check says so on every process
+            device = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+        device = torch.device(device)
+        if device.type != "cuda" or device.index is None:
+            raise ConveyorValueError(f"device={str(device)!r}: NCCL needs one CUDA device, as 'cuda:0'")
+        n = group.world_size
+        try:
+            via = group.nccl_endpoint(str(device), [(p, q) for p in range(n) for q in range(n) if p != q])
+        except ConveyorError as e:
+            e.add_note('conveyor.distributed.init(transport="nccl") needs NCCL and a GPU of its own in every process; '
+                       'transport="ucx" needs neither')
+            raise
+    _state = _State(group, via)
+    atexit.register(_check_every_message_was_received)  # runs before the group leaves (LIFO)
+
+
+def _group():
+    from . import distributed
+    group = distributed.process_group("conveyor.distributed", distributed.default_timeout())
+    if group is None:
+        raise ConveyorValueError("conveyor.distributed needs the processes of a job: start the script with "
+                                 "`conveyor launch -n N -- python script.py`, or set RANK, WORLD_SIZE, MASTER_ADDR "
+                                 "and MASTER_PORT as torchrun does")
+    return group
+
+
+def _job() -> _State:
+    if _state is None:
+        init()
     return _state
 
 
@@ -200,7 +245,7 @@ def recv(src: int, device=None):
     src = _peer(st, src, "src")
     seq = st.received[src]
     st.received[src] += 1
-    got = st.group.recv(src, _MESSAGE_BIT | seq, f"conveyor.distributed: receive #{seq} from process {src}")
+    got = st.group.recv(src, _MESSAGE_BIT | seq, f"conveyor.distributed: receive #{seq} from process {src}", st.via)
     flags = got[-1].tolist()
     sequence, needs = bool(flags[0]), [bool(n) for n in flags[1:]]
     values = [v.to(device) if device is not None else v for v in got[:-1]]
@@ -229,7 +274,8 @@ def backward(*roots) -> None:
                 _return_gradient(st, record)
                 continue
             grads = st.group.recv(record.peer, _MESSAGE_BIT | _GRADIENT_BIT | record.seq,
-                                  f"conveyor.distributed: the gradient of send #{record.seq} to process {record.peer}")
+                                  f"conveyor.distributed: the gradient of send #{record.seq} to process {record.peer}",
+                                  st.via)
             torch.autograd.backward(record.tensors, [g.to(t.device) for g, t in zip(grads, record.tensors)],
                                     retain_graph=True)
     finally:

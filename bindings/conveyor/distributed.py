@@ -10,8 +10,8 @@ or Module(timeout=).
     process_group()  this process's member of the job (made once per process)
 
 and differentiable communication for models split by hand (conveyor/communication.py):
-send, recv, bcast, gather, scatter, allgather, alltoall, reduce_scatter, allreduce,
-backward and Sequential.
+init (UCX, or NCCL for tensors on the GPU), send, recv, bcast, gather, scatter, allgather,
+alltoall, reduce_scatter, allreduce, backward and Sequential.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from . import _C
 from .arguments import seconds
 from .errors import ConveyorValueError
 
-__all__ = ["world", "process_group", "default_timeout", "launch_settings", "send", "recv", "bcast", "gather",
+__all__ = ["world", "process_group", "default_timeout", "launch_settings", "init", "send", "recv", "bcast", "gather",
            "scatter", "allgather", "alltoall", "reduce_scatter", "allreduce", "backward", "rank", "world_size",
            "Sequential"]
 
@@ -152,5 +152,5 @@ def _leave_in_step():
 
 
 from .communication import (  # noqa: E402  (it reaches process_group() above)
-    Sequential, allgather, allreduce, alltoall, backward, bcast, gather, rank, recv, reduce_scatter, scatter, send,
-    world_size)
+    Sequential, allgather, allreduce, alltoall, backward, bcast, gather, init, rank, recv, reduce_scatter, scatter,
+    send, world_size)

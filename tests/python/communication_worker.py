@@ -2,7 +2,8 @@
 (over the sender's shared region and past it), every differentiable collective's forward
 values and backward pairing against what they must be, in float64, a stream of sends that
 keeps nothing per send, then (MISMATCH) the mismatches: a receive nobody sends (the last
-process stops calling, or exits), a send nobody receives."""
+process stops calling, or exits), a send nobody receives. DEVICE=cuda: on CUDA tensors;
+TRANSPORT: conveyor.distributed.init's (GPU_PER_PROCESS: process r on GPU LOCAL_RANK)."""
 import os
 import sys
 
@@ -54,6 +55,11 @@ def sends_keep_nothing(me):
 
 def main():
     torch.set_default_dtype(torch.float64)
+    transport = os.environ.get("TRANSPORT")  # unset: the job's (ucx)
+    if transport:
+        if os.environ.get("GPU_PER_PROCESS"):
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init(transport=transport)
     me, n = dist.rank(), dist.world_size()
     weight = float(me + 1)  # process p's loss is (p + 1) * sum(what it got)
     every = sum(range(1, n + 1))
@@ -65,9 +71,11 @@ def main():
 
     if device == "cuda":
         # With no device asked for, CUDA tensors sent from device memory arrive in device
-        # memory (UCX's CUDA transports), or on the CPU through the host with CONVEYOR_UCX_CUDA=0;
-        # a small, a non-contiguous and a 24 MB tensor, and their gradients.
-        arrives_on = "cpu" if os.environ.get("CONVEYOR_UCX_CUDA") == "0" else "cuda"
+        # memory (UCX's CUDA transports, or NCCL), or on the CPU through the host with
+        # CONVEYOR_UCX_CUDA=0 over UCX; a small, a non-contiguous and a 24 MB tensor, and their
+        # gradients.
+        through_host = os.environ.get("CONVEYOR_UCX_CUDA") == "0" and transport != "nccl"
+        arrives_on = "cpu" if through_host else "cuda"
         sent = [leaf(7), torch.arange(12.0, device=device).reshape(3, 4).t().requires_grad_(),
                 torch.arange(3 << 20, dtype=torch.float64, device=device).requires_grad_()]
         if me == 0:

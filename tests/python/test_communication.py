@@ -82,6 +82,45 @@ def test_every_collective_on_cuda_tensors(device_memory):
     assert out.count("every collective and its backward as expected") == 2, out[-4000:]
 
 
+@pytest.mark.parametrize("processes", [2, 3])
+def test_every_collective_over_nccl(processes):
+    """init(transport="nccl"), a GPU per process: CUDA tensors cross GPU to GPU over NCCL (a
+    two-member group per direction), headers and host tensors over UCX; every backward pairs."""
+    if torch.cuda.device_count() < processes:
+        pytest.skip(f"NCCL needs a GPU per process: {processes} GPUs ({torch.cuda.device_count()} visible)")
+    code, out = launch(processes, Path(__file__).with_name("communication_worker.py"),
+                       env=environment(DEVICE="cuda", TRANSPORT="nccl", GPU_PER_PROCESS="1"))
+    assert code == 0, out[-4000:]
+    assert out.count("every collective and its backward as expected") == processes, out[-4000:]
+
+
+def nccl_refused(**extra) -> str:
+    """The worker with init(transport="nccl") where NCCL cannot serve: every process must fail
+    at once (well inside the 60 s timeout), saying why."""
+    r = subprocess.run([str(TOOL), "launch", "-n", "2", "--timeout", "60", "--", sys.executable,
+                        str(Path(__file__).with_name("communication_worker.py"))],
+                       env=environment(TRANSPORT="nccl", **extra), capture_output=True, text=True, timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-3000:]
+    assert "did not complete within" not in out, out[-3000:]
+    assert 'init(transport="nccl") needs NCCL and a GPU of its own in every process' in out, out[-3000:]
+    return out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
+def test_nccl_without_a_gpu_fails_on_every_process_naming_why():
+    out = nccl_refused()
+    for rank in (0, 1):
+        assert f"process {rank} cannot join NCCL point to point" in out, out[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (tools/gpu_session runs it)")
+def test_nccl_with_two_processes_on_one_gpu_fails_naming_why():
+    """Both processes on their current device, GPU 0: NCCL refuses two members on one GPU."""
+    out = nccl_refused(DEVICE="cuda")
+    assert "each process needs a GPU of its own" in out, out[-3000:]
+
+
 def mismatched(kind: str, timeout_s: int) -> str:
     """The worker's collectives on 2 processes, then the mismatch `kind`; the job must fail."""
     r = subprocess.run([str(TOOL), "launch", "-n", "2", "--timeout", str(timeout_s), "--", sys.executable,

@@ -134,7 +134,9 @@ def test_a_failing_process_stops_the_job_at_once_naming_it():
     assert time.monotonic() - start < 30
 
 
-def test_every_process_gets_the_environment_of_its_rank(tmp_path):
+@pytest.mark.parametrize("flags, expected", [([], "42 1f1b nccl"), (["--transport", "ucx", "--timeout", "7"], "7 1f1b ucx")])
+def test_every_process_gets_the_environment_of_its_rank(flags, expected, tmp_path):
+    """The job config's settings reach every process; flags given override them."""
     script = ("import os\nkeys = ['RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR', 'CONVEYOR_TIMEOUT',"
               " 'CONVEYOR_SCHEDULE', 'CONVEYOR_TRANSPORT', 'CONVEYOR_REPLAN', 'CONVEYOR_REPLAN_HORIZON']\nopen(os.path.join(os.environ['OUT'], os.environ['RANK']), 'w').write("
               "' '.join(os.environ[k] for k in keys) + ' ' + str(int(os.environ['MASTER_PORT']) > 0))\n")
@@ -143,12 +145,12 @@ def test_every_process_gets_the_environment_of_its_rank(tmp_path):
                       'replan_horizon = 250\n')
     os.environ["OUT"] = str(tmp_path)
     try:
-        code, out = launch("--config", config, "--", sys.executable, "-c", script, timeout=60)
+        code, out = launch("--config", config, *flags, "--", sys.executable, "-c", script, timeout=60)
     finally:
         del os.environ["OUT"]
     assert code == 0, out
-    assert (tmp_path / "0").read_text() == "0 0 2 2 127.0.0.1 42 1f1b nccl off 250 True"
-    assert (tmp_path / "1").read_text() == "1 1 2 2 127.0.0.1 42 1f1b nccl off 250 True"
+    assert (tmp_path / "0").read_text() == f"0 0 2 2 127.0.0.1 {expected} off 250 True"
+    assert (tmp_path / "1").read_text() == f"1 1 2 2 127.0.0.1 {expected} off 250 True"
 
 
 @pytest.mark.parametrize("text, expected", [
