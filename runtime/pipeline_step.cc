@@ -4,6 +4,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <set>
@@ -266,16 +267,23 @@ const Status kOutOfStep(ErrorCode::kExecution, "an earlier step failed and left 
                                                "restart the job (every process) after fixing its cause");
 
 // The samples of a batch (its batched inputs' first size), checked against the capture
-// before anything runs (the shares against the batch range follow in check_step).
+// before anything runs (the shares against the batch range follow in check_step). A graph
+// whose capture fixed the batch size has no batched input: its call is one indivisible
+// sample, which runs where the pipeline splits nothing (one microbatch, one replica each).
 Result<std::int64_t> samples_of(const graph::GraphExecutor& executor, const PipelineLayout& layout,
-                                const std::vector<c10::IValue>& inputs) {
+                                const std::vector<c10::IValue>& inputs, int microbatches) {
   CONVEYOR_RETURN_IF_ERROR(executor.check_inputs(inputs, /*whole_batch=*/false));
   std::int64_t batch = -1;
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     if (layout.batch.batched_input[i] && inputs[i].isTensor()) batch = inputs[i].toTensor().size(0);
   }
-  if (batch < 0) return Status(ErrorCode::kInvalidArgument, "no input has a batch dimension to split into microbatches");
-  return batch;
+  if (batch >= 0) return batch;
+  const int most = *std::max_element(layout.stage_replicas.begin(), layout.stage_replicas.end());
+  if (microbatches == 1 && most == 1) return std::int64_t{1};
+  return Status(ErrorCode::kInvalidArgument,
+                "no input has a batch dimension (the capture fixed the batch size), so a call cannot be split into " +
+                    std::to_string(microbatches) + " microbatches" + (most > 1 ? " and replicas" : "") +
+                    "; run it with microbatches=1 and one replica per stage");
 }
 
 }  // namespace
@@ -284,7 +292,7 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
   Impl& im = *impl_;
   const PipelineLayout& layout = im.layout;
   if (im.out_of_step) return kOutOfStep;
-  CONVEYOR_ASSIGN_OR_RETURN(const std::int64_t batch, samples_of(*im.executors[0], layout, inputs));
+  CONVEYOR_ASSIGN_OR_RETURN(const std::int64_t batch, samples_of(*im.executors[0], layout, inputs, layout.microbatches()));
   CONVEYOR_RETURN_IF_ERROR(layout.batch.check_step(batch, layout.microbatches(), layout.stage_replicas, layout.stage_weights()));
   CONVEYOR_RETURN_IF_ERROR(im.store->begin_step(inputs, batch));
   return run_begun(grad_scale, hold_gradients);
@@ -302,7 +310,7 @@ Result<StepResult> PipelineStep::run_packed(const std::vector<std::vector<c10::I
   }
   std::vector<std::int64_t> rows;
   for (std::size_t k = 0; k < microbatches.size(); ++k) {
-    auto samples = samples_of(*im.executors[0], layout, microbatches[k]);
+    auto samples = samples_of(*im.executors[0], layout, microbatches[k], 1);
     if (!samples) return samples.status().with_context("microbatch " + std::to_string(k));
     Status fits = layout.batch.check_step(*samples, 1, layout.stage_replicas, layout.stage_weights());
     if (!fits.is_ok()) return fits.with_context("microbatch " + std::to_string(k));

@@ -23,7 +23,9 @@ Status ValueStore::begin_step(const std::vector<c10::IValue>& inputs, std::int64
   std::lock_guard<std::mutex> lock(mu_);
   batch_ = batch;
   micro_inputs_.assign(static_cast<std::size_t>(m), {});
-  micro_length_.assign(static_cast<std::size_t>(m), 0);
+  // Where no input is batched (a capture that fixed the batch size), the call is one
+  // microbatch of `batch` samples (samples_of: 1); batched inputs set each microbatch's length.
+  micro_length_.assign(static_cast<std::size_t>(m), m == 1 ? batch : 0);
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     std::vector<at::Tensor> parts;
     if (layout_.batch.batched_input[i] && inputs[i].isTensor()) {

@@ -160,6 +160,20 @@ def _suggested_batch_bounds(text: str) -> dict[str, int] | None:
     return {k: int(v) for k, v in re.findall(r"(min|max)=(\d+)", found.group(1))}
 
 
+_RELATION = re.compile(r"L\['(\w+)'\](?:\[(?:'(\w+)'|(\d+))\])*\.size\(\)\[(\d+)\] = ([^=]+)$")
+
+
+def _batch_relation(text: str) -> str | None:
+    """What torch.export says ties an input's size to the batch, as "target dim 0 must be
+    8*batch" (a target flattened to batch x length rows), or None."""
+    for line in text.splitlines():
+        found = _RELATION.match(line.strip())
+        if found and "batch" in found.group(5):
+            name = found.group(2) or found.group(1)
+            return f"{name} dim {found.group(4)} must be {found.group(5).strip()}"
+    return None
+
+
 def _export(model, args, kwargs, dynamic_batch: bool) -> tuple[ExportedProgram, bool]:
     leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
     if not leaves:
@@ -191,8 +205,10 @@ def _export(model, args, kwargs, dynamic_batch: bool) -> tuple[ExportedProgram, 
                 if narrower is None or narrower == bounds:
                     break
                 bounds = narrower
-        warnings.warn(f"conveyor: {type(model).__name__} specializes its batch size; captured "
-                      f"with a fixed batch of {batch} (microbatching will need that size)")
+        why = _batch_relation(text)
+        warnings.warn(f"conveyor: {type(model).__name__} specializes its batch size"
+                      + (f" ({why})" if why else "") + f"; captured for a fixed batch of {batch}: a pipeline "
+                      "runs each call whole (one microbatch, one replica per stage)")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -91,6 +91,7 @@ from .errors import ConveyorValueError, UnsupportedError
 from .plan_maker import PlanMaker, plan_for_larger_sizes
 from .planning import FixedParts, Plan, read_plan
 from .replanning import Replanning, switch_to
+from .call_splitting import refuse_to_split, why_calls_stay_whole
 from .sizes import as_max_sizes, check_max_sizes, largest_sizes
 
 __all__ = ["Module"]
@@ -302,6 +303,9 @@ class Module(torch.nn.Module):
                           "them (dropout of every kind, attention dropout, rand, randn and bernoulli draw reproducibly)", stacklevel=3)
         batch = (sum(packed.rows()) if packed is not None else _batch_of(graph.flatten_inputs(args, kwargs))) or 1
         least = _least_share(graph)  # samples a replica must run at once (the model's own bound)
+        whole = None if packed is not None else why_calls_stay_whole(self.module, graph, batch)
+        if whole:
+            refuse_to_split(whole, self._microbatches, self._replicas)
         replicas = None
         if self._world is not None:
             self._devices = self._world[1]
@@ -316,22 +320,24 @@ class Module(torch.nn.Module):
             replicas = (self._replicas if isinstance(self._replicas, list) else [self._replicas or 1] * ranks)
             if len(replicas) != ranks:
                 raise ConveyorValueError(f"replicas has {len(replicas)} counts but the pipeline has {ranks} ranks")
-            m = self._microbatches or (len(packed) if packed is not None else
+            m = self._microbatches or (len(packed) if packed is not None else 1 if whole else
                                        max(1, min(batch // (max(replicas) * least), 2 * ranks)))
         elif self._plan_file is not None:
             self.plan = read_plan(self._plan_file)
+            if whole:
+                refuse_to_split(whole, self.plan.microbatches, max(self.plan.replicas), f"the plan {self._plan_file}")
             self._step = self._pipeline(graph, self.plan)
             stage_nodes, replicas = self.plan.stage_nodes, self.plan.replicas
             schedule, m, chunks = self.plan.schedule, self.plan.microbatches, self.plan.document["chunks"]
         else:
-            fixed = self._fixed
+            fixed = self._fixed.one_replica() if whole else self._fixed
             # Every fixed stage replica gets a device of its own to plan for.
             self._devices = max(self._devices, fixed.devices())
             # A packed first step: its microbatches are the plan's, its largest sizes planned for.
-            m_hint = self._microbatches or (len(packed) if packed is not None else 0)
+            m_hint = self._microbatches or (len(packed) if packed is not None else 1 if whole else 0)
             # Microbatches keep at least two samples (BatchNorm needs them), unless fixed.
             sample = max(1, batch // m_hint) if m_hint else min(batch, max(2, least, batch // (2 * self._devices)))
-            most_microbatches = max(1, batch // max(2, least))
+            most_microbatches = 1 if whole else max(1, batch // max(2, least))
             # The profile's example: the call's rows (a packed step's microbatch with most rows).
             example = graph.flatten_inputs(*(packed.calls[packed.rows().index(max(packed.rows()))]
                                              if packed is not None else (args, kwargs)))

@@ -13,6 +13,7 @@ the activations autograd saves for backward, and the working memory. See docs/fo
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import os
@@ -393,6 +394,12 @@ class FixedParts:
             self.replicas = list(replicas)
         else:
             self.replicas = [replicas] if replicas else []
+
+    def one_replica(self) -> "FixedParts":
+        """The same parts with one replica per stage fixed (a call that cannot be split)."""
+        out = copy.copy(self)
+        out.replicas = [1]
+        return out
 
     def devices(self) -> int:
         """The devices the fixed parts need at least (0: nothing fixed needs any)."""

@@ -1,0 +1,164 @@
+"""Whether conveyor.Module may split a model's calls along dim 0 of their inputs (into
+microbatches and replicas). Not where the capture fixed the batch size, nor where dim 0 is
+not the batch: a model whose dim 0 is something else, nn.Transformer's default [sequence,
+batch, features] layout, would train on cut sequences without a word of warning. So before
+splitting, the graph is read for operators that combine values across that dimension:
+
+    attention whose keys run along it (scaled_dot_product_attention, a softmax over it),
+    a convolution, pooling or cumulative sum along it,
+    and any operator after which it is gone from a result that is not yet the loss
+    (a mean over the sequence, a product summing over it), unless only sums, means and
+    scaling by constants follow on the way to the loss (a loss that averages over the
+    batch first).
+
+BatchNorm combines samples too, by design, and keeps its per-microbatch statistics
+(docs/design.md, "Execution"). A recurrence needs no rule: torch.export fixes the length an
+RNN runs along, so a time-major RNN's capture fixes "the batch" (conveyor.Module runs its
+calls whole for that reason). What is found is a reason to run each call whole.
+"""
+from __future__ import annotations
+
+import re
+import warnings
+
+import torch
+
+from .errors import ConveyorValueError
+from .graph import node_value_inputs
+
+__all__ = ["why_calls_stay_whole", "refuse_to_split", "where_samples_mix"]
+
+_SOFTMAX = {"aten::softmax", "aten::_softmax", "aten::log_softmax", "aten::_log_softmax"}
+_CONVOLUTION = ("aten::convolution", "aten::conv1d", "aten::conv2d", "aten::conv3d", "aten::conv_transpose1d",
+                "aten::conv_transpose2d", "aten::conv_transpose3d", "aten::_convolution")
+_POOLING = re.compile(r"aten::(max_pool|avg_pool|adaptive_avg_pool|adaptive_max_pool|lp_pool)[123]d")
+# Ops that read their tensor input for its dtype and device only.
+_NEW = {"aten::new_zeros", "aten::new_ones", "aten::new_empty", "aten::new_full", "aten::new_empty_strided"}
+# Ops through which a batch-free result may still reach the loss linearly.
+_LINEAR = {"aten::sum", "aten::mean", "aten::neg", "aten::view", "aten::reshape", "aten::_unsafe_view",
+           "aten::flatten", "aten::squeeze", "aten::unsqueeze", "aten::clone", "aten::alias", "aten::mul",
+           "aten::div", "aten::add", "aten::sub"}
+
+
+def where_samples_mix(document: dict) -> str | None:
+    """The first operator of a graph document that combines values across the batch
+    dimension, "aten::scaled_dot_product_attention (model.py:12) attends along dim 2 of
+    its keys, which holds the batch", or None where every operator keeps samples apart."""
+    batch = {s for s, role in document.get("symbols", {}).items() if role == "batch"}
+    if not batch:
+        return None
+    values = document["values"]
+    consumers: dict[int, list[dict]] = {}
+    for node in document["nodes"]:
+        for v in node_value_inputs(node):
+            consumers.setdefault(v, []).append(node)
+    loss = set(document.get("outputs", []))
+
+    def shape(v: int) -> list:
+        return values[v].get("shape", []) if values[v].get("kind") == "tensor" else []
+
+    def holds_batch(size) -> bool:
+        return isinstance(size, str) and bool(batch & set(re.findall(r"[A-Za-z_]\w*", size)))
+
+    def batch_dims(v: int) -> list[int]:
+        return [d for d, size in enumerate(shape(v)) if holds_batch(size)]
+
+    def int_arg(node: dict, i: int, default: int | None = None) -> int | None:
+        args = node["args"]
+        return args[i]["int"] if i < len(args) and "int" in args[i] else default
+
+    def reaches_loss_linearly(v: int, seen: set) -> bool:
+        if v in loss:
+            return True
+        if v in seen:
+            return True
+        seen.add(v)
+        users = consumers.get(v, [])
+        if not users:
+            return False
+        for node in users:
+            if node["op"] not in _LINEAR:
+                return False
+            if node["op"] in ("aten::mul", "aten::div", "aten::add", "aten::sub") and any(
+                    u != v and values[u].get("kind") == "tensor" and shape(u) for u in node_value_inputs(node)):
+                return False  # combined with another tensor: no longer a plain sum of samples
+            outs = [r["value"] for r in node["returns"] if "value" in r]
+            if not all(reaches_loss_linearly(o, seen) for o in outs):
+                return False
+        return True
+
+    def at(node: dict) -> str:
+        return f"{node['op']}" + (f" ({node['source']})" if node.get("source") else "")
+
+    for node in document["nodes"]:
+        op = node["op"]
+        if "batch_norm" in op or op in _NEW:
+            continue
+        ins = [v for v in node_value_inputs(node) if values[v].get("kind") == "tensor"]
+        if not ins:
+            continue
+        first = ins[0]
+        dims = batch_dims(first)
+        if op == "aten::scaled_dot_product_attention" or op.startswith("aten::_scaled_dot_product"):
+            key = ins[1] if len(ins) > 1 else first
+            if len(shape(key)) >= 2 and len(shape(key)) - 2 in batch_dims(key):
+                return f"{at(node)} attends along dim {len(shape(key)) - 2} of its keys, which holds the batch"
+            continue
+        if op in _SOFTMAX:
+            d = int_arg(node, 1, -1)
+            d = d + len(shape(first)) if d is not None and d < 0 else d
+            if d in dims:
+                return f"{at(node)} normalizes along dim {d}, which holds the batch"
+            continue
+        if op.startswith(_CONVOLUTION) or _POOLING.match(op):
+            spatial = [d for d in dims if d >= 2]
+            if spatial:
+                return f"{at(node)} slides along dim {spatial[0]} of its input, which holds the batch"
+            continue
+        if op == "aten::cumsum" or op == "aten::cumprod":
+            d = int_arg(node, 1, 0)
+            d = d + len(shape(first)) if d < 0 else d
+            if d in dims:
+                return f"{at(node)} accumulates along dim {d}, which holds the batch"
+            continue
+        if not any(batch_dims(v) for v in ins):
+            continue
+        outs = [r["value"] for r in node["returns"] if "value" in r and values[r["value"]].get("kind") == "tensor"]
+        lost = [o for o in outs if shape(o) and not batch_dims(o)]
+        if lost and outs and not any(batch_dims(o) for o in outs):
+            if all(reaches_loss_linearly(o, set()) for o in lost):
+                continue  # a loss that sums or averages over the batch first
+            return f"{at(node)} leaves no batch dimension in its result of shape {shape(lost[0])}"
+    return None
+
+
+def why_calls_stay_whole(model: torch.nn.Module, graph, batch: int) -> str | None:
+    """Why a call of `graph` cannot be split along dim 0 of its inputs (into microbatches or
+    replicas), or None: the capture fixed the batch size, or the model combines values
+    across that dimension, so it is not the batch (a time-major model). Such a call runs
+    whole, in one microbatch on one replica per stage."""
+    name = type(model).__name__
+    if not graph.dynamic_batch:
+        return (f"{name} fixes its batch size (captured for {batch} samples; capture's warning says which size "
+                "ties it): to split calls, let dim 0 of every input be the batch (batch_first=True for nn.LSTM, "
+                "nn.GRU and nn.RNN; a target not flattened) and nothing check its size")
+    mixing = where_samples_mix(graph.document)
+    if mixing is None:
+        return None
+    why = (f"{name} combines values across dim 0 of its inputs, so dim 0 is not its batch: {mixing}. To split "
+           "calls, put the batch first in every input (batch_first=True for nn.Transformer layers and "
+           "nn.MultiheadAttention)")
+    warnings.warn(f"conveyor: {why}; until then each call runs whole (one microbatch, one replica per stage)",
+                  stacklevel=4)
+    return why
+
+
+def refuse_to_split(why: str, microbatches: int | None, replicas, fixed_by: str = "") -> None:
+    """A call that cannot be split (`why`) takes one microbatch and one replica per stage;
+    `microbatches` and `replicas` (an int, or a list per rank) asked for more are refused."""
+    most = max(replicas) if isinstance(replicas, list) else replicas or 1
+    asked = [f"microbatches={microbatches}"] if (microbatches or 1) > 1 else []
+    asked += [f"replicas={replicas}"] if most > 1 else []
+    if asked:
+        raise ConveyorValueError(f"{fixed_by or ' and '.join(asked)} would split each call along dim 0 of its "
+                                 f"inputs, but {why}. It runs whole with microbatches=1 and one replica per stage")

@@ -1,0 +1,246 @@
+"""conveyor.Module splits each call along dim 0 of its inputs. Where that is not the batch
+(a time-major model: nn.Transformer's default layout, an LSTM without batch_first) or the
+capture fixed the batch size (an input flattened to batch x length rows), a call runs whole,
+in one microbatch on one replica per stage, and trains exactly like eager PyTorch on the
+whole batch; splitting it anyway is refused, naming why. The graph check that finds such
+models leaves the zoo's models alone."""
+import copy
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import conveyor
+from conveyor import _C, zoo
+from conveyor.errors import ConveyorValueError
+from conveyor.loss_wrapper import loss_wrapper
+from conveyor.call_splitting import where_samples_mix
+
+TOLERANCE = 1e-9
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
+
+
+class TimeMajorEncoder(torch.nn.Module):
+    """nn.TransformerEncoder in its default layout: x is [sequence, batch, features]."""
+
+    def __init__(self):
+        super().__init__()
+        layer = torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0)
+        self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.encoder(x).mean(0))
+
+
+class TimeMajorLSTM(torch.nn.Module):
+    """PyTorch's word-language-model layout: tokens [sequence, batch], one logit row per token."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(50, 16)
+        self.lstm = torch.nn.LSTM(16, 16, num_layers=2)
+        self.decoder = torch.nn.Linear(16, 50)
+
+    def forward(self, tokens):
+        return self.decoder(self.lstm(self.embedding(tokens))[0]).view(-1, 50)
+
+
+class FlatTargetLSTM(torch.nn.Module):
+    """Batch first, but the loss pairs each token's logits with a target flattened to
+    batch x length rows: torch.export ties the target's rows to 8 * batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(50, 16)
+        self.lstm = torch.nn.LSTM(16, 16, batch_first=True)
+        self.decoder = torch.nn.Linear(16, 50)
+
+    def forward(self, tokens):
+        return self.decoder(self.lstm(self.embedding(tokens))[0]).flatten(0, 1)
+
+
+def time_major_encoder():
+    return TimeMajorEncoder(), torch.randn(8, 6, 16), torch.tensor([0, 1, 2, 0, 1, 2])
+
+
+def time_major_lstm():
+    tokens = torch.randint(0, 50, (8, 6))
+    return TimeMajorLSTM(), tokens, torch.randint(0, 50, (8 * 6,))
+
+
+def flat_target_lstm():
+    tokens = torch.randint(0, 50, (6, 8))
+    return FlatTargetLSTM(), tokens, tokens.flatten()
+
+
+@pytest.mark.parametrize("make, warned", [
+    (time_major_encoder, "combines values across dim 0 of its inputs, so dim 0 is not its batch: "
+                         "aten::scaled_dot_product_attention"),
+    (time_major_lstm, "TimeMajorLSTMLoss specializes its batch size"),  # export fixes an LSTM's length
+    (flat_target_lstm, "specializes its batch size (target dim 0 must be 8*batch)"),
+])
+def test_a_call_that_cannot_be_split_runs_whole_and_trains_like_eager(make, warned):
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.float64)
+    try:
+        net, x, y = make()
+        ref = copy.deepcopy(net)
+        loss_fn = torch.nn.CrossEntropyLoss()
+        model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.05), loss_fn=loss_fn, stages=2)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            losses = [model.train_step(x, target=y).item() for _ in range(2)]
+        assert any(warned in str(w.message) for w in caught), [str(w.message) for w in caught]
+        _, _, microbatches, _, replicas = model._layout
+        assert microbatches == 1 and max(replicas) == 1, model._layout
+        for step in range(2):
+            ref_opt.zero_grad()
+            ref_loss = loss_fn(ref(x), y)
+            ref_loss.backward()
+            ref_opt.step()
+            assert losses[step] == pytest.approx(ref_loss.item(), rel=TOLERANCE, abs=0), step
+        for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+            err = (p - q).abs().max().item() / max(q.abs().max().item(), 1e-6)
+            assert err <= TOLERANCE, f"{name}: relative error {err:.2e}"
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def train_whole_across_processes() -> None:
+    """Run under `conveyor launch -n 2` (this file as a script): both kinds of call that
+    cannot be split train 2 steps like eager, with the stages in two processes."""
+    warnings.simplefilter("ignore")
+    torch.set_default_dtype(torch.float64)
+    for make in (time_major_encoder, flat_target_lstm):
+        torch.manual_seed(0)
+        net, x, y = make()
+        ref = copy.deepcopy(net)
+        loss_fn = torch.nn.CrossEntropyLoss()
+        model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.05), loss_fn=loss_fn, stages=2)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+        for step in range(2):
+            loss = model.train_step(x, target=y).item()
+            ref_opt.zero_grad()
+            ref_loss = loss_fn(ref(x), y)
+            ref_loss.backward()
+            ref_opt.step()
+            assert abs(loss - ref_loss.item()) <= TOLERANCE * abs(ref_loss.item()), (make.__name__, step)
+        state = model.state_dict()
+        for name, want in ref.state_dict().items():
+            err = (state[name] - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
+            assert err <= TOLERANCE, f"{make.__name__}: {name} relative error {err:.2e}"
+        print(f"process {model.rank}: {make.__name__} ran whole and trained like eager", flush=True)
+
+
+@pytest.mark.skipif(bool(_C.ucx_status()), reason=f"UCX cannot start here: {_C.ucx_status()}")
+def test_calls_that_cannot_be_split_train_like_eager_across_processes():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    tool = Path(os.environ.get("CONVEYOR_BUILD_DIR", Path(__file__).resolve().parents[2] / "build")) / "tools" / "conveyor"
+    r = subprocess.run([str(tool), "launch", "-n", "2", "--timeout", "120", "--", sys.executable, __file__],
+                       env=env, capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert out.count("ran whole and trained like eager") == 4, out[-4000:]
+
+
+@pytest.mark.parametrize("asked", [{"microbatches": 2}, {"replicas": 2}])
+def test_splitting_a_call_that_cannot_be_split_is_refused_naming_why(asked):
+    net, x, y = time_major_encoder()
+    model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.05), loss_fn=torch.nn.CrossEntropyLoss(),
+                            **asked)
+    key, value = next(iter(asked.items()))
+    with pytest.raises(ConveyorValueError, match=f"{key}={value} would split each call along dim 0 of its inputs, "
+                                                 "but TimeMajorEncoder combines values across dim 0"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.train_step(x, target=y)
+
+
+class BatchFirstGRU(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gru = torch.nn.GRU(16, 16, batch_first=True)
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.head(self.gru(x)[0][:, -1]), y)
+
+
+class MeanOverBatchFirst(torch.nn.Module):
+    """A loss that averages over the batch before summing the features: still a sum of samples."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 3)
+
+    def forward(self, x, y):
+        return (self.linear(x) - y).pow(2).mean(0).sum()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "t5", "resnet18", "cnn_batchnorm", "unet3d", "gru", "mean_over_batch"])
+def test_models_whose_dim_0_is_the_batch_are_split(name):
+    torch.manual_seed(0)
+    if name == "gru":
+        model, args, kwargs = BatchFirstGRU(), (torch.randn(4, 8, 16), torch.tensor([0, 1, 2, 0])), {}
+    elif name == "mean_over_batch":
+        model, args, kwargs = MeanOverBatchFirst(), (torch.randn(4, 16), torch.randn(4, 3)), {}
+    else:
+        case = zoo.CASES[name](dtype=torch.float32)
+        model, args, kwargs = loss_wrapper(case.model, None, case.args, case.kwargs), case.args, case.kwargs
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = conveyor.capture(model, args, kwargs)
+    assert graph.dynamic_batch
+    assert where_samples_mix(graph.document) is None
+
+
+class TimeMajor(torch.nn.Module):
+    """x is [sequence, batch, features]; `mix` says how the sequence is combined."""
+
+    def __init__(self, mix: str):
+        super().__init__()
+        self.mix = mix
+        self.conv = torch.nn.Conv1d(16, 16, 3, padding=1)
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x, y):
+        if self.mix == "attention by hand":
+            xb = x.transpose(0, 1)  # [batch, sequence, features]
+            weights = torch.softmax(xb @ xb.transpose(1, 2) * 0.25, dim=-1)
+            h = (weights @ xb)[:, -1]
+        elif self.mix == "convolution":
+            h = self.conv(x.permute(1, 2, 0))[..., -1]
+        elif self.mix == "cumulative sum":
+            h = x.cumsum(0)[-1]
+        else:  # mean pooling over the sequence
+            h = torch.tanh(x).mean(0)
+        return torch.nn.functional.cross_entropy(self.head(h), y)
+
+
+@pytest.mark.parametrize("mix, named", [
+    ("attention by hand", "aten::softmax"), ("convolution", "aten::conv1d"), ("cumulative sum", "aten::cumsum"),
+    ("mean pooling", "aten::mean"),
+])
+def test_a_time_major_model_is_found_naming_the_operator(mix, named):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = conveyor.capture(TimeMajor(mix), (torch.randn(8, 4, 16), torch.tensor([0, 1, 2, 0])))
+    found = where_samples_mix(graph.document)
+    assert found is not None and found.startswith(named), found
+    assert "test_batch_dimension.py" in found, found  # the user's source line
+
+
+if __name__ == "__main__":
+    train_whole_across_processes()
