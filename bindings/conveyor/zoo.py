@@ -225,7 +225,77 @@ def inplace_net(batch=8, dtype=torch.float64) -> ZooCase:
     return ZooCase("inplace", m, (torch.randn(batch, 8, dtype=dtype),), {})
 
 
+def qwen2(batch=4, seq=16, dtype=torch.float64, vocab=96) -> ZooCase:
+    """Qwen2: grouped-query attention with biased query, key and value projections."""
+    tf = _quiet_transformers()
+    cfg = tf.Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, use_cache=False,
+                         attn_implementation="eager")
+    m = tf.Qwen2ForCausalLM(cfg).to(dtype)
+    return ZooCase("qwen2", m, (), padded_tokens(batch, seq, vocab))
+
+
+def gemma2(batch=4, seq=16, dtype=torch.float64, vocab=96) -> ZooCase:
+    """Gemma 2: local (sliding-window) and global attention layers, logit soft-capping, tied
+    embeddings scaled by the width."""
+    tf = _quiet_transformers()
+    cfg = tf.Gemma2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+                          sliding_window=8, use_cache=False, attn_implementation="eager")
+    m = tf.Gemma2ForCausalLM(cfg).to(dtype)
+    ids = torch.randint(0, vocab, (batch, seq))
+    return ZooCase("gemma2", m, (), {"input_ids": ids, "labels": ids})
+
+
+def bart(batch=4, seq=16, dtype=torch.float64, vocab=96) -> ZooCase:
+    """BART: an encoder-decoder with learned positions, embeddings shared three ways."""
+    tf = _quiet_transformers()
+    cfg = tf.BartConfig(vocab_size=vocab, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+                        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, use_cache=False)
+    m = tf.BartForConditionalGeneration(cfg).to(dtype)
+    ids = torch.randint(3, vocab, (batch, seq))
+    return ZooCase("bart", m, (), {"input_ids": ids, "labels": ids})
+
+
+class _Classifier(nn.Module):
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x, labels):
+        return F.cross_entropy(self.net(x), labels)
+
+
+def swin(batch=4, dtype=torch.float64, image=32) -> ZooCase:
+    """torchvision's Swin Transformer: shifted windows (roll, masks built per image size),
+    relative position biases, patch merging."""
+    from torchvision.models.swin_transformer import SwinTransformer
+    m = SwinTransformer(patch_size=[4, 4], embed_dim=16, depths=[2, 2], num_heads=[2, 4], window_size=[4, 4],
+                        stochastic_depth_prob=0.0, num_classes=5).to(dtype)
+    return ZooCase("swin", _Classifier(m), (torch.randn(batch, 3, image, image, dtype=dtype),
+                                            torch.randint(0, 5, (batch,))), {})
+
+
+def convnext(batch=4, dtype=torch.float64, image=32) -> ZooCase:
+    """torchvision's ConvNeXt: depthwise 7x7 convolutions, channels-last LayerNorm, layer scale."""
+    from torchvision.models.convnext import CNBlockConfig, ConvNeXt
+    m = ConvNeXt([CNBlockConfig(16, 32, 2), CNBlockConfig(32, None, 2)], stochastic_depth_prob=0.0,
+                 num_classes=5).to(dtype)
+    return ZooCase("convnext", _Classifier(m), (torch.randn(batch, 3, image, image, dtype=dtype),
+                                                torch.randint(0, 5, (batch,))), {})
+
+
+def mobilenet_v3(batch=4, dtype=torch.float64, image=64) -> ZooCase:
+    """torchvision's MobileNetV3 small: hard-swish, squeeze-and-excitation, BatchNorm."""
+    import torchvision
+    m = torchvision.models.mobilenet_v3_small(num_classes=5, dropout=0.0).to(dtype)
+    return ZooCase("mobilenet_v3", _Classifier(m), (torch.randn(batch, 3, image, image, dtype=dtype),
+                                                    torch.randint(0, 5, (batch,))), {})
+
+
 CASES: dict[str, Callable[..., ZooCase]] = {
     "mlp": mlp, "cnn_batchnorm": cnn_batchnorm, "resnet18": resnet18, "bert": bert, "gpt2": gpt2, "llama": llama,
     "t5": t5, "unet3d": unet3d, "dropout": dropout_net, "inplace": inplace_net,
+    "qwen2": qwen2, "gemma2": gemma2, "bart": bart, "swin": swin, "convnext": convnext, "mobilenet_v3": mobilenet_v3,
 }

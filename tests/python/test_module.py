@@ -18,7 +18,7 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
 
 
-@pytest.mark.parametrize("name,batch", [("gpt2", 8), ("resnet18", 8), ("t5", 8)])
+@pytest.mark.parametrize("name,batch", [("gpt2", 8), ("resnet18", 8), ("t5", 8), ("bart", 8), ("convnext", 8)])
 def test_automatic_plan_trains_like_eager_accumulation(name, batch):
     torch.manual_seed(0)
     case = zoo.CASES[name](batch=batch)
