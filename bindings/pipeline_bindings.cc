@@ -148,6 +148,11 @@ void bind_pipeline(py::module_& m) {
       .def("share_lengths", &runtime::PipelineStep::share_lengths, py::arg("stage"), py::arg("length"),
            "The samples each replica of `stage` runs of a microbatch of `length` (its rank's shares; empty for "
            "a stage the pipeline lacks).")
+      .def_property_readonly("loss_reduction", [](const runtime::PipelineStep& step) {
+        const auto& found = step.loss_reduction();
+        return py::make_tuple(runtime::loss_reduction_name(found.reduction), found.why);
+      }, "(how, why): how the loss combines the samples, \"mean\" (a share weighs its samples over the batch's), "
+         "\"sum\" (a share weighs 1) or \"other\" (weighed as a mean; `why` names the operator).")
       .def(
           "run",
           [](runtime::PipelineStep& step, const py::sequence& inputs, double grad_scale, bool hold_gradients) {

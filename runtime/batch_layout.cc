@@ -174,6 +174,7 @@ Result<BatchLayout> BatchLayout::analyze(const graph::Graph& g, const std::vecto
       share_positions[o] = positions && !on_data;
     }
   }
+  out.loss_reduction = find_loss_reduction(g, out.batch_dim, out.is_batch_size);
   // Between stages that split a microbatch differently (replica counts or weights) a value
   // is redistributed along its batch dimension, or, when it does not depend on the batch,
   // taken from any replica.

@@ -12,6 +12,7 @@
 #include "common/shares.h"
 #include "common/status.h"
 #include "graph/ir.h"
+#include "runtime/loss_reduction.h"
 
 namespace conveyor::runtime {
 
@@ -27,6 +28,9 @@ struct BatchLayout {
   std::vector<bool> is_batch_size;               ///< per value: a size equal to the batch (each replica sees its share's)
   graph::Graph::Range range;                     ///< the share sizes the graph holds for (capture's guards)
   graph::ValueId loss = -1;                      ///< the graph's one output, a scalar
+  /// How the loss combines the samples (runtime/loss_reduction.h): a share's loss weighs its
+  /// samples over the batch's for a mean, 1 for a sum.
+  LossReductionFound loss_reduction;
 
   /// Analyses `g` cut into `stages` with `stage_replicas` replicas each (`stage_split`: per
   /// stage, an id equal for stages that split a microbatch alike; empty: alike when the

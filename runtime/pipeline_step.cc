@@ -467,6 +467,8 @@ std::map<std::string, std::vector<int>> PipelineStep::readers() const {
 std::int64_t PipelineStep::handed_over_bytes() const { return impl_->handed_over_bytes; }
 double PipelineStep::handed_over_s() const { return impl_->handed_over_s; }
 
+const LossReductionFound& PipelineStep::loss_reduction() const { return impl_->layout.batch.loss_reduction; }
+
 std::vector<std::int64_t> PipelineStep::share_lengths(int stage, std::int64_t length) const {
   const PipelineLayout& layout = impl_->layout;
   std::vector<std::int64_t> out;

@@ -25,6 +25,7 @@
 
 #include "runtime/coordinator.h"
 #include "runtime/device_streams.h"
+#include "runtime/loss_reduction.h"
 #include "runtime/model_state.h"
 #include "common/recomputation.h"
 #include "common/status.h"
@@ -137,6 +138,8 @@ class PipelineStep {
   double handed_over_s() const;
   /// The samples each replica of `stage` runs of a microbatch of `length` (its rank's shares).
   std::vector<std::int64_t> share_lengths(int stage, std::int64_t length) const;
+  /// How the loss combines the samples, which decides each share's weight.
+  const LossReductionFound& loss_reduction() const;
 
   /// The last step's gradient buckets of replicated stages, and how many were reduced while
   /// their stage's last backward still ran.

@@ -287,6 +287,7 @@ std::int64_t ValueStore::per_sample(ValueId v, const at::Tensor& t, std::int64_t
 }
 
 double ValueStore::weight(int mb, int stage, int i) const {
+  if (layout_.batch.loss_reduction.reduction == LossReduction::kSum) return 1.0;  // a sum over the samples
   std::lock_guard<std::mutex> lock(mu_);
   return static_cast<double>(layout_.share(micro_length_[mb], stage, i).length) / static_cast<double>(batch_);
 }

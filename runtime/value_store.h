@@ -75,8 +75,8 @@ class ValueStore {
   /// backward, as the schedule's memory model has them, not to the end of the step.
   at::Tensor take_gradient(graph::ValueId v, int mb, int i);
 
-  /// Replica `i` of `stage`'s share of microbatch `mb`, as a fraction of the batch: the
-  /// weight of its loss.
+  /// The weight of replica `i` of `stage`'s share of microbatch `mb` in the step's loss: its
+  /// fraction of the batch where the loss is a mean over the samples, 1 where it is a sum.
   double weight(int mb, int stage, int i) const;
   /// Each share's loss this step, by (microbatch, replica): only the shares run here.
   std::map<std::pair<int, int>, at::Tensor> losses() const;

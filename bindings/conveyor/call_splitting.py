@@ -26,7 +26,7 @@ import torch
 from .errors import ConveyorValueError
 from .graph import node_value_inputs
 
-__all__ = ["why_calls_stay_whole", "refuse_to_split", "where_samples_mix"]
+__all__ = ["why_calls_stay_whole", "refuse_to_split", "warn_of_a_loss_split_changes", "where_samples_mix"]
 
 _SOFTMAX = {"aten::softmax", "aten::_softmax", "aten::log_softmax", "aten::_log_softmax"}
 _CONVOLUTION = ("aten::convolution", "aten::conv1d", "aten::conv2d", "aten::conv3d", "aten::conv_transpose1d",
@@ -162,3 +162,15 @@ def refuse_to_split(why: str, microbatches: int | None, replicas, fixed_by: str 
     if asked:
         raise ConveyorValueError(f"{fixed_by or ' and '.join(asked)} would split each call along dim 0 of its "
                                  f"inputs, but {why}. It runs whole with microbatches=1 and one replica per stage")
+
+
+def warn_of_a_loss_split_changes(step, microbatches: int, replicas: list) -> None:
+    """Warns where `step` splits calls and its loss is neither a mean nor a sum over the
+    samples (runtime/loss_reduction.h): the shares' losses are then weighed as a mean's, as
+    gradient accumulation weighs microbatches, which is not the whole batch's loss."""
+    how, why = step.loss_reduction
+    if how == "other" and (microbatches > 1 or max(replicas) > 1):
+        warnings.warn(f"conveyor: the loss is neither a mean nor a sum over the samples ({why}): each of the "
+                      f"{microbatches} microbatches' shares weighs its part of the batch, as gradient accumulation "
+                      "would, which differs from the loss of the whole batch at once; compute the loss as a mean "
+                      "or a sum over the samples to train exactly as on one device", stacklevel=4)

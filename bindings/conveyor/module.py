@@ -91,7 +91,7 @@ from .errors import ConveyorValueError, UnsupportedError
 from .plan_maker import PlanMaker, plan_for_larger_sizes
 from .planning import FixedParts, Plan, read_plan
 from .replanning import Replanning, switch_to
-from .call_splitting import refuse_to_split, why_calls_stay_whole
+from .call_splitting import refuse_to_split, warn_of_a_loss_split_changes, why_calls_stay_whole
 from .sizes import as_max_sizes, check_max_sizes, largest_sizes
 
 __all__ = ["Module"]
@@ -375,6 +375,7 @@ class Module(torch.nn.Module):
         self._graph = graph
         replicas = list(replicas)[:len(stage_nodes) // chunks]  # per rank (a plan lists them per stage)
         self._layout = (len(stage_nodes), schedule, m, chunks, replicas)
+        warn_of_a_loss_split_changes(self._step, m, replicas)
         self._stage_nodes = stage_nodes
         self._built_batch, self._least = batch, least
 

@@ -3,7 +3,9 @@
 capture fixed the batch size (an input flattened to batch x length rows), a call runs whole,
 in one microbatch on one replica per stage, and trains exactly like eager PyTorch on the
 whole batch; splitting it anyway is refused, naming why. The graph check that finds such
-models leaves the zoo's models alone."""
+models leaves the zoo's models alone. A split step weighs each share's loss by how the loss
+combines the samples: a summed loss trains like the whole batch as an averaged one does,
+and one that is neither warns, naming the operator."""
 import copy
 import os
 import subprocess
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import conveyor
 from conveyor import _C, zoo
@@ -240,6 +243,67 @@ def test_a_time_major_model_is_found_naming_the_operator(mix, named):
     found = where_samples_mix(graph.document)
     assert found is not None and found.startswith(named), found
     assert "test_batch_dimension.py" in found, found  # the user's source line
+
+
+
+class WithLoss(torch.nn.Module):
+    """A small network and a loss of the kind named (how it combines the samples)."""
+
+    LOSSES = {
+        "cross entropy, summed": lambda out, y: F.cross_entropy(out, y, reduction="sum"),
+        "squares summed, then divided by the batch size": lambda out, y: out.pow(2).sum() / out.shape[0],
+        "KL divergence, batchmean": lambda out, y: F.kl_div(F.log_softmax(out, -1), F.softmax(out.detach() * 2, -1),
+                                                             reduction="batchmean"),
+        "a mean over the batch, then a sum": lambda out, y: out.pow(2).mean(0).sum(),
+        "binary cross entropy, summed, doubled": lambda out, y: 2 * F.binary_cross_entropy_with_logits(
+            out, torch.ones_like(out), reduction="sum"),
+        "root mean square": lambda out, y: F.mse_loss(out, out.detach() * 0.5).sqrt(),
+    }
+
+    def __init__(self, loss: str):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(8, 16), torch.nn.Linear(16, 3)
+        self.loss = WithLoss.LOSSES[loss]
+
+    def forward(self, x, y):
+        return self.loss(self.second(torch.tanh(self.first(x))), y)
+
+
+@pytest.mark.parametrize("loss", [name for name in WithLoss.LOSSES if name != "root mean square"])
+def test_a_split_step_of_a_summed_or_averaged_loss_equals_the_whole_batch(loss):
+    """Each share's loss weighs 1 where the loss sums over the samples (their fraction of
+    the batch where it averages): the step equals eager PyTorch on the whole batch."""
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.float64)
+    try:
+        net = WithLoss(loss)
+        ref = copy.deepcopy(net)
+        x, y = torch.randn(8, 8), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+        model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.05), stages=2, microbatches=2,
+                                replicas=2, replan="off")
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # none of these warns
+            for step in range(2):
+                got = model.train_step(x, y).item()
+                ref_opt.zero_grad()
+                want = ref(x, y)
+                want.backward()
+                ref_opt.step()
+                assert got == pytest.approx(want.item(), rel=TOLERANCE, abs=0), step
+        for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+            err = (p - q).abs().max().item() / max(q.abs().max().item(), 1e-6)
+            assert err <= TOLERANCE, f"{name}: relative error {err:.2e}"
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_a_loss_neither_summed_nor_averaged_warns_naming_the_operator():
+    net = WithLoss("root mean square")
+    model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.05), stages=2, microbatches=2, replan="off")
+    with pytest.warns(UserWarning, match=r"the loss is neither a mean nor a sum over the samples \(aten::sqrt "
+                                         r"\(.*test_batch_dimension.py:\d+\) is not linear"):
+        model.train_step(torch.randn(8, 8), torch.zeros(8, dtype=torch.long))
 
 
 if __name__ == "__main__":

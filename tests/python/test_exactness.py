@@ -1,6 +1,6 @@
 """The captured graph, whole or cut into stages, trains exactly like the eager model.
 
-For every model of the zoo (float64): the loss, every parameter gradient and every buffer
+For every model of the zoo and its more architectures (float64): the loss, every parameter gradient and every buffer
 (BatchNorm running statistics) equal eager PyTorch to a relative error of 1e-9, for the
 whole graph and for random valid cuts into 2, 3 and 5 stages chained like a pipeline.
 """
@@ -45,10 +45,10 @@ def compare(model, ref, loss, ref_loss, rel_err, what):
         assert torch.equal(b, c) or rel_err(b, c) <= TOLERANCE, f"{what}: buffer {name} differs"
 
 
-@pytest.fixture(scope="module", params=list(zoo.CASES))
+@pytest.fixture(scope="module", params=list(zoo.CASES) + list(zoo.MORE_CASES))
 def captured(request):
     torch.manual_seed(0)
-    case = zoo.CASES[request.param]()
+    case = {**zoo.CASES, **zoo.MORE_CASES}[request.param]()
     initial = snapshot(case.model)
     graph = conveyor.capture(case.model, case.args, case.kwargs)
     restore(case.model, initial)  # capture must not have changed anything, but be sure

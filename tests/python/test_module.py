@@ -21,7 +21,7 @@ def private_cache(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name,batch", [("gpt2", 8), ("resnet18", 8), ("t5", 8), ("bart", 8), ("convnext", 8)])
 def test_automatic_plan_trains_like_eager_accumulation(name, batch):
     torch.manual_seed(0)
-    case = zoo.CASES[name](batch=batch)
+    case = {**zoo.CASES, **zoo.MORE_CASES}[name](batch=batch)
     ref = copy.deepcopy(case.model)
     opt = torch.optim.SGD(case.model.parameters(), lr=0.05)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)

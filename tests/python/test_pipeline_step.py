@@ -152,12 +152,12 @@ def test_pipelined_steps_equal_eager_gradient_accumulation(name, device, rel_err
             loss, seconds, actions = step.run(inputs)
             opt.step()
             # Eager: gradient accumulation over the same shares (each microbatch split
-            # between the replicas), each weighted by its part of the batch.
+            # between the replicas), each weighted by its part of the batch (1 for a sum).
             ref_opt.zero_grad(set_to_none=True)
             ref_loss = 0
             for a, k in split_batch(case.args, case.kwargs, m, batch):
                 for a2, k2 in split_batch(a, k, replicas, batch_size(zoo.ZooCase(name, None, a, k))):
-                    share = batch_size(zoo.ZooCase(name, None, a2, k2)) / batch
+                    share = case.share_weight(batch_size(zoo.ZooCase(name, None, a2, k2)), batch)
                     part = ref(*a2, **k2) * share
                     part.backward()
                     ref_loss = ref_loss + part.detach()
