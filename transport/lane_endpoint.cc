@@ -205,18 +205,53 @@ class LaneEndpointImpl final : public LaneEndpoint, public std::enable_shared_fr
     }
     if (!parsed.is_ok()) return lose(peer, parsed.status());
     auto [tag, message, into] = std::move(parsed).value();
+    // Delivered in header order, whichever lane transfer completes first (a small message's
+    // can overtake a large one's on a lane over UCX).
+    auto arriving = std::make_shared<Arriving>(Arriving{tag, std::move(message), into.empty()});
+    {
+      std::lock_guard<std::mutex> lock(order_mu_);
+      in_order_[peer].push_back(arriving);
+    }
     if (into.empty()) {
-      deliver(peer, tag, std::move(message));
+      deliver_in_order(peer);
     } else {
       std::weak_ptr<LaneEndpointImpl> weak = weak_from_this();
-      receives_.at(peer)->recv(into, [weak, peer, tag = tag, message = std::move(message)](Status s) mutable {
+      receives_.at(peer)->recv(into, [weak, peer, arriving](Status s) {
         auto self = weak.lock();
         if (!self) return;
         if (!s.is_ok()) return self->lose(peer, s);
-        self->deliver(peer, tag, std::move(message));
+        {
+          std::lock_guard<std::mutex> lock(self->order_mu_);
+          arriving->complete = true;
+        }
+        self->deliver_in_order(peer);
       });
     }
     listen(peer);
+  }
+
+  // A message whose header came from a peer, until it is delivered.
+  struct Arriving {
+    Tag tag;
+    std::vector<at::Tensor> message;
+    bool complete;  // its lane transfer (if any) has finished
+  };
+
+  // Delivers `peer`'s complete messages from the front of its header order. One thread at a
+  // time delivers a peer's messages; another that completes one meanwhile leaves it to it.
+  void deliver_in_order(int peer) {
+    std::unique_lock<std::mutex> lock(order_mu_);
+    if (delivering_[peer]) return;
+    delivering_[peer] = true;
+    auto& queue = in_order_[peer];
+    while (!queue.empty() && queue.front()->complete) {
+      std::shared_ptr<Arriving> next = std::move(queue.front());
+      queue.pop_front();
+      lock.unlock();
+      deliver(peer, next->tag, std::move(next->message));
+      lock.lock();
+    }
+    delivering_[peer] = false;
   }
 
   struct Parsed {
@@ -310,6 +345,9 @@ class LaneEndpointImpl final : public LaneEndpoint, public std::enable_shared_fr
   std::map<int, std::shared_ptr<Lane>> sends_, receives_;
   Tag control_tag_;
   std::map<int, std::unique_ptr<std::mutex>> send_order_;  // by peer: headers and lane in one order
+  std::mutex order_mu_;  // guards in_order_, delivering_ and each Arriving's `complete`
+  std::map<int, std::deque<std::shared_ptr<Arriving>>> in_order_;  // by peer: in header order
+  std::map<int, bool> delivering_;                                 // by peer: a thread delivers
   std::mutex mu_;
   std::map<std::pair<int, Tag>, std::deque<Result<std::vector<at::Tensor>>>> arrived_;
   std::map<std::pair<int, Tag>, std::deque<Received>> waiting_;

@@ -357,7 +357,7 @@ def test_cuda_streams_run_each_replica_in_order_and_are_timed_on_the_device(sche
 
 class DropoutCounts(torch.nn.Module):
     """loss = the sum of dropout(w) over the batch: w's gradient counts, element by element,
-    the samples whose mask kept it (scaled by 1 / (1 - p) and the microbatch weights)."""
+    the samples whose mask kept it (scaled by 1 / (1 - p); a sum's shares weigh 1)."""
 
     def __init__(self, width=512):
         super().__init__()
@@ -390,8 +390,9 @@ def test_dropout_draws_depend_on_the_seed_step_and_share_only(device):
         step.run(inputs)
         assert torch.equal(torch.get_rng_state(), global_state), "the step drew from torch's global generator"
 
-        # Each of 4 shares is weighted 1/4 and kept elements are scaled by 2: count / 2.
-        return (model.w.grad * 2).round().long().cpu()
+        # The loss sums over the batch, so each of the 4 shares weighs 1, and kept elements
+        # are scaled by 2: the count is half the gradient.
+        return (model.w.grad / 2).round().long().cpu()
 
     first = _C.PipelineStep(graph.executor, stages, "1f1b", 2, 1, [2, 2], seed=7)
     counts = [kept_counts(first) for _ in range(2)]
