@@ -24,8 +24,12 @@ have 0 elements while it trains); a stage whose replicas run in several processe
 parallel across them (its gradients summed over them every step). The loss reaches every
 process, and `state_dict()` gathers the
 whole model from the processes that own each part (call it on every process: it is
-collective, like `load_state_dict()` and evaluation under `torch.no_grad()`). Every process
-must be fed the same batches.
+collective, like `load_state_dict()` and evaluation). Every process must be fed the same
+batches.
+
+In eval mode (`model.eval()`) a call runs the model itself, whole, as eager PyTorch would
+(BatchNorm's running statistics, no dropout), and returns its loss; under torch.no_grad()
+in train mode it runs the captured graph whole (batch statistics, dropout, as eager).
 
 Dropout (any random operator) in a forward draws from a generator seeded from the
 pipeline's seed, the step, the stage, the microbatch and the replica: the same masks
@@ -238,6 +242,7 @@ class Module(torch.nn.Module):
         self._marker: str | None = None  # a switch of plan, marked in the next step's trace
         self._switches: list[dict] = []  # Module.replans
         self._captures = Captures()  # a model that fixes a size: one capture per size met
+        self._warned_eval_grad = False  # that eval mode with gradients runs the model unpipelined
         self.plan = None
 
     # -- the model's own state --------------------------------------------------------
@@ -444,13 +449,22 @@ class Module(torch.nn.Module):
             loss, step = run_packed(self, args[0], hold_gradients=True)
             return _PipelinedLoss.apply(loss, step.take_held_gradients(),
                                         *[p for p in self.module.parameters() if p.requires_grad])
+        if not self.training:
+            # Evaluation: the model itself, in eval mode (BatchNorm's running statistics, no
+            # dropout; the captured graph is train mode's), whole in every process.
+            self._gather()  # across processes, every part of the model from its owner
+            if torch.is_grad_enabled() and not self._warned_eval_grad:
+                self._warned_eval_grad = True
+                warnings.warn("conveyor: in eval mode conveyor.Module runs the model itself, whole and unpipelined; "
+                              "train in train mode (model.train()) to run the pipeline", stacklevel=2)
+            return loss_wrapper(self.module, self._loss_fn, args, kwargs)(*args, **kwargs)
         self._captures.select(self, args, kwargs)
         if self._graph is None:
             self._build(args, kwargs)
         inputs = self._graph.flatten_inputs(args, kwargs)
-        if not (torch.is_grad_enabled() and self.training):
+        if not torch.is_grad_enabled():
             self._gather()  # across processes, every part of the model from its owner
-            with torch.no_grad():
+            with torch.no_grad():  # train mode's graph, whole: batch statistics, dropout
                 return self._graph(*args, **kwargs)
         self._maybe_replan()
         plan_for_larger_sizes(self, [inputs])

@@ -421,3 +421,31 @@ def test_plans_keep_shares_within_the_batch_range_the_model_allows(stages):
     _, _, m, _, replicas = model._layout
     assert 8 // m // max(replicas) >= 4, model._layout
     assert abs(loss.item() - want) <= 1e-5 * abs(want)
+
+
+@pytest.mark.parametrize("name", ["cnn_batchnorm", "dropout"])
+def test_evaluation_in_eval_mode_is_the_eager_model_s(name):
+    """After training, model.eval() and a call under no_grad give eager's eval-mode loss:
+    BatchNorm normalizes by its running statistics and leaves them alone, dropout keeps
+    everything (the captured graph is train mode's, which did neither). With gradients in
+    eval mode the call is the eager model's too, and says it is not pipelined."""
+    torch.manual_seed(0)
+    case = zoo.CASES[name]()
+    model = conveyor.Module(case.model, torch.optim.SGD(case.model.parameters(), lr=0.05), replan="off")
+    model.train_step(*case.args, **case.kwargs)
+    ref = copy.deepcopy(case.model).eval()
+    before = {k: v.clone() for k, v in case.model.state_dict().items()}
+    model.eval()
+    with torch.no_grad():
+        got = [model(*case.args, **case.kwargs).item() for _ in range(2)]
+        want = case.loss(ref(*case.args, **case.kwargs)).item()
+    assert got == [want, want]
+    for k, v in case.model.state_dict().items():
+        assert torch.equal(v, before[k]), f"{k} changed by evaluation"
+    case.model.zero_grad(set_to_none=True)
+    with pytest.warns(UserWarning, match="in eval mode conveyor.Module runs the model itself"):
+        loss = model(*case.args, **case.kwargs)
+    loss.backward()
+    case.loss(ref(*case.args, **case.kwargs)).backward()
+    for (n, p), q in zip(case.model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), n
