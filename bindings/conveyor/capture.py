@@ -548,9 +548,12 @@ def capture(model: torch.nn.Module, args=(), kwargs=None, *, dynamic_batch: bool
     doc, tensors = builder.build(dynamic)
     user_positions = _user_leaf_positions(args, kwargs)
     call = ep.module_call_graph[0].signature
-    return Graph.from_document(doc, tensors, in_spec=call.in_spec if call else None,
-                               out_spec=call.out_spec if call else None,
-                               input_positions=user_positions, dynamic_batch=dynamic)
+    graph = Graph.from_document(doc, tensors, in_spec=call.in_spec if call else None,
+                                out_spec=call.out_spec if call else None,
+                                input_positions=user_positions, dynamic_batch=dynamic)
+    graph.call_constants = {i: x for i, x in enumerate(pytree.tree_leaves((args, kwargs)))
+                            if not isinstance(x, torch.Tensor)}
+    return graph
 
 
 def _user_leaf_positions(args, kwargs) -> list[int]:

@@ -1,7 +1,8 @@
-"""Captures of one model for the sizes it fixes: a model that branches on a size (a sequence
-length, an image size) is captured for its example's side of the branch (the size fixed, or
-symbolic within the branch's bound), so a call with a size on the other side needs another
-graph. conveyor.Module keeps one pipeline per such capture, built on the first call
+"""Captures of one model for the sizes and arguments it fixes: a model that branches on a
+size (a sequence length, an image size) is captured for its example's side of the branch
+(the size fixed, or symbolic within the branch's bound), so a call with a size on the other
+side needs another graph; so does a call whose non-tensor arguments (a flag, a temperature)
+differ from the capture's, which the graph holds as constants. conveyor.Module keeps one pipeline per such capture, built on the first call
 that needs it, and switches between them call by call (across processes a capture's
 pipeline is built again at each switch, from what the other capture's stages held)."""
 from __future__ import annotations
@@ -14,13 +15,28 @@ from .errors import CaptureError, ConveyorValueError
 from .replanning import carry_optimizer_state
 from .sizes import input_dims, range_text
 
-__all__ = ["Captures", "fixed_size_mismatch", "MOST_CAPTURES"]
+__all__ = ["Captures", "call_mismatch", "fixed_size_mismatch", "MOST_CAPTURES"]
 
 MOST_CAPTURES = 16  # beyond this many, a model that fixes a size is asked to pad batches instead
 
 # What a Module holds per capture: its graph and everything built from it.
 PER_CAPTURE = ("_graph", "_step", "plan", "_layout", "_stage_nodes", "_small_steps", "_built_batch", "_least",
                "_replanning", "_plan_maker", "_planned_sizes")
+
+
+def call_mismatch(graph, args: tuple, kwargs: dict) -> tuple[str, str] | None:
+    """Why `graph` cannot run this call as captured, and what lets few captures serve such
+    calls: a non-tensor argument of another value (the graph holds them as constants), or a
+    size the capture fixed; None when the call fits."""
+    changed = graph.constant_mismatch(args, kwargs)
+    if changed is not None:
+        return (f"{changed}: the graph holds the model's non-tensor arguments as constants",
+                "pass a value that changes from call to call as a tensor")
+    size = fixed_size_mismatch(graph, graph.flatten_inputs(args, kwargs))
+    if size is not None:
+        return f"{size}: the model fixes that size", "pad batches to a few sizes (bucket the lengths) so that few " \
+                                                     "captures serve them"
+    return None
 
 
 def fixed_size_mismatch(graph, inputs: list) -> str | None:
@@ -58,7 +74,7 @@ class Captures:
         return len(self._stashed) + 1
 
     def select(self, module, args: tuple, kwargs: dict) -> None:
-        """Makes `module` use the capture whose fixed sizes `args`, `kwargs` fit, stashing the
+        """Makes `module` use the capture whose fixed sizes and arguments `args`, `kwargs` fit, stashing the
         one in use; when none fits, captures, plans and builds again for them. A size the
         model cannot take at all (a weight's width) gets the captured graph's own error.
         Across processes every process changes capture at the same call (they are fed the
@@ -66,13 +82,13 @@ class Captures:
         other's stages held, parameters and optimizer state moving as a re-plan moves them."""
         if module._graph is None:
             return
-        mismatch = fixed_size_mismatch(module._graph, module._graph.flatten_inputs(args, kwargs))
-        if mismatch is None:
+        found = call_mismatch(module._graph, args, kwargs)
+        if found is None:
             return
+        mismatch, hint = found
         if isinstance(module._stages, list):
-            raise ConveyorValueError(f"{mismatch}: the model fixes that size, and the stages given as node lists name "
-                                     "the nodes of one capture; pass a number of stages, or pad every batch to the "
-                                     "captured size")
+            raise ConveyorValueError(f"{mismatch}, and the stages given as node lists name the nodes of one capture; "
+                                     "pass a number of stages, or call the model as it was captured")
         group = module._group
         holders = {}
         if group is not None:
@@ -80,16 +96,14 @@ class Captures:
             everyone = list(range(group.world_size))
             holders = {name: self._holders.get(name, everyone) for name in {*self._holders, *module._graph.tensors}}
         for k, saved in enumerate(self._stashed):
-            if fixed_size_mismatch(saved["_graph"], saved["_graph"].flatten_inputs(args, kwargs)) is None:
+            if call_mismatch(saved["_graph"], args, kwargs) is None:
                 self._stashed[k] = self._take(module)
                 self._restore(module, saved)
                 if group is not None:
                     self._rebuild(module, holders)
                 return
         if len(self) >= MOST_CAPTURES:
-            raise ConveyorValueError(
-                f"{mismatch}: the model fixes that size and {len(self)} captures of it exist already; pad batches to "
-                "a few sizes (bucket the lengths) so that few captures serve them")
+            raise ConveyorValueError(f"{mismatch}, and {len(self)} captures of the model exist already; {hint}")
         if group is not None:
             module._gather()  # process 0 profiles the whole model; the new pipeline starts from it
         saved = self._take(module)
@@ -108,8 +122,8 @@ class Captures:
         if group is not None:
             carry_optimizer_state(module, holders)
         self._stashed.append(saved)
-        warnings.warn(f"conveyor: {mismatch}: the model fixes that size, so conveyor captures it again for this "
-                      f"one; {len(self)} captures of the model now exist (one graph and pipeline each)", stacklevel=4)
+        warnings.warn(f"conveyor: {mismatch}, so conveyor captures it again for this call; {len(self)} captures of "
+                      "the model now exist (one graph and pipeline each)", stacklevel=4)
 
     def gather_others(self, module) -> None:
         """Across processes, after the pipeline in use gathered its own: every parameter and

@@ -62,6 +62,9 @@ class Graph:
         self._out_spec = out_spec
         self._input_positions = list(input_positions) if input_positions is not None else None
         self.dynamic_batch = dynamic_batch
+        # The capture's call's non-tensor arguments (a flag, a temperature) by leaf position:
+        # the graph holds them as constants. Set by capture; unknown for a loaded graph.
+        self.call_constants: dict[int, Any] = {}
         self._executor = None
         self._doc = None
 
@@ -185,6 +188,23 @@ class Graph:
             out.append(leaves[p])
         return out
 
+    def constant_mismatch(self, args: tuple, kwargs: dict) -> str | None:
+        """Where a call's non-tensor arguments differ from the capture's, which the graph holds
+        as constants: "temperature is 2.0 (captured with 0.5)"; None where they agree (or the
+        call's structure differs, which flatten_inputs names)."""
+        if not self.call_constants:
+            return None
+        leaves, spec = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
+        if self._in_spec is not None and pytree.tree_structure((tuple(args), dict(kwargs))) != self._in_spec:
+            return None
+        for position, want in self.call_constants.items():
+            if position >= len(leaves):
+                return None
+            path, got = leaves[position]
+            if not _same_constant(got, want):
+                return f"{_argument_name(path)} is {got!r} (captured with {want!r})"
+        return None
+
     def unflatten_outputs(self, outputs: list) -> Any:
         if self._out_spec is not None:
             return pytree.tree_unflatten(outputs, self._out_spec)
@@ -212,6 +232,24 @@ class Graph:
             partition = [sorted(int(n) for n in s) for s in stages]
         self._ir.check_partition(partition)
         return StagedGraph(self, partition)
+
+
+def _same_constant(a, b) -> bool:
+    if type(a) is not type(b):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values that cannot be compared are taken as different
+        return a is b
+
+
+def _argument_name(path) -> str:
+    """A leaf of (args, kwargs) by name: "temperature", "positional argument 2", "options['k']"."""
+    if not path:
+        return "an argument"
+    keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+    head = f"positional argument {keys[1]}" if keys[0] == 0 and len(keys) > 1 else str(keys[1]) if len(keys) > 1 else "an argument"
+    return head + "".join(f"[{k!r}]" for k in keys[2:])
 
 
 def _call_shape(spec) -> str:

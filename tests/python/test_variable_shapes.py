@@ -1,7 +1,8 @@
 """Variable shapes: capture keeps every size the model allows symbolic (a sequence length, an
 image's height and width), so one capture trains batches of any such size exactly like eager
 (float64), in one process and in two; a size outside what the capture holds, or inputs that
-disagree on a size, are refused before anything runs, naming the input and the size."""
+disagree on a size, are refused before anything runs, naming the input and the size. Other
+values of a call's non-tensor arguments get captures of their own."""
 import copy
 import os
 import subprocess
@@ -205,3 +206,38 @@ def test_two_processes_train_a_model_that_branches_on_its_length_like_one(tmp_pa
     theirs = torch.load(tmp_path / "two.pt.rank1")["state"]
     assert all(torch.equal(theirs[k], v) for k, v in job["state"].items()), "process 1's state_dict differs"
     assert_trains_like_one_process(tmp_path / "two.pt", 2, common, tmp_path)
+
+
+class TakesSettings(torch.nn.Module):
+    """A model whose call takes non-tensor arguments: a temperature and a flag."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(8, 16), torch.nn.Linear(16, 3)
+
+    def forward(self, x, y, temperature=1.0, smooth=False):
+        logits = self.second(torch.tanh(self.first(x))) / temperature
+        return torch.nn.functional.cross_entropy(logits, y, label_smoothing=0.1 if smooth else 0.0)
+
+
+def test_a_call_with_other_non_tensor_arguments_is_captured_again_for_them():
+    """The graph holds a call's non-tensor arguments as constants: a call with other values
+    takes (or makes) the capture for them, instead of running with the first call's (a
+    temperature of 2.0 ran as 0.5 before); a value changing every call is refused after
+    MOST_CAPTURES captures, saying to pass it as a tensor."""
+    torch.manual_seed(0)
+    net = TakesSettings().double()
+    draws = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 8, dtype=torch.float64, generator=draws), torch.randint(0, 3, (8,), generator=draws)
+    case = zoo.ZooCase("settings", net, (x, y), {})
+    model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.05), stages=2, microbatches=2, replan="off")
+    calls = [((x, y), dict(temperature=t, smooth=s)) for t, s in [(0.5, True), (2.0, True), (0.5, True), (0.5, False)]]
+    with pytest.warns(UserWarning, match=r"temperature is 2.0 \(captured with 0.5\): the graph holds the model's "
+                                         r"non-tensor arguments as constants.*2 captures of the model"):
+        train_like_eager(case, model, calls, shares=2)
+    assert len(model._captures) == 3
+    with pytest.raises(conveyor.ConveyorValueError, match=r"temperature is .* captures of the model exist already; "
+                                                          r"pass a value that changes from call to call as a tensor"):
+        with pytest.warns(UserWarning):
+            for k in range(20):
+                model.train_step(x, y, temperature=1.0 + k / 10, smooth=True)
