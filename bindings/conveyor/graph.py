@@ -172,6 +172,10 @@ class Graph:
             raise ConveyorValueError(
                 f"the model was captured with {_call_shape(self._in_spec)}; this call passes {_call_shape(spec)} "
                 "(pass the same arguments, in the same structure)")
+        changed = self.constant_mismatch(args, kwargs)
+        if changed is not None:
+            raise ConveyorValueError(f"{changed}: the graph holds the model's non-tensor arguments as constants; "
+                                     "capture the model again for this value, or pass it as a tensor")
         positions = self._input_positions
         if positions is None:
             positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]

@@ -241,3 +241,13 @@ def test_a_call_with_other_non_tensor_arguments_is_captured_again_for_them():
         with pytest.warns(UserWarning):
             for k in range(20):
                 model.train_step(x, y, temperature=1.0 + k / 10, smooth=True)
+
+
+def test_a_graph_called_with_other_non_tensor_arguments_refuses_naming_them():
+    net = TakesSettings()
+    x, y = torch.randn(8, 8), torch.randint(0, 3, (8,))
+    graph = conveyor.capture(net, (x, y), {"temperature": 0.5})
+    assert graph(x, y, temperature=0.5).item() == net(x, y, temperature=0.5).item()
+    with pytest.raises(conveyor.ConveyorValueError, match=r"temperature is 2.0 \(captured with 0.5\).*capture the "
+                                                          r"model again for this value, or pass it as a tensor"):
+        graph(x, y, temperature=2.0)
