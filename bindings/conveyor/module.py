@@ -92,7 +92,7 @@ from .loss_wrapper import loss_wrapper
 from .microbatches import Microbatches, is_packed, run_packed
 from .memory import memory_rows, memory_table, reset_device_peak
 from .errors import ConveyorValueError, UnsupportedError
-from .plan_maker import PlanMaker, plan_for_larger_sizes
+from .plan_maker import PlanMaker, local_cluster, model_gpu_memory, plan_for_larger_sizes
 from .planning import FixedParts, Plan, read_plan
 from .replanning import Replanning, switch_to
 from .call_splitting import refuse_to_split, warn_of_a_loss_split_changes, why_calls_stay_whole
@@ -128,36 +128,6 @@ class _PipelinedLoss(torch.autograd.Function):
     def backward(ctx, grad):
         ctx.held.apply(grad)
         return (None, None) + (None,) * (len(ctx.needs_input_grad) - 2)
-
-
-def _local_cluster(devices: int, threads: int, gpu_memory: int | None = None, one_gpu: bool = True) -> str:
-    """This machine as `devices` devices. On the CPU: virtual devices of `threads` intra-op
-    threads each; with more threads in all than cores they share the cores, each at cores /
-    threads' speed. On a GPU of `gpu_memory` bytes: `one_gpu` (one process) splits that GPU
-    into virtual devices sharing its memory and compute, handing values over in device
-    memory; otherwise (one process per GPU) each device is a whole GPU, its values crossing
-    between processes through host memory."""
-    if gpu_memory is not None:
-        memory = gpu_memory // devices if one_gpu else gpu_memory
-        speed = 1.0 / devices if one_gpu else 1.0
-        bandwidth, latency = ("300 GB/s", "10 us") if one_gpu else ("10 GB/s", "50 us")
-    else:
-        try:
-            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // devices
-        except (ValueError, OSError):
-            memory = (8 << 30) // devices
-        speed = min(1.0, torch.get_num_threads() / (devices * threads))
-        bandwidth, latency = "10 GB/s", "5 us"
-    return (f'name = "local"\n[[node]]\ndevices = {devices}\nmemory = {memory}\nspeed = {speed}\n'
-            f'[link.intra_node]\nbandwidth = "{bandwidth}"\nlatency = "{latency}"\n')
-
-
-def _model_gpu_memory(module: torch.nn.Module) -> int | None:
-    """The memory of the GPU the model's parameters live on, or None for a CPU model."""
-    device = next((p.device for p in module.parameters()), torch.device("cpu"))
-    if device.type != "cuda":
-        return None
-    return torch.cuda.get_device_properties(device).total_memory
 
 
 class LiveProfile:
@@ -243,6 +213,7 @@ class Module(torch.nn.Module):
         self._switches: list[dict] = []  # Module.replans
         self._captures = Captures()  # a model that fixes a size: one capture per size met
         self._warned_eval_grad = False  # that eval mode with gradients runs the model unpipelined
+        self._warned_input_grad = False  # that inputs get no gradient
         self.plan = None
 
     # -- the model's own state --------------------------------------------------------
@@ -352,8 +323,8 @@ class Module(torch.nn.Module):
             check_max_sizes(graph, self._max_sizes)  # on every process: a bad one fails them all alike
             calls = [graph.flatten_inputs(*call) for call in packed.calls] if packed is not None else []
             sizes = largest_sizes(graph, calls, self._max_sizes)
-            cluster = self._cluster or _local_cluster(self._devices, self._threads_per_device(),
-                                                      _model_gpu_memory(self.module), one_gpu=self._group is None)
+            cluster = self._cluster or local_cluster(self._devices, self._threads_per_device(),
+                                                      model_gpu_memory(self.module), one_gpu=self._group is None)
             maker = PlanMaker(graph, example, batch=batch, microbatches=m_hint, most_microbatches=most_microbatches,
                               fixed=fixed, cluster=cluster, optimizer=self.optimizer, group=self._group,
                               threads=self._threads_per_device(), horizon_steps=self._replan_horizon)
@@ -466,6 +437,11 @@ class Module(torch.nn.Module):
             self._gather()  # across processes, every part of the model from its owner
             with torch.no_grad():  # train mode's graph, whole: batch statistics, dropout
                 return self._graph(*args, **kwargs)
+        if not self._warned_input_grad and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
+            self._warned_input_grad = True
+            warnings.warn("conveyor: an input requires grad, but the pipeline computes the parameters' gradients "
+                          "only: the input's .grad stays None (for gradients with respect to inputs, run the model "
+                          "in eval mode, unpipelined, or without conveyor.Module)", stacklevel=2)
         self._maybe_replan()
         plan_for_larger_sizes(self, [inputs])
         step = self._step_for(inputs)

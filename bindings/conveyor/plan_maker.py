@@ -1,10 +1,12 @@
 """How conveyor.Module plans its model, kept so that it can plan again: on the first call
 (module.py), and when a call brings a symbolic size beyond those the plan's memory was made
 for (a longer sequence, a larger image), which with replan="auto" makes it profile the same
-example tiled to the new sizes and plan again, keeping what the Module fixed."""
+example tiled to the new sizes and plan again, keeping what the Module fixed; and the
+cluster it plans for when none is given (this machine, local_cluster)."""
 from __future__ import annotations
 
 import json
+import os
 
 import torch
 
@@ -130,3 +132,33 @@ def plan_for_larger_sizes(module, calls: list[list]) -> None:
     module._planned_sizes = dict(maker.sizes)
     if module._replanning is not None:
         module._replanning.replanner = maker.replanner(prof, plan)
+
+
+def local_cluster(devices: int, threads: int, gpu_memory: int | None = None, one_gpu: bool = True) -> str:
+    """This machine as `devices` devices. On the CPU: virtual devices of `threads` intra-op
+    threads each; with more threads in all than cores they share the cores, each at cores /
+    threads' speed. On a GPU of `gpu_memory` bytes: `one_gpu` (one process) splits that GPU
+    into virtual devices sharing its memory and compute, handing values over in device
+    memory; otherwise (one process per GPU) each device is a whole GPU, its values crossing
+    between processes through host memory."""
+    if gpu_memory is not None:
+        memory = gpu_memory // devices if one_gpu else gpu_memory
+        speed = 1.0 / devices if one_gpu else 1.0
+        bandwidth, latency = ("300 GB/s", "10 us") if one_gpu else ("10 GB/s", "50 us")
+    else:
+        try:
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // devices
+        except (ValueError, OSError):
+            memory = (8 << 30) // devices
+        speed = min(1.0, torch.get_num_threads() / (devices * threads))
+        bandwidth, latency = "10 GB/s", "5 us"
+    return (f'name = "local"\n[[node]]\ndevices = {devices}\nmemory = {memory}\nspeed = {speed}\n'
+            f'[link.intra_node]\nbandwidth = "{bandwidth}"\nlatency = "{latency}"\n')
+
+
+def model_gpu_memory(module: torch.nn.Module) -> int | None:
+    """The memory of the GPU the model's parameters live on, or None for a CPU model."""
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory

@@ -356,21 +356,21 @@ def test_the_local_cluster_of_a_gpu_model_describes_the_gpu():
     devices that share it; one process per GPU gives each device the whole GPU."""
     import tomllib
 
-    from conveyor.module import _local_cluster
+    from conveyor.plan_maker import local_cluster
 
     gpu = 80 << 30
-    shared = tomllib.loads(_local_cluster(4, 1, gpu_memory=gpu, one_gpu=True))["node"][0]
+    shared = tomllib.loads(local_cluster(4, 1, gpu_memory=gpu, one_gpu=True))["node"][0]
     assert (shared["devices"], shared["memory"], shared["speed"]) == (4, gpu // 4, 0.25)
-    whole = tomllib.loads(_local_cluster(2, 1, gpu_memory=gpu, one_gpu=False))["node"][0]
+    whole = tomllib.loads(local_cluster(2, 1, gpu_memory=gpu, one_gpu=False))["node"][0]
     assert (whole["devices"], whole["memory"], whole["speed"]) == (2, gpu, 1.0)
-    cpu = tomllib.loads(_local_cluster(2, 1))["node"][0]
+    cpu = tomllib.loads(local_cluster(2, 1))["node"][0]
     assert cpu["memory"] == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2  # the CPU's, as before
     # The planner takes them: a model that needs more than a CPU virtual device's share of
     # memory fits a whole GPU.
     case = zoo.CASES["mlp"]()
     graph = conveyor.capture(case.model, case.args, case.kwargs)
     prof = conveyor.profile(graph, case.args, case.kwargs)
-    plan = conveyor.plan(graph, prof, _local_cluster(2, 1, gpu_memory=gpu, one_gpu=False), batch=16)
+    plan = conveyor.plan(graph, prof, local_cluster(2, 1, gpu_memory=gpu, one_gpu=False), batch=16)
     assert plan.stage_nodes and sum(plan.replicas) <= 2  # planned within the two GPUs
 
 
@@ -449,3 +449,13 @@ def test_evaluation_in_eval_mode_is_the_eager_model_s(name):
     case.loss(ref(*case.args, **case.kwargs)).backward()
     for (n, p), q in zip(case.model.named_parameters(), ref.parameters()):
         assert torch.equal(p.grad, q.grad), n
+
+
+def test_an_input_that_requires_grad_is_told_it_gets_none():
+    case = zoo.mlp(batch=8)
+    model = conveyor.Module(case.model, torch.optim.SGD(case.model.parameters(), lr=0.05), replan="off")
+    x = case.args[0].clone().requires_grad_()
+    with pytest.warns(UserWarning, match="an input requires grad, but the pipeline computes the parameters' gradients "
+                                         "only: the input's .grad stays None"):
+        model(x, case.args[1]).backward()
+    assert x.grad is None
