@@ -68,9 +68,7 @@ def where_samples_mix(document: dict) -> str | None:
         return args[i]["int"] if i < len(args) and "int" in args[i] else default
 
     def reaches_loss_linearly(v: int, seen: set) -> bool:
-        if v in loss:
-            return True
-        if v in seen:
+        if v in loss or v in seen:
             return True
         seen.add(v)
         users = consumers.get(v, [])
