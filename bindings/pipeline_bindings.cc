@@ -182,6 +182,12 @@ void bind_pipeline(py::module_& m) {
           "runs; each with its own samples and symbolic sizes, its loss weighed by its samples over the step's).")
       .def("take_held_gradients", &runtime::PipelineStep::take_held_gradients,
            "The gradients the last run held (hold_gradients=True): each run holds its own until applied.")
+      .def("take_input_gradients", [](runtime::PipelineStep& step) {
+        py::list out;
+        for (const at::Tensor& g : step.take_input_gradients()) out.append(g.defined() ? py::cast(g) : py::none());
+        return out;
+      }, "The last run's gradient of each graph input that required one (the whole batch's; None for the others), "
+         "taken.")
       .def("write_trace", [](const runtime::PipelineStep& step, const std::string& path,
                              const std::vector<std::pair<double, std::string>>& markers) {
         std::vector<trace::Marker> marks;

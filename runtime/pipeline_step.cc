@@ -50,6 +50,7 @@ struct PipelineStep::Impl {
   std::int64_t handed_over_bytes = 0;  // received when made from holders (a re-plan)
   double handed_over_s = 0;
   std::shared_ptr<HeldGradients> held;  // the last run's, with hold_gradients
+  std::vector<at::Tensor> input_grads;   // the last run's, per graph input that required one
   std::unique_ptr<Coordinator> coordinator;  // the replicas' actors; destroyed first
 
   ~Impl() { coordinator.reset(); }  // no replica runs a hook any more
@@ -57,6 +58,7 @@ struct PipelineStep::Impl {
   double device_time(const c10::Event* e, const RunResult& measured) const;
   void device_times(RunResult& measured) const;
   Result<at::Tensor> total_loss();
+  Status sum_across_processes(std::vector<at::Tensor>& input_grads);
   Status connect_nccl(std::vector<std::shared_ptr<transport::Collective>>& across);
 };
 
@@ -394,6 +396,11 @@ Result<StepResult> PipelineStep::run_begun(double grad_scale, bool hold_gradient
     return s;
   };
   Status finished = finish();
+  im.input_grads.clear();
+  if (finished.is_ok()) {
+    im.input_grads = im.store->take_input_gradients();
+    finished = im.sum_across_processes(im.input_grads);
+  }
   im.store->end_step();
   if (hold_gradients) im.held = im.state->hold_step_gradients();
   CONVEYOR_RETURN_IF_ERROR(finished);
@@ -450,7 +457,25 @@ Result<at::Tensor> PipelineStep::Impl::total_loss() {
   return total;
 }
 
+// Each process computed the inputs' gradients of its own shares (zeros elsewhere): summed
+// over the processes in process order, every process holds the whole batch's.
+Status PipelineStep::Impl::sum_across_processes(std::vector<at::Tensor>& input_grads) {
+  if (!processes) return Status::ok();
+  for (at::Tensor& g : input_grads) {
+    if (!g.defined()) continue;
+    Status s = processes->wait([&](transport::Done d) { processes->all().allreduce(g, d); },
+                               "summing the inputs' gradients across the processes");
+    if (!s.is_ok()) {
+      out_of_step = true;
+      return s;
+    }
+  }
+  return Status::ok();
+}
+
 std::shared_ptr<HeldGradients> PipelineStep::take_held_gradients() { return std::move(impl_->held); }
+
+std::vector<at::Tensor> PipelineStep::take_input_gradients() { return std::move(impl_->input_grads); }
 
 std::vector<std::pair<std::string, int>> PipelineStep::owners() const { return impl_->placement.owners; }
 

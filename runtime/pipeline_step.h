@@ -118,6 +118,10 @@ class PipelineStep {
                                 bool hold_gradients = false);
   /// The gradients the last run held (hold_gradients), taken: each call to run holds its own.
   std::shared_ptr<HeldGradients> take_held_gradients();
+  /// The last run's gradients of the graph's inputs, taken: per input that required a
+  /// gradient, the whole batch's (weighted as the loss's shares, times grad_scale, on every
+  /// process); undefined for the others, and for every input of a packed step.
+  std::vector<at::Tensor> take_input_gradients();
 
   /// Many processes: every parameter and buffer becomes its owner's (the process of the
   /// first stage that reads it), on every process, and whole: while it trains, a process

@@ -140,9 +140,13 @@ Status StageReplica::backward(const Action& a, bool split) {
   if (split) activations_[{a.stage, a.microbatch}] = std::move(act);
   for (std::size_t k = 0; k < program.inputs().size(); ++k) {
     const ValueId v = program.inputs()[k];
-    if (layout_.batch.input_index.count(v) || !in_grads[k].isTensor()) continue;
+    if (!in_grads[k].isTensor()) continue;
     const at::Tensor& g = in_grads[k].toTensor();
     if (!g.defined()) continue;
+    if (auto input = layout_.batch.input_index.find(v); input != layout_.batch.input_index.end()) {
+      store_.add_input_gradient(input->second, a.microbatch, a.stage, replica_, g);  // a graph input's
+      continue;
+    }
     // To the producing replicas this one exchanges with: here, and at the stage's send
     // action to those in other processes.
     const int s = layout_.batch.producer[v];

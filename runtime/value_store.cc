@@ -26,7 +26,10 @@ Status ValueStore::begin_step(const std::vector<c10::IValue>& inputs, std::int64
   // Where no input is batched (a capture that fixed the batch size), the call is one
   // microbatch of `batch` samples (samples_of: 1); batched inputs set each microbatch's length.
   micro_length_.assign(static_cast<std::size_t>(m), m == 1 ? batch : 0);
+  inputs_wanting_grad_.assign(inputs.size(), c10::IValue());
+  input_grads_.clear();
   for (std::size_t i = 0; i < inputs.size(); ++i) {
+    if (inputs[i].isTensor() && inputs[i].toTensor().requires_grad()) inputs_wanting_grad_[i] = inputs[i];
     std::vector<at::Tensor> parts;
     if (layout_.batch.batched_input[i] && inputs[i].isTensor()) {
       const at::Tensor& t = inputs[i].toTensor();
@@ -53,6 +56,8 @@ Status ValueStore::begin_packed_step(const std::vector<std::vector<c10::IValue>>
   std::lock_guard<std::mutex> lock(mu_);
   micro_inputs_ = microbatches;
   micro_length_ = rows;
+  inputs_wanting_grad_.clear();  // the caller's microbatches: their gradients are not gathered
+  input_grads_.clear();
   batch_ = 0;
   for (std::int64_t r : rows) batch_ += r;
   losses_.clear();
@@ -70,6 +75,8 @@ void ValueStore::end_step() {
   joined_grads_.clear();
   joined_grad_ready_.clear();
   micro_inputs_.clear();
+  inputs_wanting_grad_.clear();
+  input_grads_.clear();
 }
 
 Result<std::vector<c10::IValue>> ValueStore::read(const std::vector<ValueId>& ids, int mb, int stage, int i) {
@@ -284,6 +291,35 @@ std::int64_t ValueStore::per_sample(ValueId v, const at::Tensor& t, std::int64_t
   const BatchLayout& bl = layout_.batch;
   if (bl.batch_scale[v] > 0 || samples <= 0) return bl.batch_scale[v];
   return t.size(bl.batch_dim[v]) / samples;
+}
+
+void ValueStore::add_input_gradient(int input, int mb, int stage, int i, const at::Tensor& g) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (input < 0 || input >= static_cast<int>(inputs_wanting_grad_.size()) || inputs_wanting_grad_[input].isNone()) {
+    return;
+  }
+  add_into(input_grads_[{input, mb, stage, i}], g);
+}
+
+std::vector<at::Tensor> ValueStore::take_input_gradients() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<at::Tensor> out(inputs_wanting_grad_.size());
+  for (std::size_t k = 0; k < out.size(); ++k) {
+    if (inputs_wanting_grad_[k].isTensor()) out[k] = at::zeros_like(inputs_wanting_grad_[k].toTensor().detach());
+  }
+  std::vector<std::int64_t> mb_offset(micro_length_.size(), 0);
+  for (std::size_t mb = 1; mb < micro_length_.size(); ++mb) mb_offset[mb] = mb_offset[mb - 1] + micro_length_[mb - 1];
+  for (const auto& [key, g] : input_grads_) {
+    const auto [input, mb, stage, i] = key;
+    at::Tensor into = out[input];
+    if (layout_.batch.batched_input[input]) {
+      const Share share = layout_.share(micro_length_[mb], stage, i);
+      into = into.narrow(0, mb_offset[mb] + share.offset, share.length);
+    }
+    into.add_(g.to(into.device()));
+  }
+  input_grads_.clear();
+  return out;
 }
 
 double ValueStore::weight(int mb, int stage, int i) const {

@@ -22,6 +22,7 @@
 
 #include <map>
 #include <mutex>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -75,6 +76,15 @@ class ValueStore {
   /// backward, as the schedule's memory model has them, not to the end of the step.
   at::Tensor take_gradient(graph::ValueId v, int mb, int i);
 
+  /// Keeps the gradient `g` that replica `i` of `stage` computed for graph input `input`, its
+  /// share of microbatch `mb` (an input the caller passed requiring a gradient).
+  void add_input_gradient(int input, int mb, int stage, int i, const at::Tensor& g);
+  /// Per graph input, its gradient this step, taken: the kept shares' gradients put in their
+  /// places along the batch (summed where an input has no batch dimension or several stages
+  /// read it), in (input, microbatch, stage, replica) order; zeros where none was computed
+  /// here, undefined for an input that needs none. After the device finished the step.
+  std::vector<at::Tensor> take_input_gradients();
+
   /// The weight of replica `i` of `stage`'s share of microbatch `mb` in the step's loss: its
   /// fraction of the batch where the loss is a mean over the samples, 1 where it is a sum.
   double weight(int mb, int stage, int i) const;
@@ -107,6 +117,8 @@ class ValueStore {
   std::map<Key, at::Tensor> joined_grads_;                // whole-microbatch gradients
   std::map<Key, c10::Event*> joined_grad_ready_;
   std::map<std::pair<int, int>, at::Tensor> losses_;      // (mb, replica)
+  std::vector<c10::IValue> inputs_wanting_grad_;          // per graph input: the caller's, or none
+  std::map<std::tuple<int, int, int, int>, at::Tensor> input_grads_;  // (input, mb, stage, replica)
 };
 
 }  // namespace conveyor::runtime

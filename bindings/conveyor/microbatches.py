@@ -76,6 +76,10 @@ def run_packed(module, packed: Microbatches, hold_gradients: bool) -> tuple[torc
         module._build(first_args, first_kwargs, packed)
     graph = module._graph
     flat = [graph.flatten_inputs(args, kwargs) for args, kwargs in packed.calls]
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for inputs in flat for t in inputs):
+        raise ConveyorValueError("an input of the packed microbatches requires a gradient, which a packed step does "
+                                 "not compute; pass inputs that need gradients as one batch (model(x) or "
+                                 "train_step(x))")
     module._maybe_replan()
     plan_for_larger_sizes(module, flat)
     stages, schedule, m, chunks, replicas = module._layout

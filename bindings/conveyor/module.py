@@ -116,18 +116,21 @@ def _batch_of(inputs: list) -> int | None:
 
 class _PipelinedLoss(torch.autograd.Function):
     """The step already ran backward and held its gradients; backward() adds them to the
-    parameters' .grad, scaled by the incoming gradient (so loss scaling keeps working). The
-    parameters are inputs only so that the loss asks for a backward."""
+    parameters' .grad, scaled by the incoming gradient (so loss scaling keeps working), and
+    hands the inputs that required a gradient theirs (`input_grads`, the step's, in the
+    order of `tensors` after the parameters), so autograd carries them on. The parameters
+    are inputs only so that the loss asks for a backward."""
 
     @staticmethod
-    def forward(ctx, loss, held, *params):
-        ctx.held = held
+    def forward(ctx, loss, held, input_grads, params: int, *tensors):
+        ctx.held, ctx.input_grads, ctx.params = held, input_grads, params
         return loss.clone()
 
     @staticmethod
     def backward(ctx, grad):
         ctx.held.apply(grad)
-        return (None, None) + (None,) * (len(ctx.needs_input_grad) - 2)
+        to_inputs = tuple(g * grad.to(g.dtype) for g in ctx.input_grads)
+        return (None, None, None, None) + (None,) * ctx.params + to_inputs
 
 
 class LiveProfile:
@@ -213,7 +216,6 @@ class Module(torch.nn.Module):
         self._switches: list[dict] = []  # Module.replans
         self._captures = Captures()  # a model that fixes a size: one capture per size met
         self._warned_eval_grad = False  # that eval mode with gradients runs the model unpipelined
-        self._warned_input_grad = False  # that inputs get no gradient
         self.plan = None
 
     # -- the model's own state --------------------------------------------------------
@@ -418,8 +420,8 @@ class Module(torch.nn.Module):
     def forward(self, *args, **kwargs):
         if is_packed(args, kwargs):  # one step over microbatches the caller packed
             loss, step = run_packed(self, args[0], hold_gradients=True)
-            return _PipelinedLoss.apply(loss, step.take_held_gradients(),
-                                        *[p for p in self.module.parameters() if p.requires_grad])
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            return _PipelinedLoss.apply(loss, step.take_held_gradients(), [], len(params), *params)
         if not self.training:
             # Evaluation: the model itself, in eval mode (BatchNorm's running statistics, no
             # dropout; the captured graph is train mode's), whole in every process.
@@ -437,17 +439,16 @@ class Module(torch.nn.Module):
             self._gather()  # across processes, every part of the model from its owner
             with torch.no_grad():  # train mode's graph, whole: batch statistics, dropout
                 return self._graph(*args, **kwargs)
-        if not self._warned_input_grad and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
-            self._warned_input_grad = True
-            warnings.warn("conveyor: an input requires grad, but the pipeline computes the parameters' gradients "
-                          "only: the input's .grad stays None (for gradients with respect to inputs, run the model "
-                          "in eval mode, unpipelined, or without conveyor.Module)", stacklevel=2)
         self._maybe_replan()
         plan_for_larger_sizes(self, [inputs])
         step = self._step_for(inputs)
         loss = self._run(step, inputs, hold_gradients=True)
         params = [p for p in self.module.parameters() if p.requires_grad]
-        return _PipelinedLoss.apply(loss, step.take_held_gradients(), *params)
+        # Inputs that require a gradient get the step's, through autograd (a module before
+        # this one trains; x.grad fills).
+        wanting = [(t, g) for t, g in zip(inputs, step.take_input_gradients()) if g is not None]
+        return _PipelinedLoss.apply(loss, step.take_held_gradients(), [g for _, g in wanting], len(params),
+                                    *params, *[t for t, _ in wanting])
 
     def _run(self, step, inputs: list, hold_gradients: bool) -> torch.Tensor:
         reset_device_peak(self._graph)
@@ -558,8 +559,13 @@ class Module(torch.nn.Module):
         inputs = self._graph.flatten_inputs(args, kwargs)
         self._maybe_replan()
         plan_for_larger_sizes(self, [inputs])
-        # The loss's gradient is 1 here: the step's gradients go straight to .grad.
-        loss = self._run(self._step_for(inputs), inputs, hold_gradients=False)
+        # The loss's gradient is 1 here: the step's gradients go straight to .grad, and on
+        # through the inputs that require one (x.grad, or a module before this one).
+        step = self._step_for(inputs)
+        loss = self._run(step, inputs, hold_gradients=False)
+        wanting = [(t, g) for t, g in zip(inputs, step.take_input_gradients()) if g is not None]
+        if wanting:
+            torch.autograd.backward([t for t, _ in wanting], [g for _, g in wanting])
         self.optimizer.step()
         return loss.detach()
 

@@ -449,13 +449,3 @@ def test_evaluation_in_eval_mode_is_the_eager_model_s(name):
     case.loss(ref(*case.args, **case.kwargs)).backward()
     for (n, p), q in zip(case.model.named_parameters(), ref.parameters()):
         assert torch.equal(p.grad, q.grad), n
-
-
-def test_an_input_that_requires_grad_is_told_it_gets_none():
-    case = zoo.mlp(batch=8)
-    model = conveyor.Module(case.model, torch.optim.SGD(case.model.parameters(), lr=0.05), replan="off")
-    x = case.args[0].clone().requires_grad_()
-    with pytest.warns(UserWarning, match="an input requires grad, but the pipeline computes the parameters' gradients "
-                                         "only: the input's .grad stays None"):
-        model(x, case.args[1]).backward()
-    assert x.grad is None
