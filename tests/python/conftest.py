@@ -1,7 +1,10 @@
 import os
 import random
 import socket
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,3 +59,15 @@ def free_port() -> int:
     with socket.socket() as s:  # everything tried was taken: any free one
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def launch_script(script, processes: int = 2, timeout_s: int = 120) -> tuple[int, str]:
+    """Runs `python script` under `conveyor launch -n processes` (the job's wait timeout
+    `timeout_s`) from a clean environment; its exit code and its output."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    tool = Path(os.environ.get("CONVEYOR_BUILD_DIR", Path(__file__).resolve().parents[2] / "build")) / "tools" / "conveyor"
+    r = subprocess.run([str(tool), "launch", "-n", str(processes), "--timeout", str(timeout_s), "--", sys.executable,
+                        str(script)], env=env, capture_output=True, text=True, timeout=timeout_s + 180)
+    return r.returncode, r.stdout + r.stderr

@@ -7,17 +7,14 @@ models leaves the zoo's models alone. A split step weighs each share's loss by h
 combines the samples: a summed loss trains like the whole batch as an averaged one does,
 and one that is neither warns, naming the operator."""
 import copy
-import os
-import subprocess
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import conveyor
+from conftest import launch_script
 from conveyor import _C, zoo
 from conveyor.errors import ConveyorValueError
 from conveyor.loss_wrapper import loss_wrapper
@@ -147,14 +144,8 @@ def train_whole_across_processes() -> None:
 
 @pytest.mark.skipif(bool(_C.ucx_status()), reason=f"UCX cannot start here: {_C.ucx_status()}")
 def test_calls_that_cannot_be_split_train_like_eager_across_processes():
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    tool = Path(os.environ.get("CONVEYOR_BUILD_DIR", Path(__file__).resolve().parents[2] / "build")) / "tools" / "conveyor"
-    r = subprocess.run([str(tool), "launch", "-n", "2", "--timeout", "120", "--", sys.executable, __file__],
-                       env=env, capture_output=True, text=True, timeout=300)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-4000:]
+    code, out = launch_script(__file__)
+    assert code == 0, out[-4000:]
     assert out.count("ran whole and trained like eager") == 4, out[-4000:]
 
 

@@ -5,16 +5,13 @@ microbatches and replicas, through `model(x).backward()` and `train_step` alike;
 before conveyor.Module trains through it, in one process and across two. Packed
 microbatches, which are the caller's own, refuse such an input."""
 import copy
-import os
-import subprocess
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
 import conveyor
+from conftest import launch_script
 from conveyor import _C
 
 TOLERANCE = 1e-9
@@ -111,14 +108,8 @@ def train_across_processes() -> None:
 
 @pytest.mark.skipif(bool(_C.ucx_status()), reason=f"UCX cannot start here: {_C.ucx_status()}")
 def test_inputs_get_eager_s_gradients_across_processes():
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    tool = Path(os.environ.get("CONVEYOR_BUILD_DIR", Path(__file__).resolve().parents[2] / "build")) / "tools" / "conveyor"
-    r = subprocess.run([str(tool), "launch", "-n", "2", "--timeout", "120", "--", sys.executable, __file__],
-                       env=env, capture_output=True, text=True, timeout=300)
-    out = r.stdout + r.stderr
-    assert r.returncode == 0, out[-4000:]
+    code, out = launch_script(__file__)
+    assert code == 0, out[-4000:]
     assert out.count("the inputs' gradients equal eager's") == 2, out[-4000:]
 
 
