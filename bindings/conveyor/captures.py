@@ -2,9 +2,10 @@
 size (a sequence length, an image size) is captured for its example's side of the branch
 (the size fixed, or symbolic within the branch's bound), so a call with a size on the other
 side needs another graph; so does a call whose non-tensor arguments (a flag, a temperature)
-differ from the capture's, which the graph holds as constants. conveyor.Module keeps one pipeline per such capture, built on the first call
-that needs it, and switches between them call by call (across processes a capture's
-pipeline is built again at each switch, from what the other capture's stages held)."""
+differ from the capture's, which the graph holds as constants. conveyor.Module keeps one
+pipeline per such capture, built on the first call that needs it, and switches between
+them call by call (across processes a capture's pipeline is built again at each switch,
+from what the other capture's stages held)."""
 from __future__ import annotations
 
 import warnings
@@ -74,8 +75,8 @@ class Captures:
         return len(self._stashed) + 1
 
     def select(self, module, args: tuple, kwargs: dict) -> None:
-        """Makes `module` use the capture whose fixed sizes and arguments `args`, `kwargs` fit, stashing the
-        one in use; when none fits, captures, plans and builds again for them. A size the
+        """Makes `module` use the capture whose fixed sizes and arguments `args`, `kwargs` fit,
+        stashing the one in use; when none fits, captures, plans and builds again for them. A size the
         model cannot take at all (a weight's width) gets the captured graph's own error.
         Across processes every process changes capture at the same call (they are fed the
         same batches): the pipeline of the capture taken up is built again from what the

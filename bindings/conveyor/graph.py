@@ -199,7 +199,7 @@ class Graph:
         if not self.call_constants:
             return None
         leaves, spec = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
-        if self._in_spec is not None and pytree.tree_structure((tuple(args), dict(kwargs))) != self._in_spec:
+        if self._in_spec is not None and spec != self._in_spec:
             return None
         for position, want in self.call_constants.items():
             if position >= len(leaves):
@@ -249,10 +249,10 @@ def _same_constant(a, b) -> bool:
 
 def _argument_name(path) -> str:
     """A leaf of (args, kwargs) by name: "temperature", "positional argument 2", "options['k']"."""
-    if not path:
+    keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]  # (0: args or 1: kwargs, name, ...)
+    if len(keys) < 2:
         return "an argument"
-    keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
-    head = f"positional argument {keys[1]}" if keys[0] == 0 and len(keys) > 1 else str(keys[1]) if len(keys) > 1 else "an argument"
+    head = f"positional argument {keys[1]}" if keys[0] == 0 else str(keys[1])
     return head + "".join(f"[{k!r}]" for k in keys[2:])
 
 
