@@ -3,8 +3,8 @@ each function's backward is its paired communication (send <-> recv, bcast -> th
 summed at the root, gather <-> scatter, allgather -> reduce-scatter, alltoall <-> alltoall,
 allreduce -> allreduce), over the job's process group (UCX: with a GPU, CUDA tensors travel
 from device memory into the receiver's current CUDA device through UCX's CUDA transports;
-without them, or with CONVEYOR_UCX_CUDA=0, through host memory; what arrives for a
-collective lands on the caller's tensor's device). With `init(transport="nccl")` (or the
+without them, or with CONVEYOR_UCX_CUDA=0, through host memory, and still arrive on that
+device; what arrives for a collective lands on the caller's tensor's device). With `init(transport="nccl")` (or the
 job's transport nccl) tensors on each process's GPU go GPU to GPU over NCCL instead.
 
 No delegate variables: a process whose graph the communication cuts (one that sends but
@@ -190,7 +190,7 @@ def send(x, dst: int) -> None:
     needs = [torch.is_grad_enabled() and t.requires_grad for t in values]
     seq = st.sent[dst]
     st.sent[dst] += 1
-    key = (sequence, *needs)
+    key = (sequence, *needs, *(t.is_cuda for t in values))
     flags = st.flags.get(key)
     if flags is None:
         flags = st.flags[key] = torch.tensor([int(f) for f in key], dtype=torch.int8)
@@ -239,16 +239,21 @@ def _return_gradient(st: _State, record: _Record) -> None:
 
 def recv(src: int, device=None):
     """What process `src` sends next: a tensor, or the tuple it sent, on `device`; by default
-    where it arrives: the CPU, or for CUDA tensors sent from device memory this process's
-    current CUDA device. Its backward sends the gradient back to `src`."""
+    where the sender's was: a CPU tensor on the CPU, a CUDA tensor on this process's current
+    CUDA device (whichever way it travelled; on the CPU only where this process sees no GPU).
+    Its backward sends the gradient back to `src`."""
     st = _job()
     src = _peer(st, src, "src")
     seq = st.received[src]
     st.received[src] += 1
     got = st.group.recv(src, _MESSAGE_BIT | seq, f"conveyor.distributed: receive #{seq} from process {src}", st.via)
-    flags = got[-1].tolist()
-    sequence, needs = bool(flags[0]), [bool(n) for n in flags[1:]]
-    values = [v.to(device) if device is not None else v for v in got[:-1]]
+    flags, count = got[-1].tolist(), len(got) - 1  # flags: sequence, then per value needs, then is_cuda
+    sequence, needs, on_cuda = bool(flags[0]), [bool(n) for n in flags[1:1 + count]], flags[1 + count:]
+    if device is None and any(on_cuda) and torch.cuda.is_available():  # staged through the host: back on a GPU
+        cuda = torch.device("cuda", torch.cuda.current_device())
+        values = [v.to(cuda) if c and not v.is_cuda else v for v, c in zip(got[:-1], on_cuda)]
+    else:
+        values = [v.to(device) if device is not None else v for v in got[:-1]]
     if torch.is_grad_enabled() and any(needs):
         record = _Record("recv", src, seq, shapes=[(v.shape, v.dtype, v.device) for v, n in zip(values, needs) if n])
         st.records.append(record)

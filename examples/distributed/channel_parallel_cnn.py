@@ -31,10 +31,12 @@ def main():
     args = arguments()
     world = int(os.environ.get("CONVEYOR_EXAMPLE_WORLD", os.environ.get("WORLD_SIZE", "1")))
     first, second = slices(world)
-    classifier = nn.Linear(CHANNELS, CLASSES)
+    classifier = nn.Linear(CHANNELS, CLASSES).to(args.device)
+    for m in first + second:
+        m.to(args.device)
     data = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(BATCH, 3, 8, 8, generator=data), torch.randint(CLASSES, (BATCH,), generator=data))
-               for _ in range(STEPS)]
+    batches = [(torch.randn(BATCH, 3, 8, 8, generator=data).to(args.device),
+                torch.randint(CLASSES, (BATCH,), generator=data).to(args.device)) for _ in range(STEPS)]
     modules = {f"first{p}": first[p] for p in range(world)} | {f"second{p}": second[p] for p in range(world)}
     losses = []
     if not split():

@@ -1,5 +1,6 @@
-"""What the split-by-hand examples share: three SGD steps, and where their results go (the
-same script alone writes reference.pt; under `conveyor launch` each process writes
+"""What the split-by-hand examples share: three SGD steps, the device (`--device cuda` puts
+the model and its data on each process's current CUDA device), and where their results go
+(the same script alone writes reference.pt; under `conveyor launch` each process writes
 rank<R>.pt with the parameters it holds), so tests/python/test_communication.py can check
 that the split trains exactly like the model in one process."""
 import argparse
@@ -14,8 +15,13 @@ STEPS = 3
 def arguments():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="out/distributed", help="folder for reference.pt or rank<R>.pt")
+    ap.add_argument("--device", default="cpu", help="where the model and its data live: cpu, or cuda (every "
+                    "process on its current CUDA device; tensors cross in device memory)")
     args = ap.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    args.device = torch.device(args.device)
+    if args.device.type == "cuda":
+        torch.backends.cudnn.deterministic = True  # the split and the whole run the same kernels alike
     torch.manual_seed(0)
     torch.set_default_dtype(torch.float64)
     return args
@@ -28,7 +34,7 @@ def split() -> bool:
 
 def save(out, modules: dict, losses: list, rank: int | None = None) -> None:
     """The named parameters of `modules` (name -> nn.Module) and the losses this process saw."""
-    state = {f"{name}.{p}": t.detach().clone() for name, m in modules.items() for p, t in m.named_parameters()}
+    state = {f"{name}.{p}": t.detach().cpu().clone() for name, m in modules.items() for p, t in m.named_parameters()}
     name = "reference.pt" if rank is None else f"rank{rank}.pt"
     torch.save({"state": state, "losses": losses}, Path(out) / name)
     print(f"{name}: {len(state)} parameters, losses {[round(x, 6) for x in losses]}")

@@ -39,10 +39,10 @@ class Decoder(nn.Module):
 
 def main():
     args = arguments()
-    encoder, decoder = Encoder(), Decoder()
+    encoder, decoder = Encoder().to(args.device), Decoder().to(args.device)
     data = torch.Generator().manual_seed(1)
-    batches = [(torch.randint(VOCAB, (BATCH, LENGTH), generator=data), torch.randint(VOCAB, (BATCH, LENGTH), generator=data),
-                torch.randint(VOCAB, (BATCH, LENGTH), generator=data)) for _ in range(STEPS)]
+    batches = [tuple(torch.randint(VOCAB, (BATCH, LENGTH), generator=data).to(args.device) for _ in range(3))
+               for _ in range(STEPS)]
     losses = []
     if not split():
         optimizer = torch.optim.SGD([*encoder.parameters(), *decoder.parameters()], lr=0.5)

@@ -20,8 +20,10 @@ def main():
     g1, g2 = nn.Linear(WIDTH, WIDTH), nn.Linear(2 * WIDTH, WIDTH)     # process 1
     h2 = nn.Linear(WIDTH, WIDTH)                                      # process 2
     data = torch.Generator().manual_seed(1)
-    batches = [torch.randn(BATCH, WIDTH, generator=data) for _ in range(STEPS)]
+    batches = [torch.randn(BATCH, WIDTH, generator=data).to(args.device) for _ in range(STEPS)]
     named = {"f0": f0, "g1": g1, "g2": g2, "h2": h2}
+    for m in named.values():
+        m.to(args.device)
     losses = []
     if not split():
         optimizer = torch.optim.SGD(nn.ModuleList(named.values()).parameters(), lr=0.1)

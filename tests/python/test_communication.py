@@ -35,14 +35,19 @@ def launch(n: int, script: Path, *args, env=None, timeout=240):
     return r.returncode, r.stdout + r.stderr
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (tools/gpu_session runs it)"))])
 @pytest.mark.parametrize("example, processes", [
     ("seq2seq", 2), ("channel_parallel_cnn", 2), ("channel_parallel_cnn", 3), ("three_process_chain", 3)])
-def test_the_split_trains_like_one_process(example, processes, tmp_path):
+def test_the_split_trains_like_one_process(example, processes, device, tmp_path):
+    """On CUDA every process shares the one GPU: its tensors cross in device memory (UCX's
+    cuda_ipc), and the reference runs on that GPU too."""
     script = EXAMPLES / f"{example}.py"
-    alone = subprocess.run([sys.executable, str(script), "--out", str(tmp_path)], capture_output=True, text=True,
-                           env=environment(CONVEYOR_EXAMPLE_WORLD=str(processes)), timeout=240)
+    alone = subprocess.run([sys.executable, str(script), "--out", str(tmp_path), "--device", device],
+                           capture_output=True, text=True, env=environment(CONVEYOR_EXAMPLE_WORLD=str(processes)),
+                           timeout=240)
     assert alone.returncode == 0, alone.stdout + alone.stderr
-    code, out = launch(processes, script, "--out", tmp_path)
+    code, out = launch(processes, script, "--out", tmp_path, "--device", device)
     assert code == 0, out[-4000:]
     reference = torch.load(tmp_path / "reference.pt")
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(processes)]
