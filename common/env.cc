@@ -21,4 +21,9 @@ std::string job_secret() {
   return s ? s : "";
 }
 
+std::string job_setting(const char* name) {
+  const char* s = std::getenv(name);
+  return s ? s : "";
+}
+
 }  // namespace conveyor::env

@@ -263,7 +263,9 @@ int main(int argc, char** argv) {
   auto* trace_check_cmd = trace_cmd->add_subcommand("check", "decode a trace and check its structure");
   trace_check_cmd->add_option("file", trace_path, "a .pftrace file")->required();
 
-  tools::JobConfig job;
+  // The environment's CONVEYOR_TIMEOUT and the like are the defaults; a config, then flags, override them.
+  const Result<tools::JobConfig> environment_defaults = tools::job_defaults_from_environment();
+  tools::JobConfig job = environment_defaults ? *environment_defaults : tools::JobConfig{};
   std::string job_file, hosts;
   std::vector<std::string> command;
   auto* launch_cmd = app.add_subcommand(
@@ -290,11 +292,12 @@ int main(int argc, char** argv) {
 
   CLI11_PARSE(app, argc, argv);
   if (*launch_cmd) {
+    if (!environment_defaults) return fail(environment_defaults.status());
     tools::JobConfig from_cli = job;
     if (!job_file.empty()) {
       auto text = read_file(job_file, "job config");
       if (!text) return fail(text.status());
-      auto parsed = tools::parse_job_config(*text, job_file);
+      auto parsed = tools::parse_job_config(*text, job_file, *environment_defaults);
       if (!parsed) return fail(parsed.status());
       job = *parsed;
       if (*n_opt) job.processes = from_cli.processes;

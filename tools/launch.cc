@@ -16,6 +16,8 @@
 #include <cstring>
 #include <filesystem>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "common/env.h"
 #include "common/secret.h"
@@ -58,19 +60,30 @@ bool host_name(const std::string& h) {
   return true;
 }
 
-std::string text(const toml::Node& t, std::string_view key, const std::string& fallback,
-                 std::initializer_list<std::string_view> choices = {}) {
+using Choices = std::vector<std::string_view>;
+const Choices kTransports{"ucx", "nccl"};
+const Choices kSchedules{"auto", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"};
+const Choices kReplans{"auto", "off"};
+
+// Empty where `v` is one of `choices` (or there are none); else what they are, for an error.
+std::string not_one_of(const std::string& v, const Choices& choices) {
+  std::string list;
+  for (auto c : choices) {
+    if (v == c) return "";
+    list += (list.empty() ? "" : ", ") + std::string(c);
+  }
+  return list;
+}
+
+std::string text(const toml::Node& t, std::string_view key, const std::string& fallback, const Choices& choices = {}) {
   const toml::Node* n = t.get(key);
   if (!n) return fallback;
   auto v = n->string();
   if (!v) throw TomlError(n->line(), std::string(key) + " must be a string");
-  if (choices.size() == 0) return *v;
-  std::string list;
-  for (auto c : choices) {
-    if (*v == c) return *v;
-    list += (list.empty() ? "" : ", ") + std::string(c);
+  if (std::string list = not_one_of(*v, choices); !list.empty()) {
+    throw TomlError(n->line(), std::string(key) + " = \"" + *v + "\" (expected one of " + list + ")");
   }
-  throw TomlError(n->line(), std::string(key) + " = \"" + *v + "\" (expected one of " + list + ")");
+  return *v;
 }
 
 // A free TCP port on the loopback interface (the kernel's pick; released at once).
@@ -102,7 +115,34 @@ std::string describe_exit(int status) {
 
 }  // namespace
 
-Result<JobConfig> parse_job_config(const std::string& content, const std::string& source) {
+Result<JobConfig> job_defaults_from_environment() {
+  JobConfig c;
+  const auto invalid = [](const char* name, const std::string& v, const std::string& expected) {
+    return Status(ErrorCode::kInvalidArgument, std::string(name) + "=\"" + v.substr(0, 80) + "\" in the environment: " +
+                                                   expected + " (set it so, or unset it)");
+  };
+  if (std::string v = env::job_setting("CONVEYOR_TIMEOUT"); !v.empty()) {
+    char* end = nullptr;
+    const double s = std::strtod(v.c_str(), &end);
+    if (end == v.c_str() || *end != '\0' || !valid_seconds(s)) {
+      return invalid("CONVEYOR_TIMEOUT", v, "expected a number of seconds from 0.001 to 604800 (a week)");
+    }
+    c.timeout_s = s;
+  }
+  const std::pair<const char*, std::pair<std::string*, const Choices*>> named[] = {
+      {"CONVEYOR_TRANSPORT", {&c.transport, &kTransports}},
+      {"CONVEYOR_SCHEDULE", {&c.schedule, &kSchedules}},
+      {"CONVEYOR_REPLAN", {&c.replan, &kReplans}}};
+  for (const auto& [name, field] : named) {
+    std::string v = env::job_setting(name);
+    if (v.empty()) continue;
+    if (std::string list = not_one_of(v, *field.second); !list.empty()) return invalid(name, v, "expected one of " + list);
+    *field.first = v;
+  }
+  return c;
+}
+
+Result<JobConfig> parse_job_config(const std::string& content, const std::string& source, const JobConfig& defaults) {
   try {
     const toml::Node root = toml::parse(content);
     check_keys(root, {"job"}, "the job config");
@@ -112,8 +152,8 @@ Result<JobConfig> parse_job_config(const std::string& content, const std::string
     check_keys(t, {"processes", "hosts", "node_rank", "master_addr", "master_port", "timeout", "grace", "transport",
                    "plan", "schedule", "trace", "replan", "replan_horizon", "secret"},
                "[job]");
-    JobConfig c;
-    c.processes = whole_number(t, "processes", 1, 4096, 1);
+    JobConfig c = defaults;
+    c.processes = whole_number(t, "processes", 1, 4096, c.processes);
     if (const toml::Node* h = t.get("hosts")) {
       const toml::Node* arr = h->as_array();
       if (!arr || arr->items().empty()) throw TomlError(h->line(), "hosts must be a non-empty list of host names");
@@ -125,22 +165,22 @@ Result<JobConfig> parse_job_config(const std::string& content, const std::string
       }
     }
     c.node_rank = whole_number(t, "node_rank", 0, static_cast<int>(c.hosts.size()) - 1, 0);
-    c.master_addr = text(t, "master_addr", "");
+    c.master_addr = text(t, "master_addr", c.master_addr);
     if (t.get("master_addr") && !host_name(c.master_addr)) {
       throw TomlError(t.get("master_addr")->line(), "master_addr = \"" + c.master_addr.substr(0, 40) +
                                                         "\" is not a host name or address");
     }
-    c.master_port = whole_number(t, "master_port", 0, 65535, 0);
+    c.master_port = whole_number(t, "master_port", 0, 65535, c.master_port);
     c.timeout_s = seconds(t, "timeout", c.timeout_s);
     c.grace_s = seconds(t, "grace", c.grace_s);
-    c.transport = text(t, "transport", "ucx", {"ucx", "nccl"});
-    c.plan = text(t, "plan", "auto");
+    c.transport = text(t, "transport", c.transport, kTransports);
+    c.plan = text(t, "plan", c.plan);
     std::error_code ec;
     if (c.plan != "auto" && (access(c.plan.c_str(), R_OK) != 0 || std::filesystem::is_directory(c.plan, ec))) {
       throw TomlError(t.get("plan")->line(), "plan = \"" + c.plan.substr(0, 200) + "\": no such readable file (or \"auto\")");
     }
-    c.schedule = text(t, "schedule", "auto", {"auto", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"});
-    c.trace = text(t, "trace", "");
+    c.schedule = text(t, "schedule", c.schedule, kSchedules);
+    c.trace = text(t, "trace", c.trace);
     if (!c.trace.empty()) {
       const std::filesystem::path dir = std::filesystem::absolute(c.trace, ec).parent_path();
       if (!std::filesystem::is_directory(dir, ec)) {
@@ -148,9 +188,9 @@ Result<JobConfig> parse_job_config(const std::string& content, const std::string
                                                     " does not exist (make it first)");
       }
     }
-    c.replan = text(t, "replan", "auto", {"auto", "off"});
-    c.replan_horizon = whole_number(t, "replan_horizon", 1, 1000000000, 100);
-    c.secret = text(t, "secret", "");
+    c.replan = text(t, "replan", c.replan, kReplans);
+    c.replan_horizon = whole_number(t, "replan_horizon", 1, 1000000000, c.replan_horizon);
+    c.secret = text(t, "secret", c.secret);
     if (t.get("secret") && c.secret.size() < 16) {
       throw TomlError(t.get("secret")->line(), "secret must be at least 16 characters (a random string)");
     }

@@ -33,10 +33,16 @@ struct JobConfig {
   std::string secret;                      ///< the job's secret (empty: CONVEYOR_JOB_SECRET, or made per job)
 };
 
-/// Reads a job config file (TOML); `source` names it in errors ("job.toml:7: ...").
-/// Checks hosts and master_addr are host names or addresses, the plan a readable file and the
-/// trace's folder present.
-Result<JobConfig> parse_job_config(const std::string& text, const std::string& source);
+/// The launcher's defaults: JobConfig's, with CONVEYOR_TIMEOUT, CONVEYOR_TRANSPORT,
+/// CONVEYOR_SCHEDULE and CONVEYOR_REPLAN from the environment where set (as the processes
+/// read them without a launcher); a value that is not one of the setting's is an error
+/// naming the variable.
+Result<JobConfig> job_defaults_from_environment();
+
+/// Reads a job config file (TOML) over `defaults` (what it does not set stays theirs);
+/// `source` names it in errors ("job.toml:7: ..."). Checks hosts and master_addr are host
+/// names or addresses, the plan a readable file and the trace's folder present.
+Result<JobConfig> parse_job_config(const std::string& text, const std::string& source, const JobConfig& defaults = {});
 
 /// Runs `command` as the job's local processes; returns the launcher's exit status.
 int launch(const JobConfig& config, const std::vector<std::string>& command);

@@ -153,6 +153,39 @@ def test_every_process_gets_the_environment_of_its_rank(flags, expected, tmp_pat
     assert (tmp_path / "1").read_text() == f"1 1 2 2 127.0.0.1 {expected} off 250 True"
 
 
+@pytest.mark.parametrize("config, flags, expected", [
+    (None, [], "9 zb-h1 nccl auto"),                   # the environment's, as a script alone reads them
+    ("timeout = 42\n", [], "42 zb-h1 nccl auto"),     # a job config overrides the environment
+    ("timeout = 42\n", ["--transport", "ucx", "--timeout", "7"], "7 zb-h1 ucx auto")])  # and flags it
+def test_the_environment_s_settings_are_the_launcher_s_defaults(config, flags, expected, tmp_path):
+    """CONVEYOR_TIMEOUT and the like set where `conveyor launch` runs reach its processes
+    (the launcher used to overwrite them with its own defaults: a 300 s timeout)."""
+    script = ("import os\nopen(os.path.join(os.environ['OUT'], os.environ['RANK']), 'w').write(' '.join(os.environ[k] "
+              "for k in ['CONVEYOR_TIMEOUT', 'CONVEYOR_SCHEDULE', 'CONVEYOR_TRANSPORT', 'CONVEYOR_REPLAN']))\n")
+    args = ["-n", 1]
+    if config is not None:
+        (tmp_path / "job.toml").write_text("[job]\n" + config)
+        args = ["--config", tmp_path / "job.toml"]
+    environment = dict(env(), OUT=str(tmp_path), CONVEYOR_TIMEOUT="9", CONVEYOR_SCHEDULE="zb-h1",
+                       CONVEYOR_TRANSPORT="nccl")
+    r = subprocess.run([TOOL, "launch", *map(str, args + flags), "--", sys.executable, "-c", script], env=environment,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "0").read_text() == expected
+
+
+@pytest.mark.parametrize("variable, value, expected", [
+    ("CONVEYOR_TIMEOUT", "soon", 'CONVEYOR_TIMEOUT="soon" in the environment: expected a number of seconds'),
+    ("CONVEYOR_TIMEOUT", "0", 'CONVEYOR_TIMEOUT="0" in the environment: expected a number of seconds'),
+    ("CONVEYOR_TRANSPORT", "tcp", 'CONVEYOR_TRANSPORT="tcp" in the environment: expected one of ucx, nccl'),
+    ("CONVEYOR_REPLAN", "never", 'CONVEYOR_REPLAN="never" in the environment: expected one of auto, off')])
+def test_a_bad_setting_in_the_environment_is_refused_naming_it(variable, value, expected):
+    r = subprocess.run([TOOL, "launch", "-n", "1", "--", sys.executable, "-c", "pass"],
+                       env=dict(env(), **{variable: value}), capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert expected in r.stderr + r.stdout
+
+
 @pytest.mark.parametrize("text, expected", [
     ('[job]\nprocesses = 2\nprocesess = 3\n', "job.toml:3: unknown key 'procesess' in [job]"),
     ('[job]\nprocesses = "two"\n', "job.toml:2: processes must be a whole number from 1 to 4096"),
