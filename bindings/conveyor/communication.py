@@ -18,9 +18,12 @@ each receive sends its gradient back when autograd reaches it.
 
 Every process of the job must call the same functions in the same order (as in MPI); a
 mismatch ends within the job's timeout naming the process waited for and the call, and at
-once where that process's script already ended (returned or exited). Sender
-and receiver agree on gradients: a value received under torch.no_grad() sends none back, so
-its sender must not wait for one (run evaluation without gradients on every process).
+once where that process's script already ended (returned or exited). A value received
+under torch.no_grad() gets no gradient, as in one process: the receiver tells its sender at
+once, and the sender's backward() skips that send. A sender that needs no gradient (under
+torch.no_grad() itself) records nothing, so evaluation runs without gradients on every
+process, or at least on the senders (what they sent with gradients is held until their
+next backward()).
 """
 from __future__ import annotations
 
@@ -64,6 +67,10 @@ class _State:
         self.records: list[_Record] = []
         self.sends = _C.SendsInFlight(group, via)  # sent, not yet known to have arrived
         self.flags: dict[tuple, torch.Tensor] = {}  # a message's flags tensor, per flags (never written)
+        # A gradient message ends with one of these: the gradients follow, or none will (the
+        # value was received under torch.no_grad(), so nothing there can produce one).
+        self.with_gradients = torch.ones(1, dtype=torch.int8)
+        self.without_gradients = torch.zeros(1, dtype=torch.int8)
         self.replaying = False
 
 
@@ -233,7 +240,7 @@ def _return_gradient(st: _State, record: _Record) -> None:
     grads = record.grads or [None] * len(record.shapes)
     payload = [(g if g is not None else torch.zeros(shape, dtype=dtype, device=device)).detach().contiguous()
                for g, (shape, dtype, device) in zip(grads, record.shapes)]
-    st.sends.send(record.peer, _MESSAGE_BIT | _GRADIENT_BIT | record.seq, payload,
+    st.sends.send(record.peer, _MESSAGE_BIT | _GRADIENT_BIT | record.seq, payload + [st.with_gradients],
                   f"conveyor.distributed: the gradient of receive #{record.seq} from process {record.peer}")
 
 
@@ -254,7 +261,10 @@ def recv(src: int, device=None):
         values = [v.to(cuda) if c and not v.is_cuda else v for v, c in zip(got[:-1], on_cuda)]
     else:
         values = [v.to(device) if device is not None else v for v in got[:-1]]
-    if torch.is_grad_enabled() and any(needs):
+    if any(needs) and not torch.is_grad_enabled():  # the sender's backward must not wait for a gradient
+        st.sends.send(src, _MESSAGE_BIT | _GRADIENT_BIT | seq, [st.without_gradients],
+                      f"conveyor.distributed: receive #{seq} from process {src} (under torch.no_grad())")
+    elif any(needs):
         record = _Record("recv", src, seq, shapes=[(v.shape, v.dtype, v.device) for v, n in zip(values, needs) if n])
         st.records.append(record)
         wanted = [v for v, n in zip(values, needs) if n]
@@ -278,11 +288,12 @@ def backward(*roots) -> None:
             if record.kind == "recv":
                 _return_gradient(st, record)
                 continue
-            grads = st.group.recv(record.peer, _MESSAGE_BIT | _GRADIENT_BIT | record.seq,
-                                  f"conveyor.distributed: the gradient of send #{record.seq} to process {record.peer}",
-                                  st.via)
-            torch.autograd.backward(record.tensors, [g.to(t.device) for g, t in zip(grads, record.tensors)],
-                                    retain_graph=True)
+            *grads, follow = st.group.recv(record.peer, _MESSAGE_BIT | _GRADIENT_BIT | record.seq,
+                                           f"conveyor.distributed: the gradient of send #{record.seq} to process "
+                                           f"{record.peer}", st.via)
+            if follow.item():  # else received under no_grad: it adds nothing, as in one process
+                torch.autograd.backward(record.tensors, [g.to(t.device) for g, t in zip(grads, record.tensors)],
+                                        retain_graph=True)
     finally:
         st.replaying = False
         st.records.clear()

@@ -119,6 +119,22 @@ def main():
         else:
             dist.backward()
 
+    # A value received under no_grad gets no gradient, as in one process: process 1 receives
+    # 2w so, then 3w with gradients; process 0's backward must not wait for the first's
+    # gradient (it waited out the timeout), and w's gradient is the second's alone.
+    w = leaf(1)
+    if me == 0:
+        dist.send(w * 2, 1)
+        dist.send(w * 3, 1)
+        dist.backward()
+        expect("a gradient past a receive under no_grad", w.grad, torch.full((2,), 6.0))
+    elif me == 1:
+        with torch.no_grad():
+            dist.recv(0)
+        dist.backward(weight * dist.recv(0).sum())
+    else:
+        dist.backward()
+
     # allreduce: y = sum_p x_p; dL/dx_p = sum_q (q + 1)
     x = leaf(me + 1)
     y = dist.allreduce(x)
