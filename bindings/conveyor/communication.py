@@ -19,17 +19,18 @@ each receive sends its gradient back when autograd reaches it.
 Every process of the job must call the same functions in the same order (as in MPI); a
 mismatch ends within the job's timeout naming the process waited for and the call, and at
 once where that process's script already ended (returned or exited). A value received
-under torch.no_grad() gets no gradient, as in one process: the receiver tells its sender at
-once, and the sender's backward() skips that send. A sender that needs no gradient (under
-torch.no_grad() itself) records nothing, so evaluation runs without gradients on every
-process, or at least on the senders (what they sent with gradients is held until their
-next backward()).
+under torch.no_grad(), or whose graph is dropped without a backward (an evaluation that
+forgot no_grad), gets no gradient, as in one process: the receiver tells its sender, and
+the sender's backward() skips that send. A sender under torch.no_grad() records nothing;
+one that is not holds what it sent until its next backward(), so evaluate under
+torch.no_grad() on every process, or at least on the senders.
 """
 from __future__ import annotations
 
 import atexit
 import os
 import sys
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -246,6 +247,24 @@ def _return_gradient(st: _State, record: _Record) -> None:
                   f"conveyor.distributed: the gradient of receive #{record.seq} from process {record.peer}")
 
 
+def _no_gradient_will_come(st: _State, record: _Record) -> None:
+    """A receive's node was freed before its gradient went back: its sender's backward()
+    skips that send (it adds nothing, as in one process), instead of waiting for it."""
+    if record.done or st is not _state:
+        return
+    record.done = True
+    try:
+        st.sends.send(record.peer, _MESSAGE_BIT | _GRADIENT_BIT | record.seq, [st.without_gradients],
+                      f"conveyor.distributed: receive #{record.seq} from process {record.peer} (its graph dropped)")
+    except ConveyorError:  # an earlier send failed: the next call raises it, where the script can see it
+        pass
+    if not st.replaying:  # a replay clears the records itself
+        try:
+            st.records.remove(record)
+        except ValueError:
+            pass
+
+
 def recv(src: int, device=None):
     """What process `src` sends next: a tensor, or the tuple it sent, on `device`; by default
     where the sender's was: a CPU tensor on the CPU, a CUDA tensor on this process's current
@@ -271,7 +290,11 @@ def recv(src: int, device=None):
         st.records.append(record)
         wanted = [v for v, n in zip(values, needs) if n]
         out = _Received.apply(torch.empty(0, requires_grad=True), record, wanted)
-        outputs = iter(out if isinstance(out, tuple) else (out,))
+        out = out if isinstance(out, tuple) else (out,)
+        # Once nothing holds the receive's node (the graph it fed was dropped without a
+        # backward, as in an evaluation without no_grad), no gradient can come: say so now.
+        weakref.finalize(out[0].grad_fn, _no_gradient_will_come, st, record).atexit = False
+        outputs = iter(out)
         values = [next(outputs) if n else v for v, n in zip(values, needs)]
     return tuple(values) if sequence else values[0]
 

@@ -135,6 +135,21 @@ def main():
     else:
         dist.backward()
 
+    # An evaluation that forgot no_grad between training steps: process 1 drops what it got
+    # (2w) without a backward, then trains on 3w with plain loss.backward(); process 0's
+    # backward() must not wait for the first's gradient (it waited out the timeout).
+    w = leaf(1)
+    if me == 0:
+        dist.send(w * 2, 1)
+        dist.send(w * 3, 1)
+        dist.backward()
+        expect("a gradient past a dropped receive", w.grad, torch.full((2,), 6.0))
+    elif me == 1:
+        dist.recv(0).sum().item()
+        (weight * dist.recv(0).sum()).backward()
+    else:
+        dist.backward()
+
     # allreduce: y = sum_p x_p; dL/dx_p = sum_q (q + 1)
     x = leaf(me + 1)
     y = dist.allreduce(x)
