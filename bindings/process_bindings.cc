@@ -107,6 +107,98 @@ class SendsInFlight {
   std::shared_ptr<State> state_ = std::make_shared<State>();  // shared with the sends' callbacks
 };
 
+// Receives posted before anyone waits for them (conveyor.distributed's gradients, one per
+// send that needs one), so a sender can see without waiting whether an answer is in (its
+// receiver may say at once that no gradient will come); take() waits for one within the
+// group's timeout, failing as ProcessGroup::receive does.
+class PostedReceives {
+ public:
+  /// Receives over `via` (a lane endpoint of `group`), or with null over the group's UCX endpoint.
+  PostedReceives(std::shared_ptr<runtime::ProcessGroup> group, std::shared_ptr<transport::LaneEndpoint> via)
+      : group_(std::move(group)),
+        endpoint_(via ? std::shared_ptr<transport::Endpoint>(std::move(via)) : group_->endpoint()) {}
+
+  void post(int peer, std::uint64_t tag) {
+    auto slot = std::make_shared<Slot>();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!slots_.emplace(std::pair{peer, tag}, slot).second) {
+        check(Status(ErrorCode::kInvalidArgument, "a receive from process " + std::to_string(peer) + " under tag " +
+                                                      std::to_string(tag) + " is posted already"));
+      }
+    }
+    endpoint_->recv(peer, tag, [slot](Result<std::vector<at::Tensor>> got) {
+      transport::Done waiter;
+      Status status = got.status();
+      {
+        std::lock_guard<std::mutex> lock(slot->mu);
+        slot->got = std::move(got);
+        waiter = std::move(slot->waiter);
+      }
+      if (waiter) waiter(status);
+    });
+  }
+
+  /// Whether the message of the receive posted for (peer, tag) is in (a receive that failed
+  /// is not: take() raises its error where the message is needed).
+  bool arrived(int peer, std::uint64_t tag) {
+    const std::shared_ptr<Slot> slot = find(peer, tag);
+    std::lock_guard<std::mutex> lock(slot->mu);
+    return slot->got.has_value() && slot->got->is_ok();
+  }
+
+  /// The message of the receive posted for (peer, tag), waiting for it within the group's
+  /// timeout (a timeout names `what`); forgets the receive.
+  std::vector<at::Tensor> take(int peer, std::uint64_t tag, const std::string& what) {
+    const std::shared_ptr<Slot> slot = find(peer, tag);
+    Status status = Status::ok();
+    {
+      py::gil_scoped_release nogil;
+      status = group_->wait(
+          [&](transport::Done done) {
+            std::unique_lock<std::mutex> lock(slot->mu);
+            if (!slot->got) {
+              slot->waiter = std::move(done);
+              return;
+            }
+            const Status in = slot->got->status();
+            lock.unlock();
+            done(in);
+          },
+          what);
+    }
+    check(status);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      slots_.erase(std::pair{peer, tag});
+    }
+    std::lock_guard<std::mutex> lock(slot->mu);
+    return std::move(**slot->got);
+  }
+
+ private:
+  struct Slot {
+    std::mutex mu;
+    std::optional<Result<std::vector<at::Tensor>>> got;  // what the receive completed with
+    transport::Done waiter;                              // take()'s, while it waits
+  };
+
+  std::shared_ptr<Slot> find(int peer, std::uint64_t tag) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = slots_.find(std::pair{peer, tag});
+    if (it == slots_.end()) {
+      check(Status(ErrorCode::kInvalidArgument, "no receive from process " + std::to_string(peer) + " under tag " +
+                                                    std::to_string(tag) + " was posted"));
+    }
+    return it->second;
+  }
+
+  std::shared_ptr<runtime::ProcessGroup> group_;
+  std::shared_ptr<transport::Endpoint> endpoint_;
+  std::mutex mu_;
+  std::map<std::pair<int, std::uint64_t>, std::shared_ptr<Slot>> slots_;
+};
+
 }  // namespace
 
 void bind_processes(py::module_& m) {
@@ -120,6 +212,20 @@ void bind_processes(py::module_& m) {
            "Sends tensors to process peer under tag without waiting (raises if an earlier send failed); `what` "
            "names the send in errors.")
       .def("wait", &SendsInFlight::wait, "Returns once every send so far reached its peer; raises the first that failed.");
+
+  py::class_<PostedReceives>(m, "PostedReceives",
+                             "Receives posted on a ProcessGroup before anyone waits for them: arrived() without "
+                             "waiting, take() within the group's timeout.")
+      .def(py::init<std::shared_ptr<runtime::ProcessGroup>, std::shared_ptr<transport::LaneEndpoint>>(),
+           py::arg("group"), py::arg("via") = nullptr,
+           "Receives over `via` (a LaneEndpoint of the group), or over the group's UCX endpoint when None.")
+      .def("post", &PostedReceives::post, py::arg("peer"), py::arg("tag"),
+           "Asks for process peer's next message under tag, now.")
+      .def("arrived", &PostedReceives::arrived, py::arg("peer"), py::arg("tag"),
+           "Whether the message of the receive posted for (peer, tag) is in; never waits.")
+      .def("take", &PostedReceives::take, py::arg("peer"), py::arg("tag"), py::arg("what"),
+           "The tensors of the receive posted for (peer, tag), waiting at most the group's timeout; `what` names it "
+           "in errors.");
 
   py::class_<transport::LaneEndpoint, std::shared_ptr<transport::LaneEndpoint>>(
       m, "LaneEndpoint",

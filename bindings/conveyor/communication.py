@@ -20,14 +20,15 @@ Every process of the job must call the same functions in the same order (as in M
 mismatch ends within the job's timeout naming the process waited for and the call, and at
 once where that process's script already ended (returned or exited). A value received
 under torch.no_grad(), or whose graph is dropped without a backward (an evaluation that
-forgot no_grad), gets no gradient, as in one process: the receiver tells its sender, and
-the sender's backward() skips that send. A sender under torch.no_grad() records nothing;
-one that is not holds what it sent until its next backward(), so evaluate under
-torch.no_grad() on every process, or at least on the senders.
+forgot no_grad), gets no gradient, as in one process: the receiver tells its sender, which
+then lets go of what it sent (its next send looks) and whose backward() skips that send.
+A sender under torch.no_grad() records nothing; evaluate under torch.no_grad() on every
+process, which costs nothing per send.
 """
 from __future__ import annotations
 
 import atexit
+import collections
 import os
 import sys
 import weakref
@@ -55,8 +56,13 @@ class _Record:
     seq: int
     tensors: list = field(default_factory=list)   # send: those sent that need a gradient
     shapes: list = field(default_factory=list)    # recv: (shape, dtype, device) per value needing one
-    grads: list | None = None                     # recv: accumulated gradients
-    done: bool = False
+    grads: list | None = None                     # recv: accumulated gradients; send: those that came
+    done: bool = False                            # recv: answered; send: its answer taken
+
+    @property
+    def answer_tag(self) -> int:
+        """The tag of the gradient (or the word that none comes) answering this message."""
+        return _MESSAGE_BIT | _GRADIENT_BIT | self.seq
 
 
 class _State:
@@ -67,6 +73,10 @@ class _State:
         self.received = [0] * group.world_size   # per peer: messages received so far
         self.records: list[_Record] = []
         self.sends = _C.SendsInFlight(group, via)  # sent, not yet known to have arrived
+        # Each send that needs a gradient posts the receive of its answer at once; per peer,
+        # those sends whose answer this process has not taken yet, oldest first.
+        self.answers = _C.PostedReceives(group, via)
+        self.unanswered: dict[int, collections.deque] = {p: collections.deque() for p in range(group.world_size)}
         self.flags: dict[tuple, torch.Tensor] = {}  # a message's flags tensor, per flags (never written)
         # A gradient message ends with one of these: the gradients follow, or none will (the
         # value was received under torch.no_grad(), so nothing there can produce one).
@@ -206,8 +216,34 @@ def send(x, dst: int) -> None:
         flags = st.flags[key] = torch.tensor([int(f) for f in key], dtype=torch.int8)
     payload = [t.detach().contiguous() for t in values] + [flags]
     st.sends.send(dst, _MESSAGE_BIT | seq, payload, f"conveyor.distributed: send #{seq} to process {dst}")
+    _take_answers_in(st)
     if any(needs):
-        st.records.append(_Record("send", dst, seq, tensors=[t for t, n in zip(values, needs) if n]))
+        record = _Record("send", dst, seq, tensors=[t for t, n in zip(values, needs) if n])
+        st.records.append(record)
+        st.answers.post(dst, record.answer_tag)
+        st.unanswered[dst].append(record)
+
+
+def _take_answers_in(st: _State) -> None:
+    """Takes the answers already in for each peer's oldest sends, without waiting: a send
+    whose receiver says no gradient will come (it received under no_grad, or dropped the
+    graph) is forgotten, freeing what it held (an evaluation that forgot no_grad would
+    otherwise hold every batch's graph until the next backward()); a gradient is kept for
+    backward()."""
+    for waiting in st.unanswered.values():
+        while waiting and st.answers.arrived(waiting[0].peer, waiting[0].answer_tag):
+            _take_answer(st, waiting.popleft())
+
+
+def _take_answer(st: _State, record: _Record) -> None:
+    """The answer to a send (waiting for it within the timeout): its gradients, or none."""
+    *grads, follow = st.answers.take(record.peer, record.answer_tag,
+                                     f"conveyor.distributed: the gradient of send #{record.seq} to process {record.peer}")
+    record.done = True
+    if follow.item():
+        record.grads = grads
+    elif not st.replaying:  # nothing comes: the send adds nothing (a replay clears the records itself)
+        st.records.remove(record)
 
 
 class _Received(torch.autograd.Function):
@@ -243,7 +279,7 @@ def _return_gradient(st: _State, record: _Record) -> None:
     grads = record.grads or [None] * len(record.shapes)
     payload = [(g if g is not None else torch.zeros(shape, dtype=dtype, device=device)).detach().contiguous()
                for g, (shape, dtype, device) in zip(grads, record.shapes)]
-    st.sends.send(record.peer, _MESSAGE_BIT | _GRADIENT_BIT | record.seq, payload + [st.with_gradients],
+    st.sends.send(record.peer, record.answer_tag, payload + [st.with_gradients],
                   f"conveyor.distributed: the gradient of receive #{record.seq} from process {record.peer}")
 
 
@@ -254,7 +290,7 @@ def _no_gradient_will_come(st: _State, record: _Record) -> None:
         return
     record.done = True
     try:
-        st.sends.send(record.peer, _MESSAGE_BIT | _GRADIENT_BIT | record.seq, [st.without_gradients],
+        st.sends.send(record.peer, record.answer_tag, [st.without_gradients],
                       f"conveyor.distributed: receive #{record.seq} from process {record.peer} (its graph dropped)")
     except ConveyorError:  # an earlier send failed: the next call raises it, where the script can see it
         pass
@@ -313,15 +349,16 @@ def backward(*roots) -> None:
             if record.kind == "recv":
                 _return_gradient(st, record)
                 continue
-            *grads, follow = st.group.recv(record.peer, _MESSAGE_BIT | _GRADIENT_BIT | record.seq,
-                                           f"conveyor.distributed: the gradient of send #{record.seq} to process "
-                                           f"{record.peer}", st.via)
-            if follow.item():  # else received under no_grad: it adds nothing, as in one process
-                torch.autograd.backward(record.tensors, [g.to(t.device) for g, t in zip(grads, record.tensors)],
+            if not record.done:
+                _take_answer(st, record)
+            if record.grads is not None:  # else none comes (received under no_grad, or dropped): it adds nothing
+                torch.autograd.backward(record.tensors, [g.to(t.device) for g, t in zip(record.grads, record.tensors)],
                                         retain_graph=True)
     finally:
         st.replaying = False
         st.records.clear()
+        for waiting in st.unanswered.values():
+            waiting.clear()
     _drain(st)
 
 

@@ -1,8 +1,9 @@
 """Run by test_communication under `conveyor launch -n N`: large messages between processes
 (over the sender's shared region and past it), every differentiable collective's forward
 values and backward pairing against what they must be, in float64, a stream of sends that
-keeps nothing per send, then (MISMATCH) the mismatches: a receive nobody sends (the last
-process stops calling, or exits), a send nobody receives. DEVICE=cuda: on CUDA tensors;
+keeps nothing per send, an evaluation that forgot no_grad holding little, then (MISMATCH)
+the mismatches: a receive nobody sends (the last process stops calling, or exits), a send
+nobody receives. DEVICE=cuda: on CUDA tensors;
 TRANSPORT: conveyor.distributed.init's (GPU_PER_PROCESS: process r on GPU LOCAL_RANK)."""
 import os
 import sys
@@ -51,6 +52,39 @@ def sends_keep_nothing(me):
             for _ in range(count):
                 dist.recv(src=0)
             dist.send(torch.ones(1), dst=0)
+
+
+def evaluation_that_forgot_no_grad_holds_little(me):
+    """An evaluation loop that forgot torch.no_grad() on both sides and calls no backward:
+    what process 0 sends is freed as process 1 drops each graph (each receive tells its
+    sender no gradient comes), not held until process 0's next backward(): 200 sends of 1 MB
+    with their graphs."""
+    import time
+    import weakref
+    from conveyor import communication
+    count = 200
+    if me == 0:
+        w = torch.ones(1 << 17, requires_grad=True)
+        sent = []
+        for _ in range(count):
+            y = w * 2
+            sent.append(weakref.ref(y))
+            dist.send(y, 1)
+            del y
+        dist.recv(1)  # process 1 received them all
+        deadline = time.monotonic() + 10
+        while any(r() is not None for r in sent) and time.monotonic() < deadline:
+            communication._take_answers_in(communication._state)  # what the next send would do
+            time.sleep(0.01)
+        held = sum(r() is not None for r in sent)
+        if held:
+            raise SystemExit(f"process 0: {held} of {count} evaluation sends still held")
+    elif me == 1:
+        for _ in range(count):
+            got = dist.recv(0)
+            got.sum().item()
+        del got
+        dist.send(torch.ones(1), 0)
 
 
 def main():
@@ -207,6 +241,7 @@ def main():
 
     if "MISMATCH" not in os.environ:
         sends_keep_nothing(me)
+        evaluation_that_forgot_no_grad_holds_little(me)
 
     try:
         dist.allreduce(torch.ones(me + 1))
