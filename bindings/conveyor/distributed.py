@@ -1,6 +1,7 @@
 """The processes of one job, found from the usual environment: RANK, WORLD_SIZE, MASTER_ADDR
 and MASTER_PORT (set by `conveyor launch`, torchrun or by hand; under mpirun or srun the
-rank and size come from their own variables). With
+rank and size come from their own variables; under torchrun, whose store holds
+MASTER_PORT, process 0 listens on a free port it hands out through that store). With
 WORLD_SIZE above 1, `conveyor.Module` runs its pipeline across the processes: process 0
 plans (unless the stages are fixed) and every process runs its share of the pipeline
 ranks. Every wait between processes has a timeout: CONVEYOR_TIMEOUT seconds (default 300),
@@ -130,10 +131,43 @@ def process_group(job: str, timeout_s: float):
                                      f"{found}: one process belongs to one job")
         return _group
     rank, n, host, port = found
+    port = _rendezvous_port(rank, host, port, timeout_s)
     _group = _C.ProcessGroup(rank, n, host, port, job=job, timeout_s=timeout_s)
     _group_key = found
     _leave_in_step()
     return _group
+
+
+def _rendezvous_port(rank: int, host: str, port: int, timeout_s: float) -> int:
+    """Where process 0 listens for the others. Under torchrun (TORCHELASTIC_RUN_ID set),
+    MASTER_PORT is its agent's TCPStore, taken: process 0 listens on a free port of
+    MASTER_ADDR's interface instead and hands it out through that store (a key per restart,
+    so an elastic restart does not read the last one's)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return port
+    import datetime
+    import socket
+
+    from torch.distributed import TCPStore
+    where = f"torchrun's store at {host}:{port}"
+    try:
+        store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+    except Exception as e:  # noqa: BLE001  (torch raises several kinds)
+        raise ConveyorValueError(f"process {rank} cannot reach {where} (MASTER_ADDR, MASTER_PORT): {e}") from None
+    key = f"conveyor/rendezvous/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if rank == 0:
+        family, _, _, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind(address)
+            free = probe.getsockname()[1]
+        store.set(key, str(free))
+        return free
+    try:
+        return int(store.get(key))
+    except Exception as e:  # noqa: BLE001
+        raise ConveyorValueError(f"process {rank} waited {timeout_s:g} s for process 0's rendezvous port in {where}: "
+                                 f"{e} (does process 0 reach conveyor too?)") from None
 
 
 def _leave_in_step():

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import free_port
 from conveyor import _C
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,12 +44,28 @@ def test_the_split_trains_like_one_process(example, processes, device, tmp_path)
     """On CUDA every process shares the one GPU: its tensors cross in device memory (UCX's
     cuda_ipc), and the reference runs on that GPU too."""
     script = EXAMPLES / f"{example}.py"
+    code, out = launch(processes, script, "--out", tmp_path, "--device", device)
+    assert code == 0, out[-4000:]
+    assert_trains_like_the_model_alone(script, processes, device, tmp_path)
+
+
+def test_the_split_trains_like_one_process_under_torchrun(tmp_path):
+    """torchrun's environment serves as well as `conveyor launch`'s (its agent's store holds
+    MASTER_PORT; process 0 hands out another through it)."""
+    script = EXAMPLES / "seq2seq.py"
+    r = subprocess.run([str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", "2", "--master-port",
+                        str(free_port()), str(script), "--out", str(tmp_path)], env=environment(), capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    assert_trains_like_the_model_alone(script, 2, "cpu", tmp_path)
+
+
+def assert_trains_like_the_model_alone(script: Path, processes: int, device: str, tmp_path: Path) -> None:
+    """The split's results (rank<R>.pt in tmp_path) against the same script run alone."""
     alone = subprocess.run([sys.executable, str(script), "--out", str(tmp_path), "--device", device],
                            capture_output=True, text=True, env=environment(CONVEYOR_EXAMPLE_WORLD=str(processes)),
                            timeout=240)
     assert alone.returncode == 0, alone.stdout + alone.stderr
-    code, out = launch(processes, script, "--out", tmp_path, "--device", device)
-    assert code == 0, out[-4000:]
     reference = torch.load(tmp_path / "reference.pt")
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(processes)]
     state = {k: v for p in parts for k, v in p["state"].items()}

@@ -1,5 +1,6 @@
 """`conveyor launch` and its job config: the same training script (conveyor.Module, automatic
-plan) under the launcher trains exactly like one process running the plan process 0 made; a
+plan) under the launcher (and under torchrun) trains exactly like one process running the
+plan process 0 made; a
 failing process stops the job at once, named; bad configs are refused naming the line.
 Loopback only; every process started is reaped (the launcher reaps its own)."""
 import json
@@ -70,6 +71,17 @@ def test_the_same_script_under_the_launcher_trains_like_one_process_running_its_
                                text=True, timeout=60)
         assert check.returncode == 0, check.stdout + check.stderr
         assert "valid Perfetto trace" in check.stdout
+    assert_trains_like_one_process(tmp_path / "two.pt", 2, ["--plan", tmp_path / "two.pt.plan.json"], tmp_path)
+
+
+@pytest.mark.skipif(bool(_C.ucx_status()), reason=f"UCX cannot start here: {_C.ucx_status()}")
+def test_the_same_script_under_torchrun_trains_like_one_process_running_its_plan(tmp_path):
+    """torchrun's agent holds MASTER_PORT (its TCPStore): process 0 listens on a free port and
+    hands it out through that store (it failed: 'cannot listen ... at 127.0.0.1:29500')."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    r = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()), str(WORKER),
+                        "--out", str(tmp_path / "two.pt")], env=env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     assert_trains_like_one_process(tmp_path / "two.pt", 2, ["--plan", tmp_path / "two.pt.plan.json"], tmp_path)
 
 
