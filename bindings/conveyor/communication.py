@@ -184,9 +184,14 @@ def world_size() -> int:
     return _job().group.world_size
 
 
+def _process(st: _State, p, what: str) -> int:
+    if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < st.group.world_size:
+        raise ConveyorValueError(f"{what}={p!r}: expected a process from 0 to {st.group.world_size - 1}")
+    return p
+
+
 def _peer(st: _State, peer, what: str) -> int:
-    if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < st.group.world_size:
-        raise ConveyorValueError(f"{what}={peer!r}: expected a process from 0 to {st.group.world_size - 1}")
+    peer = _process(st, peer, what)
     if peer == st.group.rank:
         raise ConveyorValueError(f"{what}={peer} is this process; a process does not send to itself")
     return peer
@@ -381,6 +386,7 @@ def bcast(x, root: int, device=None):
     """`x` of process `root`, on every process (pass None elsewhere; it arrives on `device`,
     by default where recv() puts it). Backward: the gradients of every process summed at the root."""
     st = _job()
+    root = _process(st, root, "root")
     if st.group.rank == root:
         for p in _others(st):
             send(x, p)
@@ -392,6 +398,7 @@ def gather(x, root: int):
     """Every process's `x`, as a list in process order, at `root` (None elsewhere). Backward:
     each gradient scattered back to its process."""
     st = _job()
+    root = _process(st, root, "root")
     if st.group.rank != root:
         send(x, root)
         return None
@@ -402,6 +409,7 @@ def scatter(xs, root: int, device=None):
     """Process p gets `xs[p]` of process `root` (pass None elsewhere; it arrives on `device`,
     by default where recv() puts it). Backward: the gradients gathered at the root."""
     st = _job()
+    root = _process(st, root, "root")
     if st.group.rank != root:
         return recv(root, device)
     if len(xs) != st.group.world_size:

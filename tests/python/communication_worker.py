@@ -243,6 +243,12 @@ def main():
         sends_keep_nothing(me)
         evaluation_that_forgot_no_grad_holds_little(me)
 
+    try:  # a root that is no process is refused on every process, naming it (it was called "src")
+        dist.bcast(torch.ones(1), root=n)
+        raise SystemExit("bcast took a root that is no process")
+    except ConveyorValueError as e:
+        if f"root={n}: expected a process from 0 to {n - 1}" not in str(e):
+            raise
     try:
         dist.allreduce(torch.ones(me + 1))
         raise SystemExit("allreduce summed tensors of different shapes")
