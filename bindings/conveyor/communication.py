@@ -1,11 +1,13 @@
 """Differentiable communication between the processes of a job, for models split by hand:
-each function's backward is its paired communication (send <-> recv, bcast -> the gradients
-summed at the root, gather <-> scatter, allgather -> reduce-scatter, alltoall <-> alltoall,
-allreduce -> allreduce), over the job's process group (UCX: with a GPU, CUDA tensors travel
-from device memory into the receiver's current CUDA device through UCX's CUDA transports;
-without them, or with CONVEYOR_UCX_CUDA=0, through host memory, and still arrive on that
-device; what arrives for a collective lands on the caller's tensor's device). With `init(transport="nccl")` (or the
-job's transport nccl) tensors on each process's GPU go GPU to GPU over NCCL instead.
+send and recv here, the collectives built on them in conveyor/collectives.py; each one's
+backward is its paired communication (send <-> recv, bcast -> the gradients summed at the
+root, gather <-> scatter, allgather -> reduce-scatter, alltoall <-> alltoall, allreduce ->
+allreduce), over the job's process group (UCX: with a GPU, CUDA tensors travel from device
+memory into the receiver's current CUDA device through UCX's CUDA transports; without them,
+or with CONVEYOR_UCX_CUDA=0, through host memory, and still arrive on that device; what
+arrives for a collective lands on the caller's tensor's device). With
+`init(transport="nccl")` (or the job's transport nccl) tensors on each process's GPU go GPU
+to GPU over NCCL instead.
 
 No delegate variables: a process whose graph the communication cuts (one that sends but
 holds no loss) calls `backward()` (with its losses, if any) instead of `loss.backward()`.
@@ -13,8 +15,10 @@ It replays the process's communication in reverse program order: each receive's 
 goes back to its sender (zeros where nothing used it), each send waits for its gradient and
 backpropagates it. Sends never block and only receives wait, so the reversed exchange
 completes whenever the forward one did (docs/design.md, "Differentiable communication").
-Where a process only receives (its graph reaches a loss), `loss.backward()` works as usual:
-each receive sends its gradient back when autograd reaches it.
+Where a process's graph is connected (it only receives, or its loss reads the output of
+each collective it sent in), `loss.backward()` works as usual: each receive sends its
+gradient back when autograd reaches it, and a collective's own output waits for the
+gradients of what the process sent in it (collectives.py).
 
 Every process of the job must call the same functions in the same order (as in MPI); a
 mismatch ends within the job's timeout naming the process waited for and the call, and at
@@ -39,8 +43,7 @@ import torch
 from . import _C
 from .errors import ConveyorError, ConveyorValueError
 
-__all__ = ["init", "send", "recv", "bcast", "gather", "scatter", "allgather", "alltoall", "reduce_scatter",
-           "allreduce", "backward", "rank", "world_size", "Sequential"]
+__all__ = ["init", "send", "recv", "backward", "rank", "world_size", "Sequential"]
 
 # Tags (below the pipeline's collective and lane bits): messages carry a per-pair sequence
 # number, their gradients the same number with the gradient bit.
@@ -58,6 +61,7 @@ class _Record:
     shapes: list = field(default_factory=list)    # recv: (shape, dtype, device) per value needing one
     grads: list | None = None                     # recv: accumulated gradients; send: those that came
     done: bool = False                            # recv: answered; send: its answer taken
+    consumed: bool = False                        # send: its gradient applied outside a replay
 
     @property
     def answer_tag(self) -> int:
@@ -209,6 +213,11 @@ def _values(x, what: str) -> tuple[list, bool]:
 def send(x, dst: int) -> None:
     """Sends a tensor, or a tuple of tensors, to process `dst` (shapes and dtypes travel with
     them); returns at once. Its backward receives the gradient `dst` sends back."""
+    _send(x, dst)
+
+
+def _send(x, dst: int) -> _Record | None:
+    """send(), returning the record of a send that needs a gradient (else None)."""
     st = _job()
     dst = _peer(st, dst, "dst")
     values, sequence = _values(x, "send")
@@ -227,6 +236,8 @@ def send(x, dst: int) -> None:
         st.records.append(record)
         st.answers.post(dst, record.answer_tag)
         st.unanswered[dst].append(record)
+        return record
+    return None
 
 
 def _take_answers_in(st: _State) -> None:
@@ -238,6 +249,26 @@ def _take_answers_in(st: _State) -> None:
     for waiting in st.unanswered.values():
         while waiting and st.answers.arrived(waiting[0].peer, waiting[0].answer_tag):
             _take_answer(st, waiting.popleft())
+
+
+def _consume_answers(st: _State, records: list) -> list:
+    """Outside a replay (a collective's node reached by plain loss.backward()): the gradient
+    each receiver of `records` (sends of one tensor each) returns, waiting for each in turn,
+    or None where none comes. Each record is consumed: the replay will not apply it again."""
+    grads = []
+    for record in records:
+        if record.consumed:
+            grads.append(None)
+            continue
+        if not record.done:
+            if record in st.unanswered[record.peer]:
+                st.unanswered[record.peer].remove(record)
+            _take_answer(st, record)
+        grads.append(record.grads[0] if record.grads is not None else None)
+        record.consumed, record.grads = True, None
+        if record in st.records:
+            st.records.remove(record)
+    return grads
 
 
 def _take_answer(st: _State, record: _Record) -> None:
@@ -370,98 +401,6 @@ def backward(*roots) -> None:
 def _drain(st: _State) -> None:
     """Waits until every peer has what this process sent (so none is lost at exit)."""
     st.sends.wait()
-
-
-# -- collectives, as the sends and receives they are (their backward pairs follow) ---------
-
-def _others(st: _State):
-    return [p for p in range(st.group.world_size) if p != st.group.rank]
-
-
-def _device_of(x):
-    return x.device if isinstance(x, torch.Tensor) else x[0].device
-
-
-def bcast(x, root: int, device=None):
-    """`x` of process `root`, on every process (pass None elsewhere; it arrives on `device`,
-    by default where recv() puts it). Backward: the gradients of every process summed at the root."""
-    st = _job()
-    root = _process(st, root, "root")
-    if st.group.rank == root:
-        for p in _others(st):
-            send(x, p)
-        return x
-    return recv(root, device)
-
-
-def gather(x, root: int):
-    """Every process's `x`, as a list in process order, at `root` (None elsewhere). Backward:
-    each gradient scattered back to its process."""
-    st = _job()
-    root = _process(st, root, "root")
-    if st.group.rank != root:
-        send(x, root)
-        return None
-    return [x if p == root else recv(p, _device_of(x)) for p in range(st.group.world_size)]
-
-
-def scatter(xs, root: int, device=None):
-    """Process p gets `xs[p]` of process `root` (pass None elsewhere; it arrives on `device`,
-    by default where recv() puts it). Backward: the gradients gathered at the root."""
-    st = _job()
-    root = _process(st, root, "root")
-    if st.group.rank != root:
-        return recv(root, device)
-    if len(xs) != st.group.world_size:
-        raise ConveyorValueError(f"scatter: {len(xs)} values for {st.group.world_size} processes")
-    for p in _others(st):
-        send(xs[p], p)
-    return xs[root]
-
-
-def allgather(x):
-    """Every process's `x`, as a list in process order, on every process. Backward: each
-    process's gradient is the sum of every process's gradient for its `x` (reduce-scatter)."""
-    st = _job()
-    for p in _others(st):
-        send(x, p)
-    return [x if p == st.group.rank else recv(p, _device_of(x)) for p in range(st.group.world_size)]
-
-
-def alltoall(xs):
-    """Process p gets `xs[p]` of every process, as a list in process order. Backward: the
-    gradients exchanged the other way (alltoall)."""
-    st = _job()
-    if len(xs) != st.group.world_size:
-        raise ConveyorValueError(f"alltoall: {len(xs)} values for {st.group.world_size} processes")
-    for p in _others(st):
-        send(xs[p], p)
-    return [xs[p] if p == st.group.rank else recv(p, _device_of(xs[st.group.rank])) for p in range(st.group.world_size)]
-
-
-def _sum_in_process_order(parts, call: str):
-    """The sum of every process's part, in process order; parts of different shapes (which
-    would broadcast silently) are refused naming each process's shape, on every process."""
-    shapes = [tuple(t.shape) for t in parts]
-    if len(set(shapes)) > 1:
-        raise ConveyorValueError(f"{call}: the processes' tensors differ in shape: "
-                                 + ", ".join(f"process {p} {list(s)}" for p, s in enumerate(shapes)))
-    total = parts[0]
-    for t in parts[1:]:
-        total = total + t
-    return total
-
-
-def reduce_scatter(xs):
-    """Process p gets the sum over processes of their `xs[p]` (summed in process order).
-    Backward: the gradient goes to every process's `xs[p]` (allgather)."""
-    return _sum_in_process_order(alltoall(xs), "reduce_scatter")
-
-
-def allreduce(x):
-    """The sum of every process's `x` (in process order), on every process. Backward: the
-    gradients summed the same way (allreduce)."""
-    return _sum_in_process_order(allgather(x), "allreduce")
 
 
 class Sequential(torch.nn.Module):

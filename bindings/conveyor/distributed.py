@@ -10,7 +10,8 @@ or Module(timeout=).
     world()          (rank, world_size, host, port), or None in a single process
     process_group()  this process's member of the job (made once per process)
 
-and differentiable communication for models split by hand (conveyor/communication.py):
+and differentiable communication for models split by hand (conveyor/communication.py,
+conveyor/collectives.py):
 init (UCX, or NCCL for tensors on the GPU), send, recv, bcast, gather, scatter, allgather,
 alltoall, reduce_scatter, allreduce, backward and Sequential.
 """
@@ -185,6 +186,6 @@ def _leave_in_step():
     atexit.register(lambda: _group.close() if _group is not None else None)
 
 
-from .communication import (  # noqa: E402  (it reaches process_group() above)
-    Sequential, allgather, allreduce, alltoall, backward, bcast, gather, init, rank, recv, reduce_scatter, scatter,
-    send, world_size)
+from .communication import (  # noqa: E402  (they reach process_group() above)
+    Sequential, backward, init, rank, recv, send, world_size)
+from .collectives import allgather, allreduce, alltoall, bcast, gather, reduce_scatter, scatter  # noqa: E402

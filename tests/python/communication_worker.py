@@ -87,6 +87,68 @@ def evaluation_that_forgot_no_grad_holds_little(me):
         dist.send(torch.ones(1), 0)
 
 
+def collectives(me, n, leaf, device, finish):
+    """Every collective's forward values and backward pairing; `finish(loss)` backpropagates a
+    process's loss: conveyor.distributed.backward, or plain loss.backward() (the graph is
+    connected: the collective's own output carries what the process sent). A process with
+    no loss calls dist.backward() either way."""
+    weight = float(me + 1)  # process p's loss is (p + 1) * sum(what it got)
+    every = sum(range(1, n + 1))
+    # allreduce: y = sum_p x_p; dL/dx_p = sum_q (q + 1)
+    x = leaf(me + 1)
+    y = dist.allreduce(x)
+    expect("allreduce", y.detach(), torch.full((2,), float(every)))
+    finish(weight * y.sum())
+    expect("allreduce backward", x.grad, torch.full((2,), float(every)))
+
+    # bcast from the last process: dL/dx_root = sum_q (q + 1)
+    x = leaf(10)
+    y = dist.bcast(x if me == n - 1 else None, root=n - 1, device=device)
+    expect("bcast", y.detach(), torch.full((2,), 10.0))
+    finish(weight * y.sum())
+    if me == n - 1:
+        expect("bcast backward", x.grad, torch.full((2,), float(every)))
+
+    # gather at 0, then scatter from 0 (their backwards pair the other way)
+    x = leaf(me)
+    parts = dist.gather(x, root=0)
+    if me == 0:
+        expect("gather", torch.stack(parts).detach(), torch.arange(n, dtype=torch.float64)[:, None].expand(n, 2))
+        finish(sum((q + 1) * t.sum() for q, t in enumerate(parts)))
+    else:
+        dist.backward()
+    expect("gather backward", x.grad, torch.full((2,), weight))
+    xs = [leaf(100 + q) for q in range(n)] if me == 0 else None
+    y = dist.scatter(xs, root=0, device=device)
+    expect("scatter", y.detach(), torch.full((2,), 100.0 + me))
+    finish(weight * y.sum())
+    if me == 0:
+        for q in range(n):
+            expect("scatter backward", xs[q].grad, torch.full((2,), float(q + 1)))
+
+    # allgather: every process weighs part q by (p + 1) * (q + 1): dL/dx_q = (q + 1) * sum_p (p + 1)
+    x = leaf(me)
+    parts = dist.allgather(x)
+    finish(weight * sum((q + 1) * t.sum() for q, t in enumerate(parts)))
+    expect("allgather backward", x.grad, torch.full((2,), float((me + 1) * every)))
+
+    # alltoall: process p gets xs_q[p]; L_p = (p + 1) * sum; dL/d xs_p[q] = q + 1
+    xs = [leaf(10 * me + q) for q in range(n)]
+    got = dist.alltoall(xs)
+    expect("alltoall", torch.stack(got).detach()[:, 0], torch.tensor([10.0 * q + me for q in range(n)]))
+    finish(weight * sum(t.sum() for t in got))
+    for q in range(n):
+        expect("alltoall backward", xs[q].grad, torch.full((2,), float(q + 1)))
+
+    # reduce_scatter: process p gets sum_q xs_q[p]; dL/d xs_p[q] = q + 1
+    xs = [leaf(me + q) for q in range(n)]
+    y = dist.reduce_scatter(xs)
+    expect("reduce_scatter", y.detach(), torch.full((2,), float(sum(q + me for q in range(n)))))
+    finish(weight * y.sum())
+    for q in range(n):
+        expect("reduce_scatter backward", xs[q].grad, torch.full((2,), float(q + 1)))
+
+
 def main():
     torch.set_default_dtype(torch.float64)
     transport = os.environ.get("TRANSPORT")  # unset: the job's (ucx)
@@ -184,59 +246,8 @@ def main():
     else:
         dist.backward()
 
-    # allreduce: y = sum_p x_p; dL/dx_p = sum_q (q + 1)
-    x = leaf(me + 1)
-    y = dist.allreduce(x)
-    expect("allreduce", y.detach(), torch.full((2,), float(every)))
-    dist.backward(weight * y.sum())
-    expect("allreduce backward", x.grad, torch.full((2,), float(every)))
-
-    # bcast from the last process: dL/dx_root = sum_q (q + 1)
-    x = leaf(10)
-    y = dist.bcast(x if me == n - 1 else None, root=n - 1, device=device)
-    expect("bcast", y.detach(), torch.full((2,), 10.0))
-    dist.backward(weight * y.sum())
-    if me == n - 1:
-        expect("bcast backward", x.grad, torch.full((2,), float(every)))
-
-    # gather at 0, then scatter from 0 (their backwards pair the other way)
-    x = leaf(me)
-    parts = dist.gather(x, root=0)
-    if me == 0:
-        expect("gather", torch.stack(parts).detach(), torch.arange(n, dtype=torch.float64)[:, None].expand(n, 2))
-        dist.backward(sum((q + 1) * t.sum() for q, t in enumerate(parts)))
-    else:
-        dist.backward()
-    expect("gather backward", x.grad, torch.full((2,), weight))
-    xs = [leaf(100 + q) for q in range(n)] if me == 0 else None
-    y = dist.scatter(xs, root=0, device=device)
-    expect("scatter", y.detach(), torch.full((2,), 100.0 + me))
-    dist.backward(weight * y.sum())
-    if me == 0:
-        for q in range(n):
-            expect("scatter backward", xs[q].grad, torch.full((2,), float(q + 1)))
-
-    # allgather: every process weighs part q by (p + 1) * (q + 1): dL/dx_q = (q + 1) * sum_p (p + 1)
-    x = leaf(me)
-    parts = dist.allgather(x)
-    dist.backward(weight * sum((q + 1) * t.sum() for q, t in enumerate(parts)))
-    expect("allgather backward", x.grad, torch.full((2,), float((me + 1) * every)))
-
-    # alltoall: process p gets xs_q[p]; L_p = (p + 1) * sum; dL/d xs_p[q] = q + 1
-    xs = [leaf(10 * me + q) for q in range(n)]
-    got = dist.alltoall(xs)
-    expect("alltoall", torch.stack(got).detach()[:, 0], torch.tensor([10.0 * q + me for q in range(n)]))
-    dist.backward(weight * sum(t.sum() for t in got))
-    for q in range(n):
-        expect("alltoall backward", xs[q].grad, torch.full((2,), float(q + 1)))
-
-    # reduce_scatter: process p gets sum_q xs_q[p]; dL/d xs_p[q] = q + 1
-    xs = [leaf(me + q) for q in range(n)]
-    y = dist.reduce_scatter(xs)
-    expect("reduce_scatter", y.detach(), torch.full((2,), float(sum(q + me for q in range(n)))))
-    dist.backward(weight * y.sum())
-    for q in range(n):
-        expect("reduce_scatter backward", xs[q].grad, torch.full((2,), float(q + 1)))
+    collectives(me, n, leaf, device, dist.backward)
+    collectives(me, n, leaf, device, lambda loss: loss.backward())
     print(f"process {me}: every collective and its backward as expected", flush=True)
 
     if "MISMATCH" not in os.environ:

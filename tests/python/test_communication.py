@@ -155,7 +155,7 @@ def mismatched(kind: str, timeout_s: int) -> str:
 
 def test_a_receive_nobody_sends_ends_within_the_timeout_naming_the_call():
     out = mismatched("1", 5)
-    assert "process 0: conveyor.distributed: receive #7 from process 1 did not complete within 5000 ms" in out, \
+    assert "process 0: conveyor.distributed: receive #13 from process 1 did not complete within 5000 ms" in out, \
         out[-3000:]
 
 
@@ -163,21 +163,21 @@ def test_a_receive_from_a_process_that_exited_fails_at_once_naming_it():
     """SystemExit(3) mid-job reaches no excepthook; the process still says it leaves, and the
     one waiting for its message fails within seconds, not at the (60 s) timeout."""
     out = mismatched("exit", 60)
-    assert ("process 0, conveyor.distributed: receive #7 from process 1: process 1 sent nothing for this before it "
+    assert ("process 0, conveyor.distributed: receive #13 from process 1: process 1 sent nothing for this before it "
             "left the job") in out, out[-3000:]
     assert "did not complete within" not in out, out[-3000:]
 
 
 def test_a_send_nobody_receives_fails_the_job_at_exit_naming_both():
     out = mismatched("send", 20)
-    assert "process 0 sent 36 messages to process 1, which asked for 35: a send nobody received" in out, out[-3000:]
+    assert "process 0 sent 41 messages to process 1, which asked for 40: a send nobody received" in out, out[-3000:]
     assert out.count("a send nobody received (") == 1, out[-3000:]  # said once for the job
 
 
 def test_a_receive_nothing_was_sent_for_is_named_at_exit_the_other_way():
     """A receiver that went on past a failed receive: the counts differ the other way."""
     out = mismatched("caught", 20)
-    assert "process 0 sent 35 messages to process 1, which asked for 36: a receive nothing was sent for" in out, \
+    assert "process 0 sent 40 messages to process 1, which asked for 41: a receive nothing was sent for" in out, \
         out[-3000:]
 
 
