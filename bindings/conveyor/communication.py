@@ -35,6 +35,7 @@ import atexit
 import collections
 import os
 import sys
+import warnings
 import weakref
 from dataclasses import dataclass, field
 
@@ -87,6 +88,11 @@ class _State:
         self.with_gradients = torch.ones(1, dtype=torch.int8)
         self.without_gradients = torch.zeros(1, dtype=torch.int8)
         self.replaying = False
+        # A backward outside backward() (plain loss.backward()) that reached a receive: the
+        # sends recorded before it whose gradients it left unapplied are named at the next
+        # call, once, unless backward() runs first.
+        self.outside_backward_at: int | None = None  # the records' count then
+        self.warned_of_outside_backward = False
 
 
 _state: _State | None = None
@@ -156,6 +162,7 @@ def _check_every_message_was_received() -> None:
     st = _state
     if st is None or sys.exc_info()[0] is not None:
         return
+    _name_sends_left_unapplied(st)
     st.group.leave()  # a process still waiting for a message from this one fails now, naming it
     n = st.group.world_size
     counts = torch.zeros(2, n, n, dtype=torch.int64)
@@ -220,6 +227,7 @@ def _send(x, dst: int) -> _Record | None:
     """send(), returning the record of a send that needs a gradient (else None)."""
     st = _job()
     dst = _peer(st, dst, "dst")
+    _name_sends_left_unapplied(st)
     values, sequence = _values(x, "send")
     needs = [torch.is_grad_enabled() and t.requires_grad for t in values]
     seq = st.sent[dst]
@@ -238,6 +246,34 @@ def _send(x, dst: int) -> _Record | None:
         st.unanswered[dst].append(record)
         return record
     return None
+
+
+def _name_sends_left_unapplied(st: _State) -> None:
+    """After a plain loss.backward() that reached a receive, the process calls again without
+    backward() in between: a send recorded before it that needs a gradient (not answered
+    that none comes) never had it applied; warn once, naming it, instead of training on
+    without it (backward() after loss.backward(), or backward(loss), applies it)."""
+    if st.outside_backward_at is None:
+        return
+    seen, st.outside_backward_at = st.outside_backward_at, None
+    _take_answers_in(st)
+    left = [r for r in st.records[:seen] if r.kind == "send" and (not r.done or r.grads is not None)]
+    if left and not st.warned_of_outside_backward:
+        st.warned_of_outside_backward = True
+        r = left[0]
+        warnings.warn(f"conveyor.distributed: process {st.group.rank}'s loss.backward() left out the gradient of "
+                      f"send #{r.seq} to process {r.peer} ({len(left)} send(s) in all): a process that sends calls "
+                      "conveyor.distributed.backward(loss) instead (or backward() after loss.backward()), which "
+                      "waits for those gradients and applies them", stacklevel=_callers_level())
+
+
+def _callers_level() -> int:
+    """warnings.warn's stacklevel for the first frame outside this package (the script's call)."""
+    here, level = os.path.dirname(__file__), 2  # 1: warnings.warn's caller; 2: its caller
+    frame = sys._getframe(2)
+    while frame is not None and os.path.dirname(frame.f_code.co_filename) == here:
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _take_answers_in(st: _State) -> None:
@@ -302,6 +338,7 @@ class _Received(torch.autograd.Function):
             if g is not None:
                 record.grads[i] = g if record.grads[i] is None else record.grads[i] + g
         if _state is not None and not _state.replaying:  # loss.backward(): back at once
+            _state.outside_backward_at = _state.outside_backward_at or len(_state.records)
             _return_gradient(_state, record)
             _state.records.remove(record)
         return None, None, None
@@ -344,6 +381,7 @@ def recv(src: int, device=None):
     Its backward sends the gradient back to `src`."""
     st = _job()
     src = _peer(st, src, "src")
+    _name_sends_left_unapplied(st)
     seq = st.received[src]
     st.received[src] += 1
     got = st.group.recv(src, _MESSAGE_BIT | seq, f"conveyor.distributed: receive #{seq} from process {src}", st.via)
@@ -392,6 +430,7 @@ def backward(*roots) -> None:
                                         retain_graph=True)
     finally:
         st.replaying = False
+        st.outside_backward_at = None
         st.records.clear()
         for waiting in st.unanswered.values():
             waiting.clear()

@@ -7,6 +7,7 @@ nobody receives. DEVICE=cuda: on CUDA tensors;
 TRANSPORT: conveyor.distributed.init's (GPU_PER_PROCESS: process r on GPU LOCAL_RANK)."""
 import os
 import sys
+import warnings
 
 import torch
 
@@ -245,6 +246,24 @@ def main():
         (weight * dist.recv(0).sum()).backward()
     else:
         dist.backward()
+
+    # A process that sends and trains with plain loss.backward() leaves out its send's
+    # gradient (from y = 3 * (2w)): named at its next call; backward() then applies it.
+    w = leaf(1)
+    if me == 0:
+        dist.send(w * 2, 1)
+        dist.recv(1).sum().backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dist.send(torch.ones(1), 1)
+        if not any("left out the gradient of send #" in str(c.message) for c in caught):
+            raise SystemExit("process 0: loss.backward() left a send's gradient out without a word")
+        dist.backward()
+        expect("a send's gradient after loss.backward()", w.grad, torch.full((2,), 6.0))
+    elif me == 1:
+        dist.send(dist.recv(0) * 3, 0)
+        dist.backward()
+        dist.recv(0)
 
     collectives(me, n, leaf, device, dist.backward)
     collectives(me, n, leaf, device, lambda loss: loss.backward())
