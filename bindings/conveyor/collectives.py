@@ -65,8 +65,8 @@ def bcast(x, root: int, device=None):
     root = c._process(st, root, "root")
     if st.group.rank == root:
         others = _others(st)
-        return _connect(x, [x] * len(others), [c._send(x, p) for p in others])
-    return c.recv(root, device)
+        return _connect(x, [x] * len(others), [c._send(x, p, "bcast") for p in others])
+    return c._recv(root, device, "bcast")
 
 
 def gather(x, root: int):
@@ -75,9 +75,9 @@ def gather(x, root: int):
     st = c._job()
     root = c._process(st, root, "root")
     if st.group.rank != root:
-        c.send(x, root)
+        c._send(x, root, "gather")
         return None
-    return [x if p == root else c.recv(p, _device_of(x)) for p in range(st.group.world_size)]
+    return [x if p == root else c._recv(p, _device_of(x), "gather") for p in range(st.group.world_size)]
 
 
 def scatter(xs, root: int, device=None):
@@ -86,31 +86,39 @@ def scatter(xs, root: int, device=None):
     st = c._job()
     root = c._process(st, root, "root")
     if st.group.rank != root:
-        return c.recv(root, device)
+        return c._recv(root, device, "scatter")
     if len(xs) != st.group.world_size:
         raise ConveyorValueError(f"scatter: {len(xs)} values for {st.group.world_size} processes")
     others = _others(st)
-    return _connect(xs[root], [xs[p] for p in others], [c._send(xs[p], p) for p in others])
+    return _connect(xs[root], [xs[p] for p in others], [c._send(xs[p], p, "scatter") for p in others])
 
 
 def allgather(x):
     """Every process's `x`, as a list in process order, on every process. Backward: each
     process's gradient is the sum of every process's gradient for its `x` (reduce-scatter)."""
+    return _allgather(x, "allgather")
+
+
+def _allgather(x, call: str):
     st = c._job()
     others = _others(st)
-    own = _connect(x, [x] * len(others), [c._send(x, p) for p in others])
-    return [own if p == st.group.rank else c.recv(p, _device_of(x)) for p in range(st.group.world_size)]
+    own = _connect(x, [x] * len(others), [c._send(x, p, call) for p in others])
+    return [own if p == st.group.rank else c._recv(p, _device_of(x), call) for p in range(st.group.world_size)]
 
 
 def alltoall(xs):
     """Process p gets `xs[p]` of every process, as a list in process order. Backward: the
     gradients exchanged the other way (alltoall)."""
+    return _alltoall(xs, "alltoall")
+
+
+def _alltoall(xs, call: str):
     st = c._job()
     if len(xs) != st.group.world_size:
-        raise ConveyorValueError(f"alltoall: {len(xs)} values for {st.group.world_size} processes")
+        raise ConveyorValueError(f"{call}: {len(xs)} values for {st.group.world_size} processes")
     me, others = st.group.rank, _others(st)
-    own = _connect(xs[me], [xs[p] for p in others], [c._send(xs[p], p) for p in others])
-    return [own if p == me else c.recv(p, _device_of(xs[me])) for p in range(st.group.world_size)]
+    own = _connect(xs[me], [xs[p] for p in others], [c._send(xs[p], p, call) for p in others])
+    return [own if p == me else c._recv(p, _device_of(xs[me]), call) for p in range(st.group.world_size)]
 
 
 def _sum_in_process_order(parts, call: str):
@@ -129,10 +137,10 @@ def _sum_in_process_order(parts, call: str):
 def reduce_scatter(xs):
     """Process p gets the sum over processes of their `xs[p]` (summed in process order).
     Backward: the gradient goes to every process's `xs[p]` (allgather)."""
-    return _sum_in_process_order(alltoall(xs), "reduce_scatter")
+    return _sum_in_process_order(_alltoall(xs, "reduce_scatter"), "reduce_scatter")
 
 
 def allreduce(x):
     """The sum of every process's `x` (in process order), on every process. Backward: the
     gradients summed the same way (allreduce)."""
-    return _sum_in_process_order(allgather(x), "allreduce")
+    return _sum_in_process_order(_allgather(x, "allreduce"), "allreduce")

@@ -51,6 +51,11 @@ __all__ = ["init", "send", "recv", "backward", "rank", "world_size", "Sequential
 _MESSAGE_BIT = 1 << 45
 _GRADIENT_BIT = 1 << 44
 
+# The call a message belongs to travels in its flags, so a receive made by another call than
+# the send (a collective only some processes reach) fails naming both, not passing a value
+# from the wrong call along.
+_CALLS = ["send", "bcast", "gather", "scatter", "allgather", "alltoall", "allreduce", "reduce_scatter"]
+
 
 @dataclass
 class _Record:
@@ -223,8 +228,8 @@ def send(x, dst: int) -> None:
     _send(x, dst)
 
 
-def _send(x, dst: int) -> _Record | None:
-    """send(), returning the record of a send that needs a gradient (else None)."""
+def _send(x, dst: int, call: str = "send") -> _Record | None:
+    """send() as part of `call`, returning the record of a send that needs a gradient (else None)."""
     st = _job()
     dst = _peer(st, dst, "dst")
     _name_sends_left_unapplied(st)
@@ -232,12 +237,12 @@ def _send(x, dst: int) -> _Record | None:
     needs = [torch.is_grad_enabled() and t.requires_grad for t in values]
     seq = st.sent[dst]
     st.sent[dst] += 1
-    key = (sequence, *needs, *(t.is_cuda for t in values))
+    key = (sequence, _CALLS.index(call), *needs, *(t.is_cuda for t in values))
     flags = st.flags.get(key)
     if flags is None:
         flags = st.flags[key] = torch.tensor([int(f) for f in key], dtype=torch.int8)
     payload = [t.detach().contiguous() for t in values] + [flags]
-    st.sends.send(dst, _MESSAGE_BIT | seq, payload, f"conveyor.distributed: send #{seq} to process {dst}")
+    st.sends.send(dst, _MESSAGE_BIT | seq, payload, f"conveyor.distributed: {_named(call)}send #{seq} to process {dst}")
     _take_answers_in(st)
     if any(needs):
         record = _Record("send", dst, seq, tensors=[t for t, n in zip(values, needs) if n])
@@ -374,19 +379,36 @@ def _no_gradient_will_come(st: _State, record: _Record) -> None:
             pass
 
 
+def _named(call: str) -> str:
+    """How a message of `call` is named in errors: "allgather's " (nothing for send/recv)."""
+    return "" if call == "send" else f"{call}'s "
+
+
 def recv(src: int, device=None):
     """What process `src` sends next: a tensor, or the tuple it sent, on `device`; by default
     where the sender's was: a CPU tensor on the CPU, a CUDA tensor on this process's current
     CUDA device (whichever way it travelled; on the CPU only where this process sees no GPU).
     Its backward sends the gradient back to `src`."""
+    return _recv(src, device)
+
+
+def _recv(src: int, device=None, call: str = "send"):
+    """recv() as part of `call` (whose sends the message must come from)."""
     st = _job()
     src = _peer(st, src, "src")
     _name_sends_left_unapplied(st)
     seq = st.received[src]
     st.received[src] += 1
-    got = st.group.recv(src, _MESSAGE_BIT | seq, f"conveyor.distributed: receive #{seq} from process {src}", st.via)
-    flags, count = got[-1].tolist(), len(got) - 1  # flags: sequence, then per value needs, then is_cuda
-    sequence, needs, on_cuda = bool(flags[0]), [bool(n) for n in flags[1:1 + count]], flags[1 + count:]
+    got = st.group.recv(src, _MESSAGE_BIT | seq, f"conveyor.distributed: {_named(call)}receive #{seq} from process "
+                        f"{src}", st.via)
+    flags, count = got[-1].tolist(), len(got) - 1  # flags: sequence, call, then per value needs, then is_cuda
+    sequence, theirs = bool(flags[0]), _CALLS[flags[1]]
+    needs, on_cuda = [bool(n) for n in flags[2:2 + count]], flags[2 + count:]
+    if theirs != call:
+        mine = "recv" if call == "send" else call
+        raise ConveyorValueError(f"conveyor.distributed: process {st.group.rank}'s {mine} received message #{seq} "
+                                 f"of process {src}'s {theirs}: every process must make the same calls in the same "
+                                 "order")
     if device is None and any(on_cuda) and torch.cuda.is_available():  # staged through the host: back on a GPU
         cuda = torch.device("cuda", torch.cuda.current_device())
         values = [v.to(cuda) if c and not v.is_cuda else v for v, c in zip(got[:-1], on_cuda)]

@@ -290,6 +290,14 @@ def main():
         if me == 0:
             dist.send(torch.ones(1), dst=1)
         sys.exit(0)
+    if os.environ.get("MISMATCH") == "call":
+        # Process 0 calls allgather where process 1 calls bcast: process 0's receive gets a
+        # message of another call, and says so (it passed the value on as allgather's).
+        if me == 0:
+            dist.allgather(torch.ones(2))
+        elif me == 1:
+            dist.bcast(torch.ones(2), root=1)
+        sys.exit(0)
     if os.environ.get("MISMATCH") == "caught":
         # Process 1 asks for a message process 0 never sends, and goes on past the error.
         if me == 1:

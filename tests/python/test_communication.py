@@ -169,6 +169,12 @@ def test_a_receive_from_a_process_that_exited_fails_at_once_naming_it():
     assert "did not complete within" not in out, out[-3000:]
 
 
+def test_a_collective_only_some_processes_reach_fails_naming_both_calls():
+    out = mismatched("call", 20)
+    assert re.search(r"process 0's allgather received message #\d+ of process 1's bcast: every process must make "
+                     r"the same calls in the same order", out), out[-3000:]
+
+
 def test_a_send_nobody_receives_fails_the_job_at_exit_naming_both():
     out = mismatched("send", 20)
     counts = re.search(r"process 0 sent (\d+) messages to process 1, which asked for (\d+): a send nobody received", out)
