@@ -39,6 +39,12 @@ struct NcclHandle {
   }
 };
 
+// The endpoint messages of `group` go over: `via` (one of its lane endpoints), or its UCX one.
+std::shared_ptr<transport::Endpoint> endpoint_of(const runtime::ProcessGroup& group,
+                                                 std::shared_ptr<transport::LaneEndpoint> via) {
+  return via ? std::shared_ptr<transport::Endpoint>(std::move(via)) : group.endpoint();
+}
+
 // Sends in flight on a ProcessGroup (conveyor.distributed's, re-planning's), counted: no
 // object per send, however many a script makes before it next waits (a loop that only
 // sends, as inference, never waits).
@@ -49,7 +55,7 @@ class SendsInFlight {
   /// Sends over `via` (a lane endpoint of `group`), or with null over the group's UCX endpoint.
   SendsInFlight(std::shared_ptr<runtime::ProcessGroup> group, std::shared_ptr<transport::LaneEndpoint> via)
       : group_(std::move(group)),
-        endpoint_(via ? std::shared_ptr<transport::Endpoint>(std::move(via)) : group_->endpoint()) {}
+        endpoint_(endpoint_of(*group_, std::move(via))) {}
 
   void send(int peer, std::uint64_t tag, std::vector<at::Tensor> tensors, std::string what) {
     raise_failure();
@@ -116,7 +122,7 @@ class PostedReceives {
   /// Receives over `via` (a lane endpoint of `group`), or with null over the group's UCX endpoint.
   PostedReceives(std::shared_ptr<runtime::ProcessGroup> group, std::shared_ptr<transport::LaneEndpoint> via)
       : group_(std::move(group)),
-        endpoint_(via ? std::shared_ptr<transport::Endpoint>(std::move(via)) : group_->endpoint()) {}
+        endpoint_(endpoint_of(*group_, std::move(via))) {}
 
   void post(int peer, std::uint64_t tag) {
     auto slot = std::make_shared<Slot>();

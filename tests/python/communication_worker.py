@@ -88,6 +88,30 @@ def evaluation_that_forgot_no_grad_holds_little(me):
         dist.send(torch.ones(1), 0)
 
 
+def gradient_past_a_receive_without_one(me, leaf, how):
+    """Process 0 sends 2w, then 3w, to process 1, which takes the first under no_grad (`how`
+    "no_grad") or drops it without a backward ("dropped": an evaluation that forgot no_grad,
+    then training with plain loss.backward()): as in one process it adds no gradient, and
+    process 0's backward() must not wait for one (it waited out the timeout); w's gradient
+    is the second's alone."""
+    w = leaf(1)
+    if me == 0:
+        dist.send(w * 2, 1)
+        dist.send(w * 3, 1)
+        dist.backward()
+        expect(f"a gradient past a receive ({how})", w.grad, torch.full((2,), 6.0))
+    elif me == 1:
+        if how == "no_grad":
+            with torch.no_grad():
+                dist.recv(0)
+            dist.backward(2.0 * dist.recv(0).sum())
+        else:
+            dist.recv(0).sum().item()
+            (2.0 * dist.recv(0).sum()).backward()
+    else:
+        dist.backward()
+
+
 def collectives(me, n, leaf, device, finish):
     """Every collective's forward values and backward pairing; `finish(loss)` backpropagates a
     process's loss: conveyor.distributed.backward, or plain loss.backward() (the graph is
@@ -216,36 +240,9 @@ def main():
         else:
             dist.backward()
 
-    # A value received under no_grad gets no gradient, as in one process: process 1 receives
-    # 2w so, then 3w with gradients; process 0's backward must not wait for the first's
-    # gradient (it waited out the timeout), and w's gradient is the second's alone.
-    w = leaf(1)
-    if me == 0:
-        dist.send(w * 2, 1)
-        dist.send(w * 3, 1)
-        dist.backward()
-        expect("a gradient past a receive under no_grad", w.grad, torch.full((2,), 6.0))
-    elif me == 1:
-        with torch.no_grad():
-            dist.recv(0)
-        dist.backward(weight * dist.recv(0).sum())
-    else:
-        dist.backward()
-
-    # An evaluation that forgot no_grad between training steps: process 1 drops what it got
-    # (2w) without a backward, then trains on 3w with plain loss.backward(); process 0's
-    # backward() must not wait for the first's gradient (it waited out the timeout).
-    w = leaf(1)
-    if me == 0:
-        dist.send(w * 2, 1)
-        dist.send(w * 3, 1)
-        dist.backward()
-        expect("a gradient past a dropped receive", w.grad, torch.full((2,), 6.0))
-    elif me == 1:
-        dist.recv(0).sum().item()
-        (weight * dist.recv(0).sum()).backward()
-    else:
-        dist.backward()
+    # A receive that gets no gradient: under no_grad, or dropped without a backward.
+    gradient_past_a_receive_without_one(me, leaf, "no_grad")
+    gradient_past_a_receive_without_one(me, leaf, "dropped")
 
     # A process that sends and trains with plain loss.backward() leaves out its send's
     # gradient (from y = 3 * (2w)): named at its next call; backward() then applies it.
