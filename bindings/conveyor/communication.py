@@ -89,7 +89,7 @@ class _State:
         self.unanswered: dict[int, collections.deque] = {p: collections.deque() for p in range(group.world_size)}
         self.flags: dict[tuple, torch.Tensor] = {}  # a message's flags tensor, per flags (never written)
         # A gradient message ends with one of these: the gradients follow, or none will (the
-        # value was received under torch.no_grad(), so nothing there can produce one).
+        # value was received under torch.no_grad(), or the graph it fed was dropped).
         self.with_gradients = torch.ones(1, dtype=torch.int8)
         self.without_gradients = torch.zeros(1, dtype=torch.int8)
         self.replaying = False
