@@ -214,12 +214,28 @@ def _peer(st: _State, peer, what: str) -> int:
 
 
 def _values(x, what: str) -> tuple[list, bool]:
-    """A tensor or a tuple/list of tensors, as a list and whether it was a sequence."""
+    """A tensor or a tuple/list of tensors, as a list and whether it was a sequence; a tensor
+    that cannot travel as a message (its bytes with a shape and dtype) is refused, naming what
+    to send instead, before anything is counted or sent."""
     if isinstance(x, torch.Tensor):
-        return [x], False
-    if isinstance(x, (tuple, list)) and x and all(isinstance(t, torch.Tensor) for t in x):
-        return list(x), True
-    raise ConveyorValueError(f"{what}: expected a tensor or a tuple of tensors, got {type(x).__name__}")
+        values, sequence = [x], False
+    elif isinstance(x, (tuple, list)) and x and all(isinstance(t, torch.Tensor) for t in x):
+        values, sequence = list(x), True
+    else:
+        raise ConveyorValueError(f"{what}: expected a tensor or a tuple of tensors, got {type(x).__name__}")
+    for i, t in enumerate(values):
+        which = f"{what}: value {i}" if sequence else what
+        if t.is_nested:
+            raise ConveyorValueError(f"{which} is a nested tensor: send its components (t.unbind()) as a tuple")
+        if t.layout != torch.strided:
+            raise ConveyorValueError(f"{which} is a {t.layout} tensor: send t.to_dense(), or its indices and values "
+                                     "as a tuple of tensors")
+        if t.is_quantized:
+            raise ConveyorValueError(f"{which} is a quantized tensor ({t.dtype}): send t.int_repr() with its scale "
+                                     "and zero point, or t.dequantize()")
+        if t.is_meta:
+            raise ConveyorValueError(f"{which} is on the meta device and has no data to send")
+    return values, sequence
 
 
 def send(x, dst: int) -> None:
@@ -236,13 +252,13 @@ def _send(x, dst: int, call: str = "send") -> _Record | None:
     values, sequence = _values(x, "send")
     needs = [torch.is_grad_enabled() and t.requires_grad for t in values]
     seq = st.sent[dst]
-    st.sent[dst] += 1
     key = (sequence, _CALLS.index(call), *needs, *(t.is_cuda for t in values))
     flags = st.flags.get(key)
     if flags is None:
         flags = st.flags[key] = torch.tensor([int(f) for f in key], dtype=torch.int8)
     payload = [t.detach().contiguous() for t in values] + [flags]
     st.sends.send(dst, _MESSAGE_BIT | seq, payload, f"conveyor.distributed: {_named(call)}send #{seq} to process {dst}")
+    st.sent[dst] += 1  # counted once sent: a send refused here leaves the numbering as it was
     _take_answers_in(st)
     if any(needs):
         record = _Record("send", dst, seq, tensors=[t for t, n in zip(values, needs) if n])

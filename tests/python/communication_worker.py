@@ -270,6 +270,13 @@ def main():
         sends_keep_nothing(me)
         evaluation_that_forgot_no_grad_holds_little(me)
 
+    try:  # a tensor that cannot travel is refused, naming what to send, and numbers nothing: the
+        # calls after it still pair (a refused send used to take a number its receiver waited for)
+        dist.send(torch.eye(3).to_sparse(), (me + 1) % n)
+        raise SystemExit("a sparse tensor was sent")
+    except ConveyorValueError as e:
+        if "torch.sparse_coo tensor: send t.to_dense()" not in str(e):
+            raise
     try:  # a root that is no process is refused on every process, naming it (it was called "src")
         dist.bcast(torch.ones(1), root=n)
         raise SystemExit("bcast took a root that is no process")
