@@ -244,8 +244,19 @@ def send(x, dst: int) -> None:
     _send(x, dst)
 
 
+def _not_in_a_backward(name: str) -> None:
+    """Communication inside a backward pass is refused: activation checkpointing that
+    recomputes a forward which sent or received would send again, or take the next message
+    as this one's (a hang or a wrong value), so say why instead."""
+    if torch._C._current_graph_task_id() != -1:
+        raise ConveyorValueError(f"conveyor.distributed.{name} called inside a backward pass (activation checkpointing recomputing a forward that communicates?): "
+                                 "checkpoint only code without conveyor.distributed calls, which must run once per "
+                                 "forward")
+
+
 def _send(x, dst: int, call: str = "send") -> _Record | None:
     """send() as part of `call`, returning the record of a send that needs a gradient (else None)."""
+    _not_in_a_backward(call)
     st = _job()
     dst = _peer(st, dst, "dst")
     _name_sends_left_unapplied(st)
@@ -410,6 +421,7 @@ def recv(src: int, device=None):
 
 def _recv(src: int, device=None, call: str = "send"):
     """recv() as part of `call` (whose sends the message must come from)."""
+    _not_in_a_backward("recv" if call == "send" else call)
     st = _job()
     src = _peer(st, src, "src")
     _name_sends_left_unapplied(st)

@@ -294,6 +294,21 @@ def main():
         if me == 0:
             dist.send(torch.ones(1), dst=1)
         sys.exit(0)
+    if os.environ.get("MISMATCH") == "checkpoint":
+        # Activation checkpointing around a block that communicates: its recomputation in
+        # backward would send and receive again; refused, naming why.
+        from torch.utils.checkpoint import checkpoint
+
+        def block(x):
+            dist.send(torch.sin(x), 1)
+            return torch.sin(dist.recv(1))
+        if me == 0:
+            y = checkpoint(block, leaf(1), use_reentrant=False)
+            dist.backward(y.sum())
+        elif me == 1:
+            dist.send(torch.sin(dist.recv(0)), 0)
+            dist.backward()
+        sys.exit(0)
     if os.environ.get("MISMATCH") == "call":
         # Process 0 calls allgather where process 1 calls bcast: process 0's receive gets a
         # message of another call, and says so (it passed the value on as allgather's).

@@ -169,6 +169,11 @@ def test_a_receive_from_a_process_that_exited_fails_at_once_naming_it():
     assert "did not complete within" not in out, out[-3000:]
 
 
+def test_communication_recomputed_by_checkpointing_is_refused_naming_why():
+    out = mismatched("checkpoint", 20)
+    assert "conveyor.distributed.send called inside a backward pass (activation checkpointing" in out, out[-3000:]
+
+
 def test_a_collective_only_some_processes_reach_fails_naming_both_calls():
     out = mismatched("call", 20)
     assert re.search(r"process 0's allgather received message #\d+ of process 1's bcast: every process must make "
