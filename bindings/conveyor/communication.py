@@ -249,9 +249,9 @@ def _not_in_a_backward(name: str) -> None:
     recomputes a forward which sent or received would send again, or take the next message
     as this one's (a hang or a wrong value), so say why instead."""
     if torch._C._current_graph_task_id() != -1:
-        raise ConveyorValueError(f"conveyor.distributed.{name} called inside a backward pass (activation checkpointing recomputing a forward that communicates?): "
-                                 "checkpoint only code without conveyor.distributed calls, which must run once per "
-                                 "forward")
+        raise ConveyorValueError(f"conveyor.distributed.{name} called inside a backward pass (activation "
+                                 "checkpointing recomputing a forward that communicates?): checkpoint only code "
+                                 "without conveyor.distributed calls, which must run once per forward")
 
 
 def _send(x, dst: int, call: str = "send") -> _Record | None:
