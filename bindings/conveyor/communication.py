@@ -44,7 +44,7 @@ import torch
 from . import _C
 from .errors import ConveyorError, ConveyorValueError
 
-__all__ = ["init", "send", "recv", "backward", "rank", "world_size", "Sequential"]
+__all__ = ["init", "send", "recv", "backward", "rank", "world_size"]
 
 # Tags (below the pipeline's collective and lane bits): messages carry a per-pair sequence
 # number, their gradients the same number with the gradient bit.
@@ -490,36 +490,3 @@ def backward(*roots) -> None:
 def _drain(st: _State) -> None:
     """Waits until every peer has what this process sent (so none is lost at exit)."""
     st.sends.wait()
-
-
-class Sequential(torch.nn.Module):
-    """Modules run in order, each on its process (ChainerMN's MultiNodeChainList):
-    `Sequential([(encoder, 0), (decoder, 1)])`. What one module returns (a tensor or a tuple
-    of tensors) crosses to the next one's process where they differ. Every process builds the
-    whole list the same way; only its own modules are registered, so `parameters()` are this
-    process's to optimize. `forward(x)`: `x` is the input on the first module's process;
-    returns the last module's output on its process, None elsewhere. Train with
-    `conveyor.distributed.backward(loss)` on the last module's process and `backward()` on
-    the others."""
-
-    def __init__(self, layers):
-        super().__init__()
-        self.layers = [(module, place) for module, place in layers]
-        for module, place in self.layers:
-            if not isinstance(module, torch.nn.Module):
-                raise ConveyorValueError(f"Sequential takes (nn.Module, rank) pairs, not {type(module).__name__}")
-            if isinstance(place, bool) or not isinstance(place, int) or not 0 <= place < world_size():
-                raise ConveyorValueError(f"Sequential: rank {place!r} is not a process of this job of {world_size()}")
-        self.local = torch.nn.ModuleList([m for m, place in self.layers if place == rank()])
-
-    def forward(self, x=None):
-        me, h = rank(), x
-        for i, (module, place) in enumerate(self.layers):
-            if place != me:
-                continue
-            if i > 0 and self.layers[i - 1][1] != me:
-                h = recv(self.layers[i - 1][1])
-            h = module(h)
-            if i + 1 < len(self.layers) and self.layers[i + 1][1] != me:
-                send(h, self.layers[i + 1][1])
-        return h if self.layers[-1][1] == me else None

@@ -11,7 +11,7 @@ or Module(timeout=).
     process_group()  this process's member of the job (made once per process)
 
 and differentiable communication for models split by hand (conveyor/communication.py,
-conveyor/collectives.py):
+conveyor/collectives.py, conveyor/sequential.py):
 init (UCX, or NCCL for tensors on the GPU), send, recv, bcast, gather, scatter, allgather,
 alltoall, reduce_scatter, allreduce, backward and Sequential.
 """
@@ -186,6 +186,6 @@ def _leave_in_step():
     atexit.register(lambda: _group.close() if _group is not None else None)
 
 
-from .communication import (  # noqa: E402  (they reach process_group() above)
-    Sequential, backward, init, rank, recv, send, world_size)
+from .communication import backward, init, rank, recv, send, world_size  # noqa: E402  (they reach process_group())
 from .collectives import allgather, allreduce, alltoall, bcast, gather, reduce_scatter, scatter  # noqa: E402
+from .sequential import Sequential  # noqa: E402

@@ -277,6 +277,15 @@ def main():
     except ConveyorValueError as e:
         if "torch.sparse_coo tensor: send t.to_dense()" not in str(e):
             raise
+    for bad, says in [([(torch.nn.Identity(), 0, [1])], "item 0 reads 1: expected an earlier item's index"),
+                      ([(torch.nn.Identity(), n)], f"item 0's rank {n} is not a process of this job of {n}"),
+                      ([(torch.nn.Identity(),)], "item 0 must be (module, rank) or (module, rank, inputs)")]:
+        try:  # a Sequential that cannot run is refused when made, naming the item
+            dist.Sequential(bad)
+            raise SystemExit(f"Sequential took {bad}")
+        except ConveyorValueError as e:
+            if says not in str(e):
+                raise
     try:  # a root that is no process is refused on every process, naming it (it was called "src")
         dist.bcast(torch.ones(1), root=n)
         raise SystemExit("bcast took a root that is no process")

@@ -1,9 +1,10 @@
 """conveyor.distributed's differentiable communication under `conveyor launch`: the
 examples of seed 001 (an encoder-decoder split, a channel-parallel CNN with allgather, a
-three-process chain with figure 4's shape) train 3 steps exactly like the same model in one
-process (float64, relative error at most 1e-9) without any delegate variable; every
-collective's backward is its pair; a call only some processes reach ends within the timeout
-naming the call and the process."""
+three-process chain with figure 4's shape) and a Sequential that branches and joins across
+three processes train 3 steps exactly like the same model in one process (float64,
+relative error at most 1e-9) without any delegate variable; every collective's backward is
+its pair; a call only some processes reach ends within the timeout naming the call and the
+process."""
 import os
 import re
 import subprocess
@@ -40,7 +41,8 @@ def launch(n: int, script: Path, *args, env=None, timeout=240):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (tools/gpu_session runs it)"))])
 @pytest.mark.parametrize("example, processes", [
-    ("seq2seq", 2), ("channel_parallel_cnn", 2), ("channel_parallel_cnn", 3), ("three_process_chain", 3)])
+    ("seq2seq", 2), ("channel_parallel_cnn", 2), ("channel_parallel_cnn", 3), ("three_process_chain", 3),
+    ("branching", 3)])
 def test_the_split_trains_like_one_process(example, processes, device, tmp_path):
     """On CUDA every process shares the one GPU: its tensors cross in device memory (UCX's
     cuda_ipc), and the reference runs on that GPU too."""
