@@ -16,7 +16,6 @@
 #include <cstring>
 #include <filesystem>
 #include <thread>
-#include <utility>
 #include <vector>
 
 #include "common/env.h"
@@ -129,15 +128,18 @@ Result<JobConfig> job_defaults_from_environment() {
     }
     c.timeout_s = s;
   }
-  const std::pair<const char*, std::pair<std::string*, const Choices*>> named[] = {
-      {"CONVEYOR_TRANSPORT", {&c.transport, &kTransports}},
-      {"CONVEYOR_SCHEDULE", {&c.schedule, &kSchedules}},
-      {"CONVEYOR_REPLAN", {&c.replan, &kReplans}}};
-  for (const auto& [name, field] : named) {
-    std::string v = env::job_setting(name);
+  struct Choice {
+    const char* variable;
+    std::string* field;
+    const Choices* choices;
+  };
+  for (const Choice& x : {Choice{"CONVEYOR_TRANSPORT", &c.transport, &kTransports},
+                          Choice{"CONVEYOR_SCHEDULE", &c.schedule, &kSchedules},
+                          Choice{"CONVEYOR_REPLAN", &c.replan, &kReplans}}) {
+    std::string v = env::job_setting(x.variable);
     if (v.empty()) continue;
-    if (std::string list = not_one_of(v, *field.second); !list.empty()) return invalid(name, v, "expected one of " + list);
-    *field.first = v;
+    if (std::string list = not_one_of(v, *x.choices); !list.empty()) return invalid(x.variable, v, "expected one of " + list);
+    *x.field = v;
   }
   return c;
 }

@@ -57,7 +57,7 @@ _GRADIENT_BIT = 1 << 44
 _CALLS = ["send", "bcast", "gather", "scatter", "allgather", "alltoall", "allreduce", "reduce_scatter"]
 
 
-@dataclass
+@dataclass(eq=False)  # by identity: `in` and remove() never compare the tensors held
 class _Record:
     """One send or receive of this process, in program order, for the backward replay."""
     kind: str                    # "send" or "recv"
@@ -71,8 +71,12 @@ class _Record:
 
     @property
     def answer_tag(self) -> int:
-        """The tag of the gradient (or the word that none comes) answering this message."""
-        return _MESSAGE_BIT | _GRADIENT_BIT | self.seq
+        return _answer_tag(self.seq)
+
+
+def _answer_tag(seq: int) -> int:
+    """The tag of the gradient (or the word that none comes) answering message `seq`."""
+    return _MESSAGE_BIT | _GRADIENT_BIT | seq
 
 
 class _State:
@@ -270,7 +274,7 @@ def _send(x, dst: int, call: str = "send") -> _Record | None:
     payload = [t.detach().contiguous() for t in values] + [flags]
     st.sends.send(dst, _MESSAGE_BIT | seq, payload, f"conveyor.distributed: {_named(call)}send #{seq} to process {dst}")
     st.sent[dst] += 1  # counted once sent: a send refused here leaves the numbering as it was
-    _take_answers_in(st)
+    _take_answers_in(st, [dst])
     if any(needs):
         record = _Record("send", dst, seq, tensors=[t for t, n in zip(values, needs) if n])
         st.records.append(record)
@@ -308,14 +312,15 @@ def _callers_level() -> int:
     return level
 
 
-def _take_answers_in(st: _State) -> None:
-    """Takes the answers already in for each peer's oldest sends, without waiting: a send
-    whose receiver says no gradient will come (it received under no_grad, or dropped the
-    graph) is forgotten, freeing what it held (an evaluation that forgot no_grad would
-    otherwise hold every batch's graph until the next backward()); a gradient is kept for
-    backward()."""
-    for waiting in st.unanswered.values():
-        while waiting and st.answers.arrived(waiting[0].peer, waiting[0].answer_tag):
+def _take_answers_in(st: _State, peers=None) -> None:
+    """Takes the answers already in for the oldest sends to `peers` (default: every peer),
+    without waiting: a send whose receiver says no gradient will come (it received under
+    no_grad, or dropped the graph) is forgotten, freeing what it held (an evaluation that
+    forgot no_grad would otherwise hold every batch's graph until the next backward()); a
+    gradient is kept for backward()."""
+    for peer in st.unanswered if peers is None else peers:
+        waiting = st.unanswered[peer]
+        while waiting and st.answers.arrived(peer, waiting[0].answer_tag):
             _take_answer(st, waiting.popleft())
 
 
@@ -388,6 +393,12 @@ def _return_gradient(st: _State, record: _Record) -> None:
                   f"conveyor.distributed: the gradient of receive #{record.seq} from process {record.peer}")
 
 
+def _answer_without_gradients(st: _State, peer: int, seq: int, why: str) -> None:
+    """Tells `peer` that its message `seq` gets no gradient (its backward() skips that send)."""
+    st.sends.send(peer, _answer_tag(seq), [st.without_gradients],
+                  f"conveyor.distributed: receive #{seq} from process {peer} ({why})")
+
+
 def _no_gradient_will_come(st: _State, record: _Record) -> None:
     """A receive's node was freed before its gradient went back: its sender's backward()
     skips that send (it adds nothing, as in one process), instead of waiting for it."""
@@ -395,8 +406,7 @@ def _no_gradient_will_come(st: _State, record: _Record) -> None:
         return
     record.done = True
     try:
-        st.sends.send(record.peer, record.answer_tag, [st.without_gradients],
-                      f"conveyor.distributed: receive #{record.seq} from process {record.peer} (its graph dropped)")
+        _answer_without_gradients(st, record.peer, record.seq, "its graph dropped")
     except ConveyorError:  # an earlier send failed: the next call raises it, where the script can see it
         pass
     if not st.replaying:  # a replay clears the records itself
@@ -443,8 +453,7 @@ def _recv(src: int, device=None, call: str = "send"):
     else:
         values = [v.to(device) if device is not None else v for v in got[:-1]]
     if any(needs) and not torch.is_grad_enabled():  # the sender's backward must not wait for a gradient
-        st.sends.send(src, _MESSAGE_BIT | _GRADIENT_BIT | seq, [st.without_gradients],
-                      f"conveyor.distributed: receive #{seq} from process {src} (under torch.no_grad())")
+        _answer_without_gradients(st, src, seq, "under torch.no_grad()")
     elif any(needs):
         record = _Record("recv", src, seq, shapes=[(v.shape, v.dtype, v.device) for v, n in zip(values, needs) if n])
         st.records.append(record)
