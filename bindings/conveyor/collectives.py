@@ -20,6 +20,7 @@ import torch
 
 from . import communication as c
 from .errors import ConveyorValueError
+from .groups import Group, whole_job
 
 __all__ = ["bcast", "gather", "scatter", "allgather", "alltoall", "reduce_scatter", "allreduce"]
 
@@ -50,97 +51,132 @@ def _connect(own, sent: list, records: list):
     return _Connected.apply([r for _, r in pairs], own, *[t for t, _ in pairs])
 
 
-def _others(st):
-    return [p for p in range(st.group.world_size) if p != st.group.rank]
+def _members(st, group, call: str) -> Group:
+    """The group a collective runs over (the whole job for None), which this process is in."""
+    if group is None:
+        return whole_job(st.group.rank, st.group.world_size)
+    if not isinstance(group, Group):
+        raise ConveyorValueError(f"{call}: group={group!r}: expected a conveyor.distributed.new_group(ranks)")
+    if group.ranks[-1] >= st.group.world_size:
+        raise ConveyorValueError(f"{call}: {group} is not of this job of {st.group.world_size} processes")
+    if st.group.rank not in group:
+        raise ConveyorValueError(f"{call}: process {st.group.rank} is not in {group}: only its processes call its "
+                                 "collectives")
+    return group
+
+
+def _others(st, g: Group) -> list:
+    return [p for p in g.ranks if p != st.group.rank]
+
+
+def _root(st, g: Group, root, call: str) -> int:
+    root = c._process(st, root, "root")
+    if root not in g:
+        raise ConveyorValueError(f"{call}: root={root} is not in {g}")
+    return root
 
 
 def _device_of(x):
     return x.device if isinstance(x, torch.Tensor) else x[0].device
 
 
-def bcast(x, root: int, device=None):
-    """`x` of process `root`, on every process (pass None elsewhere; it arrives on `device`,
-    by default where recv() puts it). Backward: the gradients of every process summed at the root."""
+def bcast(x, root: int, device=None, group=None):
+    """`x` of process `root`, on every process of `group` (the job by default; pass None
+    elsewhere; it arrives on `device`, by default where recv() puts it). Backward: the
+    gradients of every process summed at the root."""
     st = c._job()
-    root = c._process(st, root, "root")
+    g = _members(st, group, "bcast")
+    root = _root(st, g, root, "bcast")
     if st.group.rank == root:
-        others = _others(st)
-        return _connect(x, [x] * len(others), [c._send(x, p, "bcast") for p in others])
-    return c._recv(root, device, "bcast")
+        others = _others(st, g)
+        return _connect(x, [x] * len(others), [c._send(x, p, "bcast", g.mask) for p in others])
+    return c._recv(root, device, "bcast", g.mask)
 
 
-def gather(x, root: int):
-    """Every process's `x`, as a list in process order, at `root` (None elsewhere). Backward:
-    each gradient scattered back to its process."""
+def gather(x, root: int, group=None):
+    """Every process's `x`, as a list in rank order over `group` (the job by default), at
+    `root` (None elsewhere). Backward: each gradient scattered back to its process."""
     st = c._job()
-    root = c._process(st, root, "root")
+    g = _members(st, group, "gather")
+    root = _root(st, g, root, "gather")
     if st.group.rank != root:
-        c._send(x, root, "gather")
+        c._send(x, root, "gather", g.mask)
         return None
-    return [x if p == root else c._recv(p, _device_of(x), "gather") for p in range(st.group.world_size)]
+    return [x if p == root else c._recv(p, _device_of(x), "gather", g.mask) for p in g.ranks]
 
 
-def scatter(xs, root: int, device=None):
-    """Process p gets `xs[p]` of process `root` (pass None elsewhere; it arrives on `device`,
-    by default where recv() puts it). Backward: the gradients gathered at the root."""
+def scatter(xs, root: int, device=None, group=None):
+    """The process at place i of `group` (the job by default) gets `xs[i]` of process `root`
+    (pass None elsewhere; it arrives on `device`, by default where recv() puts it). Backward:
+    the gradients gathered at the root."""
     st = c._job()
-    root = c._process(st, root, "root")
+    g = _members(st, group, "scatter")
+    root = _root(st, g, root, "scatter")
     if st.group.rank != root:
-        return c._recv(root, device, "scatter")
-    if len(xs) != st.group.world_size:
-        raise ConveyorValueError(f"scatter: {len(xs)} values for {st.group.world_size} processes")
-    others = _others(st)
-    return _connect(xs[root], [xs[p] for p in others], [c._send(xs[p], p, "scatter") for p in others])
+        return c._recv(root, device, "scatter", g.mask)
+    if len(xs) != g.size:
+        raise ConveyorValueError(f"scatter: {len(xs)} values for the {g.size} processes of {g}")
+    sent = [(xs[i], p) for i, p in enumerate(g.ranks) if p != root]
+    return _connect(xs[g.rank], [x for x, _ in sent], [c._send(x, p, "scatter", g.mask) for x, p in sent])
 
 
-def allgather(x):
-    """Every process's `x`, as a list in process order, on every process. Backward: each
-    process's gradient is the sum of every process's gradient for its `x` (reduce-scatter)."""
-    return _allgather(x, "allgather")
+def allgather(x, group=None):
+    """Every process's `x`, as a list in rank order over `group` (the job by default), on each
+    of them. Backward: each process's gradient is the sum of every process's gradient for its
+    `x` (reduce-scatter)."""
+    return _allgather(x, "allgather", group)
 
 
-def _allgather(x, call: str):
+def _allgather(x, call: str, group):
     st = c._job()
-    others = _others(st)
-    own = _connect(x, [x] * len(others), [c._send(x, p, call) for p in others])
-    return [own if p == st.group.rank else c._recv(p, _device_of(x), call) for p in range(st.group.world_size)]
+    g = _members(st, group, call)
+    others = _others(st, g)
+    own = _connect(x, [x] * len(others), [c._send(x, p, call, g.mask) for p in others])
+    return [own if p == st.group.rank else c._recv(p, _device_of(x), call, g.mask) for p in g.ranks]
 
 
-def alltoall(xs):
-    """Process p gets `xs[p]` of every process, as a list in process order. Backward: the
-    gradients exchanged the other way (alltoall)."""
-    return _alltoall(xs, "alltoall")
+def alltoall(xs, group=None):
+    """The process at place i of `group` (the job by default) gets `xs[i]` of each of them,
+    as a list in rank order. Backward: the gradients exchanged the other way (alltoall)."""
+    return _alltoall(xs, "alltoall", group)
 
 
-def _alltoall(xs, call: str):
+def _alltoall(xs, call: str, group):
     st = c._job()
-    if len(xs) != st.group.world_size:
-        raise ConveyorValueError(f"{call}: {len(xs)} values for {st.group.world_size} processes")
-    me, others = st.group.rank, _others(st)
-    own = _connect(xs[me], [xs[p] for p in others], [c._send(xs[p], p, call) for p in others])
-    return [own if p == me else c._recv(p, _device_of(xs[me]), call) for p in range(st.group.world_size)]
+    g = _members(st, group, call)
+    if len(xs) != g.size:
+        raise ConveyorValueError(f"{call}: {len(xs)} values for the {g.size} processes of {g}")
+    me = g.rank
+    sent = [(xs[i], p) for i, p in enumerate(g.ranks) if i != me]
+    own = _connect(xs[me], [x for x, _ in sent], [c._send(x, p, call, g.mask) for x, p in sent])
+    return [own if i == me else c._recv(p, _device_of(xs[me]), call, g.mask) for i, p in enumerate(g.ranks)]
 
 
-def _sum_in_process_order(parts, call: str):
-    """The sum of every process's part, in process order; parts of different shapes (which
+def _sum_in_rank_order(parts, g: Group, call: str):
+    """The sum of every process's part, in rank order; parts of different shapes (which
     would broadcast silently) are refused naming each process's shape, on every process."""
     shapes = [tuple(t.shape) for t in parts]
     if len(set(shapes)) > 1:
         raise ConveyorValueError(f"{call}: the processes' tensors differ in shape: "
-                                 + ", ".join(f"process {p} {list(s)}" for p, s in enumerate(shapes)))
+                                 + ", ".join(f"process {p} {list(s)}" for p, s in zip(g.ranks, shapes)))
     total = parts[0]
     for t in parts[1:]:
         total = total + t
     return total
 
 
-def reduce_scatter(xs):
-    """Process p gets the sum over processes of their `xs[p]` (summed in process order).
-    Backward: the gradient goes to every process's `xs[p]` (allgather)."""
-    return _sum_in_process_order(_alltoall(xs, "reduce_scatter"), "reduce_scatter")
+def reduce_scatter(xs, group=None):
+    """The process at place i of `group` (the job by default) gets the sum over them of their
+    `xs[i]` (summed in rank order). Backward: the gradient goes to every process's `xs[i]`
+    (allgather)."""
+    st = c._job()
+    g = _members(st, group, "reduce_scatter")
+    return _sum_in_rank_order(_alltoall(xs, "reduce_scatter", g), g, "reduce_scatter")
 
 
-def allreduce(x):
-    """The sum of every process's `x` (in process order), on every process. Backward: the
-    gradients summed the same way (allreduce)."""
-    return _sum_in_process_order(_allgather(x, "allreduce"), "allreduce")
+def allreduce(x, group=None):
+    """The sum of every process's `x` over `group` (the job by default; summed in rank order),
+    on each of them. Backward: the gradients summed the same way (allreduce)."""
+    st = c._job()
+    g = _members(st, group, "allreduce")
+    return _sum_in_rank_order(_allgather(x, "allreduce", g), g, "allreduce")

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import _C
+from . import _C, groups
 from .errors import ConveyorError, ConveyorValueError
 
 __all__ = ["init", "send", "recv", "backward", "rank", "world_size"]
@@ -92,6 +92,7 @@ class _State:
         self.answers = _C.PostedReceives(group, via)
         self.unanswered: dict[int, collections.deque] = {p: collections.deque() for p in range(group.world_size)}
         self.flags: dict[tuple, torch.Tensor] = {}  # a message's flags tensor, per flags (never written)
+        self.no_group = (0,) * groups.words(group.world_size)  # a point-to-point message's group
         # A gradient message ends with one of these: the gradients follow, or none will (the
         # value was received under torch.no_grad(), or the graph it fed was dropped).
         self.with_gradients = torch.ones(1, dtype=torch.int8)
@@ -258,8 +259,9 @@ def _not_in_a_backward(name: str) -> None:
                                  "without conveyor.distributed calls, which must run once per forward")
 
 
-def _send(x, dst: int, call: str = "send") -> _Record | None:
-    """send() as part of `call`, returning the record of a send that needs a gradient (else None)."""
+def _send(x, dst: int, call: str = "send", group: tuple = ()) -> _Record | None:
+    """send() as part of `call` over the processes `group` (groups.mask; none: point to
+    point), returning the record of a send that needs a gradient (else None)."""
     _not_in_a_backward(call)
     st = _job()
     dst = _peer(st, dst, "dst")
@@ -267,10 +269,10 @@ def _send(x, dst: int, call: str = "send") -> _Record | None:
     values, sequence = _values(x, "send")
     needs = [torch.is_grad_enabled() and t.requires_grad for t in values]
     seq = st.sent[dst]
-    key = (sequence, _CALLS.index(call), *needs, *(t.is_cuda for t in values))
+    key = (sequence, _CALLS.index(call), *(group or st.no_group), *needs, *(t.is_cuda for t in values))
     flags = st.flags.get(key)
     if flags is None:
-        flags = st.flags[key] = torch.tensor([int(f) for f in key], dtype=torch.int8)
+        flags = st.flags[key] = torch.tensor([int(f) for f in key], dtype=torch.int32)
     payload = [t.detach().contiguous() for t in values] + [flags]
     st.sends.send(dst, _MESSAGE_BIT | seq, payload, f"conveyor.distributed: {_named(call)}send #{seq} to process {dst}")
     st.sent[dst] += 1  # counted once sent: a send refused here leaves the numbering as it was
@@ -421,6 +423,13 @@ def _named(call: str) -> str:
     return "" if call == "send" else f"{call}'s "
 
 
+def _call_named(call: str, group: tuple, other_group: tuple) -> str:
+    """A call as a mismatch names it: with its group where the two sides' groups differ."""
+    if group == other_group or not any(group):
+        return call
+    return f"{call} over {groups.named(group)}"
+
+
 def recv(src: int, device=None):
     """What process `src` sends next: a tensor, or the tuple it sent, on `device`; by default
     where the sender's was: a CPU tensor on the CPU, a CUDA tensor on this process's current
@@ -429,8 +438,9 @@ def recv(src: int, device=None):
     return _recv(src, device)
 
 
-def _recv(src: int, device=None, call: str = "send"):
-    """recv() as part of `call` (whose sends the message must come from)."""
+def _recv(src: int, device=None, call: str = "send", group: tuple = ()):
+    """recv() as part of `call` over the processes `group` (groups.mask; none: point to
+    point), whose sends the message must come from."""
     _not_in_a_backward("recv" if call == "send" else call)
     st = _job()
     src = _peer(st, src, "src")
@@ -439,14 +449,16 @@ def _recv(src: int, device=None, call: str = "send"):
     st.received[src] += 1
     got = st.group.recv(src, _MESSAGE_BIT | seq, f"conveyor.distributed: {_named(call)}receive #{seq} from process "
                         f"{src}", st.via)
-    flags, count = got[-1].tolist(), len(got) - 1  # flags: sequence, call, then per value needs, then is_cuda
-    sequence, theirs = bool(flags[0]), _CALLS[flags[1]]
-    needs, on_cuda = [bool(n) for n in flags[2:2 + count]], flags[2 + count:]
-    if theirs != call:
-        mine = "recv" if call == "send" else call
-        raise ConveyorValueError(f"conveyor.distributed: process {st.group.rank}'s {mine} received message #{seq} "
-                                 f"of process {src}'s {theirs}: every process must make the same calls in the same "
-                                 "order")
+    # flags: sequence, call, the group's words, then per value whether it needs a gradient, is_cuda
+    flags, count, w = got[-1].tolist(), len(got) - 1, len(st.no_group)
+    sequence, theirs, their_group = bool(flags[0]), _CALLS[flags[1]], tuple(flags[2:2 + w])
+    needs, on_cuda = [bool(n) for n in flags[2 + w:2 + w + count]], flags[2 + w + count:]
+    group = group or st.no_group
+    if theirs != call or their_group != group:
+        mine = _call_named("recv" if call == "send" else call, group, their_group)
+        raise ConveyorValueError(f"conveyor.distributed: process {st.group.rank}'s {mine} received message #{seq} of "
+                                 f"process {src}'s {_call_named(theirs, their_group, group)}: every process must make "
+                                 "the same calls in the same order")
     if device is None and any(on_cuda) and torch.cuda.is_available():  # staged through the host: back on a GPU
         cuda = torch.device("cuda", torch.cuda.current_device())
         values = [v.to(cuda) if c and not v.is_cuda else v for v, c in zip(got[:-1], on_cuda)]

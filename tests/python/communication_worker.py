@@ -112,31 +112,35 @@ def gradient_past_a_receive_without_one(me, leaf, how):
         dist.backward()
 
 
-def collectives(me, n, leaf, device, finish):
-    """Every collective's forward values and backward pairing; `finish(loss)` backpropagates a
-    process's loss: conveyor.distributed.backward, or plain loss.backward() (the graph is
-    connected: the collective's own output carries what the process sent). A process with
-    no loss calls dist.backward() either way."""
+def collectives(group, leaf, device, finish):
+    """Every collective's forward values and backward pairing, over `group` (None: the job's
+    default); `finish(loss)` backpropagates a process's loss: conveyor.distributed.backward,
+    or plain loss.backward() (the graph is connected: the collective's own output carries
+    what the process sent). A process with no loss calls dist.backward() either way.
+    Processes are weighed by their place in the group (me), roots are its first and last."""
+    g = group or dist.new_group(range(dist.world_size()))
+    me, n, first, last = g.rank, g.size, g.ranks[0], g.ranks[-1]
+    over = {} if group is None else {"group": group}
     weight = float(me + 1)  # process p's loss is (p + 1) * sum(what it got)
     every = sum(range(1, n + 1))
     # allreduce: y = sum_p x_p; dL/dx_p = sum_q (q + 1)
     x = leaf(me + 1)
-    y = dist.allreduce(x)
+    y = dist.allreduce(x, **over)
     expect("allreduce", y.detach(), torch.full((2,), float(every)))
     finish(weight * y.sum())
     expect("allreduce backward", x.grad, torch.full((2,), float(every)))
 
     # bcast from the last process: dL/dx_root = sum_q (q + 1)
     x = leaf(10)
-    y = dist.bcast(x if me == n - 1 else None, root=n - 1, device=device)
+    y = dist.bcast(x if me == n - 1 else None, root=last, device=device, **over)
     expect("bcast", y.detach(), torch.full((2,), 10.0))
     finish(weight * y.sum())
     if me == n - 1:
         expect("bcast backward", x.grad, torch.full((2,), float(every)))
 
-    # gather at 0, then scatter from 0 (their backwards pair the other way)
+    # gather at the first, then scatter from the first (their backwards pair the other way)
     x = leaf(me)
-    parts = dist.gather(x, root=0)
+    parts = dist.gather(x, root=first, **over)
     if me == 0:
         expect("gather", torch.stack(parts).detach(), torch.arange(n, dtype=torch.float64)[:, None].expand(n, 2))
         finish(sum((q + 1) * t.sum() for q, t in enumerate(parts)))
@@ -144,7 +148,7 @@ def collectives(me, n, leaf, device, finish):
         dist.backward()
     expect("gather backward", x.grad, torch.full((2,), weight))
     xs = [leaf(100 + q) for q in range(n)] if me == 0 else None
-    y = dist.scatter(xs, root=0, device=device)
+    y = dist.scatter(xs, root=first, device=device, **over)
     expect("scatter", y.detach(), torch.full((2,), 100.0 + me))
     finish(weight * y.sum())
     if me == 0:
@@ -153,13 +157,13 @@ def collectives(me, n, leaf, device, finish):
 
     # allgather: every process weighs part q by (p + 1) * (q + 1): dL/dx_q = (q + 1) * sum_p (p + 1)
     x = leaf(me)
-    parts = dist.allgather(x)
+    parts = dist.allgather(x, **over)
     finish(weight * sum((q + 1) * t.sum() for q, t in enumerate(parts)))
     expect("allgather backward", x.grad, torch.full((2,), float((me + 1) * every)))
 
     # alltoall: process p gets xs_q[p]; L_p = (p + 1) * sum; dL/d xs_p[q] = q + 1
     xs = [leaf(10 * me + q) for q in range(n)]
-    got = dist.alltoall(xs)
+    got = dist.alltoall(xs, **over)
     expect("alltoall", torch.stack(got).detach()[:, 0], torch.tensor([10.0 * q + me for q in range(n)]))
     finish(weight * sum(t.sum() for t in got))
     for q in range(n):
@@ -167,7 +171,7 @@ def collectives(me, n, leaf, device, finish):
 
     # reduce_scatter: process p gets sum_q xs_q[p]; dL/d xs_p[q] = q + 1
     xs = [leaf(me + q) for q in range(n)]
-    y = dist.reduce_scatter(xs)
+    y = dist.reduce_scatter(xs, **over)
     expect("reduce_scatter", y.detach(), torch.full((2,), float(sum(q + me for q in range(n)))))
     finish(weight * y.sum())
     for q in range(n):
@@ -262,8 +266,25 @@ def main():
         dist.backward()
         dist.recv(0)
 
-    collectives(me, n, leaf, device, dist.backward)
-    collectives(me, n, leaf, device, lambda loss: loss.backward())
+    collectives(None, leaf, device, dist.backward)
+    collectives(None, leaf, device, lambda loss: loss.backward())
+    # Two groups at once: the first and last processes, and the rest (or, of 2 processes,
+    # the last alone, the first idle); each runs every collective among its own.
+    ends = dist.new_group([n - 1, 0])
+    if me in ends:
+        group = ends if n > 2 else dist.new_group([n - 1])
+    else:
+        group = dist.new_group(range(1, n - 1))
+    if me in group:
+        collectives(group, leaf, device, dist.backward)
+        collectives(group, leaf, device, lambda loss: loss.backward())
+    if n > 2 and me not in ends:
+        try:  # a collective of a group this process is not in is refused, naming it
+            dist.allreduce(torch.ones(1), group=ends)
+            raise SystemExit(f"process {me} ran a collective of {ends}")
+        except ConveyorValueError as e:
+            if f"allreduce: process {me} is not in group [0, {n - 1}]" not in str(e):
+                raise
     print(f"process {me}: every collective and its backward as expected", flush=True)
 
     if "MISMATCH" not in os.environ:
@@ -325,6 +346,11 @@ def main():
             dist.allgather(torch.ones(2))
         elif me == 1:
             dist.bcast(torch.ones(2), root=1)
+        sys.exit(0)
+    if os.environ.get("MISMATCH") == "group":
+        # Process 0 calls allreduce over processes 0 and 1, the others over the whole job:
+        # process 1 receives a message of another group's allreduce, and says so.
+        dist.allreduce(torch.ones(2), group=dist.new_group([0, 1]) if me == 0 else None)
         sys.exit(0)
     if os.environ.get("MISMATCH") == "caught":
         # Process 1 asks for a message process 0 never sends, and goes on past the error.

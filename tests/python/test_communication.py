@@ -1,7 +1,8 @@
 """conveyor.distributed's differentiable communication under `conveyor launch`: the
 examples of seed 001 (an encoder-decoder split, a channel-parallel CNN with allgather, a
-three-process chain with figure 4's shape) and a Sequential that branches and joins across
-three processes train 3 steps exactly like the same model in one process (float64,
+three-process chain with figure 4's shape), a Sequential that branches and joins across
+three processes and two tensor-parallel pipeline stages on four (collectives over groups)
+train 3 steps exactly like the same model in one process (float64,
 relative error at most 1e-9) without any delegate variable; every collective's backward is
 its pair; a call only some processes reach ends within the timeout naming the call and the
 process."""
@@ -42,7 +43,7 @@ def launch(n: int, script: Path, *args, env=None, timeout=240):
     not torch.cuda.is_available(), reason="needs a CUDA GPU (tools/gpu_session runs it)"))])
 @pytest.mark.parametrize("example, processes", [
     ("seq2seq", 2), ("channel_parallel_cnn", 2), ("channel_parallel_cnn", 3), ("three_process_chain", 3),
-    ("branching", 3)])
+    ("branching", 3), ("tensor_parallel_pipeline", 4)])
 def test_the_split_trains_like_one_process(example, processes, device, tmp_path):
     """On CUDA every process shares the one GPU: its tensors cross in device memory (UCX's
     cuda_ipc), and the reference runs on that GPU too."""
@@ -146,9 +147,9 @@ def test_nccl_with_two_processes_on_one_gpu_fails_naming_why():
     assert "each process needs a GPU of its own" in out, out[-3000:]
 
 
-def mismatched(kind: str, timeout_s: int) -> str:
-    """The worker's collectives on 2 processes, then the mismatch `kind`; the job must fail."""
-    r = subprocess.run([str(TOOL), "launch", "-n", "2", "--timeout", str(timeout_s), "--", sys.executable,
+def mismatched(kind: str, timeout_s: int, processes: int = 2) -> str:
+    """The worker's collectives on `processes`, then the mismatch `kind`; the job must fail."""
+    r = subprocess.run([str(TOOL), "launch", "-n", str(processes), "--timeout", str(timeout_s), "--", sys.executable,
                         str(Path(__file__).with_name("communication_worker.py"))],
                        env=environment(MISMATCH=kind), capture_output=True, text=True, timeout=120)
     out = r.stdout + r.stderr
@@ -182,6 +183,13 @@ def test_a_collective_only_some_processes_reach_fails_naming_both_calls():
                      r"the same calls in the same order", out), out[-3000:]
 
 
+def test_a_collective_of_another_group_fails_naming_both_groups():
+    """Process 0's allreduce over processes 0 and 1 meets process 1's over the whole job."""
+    out = mismatched("group", 20, processes=3)
+    assert re.search(r"process 1's allreduce over group \[0, 1, 2\] received message #\d+ of process 0's allreduce "
+                     r"over group \[0, 1\]: every process must make the same calls", out), out[-3000:]
+
+
 def test_a_send_nobody_receives_fails_the_job_at_exit_naming_both():
     out = mismatched("send", 20)
     counts = re.search(r"process 0 sent (\d+) messages to process 1, which asked for (\d+): a send nobody received", out)
@@ -201,3 +209,29 @@ def test_without_a_job_it_says_how_to_start_one():
     r = subprocess.run([sys.executable, "-c", "import torch, conveyor.distributed as d; d.send(torch.ones(1), 1)"],
                        env=environment(), capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "conveyor launch -n N" in r.stderr, r.stderr[-2000:]
+
+
+def test_a_group_is_named_by_its_processes_and_bad_ones_are_refused(monkeypatch):
+    """Making a group is local (no process joins anything): a job of 40 processes, seen from
+    process 35, whose sets span two words of a message's flags."""
+    import conveyor.distributed as dist
+    from conveyor import groups
+    from conveyor.errors import ConveyorValueError
+    for k in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ConveyorValueError, match="needs the processes of a job"):
+        dist.new_group([0])
+    monkeypatch.setenv("WORLD_SIZE", "40")
+    monkeypatch.setenv("RANK", "35")
+    g = dist.new_group([35, 3, 34])
+    assert (g.ranks, g.size, g.rank, 3 in g, 4 in g) == ((3, 34, 35), 3, 2, True, False)
+    assert groups.named(g.mask) == "group [3, 34, 35]" and len(g.mask) == 2
+    assert g == dist.new_group([3, 34, 35]) and g != dist.new_group([3, 34])
+    with pytest.raises(ConveyorValueError, match=r"process 35 is not in group \[0, 1\]"):
+        dist.new_group([1, 0]).rank
+    for bad, says in [([], "a group needs at least one process"), ([0, 40], "40 is not a process of this job of 40"),
+                      ([2, "1"], "'1' is not a process"), ([3, 3], "process 3 is named twice"),
+                      (7, "expected a list of process ranks")]:
+        with pytest.raises(ConveyorValueError, match=re.escape(says)):
+            dist.new_group(bad)
