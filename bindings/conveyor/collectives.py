@@ -1,7 +1,7 @@
 """Collectives for models split by hand, as the sends and receives they are
 (conveyor/communication.py), so their backward pairs fall out: bcast's gradient is the sum at
-the root, gather and scatter pair, allgather's is a reduce-scatter, alltoall pairs with
-itself, allreduce with allreduce.
+the root, reduce's is a bcast from it, gather and scatter pair, allgather's is a
+reduce-scatter, alltoall pairs with itself, allreduce with allreduce.
 
 Where a process's graph is connected (its loss reads the collective's output), plain
 `loss.backward()` works as with torch.distributed.nn: the part of the output that is the
@@ -22,7 +22,7 @@ from . import communication as c
 from .errors import ConveyorValueError
 from .groups import Group, whole_job
 
-__all__ = ["bcast", "gather", "scatter", "allgather", "alltoall", "reduce_scatter", "allreduce"]
+__all__ = ["bcast", "gather", "scatter", "allgather", "alltoall", "reduce", "reduce_scatter", "allreduce"]
 
 
 class _Connected(torch.autograd.Function):
@@ -163,6 +163,20 @@ def _sum_in_rank_order(parts, g: Group, call: str):
     for t in parts[1:]:
         total = total + t
     return total
+
+
+def reduce(x, root: int, group=None):
+    """The sum of every process's `x` over `group` (the job by default; summed in rank order)
+    at `root` (None elsewhere). Backward: the root's gradient to every process (bcast); a
+    process other than the root holds no output, and calls backward()."""
+    st = c._job()
+    g = _members(st, group, "reduce")
+    root = _root(st, g, root, "reduce")
+    if st.group.rank != root:
+        c._send(x, root, "reduce", g.mask)
+        return None
+    return _sum_in_rank_order([x if p == root else c._recv(p, x.device, "reduce", g.mask) for p in g.ranks], g,
+                              "reduce")
 
 
 def reduce_scatter(xs, group=None):

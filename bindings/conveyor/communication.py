@@ -54,7 +54,7 @@ _GRADIENT_BIT = 1 << 44
 # The call a message belongs to travels in its flags, so a receive made by another call than
 # the send (a collective only some processes reach) fails naming both, not passing a value
 # from the wrong call along.
-_CALLS = ["send", "bcast", "gather", "scatter", "allgather", "alltoall", "allreduce", "reduce_scatter"]
+_CALLS = ["send", "bcast", "gather", "scatter", "allgather", "alltoall", "allreduce", "reduce_scatter", "reduce"]
 
 
 @dataclass(eq=False)  # by identity: `in` and remove() never compare the tensors held

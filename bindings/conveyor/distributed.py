@@ -13,7 +13,7 @@ or Module(timeout=).
 and differentiable communication for models split by hand (conveyor/communication.py,
 conveyor/collectives.py, conveyor/sequential.py):
 init (UCX, or NCCL for tensors on the GPU), send, recv, bcast, gather, scatter, allgather,
-alltoall, reduce_scatter, allreduce (each over the job, or a group of its processes:
+alltoall, reduce, reduce_scatter, allreduce (each over the job, or a group of its processes:
 new_group, conveyor/groups.py), backward and Sequential.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from .arguments import seconds
 from .errors import ConveyorValueError
 
 __all__ = ["world", "process_group", "default_timeout", "launch_settings", "init", "send", "recv", "bcast", "gather",
-           "scatter", "allgather", "alltoall", "reduce_scatter", "allreduce", "backward", "rank", "world_size",
+           "scatter", "allgather", "alltoall", "reduce", "reduce_scatter", "allreduce", "backward", "rank", "world_size",
            "Sequential", "new_group", "Group"]
 
 _group = None
@@ -188,6 +188,6 @@ def _leave_in_step():
 
 
 from .communication import backward, init, rank, recv, send, world_size  # noqa: E402  (they reach process_group())
-from .collectives import allgather, allreduce, alltoall, bcast, gather, reduce_scatter, scatter  # noqa: E402
+from .collectives import allgather, allreduce, alltoall, bcast, gather, reduce, reduce_scatter, scatter  # noqa: E402
 from .groups import Group, new_group  # noqa: E402
 from .sequential import Sequential  # noqa: E402

@@ -169,6 +169,18 @@ def collectives(group, leaf, device, finish):
     for q in range(n):
         expect("alltoall backward", xs[q].grad, torch.full((2,), float(q + 1)))
 
+    # reduce at the last: L = n * sum(the sum); dL/dx_p = n, on every process
+    x = leaf(me + 1)
+    y = dist.reduce(x, root=last, **over)
+    if me == n - 1:
+        expect("reduce", y.detach(), torch.full((2,), float(every)))
+        finish(weight * y.sum())
+    else:
+        if y is not None:
+            raise SystemExit(f"process {me}: reduce returned {y} away from the root")
+        dist.backward()
+    expect("reduce backward", x.grad, torch.full((2,), float(n)))
+
     # reduce_scatter: process p gets sum_q xs_q[p]; dL/d xs_p[q] = q + 1
     xs = [leaf(me + q) for q in range(n)]
     y = dist.reduce_scatter(xs, **over)
