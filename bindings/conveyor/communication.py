@@ -44,7 +44,7 @@ import torch
 from . import _C, groups
 from .errors import ConveyorError, ConveyorValueError
 
-__all__ = ["init", "send", "recv", "backward", "rank", "world_size"]
+__all__ = ["init", "send", "recv", "backward", "microbatch", "rank", "world_size"]
 
 # Tags (below the pipeline's collective and lane bits): messages carry a per-pair sequence
 # number, their gradients the same number with the gradient bit.
@@ -68,6 +68,7 @@ class _Record:
     grads: list | None = None                     # recv: accumulated gradients; send: those that came
     done: bool = False                            # recv: answered; send: its answer taken
     consumed: bool = False                        # send: its gradient applied outside a replay
+    microbatch: object = None                     # the microbatch() it was made in, if any
 
     @property
     def answer_tag(self) -> int:
@@ -98,6 +99,8 @@ class _State:
         self.with_gradients = torch.ones(1, dtype=torch.int8)
         self.without_gradients = torch.zeros(1, dtype=torch.int8)
         self.replaying = False
+        self.replay: list[_Record] = []  # the records a replay goes through (and then forgets)
+        self.microbatch = None           # the microbatch() the process is in, if any
         # A backward outside backward() (plain loss.backward()) that reached a receive: the
         # sends recorded before it whose gradients it left unapplied are named at the next
         # call, once, unless backward() runs first.
@@ -278,7 +281,7 @@ def _send(x, dst: int, call: str = "send", group: tuple = ()) -> _Record | None:
     st.sent[dst] += 1  # counted once sent: a send refused here leaves the numbering as it was
     _take_answers_in(st, [dst])
     if any(needs):
-        record = _Record("send", dst, seq, tensors=[t for t, n in zip(values, needs) if n])
+        record = _Record("send", dst, seq, tensors=[t for t, n in zip(values, needs) if n], microbatch=st.microbatch)
         st.records.append(record)
         st.answers.post(dst, record.answer_tag)
         st.unanswered[dst].append(record)
@@ -353,7 +356,7 @@ def _take_answer(st: _State, record: _Record) -> None:
     record.done = True
     if follow.item():
         record.grads = grads
-    elif not st.replaying:  # nothing comes: the send adds nothing (a replay clears the records itself)
+    elif not (st.replaying and record in st.replay):  # nothing comes: it adds nothing (a replay forgets its own)
         st.records.remove(record)
 
 
@@ -371,6 +374,12 @@ class _Received(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         record = ctx.record
+        if record.done:  # its gradient went back: this one would be lost
+            raise ConveyorValueError(
+                f"conveyor.distributed: a gradient reached receive #{record.seq} from process {record.peer} after its "
+                "gradient went back to the sender" + (f" (in microbatch {record.microbatch!r}'s backward)"
+                                                      if record.microbatch is not None else "")
+                + ": backpropagate each received value once (microbatches must not share a graph)")
         if record.grads is None:
             record.grads = [None] * len(grads)
         for i, g in enumerate(grads):
@@ -411,7 +420,7 @@ def _no_gradient_will_come(st: _State, record: _Record) -> None:
         _answer_without_gradients(st, record.peer, record.seq, "its graph dropped")
     except ConveyorError:  # an earlier send failed: the next call raises it, where the script can see it
         pass
-    if not st.replaying:  # a replay clears the records itself
+    if not (st.replaying and record in st.replay):  # a replay forgets its own records itself
         try:
             st.records.remove(record)
         except ValueError:
@@ -467,7 +476,8 @@ def _recv(src: int, device=None, call: str = "send", group: tuple = ()):
     if any(needs) and not torch.is_grad_enabled():  # the sender's backward must not wait for a gradient
         _answer_without_gradients(st, src, seq, "under torch.no_grad()")
     elif any(needs):
-        record = _Record("recv", src, seq, shapes=[(v.shape, v.dtype, v.device) for v, n in zip(values, needs) if n])
+        record = _Record("recv", src, seq, shapes=[(v.shape, v.dtype, v.device) for v, n in zip(values, needs) if n],
+                         microbatch=st.microbatch)
         st.records.append(record)
         wanted = [v for v, n in zip(values, needs) if n]
         out = _Received.apply(torch.empty(0, requires_grad=True), record, wanted)
@@ -480,17 +490,23 @@ def _recv(src: int, device=None, call: str = "send", group: tuple = ()):
     return tuple(values) if sequence else values[0]
 
 
-def backward(*roots) -> None:
+def backward(*roots, microbatch=None) -> None:
     """Backpropagates this process's part of the job: its losses `roots` (none on a process
     that holds no loss), then its communication in reverse program order (each receive's
     gradient back to its sender, each send's gradient from its receiver, backpropagated).
-    Every process of the job calls it once per step, after its forward."""
+    Every process of the job calls it once per step, after its forward; or, in a pipeline
+    written by hand, once per microbatch: `microbatch=k` replays only the communication
+    made inside `with microbatch(k):`, leaving the others' for their own backward."""
     st = _job()
+    if st.microbatch is not None:
+        raise ConveyorValueError(f"conveyor.distributed.backward() inside `with microbatch({st.microbatch!r})`: "
+                                 "call it after the block")
+    st.replay = [r for r in st.records if microbatch is None or r.microbatch == microbatch]
     st.replaying = True
     try:
         if roots:
             torch.autograd.backward(list(roots), retain_graph=True)
-        for record in reversed(st.records):
+        for record in reversed(st.replay):
             if record.kind == "recv":
                 _return_gradient(st, record)
                 continue
@@ -502,10 +518,41 @@ def backward(*roots) -> None:
     finally:
         st.replaying = False
         st.outside_backward_at = None
-        st.records.clear()
-        for waiting in st.unanswered.values():
-            waiting.clear()
+        replayed, st.replay = st.replay, []
+        if microbatch is None:
+            st.records.clear()
+            for waiting in st.unanswered.values():
+                waiting.clear()
+        else:
+            gone = set(map(id, replayed))
+            st.records = [r for r in st.records if id(r) not in gone]
+            for peer, waiting in st.unanswered.items():
+                st.unanswered[peer] = collections.deque(r for r in waiting if id(r) not in gone)
     _drain(st)
+
+
+class microbatch:
+    """`with microbatch(k):` marks the communication made inside as microbatch `k`'s (any
+    value), so that `backward(microbatch=k)` replays it alone: a pipeline written by hand
+    may interleave its microbatches' forwards and backwards (1F1B). The schedule is the
+    script's: every process's order must complete with receives that wait and sends that
+    do not (as GPipe's and 1F1B's do; docs/design.md, "Differentiable communication")."""
+
+    def __init__(self, k):
+        if k is None:
+            raise ConveyorValueError("microbatch(None): name the microbatch (its index, say)")
+        self.k = k
+
+    def __enter__(self):
+        st = _job()
+        if st.microbatch is not None:
+            raise ConveyorValueError(f"microbatch({self.k!r}) inside microbatch({st.microbatch!r}): they do not nest")
+        st.microbatch = self.k
+        return self
+
+    def __exit__(self, *exc):
+        _state.microbatch = None
+        return False
 
 
 def _drain(st: _State) -> None:

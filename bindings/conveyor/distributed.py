@@ -27,8 +27,8 @@ from .arguments import seconds
 from .errors import ConveyorValueError
 
 __all__ = ["world", "process_group", "default_timeout", "launch_settings", "init", "send", "recv", "bcast", "gather",
-           "scatter", "allgather", "alltoall", "reduce", "reduce_scatter", "allreduce", "backward", "rank", "world_size",
-           "Sequential", "new_group", "Group"]
+           "scatter", "allgather", "alltoall", "reduce", "reduce_scatter", "allreduce", "backward", "microbatch", "rank",
+           "world_size", "Sequential", "new_group", "Group"]
 
 _group = None
 _group_key = None
@@ -187,7 +187,7 @@ def _leave_in_step():
     atexit.register(lambda: _group.close() if _group is not None else None)
 
 
-from .communication import backward, init, rank, recv, send, world_size  # noqa: E402  (they reach process_group())
+from .communication import backward, init, microbatch, rank, recv, send, world_size  # noqa: E402  (they reach process_group())
 from .collectives import allgather, allreduce, alltoall, bcast, gather, reduce, reduce_scatter, scatter  # noqa: E402
 from .groups import Group, new_group  # noqa: E402
 from .sequential import Sequential  # noqa: E402

@@ -310,6 +310,30 @@ def main():
     except ConveyorValueError as e:
         if "torch.sparse_coo tensor: send t.to_dense()" not in str(e):
             raise
+    with dist.microbatch(0):  # microbatches do not nest, and their backward comes after the block
+        for call, says in [(lambda: dist.microbatch(1).__enter__(), "microbatch(1) inside microbatch(0)"),
+                           (dist.backward, "backward() inside `with microbatch(0)`")]:
+            try:
+                call()
+                raise SystemExit(f"{says}: taken")
+            except ConveyorValueError as e:
+                if says not in str(e):
+                    raise
+    x = leaf(1)  # two backwards through one received value: the second's gradient is refused
+    if me == 0:
+        dist.send(x * 2, 1)
+        dist.backward()
+    elif me == 1:
+        y = dist.recv(0)
+        (3 * y).sum().backward(retain_graph=True)
+        try:
+            y.sum().backward()
+            raise SystemExit("a second backward through a receive passed")
+        except RuntimeError as e:
+            if "a gradient reached receive #" not in str(e) or "after its gradient went back" not in str(e):
+                raise
+    if me == 0:
+        expect("the first backward through a receive", x.grad, torch.full((2,), 6.0))
     for bad, says in [([(torch.nn.Identity(), 0, [1])], "item 0 reads 1: expected an earlier item's index"),
                       ([(torch.nn.Identity(), n)], f"item 0's rank {n} is not a process of this job of {n}"),
                       ([(torch.nn.Identity(),)], "item 0 must be (module, rank) or (module, rank, inputs)")]:
