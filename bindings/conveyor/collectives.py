@@ -96,13 +96,17 @@ def bcast(x, root: int, device=None, group=None):
 def gather(x, root: int, group=None):
     """Every process's `x`, as a list in rank order over `group` (the job by default), at
     `root` (None elsewhere). Backward: each gradient scattered back to its process."""
+    return _gather(x, root, group, "gather")
+
+
+def _gather(x, root: int, group, call: str):
     st = c._job()
-    g = _members(st, group, "gather")
-    root = _root(st, g, root, "gather")
+    g = _members(st, group, call)
+    root = _root(st, g, root, call)
     if st.group.rank != root:
-        c._send(x, root, "gather", g.mask)
+        c._send(x, root, call, g.mask)
         return None
-    return [x if p == root else c._recv(p, _device_of(x), "gather", g.mask) for p in g.ranks]
+    return [x if p == root else c._recv(p, _device_of(x), call, g.mask) for p in g.ranks]
 
 
 def scatter(xs, root: int, device=None, group=None):
@@ -169,14 +173,9 @@ def reduce(x, root: int, group=None):
     """The sum of every process's `x` over `group` (the job by default; summed in rank order)
     at `root` (None elsewhere). Backward: the root's gradient to every process (bcast); a
     process other than the root holds no output, and calls backward()."""
-    st = c._job()
-    g = _members(st, group, "reduce")
-    root = _root(st, g, root, "reduce")
-    if st.group.rank != root:
-        c._send(x, root, "reduce", g.mask)
-        return None
-    return _sum_in_rank_order([x if p == root else c._recv(p, x.device, "reduce", g.mask) for p in g.ranks], g,
-                              "reduce")
+    g = _members(c._job(), group, "reduce")
+    parts = _gather(x, root, g, "reduce")
+    return None if parts is None else _sum_in_rank_order(parts, g, "reduce")
 
 
 def reduce_scatter(xs, group=None):

@@ -9,7 +9,7 @@ process 1 reads the join. Each output crosses once to each process that reads it
 import torch
 import torch.nn as nn
 
-from common import STEPS, arguments, save, split
+from common import arguments, regression_batches, save, split, train_alone
 
 WIDTH, BATCH = 8, 4
 
@@ -33,20 +33,13 @@ def main():
     named = {"stem": stem, "left": left, "right": right, "join": join, "head": head}
     for m in named.values():
         m.to(args.device)
-    data = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(BATCH, WIDTH, generator=data).to(args.device),
-                torch.randn(BATCH, 1, generator=data).to(args.device)) for _ in range(STEPS)]
+    batches = regression_batches(args.device, BATCH, WIDTH)
     losses = []
     if not split():
-        optimizer = torch.optim.SGD(nn.ModuleList(named.values()).parameters(), lr=0.1)
-        for x, y in batches:
-            optimizer.zero_grad()
+        def loss_of(x, y):
             h = stem(x)
-            loss = ((head(join(left(h), right(h))) - y) ** 2).mean()
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
-        return save(args.out, named, losses)
+            return ((head(join(left(h), right(h))) - y) ** 2).mean()
+        return train_alone(args.out, named, batches, loss_of)
 
     import conveyor.distributed as dist
     model = dist.Sequential([(stem, 0), (left, 1, [0]), (right, 2, [0]), (join, 0, [1, 2]), (head, 1)])

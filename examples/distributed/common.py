@@ -38,3 +38,24 @@ def save(out, modules: dict, losses: list, rank: int | None = None) -> None:
     name = "reference.pt" if rank is None else f"rank{rank}.pt"
     torch.save({"state": state, "losses": losses}, Path(out) / name)
     print(f"{name}: {len(state)} parameters, losses {[round(x, 6) for x in losses]}")
+
+
+def regression_batches(device, batch: int, width: int) -> list:
+    """STEPS batches of (inputs [batch, width], targets [batch, 1]), the same in every process."""
+    data = torch.Generator().manual_seed(1)
+    return [(torch.randn(batch, width, generator=data).to(device), torch.randn(batch, 1, generator=data).to(device))
+            for _ in range(STEPS)]
+
+
+def train_alone(out, modules: dict, batches: list, loss_of) -> None:
+    """The reference: the model whose parts are `modules` (name -> nn.Module) trained in this
+    one process, SGD on `loss_of(x, y)` per batch; saved as reference.pt."""
+    optimizer = torch.optim.SGD(torch.nn.ModuleList(modules.values()).parameters(), lr=0.1)
+    losses = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        loss = loss_of(x, y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    save(out, modules, losses)

@@ -16,7 +16,7 @@ for microbatch k + 1's gradient, which needs the forward this process runs next:
 import torch
 import torch.nn as nn
 
-from common import STEPS, arguments, save, split
+from common import arguments, regression_batches, save, split, train_alone
 
 WIDTH, BATCH, MICROBATCHES = 8, 16, 4
 
@@ -26,20 +26,12 @@ def main():
     model = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(3)] + [nn.Linear(WIDTH, 1)]
     for m in model:
         m.to(args.device)
-    data = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(BATCH, WIDTH, generator=data).to(args.device),
-                torch.randn(BATCH, 1, generator=data).to(args.device)) for _ in range(STEPS)]
+    batches = regression_batches(args.device, BATCH, WIDTH)
     losses = []
     if not split():
         whole = nn.Sequential(*model)
-        optimizer = torch.optim.SGD(whole.parameters(), lr=0.1)
-        for x, y in batches:
-            optimizer.zero_grad()
-            loss = nn.functional.mse_loss(whole(x), y)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
-        return save(args.out, {f"stage{s}": m for s, m in enumerate(model)}, losses)
+        return train_alone(args.out, {f"stage{s}": m for s, m in enumerate(model)}, batches,
+                           lambda x, y: nn.functional.mse_loss(whole(x), y))
 
     import conveyor.distributed as dist
     if dist.world_size() != 2:
