@@ -383,6 +383,22 @@ def main():
         elif me == 1:
             dist.bcast(torch.ones(2), root=1)
         sys.exit(0)
+    if os.environ.get("MISMATCH") == "kill":
+        # Process 1 is killed (SIGKILL: no excepthook, no word that it leaves) while process 0
+        # waits for its message; process 0 must fail naming it, well before the timeout.
+        if me == 0:
+            import time
+            start = time.monotonic()
+            try:
+                dist.recv(src=1)
+            finally:
+                print(f"process 0 failed {time.monotonic() - start:.1f} s after it began waiting", flush=True)
+        elif me == 1:
+            import signal
+            import time
+            time.sleep(1)
+            os.kill(os.getpid(), signal.SIGKILL)
+        sys.exit(0)
     if os.environ.get("MISMATCH") == "group":
         # Process 0 calls allreduce over processes 0 and 1, the others over the whole job:
         # process 1 receives a message of another group's allreduce, and says so.

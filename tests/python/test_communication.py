@@ -8,6 +8,7 @@ its pair; a call only some processes reach ends within the timeout naming the ca
 process."""
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -170,6 +171,29 @@ def test_a_receive_from_a_process_that_exited_fails_at_once_naming_it():
     assert re.search(r"process 0, conveyor\.distributed: receive #\d+ from process 1: process 1 sent nothing for "
                      r"this before it left the job", out), out[-3000:]
     assert "did not complete within" not in out, out[-3000:]
+
+
+def test_a_process_killed_mid_job_is_named_by_the_one_waiting_for_it():
+    """SIGKILL gives process 1 no chance to say it leaves: process 0, waiting in a receive
+    from it, fails within 10 s (the timeout is 60), naming the lost process. The processes
+    are started by hand (RANK, WORLD_SIZE, MASTER_*), as a cluster's own launcher would, so
+    no `conveyor launch` stops process 0 for it."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, str(Path(__file__).with_name("communication_worker.py"))],
+                              env=environment(MISMATCH="kill", CONVEYOR_TIMEOUT="60") | {
+                                  "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                  "MASTER_PORT": str(port)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[1].returncode == -signal.SIGKILL, outs[1][-2000:]
+    assert procs[0].returncode != 0, outs[0][-3000:]
+    assert re.search(r"receive #\d+ from process 1.*process 1 was lost", outs[0]), outs[0][-3000:]
+    waited = re.search(r"process 0 failed ([\d.]+) s after it began waiting", outs[0])
+    assert waited and float(waited[1]) < 10, outs[0][-3000:]
 
 
 def test_communication_recomputed_by_checkpointing_is_refused_naming_why():
