@@ -1,15 +1,16 @@
 """conveyor.distributed side by side with torch.distributed on gloo, in one run: 2 processes
-on this machine, host tensors (float32), the same calls a script split by hand makes.
+on this machine (or --processes N), host tensors (float32), the same calls a script split by
+hand makes.
 
   send/recv   process 0 sends a stream of tensors (64 MB in all, at least 8) to process 1,
               which receives each; then one 8-byte message back. conveyor:
               conveyor.distributed.send / recv (the shape and dtype travel; the receiver gets a
               new tensor). gloo: torch.distributed isend for the stream then one wait each,
               recv into a buffer of the known shape (gloo needs it given).
-  allreduce   a run of allreduces of one tensor (16 MB in all, at least 4): conveyor:
-              conveyor.distributed.allreduce (differentiable: every process sends its tensor
-              to every other and sums in process order); gloo: torch.distributed.all_reduce,
-              in place.
+  allreduce   a run of allreduces of one tensor (16 MB in all, at least 4) among every
+              process: conveyor: conveyor.distributed.allreduce (differentiable: every process
+              sends its tensor to every other and sums in process order; among 3 or more from
+              1 MB, reduce_scatter then allgather); gloo: torch.distributed.all_reduce, in place.
   ping-pong   an 8-byte tensor back and forth (2,000 round trips): half a round trip, as a
               script whose processes hand each other small tensors in turn waits for each.
               conveyor: send / recv; gloo: send / recv into a buffer of the known shape.
@@ -18,7 +19,9 @@ Both groups join once; the contenders alternate in rounds (A B, then B A), proce
 each from a barrier to the stream's last reply, and the figures are medians over rounds with
 their spread. Ratios are throughputs (above 1: conveyor faster).
 
-    ./run bench distributed [--rounds 5] [--sizes-kb 64,1024,16384,65536]
+send/recv and ping-pong run between processes 0 and 1 (any others wait at the barrier).
+
+    ./run bench distributed [--rounds 5] [--sizes-kb 64,1024,16384,65536] [--processes 2]
 """
 import argparse
 import os
@@ -28,7 +31,7 @@ import time
 
 import torch
 
-from two_processes import free_port, run_two
+from job import free_port, run_job
 
 STREAM_BYTES = 64 << 20
 ALLREDUCE_BYTES = 16 << 20
@@ -56,7 +59,7 @@ def contenders(rank: int, nbytes: int):
             for _ in range(n):
                 cd.send(x, 1)
             cd.recv(1)
-        else:
+        elif rank == 1:
             for _ in range(n):
                 cd.recv(0)
             cd.send(ack, 0)
@@ -66,7 +69,7 @@ def contenders(rank: int, nbytes: int):
             for w in [dist.isend(x, 1) for _ in range(n)]:
                 w.wait()
             dist.recv(ack, 1)
-        else:
+        elif rank == 1:
             for _ in range(n):
                 dist.recv(buf, 0)
             dist.send(ack, 0)
@@ -97,7 +100,7 @@ def ping_pong_contenders(rank: int):
     other = 1 - rank
 
     def conveyor_ping_pong():
-        for _ in range(PING_PONGS):
+        for _ in range(PING_PONGS if rank < 2 else 0):
             if rank == 0:
                 cd.send(x, other)
                 cd.recv(other)
@@ -105,7 +108,7 @@ def ping_pong_contenders(rank: int):
                 cd.send(cd.recv(other), other)
 
     def gloo_ping_pong():
-        for _ in range(PING_PONGS):
+        for _ in range(PING_PONGS if rank < 2 else 0):
             if rank == 0:
                 dist.send(x, other)
                 dist.recv(buf, other)
@@ -120,8 +123,9 @@ def worker(args):
     import torch.distributed as dist
     import conveyor.distributed as cd
     rank = int(os.environ["RANK"])
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.gloo_port}", rank=rank, world_size=2)
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // args.processes))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.gloo_port}", rank=rank,
+                            world_size=args.processes)
     cd.rank()  # joins conveyor's group
     sizes = [int(s) << 10 for s in args.sizes_kb.split(",")]
     runs = {nbytes: contenders(rank, nbytes) for nbytes in sizes}
@@ -158,13 +162,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--sizes-kb", default="64,1024,16384,65536", help="message sizes in KB, comma-separated")
+    ap.add_argument("--processes", type=int, default=2, help="processes in the job (allreduce runs among all)")
     ap.add_argument("--gloo-port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
-    outputs = run_two([sys.executable, __file__, "--worker", "--gloo-port", free_port(), *sys.argv[1:]], 1800,
-                      "distributed")
+    if args.processes < 2:
+        sys.exit("--processes: at least 2")
+    outputs = run_job([sys.executable, __file__, "--worker", "--gloo-port", free_port(), *sys.argv[1:]], 1800,
+                      "distributed", processes=args.processes)
     rates: dict[tuple, list[float]] = {}
     latencies: dict[str, list[float]] = {}
     for line in outputs[0].splitlines():
@@ -175,7 +182,8 @@ def main():
             op, nbytes, name, rate = line[len("RESULT "):].split("\t")
             rates.setdefault((op, int(nbytes), name), []).append(float(rate))
     cores = os.cpu_count() or 2
-    print(f"conveyor.distributed against torch.distributed (gloo): 2 processes on {cores} cores, float32 host tensors; "
+    print(f"conveyor.distributed against torch.distributed (gloo): {args.processes} processes on {cores} cores, "
+          "float32 host tensors (send/recv and ping-pong: processes 0 and 1); "
           f"GB/s of tensor data (allreduce: the tensor's bytes per call), median over {args.rounds} alternating "
           "rounds (min-max)")
     print(f"{'':10} {'bytes':>10} {'conveyor GB/s':>26} {'gloo GB/s':>26} {'ratio':>8}")

@@ -33,7 +33,7 @@ import torch
 from conveyor import _C
 
 import gpt2_case
-from two_processes import run_two
+from job import run_job
 
 warnings.filterwarnings("ignore")
 
@@ -95,7 +95,7 @@ def main():
     for _ in range(max(1, args.rounds)):
         for layout in LAYOUTS:
             one[layout].append(time_steps(args, layout, {}, "cuda:0" if args.device == "cuda" else "cpu"))
-        outputs = run_two([sys.executable, __file__, "--worker", *sys.argv[1:]], 900, "multiproc")
+        outputs = run_job([sys.executable, __file__, "--worker", *sys.argv[1:]], 900, "multiproc")
         for line in outputs[0].splitlines():
             if line.startswith("RESULT"):
                 two[line[len("RESULT "):].split(":")[0]].append(float(line.split(":")[1]))

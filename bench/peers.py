@@ -39,7 +39,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from two_processes import free_port, run_two
+from job import free_port, run_job
 
 warnings.filterwarnings("ignore")
 
@@ -261,7 +261,7 @@ def main():
     if args.worker:
         return worker(args)
     cores = os.cpu_count() or 2
-    outputs = run_two([sys.executable, __file__, "--worker", "--gloo-port", free_port(), *sys.argv[1:]], 1800, "peers")
+    outputs = run_job([sys.executable, __file__, "--worker", "--gloo-port", free_port(), *sys.argv[1:]], 1800, "peers")
     times: dict[str, list[float]] = {}
     layouts = {}
     for line in outputs[0].splitlines():

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 
-from two_processes import run_two
+from job import run_job
 
 HERE = os.path.abspath(__file__)
 
@@ -74,7 +74,7 @@ def worker(args) -> None:
 def run_job(mode: str, args, straggler_speed: float) -> dict:
     cmd = [sys.executable, HERE, "--worker", "--mode", mode, "--steps", args.steps, "--layers", args.layers,
            "--hidden", args.hidden, "--batch", args.batch, "--straggler-speed", f"{straggler_speed:.3f}"]
-    outs = run_two(cmd, 600, mode, OMP_NUM_THREADS="1", CONVEYOR_TIMEOUT="120")
+    outs = run_job(cmd, 600, mode, OMP_NUM_THREADS="1", CONVEYOR_TIMEOUT="120")
     line = next(l for l in outs[0].splitlines() if l.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
 

@@ -187,9 +187,26 @@ def reduce_scatter(xs, group=None):
     return _sum_in_rank_order(_alltoall(xs, "reduce_scatter", g), g, "reduce_scatter")
 
 
+# An allreduce of at least this many bytes among 3 or more processes runs as reduce_scatter
+# then allgather (below this, or between 2, one exchange of whole tensors was as fast or
+# faster: at 1 MB among 3 processes the two were within noise, at 256 KB whole was faster).
+SPLIT_ALLREDUCE_BYTES = 4 << 20
+
+
 def allreduce(x, group=None):
     """The sum of every process's `x` over `group` (the job by default; summed in rank order),
-    on each of them. Backward: the gradients summed the same way (allreduce)."""
+    on each of them. Backward: the gradients summed the same way (allreduce).
+
+    Between 2 processes, or below SPLIT_ALLREDUCE_BYTES, every process sends its whole `x`
+    to each other and sums them. Larger, among 3 or more, it is reduce_scatter of `x`'s
+    flattened parts, then allgather of the summed parts: each process sends 2 (n - 1) / n of
+    `x` instead of n - 1 times it and sums 1/n of it, the same sums in the same order. Among
+    3 processes of a 2-core host (`./run bench distributed --processes 3`), 1.3-1.4x faster at
+    16 MB and 1.6x at 64 MB, where it now matches gloo's ring (0.92-1.00x; whole: 0.54-0.60x)."""
     st = c._job()
     g = _members(st, group, "allreduce")
-    return _sum_in_rank_order(_allgather(x, "allreduce", g), g, "allreduce")
+    if g.size < 3 or x.numel() < g.size or x.numel() * x.element_size() < SPLIT_ALLREDUCE_BYTES:
+        return _sum_in_rank_order(_allgather(x, "allreduce", g), g, "allreduce")
+    parts = list(x.reshape(-1).tensor_split(g.size))
+    mine = _sum_in_rank_order(_alltoall(parts, "allreduce", g), g, "allreduce")
+    return torch.cat(_allgather(mine, "allreduce", g)).view(x.shape)

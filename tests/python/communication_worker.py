@@ -130,6 +130,14 @@ def collectives(group, leaf, device, finish):
     finish(weight * y.sum())
     expect("allreduce backward", x.grad, torch.full((2,), float(every)))
 
+    # a large allreduce (4 MB and more: among 3 or more processes, reduce_scatter then
+    # allgather), of a non-contiguous tensor whose size the processes do not divide
+    x = (torch.arange(3 * 174763.0, device=device).view(-1, 3) * (me + 1)).t().requires_grad_()
+    y = dist.allreduce(x, **over)
+    expect("a large allreduce", y.detach(), torch.arange(3 * 174763.0, device=device).view(-1, 3).t() * every)
+    finish(weight * y.sum())
+    expect("a large allreduce's backward", x.grad, torch.full(x.shape, float(every)))
+
     # bcast from the last process: dL/dx_root = sum_q (q + 1)
     x = leaf(10)
     y = dist.bcast(x if me == n - 1 else None, root=last, device=device, **over)

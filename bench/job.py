@@ -1,6 +1,7 @@
-"""The benchmarks' way of running a job of two processes on this machine: a worker command
-started twice with RANK 0 and 1, WORLD_SIZE 2 and a free MASTER_PORT on loopback, each with
-half the cores, waited for, and killed if still running when something fails."""
+"""The benchmarks' way of running a job of processes on this machine (two by default): a
+worker command started once per RANK with WORLD_SIZE and a free MASTER_PORT on loopback,
+the cores shared out among them, waited for, and killed if still running when something
+fails."""
 import os
 import socket
 import subprocess
@@ -13,14 +14,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_two(cmd: list, timeout: float, what: str, **env_extra) -> list[str]:
+def run_job(cmd: list, timeout: float, what: str, processes: int = 2, **env_extra) -> list[str]:
     """Each process's output (stdout and stderr); exits naming `what` when one fails."""
     port, cores = free_port(), os.cpu_count() or 2
     procs, outputs = [], []
     try:
-        for rank in range(2):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       UCX_NET_DEVICES="lo", OMP_NUM_THREADS=str(max(1, cores // 2)))
+        for rank in range(processes):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(processes), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port), UCX_NET_DEVICES="lo", OMP_NUM_THREADS=str(max(1, cores // processes)))
             env.update(env_extra)  # the caller's settings win (OMP_NUM_THREADS among them)
             env.pop("LOCAL_RANK", None)
             procs.append(subprocess.Popen([str(c) for c in cmd], env=env, stdout=subprocess.PIPE,
