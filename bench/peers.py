@@ -9,6 +9,9 @@ same microbatches. Contenders, each a training step with SGD:
                    block, one stage per process
   conveyor split   conveyor.Module with the same split (the captured nodes before the middle
                    block's first operator, and the rest), 1F1B
+  by hand          conveyor.distributed: the same split, 1F1B written by hand (send/recv,
+                   `with microbatch(k)` and backward(microbatch=k) on process 0, the
+                   loss's backward on process 1), as examples/distributed/one_f_one_b.py
   pipelining ZB-V  torch.distributed.pipelining, ScheduleZBVZeroBubble: four stages split by
                    hand at the quarter blocks, process 0 holding the first and the last,
                    process 1 the middle two (not on gloo: see the note it prints)
@@ -174,6 +177,7 @@ def contenders(args, rank: int, tokens, target):
         wrapped = conveyor.Module(model, opt, loss_fn=loss_fn, replan="off", **fixed)
         return lambda: wrapped.train_step(tokens, target=target), wrapped
 
+    out["by hand"] = one_f_one_b_by_hand(args, rank, tokens, target)
     out["conveyor split"], _ = module_step(stages=same_split(gpt(args), tokens, target), replicas=[1, 1],
                                            microbatches=args.microbatches, schedule="1f1b")
     # ZB-V: four quarters, process 0 the first and the last, process 1 the middle two.
@@ -218,6 +222,37 @@ def contenders(args, rank: int, tokens, target):
         dist.barrier()
     layouts = {"conveyor 2 st.": two, "conveyor plan": planned}
     return out, layouts
+
+
+def one_f_one_b_by_hand(args, rank: int, tokens, target):
+    """A training step of the hand split with conveyor.distributed, in 1F1B's order written
+    out: process 0 runs one forward ahead, then a backward per forward."""
+    import conveyor.distributed as cd
+    part = gpt(args)[rank]
+    opt = torch.optim.SGD(part.parameters(), lr=1e-3)
+    m = args.microbatches
+    inputs, targets = tokens.chunk(m), target.chunk(m)
+    ahead = 1 if rank == 0 else 0
+    order = [("F", k) for k in range(ahead)]
+    for k in range(m - ahead):
+        order += [("F", ahead + k), ("B", k)]
+    order += [("B", k) for k in range(m - ahead, m)]
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        losses = {}
+        for work, k in order:
+            if rank == 0 and work == "F":
+                with cd.microbatch(k):
+                    cd.send(part(inputs[k]), dst=1)
+            elif rank == 0:
+                cd.backward(microbatch=k)
+            elif work == "F":
+                losses[k] = loss_fn(part(cd.recv(src=0)), targets[k]) / m
+            else:
+                losses.pop(k).backward()
+        opt.step()
+    return step
 
 
 def worker(args):
@@ -283,6 +318,7 @@ def main():
     best_peer = min((n for n in ("pipelining", "pipelining ZB-V", "DDP") if n in med), key=lambda n: med[n])
     print("ratios (throughput, conveyor / peer; above 1: conveyor faster):")
     for label, ours, theirs in (("same split and schedule vs pipelining", "conveyor split", "pipelining"),
+                                ("1F1B by hand (conveyor.distributed) vs pipelining", "by hand", "pipelining"),
                                 ("ZB-V, same four stages vs pipelining's ZB-V", "conveyor ZB-V", "pipelining ZB-V"),
                                 ("stages=2 (conveyor's cut) vs pipelining's hand split", "conveyor 2 st.", "pipelining"),
                                 ("data parallel vs DDP", "conveyor DP", "DDP"),
