@@ -22,7 +22,7 @@ from . import communication as c
 from .errors import ConveyorValueError
 from .groups import Group, whole_job
 
-__all__ = ["bcast", "gather", "scatter", "allgather", "alltoall", "reduce", "reduce_scatter", "allreduce"]
+__all__ = ["bcast", "gather", "scatter", "allgather", "alltoall", "reduce", "reduce_scatter", "allreduce", "barrier"]
 
 
 class _Connected(torch.autograd.Function):
@@ -210,3 +210,10 @@ def allreduce(x, group=None):
     parts = list(x.reshape(-1).tensor_split(g.size))
     mine = _sum_in_rank_order(_alltoall(parts, "allreduce", g), g, "allreduce")
     return torch.cat(_allgather(mine, "allreduce", g)).view(x.shape)
+
+
+def barrier(group=None) -> None:
+    """Returns once every process of `group` (the job by default) has called it: an
+    allreduce of one number, outside any graph."""
+    with torch.no_grad():
+        allreduce(torch.zeros(1, dtype=torch.int32), group)

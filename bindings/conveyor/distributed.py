@@ -14,7 +14,7 @@ and differentiable communication for models split by hand (conveyor/communicatio
 conveyor/collectives.py, conveyor/sequential.py):
 init (UCX, or NCCL for tensors on the GPU), send, recv, bcast, gather, scatter, allgather,
 alltoall, reduce, reduce_scatter, allreduce (each over the job, or a group of its processes:
-new_group, conveyor/groups.py), backward and Sequential.
+new_group, conveyor/groups.py), barrier, backward, microbatch and Sequential.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from .errors import ConveyorValueError
 
 __all__ = ["world", "process_group", "default_timeout", "launch_settings", "init", "send", "recv", "bcast", "gather",
            "scatter", "allgather", "alltoall", "reduce", "reduce_scatter", "allreduce", "backward", "microbatch", "rank",
-           "world_size", "Sequential", "new_group", "Group"]
+           "world_size", "barrier", "Sequential", "new_group", "Group"]
 
 _group = None
 _group_key = None
@@ -188,6 +188,7 @@ def _leave_in_step():
 
 
 from .communication import backward, init, microbatch, rank, recv, send, world_size  # noqa: E402  (they reach process_group())
-from .collectives import allgather, allreduce, alltoall, bcast, gather, reduce, reduce_scatter, scatter  # noqa: E402
+from .collectives import (allgather, allreduce, alltoall, barrier, bcast, gather, reduce,  # noqa: E402
+                          reduce_scatter, scatter)
 from .groups import Group, new_group  # noqa: E402
 from .sequential import Sequential  # noqa: E402

@@ -52,15 +52,17 @@ class Group:
         return f"group {list(self.ranks)}"
 
 
-def new_group(ranks) -> Group:
+def new_group(ranks=None) -> Group:
     """The group of the job's processes `ranks` (distinct ranks, any order; they are kept in
-    rank order). Local: no process waits for another to make it."""
+    rank order; None: every process). Local: no process waits for another to make it."""
     from . import distributed
     found = distributed.world()
     if found is None:
         raise ConveyorValueError("conveyor.distributed.new_group needs the processes of a job: start the script "
                                  "with `conveyor launch -n N -- python script.py`, or as torchrun does")
     me, n = found[0], found[1]
+    if ranks is None:
+        return whole_job(me, n)
     try:
         ranks = list(ranks)
     except TypeError:

@@ -305,6 +305,14 @@ def main():
         except ConveyorValueError as e:
             if f"allreduce: process {me} is not in group [0, {n - 1}]" not in str(e):
                 raise
+    # a barrier waits for the slowest process of its group
+    import time
+    if me == n - 1:
+        time.sleep(0.5)
+    start = time.monotonic()
+    dist.barrier(dist.new_group())
+    if time.monotonic() - start < (0.4 if me != n - 1 else 0):
+        raise SystemExit(f"process {me} passed the barrier before process {n - 1} reached it")
     print(f"process {me}: every collective and its backward as expected", flush=True)
 
     if "MISMATCH" not in os.environ:
