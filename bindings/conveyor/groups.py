@@ -13,6 +13,7 @@ that receives another group's message (or the whole job's) fails naming both gro
 from __future__ import annotations
 
 import functools
+import operator
 
 from .errors import ConveyorValueError
 
@@ -69,10 +70,14 @@ def new_group(ranks=None) -> Group:
         raise ConveyorValueError(f"new_group({ranks!r}): expected a list of process ranks") from None
     if not ranks:
         raise ConveyorValueError("new_group([]): a group needs at least one process")
-    for p in ranks:
-        if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < n:
-            raise ConveyorValueError(f"new_group({ranks}): {p!r} is not a process of this job of {n} "
-                                     f"(0 to {n - 1})")
+    for i, p in enumerate(ranks):
+        try:
+            ranks[i] = operator.index(p)  # ints, numpy's, a 0-d integer tensor's
+        except TypeError:
+            ranks[i] = None
+        if isinstance(p, bool) or ranks[i] is None or not 0 <= ranks[i] < n:
+            raise ConveyorValueError(f"new_group({ranks[:i] + [p] + ranks[i + 1:]}): {p!r} is not a process of "
+                                     f"this job of {n} (0 to {n - 1})")
     if len(set(ranks)) != len(ranks):
         twice = sorted({p for p in ranks if ranks.count(p) > 1})
         raise ConveyorValueError(f"new_group({ranks}): process {twice[0]} is named twice")

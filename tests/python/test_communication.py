@@ -252,6 +252,8 @@ def test_a_group_is_named_by_its_processes_and_bad_ones_are_refused(monkeypatch)
     assert (g.ranks, g.size, g.rank, 3 in g, 4 in g) == ((3, 34, 35), 3, 2, True, False)
     assert groups.named(g.mask) == "group [3, 34, 35]" and len(g.mask) == 2
     assert g == dist.new_group([3, 34, 35]) and g != dist.new_group([3, 34])
+    assert dist.new_group(torch.tensor([35, 3, 34])).ranks == (3, 34, 35)  # any integers
+    assert dist.new_group().ranks == tuple(range(40))
     with pytest.raises(ConveyorValueError, match=r"process 35 is not in group \[0, 1\]"):
         dist.new_group([1, 0]).rank
     for bad, says in [([], "a group needs at least one process"), ([0, 40], "40 is not a process of this job of 40"),
