@@ -1,7 +1,8 @@
 """Collectives for models split by hand, as the sends and receives they are
 (conveyor/communication.py), so their backward pairs fall out: bcast's gradient is the sum at
 the root, reduce's is a bcast from it, gather and scatter pair, allgather's is a
-reduce-scatter, alltoall pairs with itself, allreduce with allreduce.
+reduce-scatter, alltoall pairs with itself, allreduce with allreduce. Each runs over the
+whole job, or over a group of its processes (`group=`, conveyor/groups.py).
 
 Where a process's graph is connected (its loss reads the collective's output), plain
 `loss.backward()` works as with torch.distributed.nn: the part of the output that is the
