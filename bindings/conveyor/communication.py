@@ -35,6 +35,7 @@ import atexit
 import collections
 import os
 import sys
+import threading
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -101,6 +102,7 @@ class _State:
         self.replaying = False
         self.replay: list[_Record] = []  # the records a replay goes through (and then forgets)
         self.microbatch = None           # the microbatch() the process is in, if any
+        self.caller: threading.Thread | None = None  # the thread that communicates (the first to)
         # A backward outside backward() (plain loss.backward()) that reached a receive: the
         # sends recorded before it whose gradients it left unapplied are named at the next
         # call, once, unless backward() runs first.
@@ -166,6 +168,21 @@ def _job() -> _State:
     if _state is None:
         init()
     return _state
+
+
+def _communicating() -> _State:
+    """The job's state, for a call that communicates: from one thread per process (the first
+    to communicate). Two threads would number one peer's messages in whichever order they
+    ran, and the peer would pair them differently from run to run (or take one number twice)."""
+    st = _job()
+    me = threading.current_thread()
+    if st.caller is None:
+        st.caller = me
+    elif st.caller is not me:
+        raise ConveyorValueError(f"conveyor.distributed called from thread {me.name!r}, but {st.caller.name!r} "
+                                 "communicates for this process: messages between two processes pair in the order "
+                                 "they are made, so one thread per process makes every call")
+    return st
 
 
 def _check_every_message_was_received() -> None:
@@ -266,7 +283,7 @@ def _send(x, dst: int, call: str = "send", group: tuple = ()) -> _Record | None:
     """send() as part of `call` over the processes `group` (groups.mask; none: point to
     point), returning the record of a send that needs a gradient (else None)."""
     _not_in_a_backward(call)
-    st = _job()
+    st = _communicating()
     dst = _peer(st, dst, "dst")
     _name_sends_left_unapplied(st)
     values, sequence = _values(x, "send")
@@ -451,7 +468,7 @@ def _recv(src: int, device=None, call: str = "send", group: tuple = ()):
     """recv() as part of `call` over the processes `group` (groups.mask; none: point to
     point), whose sends the message must come from."""
     _not_in_a_backward("recv" if call == "send" else call)
-    st = _job()
+    st = _communicating()
     src = _peer(st, src, "src")
     _name_sends_left_unapplied(st)
     seq = st.received[src]
@@ -497,7 +514,7 @@ def backward(*roots, microbatch=None) -> None:
     Every process of the job calls it once per step, after its forward; or, in a pipeline
     written by hand, once per microbatch: `microbatch=k` replays only the communication
     made inside `with microbatch(k):`, leaving the others' for their own backward."""
-    st = _job()
+    st = _communicating()
     if st.microbatch is not None:
         raise ConveyorValueError(f"conveyor.distributed.backward() inside `with microbatch({st.microbatch!r})`: "
                                  "call it after the block")
@@ -544,7 +561,7 @@ class microbatch:
         self.k = k
 
     def __enter__(self):
-        st = _job()
+        st = _communicating()
         if st.microbatch is not None:
             raise ConveyorValueError(f"microbatch({self.k!r}) inside microbatch({st.microbatch!r}): they do not nest")
         st.microbatch = self.k

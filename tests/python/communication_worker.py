@@ -112,6 +112,15 @@ def gradient_past_a_receive_without_one(me, leaf, how):
         dist.backward()
 
 
+def _refusal(call) -> str:
+    """What `call` was refused with (ConveyorValueError's text), or that it was not."""
+    try:
+        call()
+    except ConveyorValueError as e:
+        return str(e)
+    return "taken"
+
+
 def collectives(group, leaf, device, finish):
     """Every collective's forward values and backward pairing, over `group` (None: the job's
     default); `finish(loss)` backpropagates a process's loss: conveyor.distributed.backward,
@@ -326,6 +335,14 @@ def main():
     except ConveyorValueError as e:
         if "torch.sparse_coo tensor: send t.to_dense()" not in str(e):
             raise
+    refused = []  # a second thread's call is refused, naming both threads, and numbers nothing
+    import threading
+    helper = threading.Thread(target=lambda: refused.append(_refusal(lambda: dist.send(torch.ones(1), (me + 1) % n))),
+                              name="helper")
+    helper.start()
+    helper.join()
+    if "called from thread 'helper', but 'MainThread' communicates for this process" not in refused[0]:
+        raise SystemExit(f"process {me}: a second thread's send: {refused[0]}")
     with dist.microbatch(0):  # microbatches do not nest, and their backward comes after the block
         for call, says in [(lambda: dist.microbatch(1).__enter__(), "microbatch(1) inside microbatch(0)"),
                            (dist.backward, "backward() inside `with microbatch(0)`")]:
