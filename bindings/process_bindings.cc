@@ -65,7 +65,8 @@ class SendsInFlight {
       serial = state_->next++;
       state_->pending.emplace(serial, std::move(what));
     }
-    endpoint_->send(peer, tag, std::move(tensors), [state = state_, serial](Status s) {
+    // The caller (a script) may write the tensors once this returns: nothing is read later.
+    endpoint_->send_copied(peer, tag, std::move(tensors), [state = state_, serial](Status s) {
       std::lock_guard<std::mutex> lock(state->mu);
       auto it = state->pending.find(serial);
       if (!s && state->failed.is_ok()) state->failed = s.with_context(it->second);

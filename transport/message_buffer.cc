@@ -191,15 +191,24 @@ void pack_into(const std::vector<at::Tensor>& tensors, std::uint8_t* out) {
   pack_into(header_of(tensors, /*in_parts=*/false), tensors, out);
 }
 
-OutgoingMessage frame_message(const std::vector<at::Tensor>& tensors, bool device_memory) {
-  std::vector<at::Tensor> sent = as_sent(tensors, device_memory);
+OutgoingMessage frame_message(const std::vector<at::Tensor>& tensors, bool device_memory, bool copied) {
+  std::vector<at::Tensor> sent;
+  if (copied && device_memory) {  // cloned on their streams before as_sent waits for them
+    std::vector<at::Tensor> clones = tensors;
+    for (auto& c : clones) {
+      if (c.defined() && c.is_cuda()) c = c.detach().clone(at::MemoryFormat::Contiguous);
+    }
+    sent = as_sent(clones, device_memory);
+  } else {
+    sent = as_sent(tensors, device_memory);
+  }
   std::size_t data = 0;
   bool on_device = false;  // then every tensor's bytes go as a part: one message holds one memory type
   for (const auto& c : sent) {
     data += c.defined() ? c.nbytes() : 0;
     on_device |= c.defined() && c.is_cuda();
   }
-  if (data < kPartsFrom && !on_device) return {pack(sent, Layout::kPacked), {}};
+  if ((data < kPartsFrom || copied) && !on_device) return {pack(sent, Layout::kPacked), {}};
   const bool gathered = data < kGatheredBelow && !on_device;
   OutgoingMessage out{pack(sent, gathered ? Layout::kGathered : Layout::kInParts), {}, gathered};
   for (auto& c : sent) {

@@ -6,7 +6,8 @@
 // (its count negated) and each tensor's bytes follow as a message of its own under the same
 // tag, sent from the caller's memory and received into the tensor it becomes: over shared
 // memory the one copy is the receiver's read from the sender (transport.h: a sender does not
-// modify what it sent until done). Between the processes of one host such messages go in
+// modify what it sent until done; one that may, as a script's send, frames with `copied`:
+// host data packed whatever its size, device tensors cloned). Between the processes of one host such messages go in
 // the packed layout through the sender's shared region instead, where it has room
 // (transport/shared_region.h).
 // Buffers of 64 KiB and more come from a pool and go back to it when their last tensor
@@ -52,8 +53,10 @@ inline constexpr std::size_t kGatheredBelow = std::size_t{32} << 20;
 /// `tensors` (undefined ones allowed) framed for sending, on the caller's thread. CUDA
 /// tensors are copied to the host, unless `device_memory` (the transport moves device
 /// memory): then they stay on their device, the message goes in parts, and this waits for
-/// the work queued on their devices' current streams (what made them).
-OutgoingMessage frame_message(const std::vector<at::Tensor>& tensors, bool device_memory = false);
+/// the work queued on their devices' current streams (what made them). `copied`: nothing
+/// is read later from the caller's memory (host data packed whatever its size, device
+/// tensors cloned), so the caller may write the tensors once this returns.
+OutgoingMessage frame_message(const std::vector<at::Tensor>& tensors, bool device_memory = false, bool copied = false);
 
 /// The size of `tensors` in the packed layout (read_message's), when every defined one is on
 /// the host; nothing otherwise.

@@ -18,6 +18,13 @@ std::string collective_kind_name(CollectiveKind kind) {
   return "collective";
 }
 
+void Endpoint::send_copied(int peer, Tag tag, std::vector<at::Tensor> tensors, Done done) {
+  for (auto& t : tensors) {
+    if (t.defined()) t = t.detach().clone(at::MemoryFormat::Contiguous);
+  }
+  send(peer, tag, std::move(tensors), std::move(done));
+}
+
 Status check_peer(int rank, int world, int peer) {
   if (peer >= 0 && peer < world && peer != rank) return Status::ok();
   return Status(ErrorCode::kInvalidArgument, "member " + std::to_string(rank) + " addressed member " +

@@ -39,6 +39,11 @@ class Endpoint {
   /// longer reads them. Zero-copy backends hand the receiver the same storage: a sender that
   /// will modify a tensor in place after sending it sends a clone.
   virtual void send(int peer, Tag tag, std::vector<at::Tensor> tensors, Done done) = 0;
+  /// send() for a caller that may write the tensors as soon as this returns (a script's
+  /// conveyor.distributed.send, which has no completion to wait for): what the transport
+  /// would read later from the caller's memory is copied first. By default every tensor is
+  /// cloned; UCX copies only what it would not copy anyway (its packed and region layouts do).
+  virtual void send_copied(int peer, Tag tag, std::vector<at::Tensor> tensors, Done done);
   /// Receives the message `peer` sends under `tag` (before or after it was sent), on this
   /// endpoint's device. Messages under one (peer, tag) arrive in the order they were sent.
   virtual void recv(int peer, Tag tag, Received done) = 0;

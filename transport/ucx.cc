@@ -159,6 +159,12 @@ void UcxMember::send(int peer, Tag tag, std::vector<at::Tensor> tensors, Done do
   send_tagged(peer, tag, std::move(tensors), std::move(done));
 }
 
+void UcxMember::send_copied(int peer, Tag tag, std::vector<at::Tensor> tensors, Done done) {
+  if (Status s = check_peer(peer); !s) return done(s);
+  if (tag >= kLeavingTag) return done(Status(ErrorCode::kInvalidArgument, "a UCX message tag at or above 2^48 - 4"));
+  send_tagged(peer, tag, std::move(tensors), std::move(done), /*copied=*/true);
+}
+
 void UcxMember::recv(int peer, Tag tag, Received done) {
   if (Status s = check_peer(peer); !s) return done(s);
   if (tag >= kLeavingTag) return done(Status(ErrorCode::kInvalidArgument, "a UCX message tag at or above 2^48 - 4"));
@@ -264,14 +270,14 @@ void UcxMember::let_go_on_caller(HeldCompletions& held, bool wake_a_sleeper) {
   for (auto& c : held.mine) c();  // the last may drop this member: nothing touches it after
 }
 
-void UcxMember::send_tagged(int peer, Tag tag, std::vector<at::Tensor> tensors, Done done) {
+void UcxMember::send_tagged(int peer, Tag tag, std::vector<at::Tensor> tensors, Done done, bool copied) {
   if (Status e = current_error(); !e) return done(e);
   std::shared_ptr<OutgoingMessage> message;
-  std::optional<at::Tensor> notice = written_to_region(peer, tensors);
+  std::optional<at::Tensor> notice = written_to_region(peer, tensors);  // a copy
   if (notice) {
     message = std::make_shared<OutgoingMessage>(OutgoingMessage{std::move(*notice), {}});
   } else {
-    message = std::make_shared<OutgoingMessage>(frame_message(tensors, device_memory_));
+    message = std::make_shared<OutgoingMessage>(frame_message(tensors, device_memory_, copied));
   }
   if (sent_by_caller(peer, tag, message, done, /*reply_likely=*/!notice)) return;
   post([this, peer, tag, message, owner = std::this_thread::get_id(), done = std::move(done)]() mutable {

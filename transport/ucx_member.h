@@ -68,6 +68,7 @@ class UcxMember final : public UcxEndpoint {
   bool on_progress_thread() const { return std::this_thread::get_id() == progress_.get_id(); }
   Status connect(int peer, const std::vector<std::uint8_t>& given) override;
   void send(int peer, Tag tag, std::vector<at::Tensor> tensors, Done done) override;
+  void send_copied(int peer, Tag tag, std::vector<at::Tensor> tensors, Done done) override;
   void recv(int peer, Tag tag, Received done) override;
   bool progress_here() override;
   std::vector<int> silent_peers(std::chrono::milliseconds within) override;
@@ -120,7 +121,8 @@ class UcxMember final : public UcxEndpoint {
   bool nothing_queued();  // no work queued for the worker (what a caller's own call would overtake)
 
   // ucx.cc: sending, and the progress thread.
-  void send_tagged(int peer, Tag tag, std::vector<at::Tensor> tensors, Done done);
+  // `copied`: the caller may write the tensors once this returns (frame_message's `copied`).
+  void send_tagged(int peer, Tag tag, std::vector<at::Tensor> tensors, Done done, bool copied = false);
   void issue_send(int peer, Tag tag, const std::shared_ptr<OutgoingMessage>& message, std::thread::id owner, Done done);
   bool sent_by_caller(int peer, Tag tag, const std::shared_ptr<OutgoingMessage>& message, Done& done, bool reply_likely);
   // `tensors` written into this member's region for `peer` (shared_region.h), as the notice

@@ -162,5 +162,26 @@ TEST(SharedRegion, TurnedOffEveryMessageGoesThroughUcx) {
   EXPECT_FALSE(in_message_region((*got)[0].data_ptr()));
 }
 
+// With the region off, a plain send of 4 and 40 MB is read from the caller's memory when the
+// receiver asks (the caller must not write it until done); send_copied copies it first, so
+// a caller that writes it at once still delivers what it sent.
+TEST(SharedRegion, TurnedOffSendCopiedStillDeliversWhatWasSent) {
+  setenv("CONVEYOR_UCX_REGION_MB", "0", 1);
+  auto world = make_ucx_world_in_process(2);
+  unsetenv("CONVEYOR_UCX_REGION_MB");
+  if (!world.is_ok()) GTEST_SKIP() << "UCX cannot run here: " << world.status().to_string();
+  for (std::int64_t n : {std::int64_t{1} << 20, std::int64_t{10} << 20}) {
+    at::Tensor t = at::full({n}, 7.0, at::kFloat);
+    auto done = std::make_shared<std::promise<Status>>();
+    auto sent = done->get_future();
+    (*world)[0]->send_copied(1, 4, {t}, [done](Status s) { done->set_value(std::move(s)); });
+    t.fill_(-1);
+    auto got = receive(*(*world)[1], 0, 4);
+    ASSERT_TRUE(got.is_ok()) << got.status().to_string();
+    EXPECT_TRUE(at::equal((*got)[0], at::full({n}, 7.0, at::kFloat))) << n << " floats";
+    EXPECT_TRUE(sent.get().is_ok());
+  }
+}
+
 }  // namespace
 }  // namespace conveyor::transport
