@@ -41,6 +41,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 from . import _C, groups
 from .errors import ConveyorError, ConveyorValueError
@@ -64,7 +65,8 @@ class _Record:
     kind: str                    # "send" or "recv"
     peer: int
     seq: int
-    tensors: list = field(default_factory=list)   # send: those sent that need a gradient
+    edges: list = field(default_factory=list)     # send: the gradient edges of those sent that need one
+    devices: list = field(default_factory=list)   # send: their devices
     shapes: list = field(default_factory=list)    # recv: (shape, dtype, device) per value needing one
     grads: list | None = None                     # recv: accumulated gradients; send: those that came
     done: bool = False                            # recv: answered; send: its answer taken
@@ -298,7 +300,12 @@ def _send(x, dst: int, call: str = "send", group: tuple = ()) -> _Record | None:
     st.sent[dst] += 1  # counted once sent: a send refused here leaves the numbering as it was
     _take_answers_in(st, [dst])
     if any(needs):
-        record = _Record("send", dst, seq, tensors=[t for t, n in zip(values, needs) if n], microbatch=st.microbatch)
+        # The gradient edges as they are now: a script may write a sent tensor in place
+        # afterwards (its new history is not what the receiver got), and the record holds no
+        # tensor's memory, only the graph behind it.
+        wanted = [t for t, n in zip(values, needs) if n]
+        record = _Record("send", dst, seq, edges=[get_gradient_edge(t) for t in wanted],
+                         devices=[t.device for t in wanted], microbatch=st.microbatch)
         st.records.append(record)
         st.answers.post(dst, record.answer_tag)
         st.unanswered[dst].append(record)
@@ -530,7 +537,7 @@ def backward(*roots, microbatch=None) -> None:
             if not record.done:
                 _take_answer(st, record)
             if record.grads is not None:  # else none comes (received under no_grad, or dropped): it adds nothing
-                torch.autograd.backward(record.tensors, [g.to(t.device) for g, t in zip(record.grads, record.tensors)],
+                torch.autograd.backward(record.edges, [g.to(d) for g, d in zip(record.grads, record.devices)],
                                         retain_graph=True)
     finally:
         st.replaying = False

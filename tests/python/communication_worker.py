@@ -284,6 +284,21 @@ def main():
         else:
             dist.backward()
 
+    # A sent tensor written in place afterwards (used on here, say): its gradient flows
+    # through its history as it was sent, as in one process (it flowed through the in-place
+    # op too: w.grad was 6, not 2).
+    w = leaf(1)
+    if me == 0:
+        y = w * 2
+        dist.send(y, 1)
+        y.mul_(3)
+        dist.backward()
+        expect("the gradient of a tensor written again after it was sent", w.grad, torch.full((2,), 2.0))
+    elif me == 1:
+        dist.backward(dist.recv(0).sum())
+    else:
+        dist.backward()
+
     # A receive that gets no gradient: under no_grad, or dropped without a backward.
     gradient_past_a_receive_without_one(me, leaf, "no_grad")
     gradient_past_a_receive_without_one(me, leaf, "dropped")
