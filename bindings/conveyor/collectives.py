@@ -27,29 +27,37 @@ __all__ = ["bcast", "gather", "scatter", "allgather", "alltoall", "reduce", "red
 
 
 class _Connected(torch.autograd.Function):
-    """`own` as it is, tied to the tensors `sent` in the call (one per send record of
-    `records`, in order): outside a replay its backward adds what their receivers return."""
+    """`own` (a copy where `copy`), tied to the tensors `sent` in the call (one per send
+    record of `records`, in order): outside a replay its backward adds what their receivers
+    return. A copy for what the caller gets: autograd treats an input returned by a custom
+    Function as a view of it, and refuses an in-place op on such a view (`bcast(x, root)`
+    then `y.div_(2)` failed at the root alone). A sum (allreduce) reads the view instead."""
 
     @staticmethod
-    def forward(ctx, records, own, *sent):
+    def forward(ctx, records, copy, own, *sent):
         ctx.records = records
-        return own.view_as(own)
+        return own.clone() if copy else own.view_as(own)
 
     @staticmethod
     def backward(ctx, grad):
         st = c._state
         if st is None or st.replaying:  # the replay applies the receivers' gradients itself
-            return (None, grad) + (None,) * len(ctx.records)
+            return (None, None, grad) + (None,) * len(ctx.records)
         remote = c._consume_answers(st, ctx.records)
-        return (None, grad, *remote)
+        return (None, None, grad, *remote)
 
 
-def _connect(own, sent: list, records: list):
-    """`own`, tied (_Connected) to the tensors of this call's sends that need a gradient."""
+def _connect(own, sent: list, records: list, copy: bool = True):
+    """A copy of `own`, tied (_Connected) to the tensors of this call's sends that need a
+    gradient. A copy, as the parts received are new tensors: writing the output in place
+    never writes the caller's tensor, on whichever process (as torch.distributed.nn). Not a
+    copy (`copy` False) where the caller only sums it into a new tensor."""
     pairs = [(t, r) for t, r in zip(sent, records) if r is not None]
     if not pairs or not isinstance(own, torch.Tensor) or not all(isinstance(t, torch.Tensor) for t, _ in pairs):
-        return own
-    return _Connected.apply([r for _, r in pairs], own, *[t for t, _ in pairs])
+        if not copy:
+            return own
+        return own.clone() if isinstance(own, torch.Tensor) else tuple(t.clone() for t in own)
+    return _Connected.apply([r for _, r in pairs], copy, own, *[t for t, _ in pairs])
 
 
 def _members(st, group, call: str) -> Group:
@@ -100,14 +108,14 @@ def gather(x, root: int, group=None):
     return _gather(x, root, group, "gather")
 
 
-def _gather(x, root: int, group, call: str):
+def _gather(x, root: int, group, call: str, copy: bool = True):
     st = c._job()
     g = _members(st, group, call)
     root = _root(st, g, root, call)
     if st.group.rank != root:
         c._send(x, root, call, g.mask)
         return None
-    return [x if p == root else c._recv(p, _device_of(x), call, g.mask) for p in g.ranks]
+    return [_connect(x, [], [], copy) if p == root else c._recv(p, _device_of(x), call, g.mask) for p in g.ranks]
 
 
 def scatter(xs, root: int, device=None, group=None):
@@ -132,11 +140,11 @@ def allgather(x, group=None):
     return _allgather(x, "allgather", group)
 
 
-def _allgather(x, call: str, group):
+def _allgather(x, call: str, group, copy: bool = True):
     st = c._job()
     g = _members(st, group, call)
     others = _others(st, g)
-    own = _connect(x, [x] * len(others), [c._send(x, p, call, g.mask) for p in others])
+    own = _connect(x, [x] * len(others), [c._send(x, p, call, g.mask) for p in others], copy)
     return [own if p == st.group.rank else c._recv(p, _device_of(x), call, g.mask) for p in g.ranks]
 
 
@@ -146,24 +154,27 @@ def alltoall(xs, group=None):
     return _alltoall(xs, "alltoall", group)
 
 
-def _alltoall(xs, call: str, group):
+def _alltoall(xs, call: str, group, copy: bool = True):
     st = c._job()
     g = _members(st, group, call)
     if len(xs) != g.size:
         raise ConveyorValueError(f"{call}: {len(xs)} values for the {g.size} processes of {g}")
     me = g.rank
     sent = [(xs[i], p) for i, p in enumerate(g.ranks) if i != me]
-    own = _connect(xs[me], [x for x, _ in sent], [c._send(x, p, call, g.mask) for x, p in sent])
+    own = _connect(xs[me], [x for x, _ in sent], [c._send(x, p, call, g.mask) for x, p in sent], copy)
     return [own if i == me else c._recv(p, _device_of(xs[me]), call, g.mask) for i, p in enumerate(g.ranks)]
 
 
 def _sum_in_rank_order(parts, g: Group, call: str):
-    """The sum of every process's part, in rank order; parts of different shapes (which
-    would broadcast silently) are refused naming each process's shape, on every process."""
+    """The sum of every process's part, in rank order, a new tensor (a group of one: a copy of
+    its part); parts of different shapes (which would broadcast silently) are refused naming
+    each process's shape, on every process."""
     shapes = [tuple(t.shape) for t in parts]
     if len(set(shapes)) > 1:
         raise ConveyorValueError(f"{call}: the processes' tensors differ in shape: "
                                  + ", ".join(f"process {p} {list(s)}" for p, s in zip(g.ranks, shapes)))
+    if len(parts) == 1:
+        return parts[0].clone()
     total = parts[0]
     for t in parts[1:]:
         total = total + t
@@ -175,7 +186,7 @@ def reduce(x, root: int, group=None):
     at `root` (None elsewhere). Backward: the root's gradient to every process (bcast); a
     process other than the root holds no output, and calls backward()."""
     g = _members(c._job(), group, "reduce")
-    parts = _gather(x, root, g, "reduce")
+    parts = _gather(x, root, g, "reduce", copy=False)
     return None if parts is None else _sum_in_rank_order(parts, g, "reduce")
 
 
@@ -185,7 +196,7 @@ def reduce_scatter(xs, group=None):
     (allgather)."""
     st = c._job()
     g = _members(st, group, "reduce_scatter")
-    return _sum_in_rank_order(_alltoall(xs, "reduce_scatter", g), g, "reduce_scatter")
+    return _sum_in_rank_order(_alltoall(xs, "reduce_scatter", g, copy=False), g, "reduce_scatter")
 
 
 # An allreduce of at least this many bytes among 3 or more processes runs as reduce_scatter
@@ -207,10 +218,10 @@ def allreduce(x, group=None):
     st = c._job()
     g = _members(st, group, "allreduce")
     if g.size < 3 or x.numel() < g.size or x.numel() * x.element_size() < SPLIT_ALLREDUCE_BYTES:
-        return _sum_in_rank_order(_allgather(x, "allreduce", g), g, "allreduce")
+        return _sum_in_rank_order(_allgather(x, "allreduce", g, copy=False), g, "allreduce")
     parts = list(x.reshape(-1).tensor_split(g.size))
-    mine = _sum_in_rank_order(_alltoall(parts, "allreduce", g), g, "allreduce")
-    return torch.cat(_allgather(mine, "allreduce", g)).view(x.shape)
+    mine = _sum_in_rank_order(_alltoall(parts, "allreduce", g, copy=False), g, "allreduce")
+    return torch.cat(_allgather(mine, "allreduce", g, copy=False)).view(x.shape)
 
 
 def barrier(group=None) -> None:

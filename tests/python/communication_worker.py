@@ -151,6 +151,7 @@ def collectives(group, leaf, device, finish):
     x = leaf(10)
     y = dist.bcast(x if me == n - 1 else None, root=last, device=device, **over)
     expect("bcast", y.detach(), torch.full((2,), 10.0))
+    y.mul_(1.0)  # in place, on every process alike (the root's output was refused as a custom Function's view)
     finish(weight * y.sum())
     if me == n - 1:
         expect("bcast backward", x.grad, torch.full((2,), float(every)))
@@ -185,6 +186,17 @@ def collectives(group, leaf, device, finish):
     finish(weight * sum(t.sum() for t in got))
     for q in range(n):
         expect("alltoall backward", xs[q].grad, torch.full((2,), float(q + 1)))
+
+    # What a collective returns is never the caller's own tensor (as the parts received are
+    # new ones): written in place, it leaves the input as it was, on every process alike.
+    with torch.no_grad():
+        x = torch.ones(2, device=device)
+        outputs = [*dist.allgather(x, **over), dist.allreduce(x, **over),
+                   dist.bcast(x if me == 0 else None, root=first, device=device, **over)]
+        gathered = dist.gather(x, root=first, **over)
+        for out in outputs + (gathered if me == 0 else []):
+            out.add_(5)
+        expect("a collective's input after its output was written", x, torch.ones(2))
 
     # reduce at the last: L = n * sum(the sum); dL/dx_p = n, on every process
     x = leaf(me + 1)
