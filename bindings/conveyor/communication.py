@@ -456,6 +456,21 @@ def _named(call: str) -> str:
     return "" if call == "send" else f"{call}'s "
 
 
+def _device(device, call: str):
+    """`device`, checked before a message is taken: failing after (a typo, a GPU this process
+    does not see), its sender waited out the timeout for the message's gradient."""
+    if device is None:
+        return None
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConveyorValueError(f"{call}: device={device!r} is not a device (as 'cpu' or 'cuda:0')") from None
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        raise ConveyorValueError(f"{call}: device={str(device)!r}, but this process sees "
+                                 f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no'} GPU(s)")
+    return device
+
+
 def _call_named(call: str, group: tuple, other_group: tuple) -> str:
     """A call as a mismatch names it: with its group where the two sides' groups differ."""
     if group == other_group or not any(group):
@@ -477,6 +492,7 @@ def _recv(src: int, device=None, call: str = "send", group: tuple = ()):
     _not_in_a_backward("recv" if call == "send" else call)
     st = _communicating()
     src = _peer(st, src, "src")
+    device = _device(device, "recv" if call == "send" else call)
     _name_sends_left_unapplied(st)
     seq = st.received[src]
     st.received[src] += 1

@@ -373,6 +373,16 @@ def main():
     except ConveyorValueError as e:
         if "torch.sparse_coo tensor: send t.to_dense()" not in str(e):
             raise
+    # A device no tensor can land on is refused before the message is taken (after, its
+    # sender waited out the timeout for its gradient): the next receive still gets it.
+    if me == 0:
+        dist.send(leaf(4) * 1.0, 1)
+        dist.backward()
+    elif me == 1:
+        for bad, says in [("bogus", "device='bogus' is not a device"), ("cuda:99", "device='cuda:99', but this process sees")]:
+            if says not in _refusal(lambda: dist.recv(0, device=bad)):
+                raise SystemExit(f"process 1: recv(device={bad!r}) was not refused naming it")
+        dist.backward(dist.recv(0).sum())
     refused = []  # a second thread's call is refused, naming both threads, and numbers nothing
     import threading
     helper = threading.Thread(target=lambda: refused.append(_refusal(lambda: dist.send(torch.ones(1), (me + 1) % n))),
