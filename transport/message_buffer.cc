@@ -115,14 +115,17 @@ std::vector<std::int64_t> header_of(const std::vector<at::Tensor>& host, bool in
 }
 
 // `tensors` as they go: contiguous, on the host, or CUDA ones kept on their device with
-// `device_memory` (once the work that made them is done).
-std::vector<at::Tensor> as_sent(const std::vector<at::Tensor>& tensors, bool device_memory) {
+// `device_memory` (once the work that made them is done; `copied`: clones, made on their
+// streams before that wait).
+std::vector<at::Tensor> as_sent(const std::vector<at::Tensor>& tensors, bool device_memory, bool copied) {
   std::vector<at::Tensor> out;
   for (const auto& t : tensors) {
     if (!t.defined()) {
       out.emplace_back();
+    } else if (device_memory && t.is_cuda()) {
+      out.push_back(copied ? t.detach().clone(at::MemoryFormat::Contiguous) : t.detach().contiguous());
     } else {
-      out.push_back(device_memory && t.is_cuda() ? t.detach().contiguous() : t.detach().to(at::kCPU).contiguous());
+      out.push_back(t.detach().to(at::kCPU).contiguous());
     }
   }
   if (device_memory) wait_for_current_streams(out);
@@ -192,16 +195,7 @@ void pack_into(const std::vector<at::Tensor>& tensors, std::uint8_t* out) {
 }
 
 OutgoingMessage frame_message(const std::vector<at::Tensor>& tensors, bool device_memory, bool copied) {
-  std::vector<at::Tensor> sent;
-  if (copied && device_memory) {  // cloned on their streams before as_sent waits for them
-    std::vector<at::Tensor> clones = tensors;
-    for (auto& c : clones) {
-      if (c.defined() && c.is_cuda()) c = c.detach().clone(at::MemoryFormat::Contiguous);
-    }
-    sent = as_sent(clones, device_memory);
-  } else {
-    sent = as_sent(tensors, device_memory);
-  }
+  std::vector<at::Tensor> sent = as_sent(tensors, device_memory, copied);
   std::size_t data = 0;
   bool on_device = false;  // then every tensor's bytes go as a part: one message holds one memory type
   for (const auto& c : sent) {

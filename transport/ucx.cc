@@ -154,15 +154,17 @@ Status UcxMember::connect(int peer, const std::vector<std::uint8_t>& given) {
 }
 
 void UcxMember::send(int peer, Tag tag, std::vector<at::Tensor> tensors, Done done) {
-  if (Status s = check_peer(peer); !s) return done(s);
-  if (tag >= kLeavingTag) return done(Status(ErrorCode::kInvalidArgument, "a UCX message tag at or above 2^48 - 4"));
-  send_tagged(peer, tag, std::move(tensors), std::move(done));
+  send_checked(peer, tag, std::move(tensors), std::move(done), /*copied=*/false);
 }
 
 void UcxMember::send_copied(int peer, Tag tag, std::vector<at::Tensor> tensors, Done done) {
+  send_checked(peer, tag, std::move(tensors), std::move(done), /*copied=*/true);
+}
+
+void UcxMember::send_checked(int peer, Tag tag, std::vector<at::Tensor> tensors, Done done, bool copied) {
   if (Status s = check_peer(peer); !s) return done(s);
   if (tag >= kLeavingTag) return done(Status(ErrorCode::kInvalidArgument, "a UCX message tag at or above 2^48 - 4"));
-  send_tagged(peer, tag, std::move(tensors), std::move(done), /*copied=*/true);
+  send_tagged(peer, tag, std::move(tensors), std::move(done), copied);
 }
 
 void UcxMember::recv(int peer, Tag tag, Received done) {

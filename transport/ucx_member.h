@@ -121,6 +121,8 @@ class UcxMember final : public UcxEndpoint {
   bool nothing_queued();  // no work queued for the worker (what a caller's own call would overtake)
 
   // ucx.cc: sending, and the progress thread.
+  // A user's send (send, send_copied): its peer and tag checked, then send_tagged.
+  void send_checked(int peer, Tag tag, std::vector<at::Tensor> tensors, Done done, bool copied);
   // `copied`: the caller may write the tensors once this returns (frame_message's `copied`).
   void send_tagged(int peer, Tag tag, std::vector<at::Tensor> tensors, Done done, bool copied = false);
   void issue_send(int peer, Tag tag, const std::shared_ptr<OutgoingMessage>& message, std::thread::id owner, Done done);

@@ -41,7 +41,7 @@ class _Connected(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         st = c._state
-        if st is None or st.replaying:  # the replay applies the receivers' gradients itself
+        if st is None or st.replay is not None:  # the replay applies the receivers' gradients itself
             return (None, None, grad) + (None,) * len(ctx.records)
         remote = c._consume_answers(st, ctx.records)
         return (None, None, grad, *remote)
@@ -54,10 +54,13 @@ def _connect(own, sent: list, records: list, copy: bool = True):
     copy (`copy` False) where the caller only sums it into a new tensor."""
     pairs = [(t, r) for t, r in zip(sent, records) if r is not None]
     if not pairs or not isinstance(own, torch.Tensor) or not all(isinstance(t, torch.Tensor) for t, _ in pairs):
-        if not copy:
-            return own
-        return own.clone() if isinstance(own, torch.Tensor) else tuple(t.clone() for t in own)
+        return _copy(own) if copy else own
     return _Connected.apply([r for _, r in pairs], copy, own, *[t for t, _ in pairs])
+
+
+def _copy(x):
+    """A copy of a tensor, or of each of a tuple's."""
+    return x.clone() if isinstance(x, torch.Tensor) else tuple(t.clone() for t in x)
 
 
 def _members(st, group, call: str) -> Group:
@@ -105,17 +108,16 @@ def bcast(x, root: int, device=None, group=None):
 def gather(x, root: int, group=None):
     """Every process's `x`, as a list in rank order over `group` (the job by default), at
     `root` (None elsewhere). Backward: each gradient scattered back to its process."""
-    return _gather(x, root, group, "gather")
-
-
-def _gather(x, root: int, group, call: str, copy: bool = True):
     st = c._job()
-    g = _members(st, group, call)
+    return _gather(st, _members(st, group, "gather"), x, root, "gather")
+
+
+def _gather(st, g: Group, x, root: int, call: str, copy: bool = True):
     root = _root(st, g, root, call)
     if st.group.rank != root:
         c._send(x, root, call, g.mask)
         return None
-    return [_connect(x, [], [], copy) if p == root else c._recv(p, _device_of(x), call, g.mask) for p in g.ranks]
+    return [(_copy(x) if copy else x) if p == root else c._recv(p, _device_of(x), call, g.mask) for p in g.ranks]
 
 
 def scatter(xs, root: int, device=None, group=None):
@@ -137,12 +139,11 @@ def allgather(x, group=None):
     """Every process's `x`, as a list in rank order over `group` (the job by default), on each
     of them. Backward: each process's gradient is the sum of every process's gradient for its
     `x` (reduce-scatter)."""
-    return _allgather(x, "allgather", group)
-
-
-def _allgather(x, call: str, group, copy: bool = True):
     st = c._job()
-    g = _members(st, group, call)
+    return _allgather(st, _members(st, group, "allgather"), x, "allgather")
+
+
+def _allgather(st, g: Group, x, call: str, copy: bool = True):
     others = _others(st, g)
     own = _connect(x, [x] * len(others), [c._send(x, p, call, g.mask) for p in others], copy)
     return [own if p == st.group.rank else c._recv(p, _device_of(x), call, g.mask) for p in g.ranks]
@@ -151,12 +152,11 @@ def _allgather(x, call: str, group, copy: bool = True):
 def alltoall(xs, group=None):
     """The process at place i of `group` (the job by default) gets `xs[i]` of each of them,
     as a list in rank order. Backward: the gradients exchanged the other way (alltoall)."""
-    return _alltoall(xs, "alltoall", group)
-
-
-def _alltoall(xs, call: str, group, copy: bool = True):
     st = c._job()
-    g = _members(st, group, call)
+    return _alltoall(st, _members(st, group, "alltoall"), xs, "alltoall")
+
+
+def _alltoall(st, g: Group, xs, call: str, copy: bool = True):
     if len(xs) != g.size:
         raise ConveyorValueError(f"{call}: {len(xs)} values for the {g.size} processes of {g}")
     me = g.rank
@@ -185,8 +185,9 @@ def reduce(x, root: int, group=None):
     """The sum of every process's `x` over `group` (the job by default; summed in rank order)
     at `root` (None elsewhere). Backward: the root's gradient to every process (bcast); a
     process other than the root holds no output, and calls backward()."""
-    g = _members(c._job(), group, "reduce")
-    parts = _gather(x, root, g, "reduce", copy=False)
+    st = c._job()
+    g = _members(st, group, "reduce")
+    parts = _gather(st, g, x, root, "reduce", copy=False)
     return None if parts is None else _sum_in_rank_order(parts, g, "reduce")
 
 
@@ -196,7 +197,7 @@ def reduce_scatter(xs, group=None):
     (allgather)."""
     st = c._job()
     g = _members(st, group, "reduce_scatter")
-    return _sum_in_rank_order(_alltoall(xs, "reduce_scatter", g, copy=False), g, "reduce_scatter")
+    return _sum_in_rank_order(_alltoall(st, g, xs, "reduce_scatter", copy=False), g, "reduce_scatter")
 
 
 # An allreduce of at least this many bytes among 3 or more processes runs as reduce_scatter
@@ -218,10 +219,10 @@ def allreduce(x, group=None):
     st = c._job()
     g = _members(st, group, "allreduce")
     if g.size < 3 or x.numel() < g.size or x.numel() * x.element_size() < SPLIT_ALLREDUCE_BYTES:
-        return _sum_in_rank_order(_allgather(x, "allreduce", g, copy=False), g, "allreduce")
+        return _sum_in_rank_order(_allgather(st, g, x, "allreduce", copy=False), g, "allreduce")
     parts = list(x.reshape(-1).tensor_split(g.size))
-    mine = _sum_in_rank_order(_alltoall(parts, "allreduce", g, copy=False), g, "allreduce")
-    return torch.cat(_allgather(mine, "allreduce", g, copy=False)).view(x.shape)
+    mine = _sum_in_rank_order(_alltoall(st, g, parts, "allreduce", copy=False), g, "allreduce")
+    return torch.cat(_allgather(st, g, mine, "allreduce", copy=False)).view(x.shape)
 
 
 def barrier(group=None) -> None:

@@ -101,8 +101,7 @@ class _State:
         # value was received under torch.no_grad(), or the graph it fed was dropped).
         self.with_gradients = torch.ones(1, dtype=torch.int8)
         self.without_gradients = torch.zeros(1, dtype=torch.int8)
-        self.replaying = False
-        self.replay: list[_Record] = []  # the records a replay goes through (and then forgets)
+        self.replay: list[_Record] | None = None  # during backward(): the records it goes through, then forgets
         self.microbatch = None           # the microbatch() the process is in, if any
         self.caller: threading.Thread | None = None  # the thread that communicates (the first to)
         # A backward outside backward() (plain loss.backward()) that reached a receive: the
@@ -373,6 +372,11 @@ def _consume_answers(st: _State, records: list) -> list:
     return grads
 
 
+def _replaying(st: _State, record: _Record) -> bool:
+    """Whether a running backward() goes through `record` (and forgets it after)."""
+    return st.replay is not None and record in st.replay
+
+
 def _take_answer(st: _State, record: _Record) -> None:
     """The answer to a send (waiting for it within the timeout): its gradients, or none."""
     *grads, follow = st.answers.take(record.peer, record.answer_tag,
@@ -380,7 +384,7 @@ def _take_answer(st: _State, record: _Record) -> None:
     record.done = True
     if follow.item():
         record.grads = grads
-    elif not (st.replaying and record in st.replay):  # nothing comes: it adds nothing (a replay forgets its own)
+    elif not _replaying(st, record):  # nothing comes: it adds nothing (a replay forgets its own)
         st.records.remove(record)
 
 
@@ -409,7 +413,7 @@ class _Received(torch.autograd.Function):
         for i, g in enumerate(grads):
             if g is not None:
                 record.grads[i] = g if record.grads[i] is None else record.grads[i] + g
-        if _state is not None and not _state.replaying:  # loss.backward(): back at once
+        if _state is not None and _state.replay is None:  # loss.backward(): back at once
             _state.outside_backward_at = _state.outside_backward_at or len(_state.records)
             _return_gradient(_state, record)
             _state.records.remove(record)
@@ -444,7 +448,7 @@ def _no_gradient_will_come(st: _State, record: _Record) -> None:
         _answer_without_gradients(st, record.peer, record.seq, "its graph dropped")
     except ConveyorError:  # an earlier send failed: the next call raises it, where the script can see it
         pass
-    if not (st.replaying and record in st.replay):  # a replay forgets its own records itself
+    if not _replaying(st, record):  # a replay forgets its own records itself
         try:
             st.records.remove(record)
         except ValueError:
@@ -489,10 +493,11 @@ def recv(src: int, device=None):
 def _recv(src: int, device=None, call: str = "send", group: tuple = ()):
     """recv() as part of `call` over the processes `group` (groups.mask; none: point to
     point), whose sends the message must come from."""
-    _not_in_a_backward("recv" if call == "send" else call)
+    name = "recv" if call == "send" else call
+    _not_in_a_backward(name)
     st = _communicating()
     src = _peer(st, src, "src")
-    device = _device(device, "recv" if call == "send" else call)
+    device = _device(device, name)
     _name_sends_left_unapplied(st)
     seq = st.received[src]
     st.received[src] += 1
@@ -504,7 +509,7 @@ def _recv(src: int, device=None, call: str = "send", group: tuple = ()):
     needs, on_cuda = [bool(n) for n in flags[2 + w:2 + w + count]], flags[2 + w + count:]
     group = group or st.no_group
     if theirs != call or their_group != group:
-        mine = _call_named("recv" if call == "send" else call, group, their_group)
+        mine = _call_named(name, group, their_group)
         raise ConveyorValueError(f"conveyor.distributed: process {st.group.rank}'s {mine} received message #{seq} of "
                                  f"process {src}'s {_call_named(theirs, their_group, group)}: every process must make "
                                  "the same calls in the same order")
@@ -542,7 +547,6 @@ def backward(*roots, microbatch=None) -> None:
         raise ConveyorValueError(f"conveyor.distributed.backward() inside `with microbatch({st.microbatch!r})`: "
                                  "call it after the block")
     st.replay = [r for r in st.records if microbatch is None or r.microbatch == microbatch]
-    st.replaying = True
     try:
         if roots:
             torch.autograd.backward(list(roots), retain_graph=True)
@@ -556,18 +560,11 @@ def backward(*roots, microbatch=None) -> None:
                 torch.autograd.backward(record.edges, [g.to(d) for g, d in zip(record.grads, record.devices)],
                                         retain_graph=True)
     finally:
-        st.replaying = False
+        gone, st.replay = set(st.replay), None  # records hash by identity
         st.outside_backward_at = None
-        replayed, st.replay = st.replay, []
-        if microbatch is None:
-            st.records.clear()
-            for waiting in st.unanswered.values():
-                waiting.clear()
-        else:
-            gone = set(map(id, replayed))
-            st.records = [r for r in st.records if id(r) not in gone]
-            for peer, waiting in st.unanswered.items():
-                st.unanswered[peer] = collections.deque(r for r in waiting if id(r) not in gone)
+        st.records = [r for r in st.records if r not in gone]
+        for peer, waiting in st.unanswered.items():
+            st.unanswered[peer] = collections.deque(r for r in waiting if r not in gone)
     _drain(st)
 
 

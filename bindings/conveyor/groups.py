@@ -70,18 +70,18 @@ def new_group(ranks=None) -> Group:
         raise ConveyorValueError(f"new_group({ranks!r}): expected a list of process ranks") from None
     if not ranks:
         raise ConveyorValueError("new_group([]): a group needs at least one process")
-    for i, p in enumerate(ranks):
+    checked = []
+    for p in ranks:
         try:
-            ranks[i] = operator.index(p)  # ints, numpy's, a 0-d integer tensor's
+            q = None if isinstance(p, bool) else operator.index(p)  # ints, numpy's, a 0-d integer tensor's
         except TypeError:
-            ranks[i] = None
-        if isinstance(p, bool) or ranks[i] is None or not 0 <= ranks[i] < n:
-            raise ConveyorValueError(f"new_group({ranks[:i] + [p] + ranks[i + 1:]}): {p!r} is not a process of "
-                                     f"this job of {n} (0 to {n - 1})")
-    if len(set(ranks)) != len(ranks):
-        twice = sorted({p for p in ranks if ranks.count(p) > 1})
-        raise ConveyorValueError(f"new_group({ranks}): process {twice[0]} is named twice")
-    return Group(tuple(sorted(ranks)), me, n)
+            q = None
+        if q is None or not 0 <= q < n:
+            raise ConveyorValueError(f"new_group({ranks}): {p!r} is not a process of this job of {n} (0 to {n - 1})")
+        if q in checked:
+            raise ConveyorValueError(f"new_group({ranks}): process {q} is named twice")
+        checked.append(q)
+    return Group(tuple(sorted(checked)), me, n)
 
 
 @functools.cache
