@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import communication as c
+from . import communication_arguments as arguments
 from .errors import ConveyorValueError
 from .groups import Group, whole_job
 
@@ -82,7 +83,7 @@ def _others(st, g: Group) -> list:
 
 
 def _root(st, g: Group, root, call: str) -> int:
-    root = c._process(st, root, "root")
+    root = arguments.process(root, st.group.world_size, "root")
     if root not in g:
         raise ConveyorValueError(f"{call}: root={root} is not in {g}")
     return root
@@ -167,12 +168,14 @@ def _alltoall(st, g: Group, xs, call: str, copy: bool = True):
 
 def _sum_in_rank_order(parts, g: Group, call: str):
     """The sum of every process's part, in rank order, a new tensor (a group of one: a copy of
-    its part); parts of different shapes (which would broadcast silently) are refused naming
-    each process's shape, on every process."""
-    shapes = [tuple(t.shape) for t in parts]
-    if len(set(shapes)) > 1:
-        raise ConveyorValueError(f"{call}: the processes' tensors differ in shape: "
-                                 + ", ".join(f"process {p} {list(s)}" for p, s in zip(g.ranks, shapes)))
+    its part); parts of different shapes (which would broadcast silently) or dtypes (which
+    would promote the sum, so one process got another dtype than it gave) are refused naming
+    each process's, on every process that sums."""
+    for what, of in (("shape", lambda t: list(t.shape)), ("dtype", lambda t: t.dtype)):
+        each = [of(t) for t in parts]
+        if any(e != each[0] for e in each):
+            raise ConveyorValueError(f"{call}: the processes' tensors differ in {what}: "
+                                     + ", ".join(f"process {p} {e}" for p, e in zip(g.ranks, each)))
     if len(parts) == 1:
         return parts[0].clone()
     total = parts[0]

@@ -44,6 +44,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from . import _C, groups
+from . import communication_arguments as arguments
 from .errors import ConveyorError, ConveyorValueError
 
 __all__ = ["init", "send", "recv", "backward", "microbatch", "rank", "world_size"]
@@ -226,44 +227,6 @@ def world_size() -> int:
     return _job().group.world_size
 
 
-def _process(st: _State, p, what: str) -> int:
-    if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < st.group.world_size:
-        raise ConveyorValueError(f"{what}={p!r}: expected a process from 0 to {st.group.world_size - 1}")
-    return p
-
-
-def _peer(st: _State, peer, what: str) -> int:
-    peer = _process(st, peer, what)
-    if peer == st.group.rank:
-        raise ConveyorValueError(f"{what}={peer} is this process; a process does not send to itself")
-    return peer
-
-
-def _values(x, what: str) -> tuple[list, bool]:
-    """A tensor or a tuple/list of tensors, as a list and whether it was a sequence; a tensor
-    that cannot travel as a message (its bytes with a shape and dtype) is refused, naming what
-    to send instead, before anything is counted or sent."""
-    if isinstance(x, torch.Tensor):
-        values, sequence = [x], False
-    elif isinstance(x, (tuple, list)) and x and all(isinstance(t, torch.Tensor) for t in x):
-        values, sequence = list(x), True
-    else:
-        raise ConveyorValueError(f"{what}: expected a tensor or a tuple of tensors, got {type(x).__name__}")
-    for i, t in enumerate(values):
-        which = f"{what}: value {i}" if sequence else what
-        if t.is_nested:
-            raise ConveyorValueError(f"{which} is a nested tensor: send its components (t.unbind()) as a tuple")
-        if t.layout != torch.strided:
-            raise ConveyorValueError(f"{which} is a {t.layout} tensor: send t.to_dense(), or its indices and values "
-                                     "as a tuple of tensors")
-        if t.is_quantized:
-            raise ConveyorValueError(f"{which} is a quantized tensor ({t.dtype}): send t.int_repr() with its scale "
-                                     "and zero point, or t.dequantize()")
-        if t.is_meta:
-            raise ConveyorValueError(f"{which} is on the meta device and has no data to send")
-    return values, sequence
-
-
 def send(x, dst: int) -> None:
     """Sends a tensor, or a tuple of tensors, to process `dst` (shapes and dtypes travel with
     them); returns at once. Its backward receives the gradient `dst` sends back."""
@@ -285,9 +248,9 @@ def _send(x, dst: int, call: str = "send", group: tuple = ()) -> _Record | None:
     point), returning the record of a send that needs a gradient (else None)."""
     _not_in_a_backward(call)
     st = _communicating()
-    dst = _peer(st, dst, "dst")
+    dst = arguments.peer(dst, st.group.rank, st.group.world_size, "dst")
     _name_sends_left_unapplied(st)
-    values, sequence = _values(x, "send")
+    values, sequence = arguments.values(x, "send")
     needs = [torch.is_grad_enabled() and t.requires_grad for t in values]
     seq = st.sent[dst]
     key = (sequence, _CALLS.index(call), *(group or st.no_group), *needs, *(t.is_cuda for t in values))
@@ -327,8 +290,8 @@ def _name_sends_left_unapplied(st: _State) -> None:
         r = left[0]
         warnings.warn(f"conveyor.distributed: process {st.group.rank}'s loss.backward() left out the gradient of "
                       f"send #{r.seq} to process {r.peer} ({len(left)} send(s) in all): a process that sends calls "
-                      "conveyor.distributed.backward(loss) instead (or backward() after loss.backward()), which "
-                      "waits for those gradients and applies them", stacklevel=_callers_level())
+                      "conveyor.distributed.backward(loss) instead, which waits for those gradients and applies "
+                      "them (backward() after loss.backward() applies them where that freed none of their graph)", stacklevel=_callers_level())
 
 
 def _callers_level() -> int:
@@ -460,21 +423,6 @@ def _named(call: str) -> str:
     return "" if call == "send" else f"{call}'s "
 
 
-def _device(device, call: str):
-    """`device`, checked before a message is taken: failing after (a typo, a GPU this process
-    does not see), its sender waited out the timeout for the message's gradient."""
-    if device is None:
-        return None
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ConveyorValueError(f"{call}: device={device!r} is not a device (as 'cpu' or 'cuda:0')") from None
-    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
-        raise ConveyorValueError(f"{call}: device={str(device)!r}, but this process sees "
-                                 f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no'} GPU(s)")
-    return device
-
-
 def _call_named(call: str, group: tuple, other_group: tuple) -> str:
     """A call as a mismatch names it: with its group where the two sides' groups differ."""
     if group == other_group or not any(group):
@@ -496,8 +444,8 @@ def _recv(src: int, device=None, call: str = "send", group: tuple = ()):
     name = "recv" if call == "send" else call
     _not_in_a_backward(name)
     st = _communicating()
-    src = _peer(st, src, "src")
-    device = _device(device, name)
+    src = arguments.peer(src, st.group.rank, st.group.world_size, "src")
+    device = arguments.device(device, name)
     _name_sends_left_unapplied(st)
     seq = st.received[src]
     st.received[src] += 1
@@ -557,8 +505,7 @@ def backward(*roots, microbatch=None) -> None:
             if not record.done:
                 _take_answer(st, record)
             if record.grads is not None:  # else none comes (received under no_grad, or dropped): it adds nothing
-                torch.autograd.backward(record.edges, [g.to(d) for g, d in zip(record.grads, record.devices)],
-                                        retain_graph=True)
+                _backpropagate(st, record)
     finally:
         gone, st.replay = set(st.replay), None  # records hash by identity
         st.outside_backward_at = None
@@ -566,6 +513,23 @@ def backward(*roots, microbatch=None) -> None:
         for peer, waiting in st.unanswered.items():
             st.unanswered[peer] = collections.deque(r for r in waiting if r not in gone)
     _drain(st)
+
+
+def _backpropagate(st: _State, record: _Record) -> None:
+    """Backpropagates the gradients a send's receiver returned through what was sent. A
+    graph a plain loss.backward() already freed (the sent tensor's history shared saved
+    values with the loss's) is named with what to call instead of autograd's bare error."""
+    try:
+        torch.autograd.backward(record.edges, [g.to(d) for g, d in zip(record.grads, record.devices)],
+                                retain_graph=True)
+    except RuntimeError as e:
+        if "backward through the graph a second time" not in str(e):
+            raise
+        raise ConveyorValueError(
+            f"conveyor.distributed.backward(): process {st.group.rank}'s send #{record.seq} to process {record.peer} "
+            "has its gradient, but a backward that ran before (a plain loss.backward()?) freed the graph of what was "
+            "sent: call conveyor.distributed.backward(loss) instead of loss.backward() (or "
+            "loss.backward(retain_graph=True) before backward())") from None
 
 
 class microbatch:

@@ -13,8 +13,8 @@ that receives another group's message (or the whole job's) fails naming both gro
 from __future__ import annotations
 
 import functools
-import operator
 
+from .communication_arguments import process_number
 from .errors import ConveyorValueError
 
 __all__ = ["Group", "new_group"]
@@ -72,10 +72,7 @@ def new_group(ranks=None) -> Group:
         raise ConveyorValueError("new_group([]): a group needs at least one process")
     checked = []
     for p in ranks:
-        try:
-            q = None if isinstance(p, bool) else operator.index(p)  # ints, numpy's, a 0-d integer tensor's
-        except TypeError:
-            q = None
+        q = process_number(p)
         if q is None or not 0 <= q < n:
             raise ConveyorValueError(f"new_group({ranks}): {p!r} is not a process of this job of {n} (0 to {n - 1})")
         if q in checked:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from .communication import rank, recv, send, world_size
+from .communication_arguments import process_number
 from .errors import ConveyorValueError
 
 __all__ = ["Sequential"]
@@ -42,8 +43,9 @@ class Sequential(torch.nn.Module):
             inputs = list(layer[2]) if len(layer) == 3 else [i - 1 if i > 0 else None]
             if not isinstance(module, torch.nn.Module):
                 raise ConveyorValueError(f"Sequential: item {i} holds a {type(module).__name__}, not an nn.Module")
-            if isinstance(place, bool) or not isinstance(place, int) or not 0 <= place < n:
-                raise ConveyorValueError(f"Sequential: item {i}'s rank {place!r} is not a process of this job of {n}")
+            place = process_number(place)
+            if place is None or not 0 <= place < n:
+                raise ConveyorValueError(f"Sequential: item {i}'s rank {layer[1]!r} is not a process of this job of {n}")
             for j in inputs:
                 if j is not None and (isinstance(j, bool) or not isinstance(j, int) or not 0 <= j < i):
                     raise ConveyorValueError(f"Sequential: item {i} reads {j!r}: expected an earlier item's index "

@@ -112,6 +112,44 @@ def gradient_past_a_receive_without_one(me, leaf, how):
         dist.backward()
 
 
+def refusals_leave_the_numbering_as_it_was(me):
+    """A receive on a device nothing can land on (meta) is refused before it takes the
+    message, which the next receive gets; ranks may be any whole number (numpy's, a 0-d
+    tensor's), as new_group takes them."""
+    import numpy
+    if me == 0:
+        dist.send(torch.arange(3.0), numpy.int64(1))
+    elif me == 1:
+        try:
+            dist.recv(0, device="meta")
+            raise SystemExit("recv took device='meta'")
+        except ConveyorValueError as e:
+            if "device='meta'" not in str(e):
+                raise
+        expect("the message a refused receive left", dist.recv(torch.tensor(0)), torch.arange(3.0))
+
+
+def freed_graph_named(me, leaf):
+    """A round trip (process 0 sends h, gets g(h) back, its loss reads both) trained with plain
+    loss.backward() frees h's graph before backward() can apply h's gradient: named, with what
+    to call instead, not autograd's bare "backward through the graph a second time"; and the
+    job goes on (every message of the step was answered)."""
+    w = leaf(1)
+    if me == 0:
+        h = torch.tanh(w)
+        dist.send(h, 1)
+        (dist.recv(1) * h).sum().backward()
+        try:
+            dist.backward()
+            raise SystemExit("backward() applied a gradient through a freed graph")
+        except ConveyorValueError as e:
+            if "send #" not in str(e) or "freed the graph" not in str(e) or "backward(loss)" not in str(e):
+                raise
+    elif me == 1:
+        dist.send(dist.recv(0) * 3, 0)
+        dist.backward()
+
+
 def _refusal(call) -> str:
     """What `call` was refused with (ConveyorValueError's text), or that it was not."""
     try:
@@ -436,6 +474,14 @@ def main():
     except ConveyorValueError as e:
         if "process 0 [1], process 1 [2]" not in str(e):
             raise
+    try:  # nor dtypes, which would promote the sum: process 0 asked float32 and got float64
+        dist.allreduce(torch.ones(2, dtype=torch.float64 if me else torch.float32))
+        raise SystemExit("allreduce summed tensors of different dtypes")
+    except ConveyorValueError as e:
+        if "differ in dtype: process 0 torch.float32, process 1 torch.float64" not in str(e):
+            raise
+    refusals_leave_the_numbering_as_it_was(me)
+    freed_graph_named(me, leaf)
     if os.environ.get("MISMATCH") == "send":
         # Process 0 sends one message more than process 1 receives.
         if me == 0:
