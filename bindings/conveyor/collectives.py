@@ -6,7 +6,7 @@ whole job, or over a group of its processes (`group=`, conveyor/groups.py).
 
 Where a process's graph is connected (its loss reads the collective's output), plain
 `loss.backward()` works as with torch.distributed.nn: the part of the output that is the
-process's own (allgather's own tensor, bcast's at the root, alltoall's and scatter's own
+process's own (allgather's own tensor or tuple, bcast's at the root, alltoall's and scatter's own
 part) comes out of one autograd node (`_Connected`) tied to every tensor the process sent
 in the call, whose backward waits for the gradients the receivers return and adds them.
 It is made after the call's sends and before its receives, so autograd, which runs nodes
@@ -28,35 +28,44 @@ __all__ = ["bcast", "gather", "scatter", "allgather", "alltoall", "reduce", "red
 
 
 class _Connected(torch.autograd.Function):
-    """`own` (a copy where `copy`), tied to the tensors `sent` in the call (one per send
-    record of `records`, in order): outside a replay its backward adds what their receivers
-    return. A copy for what the caller gets: autograd treats an input returned by a custom
-    Function as a view of it, and refuses an in-place op on such a view (`bcast(x, root)`
-    then `y.div_(2)` failed at the root alone). A sum (allreduce) reads the view instead."""
+    """`own` (its first `count` inputs; copies where `copy`), tied to the tensors sent in the
+    call that need a gradient (the rest, in the order of `records`' sends): outside a replay
+    its backward adds what their receivers return. A copy for what the caller gets: autograd
+    treats an input returned by a custom Function as a view of it, and refuses an in-place op
+    on such a view (`bcast(x, root)` then `y.div_(2)` failed at the root alone). A sum
+    (allreduce) reads the view instead."""
 
     @staticmethod
-    def forward(ctx, records, copy, own, *sent):
+    def forward(ctx, records, copy, count, *own_and_sent):
         ctx.records = records
-        return own.clone() if copy else own.view_as(own)
+        own = own_and_sent[:count]
+        out = tuple(t.clone() if copy else t.view_as(t) for t in own)
+        ctx.mark_non_differentiable(*[o for o in out if not (o.is_floating_point() or o.is_complex())])
+        return out
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, *grads):
         st = c._state
         if st is None or st.replay is not None:  # the replay applies the receivers' gradients itself
-            return (None, None, grad) + (None,) * len(ctx.records)
-        remote = c._consume_answers(st, ctx.records)
-        return (None, None, grad, *remote)
+            remote = [None] * sum(len(r.edges) for r in ctx.records)
+        else:
+            remote = c._consume_answers(st, ctx.records)
+        return (None, None, None, *grads, *remote)
 
 
 def _connect(own, sent: list, records: list, copy: bool = True):
-    """A copy of `own`, tied (_Connected) to the tensors of this call's sends that need a
-    gradient. A copy, as the parts received are new tensors: writing the output in place
-    never writes the caller's tensor, on whichever process (as torch.distributed.nn). Not a
-    copy (`copy` False) where the caller only sums it into a new tensor."""
-    pairs = [(t, r) for t, r in zip(sent, records) if r is not None]
-    if not pairs or not isinstance(own, torch.Tensor) or not all(isinstance(t, torch.Tensor) for t, _ in pairs):
+    """A copy of `own` (a tensor or a tuple of them), tied (_Connected) to the tensors of this
+    call's sends (`sent`, what each of `records` sent) that need a gradient. A copy, as the
+    parts received are new tensors: writing the output in place never writes the caller's
+    tensor, on whichever process (as torch.distributed.nn). Not a copy (`copy` False) where
+    the caller only sums it into a new tensor."""
+    pairs = [(x, r) for x, r in zip(sent, records) if r is not None]
+    if not pairs:
         return _copy(own) if copy else own
-    return _Connected.apply([r for _, r in pairs], copy, own, *[t for t, _ in pairs])
+    tied = [t for x, _ in pairs for t in ([x] if isinstance(x, torch.Tensor) else x) if t.requires_grad]
+    mine = [own] if isinstance(own, torch.Tensor) else list(own)
+    out = _Connected.apply([r for _, r in pairs], copy, len(mine), *mine, *tied)
+    return out[0] if isinstance(own, torch.Tensor) else tuple(out)
 
 
 def _copy(x):
@@ -130,8 +139,7 @@ def scatter(xs, root: int, device=None, group=None):
     root = _root(st, g, root, "scatter")
     if st.group.rank != root:
         return c._recv(root, device, "scatter", g.mask)
-    if len(xs) != g.size:
-        raise ConveyorValueError(f"scatter: {len(xs)} values for the {g.size} processes of {g}")
+    xs = arguments.one_per_process(xs, g.size, "scatter")
     sent = [(xs[i], p) for i, p in enumerate(g.ranks) if p != root]
     return _connect(xs[g.rank], [x for x, _ in sent], [c._send(x, p, "scatter", g.mask) for x, p in sent])
 
@@ -158,8 +166,7 @@ def alltoall(xs, group=None):
 
 
 def _alltoall(st, g: Group, xs, call: str, copy: bool = True):
-    if len(xs) != g.size:
-        raise ConveyorValueError(f"{call}: {len(xs)} values for the {g.size} processes of {g}")
+    xs = arguments.one_per_process(xs, g.size, call, arguments.summed if call == "reduce_scatter" else arguments.values)
     me = g.rank
     sent = [(xs[i], p) for i, p in enumerate(g.ranks) if i != me]
     own = _connect(xs[me], [x for x, _ in sent], [c._send(x, p, call, g.mask) for x, p in sent], copy)
@@ -190,6 +197,7 @@ def reduce(x, root: int, group=None):
     process other than the root holds no output, and calls backward()."""
     st = c._job()
     g = _members(st, group, "reduce")
+    arguments.summed(x, "reduce")
     parts = _gather(st, g, x, root, "reduce", copy=False)
     return None if parts is None else _sum_in_rank_order(parts, g, "reduce")
 
@@ -221,6 +229,7 @@ def allreduce(x, group=None):
     16 MB and 1.6x at 64 MB, where it now matches gloo's ring (0.92-1.00x; whole: 0.54-0.60x)."""
     st = c._job()
     g = _members(st, group, "allreduce")
+    arguments.summed(x, "allreduce")
     if g.size < 3 or x.numel() < g.size or x.numel() * x.element_size() < SPLIT_ALLREDUCE_BYTES:
         return _sum_in_rank_order(_allgather(st, g, x, "allreduce", copy=False), g, "allreduce")
     parts = list(x.reshape(-1).tensor_split(g.size))

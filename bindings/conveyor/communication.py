@@ -250,7 +250,7 @@ def _send(x, dst: int, call: str = "send", group: tuple = ()) -> _Record | None:
     st = _communicating()
     dst = arguments.peer(dst, st.group.rank, st.group.world_size, "dst")
     _name_sends_left_unapplied(st)
-    values, sequence = arguments.values(x, "send")
+    values, sequence = arguments.values(x, call)
     needs = [torch.is_grad_enabled() and t.requires_grad for t in values]
     seq = st.sent[dst]
     key = (sequence, _CALLS.index(call), *(group or st.no_group), *needs, *(t.is_cuda for t in values))
@@ -316,19 +316,18 @@ def _take_answers_in(st: _State, peers=None) -> None:
 
 
 def _consume_answers(st: _State, records: list) -> list:
-    """Outside a replay (a collective's node reached by plain loss.backward()): the gradient
-    each receiver of `records` (sends of one tensor each) returns, waiting for each in turn,
-    or None where none comes. Each record is consumed: the replay will not apply it again."""
+    """Outside a replay (a collective's node reached by plain loss.backward()): per record of
+    `records`, the gradients its receiver returns for the values sent that needed one (a
+    None each where none comes), waiting for each in turn. Each record is consumed: the
+    replay will not apply it again."""
     grads = []
     for record in records:
-        if record.consumed:
-            grads.append(None)
-            continue
-        if not record.done:
+        if not record.consumed and not record.done:
             if record in st.unanswered[record.peer]:
                 st.unanswered[record.peer].remove(record)
             _take_answer(st, record)
-        grads.append(record.grads[0] if record.grads is not None else None)
+        came = None if record.consumed else record.grads
+        grads.extend(came if came is not None else [None] * len(record.edges))
         record.consumed, record.grads = True, None
         if record in st.records:
             st.records.remove(record)

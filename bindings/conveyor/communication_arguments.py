@@ -79,3 +79,21 @@ def device(d, call: str):
         raise ConveyorValueError(f"{call}: device={str(d)!r}, but this process sees "
                                  f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no'} GPU(s)")
     return d
+
+
+def summed(x, call: str) -> torch.Tensor:
+    """`x`, what a sum (allreduce, reduce) takes from each process: one tensor."""
+    if not isinstance(x, torch.Tensor):
+        raise ConveyorValueError(f"{call}: expected a tensor, got {type(x).__name__} (sum each tensor with a call "
+                                 "of its own)")
+    return x
+
+
+def one_per_process(xs, size: int, call: str, each=values) -> list:
+    """`xs`, a value per process of a group of `size` (a list or tuple; `each` checks them)."""
+    if not isinstance(xs, (list, tuple)) or len(xs) != size:
+        got = f"{len(xs)} values" if isinstance(xs, (list, tuple)) else f"a {type(xs).__name__}"
+        raise ConveyorValueError(f"{call}: expected a list of {size} values, one per process of the group; got {got}")
+    for x in xs:
+        each(x, call)
+    return list(xs)

@@ -217,6 +217,15 @@ def collectives(group, leaf, device, finish):
     finish(weight * sum((q + 1) * t.sum() for q, t in enumerate(parts)))
     expect("allgather backward", x.grad, torch.full((2,), float((me + 1) * every)))
 
+    # allgather of a tuple: its own part is connected too (plain loss.backward() applied the
+    # others' gradients only for a single tensor; after a tuple's, backward() found the
+    # graph freed). dL/da_q = (q + 1) * sum_p (p + 1), dL/db_q twice that.
+    a, b = leaf(me), leaf(-me)
+    parts = dist.allgather((a * 1, b * 1), **over)
+    finish(weight * sum((q + 1) * (u.sum() + 2 * v.sum()) for q, (u, v) in enumerate(parts)))
+    expect("allgather of a tuple: backward", a.grad, torch.full((2,), float((me + 1) * every)))
+    expect("allgather of a tuple: backward", b.grad, torch.full((2,), float(2 * (me + 1) * every)))
+
     # alltoall: process p gets xs_q[p]; L_p = (p + 1) * sum; dL/d xs_p[q] = q + 1
     xs = [leaf(10 * me + q) for q in range(n)]
     got = dist.alltoall(xs, **over)
@@ -480,6 +489,11 @@ def main():
     except ConveyorValueError as e:
         if "differ in dtype: process 0 torch.float32, process 1 torch.float64" not in str(e):
             raise
+    for call, says in [(lambda: dist.allreduce((torch.ones(1), torch.ones(1))), "allreduce: expected a tensor, got tuple"),
+                       (lambda: dist.reduce_scatter([torch.ones(1)] * (n + 1)), f"expected a list of {n} values"),
+                       (lambda: dist.alltoall(None), f"expected a list of {n} values")]:
+        if says not in _refusal(call):  # refused on every process before anything is sent
+            raise SystemExit(f"{says}: {_refusal(call)}")
     refusals_leave_the_numbering_as_it_was(me)
     freed_graph_named(me, leaf)
     if os.environ.get("MISMATCH") == "send":
