@@ -44,7 +44,8 @@ def launch(n: int, script: Path, *args, env=None, timeout=240):
     not torch.cuda.is_available(), reason="needs a CUDA GPU (tools/gpu_session runs it)"))])
 @pytest.mark.parametrize("example, processes", [
     ("seq2seq", 2), ("channel_parallel_cnn", 2), ("channel_parallel_cnn", 3), ("three_process_chain", 3),
-    ("branching", 3), ("tensor_parallel_pipeline", 4), ("one_f_one_b", 3), ("v_schedule", 2)])
+    ("branching", 3), ("tensor_parallel_pipeline", 4), ("one_f_one_b", 3), ("v_schedule", 2),
+    ("gpt2_tied_embeddings", 2)])
 def test_the_split_trains_like_one_process(example, processes, device, tmp_path):
     """On CUDA every process shares the one GPU: its tensors cross in device memory (UCX's
     cuda_ipc), and the reference runs on that GPU too."""
