@@ -194,7 +194,7 @@ def _check_every_message_was_received() -> None:
     st = _state
     if st is None or sys.exc_info()[0] is not None:
         return
-    _name_sends_left_unapplied(st)
+    named = _name_sends_left_unapplied(st)
     st.group.leave()  # a process still waiting for a message from this one fails now, naming it
     n = st.group.world_size
     counts = torch.zeros(2, n, n, dtype=torch.int64)
@@ -215,6 +215,30 @@ def _check_every_message_was_received() -> None:
                   f"{what} (every process must make the same calls in the same order)", file=sys.stderr, flush=True)
         st.group.abort(what)
         os._exit(1)
+    if not named:
+        _name_gradients_never_applied(st)
+
+
+def _name_gradients_never_applied(st: _State) -> None:
+    """At exit, once every process has all it was sent (the counts' allreduce follows every
+    process's drain, so no answer is still on its way): a send whose gradient came but which
+    no backward() applied, or a receive of a tagged microbatch whose gradient never went back
+    (a `with microbatch(k):` left without its backward(microbatch=k)), is named on stderr,
+    once per process (unless the loss.backward() warning just named them). An untagged
+    receive still waiting is not: an evaluation that forgot no_grad and kept its output is
+    no mistake."""
+    _take_answers_in(st)
+    left = [r for r in st.records if (r.kind == "send" and r.grads is not None) or r.microbatch is not None]
+    if left:
+        r = left[0]
+        tag = f" (microbatch {r.microbatch!r})" if r.microbatch is not None else ""
+        what = (f"send #{r.seq} to process {r.peer}{tag} got its gradient, which no backward() applied"
+                if r.kind == "send" and r.grads is not None else
+                f"{r.kind} #{r.seq} {'to' if r.kind == 'send' else 'from'} process {r.peer}{tag} was never "
+                "backpropagated")
+        print(f"conveyor.distributed: warning: process {st.group.rank}'s {what} ({len(left)} message(s) in all): "
+              f"call backward({'microbatch=' + repr(r.microbatch) if r.microbatch is not None else ''}) for every "
+              "forward that trains", file=sys.stderr, flush=True)
 
 
 def rank() -> int:
@@ -275,13 +299,14 @@ def _send(x, dst: int, call: str = "send", group: tuple = ()) -> _Record | None:
     return None
 
 
-def _name_sends_left_unapplied(st: _State) -> None:
+def _name_sends_left_unapplied(st: _State) -> bool:
     """After a plain loss.backward() that reached a receive, the process calls again without
     backward() in between: a send recorded before it that needs a gradient (not answered
     that none comes) never had it applied; warn once, naming it, instead of training on
-    without it (backward() after loss.backward(), or backward(loss), applies it)."""
+    without it (backward() after loss.backward(), or backward(loss), applies it). Whether it
+    warned now."""
     if st.outside_backward_at is None:
-        return
+        return False
     seen, st.outside_backward_at = st.outside_backward_at, None
     _take_answers_in(st)
     left = [r for r in st.records[:seen] if r.kind == "send" and (not r.done or r.grads is not None)]
@@ -291,7 +316,10 @@ def _name_sends_left_unapplied(st: _State) -> None:
         warnings.warn(f"conveyor.distributed: process {st.group.rank}'s loss.backward() left out the gradient of "
                       f"send #{r.seq} to process {r.peer} ({len(left)} send(s) in all): a process that sends calls "
                       "conveyor.distributed.backward(loss) instead, which waits for those gradients and applies "
-                      "them (backward() after loss.backward() applies them where that freed none of their graph)", stacklevel=_callers_level())
+                      "them (backward() after loss.backward() applies them where that freed none of their graph)",
+                      stacklevel=_callers_level())
+        return True
+    return False
 
 
 def _callers_level() -> int:

@@ -553,6 +553,21 @@ def main():
             except Exception as e:
                 print(f"process 1 went on past: {e}", flush=True)
         sys.exit(0)
+    if os.environ.get("MISMATCH") == "unapplied":
+        # Process 0 leaves microbatch 1 without its backward(microbatch=1): the gradient process
+        # 1 returned is never applied, which process 0 names at exit (it passed unseen).
+        w = torch.ones(2, requires_grad=True)
+        for k in range(2):
+            with dist.microbatch(k):
+                if me == 0:
+                    dist.send(w * 2, 1)
+                elif me == 1:
+                    loss = dist.recv(0).sum()
+            if me == 1:
+                dist.backward(loss, microbatch=k)
+            elif me == 0 and k == 0:
+                dist.backward(microbatch=0)
+        sys.exit(0)
     if os.environ.get("MISMATCH") in ("1", "exit"):
         # Process 0 waits for a message process n - 1 never sends: with "1" it stops calling
         # (a hang, found at the timeout); with "exit" its script ends early with SystemExit(3),

@@ -230,6 +230,19 @@ def test_a_receive_nothing_was_sent_for_is_named_at_exit_the_other_way():
     assert counts and int(counts[1]) + 1 == int(counts[2]), out[-3000:]
 
 
+def test_a_gradient_no_backward_applied_is_named_at_exit():
+    """A tagged microbatch left without its backward(microbatch=k) on the sending process:
+    the job ends normally, and the sender names the gradient it never applied."""
+    r = subprocess.run([str(TOOL), "launch", "-n", "2", "--timeout", "20", "--", sys.executable,
+                        str(Path(__file__).with_name("communication_worker.py"))],
+                       env=environment(MISMATCH="unapplied"), capture_output=True, text=True, timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert re.search(r"process 0's send #\d+ to process 1 \(microbatch 1\) got its gradient, which no backward\(\) "
+                     r"applied \(1 message\(s\) in all\): call backward\(microbatch=1\)", out), out[-3000:]
+    assert out.count("which no backward() applied") == 1, out[-3000:]
+
+
 def test_without_a_job_it_says_how_to_start_one():
     r = subprocess.run([sys.executable, "-c", "import torch, conveyor.distributed as d; d.send(torch.ones(1), 1)"],
                        env=environment(), capture_output=True, text=True, timeout=120)
