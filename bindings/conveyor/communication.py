@@ -153,7 +153,8 @@ def init(transport: str | None = None, device=None) -> None:
                        'transport="ucx" needs neither')
             raise
     _state = _State(group, via)
-    atexit.register(_check_every_message_was_received)  # runs before the group leaves (LIFO)
+    from .exit_checks import check_every_message_was_received
+    atexit.register(check_every_message_was_received)  # runs before the group leaves (LIFO)
 
 
 def _group():
@@ -185,60 +186,6 @@ def _communicating() -> _State:
                                  "communicates for this process: messages between two processes pair in the order "
                                  "they are made, so one thread per process makes every call")
     return st
-
-
-def _check_every_message_was_received() -> None:
-    """At exit, every process compares what each sent to each with what that one received:
-    a send nobody received fails the job here, naming both processes, instead of passing
-    unseen. A collective: it runs only when the process ends normally."""
-    st = _state
-    if st is None or sys.exc_info()[0] is not None:
-        return
-    named = _name_sends_left_unapplied(st)
-    st.group.leave()  # a process still waiting for a message from this one fails now, naming it
-    n = st.group.world_size
-    counts = torch.zeros(2, n, n, dtype=torch.int64)
-    counts[0, st.group.rank] = torch.tensor(st.sent)       # [0, p, q]: p sent to q
-    counts[1, :, st.group.rank] = torch.tensor(st.received)  # [1, p, q]: q received from p
-    try:
-        _drain(st)
-        st.group.allreduce(counts)
-    except Exception:  # the job already failed (a peer lost): that error was reported
-        return
-    unmatched = [(p, q) for p in range(n) for q in range(n) if counts[0, p, q] != counts[1, p, q]]
-    if unmatched:
-        p, q = unmatched[0]
-        sent, received = int(counts[0, p, q]), int(counts[1, p, q])
-        what = "a send nobody received" if sent > received else "a receive nothing was sent for"
-        if st.group.rank == min(p, q):  # once for the job
-            print(f"conveyor.distributed: process {p} sent {sent} messages to process {q}, which asked for {received}: "
-                  f"{what} (every process must make the same calls in the same order)", file=sys.stderr, flush=True)
-        st.group.abort(what)
-        os._exit(1)
-    if not named:
-        _name_gradients_never_applied(st)
-
-
-def _name_gradients_never_applied(st: _State) -> None:
-    """At exit, once every process has all it was sent (the counts' allreduce follows every
-    process's drain, so no answer is still on its way): a send whose gradient came but which
-    no backward() applied, or a receive of a tagged microbatch whose gradient never went back
-    (a `with microbatch(k):` left without its backward(microbatch=k)), is named on stderr,
-    once per process (unless the loss.backward() warning just named them). An untagged
-    receive still waiting is not: an evaluation that forgot no_grad and kept its output is
-    no mistake."""
-    _take_answers_in(st)
-    left = [r for r in st.records if (r.kind == "send" and r.grads is not None) or r.microbatch is not None]
-    if left:
-        r = left[0]
-        tag = f" (microbatch {r.microbatch!r})" if r.microbatch is not None else ""
-        what = (f"send #{r.seq} to process {r.peer}{tag} got its gradient, which no backward() applied"
-                if r.kind == "send" and r.grads is not None else
-                f"{r.kind} #{r.seq} {'to' if r.kind == 'send' else 'from'} process {r.peer}{tag} was never "
-                "backpropagated")
-        print(f"conveyor.distributed: warning: process {st.group.rank}'s {what} ({len(left)} message(s) in all): "
-              f"call backward({'microbatch=' + repr(r.microbatch) if r.microbatch is not None else ''}) for every "
-              "forward that trains", file=sys.stderr, flush=True)
 
 
 def rank() -> int:
