@@ -6,9 +6,10 @@ whole job, or over a group of its processes (`group=`, conveyor/groups.py).
 
 Where a process's graph is connected (its loss reads the collective's output), plain
 `loss.backward()` works as with torch.distributed.nn: the part of the output that is the
-process's own (allgather's own tensor or tuple, bcast's at the root, alltoall's and scatter's own
-part) comes out of one autograd node (`_Connected`) tied to every tensor the process sent
-in the call, whose backward waits for the gradients the receivers return and adds them.
+process's own (allgather's own tensor or tuple, bcast's at the root, alltoall's and
+scatter's own part) comes out of one autograd node (`_Connected`) tied to every tensor the
+process sent in the call, whose backward waits for the gradients the receivers return and
+adds them.
 It is made after the call's sends and before its receives, so autograd, which runs nodes
 in the reverse of their making, returns the received parts' gradients first and then waits:
 the reverse of the call's program order, as backward()'s replay does (docs/design.md,
