@@ -207,11 +207,14 @@ def send(x, dst: int) -> None:
 def _not_in_a_backward(name: str) -> None:
     """Communication inside a backward pass is refused: activation checkpointing that
     recomputes a forward which sent or received would send again, or take the next message
-    as this one's (a hang or a wrong value), so say why instead."""
+    as this one's (a hang or a wrong value); a gradient hook that receives would block the
+    backward while its peer may wait for a gradient this process sends later in it. Say why
+    instead."""
     if torch._C._current_graph_task_id() != -1:
         raise ConveyorValueError(f"conveyor.distributed.{name} called inside a backward pass (activation "
-                                 "checkpointing recomputing a forward that communicates?): checkpoint only code "
-                                 "without conveyor.distributed calls, which must run once per forward")
+                                 "checkpointing recomputing a forward that communicates, or a gradient hook?): "
+                                 "checkpoint only code without conveyor.distributed calls, which must run once per "
+                                 "forward, and reduce gradients after the backward returns")
 
 
 def _send(x, dst: int, call: str = "send", group: tuple = ()) -> _Record | None:

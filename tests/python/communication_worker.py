@@ -494,6 +494,11 @@ def main():
                        (lambda: dist.alltoall(None), f"expected a list of {n} values")]:
         if says not in _refusal(call):  # refused on every process before anything is sent
             raise SystemExit(f"{says}: {_refusal(call)}")
+    w = torch.ones(2, requires_grad=True)  # a gradient hook that communicates: refused, saying why
+    w.register_post_accumulate_grad_hook(lambda p: dist.allreduce(p.grad))
+    if "inside a backward pass (activation checkpointing recomputing a forward that communicates, or a gradient " \
+            "hook?)" not in _refusal(lambda: w.sum().backward()):
+        raise SystemExit("an allreduce in a gradient hook was not refused")
     refusals_leave_the_numbering_as_it_was(me)
     freed_graph_named(me, leaf)
     if os.environ.get("MISMATCH") == "send":
