@@ -318,12 +318,14 @@ def _replaying(st: _State, record: _Record) -> bool:
 
 
 def _take_answer(st: _State, record: _Record) -> None:
-    """The answer to a send (waiting for it within the timeout): its gradients, or none."""
+    """The answer to a send (waiting for it within the timeout): its gradients, each on its
+    sent tensor's device (one staged through the host arrives on the CPU, and autograd
+    refuses a gradient on another device than its tensor's), or none."""
     *grads, follow = st.answers.take(record.peer, record.answer_tag,
                                      f"conveyor.distributed: the gradient of send #{record.seq} to process {record.peer}")
     record.done = True
     if follow.item():
-        record.grads = grads
+        record.grads = [g.to(d) for g, d in zip(grads, record.devices)]
     elif not _replaying(st, record):  # nothing comes: it adds nothing (a replay forgets its own)
         st.records.remove(record)
 
@@ -497,8 +499,7 @@ def _backpropagate(st: _State, record: _Record) -> None:
     graph a plain loss.backward() already freed (the sent tensor's history shared saved
     values with the loss's) is named with what to call instead of autograd's bare error."""
     try:
-        torch.autograd.backward(record.edges, [g.to(d) for g, d in zip(record.grads, record.devices)],
-                                retain_graph=True)
+        torch.autograd.backward(record.edges, record.grads, retain_graph=True)
     except RuntimeError as e:
         if "backward through the graph a second time" not in str(e):
             raise
