@@ -2,7 +2,7 @@
 on this machine (or --processes N), host tensors (float32), the same calls a script split by
 hand makes.
 
-  send/recv   process 0 sends a stream of tensors (64 MB in all, at least 8) to process 1,
+  send/recv   process 0 sends a stream of tensors (256 MB in all, at least 8) to process 1,
               which receives each; then one 8-byte message back. conveyor:
               conveyor.distributed.send / recv (the shape and dtype travel; the receiver gets a
               new tensor). gloo: torch.distributed isend for the stream then one wait each,
@@ -10,7 +10,7 @@ hand makes.
   allreduce   a run of allreduces of one tensor (16 MB in all, at least 4) among every
               process: conveyor: conveyor.distributed.allreduce (differentiable: every process
               sends its tensor to every other and sums in process order; among 3 or more from
-              1 MB, reduce_scatter then allgather); gloo: torch.distributed.all_reduce, in place.
+              4 MB, reduce_scatter then allgather); gloo: torch.distributed.all_reduce, in place.
   ping-pong   an 8-byte tensor back and forth (2,000 round trips): half a round trip, as a
               script whose processes hand each other small tensors in turn waits for each.
               conveyor: send / recv; gloo: send / recv into a buffer of the known shape.
@@ -33,7 +33,7 @@ import torch
 
 from job import free_port, run_job
 
-STREAM_BYTES = 64 << 20
+STREAM_BYTES = 256 << 20
 ALLREDUCE_BYTES = 16 << 20
 
 
