@@ -66,7 +66,7 @@ class OutboundRegion {
   /// written again while still in the caches.
   std::optional<RegionSlot> allocate(int peer, std::size_t bytes);
 
-  static constexpr std::size_t kWindowBytes = std::size_t{16} << 20;
+  static constexpr std::size_t kWindowBytes = std::size_t{64} << 20;
 
  private:
   OutboundRegion(int fd, std::size_t capacity, std::uint8_t* base) : fd_(fd), capacity_(capacity), base_(base) {}

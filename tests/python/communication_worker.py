@@ -312,15 +312,15 @@ def main():
     if device == "cpu":
         # Large host messages between the processes of a host are written into the sender's
         # shared region and received over it (transport/shared_region.h), up to the sender's
-        # window of what its receiver has not released; past it they go through UCX. 24 1 MB
-        # messages (data: received as they arrive) that the receiver keeps, and a
-        # non-contiguous 2 MB one with a gradient: each arrives equal, some of the 24 over the
+        # window of what its receiver has not released (64 MB); past it they go through UCX.
+        # 72 1 MB messages (data: received as they arrive) that the receiver keeps, and a
+        # non-contiguous 2 MB one with a gradient: each arrives equal, some of the 72 over the
         # region (none with CONVEYOR_UCX_REGION_MB=0) and some not, and the gradient pairs.
-        # The sender writes each of the 24 again as soon as it is sent. Past the region, UCX
+        # The sender writes each of the 72 again as soon as it is sent. Past the region, UCX
         # read a message from the sender's memory later: of 20 16 MB tensors written again
         # once sent, 10 arrived changed, 20 without the region or over tcp. Sends of
         # conveyor.distributed now copy what UCX would read later (Endpoint::send_copied).
-        data = [torch.full((1 << 17,), float(k)) for k in range(24)]
+        data = [torch.full((1 << 17,), float(k)) for k in range(72)]
         odd = torch.arange(float(1 << 18)).reshape(512, 512).t().requires_grad_()
         if me == 0:
             for t in data:  # written again at once, as a script may: nothing is read from it later
