@@ -7,9 +7,9 @@
 // tag, sent from the caller's memory and received into the tensor it becomes: over shared
 // memory the one copy is the receiver's read from the sender (transport.h: a sender does not
 // modify what it sent until done; one that may, as a script's send, frames with `copied`:
-// host data packed whatever its size, device tensors cloned). Between the processes of one host such messages go in
-// the packed layout through the sender's shared region instead, where it has room
-// (transport/shared_region.h).
+// host data packed whatever its size, device tensors cloned). Between the processes of one
+// host such messages go in the packed layout through the sender's shared region instead,
+// where it has room (transport/shared_region.h).
 // Buffers of 64 KiB and more come from a pool and go back to it when their last tensor
 // dies: a fresh large allocation is fresh pages from the kernel, each faulted in and zeroed
 // on first touch, which cost more than the copy itself from a few MB up

@@ -166,8 +166,9 @@ def alltoall(xs, group=None):
     return _alltoall(st, _members(st, group, "alltoall"), xs, "alltoall")
 
 
-def _alltoall(st, g: Group, xs, call: str, copy: bool = True):
-    xs = arguments.one_per_process(xs, g.size, call, arguments.summed if call == "reduce_scatter" else arguments.values)
+def _alltoall(st, g: Group, xs, call: str, copy: bool = True, each=arguments.values):
+    """alltoall() as part of `call`; `each` checks every value of `xs` (a sum's: a tensor)."""
+    xs = arguments.one_per_process(xs, g.size, call, each)
     me = g.rank
     sent = [(xs[i], p) for i, p in enumerate(g.ranks) if i != me]
     own = _connect(xs[me], [x for x, _ in sent], [c._send(x, p, call, g.mask) for x, p in sent], copy)
@@ -209,7 +210,8 @@ def reduce_scatter(xs, group=None):
     (allgather)."""
     st = c._job()
     g = _members(st, group, "reduce_scatter")
-    return _sum_in_rank_order(_alltoall(st, g, xs, "reduce_scatter", copy=False), g, "reduce_scatter")
+    parts = _alltoall(st, g, xs, "reduce_scatter", copy=False, each=arguments.summed)
+    return _sum_in_rank_order(parts, g, "reduce_scatter")
 
 
 # An allreduce of at least this many bytes among 3 or more processes runs as reduce_scatter
