@@ -1,4 +1,5 @@
-// conveyor._C: PipelineStep, a pipelined training step in this process (and its part of a job).
+// conveyor._C: PipelineStep, a pipelined training step in this process (and its part of a job),
+// and the trace writer it and conveyor.distributed write through.
 #include "bindings/bindings.h"
 
 #include <optional>
@@ -7,6 +8,7 @@
 #include "partitioner/planner.h"
 #include "runtime/memory_meter.h"
 #include "runtime/pipeline_step.h"
+#include "trace/perfetto.h"
 
 namespace conveyor::bindings {
 
@@ -49,6 +51,17 @@ void bind_pipeline(py::module_& m) {
       .def("reset_peak", [](HostMeter& h) { h.counter->reset_peak(); }, "The peak from now on starts at live.")
       .def_static("active", &runtime::memory_meter_active,
                   "Whether torch's CPU allocations go through the meter (CONVEYOR_MEMORY_METER=0 turns it off).");
+  py::class_<trace::PerfettoTrace>(m, "PerfettoTrace",
+                                   "A trace being built (trace/perfetto.h): tracks, slices (times in ns), instants and "
+                                   "flows joining slices that carry the same id.")
+      .def(py::init<>())
+      .def("add_track", &trace::PerfettoTrace::add_track, py::arg("name"), py::arg("parent") = 0,
+           "Declares a track (a row); returns its id. parent: a track it nests under.")
+      .def("slice", &trace::PerfettoTrace::slice, py::arg("track"), py::arg("start_ns"), py::arg("end_ns"),
+           py::arg("name"), py::arg("flows") = std::vector<std::uint64_t>{})
+      .def("instant", &trace::PerfettoTrace::instant, py::arg("track"), py::arg("t_ns"), py::arg("name"))
+      .def("write", [](const trace::PerfettoTrace& t, const std::string& path) { check(t.write(path)); },
+           py::arg("path"), "Chrome JSON where path ends in .json, a Perfetto protobuf trace otherwise.");
   m.def("host_waits", &runtime::host_waits,
         "How many times this process's pipelines made the host wait for a device (docs/thread_model.md: once a step).");
   py::class_<runtime::HeldGradients, std::shared_ptr<runtime::HeldGradients>>(

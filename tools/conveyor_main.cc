@@ -288,6 +288,10 @@ int main(int argc, char** argv) {
                                                 "ucx or nccl: how GPU tensors cross between processes (pipelines, "
                                                 "conveyor.distributed)")
                             ->check(CLI::IsMember({"ucx", "nccl"}));
+  auto* trace_opt = launch_cmd->add_option("--trace", job.trace,
+                                            "trace the job: each process's conveyor.Module writes its step to "
+                                            "FILE.rank<R>, conveyor.distributed's process 0 every process's "
+                                            "communication to FILE (Perfetto; Chrome JSON for .json)");
   launch_cmd->add_option("command", command, "the command every process runs (after --)")->expected(-1);
 
   CLI11_PARSE(app, argc, argv);
@@ -307,6 +311,11 @@ int main(int argc, char** argv) {
       if (*timeout_opt) job.timeout_s = from_cli.timeout_s;
       if (*grace_opt) job.grace_s = from_cli.grace_s;
       if (*transport_opt) job.transport = from_cli.transport;
+      if (*trace_opt) job.trace = from_cli.trace;
+    }
+    std::error_code ec;
+    if (*trace_opt && !std::filesystem::is_directory(std::filesystem::absolute(job.trace, ec).parent_path(), ec)) {
+      return fail(Status(ErrorCode::kInvalidArgument, "--trace " + job.trace + ": its folder does not exist (make it first)"));
     }
     if (*hosts_opt) {
       job.hosts.clear();

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <set>
 
+#include <nlohmann/json.hpp>
+
 #include "common/file.h"
 
 namespace conveyor::trace {
@@ -116,6 +118,17 @@ void PerfettoTrace::instant(std::uint64_t track, std::uint64_t t_ns, const std::
   events_.push_back({t_ns, 3, 1, track, name, {}, events_.size()});
 }
 
+std::vector<const PerfettoTrace::Event*> PerfettoTrace::in_time_order() const {
+  std::vector<const Event*> order;
+  for (const auto& e : events_) order.push_back(&e);
+  std::stable_sort(order.begin(), order.end(), [](const Event* a, const Event* b) {
+    if (a->t != b->t) return a->t < b->t;
+    if (a->priority != b->priority) return a->priority < b->priority;
+    return a->order < b->order;
+  });
+  return order;
+}
+
 std::string PerfettoTrace::serialize() const {
   std::string out;
   auto packet = [&](const std::string& body) { put_bytes(out, 1, body); };
@@ -129,16 +142,7 @@ std::string PerfettoTrace::serialize() const {
     put_bytes(p, 60, desc);
     packet(p);
   }
-  // Time order; at equal times a slice that ends comes before one that begins (back-to-back
-  // slices), an empty slice ends after it begins, otherwise emission order.
-  std::vector<const Event*> order;
-  for (const auto& e : events_) order.push_back(&e);
-  std::stable_sort(order.begin(), order.end(), [](const Event* a, const Event* b) {
-    if (a->t != b->t) return a->t < b->t;
-    if (a->priority != b->priority) return a->priority < b->priority;
-    return a->order < b->order;
-  });
-  for (const Event* e : order) {
+  for (const Event* e : in_time_order()) {
     std::string ev;
     put_varint(ev, 9, static_cast<std::uint64_t>(e->type));
     put_varint(ev, 11, e->track);
@@ -153,8 +157,56 @@ std::string PerfettoTrace::serialize() const {
   return out;
 }
 
+std::string PerfettoTrace::chrome_json() const {
+  std::map<std::uint64_t, std::uint64_t> parent;
+  for (const auto& t : tracks_) parent[t.uuid] = t.parent;
+  auto process_of = [&](std::uint64_t uuid) {
+    while (parent.count(uuid) != 0 && parent[uuid] != 0) uuid = parent[uuid];
+    return uuid;
+  };
+  auto events = nlohmann::json::array();
+  for (const auto& t : tracks_) {
+    if (t.parent == 0) {
+      events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", t.uuid}, {"args", {{"name", t.name}}}});
+    }
+    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", process_of(t.uuid)}, {"tid", t.uuid},
+                      {"args", {{"name", t.name}}}});
+  }
+  const std::vector<const Event*> order = in_time_order();
+  const std::uint64_t first = order.empty() ? 0 : order.front()->t;
+  std::set<std::uint64_t> started;  // flows whose "s" is written
+  for (const Event* e : order) {
+    const double ts = static_cast<double>(e->t - first) / 1e3;
+    nlohmann::json ev = {{"pid", process_of(e->track)}, {"tid", e->track}, {"ts", ts}};
+    if (e->type == 1) {
+      ev["ph"] = "B";
+      ev["name"] = e->name;
+    } else if (e->type == 2) {
+      ev["ph"] = "E";
+    } else {
+      ev["ph"] = "i";
+      ev["s"] = "t";
+      ev["name"] = e->name;
+    }
+    events.push_back(ev);
+    for (std::uint64_t f : e->flows) {
+      nlohmann::json flow = {{"name", "flow"}, {"cat", "flow"}, {"id", f}, {"pid", process_of(e->track)},
+                             {"tid", e->track}, {"ts", ts}};
+      if (started.insert(f).second) {
+        flow["ph"] = "s";
+      } else {
+        flow["ph"] = "f";
+        flow["bp"] = "e";
+      }
+      events.push_back(flow);
+    }
+  }
+  return nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump();
+}
+
 Status PerfettoTrace::write(const std::string& path) const {
-  return write_file(path, serialize(), "trace");
+  const bool json = path.size() >= 5 && path.compare(path.size() - 5, 5, ".json") == 0;
+  return write_file(path, json ? chrome_json() : serialize(), "trace");
 }
 
 Result<TraceSummary> check_trace(std::string_view bytes) {

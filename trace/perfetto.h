@@ -30,6 +30,12 @@ class PerfettoTrace {
 
   /// The serialized Trace message (packets sorted by time after the descriptors).
   std::string serialize() const;
+  /// The same events in Chrome's trace event format (chrome://tracing, ui.perfetto.dev):
+  /// a top-level track is a process, each track a thread of its top-level track's process;
+  /// a slice a B/E pair, a flow an "s" event at the first slice carrying it and an "f" at
+  /// each later one; times in microseconds from the earliest event.
+  std::string chrome_json() const;
+  /// Writes chrome_json() where `path` ends in ".json", serialize() otherwise.
   Status write(const std::string& path) const;
 
  private:
@@ -46,6 +52,10 @@ class PerfettoTrace {
     std::uint64_t uuid, parent;
     std::string name;
   };
+  /// The events in time order; at equal times a slice that ends comes before one that
+  /// begins (back-to-back slices), an empty slice ends after it begins, otherwise emission
+  /// order.
+  std::vector<const Event*> in_time_order() const;
   std::vector<Track> tracks_;
   std::vector<Event> events_;
   std::uint64_t next_uuid_ = 1;

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include "trace/simulation_trace.h"
 
 namespace conveyor::trace {
@@ -51,6 +53,32 @@ TEST(Perfetto, CheckerRejectsBrokenTraces) {
   auto r = check_trace(lonely.serialize());
   ASSERT_FALSE(r.is_ok());
   EXPECT_NE(r.status().message().find("flow 42 starts but never arrives"), std::string::npos);
+}
+
+TEST(Perfetto, ChromeJsonHasAProcessPerTopLevelTrackAndEachFlowOnce) {
+  PerfettoTrace t;
+  const auto p0 = t.add_track("process 0"), p1 = t.add_track("process 1");
+  const auto waits = t.add_track("waits", p1);
+  t.slice(p0, 1'000'000, 3'000'000, "microbatch 0");
+  t.slice(p0, 2'000'000, 2'500'000, "send #0 to 1", {9});
+  t.slice(waits, 1'500'000, 4'000'000, "recv #0 from 0", {9});
+  t.instant(p1, 5'000'000, "done");
+  auto doc = nlohmann::json::parse(t.chrome_json());
+  std::map<std::string, int> phases;
+  for (const auto& e : doc["traceEvents"]) ++phases[e["ph"].get<std::string>()];
+  EXPECT_EQ(phases["B"], 3);
+  EXPECT_EQ(phases["E"], 3);
+  EXPECT_EQ(phases["i"], 1);
+  EXPECT_EQ(phases["s"], 1);  // at the first slice carrying flow 9 (the receive began first)
+  EXPECT_EQ(phases["f"], 1);
+  for (const auto& e : doc["traceEvents"]) {
+    if (e["ph"] == "M" && e["name"] == "process_name") EXPECT_TRUE(e["pid"] == p0 || e["pid"] == p1);
+    if (e["ph"] == "B" && e["name"] == "recv #0 from 0") {
+      EXPECT_EQ(e["pid"], p1);  // a child track is a thread of its parent's process
+      EXPECT_EQ(e["tid"], waits);
+      EXPECT_DOUBLE_EQ(e["ts"].get<double>(), 500.0);  // microseconds from the earliest event
+    }
+  }
 }
 
 }  // namespace
