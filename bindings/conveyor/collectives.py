@@ -18,14 +18,26 @@ the node waits for nothing.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import communication as c
 from . import communication_arguments as arguments
+from . import communication_trace as tracing
 from .errors import ConveyorValueError
 from .groups import Group, whole_job
 
 __all__ = ["bcast", "gather", "scatter", "allgather", "alltoall", "reduce", "reduce_scatter", "allreduce", "barrier"]
+
+
+def _traced(f):
+    """A collective, as one span of the job's trace around its messages' (where it traces)."""
+    @functools.wraps(f)
+    def call(*args, **kwargs):
+        with tracing.span(c._job().trace, tracing.CALL, label=f.__name__):
+            return f(*args, **kwargs)
+    return call
 
 
 class _Connected(torch.autograd.Function):
@@ -103,6 +115,7 @@ def _device_of(x):
     return x.device if isinstance(x, torch.Tensor) else x[0].device
 
 
+@_traced
 def bcast(x, root: int, device=None, group=None):
     """`x` of process `root`, on every process of `group` (the job by default; pass None
     elsewhere; it arrives on `device`, by default where recv() puts it). Backward: the
@@ -116,6 +129,7 @@ def bcast(x, root: int, device=None, group=None):
     return c._recv(root, device, "bcast", g.mask)
 
 
+@_traced
 def gather(x, root: int, group=None):
     """Every process's `x`, as a list in rank order over `group` (the job by default), at
     `root` (None elsewhere). Backward: each gradient scattered back to its process."""
@@ -131,6 +145,7 @@ def _gather(st, g: Group, x, root: int, call: str, copy: bool = True):
     return [(_copy(x) if copy else x) if p == root else c._recv(p, _device_of(x), call, g.mask) for p in g.ranks]
 
 
+@_traced
 def scatter(xs, root: int, device=None, group=None):
     """The process at place i of `group` (the job by default) gets `xs[i]` of process `root`
     (pass None elsewhere; it arrives on `device`, by default where recv() puts it). Backward:
@@ -145,6 +160,7 @@ def scatter(xs, root: int, device=None, group=None):
     return _connect(xs[g.rank], [x for x, _ in sent], [c._send(x, p, "scatter", g.mask) for x, p in sent])
 
 
+@_traced
 def allgather(x, group=None):
     """Every process's `x`, as a list in rank order over `group` (the job by default), on each
     of them. Backward: each process's gradient is the sum of every process's gradient for its
@@ -159,6 +175,7 @@ def _allgather(st, g: Group, x, call: str, copy: bool = True):
     return [own if p == st.group.rank else c._recv(p, _device_of(x), call, g.mask) for p in g.ranks]
 
 
+@_traced
 def alltoall(xs, group=None):
     """The process at place i of `group` (the job by default) gets `xs[i]` of each of them,
     as a list in rank order. Backward: the gradients exchanged the other way (alltoall)."""
@@ -193,6 +210,7 @@ def _sum_in_rank_order(parts, g: Group, call: str):
     return total
 
 
+@_traced
 def reduce(x, root: int, group=None):
     """The sum of every process's `x` over `group` (the job by default; summed in rank order)
     at `root` (None elsewhere). Backward: the root's gradient to every process (bcast); a
@@ -204,6 +222,7 @@ def reduce(x, root: int, group=None):
     return None if parts is None else _sum_in_rank_order(parts, g, "reduce")
 
 
+@_traced
 def reduce_scatter(xs, group=None):
     """The process at place i of `group` (the job by default) gets the sum over them of their
     `xs[i]` (summed in rank order). Backward: the gradient goes to every process's `xs[i]`
@@ -220,6 +239,7 @@ def reduce_scatter(xs, group=None):
 SPLIT_ALLREDUCE_BYTES = 4 << 20
 
 
+@_traced
 def allreduce(x, group=None):
     """The sum of every process's `x` over `group` (the job by default; summed in rank order),
     on each of them. Backward: the gradients summed the same way (allreduce).
@@ -240,6 +260,7 @@ def allreduce(x, group=None):
     return torch.cat(_allgather(st, g, mine, "allreduce", copy=False)).view(x.shape)
 
 
+@_traced
 def barrier(group=None) -> None:
     """Returns once every process of `group` (the job by default) has called it: an
     allreduce of one number, outside any graph."""

@@ -45,6 +45,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from . import _C, groups
 from . import communication_arguments as arguments
+from . import communication_trace as tracing
 from .errors import ConveyorError, ConveyorValueError
 
 __all__ = ["init", "send", "recv", "backward", "microbatch", "rank", "world_size"]
@@ -85,9 +86,10 @@ def _answer_tag(seq: int) -> int:
 
 
 class _State:
-    def __init__(self, group, via=None):
+    def __init__(self, group, via=None, recorder=None):
         self.group = group
         self.via = via                           # the NCCL lane endpoint messages go over, or None: UCX
+        self.trace: tracing.Recorder | None = recorder  # where the job is traced (communication_trace.py)
         self.sent = [0] * group.world_size       # per peer: messages sent so far
         self.received = [0] * group.world_size   # per peer: messages received so far
         self.records: list[_Record] = []
@@ -115,7 +117,7 @@ class _State:
 _state: _State | None = None
 
 
-def init(transport: str | None = None, device=None) -> None:
+def init(transport: str | None = None, device=None, trace: str | os.PathLike | None = None) -> None:
     """Chooses how this job's messages travel. Optional, and collective: every process calls
     it, with the same transport, before its first communication (which otherwise chooses the
     job's transport: `conveyor launch --transport`, a job config's `transport`, or
@@ -128,13 +130,21 @@ def init(transport: str | None = None, device=None) -> None:
     NCCL lands on `device`. Each process needs a GPU of its own (NCCL refuses two members on
     one): call `torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))` first on a machine with
     several. Where a process cannot join (no GPU, NCCL missing), every process fails at once,
-    naming it."""
+    naming it.
+
+    `trace`: a file (default: `conveyor launch --trace`'s) where process 0 writes, as the job
+    ends normally, one trace of every process's communication (conveyor/communication_trace.py;
+    Perfetto, or Chrome JSON where it ends in .json). Every process passes the same."""
     global _state
     if _state is not None:
         raise ConveyorValueError("conveyor.distributed.init() comes before the first communication, once per process")
+    from . import distributed
     if transport is None:
-        from . import distributed
         transport = distributed.launch_settings().get("transport", "ucx")
+    if trace is None:  # the launcher's file itself: one trace of the job, not one per process
+        trace = os.environ.get("CONVEYOR_TRACE") or None
+    from .arguments import check_output_path
+    check_output_path(trace, "trace")
     if transport not in ("ucx", "nccl"):
         raise ConveyorValueError(f"transport={transport!r}: expected \"ucx\" or \"nccl\"")
     group = _group()
@@ -152,7 +162,7 @@ def init(transport: str | None = None, device=None) -> None:
             e.add_note('conveyor.distributed.init(transport="nccl") needs NCCL and a GPU of its own in every process; '
                        'transport="ucx" needs neither')
             raise
-    _state = _State(group, via)
+    _state = _State(group, via, tracing.Recorder(os.fspath(trace)) if trace is not None else None)
     from .exit_checks import check_every_message_was_received
     atexit.register(check_every_message_was_received)  # runs before the group leaves (LIFO)
 
@@ -232,7 +242,8 @@ def _send(x, dst: int, call: str = "send", group: tuple = ()) -> _Record | None:
     if flags is None:
         flags = st.flags[key] = torch.tensor([int(f) for f in key], dtype=torch.int32)
     payload = [t.detach().contiguous() for t in values] + [flags]
-    st.sends.send(dst, _MESSAGE_BIT | seq, payload, f"conveyor.distributed: {_named(call)}send #{seq} to process {dst}")
+    with tracing.span(st.trace, tracing.SEND, dst, seq):
+        st.sends.send(dst, _MESSAGE_BIT | seq, payload, f"conveyor.distributed: {_named(call)}send #{seq} to process {dst}")
     st.sent[dst] += 1  # counted once sent: a send refused here leaves the numbering as it was
     _take_answers_in(st, [dst])
     if any(needs):
@@ -321,8 +332,9 @@ def _take_answer(st: _State, record: _Record) -> None:
     """The answer to a send (waiting for it within the timeout): its gradients, each on its
     sent tensor's device (one staged through the host arrives on the CPU, and autograd
     refuses a gradient on another device than its tensor's), or none."""
-    *grads, follow = st.answers.take(record.peer, record.answer_tag,
-                                     f"conveyor.distributed: the gradient of send #{record.seq} to process {record.peer}")
+    with tracing.span(st.trace, tracing.GRADIENT_IN, record.peer, record.seq):
+        *grads, follow = st.answers.take(record.peer, record.answer_tag, "conveyor.distributed: the gradient of "
+                                         f"send #{record.seq} to process {record.peer}")
     record.done = True
     if follow.item():
         record.grads = [g.to(d) for g, d in zip(grads, record.devices)]
@@ -370,8 +382,9 @@ def _return_gradient(st: _State, record: _Record) -> None:
     grads = record.grads or [None] * len(record.shapes)
     payload = [(g if g is not None else torch.zeros(shape, dtype=dtype, device=device)).detach().contiguous()
                for g, (shape, dtype, device) in zip(grads, record.shapes)]
-    st.sends.send(record.peer, record.answer_tag, payload + [st.with_gradients],
-                  f"conveyor.distributed: the gradient of receive #{record.seq} from process {record.peer}")
+    with tracing.span(st.trace, tracing.GRADIENT_OUT, record.peer, record.seq):
+        st.sends.send(record.peer, record.answer_tag, payload + [st.with_gradients],
+                      f"conveyor.distributed: the gradient of receive #{record.seq} from process {record.peer}")
 
 
 def _answer_without_gradients(st: _State, peer: int, seq: int, why: str) -> None:
@@ -428,8 +441,9 @@ def _recv(src: int, device=None, call: str = "send", group: tuple = ()):
     _name_sends_left_unapplied(st)
     seq = st.received[src]
     st.received[src] += 1
-    got = st.group.recv(src, _MESSAGE_BIT | seq, f"conveyor.distributed: {_named(call)}receive #{seq} from process "
-                        f"{src}", st.via)
+    with tracing.span(st.trace, tracing.RECV, src, seq):
+        got = st.group.recv(src, _MESSAGE_BIT | seq, f"conveyor.distributed: {_named(call)}receive #{seq} from "
+                            f"process {src}", st.via)
     # flags: sequence, call, the group's words, then per value whether it needs a gradient, is_cuda
     flags, count, w = got[-1].tolist(), len(got) - 1, len(st.no_group)
     sequence, theirs, their_group = bool(flags[0]), _CALLS[flags[1]], tuple(flags[2:2 + w])
@@ -475,16 +489,8 @@ def backward(*roots, microbatch=None) -> None:
                                  "call it after the block")
     st.replay = [r for r in st.records if microbatch is None or r.microbatch == microbatch]
     try:
-        if roots:
-            torch.autograd.backward(list(roots), retain_graph=True)
-        for record in reversed(st.replay):
-            if record.kind == "recv":
-                _return_gradient(st, record)
-                continue
-            if not record.done:
-                _take_answer(st, record)
-            if record.grads is not None:  # else none comes (received under no_grad, or dropped): it adds nothing
-                _backpropagate(st, record)
+        with tracing.span(st.trace, tracing.BACKWARD, label=None if microbatch is None else repr(microbatch)):
+            _replay(st, roots)
     finally:
         gone, st.replay = set(st.replay), None  # records hash by identity
         st.outside_backward_at = None
@@ -492,6 +498,22 @@ def backward(*roots, microbatch=None) -> None:
         for peer, waiting in st.unanswered.items():
             st.unanswered[peer] = collections.deque(r for r in waiting if r not in gone)
     _drain(st)
+
+
+def _replay(st: _State, roots) -> None:
+    """backward()'s work: the losses `roots`, then st.replay's records in reverse."""
+    if roots:
+        with tracing.span(st.trace, tracing.LOSSES):
+            torch.autograd.backward(list(roots), retain_graph=True)
+    for record in reversed(st.replay):
+        if record.kind == "recv":
+            _return_gradient(st, record)
+            continue
+        if not record.done:
+            _take_answer(st, record)
+        if record.grads is not None:  # else none comes (received under no_grad, or dropped): it adds nothing
+            with tracing.span(st.trace, tracing.BACKPROPAGATE, record.peer, record.seq):
+                _backpropagate(st, record)
 
 
 def _backpropagate(st: _State, record: _Record) -> None:
@@ -527,10 +549,12 @@ class microbatch:
         if st.microbatch is not None:
             raise ConveyorValueError(f"microbatch({self.k!r}) inside microbatch({st.microbatch!r}): they do not nest")
         st.microbatch = self.k
+        self.span = tracing.span(st.trace, tracing.MICROBATCH, label=repr(self.k)).__enter__()
         return self
 
     def __exit__(self, *exc):
         _state.microbatch = None
+        self.span.__exit__(*exc)
         return False
 
 

@@ -1,7 +1,8 @@
 """What conveyor.distributed checks as a process ends normally (conveyor/communication.py
 registers it at init): every process compares the messages each sent to each with those
 that one received, and a send nobody received (or a receive nothing was sent for) fails the
-job naming both processes; then each names a gradient it never applied."""
+job naming both processes; then the job's trace is written, where asked for; then each
+names a gradient it never applied."""
 from __future__ import annotations
 
 import os
@@ -11,6 +12,7 @@ import time
 import torch
 
 from . import communication as c
+from . import communication_trace
 
 
 def check_every_message_was_received() -> None:
@@ -23,12 +25,14 @@ def check_every_message_was_received() -> None:
     named = c._name_sends_left_unapplied(st)
     st.group.leave()  # a process still waiting for a message from this one fails now, naming it
     n = st.group.world_size
-    counts = torch.zeros(2, n, n, dtype=torch.int64)
+    every = torch.zeros(2 * n * n + n, dtype=torch.int64)  # the counts, then which processes trace
+    counts, tracing = every[:2 * n * n].view(2, n, n), every[2 * n * n:]
     counts[0, st.group.rank] = torch.tensor(st.sent)       # [0, p, q]: p sent to q
     counts[1, :, st.group.rank] = torch.tensor(st.received)  # [1, p, q]: q received from p
+    tracing[st.group.rank] = st.trace is not None
     try:
         c._drain(st)
-        st.group.allreduce(counts)
+        st.group.allreduce(every)
     except Exception:  # the job already failed (a peer lost): that error was reported
         return
     unmatched = [(p, q) for p in range(n) for q in range(n) if counts[0, p, q] != counts[1, p, q]]
@@ -41,6 +45,11 @@ def check_every_message_was_received() -> None:
                   f"{what} (every process must make the same calls in the same order)", file=sys.stderr, flush=True)
         st.group.abort(what)
         os._exit(1)
+    if tracing.any():
+        try:
+            communication_trace.write_at_exit(st, tracing.tolist())
+        except Exception as e:  # noqa: BLE001 - a peer lost while handing its record over
+            print(f"conveyor.distributed: the trace was not written: {e}", file=sys.stderr, flush=True)
     if not named:
         _name_gradients_never_applied(st)
 
