@@ -11,6 +11,7 @@ losses and the full model state (gathered from every process) to --out.
         python multiproc_worker.py --case mlp --stages 2 --out result.pt
 """
 import argparse
+import faulthandler
 import json
 import os
 import signal
@@ -70,6 +71,7 @@ def main():
     ap.add_argument("--transport", default="ucx", choices=["ucx", "nccl"], help="how pipeline messages cross processes")
     ap.add_argument("--gpu-per-process", action="store_true", help="cuda: process r on GPU r (NCCL needs one each)")
     args = ap.parse_args()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that finds it hung asks where
     if args.device == "cuda" and args.gpu_per_process:
         args.device = f"cuda:{int(os.environ.get('RANK', '0')) % torch.cuda.device_count()}"
     if args.device.startswith("cuda"):

@@ -343,7 +343,11 @@ def test_a_process_that_dies_mid_step_stops_every_other_naming_it(placement, tmp
             try:
                 text, _ = procs[rank].communicate(timeout=30)
             except subprocess.TimeoutExpired:
-                pytest.fail(f"process {rank} still runs 30 s after process 1 died")
+                procs[rank].send_signal(signal.SIGUSR1)  # its threads' Python stacks, then its output
+                time.sleep(1)
+                procs[rank].kill()
+                pytest.fail(f"process {rank} still runs 30 s after process 1 died; where it was:\n"
+                            + procs[rank].communicate()[0][-6000:])
             waited = time.monotonic() - died
             assert procs[rank].returncode != 0, text[-2000:]
             assert "process 1 was lost" in text, text[-3000:]
