@@ -18,6 +18,7 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <utility>
 
 #include "transport/cuda_memory.h"
 #include "transport/message_buffer.h"
@@ -312,11 +313,21 @@ void UcxMember::issue_send(int peer, Tag tag, const std::shared_ptr<OutgoingMess
                                                                          std::to_string(peer)));
   }
   ++in_flight_;
-  send_message(eps_[peer], ucx_tag(tag, rank_), message, lost(peer),
-               [this, finish, done = std::move(done)](Status s) mutable {
-                 --in_flight_;
-                 finish(std::move(done), std::move(s));
-               });
+  const std::uint64_t number = sends_issued_++;
+  sends_in_flight_.emplace(number, SendInFlight{peer, [finish, done = std::move(done)](Status s) mutable {
+                             finish(std::move(done), std::move(s));
+                           }});
+  send_message(eps_[peer], ucx_tag(tag, rank_), message, lost(peer), [this, number](Status s) {
+    auto it = sends_in_flight_.find(number);
+    if (it == sends_in_flight_.end()) return;  // finished already: its peer was lost
+    std::function<void(Status)> finish = std::move(it->second.finish);
+    sends_in_flight_.erase(it);
+    --in_flight_;
+    if (!s) {  // failed by the member's failure (its peer lost): that says why
+      if (Status e = current_error(); !e) s = e;
+    }
+    finish(std::move(s));
+  });
 }
 
 bool UcxMember::sent_by_caller(int peer, Tag tag, const std::shared_ptr<OutgoingMessage>& message, Done& done,
@@ -455,16 +466,39 @@ void UcxMember::close_on_progress_thread() {
     for (auto& w : work) w();
   }
   if (current_error().is_ok()) say_goodbye();
-  fail_now(Status(ErrorCode::kExecution, "the UCX endpoint was closed"));
+  const Status closed(ErrorCode::kExecution, "the UCX endpoint was closed");
+  fail_now(closed);
   close_endpoints(worker_, eps_, flush);
+  finish_sends(-1, closed);  // what the flush did not see through (a peer that never read it)
   drop_unreceived(worker_);
 }
 
 void UcxMember::fail_exited() {
   // A peer whose process ended fails everything, once what it sent before it ended has had
-  // a grace to be received.
+  // a grace to be received. A send still in flight to it (a rendezvous waiting for the dead
+  // process to read it) is finished here with the error, since UCX never completes it (its
+  // shared-memory transports have no error handling; over tcp UCX fails such sends itself),
+  // so whoever waits for it (a step, SendsInFlight::wait) learns of the loss instead of
+  // waiting out its timeout; and the endpoint is closed, forced.
   for (int peer : watched_.ended_before(kGrace)) {
-    fail_now(Status(ErrorCode::kExecution, lost(peer) + " (its process exited)"));
+    const Status error(ErrorCode::kExecution, lost(peer) + " (its process exited)");
+    fail_now(error);
+    finish_sends(peer, error);
+    std::vector<ucp_ep_h> gone{std::exchange(eps_[static_cast<std::size_t>(peer)], nullptr)};
+    close_endpoints(worker_, gone, /*flush=*/false);
+  }
+}
+
+void UcxMember::finish_sends(int peer, const Status& error) {
+  for (auto it = sends_in_flight_.begin(); it != sends_in_flight_.end();) {
+    if (peer >= 0 && it->second.peer != peer) {
+      ++it;
+      continue;
+    }
+    std::function<void(Status)> finish = std::move(it->second.finish);
+    it = sends_in_flight_.erase(it);
+    --in_flight_;
+    finish(error);
   }
 }
 

@@ -174,27 +174,100 @@ def test_a_receive_from_a_process_that_exited_fails_at_once_naming_it():
     assert "did not complete within" not in out, out[-3000:]
 
 
-def test_a_process_killed_mid_job_is_named_by_the_one_waiting_for_it():
-    """SIGKILL gives process 1 no chance to say it leaves: process 0, waiting in a receive
-    from it, fails within 10 s (the timeout is 60), naming the lost process. The processes
-    are started by hand (RANK, WORLD_SIZE, MASTER_*), as a cluster's own launcher would, so
-    no `conveyor launch` stops process 0 for it."""
+def by_hand(command: list, world: int, **env) -> list:
+    """`command` run as the `world` processes of a job started by hand (RANK, WORLD_SIZE,
+    MASTER_*), as a cluster's own launcher would: no `conveyor launch` stops the others when
+    one dies. Each one's (returncode, output)."""
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, str(Path(__file__).with_name("communication_worker.py"))],
-                              env=environment(MISMATCH="kill", CONVEYOR_TIMEOUT="60") | {
-                                  "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                                  "MASTER_PORT": str(port)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    procs = [subprocess.Popen(command, env=environment(**env) | {
+        "RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
     try:
         outs = [p.communicate(timeout=120)[0] for p in procs]
     finally:
         for p in procs:
             p.kill()
-    assert procs[1].returncode == -signal.SIGKILL, outs[1][-2000:]
-    assert procs[0].returncode != 0, outs[0][-3000:]
-    assert re.search(r"receive #\d+ from process 1.*process 1 was lost", outs[0]), outs[0][-3000:]
-    waited = re.search(r"process 0 failed ([\d.]+) s after it began waiting", outs[0])
-    assert waited and float(waited[1]) < 10, outs[0][-3000:]
+    return [(p.returncode, out) for p, out in zip(procs, outs)]
+
+
+def test_a_process_killed_mid_job_is_named_by_the_one_waiting_for_it():
+    """SIGKILL gives process 1 no chance to say it leaves: process 0, waiting in a receive
+    from it, fails within 10 s (the timeout is 60), naming the lost process (started by
+    hand: no launcher stops process 0 for it)."""
+    (code, out), (killed, last) = by_hand([sys.executable, str(Path(__file__).with_name("communication_worker.py"))],
+                                          2, MISMATCH="kill", CONVEYOR_TIMEOUT="60")
+    assert killed == -signal.SIGKILL, last[-2000:]
+    assert code != 0, out[-3000:]
+    assert re.search(r"receive #\d+ from process 1.*process 1 was lost", out), out[-3000:]
+    waited = re.search(r"process 0 failed ([\d.]+) s after it began waiting", out)
+    assert waited and float(waited[1]) < 10, out[-3000:]
+
+
+# Process 0 sends 48 KB to process 1 (under the shared region's threshold: UCX's rendezvous,
+# in flight until the receiver reads it), which is killed without receiving it; process 0
+# then waits in backward() for what it sent to arrive.
+SEND_TO_THE_KILLED = """
+import os, signal, time, torch
+import conveyor.distributed as dist
+dist.barrier()
+if dist.rank() == 1:
+    time.sleep(1)
+    os.kill(os.getpid(), signal.SIGKILL)
+dist.send(torch.ones(12000), 1)
+time.sleep(2)
+start = time.monotonic()
+try:
+    dist.backward()
+finally:
+    print(f"process 0 stopped waiting {time.monotonic() - start:.1f} s after it began", flush=True)
+"""
+
+
+def test_a_send_in_flight_to_a_killed_process_fails_within_seconds_naming_it():
+    """A send to a process that died before reading it used to stay in flight for good (UCX's
+    shared memory has no error handling), and the wait for it ran out the 60 s timeout saying
+    only that it did not complete; now the member finishes a lost peer's sends itself, with
+    the loss, and the wait ends within seconds naming the process. (UCX still warns at exit
+    that the request never came back to its pool.)"""
+    (code, out), (killed, _) = by_hand([sys.executable, "-c", SEND_TO_THE_KILLED], 2, CONVEYOR_TIMEOUT="60")
+    assert killed == -signal.SIGKILL
+    assert code != 0, out[-3000:]
+    assert re.search(r"send #\d+ to process 1.*process 1 was lost", out), out[-3000:]
+    waited = re.search(r"process 0 stopped waiting ([\d.]+) s", out)
+    assert waited and float(waited[1]) < 10, out[-3000:]
+
+
+# Process 1 joins and never calls the allreduce: process 0's times out, leaving its receive
+# from process 1 pending, which holds what the transport was given until the job ends.
+ALLREDUCE_LEFT_PENDING = """
+import gc, os, time, weakref, torch
+from conveyor import _C
+rank = int(os.environ["RANK"])
+g = _C.ProcessGroup(rank, 2, "127.0.0.1", int(os.environ["MASTER_PORT"]), job="pending", timeout_s=5)
+if rank == 1:
+    time.sleep(8)
+    os._exit(0)
+t = torch.ones(3)
+alive = weakref.ref(t)
+try:
+    g.allreduce(t)
+except Exception as e:
+    print("the allreduce failed:", e, flush=True)
+del t
+gc.collect()
+print("the tensor is freed" if alive() is None else "the transport still holds the tensor", flush=True)
+"""
+
+
+def test_a_tensor_given_to_an_allreduce_that_failed_is_not_held_by_the_transport():
+    """The transport holds its own handle on a Python tensor, never the tensor itself: it
+    drops what a failed call left pending on its own thread, maybe while Python finalizes,
+    and a tensor Python made needs the GIL to go (at exit after a peer died, a process
+    aborted with "terminate called without an active exception")."""
+    (code, out), _ = by_hand([sys.executable, "-c", ALLREDUCE_LEFT_PENDING], 2)
+    assert "the allreduce failed: process 0: an allreduce did not complete within 5000 ms" in out, out[-3000:]
+    assert "the tensor is freed" in out, out[-3000:]
+    assert code == 0 and "terminate called" not in out, out[-3000:]
 
 
 def test_communication_recomputed_by_checkpointing_is_refused_naming_why():
