@@ -73,8 +73,8 @@ class SendsInFlight {
       serial = state_->next++;
       state_->pending.emplace(serial, std::move(what));
     }
-    // The caller (a script) may write the tensors once this returns: nothing is read later.
-    for (at::Tensor& t : tensors) t = without_python(t);
+    // The caller (a script) may write the tensors once this returns: nothing is read later
+    // (so the transport holds none of them: no without_python here).
     endpoint_->send_copied(peer, tag, std::move(tensors), [state = state_, serial](Status s) {
       std::lock_guard<std::mutex> lock(state->mu);
       auto it = state->pending.find(serial);

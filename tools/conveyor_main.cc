@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <filesystem>
 #include <fstream>
 #include <map>
 #include <string>
@@ -313,8 +312,7 @@ int main(int argc, char** argv) {
       if (*transport_opt) job.transport = from_cli.transport;
       if (*trace_opt) job.trace = from_cli.trace;
     }
-    std::error_code ec;
-    if (*trace_opt && !std::filesystem::is_directory(std::filesystem::absolute(job.trace, ec).parent_path(), ec)) {
+    if (*trace_opt && !tools::missing_folder(job.trace).empty()) {
       return fail(Status(ErrorCode::kInvalidArgument, "--trace " + job.trace + ": its folder does not exist (make it first)"));
     }
     if (*hosts_opt) {

@@ -144,6 +144,12 @@ Result<JobConfig> job_defaults_from_environment() {
   return c;
 }
 
+std::string missing_folder(const std::string& path) {
+  std::error_code ec;
+  const std::filesystem::path dir = std::filesystem::absolute(path, ec).parent_path();
+  return std::filesystem::is_directory(dir, ec) ? "" : dir.string();
+}
+
 Result<JobConfig> parse_job_config(const std::string& content, const std::string& source, const JobConfig& defaults) {
   try {
     const toml::Node root = toml::parse(content);
@@ -183,12 +189,9 @@ Result<JobConfig> parse_job_config(const std::string& content, const std::string
     }
     c.schedule = text(t, "schedule", c.schedule, kSchedules);
     c.trace = text(t, "trace", c.trace);
-    if (!c.trace.empty()) {
-      const std::filesystem::path dir = std::filesystem::absolute(c.trace, ec).parent_path();
-      if (!std::filesystem::is_directory(dir, ec)) {
-        throw TomlError(t.get("trace")->line(), "trace = \"" + c.trace.substr(0, 200) + "\": the folder " + dir.string().substr(0, 200) +
-                                                    " does not exist (make it first)");
-      }
+    if (const std::string dir = c.trace.empty() ? "" : missing_folder(c.trace); !dir.empty()) {
+      throw TomlError(t.get("trace")->line(), "trace = \"" + c.trace.substr(0, 200) + "\": the folder " + dir.substr(0, 200) +
+                                                  " does not exist (make it first)");
     }
     c.replan = text(t, "replan", c.replan, kReplans);
     c.replan_horizon = whole_number(t, "replan_horizon", 1, 1000000000, c.replan_horizon);

@@ -39,6 +39,10 @@ struct JobConfig {
 /// naming the variable.
 Result<JobConfig> job_defaults_from_environment();
 
+/// The folder a file at `path` would go in, where that folder does not exist (a trace's,
+/// checked before any process starts); empty where it does.
+std::string missing_folder(const std::string& path);
+
 /// Reads a job config file (TOML) over `defaults` (what it does not set stays theirs);
 /// `source` names it in errors ("job.toml:7: ..."). Checks hosts and master_addr are host
 /// names or addresses, the plan a readable file and the trace's folder present.

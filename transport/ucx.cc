@@ -18,7 +18,6 @@
 #include <mutex>
 #include <optional>
 #include <thread>
-#include <utility>
 
 #include "transport/cuda_memory.h"
 #include "transport/message_buffer.h"
@@ -314,20 +313,21 @@ void UcxMember::issue_send(int peer, Tag tag, const std::shared_ptr<OutgoingMess
   }
   ++in_flight_;
   const std::uint64_t number = sends_issued_++;
-  sends_in_flight_.emplace(number, SendInFlight{peer, [finish, done = std::move(done)](Status s) mutable {
-                             finish(std::move(done), std::move(s));
-                           }});
+  sends_in_flight_.emplace(number, SendInFlight{peer, owner, std::move(done)});
   send_message(eps_[peer], ucx_tag(tag, rank_), message, lost(peer), [this, number](Status s) {
-    auto it = sends_in_flight_.find(number);
-    if (it == sends_in_flight_.end()) return;  // finished already: its peer was lost
-    std::function<void(Status)> finish = std::move(it->second.finish);
-    sends_in_flight_.erase(it);
-    --in_flight_;
     if (!s) {  // failed by the member's failure (its peer lost): that says why
       if (Status e = current_error(); !e) s = e;
     }
-    finish(std::move(s));
+    finish_send(sends_in_flight_.find(number), std::move(s));
   });
+}
+
+void UcxMember::finish_send(std::unordered_map<std::uint64_t, SendInFlight>::iterator it, Status s) {
+  if (it == sends_in_flight_.end()) return;  // finished already: its peer was lost
+  SendInFlight send = std::move(it->second);
+  sends_in_flight_.erase(it);
+  --in_flight_;
+  complete(send.owner, [done = std::move(send.done), s = std::move(s)] { done(s); });
 }
 
 bool UcxMember::sent_by_caller(int peer, Tag tag, const std::shared_ptr<OutgoingMessage>& message, Done& done,
@@ -477,28 +477,21 @@ void UcxMember::fail_exited() {
   // A peer whose process ended fails everything, once what it sent before it ended has had
   // a grace to be received. A send still in flight to it (a rendezvous waiting for the dead
   // process to read it) is finished here with the error, since UCX never completes it (its
-  // shared-memory transports have no error handling; over tcp UCX fails such sends itself),
-  // so whoever waits for it (a step, SendsInFlight::wait) learns of the loss instead of
-  // waiting out its timeout; and the endpoint is closed, forced.
+  // shared-memory transports have no error handling, and a forced close of the endpoint
+  // leaves it in flight too; over tcp UCX fails such sends itself), so whoever waits for it
+  // (a step, SendsInFlight::wait) learns of the loss instead of waiting out its timeout.
   for (int peer : watched_.ended_before(kGrace)) {
     const Status error(ErrorCode::kExecution, lost(peer) + " (its process exited)");
     fail_now(error);
     finish_sends(peer, error);
-    std::vector<ucp_ep_h> gone{std::exchange(eps_[static_cast<std::size_t>(peer)], nullptr)};
-    close_endpoints(worker_, gone, /*flush=*/false);
   }
 }
 
 void UcxMember::finish_sends(int peer, const Status& error) {
   for (auto it = sends_in_flight_.begin(); it != sends_in_flight_.end();) {
-    if (peer >= 0 && it->second.peer != peer) {
-      ++it;
-      continue;
-    }
-    std::function<void(Status)> finish = std::move(it->second.finish);
-    it = sends_in_flight_.erase(it);
-    --in_flight_;
-    finish(error);
+    auto next = std::next(it);
+    if (peer < 0 || it->second.peer == peer) finish_send(it, error);
+    it = next;
   }
 }
 

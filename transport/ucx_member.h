@@ -153,9 +153,17 @@ class UcxMember final : public UcxEndpoint {
   // A received first buffer from `from`, read: a message, or the one a region notice names.
   Result<IncomingMessage> read_received(const at::Tensor& first, int from, const std::optional<c10::Device>& device);
   void receive_parts(IncomingMessage message, int from, ucp_tag_t tag, std::thread::id owner, Received done);
+  // A send UCX has not completed: its peer, and what finishes it.
+  struct SendInFlight {
+    int peer;
+    std::thread::id owner;  // the thread that issued it (complete())
+    Done done;
+  };
   // Finishes with `error` the sends in flight to `peer` (every peer: -1), which UCX will not
   // complete, or whose completion then finds nothing to finish.
   void finish_sends(int peer, const Status& error);
+  // Finishes the send at `it` (none at end()) with `s`, as complete() says.
+  void finish_send(std::unordered_map<std::uint64_t, SendInFlight>::iterator it, Status s);
   // `done` with `result`, as complete() says.
   static void deliver(std::thread::id owner, Received done, Result<std::vector<at::Tensor>> result);
 
@@ -171,10 +179,6 @@ class UcxMember final : public UcxEndpoint {
   int in_flight_ = 0;                       // UCX requests not completed (under worker_mu_)
   // Sends UCX has not completed, by number: their peer, and what finishes them. A peer's loss
   // finishes its sends here (fail_exited): UCX completes none to a dead shared-memory peer.
-  struct SendInFlight {
-    int peer;
-    std::function<void(Status)> finish;
-  };
   std::unordered_map<std::uint64_t, SendInFlight> sends_in_flight_;  // under worker_mu_
   std::uint64_t sends_issued_ = 0;                                    // under worker_mu_
   std::unordered_set<void*> posted_parts_;  // receives of message parts in flight (under worker_mu_)

@@ -138,8 +138,8 @@ def init(transport: str | None = None, device=None, trace: str | os.PathLike | N
     global _state
     if _state is not None:
         raise ConveyorValueError("conveyor.distributed.init() comes before the first communication, once per process")
-    from . import distributed
     if transport is None:
+        from . import distributed
         transport = distributed.launch_settings().get("transport", "ucx")
     if trace is None:  # the launcher's file itself: one trace of the job, not one per process
         trace = os.environ.get("CONVEYOR_TRACE") or None

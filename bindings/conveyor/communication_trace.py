@@ -81,17 +81,21 @@ def span(recorder: Recorder | None, kind: int, peer: int = -1, seq: int = -1, la
 
 
 def _name(kind: int, peer: int, seq: int, label: str | None) -> str:
-    return {
-        SEND: lambda: f"send #{seq} to {peer}",
-        RECV: lambda: f"recv #{seq} from {peer}",
-        GRADIENT_OUT: lambda: f"gradient of recv #{seq} back to {peer}",
-        GRADIENT_IN: lambda: f"gradient of send #{seq} from {peer}",
-        BACKPROPAGATE: lambda: f"backward through send #{seq} to {peer}",
-        BACKWARD: lambda: "backward()" if label is None else f"backward(microbatch={label})",
-        LOSSES: lambda: "backward of the losses",
-        MICROBATCH: lambda: f"microbatch {label}",
-        CALL: lambda: label,
-    }[kind]()
+    if kind == SEND:
+        return f"send #{seq} to {peer}"
+    if kind == RECV:
+        return f"recv #{seq} from {peer}"
+    if kind == GRADIENT_OUT:
+        return f"gradient of recv #{seq} back to {peer}"
+    if kind == GRADIENT_IN:
+        return f"gradient of send #{seq} from {peer}"
+    if kind == BACKPROPAGATE:
+        return f"backward through send #{seq} to {peer}"
+    if kind == BACKWARD:
+        return "backward()" if label is None else f"backward(microbatch={label})"
+    if kind == LOSSES:
+        return "backward of the losses"
+    return f"microbatch {label}" if kind == MICROBATCH else label  # CALL: the collective's name
 
 
 def _flow(sender: int, receiver: int, seq: int, gradient: bool, n: int) -> int:
