@@ -39,14 +39,6 @@ struct NcclHandle {
   }
 };
 
-// `t` as the transport gets it from Python: a new TensorImpl over the same memory (detach()).
-// The transport may drop its last reference on its own thread after the call returned (a
-// call that failed or timed out leaves its receives pending), possibly while Python
-// finalizes: a tensor Python made would need the GIL there to release its PyObject, and
-// taking it then ends the thread (pthread_exit through noexcept frames: std::terminate, as
-// an allreduce at exit after a peer died did), or waits on a main thread that joins it.
-at::Tensor without_python(const at::Tensor& t) { return t.detach(); }
-
 // The endpoint messages of `group` go over: `via` (one of its lane endpoints), or its UCX one.
 std::shared_ptr<transport::Endpoint> endpoint_of(const runtime::ProcessGroup& group,
                                                  std::shared_ptr<transport::LaneEndpoint> via) {
@@ -74,7 +66,7 @@ class SendsInFlight {
       state_->pending.emplace(serial, std::move(what));
     }
     // The caller (a script) may write the tensors once this returns: nothing is read later
-    // (so the transport holds none of them: no without_python here).
+    // (so the transport holds none of them).
     endpoint_->send_copied(peer, tag, std::move(tensors), [state = state_, serial](Status s) {
       std::lock_guard<std::mutex> lock(state->mu);
       auto it = state->pending.find(serial);
@@ -356,9 +348,8 @@ void bind_processes(py::module_& m) {
         return py::bytes(out);
       }, py::arg("root"), py::arg("data"), "root's bytes, on every process.")
       .def("broadcast", [](const runtime::ProcessGroup& g, at::Tensor t, int root) {
-        at::Tensor mine = without_python(t);
-        py::gil_scoped_release nogil;
-        check(g.broadcast(std::move(mine), root));
+        py::gil_scoped_release nogil;  // the group keeps no tensor Python made (transport::without_python)
+        check(g.broadcast(std::move(t), root));
       }, py::arg("tensor"), py::arg("root"), "tensor becomes process root's, in place, on every process.")
       .def("recv", [](const runtime::ProcessGroup& g, int peer, std::uint64_t tag, const std::string& what,
                       const std::shared_ptr<transport::LaneEndpoint>& via) {
@@ -368,9 +359,8 @@ void bind_processes(py::module_& m) {
          "The tensors process peer sends under tag (waiting at most the group's timeout); `what` names it in errors. "
          "`via`: the LaneEndpoint it comes over (None: the group's UCX endpoint).")
       .def("allreduce", [](const runtime::ProcessGroup& g, at::Tensor t) {
-        at::Tensor mine = without_python(t);
-        py::gil_scoped_release nogil;
-        check(g.wait([&](transport::Done d) { g.all().allreduce(mine, d); }, "an allreduce"));
+        py::gil_scoped_release nogil;  // the group keeps no tensor Python made (transport::without_python)
+        check(g.wait([&](transport::Done d) { g.all().allreduce(t, d); }, "an allreduce"));
       }, py::arg("tensor"), "tensor becomes the sum over the processes (in process order), in place.")
       .def("nccl", [](runtime::ProcessGroup& g, const std::string& device) {
         auto dev = c10::Device(device);

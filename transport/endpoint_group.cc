@@ -201,10 +201,11 @@ class Member final : public EndpointGroup {
   int size() const override { return static_cast<int>(g_->members.size()); }
 
   void allreduce(at::Tensor t, Done done) override {
+    t = without_python(t);
     auto op = start({CollectiveKind::kAllReduce, 0, t, {}}, std::move(done));
     if (!op) return;
     const int n = size(), me = rank();
-    at::Tensor flat = t.detach().contiguous().view(-1);
+    at::Tensor flat = t.contiguous().view(-1);
     if (flat.numel() * static_cast<std::int64_t>(flat.element_size()) <= kWholeTensorAllreduceBytes || flat.numel() < n) {
       for (int j : op->others()) op->send(j, 0, flat);
       op->receive(op->others(), 0, [op, t, flat, me](std::vector<at::Tensor>& parts) {
@@ -251,10 +252,11 @@ class Member final : public EndpointGroup {
   }
 
   void reduce(at::Tensor t, int root, Done done) override {
+    t = without_python(t);
     auto op = start({CollectiveKind::kReduce, root, t, {}}, std::move(done));
     if (!op) return;
     if (rank() != root) {
-      op->send(root, 0, t.detach());
+      op->send(root, 0, t);
       // Done once the root has it: wait for the root's acknowledgement (or its abort).
       op->receive({root}, 1, [op](std::vector<at::Tensor>&) {
         op->finish(Status::ok());
@@ -263,7 +265,7 @@ class Member final : public EndpointGroup {
       return;
     }
     op->receive(op->others(), 0, [op, t, root](std::vector<at::Tensor>& parts) {
-      t.copy_(sum_in_member_order(parts, t.detach(), root));
+      t.copy_(sum_in_member_order(parts, t, root));
       for (int j : op->others()) op->send(j, 1, at::Tensor());
       op->finish(Status::ok());
       return Status::ok();
@@ -271,10 +273,11 @@ class Member final : public EndpointGroup {
   }
 
   void broadcast(at::Tensor t, int root, Done done) override {
+    t = without_python(t);
     auto op = start({CollectiveKind::kBroadcast, root, t, {}}, std::move(done));
     if (!op) return;
     if (rank() == root) {
-      for (int j : op->others()) op->send(j, 0, t.detach());
+      for (int j : op->others()) op->send(j, 0, t);
       // Done once every member has it (or one refused the call).
       op->receive(op->others(), 1, [op](std::vector<at::Tensor>&) {
         op->finish(Status::ok());
@@ -291,9 +294,11 @@ class Member final : public EndpointGroup {
   }
 
   void allgather(at::Tensor in, at::Tensor out, Done done) override {
+    in = without_python(in);
+    out = without_python(out);
     auto op = start({CollectiveKind::kAllGather, 0, in, out}, std::move(done));
     if (!op) return;
-    for (int j : op->others()) op->send(j, 0, in.detach());
+    for (int j : op->others()) op->send(j, 0, in);
     const int me = rank();
     op->receive(op->others(), 0, [op, in, out, me](std::vector<at::Tensor>& parts) {
       const std::int64_t k = in.size(0);
@@ -304,13 +309,15 @@ class Member final : public EndpointGroup {
   }
 
   void reduce_scatter(at::Tensor in, at::Tensor out, Done done) override {
+    in = without_python(in);
+    out = without_python(out);
     auto op = start({CollectiveKind::kReduceScatter, 0, in, out}, std::move(done));
     if (!op) return;
     const std::int64_t k = out.size(0);
-    for (int j : op->others()) op->send(j, 0, in.detach().narrow(0, j * k, k));
+    for (int j : op->others()) op->send(j, 0, in.narrow(0, j * k, k));
     const int me = rank();
     op->receive(op->others(), 0, [op, in, out, me, k](std::vector<at::Tensor>& parts) {
-      out.copy_(sum_in_member_order(parts, in.detach().narrow(0, me * k, k), me));
+      out.copy_(sum_in_member_order(parts, in.narrow(0, me * k, k), me));
       op->finish(Status::ok());
       return Status::ok();
     });

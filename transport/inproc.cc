@@ -96,7 +96,7 @@ class InprocEndpoint final : public Endpoint {
 struct Call : CollectiveCall {
   Call() = default;
   Call(CollectiveKind kind, int root, at::Tensor in, at::Tensor out, Done done)
-      : CollectiveCall{kind, root, std::move(in), std::move(out)}, done(std::move(done)) {}
+      : CollectiveCall{kind, root, without_python(in), without_python(out)}, done(std::move(done)) {}
   Done done;
   bool arrived = false;
 };

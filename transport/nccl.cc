@@ -225,6 +225,7 @@ class NcclMember final : public NcclGroup {
   // completion thread once the kernels have finished (or at once with a launch error).
   void launch(std::vector<at::Tensor> hold, const std::string& what, Done done,
               const std::function<nccl_abi::Result(nccl_abi::Stream)>& issue) {
+    for (at::Tensor& t : hold) t = without_python(t);
     Pending pending{std::make_unique<c10::Event>(device_.type()), std::move(hold), std::move(done), what};
     {
       std::lock_guard<std::mutex> launch(launch_mutex());

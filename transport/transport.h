@@ -57,9 +57,20 @@ class Endpoint {
 enum class CollectiveKind : std::uint8_t { kAllReduce, kReduce, kBroadcast, kAllGather, kReduceScatter };
 std::string collective_kind_name(CollectiveKind kind);
 
+/// `t` as a transport keeps it: a new TensorImpl over the same memory (detach()), undefined
+/// stays undefined. A transport may drop its last reference to what it was given on its own
+/// thread after the call returned (a call that failed or timed out leaves its receives
+/// pending), possibly while Python finalizes: a tensor Python made (a parameter, a script's
+/// tensor) would need the GIL there to release its PyObject, and taking it then ends the
+/// thread (pthread_exit through noexcept frames: std::terminate, as an allreduce at exit
+/// after a peer died did), or waits on a main thread that joins it. Every backend keeps
+/// only such views of its callers' tensors.
+inline at::Tensor without_python(const at::Tensor& t) { return t.defined() ? t.detach() : t; }
+
 /// One member's handle on a group. Every member calls the same operations in the same order
 /// (a mismatch is an error naming both calls); sums run in member order, so results are
-/// bitwise deterministic.
+/// bitwise deterministic. A call writes its tensors in place and keeps only without_python
+/// views of them.
 class Collective {
  public:
   virtual ~Collective() = default;

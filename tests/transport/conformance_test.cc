@@ -410,6 +410,32 @@ TEST_P(CollectiveConformance, AbortCompletesAWaitingMemberWithTheError) {
   EXPECT_NE(s.message().find("member 2 died"), std::string::npos) << s.message();
 }
 
+// A call left pending (its peers never came; a peer died) is dropped later on the
+// transport's thread, perhaps while Python finalizes: it holds only its own handles on the
+// caller's memory, never the caller's tensors, which Python may own (transport.h).
+TEST_P(CollectiveConformance, APendingCallHoldsNoHandleTheCallerGaveIt) {
+  const std::vector<std::pair<std::string, std::function<void(Collective&, at::Tensor, at::Tensor, Done)>>> calls = {
+      {"allreduce", [](Collective& c, at::Tensor in, at::Tensor, Done d) { c.allreduce(in, std::move(d)); }},
+      {"reduce", [](Collective& c, at::Tensor in, at::Tensor, Done d) { c.reduce(in, 0, std::move(d)); }},
+      {"broadcast", [](Collective& c, at::Tensor in, at::Tensor, Done d) { c.broadcast(in, 1, std::move(d)); }},
+      {"allgather", [](Collective& c, at::Tensor in, at::Tensor out, Done d) { c.allgather(in, out, std::move(d)); }},
+      {"reduce_scatter",
+       [](Collective& c, at::Tensor in, at::Tensor out, Done d) { c.reduce_scatter(in, out, std::move(d)); }},
+  };
+  for (const auto& [name, call] : calls) {
+    GROUP_OR_SKIP(group, 2);
+    // Large enough that UCX's allreduce splits it (endpoint_group.cc), small enough for inproc.
+    at::Tensor in = at::ones({1 << 15}, at::kFloat);
+    at::Tensor out = name == "allgather" ? at::empty({2 << 15}) : at::empty({1 << 14});
+    std::promise<Status> done;
+    call(*group[0], in, out, [&done](Status s) { done.set_value(std::move(s)); });
+    EXPECT_EQ(in.use_count(), 1) << name << " holds the caller's input";
+    EXPECT_EQ(out.use_count(), 1) << name << " holds the caller's output";
+    GetParam().abort_group(*group[1], Status(ErrorCode::kExecution, "member 1 died"));
+    EXPECT_FALSE(done.get_future().get().is_ok()) << name;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, Conformance, ::testing::ValuesIn(backends()),
                          [](const ::testing::TestParamInfo<Backend>& info) { return info.param.name; });
 INSTANTIATE_TEST_SUITE_P(Backends, CollectiveConformance, ::testing::ValuesIn(collective_backends()),
