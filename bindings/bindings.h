@@ -36,6 +36,12 @@ T unwrap(Result<T> r) {
   return std::move(r).value();
 }
 
+/// Python's signal handlers, run from a wait that released the GIL (module.cc). Only on the
+/// main thread, where Python runs them (elsewhere: false at once, without the GIL). True
+/// when one raised (Ctrl-C's KeyboardInterrupt): the exception is kept, and the wait's
+/// error, which must then be kInterrupted, is raised as it instead.
+bool python_signal_raised();
+
 /// A Python value (tensor, int, float, bool, None) as an IValue; a TypeError otherwise.
 inline c10::IValue to_ivalue(py::handle h) {
   if (h.is_none()) return {};

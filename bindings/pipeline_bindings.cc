@@ -102,6 +102,7 @@ void bind_pipeline(py::module_& m) {
                options.step_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(step_timeout_s * 1000));
              }
              options.seed = seed;
+             options.interrupted = python_signal_raised;  // Ctrl-C fails a step (and a job across processes)
              for (const std::string& r : recompute) {
                auto mode = recomputation_from_name(r);
                if (!mode) {

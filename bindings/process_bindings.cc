@@ -9,6 +9,7 @@
 #include <mutex>
 #include <optional>
 
+#include "common/blocking_call.h"
 #include "common/timeouts.h"
 #include "runtime/process_group.h"
 #include "transport/lane_endpoint.h"
@@ -28,7 +29,12 @@ struct NcclHandle {
   std::chrono::milliseconds timeout;
   void run(const std::string& what, const std::function<void(transport::Done)>& issue) const {
     py::gil_scoped_release nogil;
-    std::optional<Status> done = transport::wait_within(issue, timeout);
+    bool stopped = false;
+    std::optional<Status> done = transport::wait_within(issue, timeout, nullptr, [&] { return stopped = python_signal_raised(); });
+    if (stopped) {
+      group->abort(Status(ErrorCode::kExecution, "NCCL " + what + " was interrupted"));
+      raise(Status(ErrorCode::kInterrupted, "NCCL " + what + " was interrupted; the group is aborted"));
+    }
     if (!done) {
       Status late(ErrorCode::kExecution, "NCCL " + what + " did not complete within " + std::to_string(timeout.count()) +
                                              " ms (a member that hangs or is gone); the group is aborted");
@@ -80,7 +86,16 @@ class SendsInFlight {
     {
       py::gil_scoped_release nogil;
       std::unique_lock<std::mutex> lock(state_->mu);
-      if (!state_->all_done.wait_for(lock, group_->timeout(), [&] { return state_->pending.empty(); })) {
+      const auto deadline = std::chrono::steady_clock::now() + group_->timeout();
+      while (!state_->all_done.wait_until(lock, std::min(deadline, std::chrono::steady_clock::now() + kStopAskedEvery),
+                                          [&] { return state_->pending.empty(); })) {
+        if (std::chrono::steady_clock::now() >= deadline) break;
+        const std::string oldest = state_->pending.begin()->second;
+        lock.unlock();
+        if (group_->interrupted(oldest)) raise(Status(ErrorCode::kInterrupted, "interrupted while waiting for " + oldest));
+        lock.lock();
+      }
+      if (!state_->pending.empty()) {
         const std::string& oldest = state_->pending.begin()->second;
         const std::size_t n = state_->pending.size();
         Status late(ErrorCode::kExecution, "process " + std::to_string(group_->rank()) + ": " + oldest +
@@ -316,6 +331,7 @@ void bind_processes(py::module_& m) {
              o.version = version;
              o.secret = secret;
              o.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(timeout_s * 1000));
+             o.interrupted = python_signal_raised;  // Ctrl-C ends a wait on the peers, and the job
              py::gil_scoped_release nogil;
              return unwrap(runtime::ProcessGroup::create(o));
            }),
@@ -338,7 +354,7 @@ void bind_processes(py::module_& m) {
       }, py::arg("why"), "Gives up: everything pending and later fails with `why`; close() then only closes.")
       .def_property_readonly("rank", &runtime::ProcessGroup::rank)
       .def_property_readonly("world_size", &runtime::ProcessGroup::world_size)
-      .def("broadcast_bytes", [](const runtime::ProcessGroup& g, int root, const py::bytes& data) {
+      .def("broadcast_bytes", [](runtime::ProcessGroup& g, int root, const py::bytes& data) {
         std::string in = data;
         std::string out;
         {
@@ -347,18 +363,18 @@ void bind_processes(py::module_& m) {
         }
         return py::bytes(out);
       }, py::arg("root"), py::arg("data"), "root's bytes, on every process.")
-      .def("broadcast", [](const runtime::ProcessGroup& g, at::Tensor t, int root) {
+      .def("broadcast", [](runtime::ProcessGroup& g, at::Tensor t, int root) {
         py::gil_scoped_release nogil;  // the group keeps no tensor Python made (transport::without_python)
         check(g.broadcast(std::move(t), root));
       }, py::arg("tensor"), py::arg("root"), "tensor becomes process root's, in place, on every process.")
-      .def("recv", [](const runtime::ProcessGroup& g, int peer, std::uint64_t tag, const std::string& what,
+      .def("recv", [](runtime::ProcessGroup& g, int peer, std::uint64_t tag, const std::string& what,
                       const std::shared_ptr<transport::LaneEndpoint>& via) {
         py::gil_scoped_release nogil;
         return unwrap(g.receive(peer, tag, what, via.get()));
       }, py::arg("peer"), py::arg("tag"), py::arg("what"), py::arg("via") = nullptr,
          "The tensors process peer sends under tag (waiting at most the group's timeout); `what` names it in errors. "
          "`via`: the LaneEndpoint it comes over (None: the group's UCX endpoint).")
-      .def("allreduce", [](const runtime::ProcessGroup& g, at::Tensor t) {
+      .def("allreduce", [](runtime::ProcessGroup& g, at::Tensor t) {
         py::gil_scoped_release nogil;  // the group keeps no tensor Python made (transport::without_python)
         check(g.wait([&](transport::Done d) { g.all().allreduce(t, d); }, "an allreduce"));
       }, py::arg("tensor"), "tensor becomes the sum over the processes (in process order), in place.")

@@ -16,6 +16,10 @@
 
 namespace conveyor {
 
+/// How often a wait that may be stopped asks whether to stop (a caller's interruption, as
+/// Python's Ctrl-C, checked by transport::wait_within and runtime::StepRun::wait).
+inline constexpr std::chrono::milliseconds kStopAskedEvery{100};
+
 /// How a waited-for blocking call ended.
 enum class BlockingCallEnd { kReturned, kTimedOut, kAbandoned };
 

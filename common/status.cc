@@ -19,6 +19,7 @@ std::string_view error_code_name(ErrorCode code) {
     case ErrorCode::kIo: return "io";
     case ErrorCode::kUnsupported: return "unsupported";
     case ErrorCode::kDoesNotFit: return "does_not_fit";
+    case ErrorCode::kInterrupted: return "interrupted";
     case ErrorCode::kInternal: return "internal";
   }
   return "unknown";

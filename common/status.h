@@ -24,6 +24,7 @@ enum class ErrorCode : std::uint8_t {
   kIo,               ///< the file system said no
   kUnsupported,      ///< valid input that conveyor does not handle yet
   kDoesNotFit,       ///< no plan fits the cluster's memory
+  kInterrupted,      ///< a wait was ended by its caller (Python's Ctrl-C), and the job with it
   kInternal,
 };
 

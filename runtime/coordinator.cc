@@ -89,7 +89,8 @@ Result<std::unique_ptr<Coordinator>> Coordinator::create(scheduler::Schedule sch
 }
 
 Result<runtime::RunResult> Coordinator::run_step(std::chrono::milliseconds timeout,
-                                                   const std::function<void(runtime::RunResult&)>& complete) {
+                                                   const std::function<void(runtime::RunResult&)>& complete,
+                                                   const std::function<bool()>& stop) {
   if (impl_->failed) {
     // A replica still inside a hook of the failed step would leave this step waiting for it.
     for (int w : impl_->failed->stuck()) {
@@ -103,7 +104,7 @@ Result<runtime::RunResult> Coordinator::run_step(std::chrono::milliseconds timeo
   auto step = runtime::StepRun::create(impl_->schedule, impl_->hooks, impl_->replicas, impl_->local, impl_->splits);
   if (!step) return step.status();
   caf::anon_send(impl_->coordinator, step_atom::value, *step);
-  auto measured = (*step)->wait(timeout);
+  auto measured = (*step)->wait(timeout, stop);
   if (!measured) impl_->failed = *step;
   if (measured && complete) complete(*measured);
   if (measured) caf::anon_send(impl_->partitioner, profile_atom::value, std::make_shared<const runtime::RunResult>(*measured));

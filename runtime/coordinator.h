@@ -77,9 +77,11 @@ class Coordinator {
   /// returns kExecution naming where each unfinished replica waits. A hook still running
   /// then keeps its replica's thread (this returns instead of hanging); later steps fail at
   /// once naming that replica. `complete` may add to a successful step's measurement
-  /// (work the hooks did off the schedule) before it goes to the PartitionerActor.
+  /// (work the hooks did off the schedule) before it goes to the PartitionerActor. `stop`:
+  /// asked while it waits, true fails the step (StepRun::wait).
   Result<runtime::RunResult> run_step(std::chrono::milliseconds timeout = std::chrono::minutes(10),
-                                        const std::function<void(runtime::RunResult&)>& complete = {});
+                                        const std::function<void(runtime::RunResult&)>& complete = {},
+                                        const std::function<bool()>& stop = {});
 
   /// The PartitionerActor's comparison of the measured steps with the prediction.
   Result<ProfileReport> profile_report(std::chrono::milliseconds timeout = std::chrono::seconds(10)) const;

@@ -41,6 +41,7 @@ struct PipelineStep::Impl {
   StepSettings settings;
   int intra_op_threads = 0;  // fixed by the caller; 0: the caller's shared out
   std::chrono::milliseconds step_timeout{std::chrono::minutes(10)};
+  std::function<bool()> interrupted;  // PipelineOptions::interrupted
   std::uint64_t steps_begun = 0;
   bool out_of_step = false;  // a failed step left the processes out of step
   c10::Event* step_start = nullptr;  // streams: the device's start of the step
@@ -231,6 +232,7 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
   }
   im.intra_op_threads = std::max(options.intra_op_threads, 0);
   im.step_timeout = options.step_timeout;
+  im.interrupted = options.interrupted;
   // The replicas' actors live as long as the pipeline; their hooks reach the owners above.
   Impl* self = impl.get();
   RunnerHooks hooks;
@@ -363,7 +365,7 @@ Result<StepResult> PipelineStep::run_begun(double grad_scale, bool hold_gradient
                                       std::chrono::duration<double>(std::chrono::steady_clock::now() - measured.start).count());
     }
   };
-  auto measured = im.coordinator->run_step(im.step_timeout, complete);
+  auto measured = im.coordinator->run_step(im.step_timeout, complete, im.interrupted);
   at::set_num_threads(caller_threads);  // the setting is process-wide as well as per thread
   if (im.streams && !synchronized) synchronize_device(im.streams->device());  // a failed step: before its tensors go
   Status send_error = im.remote ? im.remote->send_error() : Status::ok();

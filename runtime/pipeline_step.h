@@ -75,6 +75,10 @@ struct PipelineOptions {
   enum class Transport { kUcx, kNccl } transport = Transport::kUcx;
   /// A step that does not finish within this fails, naming where each replica waits.
   std::chrono::milliseconds step_timeout{std::chrono::minutes(10)};
+  /// Asked about every 100 ms while a step waits for its replicas: true fails the step
+  /// (kInterrupted), and the job when it spans processes. The bindings run Python's signal
+  /// handlers there, so Ctrl-C stops a step.
+  std::function<bool()> interrupted;
   /// Random operators (dropout) of the forward of microbatch m of stage s, replica i, in
   /// step k draw from a generator seeded with a hash of (seed, k, s, m, i): the same draws
   /// whatever the threads' timing and whichever process runs the replica. None: drawn from

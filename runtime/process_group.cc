@@ -18,6 +18,7 @@ Result<std::shared_ptr<ProcessGroup>> ProcessGroup::create(const ProcessGroupOpt
   group->rank_ = options.rank;
   group->world_ = options.world;
   group->timeout_ = options.timeout;
+  group->interrupted_ = options.interrupted;
   if (options.world < 1 || options.rank < 0 || options.rank >= options.world) {
     return Status(ErrorCode::kInvalidArgument, "RANK " + std::to_string(options.rank) + " with WORLD_SIZE " +
                                                    std::to_string(options.world) + " (RANK must be 0 to WORLD_SIZE - 1)");
@@ -40,6 +41,7 @@ Result<std::shared_ptr<ProcessGroup>> ProcessGroup::create(const ProcessGroupOpt
   }
   join.address.assign(address.begin(), address.end());
   join.timeout = options.timeout;
+  join.interrupted = options.interrupted;
   CONVEYOR_ASSIGN_OR_RETURN(auto met, runtime::rendezvous(join));
   for (int peer = 0; peer < options.world; ++peer) {
     if (peer == options.rank) continue;
@@ -80,8 +82,14 @@ void ProcessGroup::close() {
   }
 }
 
-Status ProcessGroup::wait(const std::function<void(transport::Done)>& issue, const std::string& what) const {
-  std::optional<Status> done = transport::wait_within(issue, timeout_, endpoint_.get());
+Status ProcessGroup::wait(const std::function<void(transport::Done)>& issue, const std::string& what) {
+  bool stopped = false;
+  std::optional<Status> done = transport::wait_within(issue, timeout_, endpoint_.get(), [&] {
+    return stopped = interrupted(what);
+  });
+  if (stopped) {
+    return Status(ErrorCode::kInterrupted, "process " + std::to_string(rank_) + ": interrupted while waiting for " + what);
+  }
   if (!done) {
     return Status(ErrorCode::kExecution, "process " + std::to_string(rank_) + ": " + what + " did not complete within " +
                                              std::to_string(timeout_.count()) + " ms" + whom_it_waited_for());
@@ -90,7 +98,7 @@ Status ProcessGroup::wait(const std::function<void(transport::Done)>& issue, con
 }
 
 Result<std::vector<at::Tensor>> ProcessGroup::receive(int peer, transport::Tag tag, const std::string& what,
-                                                      transport::Endpoint* via) const {
+                                                      transport::Endpoint* via) {
   transport::Endpoint& from = via != nullptr ? *via : *endpoint_;
   // Shared with the callback, which may still run after a timeout.
   auto got = std::make_shared<Result<std::vector<at::Tensor>>>(Status(ErrorCode::kInternal, "nothing received"));
@@ -106,6 +114,12 @@ Result<std::vector<at::Tensor>> ProcessGroup::receive(int peer, transport::Tag t
   return std::move(*got);
 }
 
+bool ProcessGroup::interrupted(const std::string& what) {
+  if (!interrupted_ || !interrupted_()) return false;
+  abort(Status(ErrorCode::kExecution, "process " + std::to_string(rank_) + " was interrupted while waiting for " + what));
+  return true;
+}
+
 std::string ProcessGroup::whom_it_waited_for() const {
   const std::vector<int> silent = endpoint_->silent_peers(std::chrono::seconds(2));
   if (silent.empty()) {
@@ -118,7 +132,7 @@ std::string ProcessGroup::whom_it_waited_for() const {
                             : ": processes " + who + " do not answer (stopped or hung)";
 }
 
-Result<std::string> ProcessGroup::broadcast_bytes(int root, const std::string& bytes) const {
+Result<std::string> ProcessGroup::broadcast_bytes(int root, const std::string& bytes) {
   at::Tensor length = at::full({1}, static_cast<std::int64_t>(bytes.size()), at::kLong);
   CONVEYOR_RETURN_IF_ERROR(broadcast(length, root));
   at::Tensor data = at::empty({length.item<std::int64_t>()}, at::kByte);
@@ -128,7 +142,7 @@ Result<std::string> ProcessGroup::broadcast_bytes(int root, const std::string& b
   return std::string(p, p + data.numel());
 }
 
-Status ProcessGroup::broadcast(at::Tensor tensor, int root) const {
+Status ProcessGroup::broadcast(at::Tensor tensor, int root) {
   return wait([&](transport::Done d) { all_->broadcast(tensor, root, d); },
               "a broadcast from process " + std::to_string(root));
 }
@@ -149,7 +163,7 @@ Status ProcessGroup::agree_on_nccl(const c10::Device& device, const std::string&
 }
 
 // Process 0's `count` fresh NCCL unique ids, on every process.
-Result<std::vector<std::vector<std::uint8_t>>> ProcessGroup::unique_ids(int count) const {
+Result<std::vector<std::vector<std::uint8_t>>> ProcessGroup::unique_ids(int count) {
   std::string ids;
   Status made = Status::ok();
   for (int k = 0; rank_ == 0 && k < count && made.is_ok(); ++k) {

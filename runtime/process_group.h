@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -36,6 +37,12 @@ struct ProcessGroupOptions {
   std::string version;             ///< the conveyor version announced (empty: this build's)
   std::string secret;              ///< the job's secret (empty: secret::job_secret())
   std::chrono::milliseconds timeout{std::chrono::seconds(120)};  ///< rendezvous and every later wait
+  /// Asked about every 100 ms by the rendezvous and each wait of the group's (wait() and
+  /// what waits through it), on the waiting thread: true ends the wait (kInterrupted) and
+  /// the job (abort(): the others learn within seconds that this process stopped). The
+  /// bindings run Python's signal handlers there, so Ctrl-C stops a process waiting on its
+  /// peers instead of waiting out the timeout.
+  std::function<bool()> interrupted;
 };
 
 /// The processes of one job, connected every one to every other.
@@ -53,20 +60,24 @@ class ProcessGroup {
   /// The collective group over every process (member i is process i).
   transport::EndpointGroup& all() const { return *all_; }
 
-  /// Waits for `issue`'s operation within the group's timeout; a timeout names `what`.
-  Status wait(const std::function<void(transport::Done)>& issue, const std::string& what) const;
+  /// Waits for `issue`'s operation within the group's timeout; a timeout names `what`, an
+  /// interruption (ProcessGroupOptions::interrupted) ends it and the job.
+  Status wait(const std::function<void(transport::Done)>& issue, const std::string& what);
+  /// Whether the caller waiting for `what` is to stop (ProcessGroupOptions::interrupted):
+  /// then the job is aborted, naming this process and `what`. For a wait of the caller's own.
+  bool interrupted(const std::string& what);
   /// The next message process `peer` sends under `tag`, within the group's timeout; a timeout
   /// names `what` and the processes that do not answer, as wait() does. `via`: the endpoint
   /// it comes over (one of this group's lane endpoints); null, the group's UCX endpoint.
   Result<std::vector<at::Tensor>> receive(int peer, transport::Tag tag, const std::string& what,
-                                          transport::Endpoint* via = nullptr) const;
+                                          transport::Endpoint* via = nullptr);
   /// Why a wait between processes timed out, naming the processes that do not answer a ping
   /// within 2 s (stopped or hung), to append to the timeout's message. Before abort().
   std::string whom_it_waited_for() const;
   /// `root`'s bytes, on every process.
-  Result<std::string> broadcast_bytes(int root, const std::string& bytes) const;
+  Result<std::string> broadcast_bytes(int root, const std::string& bytes);
   /// `tensor` becomes process `root`'s on every process (CPU or device memory).
-  Status broadcast(at::Tensor tensor, int root) const;
+  Status broadcast(at::Tensor tensor, int root);
   /// The NCCL group over every process on `device` (this process's GPU; member i is process
   /// i), made on first use: every process says whether it can join (so one that cannot
   /// fails them all, named, instead of leaving them waiting in NCCL), process 0 makes the
@@ -107,6 +118,7 @@ class ProcessGroup {
   ProcessGroup() = default;
   int rank_ = 0, world_ = 1;
   std::chrono::milliseconds timeout_{0};
+  std::function<bool()> interrupted_;
   std::shared_ptr<transport::UcxEndpoint> endpoint_;
   std::shared_ptr<transport::EndpointGroup> all_;
   std::shared_ptr<void> rendezvous_;  // process 0: the published rendezvous actor
@@ -135,7 +147,7 @@ class ProcessGroup {
   // OK when `members` are distinct processes of the job, in ascending order.
   Status check_members(const std::vector<int>& members) const;
   // Process 0's `count` fresh NCCL unique ids, handed to every process.
-  Result<std::vector<std::vector<std::uint8_t>>> unique_ids(int count) const;
+  Result<std::vector<std::vector<std::uint8_t>>> unique_ids(int count);
 };
 
 }  // namespace conveyor::runtime

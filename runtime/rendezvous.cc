@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "common/blocking_call.h"
 #include "common/secret.h"
 
 #include "runtime/actor_messages.h"
@@ -229,6 +230,10 @@ Result<std::unique_ptr<Rendezvous>> rendezvous(const JoinRequest& req) {
         target = *remote;
         break;
       }
+      if (req.interrupted && req.interrupted()) {
+        return Status(ErrorCode::kInterrupted, "process " + std::to_string(req.rank) +
+                                                   " was interrupted while looking for process 0 at " + where);
+      }
       if (Clock::now() >= deadline) {
         return Status(ErrorCode::kExecution, "process " + std::to_string(req.rank) + " found no process 0 at " + where +
                                                  " within " + std::to_string(req.timeout.count()) +
@@ -242,7 +247,17 @@ Result<std::unique_ptr<Rendezvous>> rendezvous(const JoinRequest& req) {
       {"rank", req.rank}, {"world", req.world}, {"version", req.version}, {"job", req.job}, {"address", secret::to_hex(req.address)}};
   const auto left = std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()),
                              std::chrono::milliseconds(1));
-  auto reply = ask(target, request, req.secret, left, where);
+  // The answer comes once every process joined: asked on a thread of its own, so that an
+  // interruption need not wait for it (the thread ends at the request's timeout, or at once
+  // when process 0's actor goes).
+  auto asked = wait_for_blocking_call<Result<std::string>>(
+      [target, request, secret = req.secret, left, where] { return ask(target, request, secret, left, where); }, {},
+      left + std::chrono::seconds(5), req.interrupted, kStopAskedEvery);
+  if (asked.end == BlockingCallEnd::kAbandoned) {
+    return Status(ErrorCode::kInterrupted, "process " + std::to_string(req.rank) +
+                                               " was interrupted while waiting for the others to join at " + where);
+  }
+  Result<std::string> reply = asked.value ? std::move(*asked.value) : Result<std::string>(Status(ErrorCode::kExecution, "timeout"));
   if (!reply) {
     if (reply.status().message() != "timeout") return reply.status();
     std::string missing = "?";

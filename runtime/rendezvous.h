@@ -12,6 +12,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -30,6 +31,9 @@ struct JoinRequest {
   std::string address;             ///< this process's data-plane address (bytes)
   std::string secret;              ///< the job's secret (never sent; it signs the request)
   std::chrono::milliseconds timeout{std::chrono::seconds(120)};
+  /// Asked about every 100 ms while this waits for process 0 or for the others to join: true
+  /// gives up (kInterrupted). The bindings run Python's signal handlers there (Ctrl-C).
+  std::function<bool()> interrupted;
 };
 
 /// Held by process 0 while the job runs (the published actor and its port); nothing for the others.

@@ -17,6 +17,7 @@
 #include <thread>
 #include <tuple>
 
+#include "common/blocking_call.h"
 #include "runtime/comm_thread_impl.h"
 
 namespace conveyor::runtime {
@@ -289,13 +290,30 @@ void StepRun::run_replica(int w) {
   st_->done.notify_all();
 }
 
-Result<RunResult> StepRun::wait(std::chrono::milliseconds timeout) {
+Result<RunResult> StepRun::wait(std::chrono::milliseconds timeout, const std::function<bool()>& stop) {
   State& st = *st_;
   const int workers = static_cast<int>(st.workers.size());
   const auto deadline = Clock::now() + timeout;
+  auto grace = deadline;  // for the replicas to leave their actions after a failure
   std::unique_lock<std::mutex> lock(st.mu);
-  const bool in_time = st.done.wait_until(lock, deadline, [&] { return st.finished == workers || st.failed; });
-  if (!in_time) {
+  const auto ended = [&] { return st.finished == workers || st.failed; };
+  bool in_time = false, interrupted = false;
+  while (!in_time && !interrupted && Clock::now() < deadline) {
+    const auto slice = stop ? std::min(deadline, Clock::now() + kStopAskedEvery) : deadline;
+    in_time = st.done.wait_until(lock, slice, ended);
+    if (!in_time && stop) {
+      lock.unlock();
+      interrupted = stop();
+      lock.lock();
+    }
+  }
+  in_time = in_time || ended();
+  if (!in_time && interrupted) {
+    lock.unlock();
+    st.fail(Status(ErrorCode::kInterrupted, "the step was interrupted"));
+    lock.lock();
+    grace = Clock::now() + std::chrono::seconds(5);
+  } else if (!in_time) {
     std::string where;
     for (int w = 0; w < workers; ++w) {
       if (st.waiting[w].empty()) continue;
@@ -318,7 +336,7 @@ Result<RunResult> StepRun::wait(std::chrono::milliseconds timeout) {
   // Failed: let every replica leave the action it is in (closed channels wake the waiting
   // ones), and the communication thread finish what it runs, before the caller reuses or
   // frees what the hooks touch. What does not return in time is left behind, named by stuck().
-  const auto grace = std::max(deadline, Clock::now() + std::chrono::seconds(1));
+  grace = std::max(grace, Clock::now() + std::chrono::seconds(1));
   st.done.wait_until(lock, grace, [&] {
     for (bool in : st.inside) {
       if (in) return false;

@@ -91,8 +91,10 @@ class StepRun {
   /// action named; a step that does not finish within `timeout` returns kExecution naming
   /// where each unfinished replica waits. After a failure, waits (within the same timeout)
   /// for the other replicas to leave their current action, so their hooks no longer run
-  /// when this returns; `stuck()` then names any that did not.
-  Result<RunResult> wait(std::chrono::milliseconds timeout);
+  /// when this returns; `stuck()` then names any that did not. `stop`, when given, is asked
+  /// about every 100 ms while it waits (the bindings run Python's signal handlers there):
+  /// true fails the step (kInterrupted), whose replicas then get 5 s to leave.
+  Result<RunResult> wait(std::chrono::milliseconds timeout, const std::function<bool()>& stop = {});
 
   /// Workers still inside run_replica (a hook that never returned), after wait().
   std::vector<int> stuck() const;

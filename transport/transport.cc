@@ -5,6 +5,8 @@
 #include <future>
 #include <thread>
 
+#include "common/blocking_call.h"
+
 namespace conveyor::transport {
 
 std::string collective_kind_name(CollectiveKind kind) {
@@ -120,21 +122,33 @@ namespace {
 // Whether `future` is ready within `timeout`. It first polls for a few microseconds, yielding
 // the core, and advancing `helping` (the endpoint it waits on) itself meanwhile: the reply to
 // a small message often comes that soon, and a thread that slept waits for the kernel to
-// wake it (tens of microseconds on a virtual machine's cores).
+// wake it (tens of microseconds on a virtual machine's cores). Then it sleeps, asking
+// `stop` (when given) every kStopAskedEvery whether to give up.
 template <class T>
-bool ready_within(std::future<T>& future, std::chrono::milliseconds timeout, Endpoint* helping = nullptr) {
+bool ready_within(std::future<T>& future, std::chrono::milliseconds timeout, Endpoint* helping = nullptr,
+                  const std::function<bool()>& stop = {}) {
   constexpr auto kPoll = std::chrono::microseconds(50);
-  const auto until = std::chrono::steady_clock::now() + kPoll;
+  const auto start = std::chrono::steady_clock::now();
+  const auto until = start + kPoll;
   while (std::chrono::steady_clock::now() < until) {
     if (future.wait_for(std::chrono::seconds(0)) == std::future_status::ready) return true;
     if (helping != nullptr) helping->progress_here();
     std::this_thread::yield();
   }
-  if (timeout == std::chrono::milliseconds::max()) {
+  const bool forever = timeout == std::chrono::milliseconds::max();
+  if (!stop) {
+    if (!forever) return future.wait_for(timeout) == std::future_status::ready;
     future.wait();
     return true;
   }
-  return future.wait_for(timeout) == std::future_status::ready;
+  const auto deadline = forever ? std::chrono::steady_clock::time_point::max() : start + timeout;
+  for (;;) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) return future.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+    const auto slice = deadline - now < kStopAskedEvery ? deadline - now : std::chrono::steady_clock::duration(kStopAskedEvery);
+    if (future.wait_for(slice) == std::future_status::ready) return true;
+    if (stop()) return false;
+  }
 }
 
 }  // namespace
@@ -142,11 +156,11 @@ bool ready_within(std::future<T>& future, std::chrono::milliseconds timeout, End
 Status wait_for(const std::function<void(Done)>& issue) { return *wait_within(issue, std::chrono::milliseconds::max()); }
 
 std::optional<Status> wait_within(const std::function<void(Done)>& issue, std::chrono::milliseconds timeout,
-                                  Endpoint* helping) {
+                                  Endpoint* helping, const std::function<bool()>& stop) {
   auto promise = std::make_shared<std::promise<Status>>();
   auto future = promise->get_future();
   issue([promise](Status s) { promise->set_value(std::move(s)); });
-  if (!ready_within(future, timeout, helping)) return std::nullopt;
+  if (!ready_within(future, timeout, helping, stop)) return std::nullopt;
   return future.get();
 }
 

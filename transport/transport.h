@@ -121,8 +121,10 @@ Status wait_for(const std::function<void(Done)>& issue);
 /// The same, waiting at most `timeout`: nothing when the operation has not completed by then
 /// (its callback may still run later). `helping`: the endpoint the operation runs on, which
 /// the waiter advances itself for a few microseconds before it sleeps (Endpoint::progress_here).
+/// `stop`, when given, is asked about every kStopAskedEvery (common/blocking_call.h) while it
+/// waits: true ends the wait at once, as a timeout would.
 std::optional<Status> wait_within(const std::function<void(Done)>& issue, std::chrono::milliseconds timeout,
-                                  Endpoint* helping = nullptr);
+                                  Endpoint* helping = nullptr, const std::function<bool()>& stop = {});
 
 /// Receives the next message `peer` sends under `tag`, waiting at most `timeout`.
 Result<std::vector<at::Tensor>> receive_within(Endpoint& endpoint, int peer, Tag tag,

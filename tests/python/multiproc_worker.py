@@ -62,6 +62,9 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", required=True)
     ap.add_argument("--die-at-step", type=int, default=-1, help="this process kills itself during that step")
+    ap.add_argument("--signal", default="KILL", choices=["KILL", "STOP", "INT"],
+                    help="what --die-at-step sends: SIGKILL, SIGSTOP (a hung process) or SIGINT (Ctrl-C)")
+    ap.add_argument("--signal-delay", type=float, default=0.0, help="seconds after half the step that it comes")
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--job", default="", help="the job fingerprint announced (default: the case's name)")
     ap.add_argument("--version", default="", help="the conveyor version announced (default: this build's)")
@@ -72,6 +75,7 @@ def main():
     ap.add_argument("--gpu-per-process", action="store_true", help="cuda: process r on GPU r (NCCL needs one each)")
     args = ap.parse_args()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that finds it hung asks where
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even where started with SIGINT ignored
     if args.device == "cuda" and args.gpu_per_process:
         args.device = f"cuda:{int(os.environ.get('RANK', '0')) % torch.cuda.device_count()}"
     if args.device.startswith("cuda"):
@@ -114,9 +118,10 @@ def main():
     step_s = 0.0
     for k in range(args.steps):
         if k == args.die_at_step:
-            # Dies in the middle of the step: a thread kills the process half a step in.
+            # Dies in the middle of the step: a thread signals the process half a step in.
             import threading
-            threading.Timer(step_s / 2, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+            sig = getattr(signal, "SIG" + args.signal)
+            threading.Timer(step_s / 2 + args.signal_delay, lambda: os.kill(os.getpid(), sig)).start()
         optimizer.zero_grad(set_to_none=True)
         start = time.perf_counter()
         loss, _, _ = step.run(inputs)

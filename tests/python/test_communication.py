@@ -270,6 +270,47 @@ def test_a_tensor_given_to_an_allreduce_that_failed_is_not_held_by_the_transport
     assert code == 0 and "terminate called" not in out, out[-3000:]
 
 
+# Both processes wait to receive from the other; process 1 gets Ctrl-C's SIGINT a second in
+# (its handler made sure of: a shell's background job starts with SIGINT ignored).
+INTERRUPTED_WHILE_WAITING = """
+import os, signal, threading, time, torch
+import conveyor.distributed as dist
+signal.signal(signal.SIGINT, signal.default_int_handler)
+dist.barrier()
+start = time.monotonic()
+if dist.rank() == 1:
+    threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+try:
+    dist.recv(1 - dist.rank())
+except KeyboardInterrupt:
+    print(f"KeyboardInterrupt {time.monotonic() - start - 1:.1f} s after the signal", flush=True)
+    try:
+        dist.recv(0)
+    except Exception as e:
+        print("and then:", e, flush=True)
+    raise
+except Exception as e:
+    print(f"process {dist.rank()} failed {time.monotonic() - start:.1f} s after it began waiting: {e}", flush=True)
+    raise
+"""
+
+
+def test_ctrl_c_ends_a_wait_on_the_peers_and_the_job_within_seconds():
+    """A process waiting in a receive runs Python's signal handlers while it waits: Ctrl-C
+    raises KeyboardInterrupt there within a second, not at the end of the timeout (60 s
+    here), and gives up the job, so the process waiting for it fails within seconds naming
+    it, and a later call of the interrupted one says why it cannot go on."""
+    (code, out), (interrupted, last) = by_hand([sys.executable, "-c", INTERRUPTED_WHILE_WAITING], 2,
+                                               CONVEYOR_TIMEOUT="60")
+    after = re.search(r"KeyboardInterrupt ([\d.]+) s after the signal", last)
+    assert after and float(after[1]) < 1.5, last[-3000:]
+    assert "and then: " in last and "process 1 was interrupted while waiting for" in last, last[-3000:]
+    assert interrupted != 0 and last.rstrip().endswith("KeyboardInterrupt"), last[-3000:]
+    failed = re.search(r"process 0 failed ([\d.]+) s after it began waiting: .*process 1 was lost", out)
+    assert failed and float(failed[1]) < 10, out[-3000:]
+    assert code != 0
+
+
 def test_communication_recomputed_by_checkpointing_is_refused_naming_why():
     out = mismatched("checkpoint", 20)
     assert "conveyor.distributed.send called inside a backward pass (activation checkpointing" in out, out[-3000:]

@@ -355,6 +355,27 @@ def test_a_process_that_dies_mid_step_stops_every_other_naming_it(placement, tmp
 
 
 @needs_ucx
+def test_ctrl_c_stops_a_step_waiting_for_a_hung_process_and_the_job(tmp_path):
+    """Process 1 hangs (SIGSTOP) during step 2, and process 0 gets Ctrl-C's SIGINT 2 s later,
+    while its step waits for process 1: the step runs Python's signal handlers as it waits,
+    so process 0 stops with KeyboardInterrupt within seconds, not at the timeout (60 s)."""
+    port = free_port()
+    args = ["--case", "mlp", "--steps", "4", "--timeout", "60", "--die-at-step", "2"]
+    with Job() as job:
+        procs = [job.start([*args, "--out", str(tmp_path / "x.pt"), "--signal", ["INT", "STOP"][r],
+                            "--signal-delay", ["2", "0"][r]], env_for(r, 2, port)) for r in range(2)]
+        try:
+            text, _ = procs[0].communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            procs[0].send_signal(signal.SIGUSR1)
+            time.sleep(1)
+            procs[0].kill()
+            pytest.fail("process 0 still runs 30 s after its Ctrl-C; where it was:\n" + procs[0].communicate()[0][-6000:])
+        assert procs[0].returncode != 0, text[-3000:]
+        assert text.rstrip().endswith("KeyboardInterrupt") and "step.run(inputs)" in text, text[-3000:]
+
+
+@needs_ucx
 @pytest.mark.parametrize("what, flag, expected", [
     ("version", ["--version", "0.0.0-other"], "process 1 runs conveyor 0.0.0-other but process 0 runs conveyor"),
     ("job", ["--job", "another-model"], "process 1 runs a different model or plan than process 0"),

@@ -2,6 +2,7 @@
 secret) neither joins nor aborts a forming job and learns nothing from its refusal; a late
 process cannot take a rank; and nothing of a job listens beyond the address it names."""
 import os
+import re
 import subprocess
 import sys
 import time
@@ -63,6 +64,31 @@ def wait_for_line(p, text: str, timeout: float = 60) -> None:
         if not line and p.poll() is not None:
             raise AssertionError(f"process ended before printing {text!r}")
     raise AssertionError(f"no {text!r} within {timeout} s")
+
+
+# Joins a job nobody else joins, and gets Ctrl-C's SIGINT a second in.
+INTERRUPTED_JOINER = """
+import os, signal, threading, time
+from conveyor import _C
+signal.signal(signal.SIGINT, signal.default_int_handler)
+threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+start = time.monotonic()
+try:
+    _C.ProcessGroup(int(os.environ["RANK"]), 2, "127.0.0.1", int(os.environ["MASTER_PORT"]), "job", 60.0, "", "s")
+except KeyboardInterrupt:
+    print(f"KeyboardInterrupt {time.monotonic() - start - 1:.1f} s after the signal", flush=True)
+"""
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_ctrl_c_stops_a_process_waiting_at_the_rendezvous(rank):
+    """Process 0 waiting for the others to join, or another waiting for process 0 to
+    listen, stops at Ctrl-C within a second, not at the rendezvous's timeout (60 s here)."""
+    env = dict(os.environ, RANK=str(rank), MASTER_PORT=str(free_port()), UCX_NET_DEVICES="lo")
+    text = subprocess.run([sys.executable, "-c", INTERRUPTED_JOINER], env=env, capture_output=True, text=True,
+                          timeout=50).stdout
+    after = re.search(r"KeyboardInterrupt ([\d.]+) s after the signal", text)
+    assert after and float(after[1]) < 1.5, text
 
 
 def test_an_impostor_neither_joins_nor_aborts_a_forming_job():

@@ -425,6 +425,45 @@ TEST(Coordinator, AHookThatNeverReturnsTimesOutNamingWhereRanksWaitAndFailsLater
   EXPECT_TRUE(recovered.is_ok()) << recovered.status().to_string();
 }
 
+// A step waiting for a replica that waits for a peer asks its caller whether to stop (the
+// bindings: Ctrl-C): told so, it fails at once with kInterrupted, well inside its timeout,
+// and once the replica is released the pipeline runs again.
+TEST(Coordinator, AStepItsCallerStopsFailsAtOnceAndTheNextRuns) {
+  auto schedule = make_schedule({ScheduleKind::kOneFOneB, 2, 2});
+  ASSERT_TRUE(schedule.is_ok());
+  auto rec = std::make_shared<Recorder>(schedule->spec);
+  auto release = std::make_shared<std::promise<void>>();
+  std::shared_future<void> gate = release->get_future().share();
+  auto held = std::make_shared<std::atomic<bool>>(true);
+  RunnerHooks hooks = rec->hooks();
+  auto inner = hooks.compute;
+  hooks.compute = [rec, inner, gate, held](int r, int, const Action& a) {
+    if (*held && r == 1 && a.kind == ActionKind::kForward && a.microbatch == 0) gate.wait();  // a peer that hangs
+    return inner(r, 0, a);
+  };
+  hooks.transfer = [rec](int r, int, const Action& a) { return rec->transfer(r, a); };
+  hooks.allreduce = [rec](int r, int, const Action& a) { return rec->allreduce(r, a); };
+  auto coordinator = runtime::Coordinator::create(*schedule, hooks);
+  ASSERT_TRUE(coordinator.is_ok());
+  std::atomic<int> asked{0};
+  const auto start = std::chrono::steady_clock::now();
+  std::thread releaser([&] {  // the hung replica comes back a while after the interruption
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+    *held = false;
+    release->set_value();
+  });
+  auto result = (*coordinator)->run_step(std::chrono::seconds(60), {}, [&] { return ++asked >= 3; });
+  const auto took = std::chrono::steady_clock::now() - start;
+  releaser.join();
+  ASSERT_FALSE(result.is_ok());
+  EXPECT_EQ(result.status().code(), ErrorCode::kInterrupted) << result.status().to_string();
+  EXPECT_EQ(asked.load(), 3);  // asked about every 100 ms, and not after it said stop
+  EXPECT_LT(took, std::chrono::seconds(10));  // the interruption, then the replica's return
+  rec->reset();
+  auto next = (*coordinator)->run_step(std::chrono::seconds(30));
+  EXPECT_TRUE(next.is_ok()) << next.status().to_string();
+}
+
 // Live profiles: every measured step reaches the PartitionerActor, whose report compares
 // each stage's measured times with the simulator's prediction for the same schedule.
 TEST(Coordinator, LiveProfilesCompareEachStageWithThePrediction) {

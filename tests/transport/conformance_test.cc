@@ -441,6 +441,24 @@ INSTANTIATE_TEST_SUITE_P(Backends, Conformance, ::testing::ValuesIn(backends()),
 INSTANTIATE_TEST_SUITE_P(Backends, CollectiveConformance, ::testing::ValuesIn(collective_backends()),
                          [](const ::testing::TestParamInfo<Backend>& info) { return info.param.name; });
 
+// A wait asks `stop` about every 100 ms (the bindings: Ctrl-C): true ends it at once, as a
+// timeout would, whatever the timeout left.
+TEST(WaitWithin, EndsWhenAskedToStop) {
+  auto world = make_inproc_endpoints({at::kCPU, at::kCPU});
+  int asked = 0;
+  const auto start = std::chrono::steady_clock::now();
+  auto got = wait_within([&](Done d) { world[0]->recv(1, 7, [d](Result<std::vector<at::Tensor>> r) { d(r.status()); }); },
+                         std::chrono::minutes(1), nullptr, [&] { return ++asked == 3; });
+  EXPECT_FALSE(got.has_value());
+  EXPECT_EQ(asked, 3);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  // Never told to stop, it still ends at its timeout.
+  got = wait_within([&](Done d) { world[0]->recv(1, 8, [d](Result<std::vector<at::Tensor>> r) { d(r.status()); }); },
+                    std::chrono::milliseconds(250), nullptr, [] { return false; });
+  EXPECT_FALSE(got.has_value());
+  abort_inproc(*world[0], Status(ErrorCode::kExecution, "the test ends"));
+}
+
 // Inproc specifics: zero-copy on the receiver's device.
 TEST(Inproc, SameDeviceMessagesShareStorage) {
   auto eps = make_inproc_endpoints({at::kCPU, at::kCPU});
