@@ -383,22 +383,26 @@ TEST(Coordinator, AFailingHookStopsEveryRankAndNamesItself) {
   EXPECT_NE(result.status().message().find("out of memory in the test"), std::string::npos);
 }
 
-TEST(Coordinator, AHookThatNeverReturnsTimesOutNamingWhereRanksWaitAndFailsLaterStepsAtOnce) {
-  auto schedule = make_schedule({ScheduleKind::kOneFOneB, 3, 4});
-  ASSERT_TRUE(schedule.is_ok());
-  // The stuck hook outlives the step: what it touches is owned by the hook.
-  auto rec = std::make_shared<Recorder>(schedule->spec);
-  auto release = std::make_shared<std::promise<void>>();
-  std::shared_future<void> gate = release->get_future().share();
+// `rec`'s hooks, whose compute holds rank `rank`'s forward of `microbatch` until `gate` is
+// ready (a peer lost or hung, say). What the held hook touches is owned by the hooks: it may
+// outlive the step.
+RunnerHooks held_at(const std::shared_ptr<Recorder>& rec, int rank, int microbatch, std::shared_future<void> gate) {
   RunnerHooks hooks = rec->hooks();
-  auto inner = hooks.compute;
-  hooks.compute = [rec, inner, gate](int r, int, const Action& a) {
-    if (r == 1 && a.kind == ActionKind::kForward && a.microbatch == 1) gate.wait();  // a lost peer, say
+  hooks.compute = [rec, inner = hooks.compute, gate, rank, microbatch](int r, int, const Action& a) {
+    if (r == rank && a.kind == ActionKind::kForward && a.microbatch == microbatch) gate.wait();
     return inner(r, 0, a);
   };
   hooks.transfer = [rec](int r, int, const Action& a) { return rec->transfer(r, a); };
   hooks.allreduce = [rec](int r, int, const Action& a) { return rec->allreduce(r, a); };
-  auto coordinator = runtime::Coordinator::create(*schedule, hooks);
+  return hooks;
+}
+
+TEST(Coordinator, AHookThatNeverReturnsTimesOutNamingWhereRanksWaitAndFailsLaterStepsAtOnce) {
+  auto schedule = make_schedule({ScheduleKind::kOneFOneB, 3, 4});
+  ASSERT_TRUE(schedule.is_ok());
+  auto rec = std::make_shared<Recorder>(schedule->spec);
+  auto release = std::make_shared<std::promise<void>>();
+  auto coordinator = runtime::Coordinator::create(*schedule, held_at(rec, 1, 1, release->get_future().share()));
   ASSERT_TRUE(coordinator.is_ok());
   auto result = (*coordinator)->run_step(std::chrono::milliseconds(300));
   ASSERT_FALSE(result.is_ok());
@@ -433,23 +437,12 @@ TEST(Coordinator, AStepItsCallerStopsFailsAtOnceAndTheNextRuns) {
   ASSERT_TRUE(schedule.is_ok());
   auto rec = std::make_shared<Recorder>(schedule->spec);
   auto release = std::make_shared<std::promise<void>>();
-  std::shared_future<void> gate = release->get_future().share();
-  auto held = std::make_shared<std::atomic<bool>>(true);
-  RunnerHooks hooks = rec->hooks();
-  auto inner = hooks.compute;
-  hooks.compute = [rec, inner, gate, held](int r, int, const Action& a) {
-    if (*held && r == 1 && a.kind == ActionKind::kForward && a.microbatch == 0) gate.wait();  // a peer that hangs
-    return inner(r, 0, a);
-  };
-  hooks.transfer = [rec](int r, int, const Action& a) { return rec->transfer(r, a); };
-  hooks.allreduce = [rec](int r, int, const Action& a) { return rec->allreduce(r, a); };
-  auto coordinator = runtime::Coordinator::create(*schedule, hooks);
+  auto coordinator = runtime::Coordinator::create(*schedule, held_at(rec, 1, 0, release->get_future().share()));
   ASSERT_TRUE(coordinator.is_ok());
   std::atomic<int> asked{0};
   const auto start = std::chrono::steady_clock::now();
   std::thread releaser([&] {  // the hung replica comes back a while after the interruption
     std::this_thread::sleep_for(std::chrono::seconds(1));
-    *held = false;
     release->set_value();
   });
   auto result = (*coordinator)->run_step(std::chrono::seconds(60), {}, [&] { return ++asked >= 3; });
