@@ -261,7 +261,7 @@ TEST(Coordinator, ReplicasPlacedInOtherProcessesAreReachedThroughTheHooks) {
   const ScheduleSpec spec{ScheduleKind::kOneFOneB, 2, 4};
   auto schedule = make_schedule(spec);
   ASSERT_TRUE(schedule.is_ok());
-  for (const std::vector<int> replicas : {std::vector<int>{2, 2}, std::vector<int>{2, 1}}) {
+  for (const std::vector<int>& replicas : {std::vector<int>{2, 2}, std::vector<int>{2, 1}}) {
     const int m = spec.microbatches, most = 2;
     // Process 0 runs replica 0 of every rank, process 1 the rest.
     auto process_of = [](int, int i) { return i == 0 ? 0 : 1; };
