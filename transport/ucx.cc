@@ -221,7 +221,10 @@ void UcxMember::abort(Status error) {
     std::lock_guard<std::mutex> lock(mu_);
     if (error_.is_ok()) error_ = error;
   }
-  post([this, error] { fail_now(error); });
+  post([this, error] {
+    say_goodbye(error.message());  // the peers learn at once, and why, rather than when this process goes
+    fail_now(error);
+  });
 }
 
 std::vector<int> UcxMember::silent_peers(std::chrono::milliseconds within) {
@@ -481,7 +484,7 @@ void UcxMember::fail_exited() {
   // leaves it in flight too; over tcp UCX fails such sends itself), so whoever waits for it
   // (a step, SendsInFlight::wait) learns of the loss instead of waiting out its timeout.
   for (int peer : watched_.ended_before(kGrace)) {
-    const Status error(ErrorCode::kExecution, lost(peer) + " (its process exited)");
+    const Status error(ErrorCode::kExecution, lost(peer, "(its process exited)"));
     fail_now(error);
     finish_sends(peer, error);
   }

@@ -90,7 +90,9 @@ class UcxMember final : public UcxEndpoint {
   };
 
   Status check_peer(int peer) const { return transport::check_peer(rank_, world_, peer); }
-  std::string lost(int peer) const { return noun_ + " " + std::to_string(peer) + " was lost"; }
+  // "process 2 was lost" and `how` ("(its process exited)"); or, when the peer said in its
+  // goodbye why it gave the job up, "process 2 gave up the job: " and why.
+  std::string lost(int peer, const std::string& how = "") const;
   Status current_error();
 
   // Runs `completion`, of an operation thread `owner` issued: at once, unless this is a
@@ -147,7 +149,8 @@ class UcxMember final : public UcxEndpoint {
   // tag is not a collective's), once the grace after the sender's word has passed; or "".
   std::string why_nothing_comes(ucp_tag_t tag) const;
   bool answer_pings(bool before_sleep = false);
-  void say_goodbye();
+  // `why`: this member gives the job up (abort), and its peers' errors say why.
+  void say_goodbye(const std::string& why = "");
   void receive_probed(ucp_tag_message_h msg, std::size_t length, int from, ucp_tag_t tag, std::thread::id owner,
                       Received done, const std::optional<c10::Device>& device = std::nullopt);
   // A received first buffer from `from`, read: a message, or the one a region notice names.
@@ -191,6 +194,9 @@ class UcxMember final : public UcxEndpoint {
   // When each peer said goodbye (written by the progress thread; read holding the worker).
   std::vector<std::optional<std::chrono::steady_clock::time_point>> closed_at_ =
       std::vector<std::optional<std::chrono::steady_clock::time_point>>(static_cast<std::size_t>(world_));
+  // Why each peer gave the job up, when its goodbye said (as closed_at_).
+  std::vector<std::string> gave_up_because_ = std::vector<std::string>(static_cast<std::size_t>(world_));
+  bool said_goodbye_ = false;  // progress thread only
   // When each peer said it leaves (kLeavingTag; as closed_at_).
   std::vector<std::optional<std::chrono::steady_clock::time_point>> leaving_at_ =
       std::vector<std::optional<std::chrono::steady_clock::time_point>>(static_cast<std::size_t>(world_));

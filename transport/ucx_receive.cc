@@ -3,6 +3,9 @@
 // pings, goodbyes and leavings. Everything here runs holding the worker.
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <cstring>
+
 #include "transport/endpoint_group.h"
 #include "transport/ucx_member.h"
 #include "transport/ucx_message.h"
@@ -64,7 +67,7 @@ std::string UcxMember::why_nothing_comes(ucp_tag_t tag) const {
   const auto& leaving = leaving_at_[static_cast<std::size_t>(from)];
   if (!closed && !leaving) return {};
   const auto now = std::chrono::steady_clock::now();
-  if (closed && now - *closed >= kGrace) return lost(from) + " (it closed its endpoint)";
+  if (closed && now - *closed >= kGrace) return lost(from, "(it closed its endpoint)");
   const Tag caller_tag = tag >> kRankBits;
   if (leaving && now - *leaving >= kGrace && caller_tag < kLeavingTag && (caller_tag & kCollectiveTagBit) == 0) {
     return noun_ + " " + std::to_string(from) + " sent nothing for this before it left the job (its work ended, " +
@@ -99,8 +102,15 @@ bool UcxMember::answer_pings(bool before_sleep) {
                          [this, peer](Result<std::vector<at::Tensor>>) { send_tagged(peer, kPongTag, {}, [](Status) {}); });
         } else {  // a peer that closed or leaves: what it sent before stays receivable
           auto& when = (tag == kByeTag ? closed_at_ : leaving_at_)[static_cast<std::size_t>(peer)];
+          auto& why = gave_up_because_[static_cast<std::size_t>(peer)];
           receive_probed(msg, info.length, peer, info.sender_tag, std::thread::id{},
-                         [&when](Result<std::vector<at::Tensor>>) { when = std::chrono::steady_clock::now(); });
+                         [&when, &why](Result<std::vector<at::Tensor>> got) {
+                           when = std::chrono::steady_clock::now();
+                           if (got.is_ok() && got->size() == 1 && (*got)[0].scalar_type() == at::kByte) {
+                             const auto* text = (*got)[0].data_ptr<std::uint8_t>();  // a goodbye that says why
+                             why.assign(text, text + (*got)[0].numel());
+                           }
+                         });
         }
       }
     }
@@ -108,10 +118,27 @@ bool UcxMember::answer_pings(bool before_sleep) {
   return any;
 }
 
-void UcxMember::say_goodbye() {
-  // Closing: tells every connected peer (what waits on this member there fails at once),
-  // progressing the messages for at most 200 ms.
-  at::Tensor bye = frame_message({}).header;
+std::string UcxMember::lost(int peer, const std::string& how) const {
+  const std::string& why = gave_up_because_[static_cast<std::size_t>(peer)];
+  const std::string who = noun_ + " " + std::to_string(peer);
+  if (!why.empty()) return who + " gave up the job: " + why;
+  return who + " was lost" + (how.empty() ? "" : " " + how);
+}
+
+void UcxMember::say_goodbye(const std::string& why) {
+  // Closing, or giving the job up: tells every connected peer (what waits on this member
+  // there fails at once, saying `why` if given), progressing the messages for at most 200 ms.
+  if (said_goodbye_) return;
+  said_goodbye_ = true;
+  constexpr std::size_t kMostSaid = 2000;  // bytes of `why` said
+  std::vector<at::Tensor> said;
+  if (!why.empty()) {
+    const std::size_t n = std::min(why.size(), kMostSaid);
+    at::Tensor text = at::empty({static_cast<std::int64_t>(n)}, at::kByte);
+    std::memcpy(text.data_ptr(), why.data(), n);
+    said.push_back(text);
+  }
+  at::Tensor bye = frame_message(said, /*device_memory=*/false, /*copied=*/true).header;
   std::vector<ucs_status_ptr_t> sent;
   for (int peer = 0; peer < world_; ++peer) {
     if (peer == rank_ || !eps_[peer]) continue;

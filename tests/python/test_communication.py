@@ -306,9 +306,38 @@ def test_ctrl_c_ends_a_wait_on_the_peers_and_the_job_within_seconds():
     assert after and float(after[1]) < 1.5, last[-3000:]
     assert "and then: " in last and "process 1 was interrupted while waiting for" in last, last[-3000:]
     assert interrupted != 0 and last.rstrip().endswith("KeyboardInterrupt"), last[-3000:]
-    failed = re.search(r"process 0 failed ([\d.]+) s after it began waiting: .*process 1 was lost", out)
+    failed = re.search(r"process 0 failed ([\d.]+) s after it began waiting: .*process 1 gave up the job: process 1 "
+                       r"was interrupted while waiting for conveyor.distributed: receive #\d+ from process 0", out)
     assert failed and float(failed[1]) < 10, out[-3000:]
     assert code != 0
+
+
+# Process 1 raises while process 0 waits for its message.
+RAISES_WHILE_ITS_PEER_WAITS = """
+import time, torch
+import conveyor.distributed as dist
+dist.barrier()
+if dist.rank() == 1:
+    time.sleep(0.5)
+    raise ValueError("the batch has NaNs")
+start = time.monotonic()
+try:
+    dist.recv(1)
+except Exception as e:
+    print(f"process 0 failed {time.monotonic() - start:.1f} s after it began waiting: {e}", flush=True)
+"""
+
+
+def test_a_process_that_raises_tells_the_one_waiting_for_it_why():
+    """An uncaught exception gives the job up, and the goodbye says why: the process waiting
+    for it fails within seconds with the exception, not with a bare "was lost" (started by
+    hand: no launcher stops process 0 for it)."""
+    (code, out), (raised, last) = by_hand([sys.executable, "-c", RAISES_WHILE_ITS_PEER_WAITS], 2, CONVEYOR_TIMEOUT="60")
+    assert raised != 0 and "ValueError: the batch has NaNs" in last, last[-3000:]
+    failed = re.search(r"process 0 failed ([\d.]+) s after it began waiting: process 0, conveyor.distributed: receive "
+                       r"#\d+ from process 1: process 1 gave up the job: process 1 failed: ValueError: the batch has NaNs",
+                       out)
+    assert failed and float(failed[1]) < 10, out[-3000:]
 
 
 def test_communication_recomputed_by_checkpointing_is_refused_naming_why():
