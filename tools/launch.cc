@@ -301,6 +301,9 @@ int launch(const JobConfig& c, const std::vector<std::string>& command) {
     }
   };
   auto stop_deadline = std::chrono::steady_clock::time_point::max();
+  constexpr auto kInterruptedStop = std::chrono::seconds(1);
+  bool interrupted = false;  // the launcher got SIGINT: the processes are given kInterruptedStop
+  auto interrupted_deadline = std::chrono::steady_clock::time_point::max();
   while (running > 0) {
     int status = 0;
     const pid_t done = waitpid(-1, &status, WNOHANG);
@@ -311,7 +314,7 @@ int launch(const JobConfig& c, const std::vector<std::string>& command) {
         --running;
         const int rank = c.node_rank * c.processes + static_cast<int>(local);
         const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-        if (!ok && !stopping) {
+        if (!ok && !stopping && stop_signal != SIGINT) {  // an interrupted process: the Ctrl-C below
           exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
           stop_others("process " + std::to_string(rank) + " " + describe_exit(status));
           stop_deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<long>(c.grace_s * 1000));
@@ -319,7 +322,21 @@ int launch(const JobConfig& c, const std::vector<std::string>& command) {
       }
       continue;
     }
-    if (stop_signal != 0 && !stopping) {
+    if (stop_signal == SIGINT && !stopping && !interrupted) {
+      // Ctrl-C at a terminal reaches the processes too (one process group): each stops with
+      // KeyboardInterrupt, its traceback saying where it was, and gives the job up. They get
+      // kInterruptedStop for it before SIGTERM (a process that did not get the signal).
+      interrupted = true;
+      exit_code = 128 + SIGINT;
+      std::fprintf(stderr, "conveyor launch: the launcher got Interrupt; the processes stop (SIGTERM in %.0f s)\n",
+                   std::chrono::duration<double>(kInterruptedStop).count());
+      interrupted_deadline = std::chrono::steady_clock::now() + kInterruptedStop;
+    }
+    if (interrupted && !stopping && std::chrono::steady_clock::now() > interrupted_deadline) {
+      stop_others("the processes did not stop within a second of the interrupt");
+      stop_deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<long>(c.grace_s * 1000));
+    }
+    if (stop_signal != 0 && stop_signal != SIGINT && !stopping) {
       exit_code = 128 + stop_signal;
       stop_others(std::string("the launcher got ") + strsignal(stop_signal));
       stop_deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<long>(c.grace_s * 1000));

@@ -3,7 +3,9 @@
 // MASTER_ADDR, MASTER_PORT) plus conveyor's own (CONVEYOR_TIMEOUT, CONVEYOR_JOB_SECRET, CONVEYOR_PLAN,
 // CONVEYOR_SCHEDULE, CONVEYOR_TRACE), watches them, and stops the job as soon as one of
 // them fails: the others get SIGTERM, then SIGKILL after a grace period, and the launcher
-// exits non-zero naming the process that failed. On several machines the launcher runs on
+// exits non-zero naming the process that failed. Ctrl-C (SIGINT), which a terminal sends the
+// processes too, gives them a second to stop by themselves (each with KeyboardInterrupt and
+// its traceback, giving the job up) before that SIGTERM. On several machines the launcher runs on
 // each (--node-rank), as torchrun does. A job config file (TOML, docs/formats.md) can hold
 // all of it; every field is checked, and an error names the line and what is expected.
 #pragma once

@@ -146,6 +146,44 @@ def test_a_failing_process_stops_the_job_at_once_naming_it():
     assert time.monotonic() - start < 30
 
 
+# Both processes wait to receive from the other, for good.
+WAITS_FOR_EACH_OTHER = """
+import signal
+import conveyor.distributed as dist
+signal.signal(signal.SIGINT, signal.default_int_handler)
+dist.barrier()
+print("waiting", flush=True)
+dist.recv(1 - dist.rank())
+"""
+
+
+def test_ctrl_c_at_a_terminal_stops_every_process_saying_where_it_was():
+    """Ctrl-C reaches the launcher and its processes (one process group): each stops with
+    KeyboardInterrupt, its traceback showing where it waited, before the launcher would
+    SIGTERM it; the launcher exits 130 within seconds, not at the (60 s) timeout."""
+    proc = subprocess.Popen([TOOL, "launch", "-n", "2", "--timeout", "60", "--", sys.executable, "-c",
+                             WAITS_FOR_EACH_OTHER], env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    lines = []
+    try:
+        while "".join(lines).count("waiting") < 2:  # the two may share a line
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "".join(lines)
+            lines.append(line)
+        time.sleep(0.5)  # each in its receive
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal does
+        start = time.monotonic()
+        out = "".join(lines) + proc.communicate(timeout=30)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert time.monotonic() - start < 10, out
+    assert proc.returncode == 130, out
+    assert "the launcher got Interrupt; the processes stop" in out, out
+    assert out.count("KeyboardInterrupt") >= 2 and out.count(", in _recv") >= 2, out  # where each waited
+    assert "did not stop within a second" not in out, out
+
+
 @pytest.mark.parametrize("flags, expected", [([], "42 1f1b nccl"), (["--transport", "ucx", "--timeout", "7"], "7 1f1b ucx")])
 def test_every_process_gets_the_environment_of_its_rank(flags, expected, tmp_path):
     """The job config's settings reach every process; flags given override them."""
