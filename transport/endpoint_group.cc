@@ -23,12 +23,6 @@ std::pair<std::int64_t, std::int64_t> part_of(std::int64_t length, int n, int i)
   return {i * base + std::min<std::int64_t>(i, extra), base + (i < extra ? 1 : 0)};
 }
 
-at::Tensor text_tensor(const std::string& s) {
-  at::Tensor t = at::empty({static_cast<std::int64_t>(s.size())}, at::kByte);
-  std::copy(s.begin(), s.end(), t.data_ptr<std::uint8_t>());
-  return t;
-}
-
 struct GroupState {
   std::shared_ptr<Endpoint> endpoint;
   std::vector<int> members;  // endpoint ranks, in member order
@@ -141,9 +135,7 @@ struct Operation : std::enable_shared_from_this<Operation> {
     }
     const std::int64_t* head = m[0].data_ptr<std::int64_t>();
     if (head[0] == kAbort && m[1].defined() && m[1].scalar_type() == at::kByte) {
-      const auto* text = m[1].data_ptr<std::uint8_t>();
-      return Status(ErrorCode::kExecution, std::string(text, text + m[1].numel()) + " (reported by member " +
-                                               std::to_string(j) + ")");
+      return Status(ErrorCode::kExecution, text_of(m[1]) + " (reported by member " + std::to_string(j) + ")");
     }
     if (head[0] != kData) return Status(ErrorCode::kCorrupt, "a malformed collective message from member " + std::to_string(j));
     auto theirs = CollectiveCall::decode(std::vector<std::int64_t>(head + 1, head + m[0].numel()));

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <future>
 #include <thread>
 
@@ -32,6 +33,17 @@ Status check_peer(int rank, int world, int peer) {
   return Status(ErrorCode::kInvalidArgument, "member " + std::to_string(rank) + " addressed member " +
                                                  std::to_string(peer) + " of a world of " + std::to_string(world) +
                                                  " (itself or out of range)");
+}
+
+at::Tensor text_tensor(const std::string& s) {
+  at::Tensor t = at::empty({static_cast<std::int64_t>(s.size())}, at::kByte);
+  std::copy(s.begin(), s.end(), t.data_ptr<std::uint8_t>());
+  return t;
+}
+
+std::string text_of(const at::Tensor& t) {
+  const auto* text = t.data_ptr<std::uint8_t>();
+  return std::string(text, text + t.numel());
 }
 
 std::string describe_tensor(const at::Tensor& t) {

@@ -115,6 +115,11 @@ Status check_peer(int rank, int world, int peer);
 /// "Float[2,3] on cpu" (or "an undefined tensor").
 std::string describe_tensor(const at::Tensor& t);
 
+/// Text as a message carries it (an error's words): `s`'s bytes as a CPU uint8 tensor; and
+/// back, from such a tensor (defined, uint8, on the host, contiguous).
+at::Tensor text_tensor(const std::string& s);
+std::string text_of(const at::Tensor& t);
+
 /// Waits for an operation issued with `issue(done)` (tests, and callers with nothing to
 /// overlap). Inproc operations complete inline; others complete on their progress thread.
 Status wait_for(const std::function<void(Done)>& issue);

@@ -3,9 +3,6 @@
 // pings, goodbyes and leavings. Everything here runs holding the worker.
 #include <ATen/ATen.h>
 
-#include <algorithm>
-#include <cstring>
-
 #include "transport/endpoint_group.h"
 #include "transport/ucx_member.h"
 #include "transport/ucx_message.h"
@@ -107,8 +104,7 @@ bool UcxMember::answer_pings(bool before_sleep) {
                          [&when, &why](Result<std::vector<at::Tensor>> got) {
                            when = std::chrono::steady_clock::now();
                            if (got.is_ok() && got->size() == 1 && (*got)[0].scalar_type() == at::kByte) {
-                             const auto* text = (*got)[0].data_ptr<std::uint8_t>();  // a goodbye that says why
-                             why.assign(text, text + (*got)[0].numel());
+                             why = text_of((*got)[0]);  // a goodbye that says why
                            }
                          });
         }
@@ -132,12 +128,7 @@ void UcxMember::say_goodbye(const std::string& why) {
   said_goodbye_ = true;
   constexpr std::size_t kMostSaid = 2000;  // bytes of `why` said
   std::vector<at::Tensor> said;
-  if (!why.empty()) {
-    const std::size_t n = std::min(why.size(), kMostSaid);
-    at::Tensor text = at::empty({static_cast<std::int64_t>(n)}, at::kByte);
-    std::memcpy(text.data_ptr(), why.data(), n);
-    said.push_back(text);
-  }
+  if (!why.empty()) said.push_back(text_tensor(why.substr(0, kMostSaid)));
   at::Tensor bye = frame_message(said, /*device_memory=*/false, /*copied=*/true).header;
   std::vector<ucs_status_ptr_t> sent;
   for (int peer = 0; peer < world_; ++peer) {
