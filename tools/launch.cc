@@ -292,6 +292,7 @@ int launch(const JobConfig& c, const std::vector<std::string>& command) {
   // Wait for all; the first failure (or a signal to the launcher) stops the others.
   int exit_code = 0, running = static_cast<int>(pids.size());
   bool stopping = false;
+  auto stop_deadline = std::chrono::steady_clock::time_point::max();  // then SIGKILL
   auto stop_others = [&](const std::string& why) {
     if (stopping) return;
     stopping = true;
@@ -299,10 +300,10 @@ int launch(const JobConfig& c, const std::vector<std::string>& command) {
     for (pid_t p : pids) {
       if (p > 0) kill(p, SIGTERM);
     }
+    stop_deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<long>(c.grace_s * 1000));
   };
-  auto stop_deadline = std::chrono::steady_clock::time_point::max();
   constexpr auto kInterruptedStop = std::chrono::seconds(1);
-  bool interrupted = false;  // the launcher got SIGINT: the processes are given kInterruptedStop
+  // After SIGINT to the launcher: when the processes that did not stop by themselves get SIGTERM.
   auto interrupted_deadline = std::chrono::steady_clock::time_point::max();
   while (running > 0) {
     int status = 0;
@@ -317,16 +318,15 @@ int launch(const JobConfig& c, const std::vector<std::string>& command) {
         if (!ok && !stopping && stop_signal != SIGINT) {  // an interrupted process: the Ctrl-C below
           exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
           stop_others("process " + std::to_string(rank) + " " + describe_exit(status));
-          stop_deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<long>(c.grace_s * 1000));
         }
       }
       continue;
     }
+    const bool interrupted = interrupted_deadline != std::chrono::steady_clock::time_point::max();
     if (stop_signal == SIGINT && !stopping && !interrupted) {
       // Ctrl-C at a terminal reaches the processes too (one process group): each stops with
       // KeyboardInterrupt, its traceback saying where it was, and gives the job up. They get
       // kInterruptedStop for it before SIGTERM (a process that did not get the signal).
-      interrupted = true;
       exit_code = 128 + SIGINT;
       std::fprintf(stderr, "conveyor launch: the launcher got Interrupt; the processes stop (SIGTERM in %.0f s)\n",
                    std::chrono::duration<double>(kInterruptedStop).count());
@@ -334,12 +334,10 @@ int launch(const JobConfig& c, const std::vector<std::string>& command) {
     }
     if (interrupted && !stopping && std::chrono::steady_clock::now() > interrupted_deadline) {
       stop_others("the processes did not stop within a second of the interrupt");
-      stop_deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<long>(c.grace_s * 1000));
     }
     if (stop_signal != 0 && stop_signal != SIGINT && !stopping) {
       exit_code = 128 + stop_signal;
       stop_others(std::string("the launcher got ") + strsignal(stop_signal));
-      stop_deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<long>(c.grace_s * 1000));
     }
     if (stopping && std::chrono::steady_clock::now() > stop_deadline) {
       for (pid_t p : pids) {
