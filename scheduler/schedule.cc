@@ -307,6 +307,17 @@ Result<Schedule> make_schedule(const ScheduleSpec& spec) {
   }
   Schedule s{spec, std::vector<ActionList>(static_cast<std::size_t>(spec.ranks))};
   const int p = spec.ranks, m = spec.microbatches;
+  if (spec.forward_only) {
+    // Stage by stage in pipeline order: every receive waits on a send of an earlier stage,
+    // so the lists cannot deadlock, and the microbatches stream down the ranks.
+    for (int r = 0; r < p; ++r) {
+      for (int stage : spec.stages_of_rank(r)) {
+        for (int mb = 0; mb < m; ++mb) forward(s.ranks[r], spec, stage, mb);
+      }
+    }
+    CONVEYOR_RETURN_IF_ERROR(validate_schedule(s));
+    return s;
+  }
   for (int r = 0; r < p; ++r) {
     ActionList& list = s.ranks[static_cast<std::size_t>(r)];
     switch (spec.kind) {
@@ -427,20 +438,23 @@ Status validate_schedule(const Schedule& s) {
                      " unevenly (" + std::to_string(input[i]) + " input and " + std::to_string(weight[i]) +
                      " weight passes)");
         }
-        if (f[i] != 1 || b[i] + input[i] != 1) {
+        const int backwards = s.spec.forward_only ? 0 : 1;
+        if (f[i] != 1 || b[i] + input[i] != backwards) {
           return bad("rank " + std::to_string(r) + " runs microbatch " + std::to_string(mb) +
                      (with_stage ? " of stage " + std::to_string(stage) : "") + " forward " + std::to_string(f[i]) +
-                     " and backward " + std::to_string(b[i] + input[i]) + " times (expected once)");
+                     " and backward " + std::to_string(b[i] + input[i]) + " times (expected " +
+                     (backwards ? "once each)" : "once and never)"));
         }
       }
-      if (reduced[stage] != 1) {
+      if (reduced[stage] != (s.spec.forward_only ? 0 : 1)) {
         return bad("rank " + std::to_string(r) + " reduces the gradients of stage " + std::to_string(stage) + " " +
-                   std::to_string(reduced[stage]) + " times (expected once)");
+                   std::to_string(reduced[stage]) + " times (expected " + (s.spec.forward_only ? "never" : "once") +
+                   ")");
       }
     }
-    if (steps != 1) {
+    if (steps != (s.spec.forward_only ? 0 : 1)) {
       return bad("rank " + std::to_string(r) + " runs the optimizer step " + std::to_string(steps) +
-                 " times (expected once, last)");
+                 (s.spec.forward_only ? " times in a forward-only schedule" : " times (expected once, last)"));
     }
   }
   // Matching and progress: replay the lists; a receive proceeds once its send was posted.

@@ -73,6 +73,9 @@ struct ScheduleSpec {
   int ranks = 1;
   int microbatches = 1;
   int chunks = 1;
+  /// Forwards only (evaluation): each rank runs its stages in order, every microbatch's
+  /// forward of one before the next's, and no backward, reduction or optimizer step.
+  bool forward_only = false;
 
   int stages() const { return ranks * chunks; }
   /// Whether stages run down the ranks and back up (ZB-V, DualPipeV) rather than round-robin.
@@ -106,8 +109,8 @@ Result<Schedule> make_schedule(const ScheduleSpec& spec);
 
 /// Checks that every stage runs F and the backward of every microbatch once on its rank (F
 /// before B, a split backward as B then W), then one allreduce per stage and one optimizer
-/// step per rank; every send has its matching receive, and the lists cannot deadlock (each
-/// receive's send is reached).
+/// step per rank (forward_only: F once and nothing else); every send has its matching
+/// receive, and the lists cannot deadlock (each receive's send is reached).
 Status validate_schedule(const Schedule& schedule);
 
 std::string action_text(const Action& a, bool with_stage = false);

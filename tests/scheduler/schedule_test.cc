@@ -60,6 +60,42 @@ TEST(Schedule, OneFOneBBoundsActivationMemoryGPipeDoesNot) {
   }
 }
 
+TEST(Schedule, ForwardOnlyStreamsEveryStageInOrderAndNothingElse) {
+  ScheduleSpec spec{ScheduleKind::kOneFOneB, 2, 2};
+  spec.forward_only = true;
+  auto s = make_schedule(spec);
+  ASSERT_TRUE(s.is_ok()) << s.status().to_string();
+  EXPECT_EQ(s->to_text(),
+            "rank 0: F0 sendA0>1 F1 sendA1>1\n"
+            "rank 1: recvA0<0 F0 recvA1<0 F1\n");
+  // Chunked: a rank's earlier stage for every microbatch first, so no receive waits on a
+  // send its own rank has yet to reach; every shape and size validates.
+  for (auto kind : {ScheduleKind::kGPipe, ScheduleKind::kZeroBubbleH1, ScheduleKind::kInterleaved,
+                    ScheduleKind::kZeroBubbleV, ScheduleKind::kDualPipeV}) {
+    for (int p = 1; p <= 4; ++p) {
+      for (int m : {2 * p, 4 * p}) {
+        ScheduleSpec f{kind, p, m, is_chunked(kind) ? 2 : 1};
+        f.forward_only = true;
+        auto made = make_schedule(f);
+        ASSERT_TRUE(made.is_ok()) << schedule_kind_name(kind) << " p=" << p << " m=" << m << ": "
+                                  << made.status().message();
+        for (const ActionList& list : made->ranks) {
+          for (const Action& a : list) {
+            EXPECT_TRUE(a.kind == ActionKind::kForward || a.kind == ActionKind::kSendActivation ||
+                        a.kind == ActionKind::kRecvActivation)
+                << action_text(a);
+          }
+        }
+      }
+    }
+  }
+  // A backward in a forward-only schedule is refused.
+  Schedule t = std::move(s).value();
+  t.ranks[1].push_back({ActionKind::kBackward, 0, -1, 1});
+  EXPECT_NE(validate_schedule(t).message().find("backward 1 times (expected once and never)"), std::string::npos)
+      << validate_schedule(t).message();
+}
+
 TEST(ValidateSchedule, FindsDeadlocks) {
   Schedule s = make(ScheduleKind::kOneFOneB, 2, 2);
   // Rank 0 waits for a gradient before sending the activation rank 1 needs first.
