@@ -180,6 +180,17 @@ void bind_pipeline(py::module_& m) {
           "reach .grad times grad_scale; with hold_gradients they are held, and .grad keeps what it had, until "
           "take_held_gradients.")
       .def(
+          "evaluate",
+          [](runtime::PipelineStep& step, const py::sequence& inputs) {
+            std::vector<c10::IValue> values;
+            for (auto h : inputs) values.push_back(to_ivalue(h));
+            py::gil_scoped_release nogil;
+            return step_summary(unwrap(step.evaluate(values)));
+          },
+          py::arg("inputs"),
+          "Runs every microbatch forward only (an evaluation: no_grad, nothing kept for a backward, no gradient "
+          "touched) on the same stages, replicas and processes; returns (loss, measured seconds, actions timed).")
+      .def(
           "run_packed",
           [](runtime::PipelineStep& step, const py::sequence& microbatches, double grad_scale, bool hold_gradients) {
             std::vector<std::vector<c10::IValue>> packed;

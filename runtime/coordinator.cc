@@ -44,6 +44,7 @@ caf::behavior coordinator(caf::event_based_actor* self, std::vector<caf::actor> 
 
 struct Coordinator::Impl {
   scheduler::Schedule schedule;
+  scheduler::Schedule forwards;  // the same pipeline's forwards alone (evaluation)
   runtime::RunnerHooks hooks;
   std::vector<int> replicas;
   runtime::LocalReplicas local;
@@ -69,8 +70,13 @@ Result<std::unique_ptr<Coordinator>> Coordinator::create(scheduler::Schedule sch
   // A step validates the schedule, hooks and counts: check them now, before any actor exists.
   auto probe = runtime::StepRun::create(schedule, hooks, replicas, local, splits);
   if (!probe) return probe.status();
+  scheduler::ScheduleSpec forward_spec = schedule.spec;
+  forward_spec.forward_only = true;
+  auto forwards = scheduler::make_schedule(forward_spec);
+  if (!forwards) return forwards.status().with_context("the pipeline's forward-only schedule");
   auto impl = std::make_unique<Impl>();
   impl->schedule = std::move(schedule);
+  impl->forwards = std::move(forwards).value();
   impl->hooks = std::move(hooks);
   const int ranks = static_cast<int>(impl->schedule.ranks.size());
   impl->replicas = replicas.empty() ? std::vector<int>(static_cast<std::size_t>(ranks), 1) : std::move(replicas);
@@ -90,7 +96,7 @@ Result<std::unique_ptr<Coordinator>> Coordinator::create(scheduler::Schedule sch
 
 Result<runtime::RunResult> Coordinator::run_step(std::chrono::milliseconds timeout,
                                                    const std::function<void(runtime::RunResult&)>& complete,
-                                                   const std::function<bool()>& stop) {
+                                                   const std::function<bool()>& stop, bool forward_only) {
   if (impl_->failed) {
     // A replica still inside a hook of the failed step would leave this step waiting for it.
     for (int w : impl_->failed->stuck()) {
@@ -101,13 +107,14 @@ Result<runtime::RunResult> Coordinator::run_step(std::chrono::milliseconds timeo
     }
     impl_->failed.reset();
   }
-  auto step = runtime::StepRun::create(impl_->schedule, impl_->hooks, impl_->replicas, impl_->local, impl_->splits);
+  auto step = runtime::StepRun::create(forward_only ? impl_->forwards : impl_->schedule, impl_->hooks, impl_->replicas,
+                                       impl_->local, impl_->splits);
   if (!step) return step.status();
   caf::anon_send(impl_->coordinator, step_atom::value, *step);
   auto measured = (*step)->wait(timeout, stop);
   if (!measured) impl_->failed = *step;
   if (measured && complete) complete(*measured);
-  if (measured) caf::anon_send(impl_->partitioner, profile_atom::value, std::make_shared<const runtime::RunResult>(*measured));
+  if (measured && !forward_only) caf::anon_send(impl_->partitioner, profile_atom::value, std::make_shared<const runtime::RunResult>(*measured));
   return measured;
 }
 

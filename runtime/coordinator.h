@@ -79,9 +79,12 @@ class Coordinator {
   /// once naming that replica. `complete` may add to a successful step's measurement
   /// (work the hooks did off the schedule) before it goes to the PartitionerActor. `stop`:
   /// asked while it waits, true fails the step (StepRun::wait).
+  /// `forward_only`: the schedule's forwards alone (an evaluation: each rank its stages in
+  /// order, scheduler::ScheduleSpec::forward_only), on the same replicas' threads; its
+  /// measurement does not reach the PartitionerActor (the live profile is of training steps).
   Result<runtime::RunResult> run_step(std::chrono::milliseconds timeout = std::chrono::minutes(10),
                                         const std::function<void(runtime::RunResult&)>& complete = {},
-                                        const std::function<bool()>& stop = {});
+                                        const std::function<bool()>& stop = {}, bool forward_only = false);
 
   /// The PartitionerActor's comparison of the measured steps with the prediction.
   Result<ProfileReport> profile_report(std::chrono::milliseconds timeout = std::chrono::seconds(10)) const;

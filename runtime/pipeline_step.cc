@@ -43,6 +43,7 @@ struct PipelineStep::Impl {
   std::chrono::milliseconds step_timeout{std::chrono::minutes(10)};
   std::function<bool()> interrupted;  // PipelineOptions::interrupted
   std::uint64_t steps_begun = 0;
+  std::uint64_t evaluations_begun = 0;
   bool out_of_step = false;  // a failed step left the processes out of step
   c10::Event* step_start = nullptr;  // streams: the device's start of the step
   std::chrono::steady_clock::time_point step_start_host;
@@ -302,6 +303,16 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
   return run_begun(grad_scale, hold_gradients);
 }
 
+Result<StepResult> PipelineStep::evaluate(const std::vector<c10::IValue>& inputs) {
+  Impl& im = *impl_;
+  const PipelineLayout& layout = im.layout;
+  if (im.out_of_step) return kOutOfStep;
+  CONVEYOR_ASSIGN_OR_RETURN(const std::int64_t batch, samples_of(*im.executors[0], layout, inputs, layout.microbatches()));
+  CONVEYOR_RETURN_IF_ERROR(layout.batch.check_step(batch, layout.microbatches(), layout.stage_replicas, layout.stage_weights()));
+  CONVEYOR_RETURN_IF_ERROR(im.store->begin_step(inputs, batch));
+  return run_begun(1.0, /*hold_gradients=*/false, /*forward_only=*/true);
+}
+
 Result<StepResult> PipelineStep::run_packed(const std::vector<std::vector<c10::IValue>>& microbatches,
                                             double grad_scale, bool hold_gradients) {
   Impl& im = *impl_;
@@ -324,10 +335,11 @@ Result<StepResult> PipelineStep::run_packed(const std::vector<std::vector<c10::I
   return run_begun(grad_scale, hold_gradients);
 }
 
-Result<StepResult> PipelineStep::run_begun(double grad_scale, bool hold_gradients) {
+Result<StepResult> PipelineStep::run_begun(double grad_scale, bool hold_gradients, bool forward_only) {
   Impl& im = *impl_;
   im.state->begin_step();
   if (hold_gradients) im.state->set_gradients_aside();
+  im.settings.forward_only = forward_only;
   // Each replica's compute thread gets its share of the caller's intra-op threads: the
   // caller's count over the replicas this process runs (they would otherwise each start a
   // full-size pool and oversubscribe the cores).
@@ -335,7 +347,9 @@ Result<StepResult> PipelineStep::run_begun(double grad_scale, bool hold_gradient
   const int workers = std::max<int>(1, static_cast<int>(im.replicas.size()));  // a process may run none
   im.settings.intra_op_threads = im.intra_op_threads > 0 ? im.intra_op_threads : std::max(1, caller_threads / workers);
   im.settings.grad_scale = grad_scale;
-  im.settings.step = im.steps_begun++;
+  // An evaluation draws (train-mode dropout) from its own count: evaluating between two
+  // steps leaves the steps' draws as they were.
+  im.settings.step = forward_only ? (std::uint64_t{1} << 63) | im.evaluations_begun++ : im.steps_begun++;
   im.settings.autocast = AutocastState::of_this_thread();
   im.reducer->begin_step();
   if (im.remote) im.remote->begin_step();
@@ -349,8 +363,8 @@ Result<StepResult> PipelineStep::run_begun(double grad_scale, bool hold_gradient
   // device's times before the step's profile goes to the partitioner actor.
   Status across_status = Status::ok();
   bool synchronized = false;
-  auto complete = [&im, &across_status, &synchronized](RunResult& measured) {
-    if (im.remote && im.remote->send_error().is_ok()) across_status = im.reducer->wait_across();
+  auto complete = [&im, &across_status, &synchronized, forward_only](RunResult& measured) {
+    if (im.remote && !forward_only && im.remote->send_error().is_ok()) across_status = im.reducer->wait_across();
     if (im.streams) {
       synchronize_device(im.streams->device());
       synchronized = true;
@@ -365,7 +379,7 @@ Result<StepResult> PipelineStep::run_begun(double grad_scale, bool hold_gradient
                                       std::chrono::duration<double>(std::chrono::steady_clock::now() - measured.start).count());
     }
   };
-  auto measured = im.coordinator->run_step(im.step_timeout, complete, im.interrupted);
+  auto measured = im.coordinator->run_step(im.step_timeout, complete, im.interrupted, forward_only);
   at::set_num_threads(caller_threads);  // the setting is process-wide as well as per thread
   if (im.streams && !synchronized) synchronize_device(im.streams->device());  // a failed step: before its tensors go
   Status send_error = im.remote ? im.remote->send_error() : Status::ok();
@@ -384,7 +398,7 @@ Result<StepResult> PipelineStep::run_begun(double grad_scale, bool hold_gradient
   auto finish = [&]() -> Status {
     if (!measured) return measured.status();
     CONVEYOR_RETURN_IF_ERROR(send_error);
-    if (im.processes) {
+    if (im.processes && !forward_only) {
       if (!across_status.is_ok()) {
         im.out_of_step = true;
         im.processes->abort(across_status);
@@ -392,14 +406,14 @@ Result<StepResult> PipelineStep::run_begun(double grad_scale, bool hold_gradient
       }
       CONVEYOR_RETURN_IF_ERROR(im.reducer->write_across());
     }
-    Status s = im.reducer->reduce_tied();
+    Status s = forward_only ? Status::ok() : im.reducer->reduce_tied();
     if (s.is_ok() && im.processes) s = im.state->sync_buffers();
     if (!s.is_ok() && im.processes) im.out_of_step = true;
     return s;
   };
   Status finished = finish();
   im.input_grads.clear();
-  if (finished.is_ok()) {
+  if (finished.is_ok() && !forward_only) {
     im.input_grads = im.store->take_input_gradients();
     finished = im.sum_across_processes(im.input_grads);
   }
@@ -407,9 +421,11 @@ Result<StepResult> PipelineStep::run_begun(double grad_scale, bool hold_gradient
   if (hold_gradients) im.held = im.state->hold_step_gradients();
   CONVEYOR_RETURN_IF_ERROR(finished);
   StepResult out;
-  std::tie(out.buckets, out.buckets_reduced_during_backward) = im.reducer->counts();
-  im.last = *measured;
-  im.last_reduction = {out.buckets, out.buckets_reduced_during_backward};
+  if (!forward_only) {
+    std::tie(out.buckets, out.buckets_reduced_during_backward) = im.reducer->counts();
+    im.last = *measured;
+    im.last_reduction = {out.buckets, out.buckets_reduced_during_backward};
+  }
   out.measured = std::move(*measured);
   CONVEYOR_ASSIGN_OR_RETURN(out.loss, im.total_loss());
   return out;

@@ -120,6 +120,12 @@ class PipelineStep {
   /// step's. Each is checked against the capture before anything runs.
   Result<StepResult> run_packed(const std::vector<std::vector<c10::IValue>>& microbatches, double grad_scale = 1.0,
                                 bool hold_gradients = false);
+  /// The forwards alone of the same pipeline (an evaluation): every microbatch through the
+  /// same stages, replicas and processes under no_grad, each rank its stages in order, nothing
+  /// kept for a backward and no gradient touched; returns the batch's loss as run() does
+  /// (buffers written in place, a train-mode BatchNorm's statistics, are handed on as after a
+  /// step). Its measurement is returned, not added to the live profile or the trace.
+  Result<StepResult> evaluate(const std::vector<c10::IValue>& inputs);
   /// The gradients the last run held (hold_gradients), taken: each call to run holds its own.
   std::shared_ptr<HeldGradients> take_held_gradients();
   /// The last run's gradients of the graph's inputs, taken: per input that required a
@@ -131,7 +137,7 @@ class PipelineStep {
   /// first stage that reads it), on every process, and whole: while it trains, a process
   /// holds only what its stages read (the rest has 0 elements until this brings it back,
   /// and the next step releases it again). Collective: every process calls it (the pipeline
-  /// does at creation; conveyor.Module's state_dict(), load_state_dict() and evaluation do).
+  /// does at creation; conveyor.Module's state_dict() and load_state_dict() do).
   Status gather_state();
   /// Many processes: each parameter and buffer the pipeline reads, with the process that
   /// owns it (its first reader's); empty in one process.
@@ -178,7 +184,7 @@ class PipelineStep {
 
  private:
   /// A step whose store holds its microbatches: runs it and gathers what it measured.
-  Result<StepResult> run_begun(double grad_scale, bool hold_gradients);
+  Result<StepResult> run_begun(double grad_scale, bool hold_gradients, bool forward_only = false);
   struct Impl;
   explicit PipelineStep(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
 #include <c10/core/StreamGuard.h>
 
 #include <optional>
@@ -96,6 +97,13 @@ Status StageReplica::forward(const Action& a) {
   CONVEYOR_ASSIGN_OR_RETURN(std::vector<c10::IValue> in, store_.read(program.inputs(), a.microbatch, a.stage, replica_));
   std::optional<std::uint64_t> seed;
   if (program.draws_random()) seed = forward_seed(a.stage, a.microbatch);
+  if (settings_.forward_only) {  // an evaluation: nothing recorded, nothing kept
+    at::NoGradGuard no_grad;
+    CONVEYOR_ASSIGN_OR_RETURN(graph::StageActivation act, program.forward(std::move(in), seed));
+    c10::Event* done = streams_ != nullptr ? streams_->events.record(streams_->compute) : nullptr;
+    store_.put(program.outputs(), act.outputs, a.microbatch, a.stage, replica_, done);
+    return Status::ok();
+  }
   auto run = [&]() -> Result<graph::StageActivation> {
     switch (settings_.recompute[a.stage]) {
       case Recomputation::kSelective: return program.forward_selective(std::move(in), seed);

@@ -44,6 +44,8 @@ struct StepSettings {
   std::uint64_t random_seed = 0;  ///< the pipeline's
   std::uint64_t step = 0;         ///< the step running, counting every step begun
   std::vector<Recomputation> recompute;  ///< per stage: what it recomputes before the backward
+  /// An evaluation: forwards under no_grad, keeping nothing for a backward.
+  bool forward_only = false;
 };
 
 /// One replica's compute.

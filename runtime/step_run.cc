@@ -74,6 +74,10 @@ struct StepRun::State {
   Status error = Status::ok();
   std::atomic<bool> failed{false};
   int finished = 0;
+  // Sends posted to the communication thread and not yet handed to the transport: a step
+  // whose walks are over still reads what it sends (a forward-only list ends with its last
+  // send), so it ends when these are done too.
+  int sends_pending = 0;
   std::condition_variable done;
   Clock::time_point t0 = Clock::now();
 
@@ -113,16 +117,30 @@ struct StepRun::State {
     for (int j : partner_replicas(st->replicas, r, i, a.peer, st->splits)) {
       if (st->local[a.peer][j]) out.push_back(st->channel({kind, a.microbatch, a.stage, i, j}));
     }
+    {
+      std::lock_guard<std::mutex> lock(st->mu);
+      ++st->sends_pending;
+    }
     asio::post(st->comm, [st, r, i, a, out = std::move(out), where = std::move(where)] {
-      if (st->failed) return;
-      const double start = st->now();
-      if (st->hooks.transfer) {
-        Status s = st->hooks.transfer(r, i, a);
-        if (!s) return st->fail(s.with_context(where));
+      run_send(*st, r, i, a, out, where);
+      {
+        std::lock_guard<std::mutex> lock(st->mu);
+        --st->sends_pending;
       }
-      st->record({r, Span::Stream::kSend, a, start, st->now(), i});
-      for (auto& ch : out) ch->try_send(asio::error_code{}, 0);
+      st->done.notify_all();
     });
+  }
+
+  static void run_send(State& st, int r, int i, const Action& a, const std::vector<std::shared_ptr<Channel>>& out,
+                       const std::string& where) {
+    if (st.failed) return;
+    const double start = st.now();
+    if (st.hooks.transfer) {
+      Status s = st.hooks.transfer(r, i, a);
+      if (!s) return st.fail(s.with_context(where));
+    }
+    st.record({r, Span::Stream::kSend, a, start, st.now(), i});
+    for (auto& ch : out) ch->try_send(asio::error_code{}, 0);
   }
 
   // A replica of rank r arrives at its stage's allreduce; the last of this process's to
@@ -296,7 +314,7 @@ Result<RunResult> StepRun::wait(std::chrono::milliseconds timeout, const std::fu
   const auto deadline = Clock::now() + timeout;
   auto grace = deadline;  // for the replicas to leave their actions after a failure
   std::unique_lock<std::mutex> lock(st.mu);
-  const auto ended = [&] { return st.finished == workers || st.failed; };
+  const auto ended = [&] { return (st.finished == workers && st.sends_pending == 0) || st.failed; };
   bool in_time = false, interrupted = false;
   while (!in_time && !interrupted && Clock::now() < deadline) {
     const auto slice = stop ? std::min(deadline, Clock::now() + kStopAskedEvery) : deadline;
@@ -321,6 +339,7 @@ Result<RunResult> StepRun::wait(std::chrono::milliseconds timeout, const std::fu
       where += " rank " + std::to_string(r) + (st.replicas[r] > 1 ? " replica " + std::to_string(i) : "") + " at " +
                st.waiting[w] + ";";
     }
+    if (st.sends_pending > 0) where += " " + std::to_string(st.sends_pending) + " sends not yet handed to the transport;";
     lock.unlock();
     st.fail(Status(ErrorCode::kExecution, "the step did not finish within " + std::to_string(timeout.count()) +
                                               " ms:" + where + " (a hook that never returns, or a lost peer)"));

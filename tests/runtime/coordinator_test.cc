@@ -457,6 +457,47 @@ TEST(Coordinator, AStepItsCallerStopsFailsAtOnceAndTheNextRuns) {
   EXPECT_TRUE(next.is_ok()) << next.status().to_string();
 }
 
+// An evaluation walks the forward-only lists on the same replicas' threads, and ends only
+// once its sends are handed to the transport: a rank's list ends with its last send (the
+// store it reads is cleared when the step returns).
+TEST(Coordinator, AForwardOnlyStepRunsForwardsAloneAndEndsAfterItsLastSend) {
+  auto schedule = make_schedule({ScheduleKind::kOneFOneB, 2, 4});
+  ASSERT_TRUE(schedule.is_ok());
+  std::atomic<int> forwards{0}, others{0}, transferred{0};
+  RunnerHooks hooks;
+  hooks.compute = [&](int, int, const Action& a) {
+    ++(a.kind == ActionKind::kForward ? forwards : others);
+    return Status::ok();
+  };
+  hooks.transfer = [&](int, int, const Action& a) {  // rank 1 runs in another process
+    if (a.microbatch == 3) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    ++transferred;
+    return Status::ok();
+  };
+  hooks.receive = [](int, int, const Action&, std::function<void(Status)> arrived) { arrived(Status::ok()); };
+  auto coordinator = Coordinator::create(*schedule, hooks, {1, 1}, {}, LocalReplicas{{true}, {false}});
+  ASSERT_TRUE(coordinator.is_ok()) << coordinator.status().to_string();
+  for (int round = 1; round <= 2; ++round) {
+    auto run = (*coordinator)->run_step(std::chrono::seconds(30), {}, {}, /*forward_only=*/true);
+    ASSERT_TRUE(run.is_ok()) << run.status().to_string();
+    EXPECT_EQ(transferred.load(), 4 * round);  // the last one slept: the step waited for it
+    EXPECT_EQ(forwards.load(), 4 * round);
+    EXPECT_EQ(others.load(), 0);
+    for (const Span& s : run->spans) {
+      EXPECT_TRUE(s.action.kind == ActionKind::kForward || s.action.kind == ActionKind::kSendActivation)
+          << action_text(s.action);
+    }
+  }
+  // A training step on the same actors afterwards: forwards, backwards and the tail.
+  auto step = (*coordinator)->run_step(std::chrono::seconds(30));
+  ASSERT_TRUE(step.is_ok()) << step.status().to_string();
+  EXPECT_EQ(forwards.load(), 12);
+  EXPECT_EQ(others.load(), 4 + 1);  // rank 0's backwards and its optimizer step
+  auto report = (*coordinator)->profile_report();
+  ASSERT_TRUE(report.is_ok()) << report.status().to_string();
+  EXPECT_EQ(report->steps, 1);  // the evaluations are not in the live profile
+}
+
 // Live profiles: every measured step reaches the PartitionerActor, whose report compares
 // each stage's measured times with the simulator's prediction for the same schedule.
 TEST(Coordinator, LiveProfilesCompareEachStageWithThePrediction) {
