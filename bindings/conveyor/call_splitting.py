@@ -147,7 +147,7 @@ def why_calls_stay_whole(model: torch.nn.Module, graph, batch: int) -> str | Non
            "calls, put the batch first in every input (batch_first=True for nn.Transformer layers and "
            "nn.MultiheadAttention)")
     warnings.warn(f"conveyor: {why}; until then each call runs whole (one microbatch, one replica per stage)",
-                  stacklevel=4)
+                  stacklevel=5)
     return why
 
 
@@ -171,4 +171,4 @@ def warn_of_a_loss_split_changes(step, microbatches: int, replicas: list) -> Non
         warnings.warn(f"conveyor: the loss is neither a mean nor a sum over the samples ({why}): each of the "
                       f"{microbatches} microbatches' shares weighs its part of the batch, as gradient accumulation "
                       "would, which differs from the loss of the whole batch at once; compute the loss as a mean "
-                      "or a sum over the samples to train exactly as on one device", stacklevel=4)
+                      "or a sum over the samples to train exactly as on one device", stacklevel=5)

@@ -556,6 +556,12 @@ def capture(model: torch.nn.Module, args=(), kwargs=None, *, dynamic_batch: bool
     return graph
 
 
+def modes_of(model: torch.nn.Module) -> tuple[bool, ...]:
+    """Every module's train/eval flag, the model's first: what the captured operators depend
+    on (BatchNorm's statistics, dropout, the model's own branches on self.training)."""
+    return tuple(m.training for m in model.modules())
+
+
 def _user_leaf_positions(args, kwargs) -> list[int]:
     """Which leaves of the flattened (args, kwargs) feed the graph's tensor inputs."""
     leaves = pytree.tree_leaves((args, kwargs))

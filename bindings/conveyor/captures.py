@@ -2,7 +2,9 @@
 size (a sequence length, an image size) is captured for its example's side of the branch
 (the size fixed, or symbolic within the branch's bound), so a call with a size on the other
 side needs another graph; so does a call whose non-tensor arguments (a flag, a temperature)
-differ from the capture's, which the graph holds as constants. conveyor.Module keeps one
+differ from the capture's, which the graph holds as constants, and a call in the other
+mode (model.eval(): BatchNorm's running statistics, no dropout, the model's own branches
+on self.training), which the graph holds as its operators. conveyor.Module keeps one
 pipeline per such capture, built on the first call that needs it, and switches between
 them call by call (across processes a capture's pipeline is built again at each switch,
 from what the other capture's stages held)."""
@@ -12,6 +14,7 @@ import warnings
 
 import torch
 
+from .capture import modes_of
 from .errors import CaptureError, ConveyorValueError
 from .replanning import carry_optimizer_state
 from .sizes import input_dims, range_text
@@ -25,10 +28,16 @@ PER_CAPTURE = ("_graph", "_step", "plan", "_layout", "_stage_nodes", "_small_ste
                "_replanning", "_plan_maker", "_planned_sizes")
 
 
-def call_mismatch(graph, args: tuple, kwargs: dict) -> tuple[str, str] | None:
-    """Why `graph` cannot run this call as captured, and what lets few captures serve such
-    calls: a non-tensor argument of another value (the graph holds them as constants), or a
-    size the capture fixed; None when the call fits."""
+def call_mismatch(graph, args: tuple, kwargs: dict, modes: tuple) -> tuple[str, str] | None:
+    """Why `graph` cannot run this call (its modules' train/eval flags: `modes`, as
+    capture.modes_of gives them) as captured, and what lets few captures serve such calls:
+    another mode (no hint: a capture per mode is expected), a non-tensor argument of another
+    value (the graph holds them as constants), or a size the capture fixed; None when the
+    call fits."""
+    if graph.modes and modes != graph.modes:
+        if modes[0] != graph.modes[0]:
+            return f"the model is in {'train' if modes[0] else 'eval'} mode", ""
+        return "a module's train/eval flag differs from the capture's", ""
     changed = graph.constant_mismatch(args, kwargs)
     if changed is not None:
         return (f"{changed}: the graph holds the model's non-tensor arguments as constants",
@@ -65,6 +74,7 @@ class Captures:
 
     def __init__(self):
         self._stashed: list[dict] = []
+        self._uncapturable: set[tuple] = set()  # eval modes (capture.modes_of) that cannot be captured
         # Across processes, per parameter and buffer, the processes that hold it whole and
         # current with its optimizer state: the readers under the last pipeline that read it
         # (a capture's pipeline leaves what its graph does not read as it found it); a tensor
@@ -73,6 +83,27 @@ class Captures:
 
     def __len__(self) -> int:
         return len(self._stashed) + 1
+
+    def take_up(self, module, args: tuple, kwargs: dict) -> bool:
+        """Makes `module` ready for this call: the capture of its mode, sizes and arguments
+        (select), captured and built on the first call. False for a call in an eval mode that
+        cannot be captured (said once, naming why): the caller evaluates the model whole, as
+        eager, rather than fail an evaluation; a train-mode capture's error is raised."""
+        modes = modes_of(module.module)
+        if modes in self._uncapturable:
+            return False
+        try:
+            self.select(module, args, kwargs)
+            if module._graph is None:
+                module._build(args, kwargs)
+        except CaptureError as e:
+            if modes[0]:
+                raise
+            self._uncapturable.add(modes)
+            warnings.warn(f"conveyor: the model in eval mode cannot be captured, so it is evaluated whole and "
+                          f"unpipelined on every process (it must fit one device): {e}", stacklevel=4)
+            return False
+        return True
 
     def select(self, module, args: tuple, kwargs: dict) -> None:
         """Makes `module` use the capture whose fixed sizes and arguments `args`, `kwargs` fit,
@@ -83,7 +114,8 @@ class Captures:
         other's stages held, parameters and optimizer state moving as a re-plan moves them."""
         if module._graph is None:
             return
-        found = call_mismatch(module._graph, args, kwargs)
+        modes = modes_of(module.module)
+        found = call_mismatch(module._graph, args, kwargs, modes)
         if found is None:
             return
         mismatch, hint = found
@@ -97,7 +129,7 @@ class Captures:
             everyone = list(range(group.world_size))
             holders = {name: self._holders.get(name, everyone) for name in {*self._holders, *module._graph.tensors}}
         for k, saved in enumerate(self._stashed):
-            if call_mismatch(saved["_graph"], args, kwargs) is None:
+            if call_mismatch(saved["_graph"], args, kwargs, modes) is None:
                 self._stashed[k] = self._take(module)
                 self._restore(module, saved)
                 if group is not None:
@@ -123,6 +155,8 @@ class Captures:
         if group is not None:
             carry_optimizer_state(module, holders)
         self._stashed.append(saved)
+        if not hint:  # the other mode's capture: expected, not a sign of sizes to bucket
+            return
         warnings.warn(f"conveyor: {mismatch}, so conveyor captures it again for this call; {len(self)} captures of "
                       "the model now exist (one graph and pipeline each)", stacklevel=4)
 
@@ -130,7 +164,7 @@ class Captures:
         """Across processes, after the pipeline in use gathered its own: every parameter and
         buffer that only the other captures read (the other branch's weights) made whole on
         every process from the lowest process that holds it (collective: state_dict,
-        evaluation)."""
+        load_state_dict)."""
         if module._group is None or not self._stashed:
             return
         current = set(module._step.readers())  # what the pipeline in use gathered

@@ -65,6 +65,10 @@ class Graph:
         # The capture's call's non-tensor arguments (a flag, a temperature) by leaf position:
         # the graph holds them as constants. Set by capture; unknown for a loaded graph.
         self.call_constants: dict[int, Any] = {}
+        # Every module's train/eval flag at capture, the model's first (capture.modes_of): the
+        # graph holds the operators they chose (a BatchNorm's batch or running statistics,
+        # dropout, the model's own branches on them). Unknown (empty) for a loaded graph.
+        self.modes: tuple[bool, ...] = ()
         self._executor = None
         self._doc = None
 

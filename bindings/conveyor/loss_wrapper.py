@@ -55,6 +55,7 @@ def loss_wrapper(model: torch.nn.Module, loss_fn, args: tuple, kwargs: dict) -> 
          f"    return self._loss(self.model({call}){', target' if to_loss else ''})", namespace)
     cls = type(f"{type(model).__name__}Loss", (torch.nn.Module,), {"forward": namespace["forward"]})
     wrapper = cls()
+    wrapper.training = model.training  # its own flag only: the model's modules keep theirs
     wrapper.model = model
     wrapper._loss = loss_fn or _loss_of
     return wrapper

@@ -24,12 +24,17 @@ have 0 elements while it trains); a stage whose replicas run in several processe
 parallel across them (its gradients summed over them every step). The loss reaches every
 process, and `state_dict()` gathers the
 whole model from the processes that own each part (call it on every process: it is
-collective, like `load_state_dict()` and evaluation). Every process must be fed the same
+collective, like `load_state_dict()` and every call). Every process must be fed the same
 batches.
 
-In eval mode (`model.eval()`) a call runs the model itself, whole, as eager PyTorch would
-(BatchNorm's running statistics, no dropout), and returns its loss; under torch.no_grad()
-in train mode it runs the captured graph whole (batch statistics, dropout, as eager).
+Evaluation is pipelined too: a call under torch.no_grad() runs the forwards alone through
+the same stages, replicas and processes (nothing kept for a backward, no gradient touched,
+no process holding more of the model than its stages read) and returns the batch's loss.
+Each mode has its own capture, made on its first call: in eval mode (`model.eval()`)
+BatchNorm uses its running statistics and leaves them alone and dropout keeps everything,
+as eager PyTorch does; with gradients enabled an eval-mode call trains the eval-mode model
+(BatchNorm frozen, as in fine-tuning). In train mode under no_grad BatchNorm normalizes
+each microbatch by its own statistics, as a training step does.
 
 Dropout (any random operator) in a forward draws from a generator seeded from the
 pipeline's seed, the step, the stage, the microbatch and the replica: the same masks
@@ -52,6 +57,7 @@ process 0's is used). The masks are not eager's: eager draws one stream in execu
     trace         a path: the second step's measured actions are written there (Perfetto;
                   across processes each writes <stem>.rank<R><suffix>)
     plan          a plan document (`conveyor plan --out`, Plan.save) to run instead of planning
+                  (the first train-mode capture's: eval mode's, another size's are planned)
     timeout       seconds any wait between processes may take (rendezvous, a step); default
                   CONVEYOR_TIMEOUT or 300
     transport     across processes: "ucx" (host memory; the default, or CONVEYOR_TRANSPORT)
@@ -86,7 +92,7 @@ import torch
 
 from . import _C, distributed
 from .arguments import TWO_STAGES_PER_RANK, check_module_arguments, recomputation, seconds
-from .capture import capture
+from .capture import capture, modes_of
 from .captures import Captures
 from .loss_wrapper import loss_wrapper
 from .microbatches import Microbatches, is_packed, run_packed
@@ -200,6 +206,7 @@ class Module(torch.nn.Module):
         self._cluster = cluster
         self._loss_fn = loss_fn
         self._plan_file = plan
+        self._plan_file_built = False  # whether a capture runs it (the first in train mode; others are planned)
         self._trace = trace
         self._transport = transport
         self._timeout = seconds(timeout, "timeout") if timeout is not None else distributed.default_timeout()
@@ -215,7 +222,6 @@ class Module(torch.nn.Module):
         self._marker: str | None = None  # a switch of plan, marked in the next step's trace
         self._switches: list[dict] = []  # Module.replans
         self._captures = Captures()  # a model that fixes a size: one capture per size met
-        self._warned_eval_grad = False  # that eval mode with gradients runs the model unpipelined
         self.plan = None
 
     # -- the model's own state --------------------------------------------------------
@@ -271,20 +277,25 @@ class Module(torch.nn.Module):
     def _build(self, args: tuple, kwargs: dict, packed: Microbatches | None = None) -> None:
         """Captures the model on this call (`packed`: a first step of packed microbatches, the
         call its first one), then plans it, or reads its plan, or takes the stages given."""
+        with torch.enable_grad():  # an evaluation's first call builds as a step's would
+            self._build_under_grad(args, kwargs, packed)
+
+    def _build_under_grad(self, args: tuple, kwargs: dict, packed: Microbatches | None) -> None:
         wrapper = loss_wrapper(self.module, self._loss_fn, args, kwargs)
         graph = capture(wrapper, args, kwargs)
+        graph.modes = modes_of(self.module)  # a call in another mode needs another capture
         unseeded = graph.executor.unseeded_random_nodes()
         if unseeded:
             ops = sorted({graph.document["nodes"][n]["op"] for n in unseeded})
             warnings.warn(f"conveyor: {len(unseeded)} random operators ({', '.join(ops)}) take no generator, so they "
                           "draw from torch's global one: their draws depend on thread timing and on which process runs "
-                          "them (dropout of every kind, attention dropout, rand, randn and bernoulli draw reproducibly)", stacklevel=3)
+                          "them (dropout of every kind, attention dropout, rand, randn and bernoulli draw reproducibly)", stacklevel=4)
         batch = (sum(packed.rows()) if packed is not None else _batch_of(graph.flatten_inputs(args, kwargs))) or 1
         least = _least_share(graph)  # samples a replica must run at once (the model's own bound)
         whole = None if packed is not None else why_calls_stay_whole(self.module, graph, batch)
         if whole:
             refuse_to_split(whole, self._microbatches, self._replicas)
-        replicas = None
+        replicas, from_file = None, False
         if self._world is not None:
             self._devices = self._world[1]
             self._group = distributed.process_group(self._job_fingerprint(graph, batch), self._timeout)
@@ -300,7 +311,10 @@ class Module(torch.nn.Module):
                 raise ConveyorValueError(f"replicas has {len(replicas)} counts but the pipeline has {ranks} ranks")
             m = self._microbatches or (len(packed) if packed is not None else 1 if whole else
                                        max(1, min(batch // (max(replicas) * least), 2 * ranks)))
-        elif self._plan_file is not None:
+        elif self._plan_file is not None and not self._plan_file_built and self.module.training:
+            # The plan file is the first train-mode capture's; another capture (eval mode, a
+            # size on the other side of a branch) has other nodes and is planned.
+            from_file = True
             self.plan = read_plan(self._plan_file)
             if whole:
                 refuse_to_split(whole, self.plan.microbatches, max(self.plan.replicas), f"the plan {self._plan_file}")
@@ -356,6 +370,7 @@ class Module(torch.nn.Module):
         warn_of_a_loss_split_changes(self._step, m, replicas)
         self._stage_nodes = stage_nodes
         self._built_batch, self._least = batch, least
+        self._plan_file_built = self._plan_file_built or from_file
 
     def _threads_per_device(self) -> int:
         if self._world is not None:
@@ -422,23 +437,15 @@ class Module(torch.nn.Module):
             loss, step = run_packed(self, args[0], hold_gradients=True)
             params = [p for p in self.module.parameters() if p.requires_grad]
             return _PipelinedLoss.apply(loss, step.take_held_gradients(), [], len(params), *params)
-        if not self.training:
-            # Evaluation: the model itself, in eval mode (BatchNorm's running statistics, no
-            # dropout; the captured graph is train mode's), whole in every process.
+        # Each mode has its capture (model.eval(): BatchNorm's running statistics, no dropout).
+        if not self._captures.take_up(self, args, kwargs):  # an eval mode that cannot be captured
             self._gather()  # across processes, every part of the model from its owner
-            if torch.is_grad_enabled() and not self._warned_eval_grad:
-                self._warned_eval_grad = True
-                warnings.warn("conveyor: in eval mode conveyor.Module runs the model itself, whole and unpipelined; "
-                              "train in train mode (model.train()) to run the pipeline", stacklevel=2)
             return loss_wrapper(self.module, self._loss_fn, args, kwargs)(*args, **kwargs)
-        self._captures.select(self, args, kwargs)
-        if self._graph is None:
-            self._build(args, kwargs)
         inputs = self._graph.flatten_inputs(args, kwargs)
         if not torch.is_grad_enabled():
-            self._gather()  # across processes, every part of the model from its owner
-            with torch.no_grad():  # train mode's graph, whole: batch statistics, dropout
-                return self._graph(*args, **kwargs)
+            # An evaluation: the forwards alone, through the same stages and processes.
+            loss, _, _ = self._step_for(inputs).evaluate(inputs)
+            return loss
         self._maybe_replan()
         plan_for_larger_sizes(self, [inputs])
         step = self._step_for(inputs)

@@ -79,6 +79,9 @@ def main():
     ap.add_argument("--cluster", default=None, help="a cluster file to plan for")
     ap.add_argument("--images", default=None, help="image sizes HxW, one step each (a vision case)")
     ap.add_argument("--momentum", type=float, default=0.0, help="SGD's (its state moves with a switch)")
+    ap.add_argument("--evaluate-every", type=int, default=0,
+                    help="after every that many steps: model.eval() and a call under no_grad (pipelined, "
+                         "forwards only), then model.train()")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -108,21 +111,31 @@ def main():
         batches = [((), zoo.padded_tokens(args.batch, int(n), 96, draws)) for n in args.lengths.split(",")]
     else:
         batches = [(case.args, case.kwargs)] * args.steps
-    losses = []
+    losses, evaluations, held = [], [], []
     for step, (a, k) in enumerate(batches):
         if step == args.stop_at_step and model.rank == 1:
             os.kill(os.getpid(), signal.SIGSTOP)
         losses.append(model.train_step(*a, **k).item())
+        plan = model.plan  # the training capture's (an evaluation runs the eval mode's)
+        if args.evaluate_every and (step + 1) % args.evaluate_every == 0:
+            model.eval()
+            with torch.no_grad():
+                evaluations.append(model(*a, **k).item())
+            # What this process holds of the model while it evaluates: its stages' part.
+            held.append(sum(p.numel() for p in case.model.parameters()))
+            model.train()
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # every process takes part
+    whole = sum(p.numel() for p in case.model.parameters())
     if model.rank != 0:  # what state_dict() gathered here: the whole model as well
-        torch.save({"state": state}, f"{args.out}.rank{model.rank}")
+        torch.save({"state": state, "held": held, "whole": whole}, f"{args.out}.rank{model.rank}")
     if model.rank == 0:
-        torch.save({"losses": losses, "state": state, "world": model.world_size,
+        torch.save({"losses": losses, "evaluations": evaluations, "held": held, "whole": whole,
+                    "state": state, "world": model.world_size,
                     "replans": [r["reason"] for r in model.replans], "captures": len(model._captures)}, args.out)
-        if model.plan is not None:  # planned (node lists have no plan)
+        if plan is not None:  # planned (node lists have no plan)
             with open(args.out + ".plan.json", "w") as f:
-                json.dump(model.plan.document, f)
-            print(model.plan.table if model.plan.table else model.plan.document)
+                json.dump(plan.document, f)
+            print(plan.table if plan.table else plan.document)
 
 
 if __name__ == "__main__":

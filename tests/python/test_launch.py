@@ -75,6 +75,26 @@ def test_the_same_script_under_the_launcher_trains_like_one_process_running_its_
 
 
 @pytest.mark.skipif(bool(_C.ucx_status()), reason=f"UCX cannot start here: {_C.ucx_status()}")
+def test_evaluation_between_steps_is_pipelined_across_the_processes_and_exact(tmp_path):
+    """A CNN with BatchNorm and dropout, evaluated (model.eval(), no_grad) after every other
+    step under `conveyor launch -n 2`: the eval mode's capture runs forwards only across both
+    processes, each holding only its stages' parameters (nothing gathered), and gives what one
+    process gives; training between the evaluations goes on exactly as without them."""
+    flags = ["--case", "cnn_batchnorm", "--batch", "16", "--stages", "2", "--steps", "4", "--evaluate-every", "2",
+             "--momentum", "0.9"]
+    code, out = launch("-n", 2, "--", sys.executable, WORKER, *flags, "--out", tmp_path / "two.pt")
+    assert code == 0, out[-4000:]
+    assert_trains_like_one_process(tmp_path / "two.pt", 2, ["--plan", tmp_path / "two.pt.plan.json", *flags], tmp_path)
+    many, one = torch.load(tmp_path / "two.pt"), torch.load(tmp_path / "one.pt")
+    assert len(many["evaluations"]) == 2
+    assert many["evaluations"] == pytest.approx(one["evaluations"], rel=TOLERANCE, abs=0)
+    other = torch.load(f"{tmp_path / 'two.pt'}.rank1")
+    for result in (many, other):
+        assert all(0 < held < result["whole"] for held in result["held"]), (result["held"], result["whole"])
+    assert many["captures"] == 2  # one per mode
+
+
+@pytest.mark.skipif(bool(_C.ucx_status()), reason=f"UCX cannot start here: {_C.ucx_status()}")
 def test_the_same_script_under_torchrun_trains_like_one_process_running_its_plan(tmp_path):
     """torchrun's agent holds MASTER_PORT (its TCPStore): process 0 listens on a free port and
     hands it out through that store (it failed: 'cannot listen ... at 127.0.0.1:29500')."""

@@ -2,6 +2,7 @@
 training with gradient accumulation over the plan's microbatches."""
 import copy
 import os
+import warnings
 
 import pytest
 import torch
@@ -409,6 +410,41 @@ def test_random_operators_without_a_generator_are_named_in_a_warning():
             assert not named, named
 
 
+class BranchesOnDataWhenEvaluating(torch.nn.Module):
+    """A data-dependent branch in eval mode only: train mode captures, eval mode cannot."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+
+    def forward(self, x, y):
+        h = self.body(x)
+        if not self.training and h.sum() > 0:
+            h = h * 2
+        return (h - y).pow(2).mean()
+
+
+def test_an_eval_mode_that_cannot_be_captured_is_evaluated_whole_saying_why():
+    torch.manual_seed(0)
+    net = BranchesOnDataWhenEvaluating().double()
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
+    model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.1), stages=2)
+    model.train_step(x, y)
+    model.eval()
+    said = r"(?s)in eval mode cannot be captured, so it is evaluated whole.*if not self.training"
+    with pytest.warns(UserWarning, match=said):
+        with torch.no_grad():
+            got = model(x, y).item()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        with torch.no_grad():
+            assert model(x, y).item() == got
+    with torch.no_grad():
+        assert got == net(x, y).item()
+    model.train()
+    model.train_step(x, y)  # training goes on with its capture
+
+
 @pytest.mark.parametrize("stages", [None, 2])
 def test_plans_keep_shares_within_the_batch_range_the_model_allows(stages):
     torch.manual_seed(0)
@@ -424,28 +460,33 @@ def test_plans_keep_shares_within_the_batch_range_the_model_allows(stages):
 
 
 @pytest.mark.parametrize("name", ["cnn_batchnorm", "dropout"])
-def test_evaluation_in_eval_mode_is_the_eager_model_s(name):
+def test_evaluation_in_eval_mode_is_the_eager_model_s_pipelined(name):
     """After training, model.eval() and a call under no_grad give eager's eval-mode loss:
     BatchNorm normalizes by its running statistics and leaves them alone, dropout keeps
-    everything (the captured graph is train mode's, which did neither). With gradients in
-    eval mode the call is the eager model's too, and says it is not pipelined."""
+    everything (the eval mode's own capture), through the pipeline's stages, forwards only,
+    gradients untouched. With gradients in eval mode the call trains the eval-mode model
+    pipelined (BatchNorm frozen, as in fine-tuning): eager's gradients."""
     torch.manual_seed(0)
     case = zoo.CASES[name]()
-    model = conveyor.Module(case.model, torch.optim.SGD(case.model.parameters(), lr=0.05), replan="off")
+    model = conveyor.Module(case.model, torch.optim.SGD(case.model.parameters(), lr=0.05), stages=2, replan="off")
     model.train_step(*case.args, **case.kwargs)
+    grads = [p.grad for p in case.model.parameters()]
     ref = copy.deepcopy(case.model).eval()
     before = {k: v.clone() for k, v in case.model.state_dict().items()}
     model.eval()
     with torch.no_grad():
         got = [model(*case.args, **case.kwargs).item() for _ in range(2)]
         want = case.loss(ref(*case.args, **case.kwargs)).item()
-    assert got == [want, want]
+    assert got[0] == got[1] and abs(got[0] - want) <= 1e-12 * abs(want), (got, want)
+    assert model.plan is not None and len(model.plan.stage_nodes) == 2 and model._graph.modes[0] is False
     for k, v in case.model.state_dict().items():
         assert torch.equal(v, before[k]), f"{k} changed by evaluation"
+    assert all(p.grad is g for p, g in zip(case.model.parameters(), grads)), "evaluation touched the gradients"
     case.model.zero_grad(set_to_none=True)
-    with pytest.warns(UserWarning, match="in eval mode conveyor.Module runs the model itself"):
-        loss = model(*case.args, **case.kwargs)
+    loss = model(*case.args, **case.kwargs)
     loss.backward()
     case.loss(ref(*case.args, **case.kwargs)).backward()
     for (n, p), q in zip(case.model.named_parameters(), ref.parameters()):
-        assert torch.equal(p.grad, q.grad), n
+        assert (p.grad - q.grad).abs().max() <= 1e-12 * max(q.grad.abs().max(), 1e-3), n
+    for k, v in case.model.state_dict().items():
+        assert torch.equal(v, before[k]), f"{k} changed by an eval-mode step"
