@@ -459,8 +459,10 @@ def test_plans_keep_shares_within_the_batch_range_the_model_allows(stages):
     assert abs(loss.item() - want) <= 1e-5 * abs(want)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)"))])
 @pytest.mark.parametrize("name", ["cnn_batchnorm", "dropout"])
-def test_evaluation_in_eval_mode_is_the_eager_model_s_pipelined(name):
+def test_evaluation_in_eval_mode_is_the_eager_model_s_pipelined(name, device):
     """After training, model.eval() and a call under no_grad give eager's eval-mode loss:
     BatchNorm normalizes by its running statistics and leaves them alone, dropout keeps
     everything (the eval mode's own capture), through the pipeline's stages, forwards only,
@@ -468,6 +470,8 @@ def test_evaluation_in_eval_mode_is_the_eager_model_s_pipelined(name):
     pipelined (BatchNorm frozen, as in fine-tuning): eager's gradients."""
     torch.manual_seed(0)
     case = zoo.CASES[name]()
+    case.model.to(device)
+    case.args = tuple(a.to(device) for a in case.args)
     model = conveyor.Module(case.model, torch.optim.SGD(case.model.parameters(), lr=0.05), stages=2, replan="off")
     model.train_step(*case.args, **case.kwargs)
     grads = [p.grad for p in case.model.parameters()]
@@ -477,7 +481,8 @@ def test_evaluation_in_eval_mode_is_the_eager_model_s_pipelined(name):
     with torch.no_grad():
         got = [model(*case.args, **case.kwargs).item() for _ in range(2)]
         want = case.loss(ref(*case.args, **case.kwargs)).item()
-    assert got[0] == got[1] and abs(got[0] - want) <= 1e-12 * abs(want), (got, want)
+    tol = 1e-12 if device == "cpu" else 1e-9  # cuDNN's kernels differ with the batch's split
+    assert got[0] == got[1] and abs(got[0] - want) <= tol * abs(want), (got, want)
     assert model.plan is not None and len(model.plan.stage_nodes) == 2 and model._graph.modes[0] is False
     for k, v in case.model.state_dict().items():
         assert torch.equal(v, before[k]), f"{k} changed by evaluation"
@@ -487,6 +492,6 @@ def test_evaluation_in_eval_mode_is_the_eager_model_s_pipelined(name):
     loss.backward()
     case.loss(ref(*case.args, **case.kwargs)).backward()
     for (n, p), q in zip(case.model.named_parameters(), ref.parameters()):
-        assert (p.grad - q.grad).abs().max() <= 1e-12 * max(q.grad.abs().max(), 1e-3), n
+        assert (p.grad - q.grad).abs().max() <= tol * max(q.grad.abs().max(), 1e-3), n
     for k, v in case.model.state_dict().items():
         assert torch.equal(v, before[k]), f"{k} changed by an eval-mode step"
