@@ -293,23 +293,22 @@ Result<std::int64_t> samples_of(const graph::GraphExecutor& executor, const Pipe
 
 }  // namespace
 
-Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, double grad_scale, bool hold_gradients) {
+Status PipelineStep::begin_batch(const std::vector<c10::IValue>& inputs) {
   Impl& im = *impl_;
   const PipelineLayout& layout = im.layout;
   if (im.out_of_step) return kOutOfStep;
   CONVEYOR_ASSIGN_OR_RETURN(const std::int64_t batch, samples_of(*im.executors[0], layout, inputs, layout.microbatches()));
   CONVEYOR_RETURN_IF_ERROR(layout.batch.check_step(batch, layout.microbatches(), layout.stage_replicas, layout.stage_weights()));
-  CONVEYOR_RETURN_IF_ERROR(im.store->begin_step(inputs, batch));
+  return im.store->begin_step(inputs, batch);
+}
+
+Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, double grad_scale, bool hold_gradients) {
+  CONVEYOR_RETURN_IF_ERROR(begin_batch(inputs));
   return run_begun(grad_scale, hold_gradients);
 }
 
 Result<StepResult> PipelineStep::evaluate(const std::vector<c10::IValue>& inputs) {
-  Impl& im = *impl_;
-  const PipelineLayout& layout = im.layout;
-  if (im.out_of_step) return kOutOfStep;
-  CONVEYOR_ASSIGN_OR_RETURN(const std::int64_t batch, samples_of(*im.executors[0], layout, inputs, layout.microbatches()));
-  CONVEYOR_RETURN_IF_ERROR(layout.batch.check_step(batch, layout.microbatches(), layout.stage_replicas, layout.stage_weights()));
-  CONVEYOR_RETURN_IF_ERROR(im.store->begin_step(inputs, batch));
+  CONVEYOR_RETURN_IF_ERROR(begin_batch(inputs));
   return run_begun(1.0, /*hold_gradients=*/false, /*forward_only=*/true);
 }
 

@@ -183,6 +183,8 @@ class PipelineStep {
   Status write_trace(const std::string& path, const std::vector<trace::Marker>& markers = {}) const;
 
  private:
+  /// Checks a whole batch against the capture and the pipeline and splits it into the store.
+  Status begin_batch(const std::vector<c10::IValue>& inputs);
   /// A step whose store holds its microbatches: runs it and gathers what it measured.
   Result<StepResult> run_begun(double grad_scale, bool hold_gradients, bool forward_only = false);
   struct Impl;
