@@ -2,8 +2,9 @@
 `conveyor.Module(model, optimizer)`, which captures, profiles and plans it on this machine
 (the CPU split into virtual devices); check the first pipelined step against eager PyTorch
 accumulating gradients over the same microbatches; train it on a generated corpus and watch
-the loss fall; write a Perfetto trace of a measured step; print the live profile (measured
-against predicted, per stage).
+the loss fall, and the loss on held-out text with it (evaluated pipelined: model.eval() and
+torch.no_grad(), the forwards alone through the same stages); write a Perfetto trace of a
+measured step; print the live profile (measured against predicted, per stage).
 
     ./run demo [--steps 200] [--devices 4]
 
@@ -46,6 +47,15 @@ def batches(ids: torch.Tensor, batch: int, seq: int, gen: torch.Generator):
         yield torch.stack([ids[s:s + seq] for s in starts])
 
 
+def evaluate(piped, x: torch.Tensor) -> float:
+    """The loss on `x` in eval mode under no_grad: pipelined, no backward, nothing gathered."""
+    piped.eval()
+    with torch.no_grad():
+        loss = piped(input_ids=x, labels=x).item()
+    piped.train()
+    return loss
+
+
 def say(*args, **kwargs):
     """Prints once per job: in process 0 (the only one when run alone)."""
     found = conveyor.distributed.world()
@@ -77,7 +87,9 @@ def main():
           f"{n_params / 1e6:.2f}M parameters, random init")
 
     gen = torch.Generator().manual_seed(2)
-    data = batches(ids, args.batch, args.seq, gen)
+    held_out = len(ids) // 10  # the corpus's last tenth: text the model never trains on
+    data = batches(ids[:-held_out], args.batch, args.seq, gen)
+    test = next(batches(ids[-held_out:], args.batch, args.seq, gen))
     os.makedirs(args.out, exist_ok=True)
     world = conveyor.distributed.world()
     trace_path = os.path.join(args.out, "demo_run.pftrace" if world is None else f"demo_run.rank{world[0]}.pftrace")
@@ -115,6 +127,7 @@ def main():
     piped.clip_grad_norm_(1.0)  # the whole model's norm, across processes too
     opt.step()
     opt.zero_grad(set_to_none=True)
+    first_test = evaluate(piped, test)
 
     first_loss = loss.item()
     window, start = [], time.perf_counter()
@@ -149,6 +162,9 @@ def main():
     if piped.rank == 0:
         graph.save(path)
     say(f"saved the trained graph to {path}; inspect it with: ./run conveyor inspect {path}")
+    final_test = evaluate(piped, test)
+    say(f"held-out loss {first_test:.3f} -> {final_test:.3f} (evaluated pipelined: eval mode's own capture, "
+        "its forwards alone through the same stages)")
     if final >= first_loss:
         sys.exit("the loss did not go down")
 
