@@ -15,7 +15,7 @@ import warnings
 import torch
 
 from .capture import modes_of
-from .errors import CaptureError, ConveyorValueError
+from .errors import CaptureError, ConveyorValueError, NotALossError
 from .replanning import carry_optimizer_state
 from .sizes import input_dims, range_text
 
@@ -87,8 +87,9 @@ class Captures:
     def take_up(self, module, args: tuple, kwargs: dict) -> bool:
         """Makes `module` ready for this call: the capture of its mode, sizes and arguments
         (select), captured and built on the first call. False for a call in an eval mode that
-        cannot be captured (said once, naming why): the caller evaluates the model whole, as
-        eager, rather than fail an evaluation; a train-mode capture's error is raised."""
+        cannot be captured, or whose model returns outputs rather than a loss (inference; said
+        once, naming why): the caller evaluates the model whole, as eager, and returns what it
+        returns; in train mode the error is raised."""
         modes = modes_of(module.module)
         if modes in self._uncapturable:
             return False
@@ -96,12 +97,13 @@ class Captures:
             self.select(module, args, kwargs)
             if module._graph is None:
                 module._build(args, kwargs)
-        except CaptureError as e:
+        except (CaptureError, NotALossError) as e:
             if modes[0]:
                 raise
             self._uncapturable.add(modes)
-            warnings.warn(f"conveyor: the model in eval mode cannot be captured, so it is evaluated whole and "
-                          f"unpipelined on every process (it must fit one device): {e}", stacklevel=4)
+            why = "returns outputs, not a loss" if isinstance(e, NotALossError) else "cannot be captured"
+            warnings.warn(f"conveyor: the model in eval mode {why}, so it is evaluated whole and unpipelined on every "
+                          f"process (it must fit one device): {e}", stacklevel=4)
             return False
         return True
 

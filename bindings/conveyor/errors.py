@@ -42,6 +42,11 @@ class ConveyorValueError(ConveyorError, ValueError):
     """An argument passed to conveyor is malformed."""
 
 
+class NotALossError(ConveyorValueError):
+    """The model's forward returns outputs, not one scalar loss: it cannot be trained
+    pipelined (an eval-mode call of it is evaluated whole instead)."""
+
+
 class ConveyorIOError(ConveyorError, OSError):
     """A file conveyor was asked to read or write cannot be (missing, a folder, unreadable)."""
 

@@ -34,7 +34,9 @@ Each mode has its own capture, made on its first call: in eval mode (`model.eval
 BatchNorm uses its running statistics and leaves them alone and dropout keeps everything,
 as eager PyTorch does; with gradients enabled an eval-mode call trains the eval-mode model
 (BatchNorm frozen, as in fine-tuning). In train mode under no_grad BatchNorm normalizes
-each microbatch by its own statistics, as a training step does.
+each microbatch by its own statistics, as a training step does. An eval-mode call that
+cannot be captured, or whose model returns outputs (logits) rather than a loss, runs the
+model whole, as eager, and says so once.
 
 Dropout (any random operator) in a forward draws from a generator seeded from the
 pipeline's seed, the step, the stage, the microbatch and the replica: the same masks
@@ -97,7 +99,7 @@ from .captures import Captures
 from .loss_wrapper import loss_wrapper
 from .microbatches import Microbatches, is_packed, run_packed
 from .memory import memory_rows, memory_table, reset_device_peak
-from .errors import ConveyorValueError, UnsupportedError
+from .errors import ConveyorValueError, NotALossError, UnsupportedError
 from .plan_maker import PlanMaker, local_cluster, model_gpu_memory, plan_for_larger_sizes
 from .planning import FixedParts, Plan, read_plan
 from .replanning import Replanning, switch_to
@@ -284,6 +286,12 @@ class Module(torch.nn.Module):
         wrapper = loss_wrapper(self.module, self._loss_fn, args, kwargs)
         graph = capture(wrapper, args, kwargs)
         graph.modes = modes_of(self.module)  # a call in another mode needs another capture
+        outputs = graph.document["outputs"]
+        if len(outputs) != 1 or graph.document["values"][outputs[0]].get("shape") != []:
+            raise NotALossError(f"the model's forward must return one scalar loss to be trained pipelined (it returns "
+                                f"{len(outputs)} value{'s' if len(outputs) != 1 else ''}: "
+                                f"{', '.join(graph.document['values'][v]['name'] for v in outputs[:4])}); compute the "
+                                "loss inside forward, wrap the model so that it does, or pass loss_fn= and target=")
         unseeded = graph.executor.unseeded_random_nodes()
         if unseeded:
             ops = sorted({graph.document["nodes"][n]["op"] for n in unseeded})

@@ -445,6 +445,27 @@ def test_an_eval_mode_that_cannot_be_captured_is_evaluated_whole_saying_why():
     model.train_step(x, y)  # training goes on with its capture
 
 
+def test_inference_of_a_model_returning_outputs_gives_eager_s_outputs_whole_saying_so():
+    """model.eval() and a call that returns logits (no loss to reduce): the eager model's
+    outputs, whole (pipelined evaluation returns a loss), said once; training with loss_fn
+    and target goes on pipelined."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).double()
+    x, y = torch.randn(12, 8, dtype=torch.float64), torch.randint(0, 4, (12,))
+    model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.1), stages=2)
+    model.eval()
+    with pytest.warns(UserWarning, match=r"returns outputs, not a loss, so it is evaluated whole.*1 value: "):
+        with torch.no_grad():
+            logits = model(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        with torch.no_grad():
+            assert torch.equal(model(x), logits)
+    assert torch.equal(logits, net(x))
+    with pytest.raises(conveyor.ConveyorValueError, match="must return one scalar loss"):
+        model.train()(x)  # training needs a loss
+
+
 @pytest.mark.parametrize("stages", [None, 2])
 def test_plans_keep_shares_within_the_batch_range_the_model_allows(stages):
     torch.manual_seed(0)
