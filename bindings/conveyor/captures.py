@@ -15,7 +15,8 @@ import warnings
 import torch
 
 from .capture import modes_of
-from .errors import CaptureError, ConveyorValueError, NotALossError
+from .errors import CaptureError, ConveyorError, ConveyorValueError, NotALossError
+from .live_profile import as_it_stood, live_profile
 from .replanning import carry_optimizer_state
 from .sizes import input_dims, range_text
 
@@ -25,7 +26,7 @@ MOST_CAPTURES = 16  # beyond this many, a model that fixes a size is asked to pa
 
 # What a Module holds per capture: its graph and everything built from it.
 PER_CAPTURE = ("_graph", "_step", "plan", "_layout", "_stage_nodes", "_small_steps", "_built_batch", "_least",
-               "_replanning", "_plan_maker", "_planned_sizes")
+               "_replanning", "_plan_maker", "_planned_sizes", "_trained_steps")
 
 
 def call_mismatch(graph, args: tuple, kwargs: dict, modes: tuple) -> tuple[str, str] | None:
@@ -75,6 +76,9 @@ class Captures:
     def __init__(self):
         self._stashed: list[dict] = []
         self._uncapturable: set[tuple] = set()  # eval modes (capture.modes_of) that cannot be captured
+        # The live profile of the capture that trained last, kept when another took over (an
+        # evaluation's): Module.profile_report's while the capture in use has not trained.
+        self.kept_profile = None
         # Across processes, per parameter and buffer, the processes that hold it whole and
         # current with its optimizer state: the readers under the last pipeline that read it
         # (a capture's pipeline leaves what its graph does not read as it found it); a tensor
@@ -193,8 +197,12 @@ class Captures:
         module._step = module._pipeline(module._graph, module.plan, holders=holders)
         carry_optimizer_state(module, holders)
 
-    @staticmethod
-    def _take(module) -> dict:
+    def _take(self, module) -> dict:
+        if module._step is not None and module._trained_steps:
+            try:
+                self.kept_profile = as_it_stood(live_profile(module), module._steps_run)
+            except ConveyorError:  # a pipeline out of step reports nothing: no report kept
+                self.kept_profile = None
         if module._group is not None:  # its actors stop before another pipeline's start
             module._step = None
             module._small_steps = {}

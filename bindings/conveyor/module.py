@@ -98,7 +98,8 @@ from .capture import capture, modes_of
 from .captures import Captures
 from .loss_wrapper import loss_wrapper
 from .microbatches import Microbatches, is_packed, run_packed
-from .memory import memory_rows, memory_table, reset_device_peak
+from .live_profile import LiveProfile, live_profile
+from .memory import reset_device_peak
 from .errors import ConveyorValueError, NotALossError, UnsupportedError
 from .plan_maker import PlanMaker, local_cluster, model_gpu_memory, plan_for_larger_sizes
 from .planning import FixedParts, Plan, read_plan
@@ -139,31 +140,6 @@ class _PipelinedLoss(torch.autograd.Function):
         ctx.held.apply(grad)
         to_inputs = tuple(g * grad.to(g.dtype) for g in ctx.input_grads)
         return (None, None, None, None) + (None,) * ctx.params + to_inputs
-
-
-class LiveProfile:
-    """A live profile (Module.profile_report): `steps`, `measured_step_s`, `predicted_step_s`
-    (0 without a plan) and `stages`, a dict per stage of measured and predicted seconds and
-    its `compute_ratio` (measured over predicted F + B + W; above 1: slower than planned);
-    `memory`, a dict per device of this process with its predicted and measured peak bytes
-    (bindings/conveyor/memory.py);
-    `replan`: the re-planning partitioner's last decision (None before the first window, or
-    without re-planning). After a window the prediction is the running plan priced on the
-    corrected inputs, and the steps counted are those since."""
-
-    def __init__(self, report: dict):
-        self.replan = report.get("replan")
-        self.steps = report["steps"]
-        self.measured_step_s = report["measured_step_s"]
-        self.predicted_step_s = report["predicted_step_s"]
-        self.stages = report["stages"]
-        self.memory = report.get("memory", [])
-        self._table = report["table"]
-
-    def __str__(self) -> str:
-        return self._table
-
-    __repr__ = __str__
 
 
 class Module(torch.nn.Module):
@@ -215,6 +191,7 @@ class Module(torch.nn.Module):
         self._world = distributed.world()
         self._group = None
         self._steps_run = 0
+        self._trained_steps = 0  # training steps the capture in use ran (evaluations not counted)
         self._graph = None
         self._step = None
         self._small_steps: dict[int, Any] = {}  # microbatches -> pipeline for batches too small for the plan
@@ -469,6 +446,7 @@ class Module(torch.nn.Module):
         reset_device_peak(self._graph)
         loss, _, _ = step.run(inputs, hold_gradients=hold_gradients)
         self._steps_run += 1
+        self._trained_steps = (self._trained_steps or 0) + 1
         if step is self._step and self._replanning is not None:
             self._replanning.steps += 1
         if self._trace is not None and (self._steps_run <= 2 or self._marker is not None):
@@ -541,21 +519,19 @@ class Module(torch.nn.Module):
             raise ConveyorValueError("no step has run yet: nothing to trace")
         self._step.write_trace(str(path))
 
-    def profile_report(self) -> "LiveProfile":
+    def profile_report(self) -> LiveProfile:
         """How the running pipeline compares with its plan: every step's measured actions reach
         the pipeline's partitioner actor, which reports per stage the measured forward,
         backward, weight-gradient, transfer and allreduce times against the planner's
         prediction, and the step time (the first step, warm-up, is left out once there are
-        more). With stages fixed by hand there is no prediction: measured figures only."""
+        more). With stages fixed by hand there is no prediction: measured figures only.
+        Evaluations are not in it; after one, until the next training step, it is the training
+        capture's as it stood (bindings/conveyor/live_profile.py)."""
         if self._step is None:
             raise ConveyorValueError("no step has run yet: nothing to report")
-        report = self._step.profile_report()
-        report["memory"] = memory_rows(self)
-        report["table"] += memory_table(report["memory"])
-        if self._replanning is not None:
-            report["table"] += self._replanning.report()
-            report["replan"] = self._replanning.last
-        return LiveProfile(report)
+        if not self._trained_steps and self._captures.kept_profile is not None:
+            return self._captures.kept_profile  # the capture in use has only evaluated
+        return live_profile(self)
 
     def train_step(self, *args, **kwargs) -> torch.Tensor:
         """One whole step: zero the gradients, run the pipeline, apply the optimizer."""

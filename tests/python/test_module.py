@@ -510,6 +510,8 @@ def test_evaluation_in_eval_mode_is_the_eager_model_s_pipelined(name, device):
     for k, v in case.model.state_dict().items():
         assert torch.equal(v, before[k]), f"{k} changed by evaluation"
     assert all(p.grad is g for p, g in zip(case.model.parameters(), grads)), "evaluation touched the gradients"
+    report = model.profile_report()  # the training capture's: the eval capture has not trained
+    assert report.steps == 1 and str(report).startswith("(the training capture's, as it stood after step 1"), report
     case.model.zero_grad(set_to_none=True)
     loss = model(*case.args, **case.kwargs)
     loss.backward()
@@ -518,3 +520,4 @@ def test_evaluation_in_eval_mode_is_the_eager_model_s_pipelined(name, device):
         assert (p.grad - q.grad).abs().max() <= tol * max(q.grad.abs().max(), 1e-3), n
     for k, v in case.model.state_dict().items():
         assert torch.equal(v, before[k]), f"{k} changed by an eval-mode step"
+    assert model.profile_report().steps == 1 and not str(model.profile_report()).startswith("(")  # its own now

@@ -1,0 +1,60 @@
+"""conveyor.Module.profile_report(): how the running pipeline compares with its plan.
+
+Every training step's measured actions reach the pipeline's PartitionerActor, which reports
+per stage the measured forward, backward, weight-gradient, transfer and allreduce times
+against the planner's prediction, and the step time; the Module adds each device's memory
+and re-planning's last decision. Evaluations are not in it. After an evaluation the capture
+in use is the eval mode's, which has run no training step: the report is then the one of
+the capture that trained last, as it stood when the evaluation took over (Captures keeps it)."""
+from __future__ import annotations
+
+from .memory import memory_rows, memory_table
+
+__all__ = ["LiveProfile", "live_profile"]
+
+
+class LiveProfile:
+    """A live profile (Module.profile_report): `steps`, `measured_step_s`, `predicted_step_s`
+    (0 without a plan) and `stages`, a dict per stage of measured and predicted seconds and
+    its `compute_ratio` (measured over predicted F + B + W; above 1: slower than planned);
+    `memory`, a dict per device of this process with its predicted and measured peak bytes
+    (bindings/conveyor/memory.py);
+    `replan`: the re-planning partitioner's last decision (None before the first window, or
+    without re-planning). After a window the prediction is the running plan priced on the
+    corrected inputs, and the steps counted are those since."""
+
+    def __init__(self, report: dict):
+        self.replan = report.get("replan")
+        self.steps = report["steps"]
+        self.measured_step_s = report["measured_step_s"]
+        self.predicted_step_s = report["predicted_step_s"]
+        self.stages = report["stages"]
+        self.memory = report.get("memory", [])
+        self._table = report["table"]
+
+    def __str__(self) -> str:
+        return self._table
+
+    __repr__ = __str__
+
+
+def live_profile(module) -> LiveProfile:
+    """The live profile of `module`'s capture in use (its pipeline built)."""
+    report = module._step.profile_report()
+    report["memory"] = memory_rows(module)
+    report["table"] += memory_table(report["memory"])
+    if module._replanning is not None:
+        report["table"] += module._replanning.report()
+        report["replan"] = module._replanning.last
+    return LiveProfile(report)
+
+
+def as_it_stood(profile: LiveProfile, steps_run: int) -> LiveProfile:
+    """`profile` (a capture's that trained, kept when another capture took over) marked as
+    of the Module's `steps_run`-th step."""
+    kept = LiveProfile({"replan": profile.replan, "steps": profile.steps, "measured_step_s": profile.measured_step_s,
+                        "predicted_step_s": profile.predicted_step_s, "stages": profile.stages,
+                        "memory": profile.memory, "table": str(profile)})
+    kept._table = (f"(the training capture's, as it stood after step {steps_run}, when an evaluation took over; "
+                   "the next training step runs it again)\n" + kept._table)
+    return kept
