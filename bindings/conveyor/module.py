@@ -502,7 +502,9 @@ class Module(torch.nn.Module):
             return self._step  # nothing runs it: the plan's pipeline names the sizes
         k = fitting[0]
         if k not in self._small_steps:
-            self._small_steps[k] = self._make_pipeline(self._graph, self._stage_nodes, schedule, k, chunks, [1] * ranks,
+            # DualPipeV needs 2 microbatches a stage; ZB-V places the stages alike and does not.
+            small = "zb-v" if schedule == "dualpipev" else schedule
+            self._small_steps[k] = self._make_pipeline(self._graph, self._stage_nodes, small, k, chunks, [1] * ranks,
                                                        across_processes=False)
         return self._small_steps[k]
 

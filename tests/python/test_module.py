@@ -222,23 +222,24 @@ def test_trace_of_a_replicated_step_has_a_track_per_replica(tmp_path):
     assert "12 tracks" in r.stdout and "6 flows" in r.stdout, r.stdout
 
 
-@pytest.mark.parametrize("schedule, stages", [("1f1b", 2), ("interleaved", 4)])
-def test_a_last_batch_too_small_for_the_plan_trains_like_eager(schedule, stages):
-    """Built for batches of 8 (2 microbatches, 2 replicas a stage), the pipeline then gets a
+@pytest.mark.parametrize("schedule, stages, m", [("1f1b", 2, 2), ("interleaved", 4, 2), ("dualpipev", 4, 4)])
+def test_a_last_batch_too_small_for_the_plan_trains_like_eager(schedule, stages, m):
+    """Built for batches of 8 (m microbatches, 2 replicas a stage), the pipeline then gets a
     data loader's last batches of 3 and 1: each runs on the same stages with one replica
-    each and as many microbatches as it allows, with eager's loss and gradients. Interleaved
-    needs a microbatch count that is a multiple of its 2 ranks: a batch of 1 has none, and
-    the plan's pipeline refuses it naming the sizes."""
+    each and as many microbatches as it allows, with eager's loss and gradients (DualPipeV,
+    which needs 2 microbatches a stage, as ZB-V: the same placement). Two stages a rank take
+    a microbatch count that is a multiple of their 2 ranks: a batch of 1 has none, and the
+    plan's pipeline refuses it naming the sizes."""
     torch.manual_seed(0)
     case = zoo.mlp(batch=8)
     ref = copy.deepcopy(case.model)
-    model = conveyor.Module(case.model, stages=stages, replicas=2, microbatches=2, schedule=schedule)
+    model = conveyor.Module(case.model, stages=stages, replicas=2, microbatches=m, schedule=schedule)
     for batch in (8, 3, 1):
         x, y = torch.randn(batch, 16, dtype=torch.float64), torch.randn(batch, 4, dtype=torch.float64)
         case.model.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
-        if schedule == "interleaved" and batch == 1:
-            with pytest.raises(conveyor.ConveyorValueError, match="fewer than the 2 microbatches"):
+        if schedule != "1f1b" and batch == 1:
+            with pytest.raises(conveyor.ConveyorValueError, match=f"fewer than the {m} microbatches"):
                 model(x, y)
             continue
         loss = model(x, y)
@@ -248,7 +249,7 @@ def test_a_last_batch_too_small_for_the_plan_trains_like_eager(schedule, stages)
         assert abs(loss.item() - want.item()) <= 1e-12 * abs(want.item()), batch
         for (n, p), (_, q) in zip(case.model.named_parameters(), ref.named_parameters()):
             assert (p.grad - q.grad).abs().max().item() <= 1e-12 * max(q.grad.abs().max().item(), 1e-6), (batch, n)
-    assert model._layout[2] == 2 and model._layout[4] == [2] * (stages // (2 if schedule == "interleaved" else 1))
+    assert model._layout[2] == m and model._layout[4] == [2] * (stages // (1 if schedule == "1f1b" else 2))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
