@@ -9,10 +9,11 @@ GPT-2 (float32, random init, no dropout) in eval mode under torch.no_grad():
 and, for scale, conveyor's training step (forwards and backwards) on the same batch.
 The contenders alternate in rounds (eager, conveyor, step, eager, ...: this machine is
 noisy); prints each one's median over the rounds (of each round's median call) with the
-spread, and the ratio eager / conveyor (above 1: conveyor's evaluation is faster).
+spread, and the ratio eager / conveyor (above 1: conveyor's evaluation is faster). On a GPU
+machine `--device cuda` runs both on the GPU (conveyor's stages each on their own streams).
 
     ./run bench evaluation [--rounds 5] [--iters 10] [--layers 8] [--hidden 256] [--batch 16] [--seq 64]
-                           [--stages 2] [--microbatches 4]
+                           [--stages 2] [--microbatches 8] [--device cpu|cuda]
 """
 import argparse
 import copy
@@ -44,17 +45,23 @@ def main():
     gpt2_case.add_arguments(ap, hidden=256, seq=64, batch=16)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     torch.manual_seed(0)
     case = zoo.gpt2(batch=args.batch, seq=args.seq, dtype=torch.float32, layers=args.layers, hidden=args.hidden,
                     vocab=512, dropout=0.0)
+    case.model.to(args.device)
+    case.kwargs = {k: v.to(args.device) for k, v in case.kwargs.items()}
     eager = copy.deepcopy(case.model).eval()
+    done = (lambda: torch.cuda.synchronize(args.device)) if args.device != "cpu" else (lambda: None)
     model = conveyor.Module(case.model, torch.optim.SGD(case.model.parameters(), lr=0.0), stages=args.stages,
                             microbatches=args.microbatches, replan="off")
 
     def evaluate_eager():
         with torch.no_grad():
-            return case.loss(eager(*case.args, **case.kwargs))
+            loss = case.loss(eager(*case.args, **case.kwargs))
+        done()  # conveyor's calls return after the device finished; eager's must wait too
+        return loss
 
     def evaluate_conveyor():
         model.eval()
@@ -67,8 +74,8 @@ def main():
 
     train_step()  # both captures built and warm before timing
     got, want = evaluate_conveyor().item(), evaluate_eager().item()
-    print(f"GPT-2 {args.layers} layers, hidden {args.hidden}, batch {args.batch} x {args.seq} tokens; conveyor: "
-          f"{args.stages} stages, {args.microbatches} microbatches, {torch.get_num_threads()} threads")
+    print(f"GPT-2 {args.layers} layers, hidden {args.hidden}, batch {args.batch} x {args.seq} tokens on {args.device}; "
+          f"conveyor: {args.stages} stages, {args.microbatches} microbatches, {torch.get_num_threads()} threads")
     print(f"loss: conveyor {got:.6f}, eager {want:.6f} (relative difference {abs(got - want) / abs(want):.1e})")
     contenders = {"eager evaluation": evaluate_eager, "conveyor evaluation": evaluate_conveyor,
                   "conveyor training step": train_step}
