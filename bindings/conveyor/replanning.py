@@ -44,6 +44,12 @@ def plan_summary(document: dict) -> str:
     return f"{text}, ops {cuts}"
 
 
+def idle_devices(document: dict) -> list[int]:
+    """The devices of a plan document that none of its stages' replicas runs on."""
+    used = {s["first_device"] + i for s in document["stages"] for i in range(int(s["replicas"]))}
+    return [d for d in range(len(document["devices"])) if d not in used]
+
+
 def _merge(into: list, stages: list) -> None:
     """Stage by stage the larger of two processes' figures (a stage runs where it is measured)."""
     for mine, theirs in zip(into, stages):
@@ -191,10 +197,14 @@ class Replanning:
         d = self.last
         f = d["factors"]
         speeds = ", ".join(f"{s:.2f}" for s in f["speed"])
+        idle = idle_devices(json.loads(d["running"]))
+        unmeasured = (f"  device{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle))} idle under the running "
+                      "plan: never measured, so how it compares with the devices that run is the cluster's "
+                      "speeds, uncorrected\n") if idle else ""
         return (f"re-planning: {d['reason']}\n  {d['arithmetic']}\n  corrections: forward x{f['forward']:.2f}, "
                 f"backward x{f['backward']:.2f}, weight gradient x{f['weight']:.2f}, transfers x{f['link']:.2f}; "
                 f"device speeds x[{speeds}]; the runtime's cost per action {d['action_overhead_s'] * 1e6:.0f} us\n"
-                f"  switches so far: {len(self.switches)}\n")
+                f"{unmeasured}  switches so far: {len(self.switches)}\n")
 
 
 def switch_to(module, plan, decision: dict | None, reason: str = "switch_plan") -> None:

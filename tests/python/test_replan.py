@@ -185,6 +185,18 @@ def test_a_plan_made_for_wrong_device_speeds_is_replaced_when_auto_and_kept_when
     assert_like_eager_mlp(net, ref, x, y, steps)
 
 
+def test_the_report_names_devices_the_running_plan_leaves_idle():
+    """One stage, one replica on a cluster of two: the other device is never measured, so
+    re-planning cannot tell how it compares, and the report says so."""
+    net, x, y = wide_mlp()
+    model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.01), loss_fn=torch.nn.MSELoss(),
+                            cluster=wrong_speeds_cluster(), stages=1, replicas=1, microbatches=4, replan="auto")
+    for _ in range(7):  # the first window is evaluated before step 7
+        model.train_step(x, target=y)
+    report = str(model.profile_report())
+    assert "device 0 idle under the running plan: never measured" in report, report
+
+
 def assert_like_eager_mlp(net, ref, x, y, steps):
     """`net` (an mlp, trained `steps` SGD-momentum steps from `ref`) equals eager training."""
     eager_net = mlp(len(net) // 2, net[0].in_features).double()
