@@ -162,6 +162,11 @@ void bind_graph(py::module_& m) {
            py::arg("graph"), py::arg("tensors"))
       .def("unseeded_random_nodes", &GraphExecutor::unseeded_random_nodes,
            "Nodes that draw random numbers but take no seeded generator (they draw from torch's global one).")
+      .def("check_inputs", [](const GraphExecutor& ex, const py::sequence& inputs) {
+        check(ex.check_inputs(to_ivalues(inputs)));
+      }, py::arg("inputs"),
+         "Checks a call's flattened inputs against the capture (count, fixed sizes, dtypes, one size per symbol, "
+         "the model's device, the batch range) without running anything; raises naming what differs.")
       .def("run", [](const GraphExecutor& ex, const py::sequence& inputs) {
         auto values = to_ivalues(inputs);
         std::vector<c10::IValue> out;

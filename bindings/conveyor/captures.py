@@ -151,8 +151,9 @@ class Captures:
         except CaptureError:
             self._restore(module, saved)
             self._rebuild(module, holders)
-            with torch.no_grad():
-                module._graph(*args, **kwargs)  # refuses the inputs, naming them, before running
+            # Inputs the capture in use refuses are named (checked, not run: running it would
+            # update a train-mode BatchNorm's statistics on a call in eval mode).
+            module._graph.executor.check_inputs(module._graph.flatten_inputs(args, kwargs))
             raise
         except BaseException:
             self._restore(module, saved)

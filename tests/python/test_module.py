@@ -416,7 +416,8 @@ class BranchesOnDataWhenEvaluating(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.body = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(),
+                                        torch.nn.Linear(8, 8))
 
     def forward(self, x, y):
         h = self.body(x)
@@ -431,6 +432,7 @@ def test_an_eval_mode_that_cannot_be_captured_is_evaluated_whole_saying_why():
     x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
     model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.1), stages=2)
     model.train_step(x, y)
+    statistics = [b.clone() for b in net.buffers()]
     model.eval()
     said = r"(?s)in eval mode cannot be captured, so it is evaluated whole.*if not self.training"
     with pytest.warns(UserWarning, match=said):
@@ -442,6 +444,7 @@ def test_an_eval_mode_that_cannot_be_captured_is_evaluated_whole_saying_why():
             assert model(x, y).item() == got
     with torch.no_grad():
         assert got == net(x, y).item()
+    assert all(torch.equal(a, b) for a, b in zip(statistics, net.buffers())), "evaluation moved BatchNorm's statistics"
     model.train()
     model.train_step(x, y)  # training goes on with its capture
 
