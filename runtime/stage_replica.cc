@@ -23,12 +23,12 @@ StageReplica::StageReplica(int rank, int replica, const PipelineLayout& layout, 
       store_(store), reducer_(reducer), remote_(remote),
       streams_(streams == nullptr ? nullptr : &streams->of_rank(rank, replica)), settings_(settings) {}
 
-void StageReplica::begin_step() {
+void StageReplica::begin_step(bool forward_only) {
   activations_.clear();
   backwards_done_.clear();
   final_done_.clear();
   timed_.clear();
-  memory_->reset_peak();
+  if (!forward_only) memory_->reset_peak();
 }
 
 c10::Event* StageReplica::final_done(int stage) const {

@@ -449,6 +449,20 @@ def test_an_eval_mode_that_cannot_be_captured_is_evaluated_whole_saying_why():
     model.train_step(x, y)  # training goes on with its capture
 
 
+def test_an_evaluation_in_train_mode_leaves_the_steps_memory_peaks_in_the_live_profile():
+    """Under no_grad in train mode the training capture's pipeline evaluates (its forwards
+    alone): the live profile's measured peaks stay those of the training step."""
+    torch.manual_seed(0)
+    case = zoo.mlp(batch=16)
+    model = conveyor.Module(case.model, torch.optim.SGD(case.model.parameters(), lr=0.01), stages=2, microbatches=4)
+    model.train_step(*case.args)
+    before = [row["measured_bytes"] for row in model.profile_report().memory]
+    with torch.no_grad():
+        model(*case.args)
+    after = [row["measured_bytes"] for row in model.profile_report().memory]
+    assert before == after and all(b is None or b > 0 for b in before), (before, after)
+
+
 def test_inference_of_a_model_returning_outputs_gives_eager_s_outputs_whole_saying_so():
     """model.eval() and a call that returns logits (no loss to reduce): the eager model's
     outputs, whole (pipelined evaluation returns a loss), said once; training with loss_fn
