@@ -539,6 +539,8 @@ class Module(torch.nn.Module):
         """One whole step: zero the gradients, run the pipeline, apply the optimizer."""
         if self.optimizer is None:
             raise ConveyorValueError("train_step needs the optimizer: conveyor.Module(model, optimizer)")
+        if not self.training:  # before anything is zeroed or captured for eval mode
+            raise ConveyorValueError("train_step trains: call model.train() first")
         self.optimizer.zero_grad(set_to_none=True)
         if is_packed(args, kwargs):
             loss, _ = run_packed(self, args[0], hold_gradients=False)
@@ -547,8 +549,6 @@ class Module(torch.nn.Module):
         self._captures.select(self, args, kwargs)
         if self._graph is None:
             self._build(args, kwargs)
-        if not self.training:
-            raise ConveyorValueError("train_step trains: call model.train() first")
         inputs = self._graph.flatten_inputs(args, kwargs)
         self._maybe_replan()
         plan_for_larger_sizes(self, [inputs])

@@ -449,6 +449,20 @@ def test_an_eval_mode_that_cannot_be_captured_is_evaluated_whole_saying_why():
     model.train_step(x, y)  # training goes on with its capture
 
 
+def test_train_step_in_eval_mode_is_refused_before_it_touches_anything():
+    """The gradients the caller holds stay, and no eval-mode capture is made for it."""
+    torch.manual_seed(0)
+    case = zoo.mlp(batch=8)
+    model = conveyor.Module(case.model, torch.optim.SGD(case.model.parameters(), lr=0.01), stages=2)
+    model.train_step(*case.args)
+    grads = [p.grad.clone() for p in case.model.parameters()]
+    model.eval()
+    with pytest.raises(conveyor.ConveyorValueError, match=r"train_step trains: call model.train\(\) first"):
+        model.train_step(*case.args)
+    assert all(torch.equal(p.grad, g) for p, g in zip(case.model.parameters(), grads))
+    assert len(model._captures) == 1
+
+
 def test_an_evaluation_in_train_mode_leaves_the_steps_memory_peaks_in_the_live_profile():
     """Under no_grad in train mode the training capture's pipeline evaluates (its forwards
     alone): the live profile's measured peaks stay those of the training step."""
