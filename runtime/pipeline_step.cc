@@ -352,7 +352,7 @@ Result<StepResult> PipelineStep::run_begun(double grad_scale, bool hold_gradient
   im.settings.autocast = AutocastState::of_this_thread();
   im.reducer->begin_step();
   if (im.remote) im.remote->begin_step();
-  for (auto& r : im.replicas) r->begin_step(forward_only);
+  for (auto& r : im.replicas) r->begin_step();  // after settings.forward_only is set
   if (im.streams) {
     im.step_start = im.streams->start_step();
     im.step_start_host = std::chrono::steady_clock::now();

@@ -23,12 +23,12 @@ StageReplica::StageReplica(int rank, int replica, const PipelineLayout& layout, 
       store_(store), reducer_(reducer), remote_(remote),
       streams_(streams == nullptr ? nullptr : &streams->of_rank(rank, replica)), settings_(settings) {}
 
-void StageReplica::begin_step(bool forward_only) {
+void StageReplica::begin_step() {
   activations_.clear();
   backwards_done_.clear();
   final_done_.clear();
   timed_.clear();
-  if (!forward_only) memory_->reset_peak();
+  if (!settings_.forward_only) memory_->reset_peak();  // an evaluation leaves the steps' peaks
 }
 
 c10::Event* StageReplica::final_done(int stage) const {
@@ -97,14 +97,11 @@ Status StageReplica::forward(const Action& a) {
   CONVEYOR_ASSIGN_OR_RETURN(std::vector<c10::IValue> in, store_.read(program.inputs(), a.microbatch, a.stage, replica_));
   std::optional<std::uint64_t> seed;
   if (program.draws_random()) seed = forward_seed(a.stage, a.microbatch);
-  if (settings_.forward_only) {  // an evaluation: nothing recorded, nothing kept
-    at::NoGradGuard no_grad;
-    CONVEYOR_ASSIGN_OR_RETURN(graph::StageActivation act, program.forward(std::move(in), seed));
-    c10::Event* done = streams_ != nullptr ? streams_->events.record(streams_->compute) : nullptr;
-    store_.put(program.outputs(), act.outputs, a.microbatch, a.stage, replica_, done);
-    return Status::ok();
-  }
   auto run = [&]() -> Result<graph::StageActivation> {
+    if (settings_.forward_only) {  // an evaluation: nothing recorded for a backward
+      at::NoGradGuard no_grad;
+      return program.forward(std::move(in), seed);
+    }
     switch (settings_.recompute[a.stage]) {
       case Recomputation::kSelective: return program.forward_selective(std::move(in), seed);
       case Recomputation::kFull: return program.forward_for_recompute(std::move(in), seed);
@@ -115,7 +112,7 @@ Status StageReplica::forward(const Action& a) {
   CONVEYOR_ASSIGN_OR_RETURN(graph::StageActivation act, run());
   c10::Event* done = streams_ != nullptr ? streams_->events.record(streams_->compute) : nullptr;
   store_.put(program.outputs(), act.outputs, a.microbatch, a.stage, replica_, done);
-  activations_[{a.stage, a.microbatch}] = std::move(act);
+  if (!settings_.forward_only) activations_[{a.stage, a.microbatch}] = std::move(act);  // kept for the backward
   return Status::ok();
 }
 

@@ -61,9 +61,9 @@ class StageReplica {
   int replica() const { return replica_; }
 
   /// A new step: no activation kept, no backward done, no timing recorded; the memory peak
-  /// measured afresh, except for an evaluation (`forward_only`): the live profile's peaks
-  /// stay the training steps'.
-  void begin_step(bool forward_only = false);
+  /// measured afresh, except for an evaluation (StepSettings::forward_only): the live
+  /// profile's peaks stay the training steps'.
+  void begin_step();
   /// F, B, Bi, W or the optimizer step of this replica (its actor's thread): on its compute
   /// stream between two timing events, with streams.
   Status compute(const scheduler::Action& a);

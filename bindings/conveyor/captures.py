@@ -27,6 +27,8 @@ MOST_CAPTURES = 16  # beyond this many, a model that fixes a size is asked to pa
 # What a Module holds per capture: its graph and everything built from it.
 PER_CAPTURE = ("_graph", "_step", "plan", "_layout", "_stage_nodes", "_small_steps", "_built_batch", "_least",
                "_replanning", "_plan_maker", "_planned_sizes", "_trained_steps")
+# What a capture not built yet holds of them (None for the others).
+FRESH = {"_small_steps": dict, "_planned_sizes": dict, "_trained_steps": int}
 
 
 def call_mismatch(graph, args: tuple, kwargs: dict, modes: tuple) -> tuple[str, str] | None:
@@ -209,7 +211,7 @@ class Captures:
             module._small_steps = {}
         saved = {name: getattr(module, name) for name in PER_CAPTURE}
         for name in PER_CAPTURE:
-            setattr(module, name, {} if name in ("_small_steps", "_planned_sizes") else None)
+            setattr(module, name, FRESH[name]() if name in FRESH else None)
         return saved
 
     @staticmethod

@@ -8,6 +8,8 @@ in use is the eval mode's, which has run no training step: the report is then th
 the capture that trained last, as it stood when the evaluation took over (Captures keeps it)."""
 from __future__ import annotations
 
+import copy
+
 from .memory import memory_rows, memory_table
 
 __all__ = ["LiveProfile", "live_profile"]
@@ -52,9 +54,7 @@ def live_profile(module) -> LiveProfile:
 def as_it_stood(profile: LiveProfile, steps_run: int) -> LiveProfile:
     """`profile` (a capture's that trained, kept when another capture took over) marked as
     of the Module's `steps_run`-th step."""
-    kept = LiveProfile({"replan": profile.replan, "steps": profile.steps, "measured_step_s": profile.measured_step_s,
-                        "predicted_step_s": profile.predicted_step_s, "stages": profile.stages,
-                        "memory": profile.memory, "table": str(profile)})
+    kept = copy.copy(profile)
     kept._table = (f"(the training capture's, as it stood after step {steps_run}, when an evaluation took over; "
-                   "the next training step runs it again)\n" + kept._table)
+                   "the next training step runs it again)\n" + profile._table)
     return kept

@@ -99,7 +99,7 @@ def run_packed(module, packed: Microbatches, hold_gradients: bool) -> tuple[torc
     reset_device_peak(graph)
     loss, _, _ = step.run_packed(flat, hold_gradients=hold_gradients)
     module._steps_run += 1
-    module._trained_steps = (module._trained_steps or 0) + 1
+    module._trained_steps += 1
     if step is module._step and module._replanning is not None:
         module._replanning.steps += 1
     return loss, step

@@ -446,7 +446,7 @@ class Module(torch.nn.Module):
         reset_device_peak(self._graph)
         loss, _, _ = step.run(inputs, hold_gradients=hold_gradients)
         self._steps_run += 1
-        self._trained_steps = (self._trained_steps or 0) + 1
+        self._trained_steps += 1
         if step is self._step and self._replanning is not None:
             self._replanning.steps += 1
         if self._trace is not None and (self._steps_run <= 2 or self._marker is not None):
@@ -546,9 +546,7 @@ class Module(torch.nn.Module):
             loss, _ = run_packed(self, args[0], hold_gradients=False)
             self.optimizer.step()
             return loss.detach()
-        self._captures.select(self, args, kwargs)
-        if self._graph is None:
-            self._build(args, kwargs)
+        self._captures.take_up(self, args, kwargs)  # train mode: captures or raises
         inputs = self._graph.flatten_inputs(args, kwargs)
         self._maybe_replan()
         plan_for_larger_sizes(self, [inputs])
