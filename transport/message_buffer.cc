@@ -267,9 +267,12 @@ Result<IncomingMessage> read_message(const at::Tensor& buffer, const std::option
       continue;
     }
     if (in_parts && sent_from_device && device) {  // received later, into `device` memory
-      at::Tensor part = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(*device));
-      out.parts.push_back(part);
-      out.tensors.push_back(part.view(type).view(sizes));
+      // The tensor owns its memory and the part is a byte view of it, not the other way
+      // round: a received tensor that is itself a view cannot be changed in place once
+      // autograd returns it from a custom Function (conveyor.distributed's receives).
+      at::Tensor tensor = at::empty(sizes, options.device(*device));
+      out.parts.push_back(tensor.view(-1).view(at::kByte));
+      out.tensors.push_back(tensor);
       continue;
     }
     if (in_parts) {  // received later, into a pooled buffer that the tensor keeps
