@@ -73,9 +73,13 @@ def main():
         return model.train_step(*case.args, **case.kwargs)
 
     train_step()  # both captures built and warm before timing
+    plan = model.plan.document  # the training capture's
     got, want = evaluate_conveyor().item(), evaluate_eager().item()
     print(f"GPT-2 {args.layers} layers, hidden {args.hidden}, batch {args.batch} x {args.seq} tokens on {args.device}; "
-          f"conveyor: {args.stages} stages, {args.microbatches} microbatches, {torch.get_num_threads()} threads")
+          f"conveyor: {args.stages} stages, {args.microbatches} microbatches, {torch.get_num_threads()} threads; "
+          f"the training plan: {plan['schedule']}, replicas {[s['replicas'] for s in plan['stages']]}, "
+          f"recompute {[s.get('recompute', 'none') for s in plan['stages']]}, "
+          f"predicted step {plan['predicted_step_s'] * 1e3:.1f} ms")
     print(f"loss: conveyor {got:.6f}, eager {want:.6f} (relative difference {abs(got - want) / abs(want):.1e})")
     contenders = {"eager evaluation": evaluate_eager, "conveyor evaluation": evaluate_conveyor,
                   "conveyor training step": train_step}

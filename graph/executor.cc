@@ -60,6 +60,10 @@ void reshape_unwritten_views(const Graph& g, std::vector<std::unique_ptr<GraphEx
 }  // namespace
 
 Result<std::shared_ptr<GraphExecutor>> GraphExecutor::create(Graph graph, TensorMap tensors) {
+  return bind(std::move(graph), std::move(tensors), /*check_shapes=*/true);
+}
+
+Result<std::shared_ptr<GraphExecutor>> GraphExecutor::bind(Graph graph, TensorMap tensors, bool check_shapes) {
   CONVEYOR_RETURN_IF_ERROR(graph.validate());
   std::shared_ptr<GraphExecutor> ex(new GraphExecutor());
   ex->graph_ = std::move(graph);
@@ -76,7 +80,7 @@ Result<std::shared_ptr<GraphExecutor>> GraphExecutor::create(Graph graph, Tensor
     }
     const at::Tensor& t = it->second;
     const Value& v = g.values[b.value];
-    if (!fits_shape(t, v.shape)) {
+    if (check_shapes && !fits_shape(t, v.shape)) {
       return Status(ErrorCode::kInvalidArgument, "tensor '" + b.name + "' has shape " + shape_string(t) +
                                                      " but the graph expects " + shape_string(v.shape));
     }
@@ -343,6 +347,20 @@ Result<std::shared_ptr<GraphExecutor>> GraphExecutor::replica() const {
     }
   }
   return create(graph_, std::move(copies));
+}
+
+Result<std::shared_ptr<GraphExecutor>> GraphExecutor::with_own_leaves(const std::vector<std::string>& names) const {
+  TensorMap tensors = tensors_;  // the same tensors: a change of one's data reaches both
+  for (const auto& name : names) {
+    auto it = tensors.find(name);
+    if (it == tensors.end()) return Status(ErrorCode::kInvalidArgument, "no tensor is bound to '" + name + "'");
+    const bool grad = it->second.requires_grad();
+    it->second = it->second.detach();
+    if (grad) it->second.requires_grad_(true);
+  }
+  // Shapes unchecked: they are this executor's tensors, some perhaps released here until
+  // the runtime hands them over (runtime/model_state.h).
+  return bind(graph_, std::move(tensors), /*check_shapes=*/false);
 }
 
 Result<std::shared_ptr<const StageProgram>> GraphExecutor::stage(std::vector<NodeId> nodes) const {

@@ -168,6 +168,12 @@ class GraphExecutor : public std::enable_shared_from_this<GraphExecutor> {
   /// hands it over or releases it again.
   Result<std::shared_ptr<GraphExecutor>> replica() const;
 
+  /// An executor of the same graph over the same tensors, except that the parameters
+  /// `names` are leaves of its own over the same storage, with their own `.grad`: stages run
+  /// through it accumulate those gradients apart from stages run through this one (a tied
+  /// weight that several threads and streams of one process read).
+  Result<std::shared_ptr<GraphExecutor>> with_own_leaves(const std::vector<std::string>& names) const;
+
   /// The tensor bound to a binding's name, or nullptr.
   const at::Tensor* tensor(const std::string& name) const {
     auto it = tensors_.find(name);
@@ -186,6 +192,8 @@ class GraphExecutor : public std::enable_shared_from_this<GraphExecutor> {
   friend class StageProgram;
   GraphExecutor() = default;
   friend struct SelectiveSegment;
+  // create(), with the tensors' shapes checked against the graph or not.
+  static Result<std::shared_ptr<GraphExecutor>> bind(Graph graph, TensorMap tensors, bool check_shapes);
   Status execute(const std::vector<StageProgram::Step>& steps, std::vector<c10::IValue>& values,
                  std::optional<std::uint64_t> random_seed = std::nullopt) const;
   /// Runs steps [first, last) on `values`; random operators draw from `generators` (null:

@@ -37,12 +37,48 @@ Result<std::unique_ptr<ModelState>> ModelState::create(const PipelineLayout& lay
     }
     m->buffer_groups_.push_back({sync.name, it->second, sync.root});
   }
+  // Tied parameters: the first local rank that reads one reads the replica's tensor, each
+  // later one a leaf of its own.
+  const LocalReplicas local = placement.local_workers(layout);
+  const auto& spec = layout.schedule.spec;
+  for (int i = 0; i < static_cast<int>(m->executors_.size()); ++i) {
+    std::map<int, std::vector<std::string>> own;  // rank -> its tied parameters read through its own leaves
+    for (const auto& name : layout.shared_parameters) {
+      bool earlier = false;
+      for (int rank = 0; rank < spec.ranks; ++rank) {
+        if (i >= static_cast<int>(local[rank].size()) || !local[rank][i]) continue;
+        const auto stages = spec.stages_of_rank(rank);
+        const bool reads = std::any_of(stages.begin(), stages.end(), [&](int s) {
+          const auto& shared = layout.stage_shared[s];
+          return std::find(shared.begin(), shared.end(), name) != shared.end();
+        });
+        if (!reads) continue;
+        if (earlier) own[rank].push_back(name);
+        earlier = true;
+      }
+    }
+    for (const auto& [rank, names] : own) {
+      CONVEYOR_ASSIGN_OR_RETURN(auto executor, m->executors_[i]->with_own_leaves(names));
+      for (const auto& name : names) m->own_leaves_.push_back({i, name, *executor->tensor(name)});
+      m->rank_executors_[{i, rank}] = std::move(executor);
+    }
+  }
   return m;
+}
+
+std::shared_ptr<const graph::GraphExecutor> ModelState::executor_for(int replica, int rank) const {
+  auto it = rank_executors_.find({replica, rank});
+  return it != rank_executors_.end() ? it->second : executors_[static_cast<std::size_t>(replica)];
 }
 
 void ModelState::begin_step() {
   release();  // after gather(), this process again holds only its stages' share
   c10::NoGradGuard no_grad;
+  for (auto& own : own_leaves_) {
+    // The replica's tensor may have new data since (released, handed over, assigned by the user).
+    own.leaf.set_data(*executors_[static_cast<std::size_t>(own.replica)]->tensor(own.name));
+    own.leaf.mutable_grad().reset();
+  }
   for (std::size_t r = 1; r < executors_.size(); ++r) {
     for (const auto& name : layout_.buffers) {
       if (placement_.across_processes() && !placement_.buffers_here.count(name)) continue;  // released here
@@ -53,6 +89,23 @@ void ModelState::begin_step() {
       for (const auto& name : stage) executors_[r]->tensor(name)->mutable_grad().reset();
     }
     for (const auto& name : layout_.shared_parameters) executors_[r]->tensor(name)->mutable_grad().reset();
+  }
+}
+
+void ModelState::fold_tied_gradients() {
+  c10::NoGradGuard no_grad;
+  for (auto& own : own_leaves_) {
+    at::Tensor g = own.leaf.grad();
+    if (!g.defined()) continue;
+    const at::Tensor& p = *executors_[static_cast<std::size_t>(own.replica)]->tensor(own.name);
+    if (!p.grad().defined()) {
+      p.mutable_grad() = g;
+    } else if (p.grad().layout() == at::kStrided && g.layout() == at::kStrided) {
+      p.mutable_grad().add_(g);
+    } else {  // a sparse gradient on either side
+      p.mutable_grad() = p.grad() + g;
+    }
+    own.leaf.mutable_grad().reset();
   }
 }
 

@@ -4,7 +4,11 @@
 // tensors its stages read: the others are released (0 elements; the same Python objects, so
 // optimizers and state_dict() still find them) and gather() brings every tensor back whole
 // from its owner. Written buffers of stages replicated across processes go from their owner
-// to the other processes that read them after every step.
+// to the other processes that read them after every step. A tied parameter that several
+// ranks of this process read (on their own threads and device streams) is a leaf of its
+// own for every such rank but the first, over the same storage: no two ranks accumulate
+// into one `.grad` (which would make the device's accumulation cross streams, and the
+// sum's order depend on timing); the step adds the others into the first's.
 //
 /// @note Runs on the caller's thread, between steps.
 #pragma once
@@ -49,9 +53,17 @@ class ModelState {
                                                     std::vector<std::shared_ptr<const graph::GraphExecutor>> executors,
                                                     std::shared_ptr<ProcessGroup> processes);
 
+  /// The executor replica `replica` of pipeline rank `rank` runs its stages through: the
+  /// replica's, or one with leaves of its own for the tied parameters an earlier rank of
+  /// this process also reads.
+  std::shared_ptr<const graph::GraphExecutor> executor_for(int replica, int rank) const;
+
   /// Before a step: replicas start from the user's buffers with empty gradients, and this
   /// process holds only what its stages read.
   void begin_step();
+  /// After a step's backwards, before the tied parameters' sums over replicas and
+  /// processes: each rank's own leaf's gradient is added into its replica's parameter.
+  void fold_tied_gradients();
   /// Every parameter and buffer becomes its owner's, whole, on every process (collective).
   Status gather();
   /// Across processes, for a pipeline that replaces one placed otherwise (a re-plan):
@@ -85,6 +97,11 @@ class ModelState {
     std::string name;
     std::vector<std::int64_t> sizes;
   };
+  struct OwnLeaf {  // a rank's leaf of a tied parameter, over the replica's tensor's storage
+    int replica;
+    std::string name;
+    at::Tensor leaf;
+  };
   struct BufferGroup {
     std::string name;
     std::shared_ptr<transport::EndpointGroup> group;  // null: this process does not read it
@@ -93,6 +110,8 @@ class ModelState {
   const PipelineLayout& layout_;
   const Placement& placement_;
   std::vector<std::shared_ptr<const graph::GraphExecutor>> executors_;
+  std::map<std::pair<int, int>, std::shared_ptr<const graph::GraphExecutor>> rank_executors_;  // (replica, rank)
+  std::vector<OwnLeaf> own_leaves_;
   std::shared_ptr<ProcessGroup> processes_;
   std::vector<NotHere> not_here_;
   std::vector<BufferGroup> buffer_groups_;

@@ -104,6 +104,7 @@ Result<PipelineLayout> PipelineLayout::create(const graph::Graph& g, std::vector
     }
   }
   out.stage_parameters.resize(static_cast<std::size_t>(num_stages));
+  out.stage_shared.resize(static_cast<std::size_t>(num_stages));
   for (const auto& b : g.bindings) {
     if (b.kind == graph::Binding::Kind::kBuffer) out.buffers.push_back(b.name);
     if (b.kind != graph::Binding::Kind::kParameter) continue;
@@ -113,6 +114,7 @@ Result<PipelineLayout> PipelineLayout::create(const graph::Graph& g, std::vector
       out.stage_parameters[*who.begin()].push_back(b.name);
     } else {
       out.shared_parameters.push_back(b.name);
+      for (int s : who) out.stage_shared[s].push_back(b.name);
     }
   }
   out.stages = std::move(stages);

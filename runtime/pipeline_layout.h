@@ -36,6 +36,7 @@ struct PipelineLayout {
   /// Trainable parameters read by one stage alone (its replicas sum their gradients), per stage.
   std::vector<std::vector<std::string>> stage_parameters;
   std::vector<std::string> shared_parameters;  ///< trainable, read by several stages (tied)
+  std::vector<std::vector<std::string>> stage_shared;  ///< [stage]: the shared parameters it reads
   std::vector<std::string> buffers;            ///< every buffer binding
   std::set<std::string> held;                  ///< parameters and buffers the executor holds a tensor for
   std::set<std::string> trainable;             ///< parameters that require gradients

@@ -224,7 +224,7 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
       if (!local[rank][i]) continue;
       std::map<int, std::shared_ptr<const graph::StageProgram>> programs;
       for (int s : spec.stages_of_rank(rank)) {
-        CONVEYOR_ASSIGN_OR_RETURN(programs[s], im.executors[i]->stage(layout.stages[s]));
+        CONVEYOR_ASSIGN_OR_RETURN(programs[s], im.state->executor_for(i, rank)->stage(layout.stages[s]));
       }
       im.replicas.push_back(std::make_unique<StageReplica>(rank, i, layout, im.placement, std::move(programs), *im.store,
                                                            *im.reducer, im.remote.get(), im.streams.get(), im.settings));
@@ -405,6 +405,7 @@ Result<StepResult> PipelineStep::run_begun(double grad_scale, bool hold_gradient
       }
       CONVEYOR_RETURN_IF_ERROR(im.reducer->write_across());
     }
+    if (!forward_only) im.state->fold_tied_gradients();
     Status s = forward_only ? Status::ok() : im.reducer->reduce_tied();
     if (s.is_ok() && im.processes) s = im.state->sync_buffers();
     if (!s.is_ok() && im.processes) im.out_of_step = true;

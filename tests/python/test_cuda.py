@@ -80,3 +80,43 @@ def test_a_pipelined_step_makes_the_host_wait_for_the_device_once():
     assert int(words[3]) > 0, "the replicated stage's buckets were summed during backward"
     synchronizing = done.stderr.count("called a synchronizing CUDA operation")
     assert synchronizing == 0, f"{synchronizing} other synchronizing CUDA calls in 3 steps:\n{done.stderr[-3000:]}"
+
+
+def test_ranks_reading_a_tied_weight_never_accumulate_across_streams():
+    """GPT-2's tied embedding, read by the first and the last of 3 ranks of one process (each
+    on its own thread and compute stream): each rank accumulates into a leaf of its own, so
+    autograd never adds a gradient made on one stream into an accumulator of another (torch
+    warns when it does: it then orders the streams behind each other), and the parameter's
+    gradient is still the sum over the stages, as in eager. In a process of its own, since
+    torch warns once per process, from a C++ thread, on stderr."""
+    script = textwrap.dedent("""
+        import copy, torch, conveyor
+        from conveyor import _C, zoo
+        from conveyor.loss_wrapper import loss_wrapper
+
+        torch.manual_seed(0)
+        case = zoo.gpt2(batch=8, seq=16, dtype=torch.float64, layers=2, hidden=32, vocab=64)
+        model = case.model.cuda()
+        kwargs = {k: v.cuda() for k, v in case.kwargs.items()}
+        ref = copy.deepcopy(model)
+        graph = conveyor.capture(loss_wrapper(model, case.loss, (), kwargs), (), kwargs)
+        stages = graph.random_partition(3, seed=0, keep_node_order=True)
+        tied = next(b["value"] for b in graph.document["bindings"] if b["name"].endswith(("wte.weight", "lm_head.weight")))
+        print("READERS", *[s for s, nodes in enumerate(stages)
+                           if any(a.get("value") == tied for n in nodes for a in graph.nodes[n]["args"])])
+        step = _C.PipelineStep(graph.executor, stages, "1f1b", 4, 1, [1, 1, 1])
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            step.run(graph.flatten_inputs((), kwargs))
+        case.loss(ref(**kwargs)).backward()
+        worst = max(((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)).item()
+                    for p, q in zip(model.parameters(), ref.parameters()) if q.grad is not None)
+        print("WORST", worst)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "AccumulateGrad node's stream does not match" not in done.stderr, done.stderr[-3000:]
+    readers = next(l for l in done.stdout.splitlines() if l.startswith("READERS")).split()[1:]
+    assert len(readers) == 2, f"the tied weight is read by stages {readers}: the test needs two ranks to read it"
+    worst = float(next(l for l in done.stdout.splitlines() if l.startswith("WORST")).split()[1])
+    assert worst <= 1e-9
