@@ -87,7 +87,10 @@ Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasure
     mb.push_back(m.backward_s);
     mw.push_back(m.backward_weight_s);
     pf.push_back(std::max(0.0, p.forward_s - action_overhead_s));
-    pb.push_back(std::max(0.0, (split ? p.backward_s - p.backward_weight_s : p.backward_s) - action_overhead_s));
+    // A first stage's split backward is all W: its input half is the action's overhead alone,
+    // less which only rounding is left (a ratio over that would be astronomical).
+    const double input_half = (split ? p.backward_s - p.backward_weight_s : p.backward_s) - action_overhead_s;
+    pb.push_back(input_half > 1e-9 ? input_half : 0.0);
     pw.push_back(split ? p.backward_weight_s : 0);
   }
   Factors f;

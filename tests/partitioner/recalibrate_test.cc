@@ -162,6 +162,28 @@ TEST(Recalibrate, ASplitBackwardCorrectsItsHalvesApart) {
   }
 }
 
+TEST(Recalibrate, AFirstStagesInputHalfOfNothingLeavesTheBackwardFactorToTheOthers) {
+  // A first stage has no input gradient to compute: its split backward is all W, its input
+  // half the action's overhead, and what is left of that difference is rounding. Its measured
+  // input half (the runtime's bookkeeping) over that rounding must not be taken for a ratio.
+  const CostGraph g = testing::uniform_chain(8, 1e-3, 2e-3, 1e6, 1e6);
+  const Cluster cluster = devices(2);
+  PlanOptions o = pipeline_1f1b();
+  o.schedules = {ScheduleKind::kZeroBubbleH1};
+  Plan plan = plan_of(g, cluster, o);
+  ASSERT_EQ(plan.stages.size(), 2u);
+  StagePlan& first = plan.stages[0];
+  EXPECT_NEAR(first.backward_s - first.backward_weight_s, o.action_overhead_s, 1e-12);  // all at W
+  first.backward_s = first.backward_weight_s + o.action_overhead_s + 1e-15;  // a rounding residue
+  std::vector<StageMeasurement> m = measured_at(plan, {1.0, 1.0}, /*split=*/true);
+  m[0].backward_s = 2e-5;
+  auto c = recalibrate(g, cluster, o, plan, m);
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  EXPECT_EQ(c->factors.backward, 1.0);
+  EXPECT_EQ(c->factors.weight, 1.0);
+  for (const Device& d : c->cluster.devices) EXPECT_EQ(d.speed, 1.0);
+}
+
 TEST(Recalibrate, TransfersSlowerThanTheLinksPredictSlowTheLinks) {
   const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
   const Cluster cluster = devices(3);
