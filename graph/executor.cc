@@ -57,6 +57,13 @@ void reshape_unwritten_views(const Graph& g, std::vector<std::unique_ptr<GraphEx
   }
 }
 
+// A leaf of its own over `t`'s storage, requiring a gradient as `t` does.
+at::Tensor own_leaf(const at::Tensor& t) {
+  at::Tensor leaf = t.detach();
+  if (t.requires_grad()) leaf.requires_grad_(true);
+  return leaf;
+}
+
 }  // namespace
 
 Result<std::shared_ptr<GraphExecutor>> GraphExecutor::create(Graph graph, TensorMap tensors) {
@@ -339,9 +346,7 @@ Result<std::shared_ptr<GraphExecutor>> GraphExecutor::replica() const {
       continue;
     }
     if (b.kind == Binding::Kind::kParameter) {
-      const bool grad = t.requires_grad();
-      t = t.detach();
-      if (grad) t.requires_grad_(true);
+      t = own_leaf(t);
     } else if (b.kind == Binding::Kind::kBuffer) {
       t = t.detach().clone();
     }
@@ -354,9 +359,7 @@ Result<std::shared_ptr<GraphExecutor>> GraphExecutor::with_own_leaves(const std:
   for (const auto& name : names) {
     auto it = tensors.find(name);
     if (it == tensors.end()) return Status(ErrorCode::kInvalidArgument, "no tensor is bound to '" + name + "'");
-    const bool grad = it->second.requires_grad();
-    it->second = it->second.detach();
-    if (grad) it->second.requires_grad_(true);
+    it->second = own_leaf(it->second);
   }
   // Shapes unchecked: they are this executor's tensors, some perhaps released here until
   // the runtime hands them over (runtime/model_state.h).

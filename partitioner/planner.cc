@@ -100,10 +100,7 @@ StagePlan stage_plan(const Units& u, const CutStates& cs, int inner, int outer, 
   sp.shares = model.shares(first, replicas);
   sp.forward_s = ss.fwd * model.scale() / e.speed + model.options().action_overhead_s;
   sp.backward_s = (ss.forward_again(e.recompute) + ss.bwd) * model.scale() / e.speed + model.options().action_overhead_s;
-  // A stage that reads nothing from another (the first) has no input gradient to compute: its
-  // split backward does all of its work at W (measured on GPT-2: 0.1 ms for the input half, the
-  // whole 21 ms at W), in time as in memory (below).
-  sp.backward_weight_s = (ss.in_bytes > 0 ? ss.bwd_w : ss.bwd) * model.scale() / e.speed;
+  sp.backward_weight_s = weight_half(ss.bwd, ss.bwd_w, ss.in_bytes > 0) * model.scale() / e.speed;
   sp.send_bytes = has_next ? ss.out_bytes * model.scale() : 0;
   sp.recv_bytes = has_prev ? ss.in_bytes * model.scale() : 0;
   sp.allreduce_s = e.allreduce;

@@ -199,7 +199,7 @@ Result<Plan> reprice(const CostGraph& costs, const Cluster& cluster, const PlanO
     p.forward_s = fwd * model.scale() / speed + o.action_overhead_s;
     p.backward_s = bwd * model.scale() / speed + o.action_overhead_s;
     p.allreduce_s = model.allreduce_time(p.param_bytes, p.first_device, p.replicas);
-    p.backward_weight_s = (p.recv_bytes > 0 ? bwd_w : bwd) * model.scale() / speed;  // the first: all at W
+    p.backward_weight_s = detail::weight_half(bwd, bwd_w, p.recv_bytes > 0) * model.scale() / speed;
   }
   CONVEYOR_ASSIGN_OR_RETURN(auto sim, out.simulate());
   out.predicted_step_s = sim.step_time_s;

@@ -42,24 +42,18 @@ Result<std::unique_ptr<ModelState>> ModelState::create(const PipelineLayout& lay
   const LocalReplicas local = placement.local_workers(layout);
   const auto& spec = layout.schedule.spec;
   for (int i = 0; i < static_cast<int>(m->executors_.size()); ++i) {
-    std::map<int, std::vector<std::string>> own;  // rank -> its tied parameters read through its own leaves
-    for (const auto& name : layout.shared_parameters) {
-      bool earlier = false;
-      for (int rank = 0; rank < spec.ranks; ++rank) {
-        if (i >= static_cast<int>(local[rank].size()) || !local[rank][i]) continue;
-        const auto stages = spec.stages_of_rank(rank);
-        const bool reads = std::any_of(stages.begin(), stages.end(), [&](int s) {
-          const auto& shared = layout.stage_shared[s];
-          return std::find(shared.begin(), shared.end(), name) != shared.end();
-        });
-        if (!reads) continue;
-        if (earlier) own[rank].push_back(name);
-        earlier = true;
+    std::set<std::string> read_earlier;  // by a lower rank of replica i here
+    for (int rank = 0; rank < spec.ranks; ++rank) {
+      if (i >= static_cast<int>(local[rank].size()) || !local[rank][i]) continue;
+      std::set<std::string> reads;
+      for (int s : spec.stages_of_rank(rank)) reads.insert(layout.stage_shared[s].begin(), layout.stage_shared[s].end());
+      std::vector<std::string> own;
+      for (const auto& name : reads) {
+        if (!read_earlier.insert(name).second) own.push_back(name);
       }
-    }
-    for (const auto& [rank, names] : own) {
-      CONVEYOR_ASSIGN_OR_RETURN(auto executor, m->executors_[i]->with_own_leaves(names));
-      for (const auto& name : names) m->own_leaves_.push_back({i, name, *executor->tensor(name)});
+      if (own.empty()) continue;
+      CONVEYOR_ASSIGN_OR_RETURN(auto executor, m->executors_[i]->with_own_leaves(own));
+      for (const auto& name : own) m->own_leaves_.push_back({i, name, *executor->tensor(name)});
       m->rank_executors_[{i, rank}] = std::move(executor);
     }
   }
