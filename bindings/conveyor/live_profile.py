@@ -5,7 +5,7 @@ per stage the measured forward, backward, weight-gradient, transfer and allreduc
 against the planner's prediction, and the step time; the Module adds each device's memory
 and re-planning's last decision. Evaluations are not in it. After an evaluation the capture
 in use is the eval mode's, which has run no training step: the report is then the one of
-the capture that trained last, as it stood when the evaluation took over (Captures keeps it)."""
+the capture that trained last, as it stood when the evaluation took over (CaptureSet keeps it)."""
 from __future__ import annotations
 
 import copy
@@ -40,14 +40,15 @@ class LiveProfile:
     __repr__ = __str__
 
 
-def live_profile(module) -> LiveProfile:
-    """The live profile of `module`'s capture in use (its pipeline built)."""
-    report = module._step.profile_report()
-    report["memory"] = memory_rows(module)
+def live_profile(state, optimizer, switches: list) -> LiveProfile:
+    """The live profile of a capture (a CaptureState, its pipeline built) trained by
+    `optimizer`; `switches`: the Module's switches of plan so far."""
+    report = state.pipeline.profile_report()
+    report["memory"] = memory_rows(state, optimizer)
     report["table"] += memory_table(report["memory"])
-    if module._replanning is not None:
-        report["table"] += module._replanning.report()
-        report["replan"] = module._replanning.last
+    if state.replanning is not None:
+        report["table"] += state.replanning.report(switches)
+        report["replan"] = state.replanning.last
     return LiveProfile(report)
 
 

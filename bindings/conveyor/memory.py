@@ -51,13 +51,13 @@ def _stage_tensors(graph, nodes: list) -> list[str]:
     return sorted(out)
 
 
-def memory_rows(module) -> list[dict]:
-    """One row per device of this process that ran the last step: (rank, replica), predicted
-    and measured bytes (None where unknown)."""
-    step, plan, graph = module._step, module.plan, module._graph
+def memory_rows(state, optimizer) -> list[dict]:
+    """One row per device of this process that ran a capture's (a CaptureState's) last step:
+    (rank, replica), predicted and measured bytes (None where unknown)."""
+    step, plan, graph = state.pipeline, state.plan, state.graph
     if step is None or graph is None:
         return []
-    stage_nodes = module._stage_nodes
+    stage_nodes = state.stage_nodes
     peaks = step.memory_peaks()
     cuda = any(t.is_cuda for t in graph.tensors.values())
     rows = []
@@ -65,11 +65,11 @@ def memory_rows(module) -> list[dict]:
         stages = step.stages_of_rank(rank)
         names = sorted({n for s in stages for n in _stage_tensors(graph, stage_nodes[s])})
         held = sum(_nbytes(graph.tensors[n]) for n in names)
-        if replica == 0 and module.optimizer is not None:
+        if replica == 0 and optimizer is not None:
             params = {graph.tensors[n] for n in names}
-            for p, state in module.optimizer.state.items():
+            for p, kept in optimizer.state.items():
                 if p in params:
-                    held += sum(_nbytes(v) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+                    held += sum(_nbytes(v) for v in kept.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
         predicted = None
         if plan is not None:
             predicted = max(float(plan.document["stages"][s]["memory_bytes"]) for s in stages)

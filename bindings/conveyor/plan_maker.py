@@ -99,26 +99,27 @@ class PlanMaker:
                             optimizer_state=optimizer_state_per_param_byte(self.optimizer), **self.fixed.options())
 
 
-def plan_for_larger_sizes(module, calls: list[list]) -> None:
-    """Before a step of `module` (a conveyor.Module) over `calls` (each call's inputs,
+def plan_for_larger_sizes(state, calls: list[list], *, job, optimizer, history, gather_whole_model) -> None:
+    """Before a step of a capture (a CaptureState) over `calls` (each call's inputs,
     flattened): where a symbolic size runs beyond those its plan's memory was made for, with
     replan="auto" and a plan conveyor made, the example is profiled again tiled to the larger
     sizes, planned again with what the Module fixed, and the job switches to that plan before
     the step (collective across processes: every process is fed the same batches); otherwise
     one warning per size names it and what to declare. A size no plan fits is refused before
-    anything runs, the running plan kept for the sizes it holds."""
-    seen = largest_sizes(module._graph, calls)
-    planned = module._planned_sizes
+    anything runs, the running plan kept for the sizes it holds. `gather_whole_model`: makes
+    the whole model present in every process (collective), as profiling needs it."""
+    seen = largest_sizes(state.graph, calls)
+    planned = state.planned_sizes
     beyond = {name: size for name, size in seen.items() if size > planned.get(name, size)}
     if not beyond:
         return
-    maker = module._plan_maker
+    maker = state.plan_maker
     if maker is None:
-        warn_beyond(planned, seen, module._warned_sizes)
+        warn_beyond(planned, seen, history.warned_sizes)
         return
     # Across processes, profiling needs the whole model where process 0 runs only its stages:
     # every part from its owner (collective; the next step frees again what is not read).
-    module._gather()
+    gather_whole_model()
     what = ", ".join(f"{name} is {size} (planned for {planned[name]})" for name, size in sorted(beyond.items()))
     prof = maker.profile({**planned, **beyond})
     try:
@@ -128,10 +129,11 @@ def plan_for_larger_sizes(module, calls: list[list]) -> None:
         raise ConveyorValueError(f"{what}, and no plan holds it: {e}. Nothing ran; the "
                                  "running plan still takes the sizes it was made for (cut the batch's rows or "
                                  "its length, or add memory)") from None
-    switch_to(module, plan, None, reason=f"{what}: planned again for the larger size")
-    module._planned_sizes = dict(maker.sizes)
-    if module._replanning is not None:
-        module._replanning.replanner = maker.replanner(prof, plan)
+    switch_to(state, plan, None, job=job, optimizer=optimizer, history=history,
+              reason=f"{what}: planned again for the larger size")
+    state.planned_sizes = dict(maker.sizes)
+    if state.replanning is not None:
+        state.replanning.replanner = maker.replanner(prof, plan)
 
 
 def local_cluster(devices: int, threads: int, gpu_memory: int | None = None, one_gpu: bool = True) -> str:

@@ -133,16 +133,16 @@ def release_unread_state(optimizer, tensors: dict, readers: dict, me: int) -> No
             del optimizer.state[t]
 
 
-def carry_optimizer_state(module, holders: dict) -> int:
-    """After `module`'s pipeline was rebuilt across processes from `holders` (the old
-    pipeline's readers): each parameter's optimizer state to each process whose new stages
-    read it, every process confirming, then what no stage here reads released (collective).
-    Returns the bytes of optimizer state received here."""
-    group = module._group
-    readers = module._step.readers()
-    moved = move_optimizer_state(module.optimizer, module._graph.tensors, holders, readers, group)
+def carry_optimizer_state(pipeline, tensors: dict, optimizer, group, holders: dict) -> int:
+    """After `pipeline` was built across processes from `holders` (the old pipeline's
+    readers): each parameter's optimizer state to each process whose new stages read it,
+    every process confirming, then what no stage here reads released (collective).
+    `tensors`: the graph's parameters and buffers by name. Returns the bytes of optimizer
+    state received here."""
+    readers = pipeline.readers()
+    moved = move_optimizer_state(optimizer, tensors, holders, readers, group)
     group.broadcast_bytes(0, b"")  # every process has what its stages read
-    release_unread_state(module.optimizer, module._graph.tensors, readers, group.rank)
+    release_unread_state(optimizer, tensors, readers, group.rank)
     return moved
 
 
@@ -150,22 +150,22 @@ class Replanning:
     """The Module's re-planning between steps: when a window is due, what the Replanner
     decided (process 0 decides, every process hears it), and the log of switches."""
 
-    def __init__(self, replanner, group, switches: list):
+    def __init__(self, replanner, group):
         self.replanner = replanner  # process 0 (or the only process); None elsewhere
         self.group = group
         self.steps = 0          # steps run by the current pipeline
         self.rebuild_s = 0.0    # what building the current pipeline took
         self.bytes_per_s = 0.0  # the last move's measured speed
         self.last: dict | None = None
-        self.switches = switches  # the Module's log of switches (forced ones included)
 
     def due(self) -> bool:
         return self.steps >= 1 + WINDOW and (self.steps - 1) % WINDOW == 0
 
-    def evaluate(self, step) -> dict:
+    def evaluate(self, step, switches: list) -> dict:
         """One window: the merged live profile to the Replanner and its decision back
         (collective across processes). The pipeline compares the next window with the running
-        plan as the corrected inputs price it."""
+        plan as the corrected inputs price it; the last of the Module's `switches` (forced
+        ones included) gets its measured gain once a window after it is measured."""
         stages, step_s = merged_window(step.profile_report(), self.group)
         decision = None
         if self.replanner is not None:
@@ -177,8 +177,8 @@ class Replanning:
             decision = json.loads(self.group.broadcast_bytes(0, sent))
         step.set_prediction(decision["running"])
         self.last = decision
-        if self.switches and self.switches[-1]["measured_gain_s"] is None:
-            last = self.switches[-1]
+        if switches and switches[-1]["measured_gain_s"] is None:
+            last = switches[-1]
             last["measured_step_s"] = step_s
             last["measured_gain_s"] = last["step_before_s"] - step_s
             self.say(f"step {last['step']}: the switch measured {last['measured_gain_s'] * 1e3:.2f} ms saved per step "
@@ -190,7 +190,7 @@ class Replanning:
         if self.group is None or self.group.rank == 0:
             print(f"conveyor: re-planning: {text}", file=sys.stderr, flush=True)
 
-    def report(self) -> str:
+    def report(self, switches: list) -> str:
         """What the partitioner concluded last, for Module.profile_report()."""
         if self.last is None:
             return f"re-planning: no window evaluated yet (every {WINDOW} steps after the first)\n"
@@ -204,59 +204,58 @@ class Replanning:
         return (f"re-planning: {d['reason']}\n  {d['arithmetic']}\n  corrections: forward x{f['forward']:.2f}, "
                 f"backward x{f['backward']:.2f}, weight gradient x{f['weight']:.2f}, transfers x{f['link']:.2f}; "
                 f"device speeds x[{speeds}]; the runtime's cost per action {d['action_overhead_s'] * 1e6:.0f} us\n"
-                f"{unmeasured}  switches so far: {len(self.switches)}\n")
+                f"{unmeasured}  switches so far: {len(switches)}\n")
 
 
-def switch_to(module, plan, decision: dict | None, reason: str = "switch_plan") -> None:
-    """Moves `module` (a conveyor.Module, between steps) to `plan`: the pipeline rebuilt over
+def switch_to(state, plan, decision: dict | None, *, job, optimizer, history, reason: str = "switch_plan") -> None:
+    """Moves a capture (a CaptureState, between steps) to `plan`: the pipeline rebuilt over
     the same live parameters; across processes each parameter and buffer, and its optimizer
     state, goes from a process that holds it to each process whose new stages read it and
     lack it, and once every process has confirmed, what a process no longer reads is
-    released (the state now, the tensors at the first step); the switch logged (`decision`:
-    the Replanner's, or None when forced, for `reason`)."""
-    old_plan = module.plan
+    released (the state now, the tensors at the first step); the switch logged in
+    `history` (a RunHistory; `decision`: the Replanner's, or None when forced, for `reason`)."""
+    old_plan = state.plan
     old = old_plan.document if old_plan is not None else None
     t0 = time.perf_counter()
     moved, handed_s = 0, 0.0
-    group = module._group
-    holders = module._step.readers() if group is not None else {}
-    module._step = None  # the old pipeline's actors stop before the new ones start
-    module._small_steps.clear()
+    group = job.group
+    holders = state.pipeline.readers() if group is not None else {}
+    state.pipeline = None  # the old pipeline's actors stop before the new ones start
+    state.small_pipelines.clear()
+    pipeline = None
     try:
-        module._step = module._pipeline(module._graph, plan, holders=holders)
+        pipeline = job.pipeline_of(state.graph, plan, holders=holders)
         built = time.perf_counter()
         if group is not None:
-            handed_s = module._step.handed_over_s()
-            moved = module._step.handed_over_bytes() + carry_optimizer_state(module, holders)
+            handed_s = pipeline.handed_over_s()
+            moved = pipeline.handed_over_bytes() + carry_optimizer_state(pipeline, state.graph.tensors, optimizer,
+                                                                        group, holders)
     except ConveyorError as e:
         if group is None or not isinstance(e, ExecutionError):
             # Refused before anything moved (alike on every process: the plan itself): the
             # old plan's pipeline again over what each process holds, and the error.
-            if module._step is None and old_plan is not None:
-                module._step = module._pipeline(module._graph, old_plan, holders=holders)
+            pipeline = None  # its actors stop before the old plan's start again
+            if old_plan is not None:
+                state.pipeline = job.pipeline_of(state.graph, old_plan, holders=holders)
             raise
-        raise ExecutionError(f"moving to a new plan after step {module._steps_run} failed: {e}. This process "
+        raise ExecutionError(f"moving to a new plan after step {history.steps_run} failed: {e}. This process "
                              "keeps the parameters and optimizer state it held; save them (state_dict on "
                              "this process) and restart the job") from None
     moved_at = time.perf_counter()
-    module.plan = plan
-    module._stage_nodes = plan.stage_nodes
-    chunks = plan.document["chunks"]
-    module._layout = (len(plan.stage_nodes), plan.schedule, plan.microbatches, chunks,
-                    plan.replicas[:len(plan.stage_nodes) // chunks])
+    state.use_plan(plan, pipeline)
     transfer_s = handed_s + (moved_at - built)
     rebuild_s = built - t0 - handed_s
-    entry = dict(step=module._steps_run, old=plan_summary(old) if old else None, new=plan_summary(plan.document),
+    entry = dict(step=history.steps_run, old=plan_summary(old) if old else None, new=plan_summary(plan.document),
                  reason=decision["reason"] if decision else reason, arithmetic=decision["arithmetic"] if decision else "",
                  predicted_gain_s=decision["gain_s"] if decision else 0.0,
                  step_before_s=decision["measured_step_s"] if decision else 0.0, move_s=moved_at - t0,
-                 move_bytes=moved, tensor_bytes=module._step.handed_over_bytes() if group is not None else 0,
+                 move_bytes=moved, tensor_bytes=pipeline.handed_over_bytes() if group is not None else 0,
                  transfer_s=transfer_s, rebuild_s=rebuild_s, measured_step_s=None,
                  measured_gain_s=None if decision else 0.0, factors=decision["factors"] if decision else None)
-    module._marker = f"replan: {entry['old']} -> {entry['new']}"
-    module._switches.append(entry)
-    if module._replanning is not None:
-        r = module._replanning
+    history.marker = f"replan: {entry['old']} -> {entry['new']}"
+    history.switches.append(entry)
+    if state.replanning is not None:
+        r = state.replanning
         if r.replanner is not None:
             r.replanner.switched_to(json.dumps(plan.document))
         r.steps, r.rebuild_s = 0, rebuild_s

@@ -5,7 +5,7 @@ side needs another graph; so does a call whose non-tensor arguments (a flag, a t
 differ from the capture's, which the graph holds as constants, and a call in the other
 mode (model.eval(): BatchNorm's running statistics, no dropout, the model's own branches
 on self.training), which the graph holds as its operators. conveyor.Module keeps one
-pipeline per such capture, built on the first call that needs it, and switches between
+pipeline per such capture (a CaptureState), built on the first call that needs it, and switches between
 them call by call (across processes a capture's pipeline is built again at each switch,
 from what the other capture's stages held)."""
 from __future__ import annotations
@@ -15,20 +15,19 @@ import warnings
 import torch
 
 from .capture import modes_of
+from .capture_builder import build_capture
+from .capture_state import CaptureState, RunHistory
 from .errors import CaptureError, ConveyorError, ConveyorValueError, NotALossError
+from .job import Job
 from .live_profile import as_it_stood, live_profile
+from .microbatches import Microbatches
+from .options import Options
 from .replanning import carry_optimizer_state
 from .sizes import input_dims, range_text
 
-__all__ = ["Captures", "call_mismatch", "fixed_size_mismatch", "MOST_CAPTURES"]
+__all__ = ["CaptureSet", "call_mismatch", "fixed_size_mismatch", "MOST_CAPTURES"]
 
 MOST_CAPTURES = 16  # beyond this many, a model that fixes a size is asked to pad batches instead
-
-# What a Module holds per capture: its graph and everything built from it.
-PER_CAPTURE = ("_graph", "_step", "plan", "_layout", "_stage_nodes", "_small_steps", "_built_batch", "_least",
-               "_replanning", "_plan_maker", "_planned_sizes", "_trained_steps")
-# What a capture not built yet holds of them (None for the others).
-FRESH = {"_small_steps": dict, "_planned_sizes": dict, "_trained_steps": int}
 
 
 def call_mismatch(graph, args: tuple, kwargs: dict, modes: tuple) -> tuple[str, str] | None:
@@ -72,11 +71,15 @@ def fixed_size_mismatch(graph, inputs: list) -> str | None:
     return None
 
 
-class Captures:
-    """The other captures of a Module's model (the one in use lives in the Module itself)."""
+class CaptureSet:
+    """Every capture of a Module's model: `current`, the one in use (None before the first
+    call), and the others, stashed. A call takes up the capture that fits it, capturing and
+    building a new one where none does; switching captures switches the CaptureState."""
 
-    def __init__(self):
-        self._stashed: list[dict] = []
+    def __init__(self, model, optimizer, options: Options, job: Job, history: RunHistory):
+        self.model, self.optimizer, self.options, self.job, self.history = model, optimizer, options, job, history
+        self.current: CaptureState | None = None
+        self._stashed: list[CaptureState] = []
         self._uncapturable: set[tuple] = set()  # eval modes (capture.modes_of) that cannot be captured
         # The live profile of the capture that trained last, kept when another took over (an
         # evaluation's): Module.profile_report's while the capture in use has not trained.
@@ -90,19 +93,22 @@ class Captures:
     def __len__(self) -> int:
         return len(self._stashed) + 1
 
-    def take_up(self, module, args: tuple, kwargs: dict) -> bool:
-        """Makes `module` ready for this call: the capture of its mode, sizes and arguments
-        (select), captured and built on the first call. False for a call in an eval mode that
-        cannot be captured, or whose model returns outputs rather than a loss (inference; said
-        once, naming why): the caller evaluates the model whole, as eager, and returns what it
+    def _build(self, args: tuple, kwargs: dict, packed: Microbatches | None = None) -> CaptureState:
+        taken = any(s.from_plan_file for s in [self.current, *self._stashed] if s is not None)
+        return build_capture(self.model, self.optimizer, self.options, self.job, args, kwargs, packed=packed,
+                             plan_file_taken=taken)
+
+    def take_up(self, args: tuple, kwargs: dict) -> bool:
+        """Makes the capture of this call's mode, sizes and arguments current (select),
+        captured and built on the first call. False for a call in an eval mode that cannot be
+        captured, or whose model returns outputs rather than a loss (inference; said once,
+        naming why): the caller evaluates the model whole, as eager, and returns what it
         returns; in train mode the error is raised."""
-        modes = modes_of(module.module)
+        modes = modes_of(self.model)
         if modes in self._uncapturable:
             return False
         try:
-            self.select(module, args, kwargs)
-            if module._graph is None:
-                module._build(args, kwargs)
+            self.select(args, kwargs)
         except (CaptureError, NotALossError) as e:
             if modes[0]:
                 raise
@@ -113,72 +119,73 @@ class Captures:
             return False
         return True
 
-    def select(self, module, args: tuple, kwargs: dict) -> None:
-        """Makes `module` use the capture whose fixed sizes and arguments `args`, `kwargs` fit,
-        stashing the one in use; when none fits, captures, plans and builds again for them. A size the
-        model cannot take at all (a weight's width) gets the captured graph's own error.
-        Across processes every process changes capture at the same call (they are fed the
-        same batches): the pipeline of the capture taken up is built again from what the
-        other's stages held, parameters and optimizer state moving as a re-plan moves them."""
-        if module._graph is None:
-            return
-        modes = modes_of(module.module)
-        found = call_mismatch(module._graph, args, kwargs, modes)
+    def select(self, args: tuple, kwargs: dict, packed: Microbatches | None = None) -> CaptureState:
+        """The capture whose fixed sizes and arguments `args`, `kwargs` fit, made current and
+        returned; when none fits, captured, planned and built for them (`packed`: a packed
+        step's, its first call). A size the model cannot take at all (a weight's width) gets
+        the captured graph's own error. Across processes every process changes capture at the
+        same call (they are fed the same batches): the pipeline of the capture taken up is
+        built again from what the other's stages held, parameters and optimizer state moving
+        as a re-plan moves them."""
+        if self.current is None:
+            self.current = self._build(args, kwargs, packed)
+            return self.current
+        modes = modes_of(self.model)
+        found = call_mismatch(self.current.graph, args, kwargs, modes)
         if found is None:
-            return
+            return self.current
         mismatch, hint = found
-        if isinstance(module._stages, list):
+        if self.options.stages_given:
             raise ConveyorValueError(f"{mismatch}, and the stages given as node lists name the nodes of one capture; "
                                      "pass a number of stages, or call the model as it was captured")
-        group = module._group
+        group = self.job.group
         holders = {}
         if group is not None:
-            self._holders.update(module._step.readers())
+            self._holders.update(self.current.pipeline.readers())
             everyone = list(range(group.world_size))
-            holders = {name: self._holders.get(name, everyone) for name in {*self._holders, *module._graph.tensors}}
+            holders = {name: self._holders.get(name, everyone)
+                       for name in {*self._holders, *self.current.graph.tensors}}
         for k, saved in enumerate(self._stashed):
-            if call_mismatch(saved["_graph"], args, kwargs, modes) is None:
-                self._stashed[k] = self._take(module)
-                self._restore(module, saved)
-                if group is not None:
-                    self._rebuild(module, holders)
-                return
+            if call_mismatch(saved.graph, args, kwargs, modes) is None:
+                self._stashed[k] = self._stash()
+                self._resume(saved, holders)
+                return self.current
         if len(self) >= MOST_CAPTURES:
             raise ConveyorValueError(f"{mismatch}, and {len(self)} captures of the model exist already; {hint}")
         if group is not None:
-            module._gather()  # process 0 profiles the whole model; the new pipeline starts from it
-        saved = self._take(module)
+            self.gather_whole_model()  # process 0 profiles the whole model; the new pipeline starts from it
+        saved = self._stash()
         try:
-            module._build(args, kwargs)
+            self.current = self._build(args, kwargs)
         except CaptureError:
-            self._restore(module, saved)
-            self._rebuild(module, holders)
+            self._resume(saved, holders)
             # Inputs the capture in use refuses are named (checked, not run: running it would
             # update a train-mode BatchNorm's statistics on a call in eval mode).
-            module._graph.executor.check_inputs(module._graph.flatten_inputs(args, kwargs))
+            self.current.graph.executor.check_inputs(self.current.graph.flatten_inputs(args, kwargs))
             raise
         except BaseException:
-            self._restore(module, saved)
-            self._rebuild(module, holders)
+            self._resume(saved, holders)
             raise
         if group is not None:
-            carry_optimizer_state(module, holders)
+            carry_optimizer_state(self.current.pipeline, self.current.graph.tensors, self.optimizer, group, holders)
         self._stashed.append(saved)
-        if not hint:  # the other mode's capture: expected, not a sign of sizes to bucket
-            return
-        warnings.warn(f"conveyor: {mismatch}, so conveyor captures it again for this call; {len(self)} captures of "
-                      "the model now exist (one graph and pipeline each)", stacklevel=4)
+        if hint:  # not the other mode's capture, which is expected: a sign of sizes to bucket
+            warnings.warn(f"conveyor: {mismatch}, so conveyor captures it again for this call; {len(self)} captures "
+                          "of the model now exist (one graph and pipeline each)", stacklevel=4)
+        return self.current
 
-    def gather_others(self, module) -> None:
-        """Across processes, after the pipeline in use gathered its own: every parameter and
-        buffer that only the other captures read (the other branch's weights) made whole on
-        every process from the lowest process that holds it (collective: state_dict,
-        load_state_dict)."""
-        if module._group is None or not self._stashed:
+    def gather_whole_model(self) -> None:
+        """Across processes: the whole model, every part from its owner, in every process
+        (collective; the next training step frees again what this process's stages do not
+        read). Every parameter and buffer that only the other captures read (the other
+        branch's weights) comes from the lowest process that holds it."""
+        group, state = self.job.group, self.current
+        if group is None or state is None or state.pipeline is None:
             return
-        current = set(module._step.readers())  # what the pipeline in use gathered
+        state.pipeline.gather_state()
+        current = set(state.pipeline.readers())  # what the pipeline in use gathered
         others: dict[str, tuple] = {}
-        for graph in [saved["_graph"] for saved in self._stashed]:
+        for graph in [saved.graph for saved in self._stashed]:
             for b in graph.document["bindings"]:
                 name = b["name"]
                 if name not in current and name not in others and name in self._holders:
@@ -188,33 +195,31 @@ class Captures:
                 t, shape = others[name]
                 if list(t.shape) != list(shape):  # released here by the pipeline that read it
                     t.data = torch.empty(shape, dtype=t.dtype, device=t.device)
-                module._group.broadcast(t, min(self._holders[name]))
+                group.broadcast(t, min(self._holders[name]))
 
-    @staticmethod
-    def _rebuild(module, holders: dict) -> None:
-        """Across processes, the pipeline of the capture just taken up, built again from what
-        `holders` hold (a stashed capture keeps no pipeline there: only one runs at a time
-        over the job's processes)."""
-        if module._group is None or module._step is not None:
-            return
-        module._step = module._pipeline(module._graph, module.plan, holders=holders)
-        carry_optimizer_state(module, holders)
-
-    def _take(self, module) -> dict:
-        if module._step is not None and module._trained_steps:
+    def _stash(self) -> CaptureState:
+        """The capture in use, put aside (across processes without its pipeline: its actors
+        stop before another pipeline's start); its live profile kept if it trained."""
+        state = self.current
+        if state.pipeline is not None and state.trained_steps:
             try:
-                self.kept_profile = as_it_stood(live_profile(module), module._steps_run)
+                self.kept_profile = as_it_stood(live_profile(state, self.optimizer, self.history.switches),
+                                                self.history.steps_run)
             except ConveyorError:  # a pipeline out of step reports nothing: no report kept
                 self.kept_profile = None
-        if module._group is not None:  # its actors stop before another pipeline's start
-            module._step = None
-            module._small_steps = {}
-        saved = {name: getattr(module, name) for name in PER_CAPTURE}
-        for name in PER_CAPTURE:
-            setattr(module, name, FRESH[name]() if name in FRESH else None)
-        return saved
+        if self.job.group is not None:
+            state.pipeline = None
+            state.small_pipelines = {}
+        self.current = None
+        return state
 
-    @staticmethod
-    def _restore(module, saved: dict) -> None:
-        for name, value in saved.items():
-            setattr(module, name, value)
+    def _resume(self, state: CaptureState, holders: dict) -> None:
+        """`state` in use again; across processes its pipeline built again from what `holders`
+        hold (a stashed capture keeps no pipeline there: only one runs at a time over the
+        job's processes)."""
+        self.current = state
+        group = self.job.group
+        if group is None or state.pipeline is not None:
+            return
+        state.pipeline = self.job.pipeline_of(state.graph, state.plan, holders=holders)
+        carry_optimizer_state(state.pipeline, state.graph.tensors, self.optimizer, group, holders)

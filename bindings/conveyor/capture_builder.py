@@ -1,0 +1,155 @@
+"""Capturing a conveyor.Module's model on a call and building what runs it: the plan
+(planned from a profile, read from a plan file, or the user's own node lists) and its
+pipeline, as one CaptureState."""
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+
+import torch
+
+from .arguments import TWO_STAGES_PER_RANK
+from .call_splitting import refuse_to_split, warn_of_a_loss_split_changes, why_calls_stay_whole
+from .capture import capture, modes_of
+from .capture_state import CaptureState, Layout
+from .errors import ConveyorValueError, NotALossError, UnsupportedError
+from .job import Job
+from .loss_wrapper import loss_wrapper
+from .microbatches import Microbatches
+from .options import Options
+from .plan_maker import PlanMaker, local_cluster, model_gpu_memory
+from .planning import read_plan
+from .replanning import Replanning
+from .sizes import check_max_sizes, largest_sizes
+
+__all__ = ["build_capture", "batch_of"]
+
+
+def batch_of(inputs: list) -> int | None:
+    """The batch size of a call: dim 0 of its first tensor that has dimensions."""
+    return next((t.shape[0] for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+
+
+def _least_share(graph) -> int:
+    """The fewest samples the captured graph holds for (its batch range's min, docs/formats.md);
+    1 where the model sets no bound."""
+    ranges = graph.document.get("ranges", {})
+    return max([1] + [ranges[s].get("min", 1) for s, role in graph.document["symbols"].items()
+                      if role == "batch" and s in ranges])
+
+
+def _job_fingerprint(options: Options, graph, batch: int) -> str:
+    """What every process of the job must agree on: the captured model and the pipeline asked for."""
+    asked = repr((options.stages, options.replicas, options.microbatches, options.schedule, options.cluster, batch))
+    text = json.dumps(graph.document, sort_keys=True, default=str) + asked
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _capture_loss(model, options: Options, args: tuple, kwargs: dict):
+    """The model's graph on this call, its forward returning one scalar loss."""
+    graph = capture(loss_wrapper(model, options.loss_fn, args, kwargs), args, kwargs)
+    graph.modes = modes_of(model)  # a call in another mode needs another capture
+    outputs = graph.document["outputs"]
+    if len(outputs) != 1 or graph.document["values"][outputs[0]].get("shape") != []:
+        raise NotALossError(f"the model's forward must return one scalar loss to be trained pipelined (it returns "
+                            f"{len(outputs)} value{'s' if len(outputs) != 1 else ''}: "
+                            f"{', '.join(graph.document['values'][v]['name'] for v in outputs[:4])}); compute the "
+                            "loss inside forward, wrap the model so that it does, or pass loss_fn= and target=")
+    unseeded = graph.executor.unseeded_random_nodes()
+    if unseeded:
+        ops = sorted({graph.document["nodes"][n]["op"] for n in unseeded})
+        warnings.warn(f"conveyor: {len(unseeded)} random operators ({', '.join(ops)}) take no generator, so they "
+                      "draw from torch's global one: their draws depend on thread timing and on which process runs "
+                      "them (dropout of every kind, attention dropout, rand, randn and bernoulli draw reproducibly)",
+                      stacklevel=6)
+    return graph
+
+
+def build_capture(model, optimizer, options: Options, job: Job, args: tuple, kwargs: dict, *,
+                  packed: Microbatches | None = None, plan_file_taken: bool = False) -> CaptureState:
+    """Captures `model` on this call (`packed`: a first step of packed microbatches, the call
+    its first one), then runs the user's node lists, or the plan file (the first train-mode
+    capture's, unless `plan_file_taken`: another capture has other nodes), or plans it."""
+    with torch.enable_grad():  # an evaluation's first call builds as a step's would
+        graph = _capture_loss(model, options, args, kwargs)
+        batch = (sum(packed.rows()) if packed is not None else batch_of(graph.flatten_inputs(args, kwargs))) or 1
+        least = _least_share(graph)
+        whole = None if packed is not None else why_calls_stay_whole(model, graph, batch)
+        if whole:
+            refuse_to_split(whole, options.microbatches, options.replicas)
+        job.join(_job_fingerprint(options, graph, batch))
+        if options.stages_given:
+            state = _given_stages(graph, options, job, batch, least, whole, packed)
+        elif options.plan_file is not None and not plan_file_taken and model.training:
+            plan = read_plan(options.plan_file)
+            if whole:
+                refuse_to_split(whole, plan.microbatches, max(plan.replicas), f"the plan {options.plan_file}")
+            state = CaptureState(graph, plan.stage_nodes, Layout.of_plan(plan), batch, least, plan=plan,
+                                 pipeline=job.pipeline_of(graph, plan), from_plan_file=True)
+        else:
+            state = _planned(model, optimizer, graph, options, job, args, kwargs, batch, least, whole, packed)
+    warn_of_a_loss_split_changes(state.pipeline, state.layout.microbatches, state.layout.replicas)
+    return state
+
+
+def _given_stages(graph, options: Options, job: Job, batch: int, least: int, whole, packed) -> CaptureState:
+    """The user's own cut, run as given."""
+    stage_nodes = options.stages
+    schedule = "1f1b" if options.schedule == "auto" else options.schedule
+    chunks = 2 if schedule in TWO_STAGES_PER_RANK else 1
+    if len(stage_nodes) % chunks:
+        raise ConveyorValueError(f"the {schedule} schedule needs an even number of stages, not {len(stage_nodes)}")
+    ranks = len(stage_nodes) // chunks
+    replicas = options.replicas if isinstance(options.replicas, list) else [options.replicas or 1] * ranks
+    if len(replicas) != ranks:
+        raise ConveyorValueError(f"replicas has {len(replicas)} counts but the pipeline has {ranks} ranks")
+    m = options.microbatches or (len(packed) if packed is not None else 1 if whole else
+                                 max(1, min(batch // (max(replicas) * least), 2 * ranks)))
+    pipeline = job.pipeline(graph, stage_nodes, schedule, m, chunks, replicas)
+    return CaptureState(graph, stage_nodes, Layout(len(stage_nodes), schedule, m, chunks, list(replicas)), batch,
+                        least, pipeline=pipeline)
+
+
+def _planned(model, optimizer, graph, options: Options, job: Job, args: tuple, kwargs: dict, batch: int, least: int,
+             whole, packed) -> CaptureState:
+    """Profiled on one microbatch of this call and planned for the job's devices."""
+    fixed = options.fixed.one_replica() if whole else options.fixed
+    job.devices = max(job.devices, fixed.devices())  # every fixed stage replica gets a device to plan for
+    # A packed first step: its microbatches are the plan's, its largest sizes planned for.
+    m_hint = options.microbatches or (len(packed) if packed is not None else 1 if whole else 0)
+    # Microbatches keep at least two samples (BatchNorm needs them), unless fixed.
+    sample = max(1, batch // m_hint) if m_hint else min(batch, max(2, least, batch // (2 * job.devices)))
+    most_microbatches = 1 if whole else max(1, batch // max(2, least))
+    # The profile's example: the call's rows (a packed step's microbatch with most rows).
+    example = graph.flatten_inputs(*(packed.calls[packed.rows().index(max(packed.rows()))]
+                                     if packed is not None else (args, kwargs)))
+    first = batch_of(example)
+    example = [a[:sample] if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == first else a
+               for a in example]
+    check_max_sizes(graph, options.max_sizes)  # on every process: a bad one fails them all alike
+    calls = [graph.flatten_inputs(*call) for call in packed.calls] if packed is not None else []
+    sizes = largest_sizes(graph, calls, options.max_sizes)
+    cluster = options.cluster or local_cluster(job.devices, job.threads_per_device(), model_gpu_memory(model),
+                                               one_gpu=job.group is None)
+    maker = PlanMaker(graph, example, batch=batch, microbatches=m_hint, most_microbatches=most_microbatches,
+                      fixed=fixed, cluster=cluster, optimizer=optimizer, group=job.group,
+                      threads=job.threads_per_device(), horizon_steps=options.replan_horizon)
+    prof = maker.profile(sizes)
+    plan = maker.plan(prof, 0)
+    try:
+        pipeline = job.pipeline_of(graph, plan)
+    except UnsupportedError:
+        # Raised alike on every process, before they talk: replica counts that differ across
+        # a cut through a value with no batch dimension. Plan again with one replica per
+        # stage, unless the replicas were fixed.
+        if fixed.replicas:
+            raise
+        plan = maker.plan(prof, 1)
+        pipeline = job.pipeline_of(graph, plan)
+    state = CaptureState(graph, plan.stage_nodes, Layout.of_plan(plan), batch, least, plan=plan, pipeline=pipeline,
+                         planned_sizes=dict(maker.sizes))
+    if options.replan == "auto":
+        state.plan_maker = maker
+        state.replanning = Replanning(maker.replanner(prof, plan), job.group)
+    return state
