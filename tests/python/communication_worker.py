@@ -62,7 +62,7 @@ def evaluation_that_forgot_no_grad_holds_little(me):
     with their graphs."""
     import time
     import weakref
-    from conveyor import communication
+    from conveyor.distributed import communication, records
     count = 200
     if me == 0:
         w = torch.ones(1 << 17, requires_grad=True)
@@ -75,7 +75,7 @@ def evaluation_that_forgot_no_grad_holds_little(me):
         dist.recv(1)  # process 1 received them all
         deadline = time.monotonic() + 10
         while any(r() is not None for r in sent) and time.monotonic() < deadline:
-            communication._take_answers_in(communication._state)  # what the next send would do
+            records.take_answers_in(communication._state)  # what the next send would do
             time.sleep(0.01)
         held = sum(r() is not None for r in sent)
         if held:

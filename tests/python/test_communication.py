@@ -396,7 +396,7 @@ def test_a_group_is_named_by_its_processes_and_bad_ones_are_refused(monkeypatch)
     """Making a group is local (no process joins anything): a job of 40 processes, seen from
     process 35, whose sets span two words of a message's flags."""
     import conveyor.distributed as dist
-    from conveyor import groups
+    from conveyor.distributed import groups
     from conveyor.errors import ConveyorValueError
     for k in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
         monkeypatch.delenv(k, raising=False)

@@ -1,4 +1,4 @@
-"""conveyor.distributed's trace (conveyor/communication_trace.py): a traced job writes one
+"""conveyor.distributed's trace (conveyor/distributed/trace.py): a traced job writes one
 trace of every process's communication, each message's send joined to where its receive's
 wait ended and each gradient to where its sender's wait ended; the trace's bound and the
 flows left without an end."""
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conveyor import _C
-from conveyor import communication_trace as tracing
+from conveyor.distributed import trace as tracing
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "distributed"

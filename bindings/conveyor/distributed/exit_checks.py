@@ -1,5 +1,5 @@
-"""What conveyor.distributed checks as a process ends normally (conveyor/communication.py
-registers it at init): every process compares the messages each sent to each with those
+"""What conveyor.distributed checks as a process ends normally (communication.py registers
+it at init): every process compares the messages each sent to each with those
 that one received, and a send nobody received (or a receive nothing was sent for) fails the
 job naming both processes; then the job's trace is written, where asked for; then each
 names a gradient it never applied."""
@@ -11,18 +11,17 @@ import time
 
 import torch
 
-from . import communication as c
-from . import communication_trace
+from . import records
+from . import trace
 
 
-def check_every_message_was_received() -> None:
+def check_every_message_was_received(st: records.State) -> None:
     """At exit, every process compares what each sent to each with what that one received:
     a send nobody received fails the job here, naming both processes, instead of passing
     unseen. A collective: it runs only when the process ends normally."""
-    st = c._state
-    if st is None or sys.exc_info()[0] is not None:
+    if sys.exc_info()[0] is not None:
         return
-    named = c._name_sends_left_unapplied(st)
+    named = records.name_sends_left_unapplied(st)
     st.group.leave()  # a process still waiting for a message from this one fails now, naming it
     n = st.group.world_size
     every = torch.zeros(2 * n * n + n, dtype=torch.int64)  # the counts, then which processes trace
@@ -31,7 +30,7 @@ def check_every_message_was_received() -> None:
     counts[1, :, st.group.rank] = torch.tensor(st.received)  # [1, p, q]: q received from p
     tracing[st.group.rank] = st.trace is not None
     try:
-        c._drain(st)
+        records.drain(st)
         st.group.allreduce(every)
     except Exception:  # the job already failed (a peer lost): that error was reported
         return
@@ -47,7 +46,7 @@ def check_every_message_was_received() -> None:
         os._exit(1)
     if tracing.any():
         try:
-            communication_trace.write_at_exit(st, tracing.tolist())
+            trace.write_at_exit(st, tracing.tolist())
         except Exception as e:  # noqa: BLE001 - a peer lost while handing its record over
             print(f"conveyor.distributed: the trace was not written: {e}", file=sys.stderr, flush=True)
     if not named:
@@ -68,7 +67,7 @@ def _name_gradients_never_applied(st) -> None:
         for peer, waiting in st.unanswered.items():
             for record in [r for r in waiting if st.answers.arrived(peer, r.answer_tag)]:
                 waiting.remove(record)
-                c._take_answer(st, record)
+                records.take_answer(st, record)
         left = [r for r in st.records if (r.kind == "send" and r.grads is not None) or r.microbatch is not None]
         if not any(r.kind == "send" and not r.done for r in left) or time.monotonic() > deadline:
             break

@@ -20,7 +20,7 @@ import json
 import sys
 import time
 
-from . import _C
+from .. import _C
 
 EVENTS_PER_PROCESS = 200_000
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import ConveyorValueError
+from .arguments import process_number
 from .communication import rank, recv, send, world_size
-from .communication_arguments import process_number
-from .errors import ConveyorValueError
 
 __all__ = ["Sequential"]
 

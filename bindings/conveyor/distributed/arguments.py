@@ -8,7 +8,7 @@ import operator
 
 import torch
 
-from .errors import ConveyorValueError
+from ..errors import ConveyorValueError
 
 
 def process_number(p) -> int | None:

@@ -1,8 +1,8 @@
 """Collectives for models split by hand, as the sends and receives they are
-(conveyor/communication.py), so their backward pairs fall out: bcast's gradient is the sum at
+(communication.py), so their backward pairs fall out: bcast's gradient is the sum at
 the root, reduce's is a bcast from it, gather and scatter pair, allgather's is a
 reduce-scatter, alltoall pairs with itself, allreduce with allreduce. Each runs over the
-whole job, or over a group of its processes (`group=`, conveyor/groups.py).
+whole job, or over a group of its processes (`group=`, groups.py).
 
 Where a process's graph is connected (its loss reads the collective's output), plain
 `loss.backward()` works as with torch.distributed.nn: the part of the output that is the
@@ -22,10 +22,10 @@ import functools
 
 import torch
 
+from ..errors import ConveyorValueError
+from . import arguments, records
 from . import communication as c
-from . import communication_arguments as arguments
-from . import communication_trace as tracing
-from .errors import ConveyorValueError
+from . import trace as tracing
 from .groups import Group, whole_job
 
 __all__ = ["bcast", "gather", "scatter", "allgather", "alltoall", "reduce", "reduce_scatter", "allreduce", "barrier"]
@@ -42,15 +42,15 @@ def _traced(f):
 
 class _Connected(torch.autograd.Function):
     """`own` (its first `count` inputs; copies where `copy`), tied to the tensors sent in the
-    call that need a gradient (the rest, in the order of `records`' sends): outside a replay
+    call that need a gradient (the rest, in the order of `sends`, their records): outside a replay
     its backward adds what their receivers return. A copy for what the caller gets: autograd
     treats an input returned by a custom Function as a view of it, and refuses an in-place op
     on such a view (`bcast(x, root)` then `y.div_(2)` failed at the root alone). A sum
     (allreduce) reads the view instead."""
 
     @staticmethod
-    def forward(ctx, records, copy, count, *own_and_sent):
-        ctx.records = records
+    def forward(ctx, sends, copy, count, *own_and_sent):
+        ctx.sends = sends
         own = own_and_sent[:count]
         out = tuple(t.clone() if copy else t.view_as(t) for t in own)
         ctx.mark_non_differentiable(*[o for o in out if not (o.is_floating_point() or o.is_complex())])
@@ -60,19 +60,19 @@ class _Connected(torch.autograd.Function):
     def backward(ctx, *grads):
         st = c._state
         if st is None or st.replay is not None:  # the replay applies the receivers' gradients itself
-            remote = [None] * sum(len(r.edges) for r in ctx.records)
+            remote = [None] * sum(len(r.edges) for r in ctx.sends)
         else:
-            remote = c._consume_answers(st, ctx.records)
+            remote = records.consume_answers(st, ctx.sends)
         return (None, None, None, *grads, *remote)
 
 
-def _connect(own, sent: list, records: list, copy: bool = True):
+def _connect(own, sent: list, sends: list, copy: bool = True):
     """A copy of `own` (a tensor or a tuple of them), tied (_Connected) to the tensors of this
-    call's sends (`sent`, what each of `records` sent) that need a gradient. A copy, as the
+    call's sends (`sent`, what each of the records `sends` sent) that need a gradient. A copy, as the
     parts received are new tensors: writing the output in place never writes the caller's
     tensor, on whichever process (as torch.distributed.nn). Not a copy (`copy` False) where
     the caller only sums it into a new tensor."""
-    pairs = [(x, r) for x, r in zip(sent, records) if r is not None]
+    pairs = [(x, r) for x, r in zip(sent, sends) if r is not None]
     if not pairs:
         return _copy(own) if copy else own
     tied = [t for x, _ in pairs for t in ([x] if isinstance(x, torch.Tensor) else x) if t.requires_grad]

@@ -1,5 +1,5 @@
 """Differentiable communication between the processes of a job, for models split by hand:
-send and recv here, the collectives built on them in conveyor/collectives.py; each one's
+send and recv here, the collectives built on them in collectives.py; each one's
 backward is its paired communication (send <-> recv, bcast -> the gradients summed at the
 root, gather <-> scatter, allgather -> reduce-scatter, alltoall <-> alltoall, allreduce ->
 allreduce), over the job's process group (UCX: with a GPU, CUDA tensors travel from device
@@ -34,87 +34,28 @@ from __future__ import annotations
 import atexit
 import collections
 import os
-import sys
 import threading
-import warnings
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from . import _C, groups
-from . import communication_arguments as arguments
-from . import communication_trace as tracing
-from .errors import ConveyorError, ConveyorValueError
+from ..arguments import check_output_path
+from ..errors import ConveyorError, ConveyorValueError
+from . import arguments, groups, records
+from . import trace as tracing
+from .exit_checks import check_every_message_was_received
+from .processes import default_timeout, launch_settings, process_group
 
 __all__ = ["init", "send", "recv", "backward", "microbatch", "rank", "world_size"]
-
-# Tags (below the pipeline's collective and lane bits): messages carry a per-pair sequence
-# number, their gradients the same number with the gradient bit.
-_MESSAGE_BIT = 1 << 45
-_GRADIENT_BIT = 1 << 44
 
 # The call a message belongs to travels in its flags, so a receive made by another call than
 # the send (a collective only some processes reach) fails naming both, not passing a value
 # from the wrong call along.
 _CALLS = ["send", "bcast", "gather", "scatter", "allgather", "alltoall", "allreduce", "reduce_scatter", "reduce"]
 
-
-@dataclass(eq=False)  # by identity: `in` and remove() never compare the tensors held
-class _Record:
-    """One send or receive of this process, in program order, for the backward replay."""
-    kind: str                    # "send" or "recv"
-    peer: int
-    seq: int
-    edges: list = field(default_factory=list)     # send: the gradient edges of those sent that need one
-    devices: list = field(default_factory=list)   # send: their devices
-    shapes: list = field(default_factory=list)    # recv: (shape, dtype, device) per value needing one
-    grads: list | None = None                     # recv: accumulated gradients; send: those that came
-    done: bool = False                            # recv: answered; send: its answer taken
-    consumed: bool = False                        # send: its gradient applied outside a replay
-    microbatch: object = None                     # the microbatch() it was made in, if any
-
-    @property
-    def answer_tag(self) -> int:
-        return _answer_tag(self.seq)
-
-
-def _answer_tag(seq: int) -> int:
-    """The tag of the gradient (or the word that none comes) answering message `seq`."""
-    return _MESSAGE_BIT | _GRADIENT_BIT | seq
-
-
-class _State:
-    def __init__(self, group, via=None, recorder=None):
-        self.group = group
-        self.via = via                           # the NCCL lane endpoint messages go over, or None: UCX
-        self.trace: tracing.Recorder | None = recorder  # where the job is traced (communication_trace.py)
-        self.sent = [0] * group.world_size       # per peer: messages sent so far
-        self.received = [0] * group.world_size   # per peer: messages received so far
-        self.records: list[_Record] = []
-        self.sends = _C.SendsInFlight(group, via)  # sent, not yet known to have arrived
-        # Each send that needs a gradient posts the receive of its answer at once; per peer,
-        # those sends whose answer this process has not taken yet, oldest first.
-        self.answers = _C.PostedReceives(group, via)
-        self.unanswered: dict[int, collections.deque] = {p: collections.deque() for p in range(group.world_size)}
-        self.flags: dict[tuple, torch.Tensor] = {}  # a message's flags tensor, per flags (never written)
-        self.no_group = (0,) * groups.words(group.world_size)  # a point-to-point message's group
-        # A gradient message ends with one of these: the gradients follow, or none will (the
-        # value was received under torch.no_grad(), or the graph it fed was dropped).
-        self.with_gradients = torch.ones(1, dtype=torch.int8)
-        self.without_gradients = torch.zeros(1, dtype=torch.int8)
-        self.replay: list[_Record] | None = None  # during backward(): the records it goes through, then forgets
-        self.microbatch = None           # the microbatch() the process is in, if any
-        self.caller: threading.Thread | None = None  # the thread that communicates (the first to)
-        # A backward outside backward() (plain loss.backward()) that reached a receive: the
-        # sends recorded before it whose gradients it left unapplied are named at the next
-        # call, once, unless backward() runs first.
-        self.outside_backward_at: int | None = None  # the records' count then
-        self.warned_of_outside_backward = False
-
-
-_state: _State | None = None
+# This process's communication (records.py), made by init() (at the first call, if not before).
+_state: records.State | None = None
 
 
 def init(transport: str | None = None, device=None, trace: str | os.PathLike | None = None) -> None:
@@ -133,17 +74,15 @@ def init(transport: str | None = None, device=None, trace: str | os.PathLike | N
     naming it.
 
     `trace`: a file (default: `conveyor launch --trace`'s) where process 0 writes, as the job
-    ends normally, one trace of every process's communication (conveyor/communication_trace.py;
+    ends normally, one trace of every process's communication (trace.py;
     Perfetto, or Chrome JSON where it ends in .json). Every process passes the same."""
     global _state
     if _state is not None:
         raise ConveyorValueError("conveyor.distributed.init() comes before the first communication, once per process")
     if transport is None:
-        from . import distributed
-        transport = distributed.launch_settings().get("transport", "ucx")
+        transport = launch_settings().get("transport", "ucx")
     if trace is None:  # the launcher's file itself: one trace of the job, not one per process
         trace = os.environ.get("CONVEYOR_TRACE") or None
-    from .arguments import check_output_path
     check_output_path(trace, "trace")
     if transport not in ("ucx", "nccl"):
         raise ConveyorValueError(f"transport={transport!r}: expected \"ucx\" or \"nccl\"")
@@ -162,14 +101,12 @@ def init(transport: str | None = None, device=None, trace: str | os.PathLike | N
             e.add_note('conveyor.distributed.init(transport="nccl") needs NCCL and a GPU of its own in every process; '
                        'transport="ucx" needs neither')
             raise
-    _state = _State(group, via, tracing.Recorder(os.fspath(trace)) if trace is not None else None)
-    from .exit_checks import check_every_message_was_received
-    atexit.register(check_every_message_was_received)  # runs before the group leaves (LIFO)
+    _state = records.State(group, via, tracing.Recorder(os.fspath(trace)) if trace is not None else None)
+    atexit.register(check_every_message_was_received, _state)  # runs before the group leaves (LIFO)
 
 
 def _group():
-    from . import distributed
-    group = distributed.process_group("conveyor.distributed", distributed.default_timeout())
+    group = process_group("conveyor.distributed", default_timeout())
     if group is None:
         raise ConveyorValueError("conveyor.distributed needs the processes of a job: start the script with "
                                  "`conveyor launch -n N -- python script.py`, or set RANK, WORLD_SIZE, MASTER_ADDR "
@@ -177,13 +114,13 @@ def _group():
     return group
 
 
-def _job() -> _State:
+def _job() -> records.State:
     if _state is None:
         init()
     return _state
 
 
-def _communicating() -> _State:
+def _communicating() -> records.State:
     """The job's state, for a call that communicates: from one thread per process (the first
     to communicate). Two threads would number one peer's messages in whichever order they
     ran, and the peer would pair them differently from run to run (or take one number twice)."""
@@ -227,13 +164,13 @@ def _not_in_a_backward(name: str) -> None:
                                  "forward, and reduce gradients after the backward returns")
 
 
-def _send(x, dst: int, call: str = "send", group: tuple = ()) -> _Record | None:
+def _send(x, dst: int, call: str = "send", group: tuple = ()) -> records.Record | None:
     """send() as part of `call` over the processes `group` (groups.mask; none: point to
     point), returning the record of a send that needs a gradient (else None)."""
     _not_in_a_backward(call)
     st = _communicating()
     dst = arguments.peer(dst, st.group.rank, st.group.world_size, "dst")
-    _name_sends_left_unapplied(st)
+    records.name_sends_left_unapplied(st)
     values, sequence = arguments.values(x, call)
     needs = [torch.is_grad_enabled() and t.requires_grad for t in values]
     seq = st.sent[dst]
@@ -243,103 +180,22 @@ def _send(x, dst: int, call: str = "send", group: tuple = ()) -> _Record | None:
         flags = st.flags[key] = torch.tensor([int(f) for f in key], dtype=torch.int32)
     payload = [t.detach().contiguous() for t in values] + [flags]
     with tracing.span(st.trace, tracing.SEND, dst, seq):
-        st.sends.send(dst, _MESSAGE_BIT | seq, payload, f"conveyor.distributed: {_named(call)}send #{seq} to process {dst}")
+        st.sends.send(dst, records.MESSAGE_BIT | seq, payload,
+                      f"conveyor.distributed: {_named(call)}send #{seq} to process {dst}")
     st.sent[dst] += 1  # counted once sent: a send refused here leaves the numbering as it was
-    _take_answers_in(st, [dst])
+    records.take_answers_in(st, [dst])
     if any(needs):
         # The gradient edges as they are now: a script may write a sent tensor in place
         # afterwards (its new history is not what the receiver got), and the record holds no
         # tensor's memory, only the graph behind it.
         wanted = [t for t, n in zip(values, needs) if n]
-        record = _Record("send", dst, seq, edges=[get_gradient_edge(t) for t in wanted],
-                         devices=[t.device for t in wanted], microbatch=st.microbatch)
+        record = records.Record("send", dst, seq, edges=[get_gradient_edge(t) for t in wanted],
+                                devices=[t.device for t in wanted], microbatch=st.microbatch)
         st.records.append(record)
         st.answers.post(dst, record.answer_tag)
         st.unanswered[dst].append(record)
         return record
     return None
-
-
-def _name_sends_left_unapplied(st: _State) -> bool:
-    """After a plain loss.backward() that reached a receive, the process calls again without
-    backward() in between: a send recorded before it that needs a gradient (not answered
-    that none comes) never had it applied; warn once, naming it, instead of training on
-    without it (backward() after loss.backward(), or backward(loss), applies it). Whether it
-    warned now."""
-    if st.outside_backward_at is None:
-        return False
-    seen, st.outside_backward_at = st.outside_backward_at, None
-    _take_answers_in(st)
-    left = [r for r in st.records[:seen] if r.kind == "send" and (not r.done or r.grads is not None)]
-    if left and not st.warned_of_outside_backward:
-        st.warned_of_outside_backward = True
-        r = left[0]
-        warnings.warn(f"conveyor.distributed: process {st.group.rank}'s loss.backward() left out the gradient of "
-                      f"send #{r.seq} to process {r.peer} ({len(left)} send(s) in all): a process that sends calls "
-                      "conveyor.distributed.backward(loss) instead, which waits for those gradients and applies "
-                      "them (backward() after loss.backward() applies them where that freed none of their graph)",
-                      stacklevel=_callers_level())
-        return True
-    return False
-
-
-def _callers_level() -> int:
-    """warnings.warn's stacklevel for the first frame outside this package (the script's call)."""
-    here, level = os.path.dirname(__file__), 2  # 1: warnings.warn's caller; 2: its caller
-    frame = sys._getframe(2)
-    while frame is not None and os.path.dirname(frame.f_code.co_filename) == here:
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def _take_answers_in(st: _State, peers=None) -> None:
-    """Takes the answers already in for the oldest sends to `peers` (default: every peer),
-    without waiting: a send whose receiver says no gradient will come (it received under
-    no_grad, or dropped the graph) is forgotten, freeing what it held (an evaluation that
-    forgot no_grad would otherwise hold every batch's graph until the next backward()); a
-    gradient is kept for backward()."""
-    for peer in st.unanswered if peers is None else peers:
-        waiting = st.unanswered[peer]
-        while waiting and st.answers.arrived(peer, waiting[0].answer_tag):
-            _take_answer(st, waiting.popleft())
-
-
-def _consume_answers(st: _State, records: list) -> list:
-    """Outside a replay (a collective's node reached by plain loss.backward()): per record of
-    `records`, the gradients its receiver returns for the values sent that needed one (a
-    None each where none comes), waiting for each in turn. Each record is consumed: the
-    replay will not apply it again."""
-    grads = []
-    for record in records:
-        if not record.consumed and not record.done:
-            if record in st.unanswered[record.peer]:
-                st.unanswered[record.peer].remove(record)
-            _take_answer(st, record)
-        came = None if record.consumed else record.grads
-        grads.extend(came if came is not None else [None] * len(record.edges))
-        record.consumed, record.grads = True, None
-        if record in st.records:
-            st.records.remove(record)
-    return grads
-
-
-def _replaying(st: _State, record: _Record) -> bool:
-    """Whether a running backward() goes through `record` (and forgets it after)."""
-    return st.replay is not None and record in st.replay
-
-
-def _take_answer(st: _State, record: _Record) -> None:
-    """The answer to a send (waiting for it within the timeout): its gradients, each on its
-    sent tensor's device (one staged through the host arrives on the CPU, and autograd
-    refuses a gradient on another device than its tensor's), or none."""
-    with tracing.span(st.trace, tracing.GRADIENT_IN, record.peer, record.seq):
-        *grads, follow = st.answers.take(record.peer, record.answer_tag, "conveyor.distributed: the gradient of "
-                                         f"send #{record.seq} to process {record.peer}")
-    record.done = True
-    if follow.item():
-        record.grads = [g.to(d) for g, d in zip(grads, record.devices)]
-    elif not _replaying(st, record):  # nothing comes: it adds nothing (a replay forgets its own)
-        st.records.remove(record)
 
 
 class _Received(torch.autograd.Function):
@@ -374,7 +230,7 @@ class _Received(torch.autograd.Function):
         return None, None, None
 
 
-def _return_gradient(st: _State, record: _Record) -> None:
+def _return_gradient(st: records.State, record: records.Record) -> None:
     """Sends a receive's gradient back to its sender (zeros for values nothing used)."""
     if record.done:
         return
@@ -387,13 +243,13 @@ def _return_gradient(st: _State, record: _Record) -> None:
                       f"conveyor.distributed: the gradient of receive #{record.seq} from process {record.peer}")
 
 
-def _answer_without_gradients(st: _State, peer: int, seq: int, why: str) -> None:
+def _answer_without_gradients(st: records.State, peer: int, seq: int, why: str) -> None:
     """Tells `peer` that its message `seq` gets no gradient (its backward() skips that send)."""
-    st.sends.send(peer, _answer_tag(seq), [st.without_gradients],
+    st.sends.send(peer, records.answer_tag(seq), [st.without_gradients],
                   f"conveyor.distributed: receive #{seq} from process {peer} ({why})")
 
 
-def _no_gradient_will_come(st: _State, record: _Record) -> None:
+def _no_gradient_will_come(st: records.State, record: records.Record) -> None:
     """A receive's node was freed before its gradient went back: its sender's backward()
     skips that send (it adds nothing, as in one process), instead of waiting for it."""
     if record.done or st is not _state:
@@ -403,7 +259,7 @@ def _no_gradient_will_come(st: _State, record: _Record) -> None:
         _answer_without_gradients(st, record.peer, record.seq, "its graph dropped")
     except ConveyorError:  # an earlier send failed: the next call raises it, where the script can see it
         pass
-    if not _replaying(st, record):  # a replay forgets its own records itself
+    if not records.replaying(st, record):  # a replay forgets its own records itself
         try:
             st.records.remove(record)
         except ValueError:
@@ -438,11 +294,11 @@ def _recv(src: int, device=None, call: str = "send", group: tuple = ()):
     st = _communicating()
     src = arguments.peer(src, st.group.rank, st.group.world_size, "src")
     device = arguments.device(device, name)
-    _name_sends_left_unapplied(st)
+    records.name_sends_left_unapplied(st)
     seq = st.received[src]
     st.received[src] += 1
     with tracing.span(st.trace, tracing.RECV, src, seq):
-        got = st.group.recv(src, _MESSAGE_BIT | seq, f"conveyor.distributed: {_named(call)}receive #{seq} from "
+        got = st.group.recv(src, records.MESSAGE_BIT | seq, f"conveyor.distributed: {_named(call)}receive #{seq} from "
                             f"process {src}", st.via)
     # flags: sequence, call, the group's words, then per value whether it needs a gradient, is_cuda
     flags, count, w = got[-1].tolist(), len(got) - 1, len(st.no_group)
@@ -462,8 +318,8 @@ def _recv(src: int, device=None, call: str = "send", group: tuple = ()):
     if any(needs) and not torch.is_grad_enabled():  # the sender's backward must not wait for a gradient
         _answer_without_gradients(st, src, seq, "under torch.no_grad()")
     elif any(needs):
-        record = _Record("recv", src, seq, shapes=[(v.shape, v.dtype, v.device) for v, n in zip(values, needs) if n],
-                         microbatch=st.microbatch)
+        shapes = [(v.shape, v.dtype, v.device) for v, n in zip(values, needs) if n]
+        record = records.Record("recv", src, seq, shapes=shapes, microbatch=st.microbatch)
         st.records.append(record)
         wanted = [v for v, n in zip(values, needs) if n]
         out = _Received.apply(torch.empty(0, requires_grad=True), record, wanted)
@@ -497,10 +353,10 @@ def backward(*roots, microbatch=None) -> None:
         st.records = [r for r in st.records if r not in gone]
         for peer, waiting in st.unanswered.items():
             st.unanswered[peer] = collections.deque(r for r in waiting if r not in gone)
-    _drain(st)
+    records.drain(st)
 
 
-def _replay(st: _State, roots) -> None:
+def _replay(st: records.State, roots) -> None:
     """backward()'s work: the losses `roots`, then st.replay's records in reverse."""
     if roots:
         with tracing.span(st.trace, tracing.LOSSES):
@@ -510,13 +366,13 @@ def _replay(st: _State, roots) -> None:
             _return_gradient(st, record)
             continue
         if not record.done:
-            _take_answer(st, record)
+            records.take_answer(st, record)
         if record.grads is not None:  # else none comes (received under no_grad, or dropped): it adds nothing
             with tracing.span(st.trace, tracing.BACKPROPAGATE, record.peer, record.seq):
                 _backpropagate(st, record)
 
 
-def _backpropagate(st: _State, record: _Record) -> None:
+def _backpropagate(st: records.State, record: records.Record) -> None:
     """Backpropagates the gradients a send's receiver returned through what was sent. A
     graph a plain loss.backward() already freed (the sent tensor's history shared saved
     values with the loss's) is named with what to call instead of autograd's bare error."""
@@ -556,8 +412,3 @@ class microbatch:
         _state.microbatch = None
         self.span.__exit__(*exc)
         return False
-
-
-def _drain(st: _State) -> None:
-    """Waits until every peer has what this process sent (so none is lost at exit)."""
-    st.sends.wait()

@@ -7,29 +7,30 @@ plans (unless the stages are fixed) and every process runs its share of the pipe
 ranks. Every wait between processes has a timeout: CONVEYOR_TIMEOUT seconds (default 300),
 or Module(timeout=).
 
-    world()          (rank, world_size, host, port), or None in a single process
-    process_group()  this process's member of the job (made once per process)
+    world()            (rank, world_size, host, port), or None in a single process
+    process_group()    this process's member of the job (made once per process)
+    launch_settings()  what `conveyor launch` asks of every process
+    default_timeout()  CONVEYOR_TIMEOUT, checked
 
-and differentiable communication for models split by hand (conveyor/communication.py,
-conveyor/collectives.py, conveyor/sequential.py):
-init (UCX, or NCCL for tensors on the GPU), send, recv, bcast, gather, scatter, allgather,
-alltoall, reduce, reduce_scatter, allreduce (each over the job, or a group of its processes:
-new_group, conveyor/groups.py), barrier, backward, microbatch and Sequential.
+The one module that holds the job's process state: both conveyor.Module's pipeline and the
+communication of models split by hand (communication.py) join the job through it.
 """
 from __future__ import annotations
 
 import atexit
+import datetime
 import os
+import socket
 import sys
 
-from . import _C
-from .arguments import seconds
-from .errors import ConveyorValueError
+from .. import _C
+from ..arguments import seconds
+from ..errors import ConveyorValueError
 
-__all__ = ["world", "process_group", "default_timeout", "launch_settings", "init", "send", "recv", "bcast", "gather",
-           "scatter", "allgather", "alltoall", "reduce", "reduce_scatter", "allreduce", "backward", "microbatch", "rank",
-           "world_size", "barrier", "Sequential", "new_group", "Group"]
+__all__ = ["world", "process_group", "default_timeout", "launch_settings"]
 
+# The job's process state: this process's member of the job (process_group()), and the
+# world it joined as.
 _group = None
 _group_key = None
 
@@ -147,10 +148,7 @@ def _rendezvous_port(rank: int, host: str, port: int, timeout_s: float) -> int:
     so an elastic restart does not read the last one's)."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return port
-    import datetime
-    import socket
-
-    from torch.distributed import TCPStore
+    from torch.distributed import TCPStore  # only under torchrun: a torch built without distributed still runs alone
     where = f"torchrun's store at {host}:{port}"
     try:
         store = TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
@@ -186,9 +184,3 @@ def _leave_in_step():
     sys.excepthook = give_up
     atexit.register(lambda: _group.close() if _group is not None else None)
 
-
-from .communication import backward, init, microbatch, rank, recv, send, world_size  # noqa: E402  (they reach process_group())
-from .collectives import (allgather, allreduce, alltoall, barrier, bcast, gather, reduce,  # noqa: E402
-                          reduce_scatter, scatter)
-from .groups import Group, new_group  # noqa: E402
-from .sequential import Sequential  # noqa: E402

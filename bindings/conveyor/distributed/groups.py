@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import functools
 
-from .communication_arguments import process_number
-from .errors import ConveyorValueError
+from ..errors import ConveyorValueError
+from .arguments import process_number
+from .processes import world
 
 __all__ = ["Group", "new_group"]
 
@@ -56,8 +57,7 @@ class Group:
 def new_group(ranks=None) -> Group:
     """The group of the job's processes `ranks` (distinct ranks, any order; they are kept in
     rank order; None: every process). Local: no process waits for another to make it."""
-    from . import distributed
-    found = distributed.world()
+    found = world()
     if found is None:
         raise ConveyorValueError("conveyor.distributed.new_group needs the processes of a job: start the script "
                                  "with `conveyor launch -n N -- python script.py`, or as torchrun does")
