@@ -1,11 +1,15 @@
 // conveyor._C: the graph IR, the graph file format, the executor and planning.
 #include "bindings/bindings.h"
 
+#include <optional>
+
+#include "common/recomputation.h"
 #include "graph/executor.h"
 #include "graph/format.h"
 #include "graph/partition.h"
 #include "partitioner/planner.h"
 #include "partitioner/replan.h"
+#include "scheduler/schedule.h"
 
 namespace conveyor::bindings {
 
@@ -18,23 +22,19 @@ partitioner::CostGraph cost_graph_of(const PyGraph& g, const std::string& profil
   return unwrap(partitioner::cost_graph_from_profile(g.graph, profile));
 }
 
+// `recompute`: a recomputation's name fixes every stage's; none leaves it to the planner.
 partitioner::PlanOptions plan_options(int batch, int microbatches, const std::vector<std::string>& schedules,
                                       double optimizer_state, int max_replicas, int max_microbatches,
                                       bool even_shares, int ranks, const std::vector<int>& replicas, int chunks,
-                                      const std::string& recompute = "auto") {
+                                      const std::optional<std::string>& recompute = std::nullopt) {
   partitioner::PlanOptions o;
-  using R = partitioner::PlanOptions::Recompute;
-  if (recompute == "auto") {
-    o.recompute = R::kWhenNeeded;
-  } else if (recompute == "never") {
-    o.recompute = R::kNever;
-  } else if (recompute == "always" || recompute == "full") {
-    o.recompute = R::kAlways;
-  } else if (recompute == "selective") {
-    o.recompute = R::kSelective;
-  } else {
-    raise(Status(ErrorCode::kInvalidArgument, "recompute \"" + recompute +
-                                                  "\" (expected \"auto\", \"never\", \"selective\" or \"always\")"));
+  if (recompute) {
+    o.recompute = recomputation_from_name(*recompute);
+    if (!o.recompute) {
+      raise(Status(ErrorCode::kInvalidArgument, "recompute \"" + *recompute + "\" (expected " +
+                                                    recomputation_names_text() +
+                                                    " for every stage, or None: the planner chooses per stage)"));
+    }
   }
   o.ranks = ranks;
   o.replicas = replicas;
@@ -180,6 +180,26 @@ void bind_graph(py::module_& m) {
         return std::const_pointer_cast<StageProgram>(unwrap(ex.stage(std::move(nodes))));
       });
 
+  // The vocabularies Python checks its arguments against, spelled once in C++.
+  m.def("schedule_names", [] {
+        std::vector<std::string> names;
+        for (auto kind : scheduler::kScheduleKinds) names.emplace_back(scheduler::schedule_kind_name(kind));
+        return names;
+      },
+      "Every schedule's name (scheduler/schedule.h), in the order they are listed to users.");
+  m.def("chunks_of", [](const std::string& schedule) {
+        return scheduler::default_chunks(unwrap(scheduler::schedule_kind_from_name(schedule)));
+      },
+      py::arg("schedule"),
+      "The stages each pipeline rank holds under a schedule when nothing else fixes it: 2 for interleaved and the "
+      "V shapes (zb-v, dualpipev), else 1.");
+  m.def("recomputation_names", [] {
+        std::vector<std::string> names;
+        for (auto r : kRecomputations) names.emplace_back(recomputation_name(r));
+        return names;
+      },
+      "Every activation recomputation's name (common/recomputation.h): none, selective, full.");
+
   // Planning (torch-free C++ behind it): documents in, documents out.
   m.def("graph_hash", [](const PyGraph& g) { return partitioner::graph_hash(g.graph); },
         "The hash profiles are keyed by.");
@@ -188,7 +208,7 @@ void bind_graph(py::module_& m) {
       [](const PyGraph& g, const std::string& profile_json, const std::string& cluster_toml, int batch,
          int microbatches, const std::vector<std::string>& schedules, double optimizer_state, int max_replicas,
          int max_microbatches, bool even_shares, int ranks, const std::vector<int>& replicas, int chunks,
-         const std::string& recompute) {
+         const std::optional<std::string>& recompute) {
         auto costs = cost_graph_of(g, profile_json);
         auto cluster = unwrap(partitioner::Cluster::from_toml(cluster_toml, "cluster"));
         auto o = plan_options(batch, microbatches, schedules, optimizer_state, max_replicas, max_microbatches, even_shares,
@@ -203,13 +223,13 @@ void bind_graph(py::module_& m) {
       py::arg("graph"), py::arg("profile"), py::arg("cluster"), py::arg("batch"), py::arg("microbatches") = 0,
       py::arg("schedules") = std::vector<std::string>{}, py::arg("optimizer_state") = 2.0, py::arg("max_replicas") = 0,
       py::arg("max_microbatches") = 0, py::arg("even_shares") = false, py::arg("ranks") = 0,
-      py::arg("replicas") = std::vector<int>{}, py::arg("chunks") = 0, py::arg("recompute") = "auto",
+      py::arg("replicas") = std::vector<int>{}, py::arg("chunks") = 0, py::arg("recompute") = py::none(),
       "Plans a captured graph from its profile on a cluster (TOML text); returns (plan JSON, table). even_shares: "
       "replicas split microbatches evenly, as the runtime does (off: in proportion to their devices' speeds). "
       "ranks, replicas (one count, or one per rank) and chunks fix those parts (0 or empty: planned); recompute: "
-      "\"auto\" (a stage recomputes its activations where it would not fit otherwise: selectively where that "
-      "fits, else fully), \"never\", \"selective\" (every stage its cheap operators) or \"always\" (every stage "
-      "fully).");
+      "None (the planner chooses per stage: a stage recomputes its activations where it would not fit "
+      "otherwise, selectively where that fits, else fully), or a name of _C.recomputation_names() for every "
+      "stage: \"none\", \"selective\" (its cheap operators) or \"full\" (its whole forward).");
 
   m.def(
       "read_plan",
@@ -244,7 +264,7 @@ void bind_graph(py::module_& m) {
                        const std::string& plan_json, int batch, int microbatches,
                        const std::vector<std::string>& schedules, double optimizer_state, int max_replicas,
                        int max_microbatches, int ranks, const std::vector<int>& replicas, int chunks,
-                       const std::string& recompute, int horizon_steps, bool moves_bytes, double min_gain, double margin, int confirmations,
+                       const std::optional<std::string>& recompute, int horizon_steps, bool moves_bytes, double min_gain, double margin, int confirmations,
                        double tolerance) {
              partitioner::ReplanPolicy policy;
              policy.horizon_steps = horizon_steps;
@@ -264,7 +284,7 @@ void bind_graph(py::module_& m) {
            py::arg("microbatches") = 0, py::arg("schedules") = std::vector<std::string>{},
            py::arg("optimizer_state") = 2.0, py::arg("max_replicas") = 0, py::arg("max_microbatches") = 0,
            py::arg("ranks") = 0, py::arg("replicas") = std::vector<int>{}, py::arg("chunks") = 0,
-           py::arg("recompute") = "auto", py::arg("horizon_steps") = 100, py::arg("moves_bytes") = true, py::arg("min_gain") = 0.1,
+           py::arg("recompute") = py::none(), py::arg("horizon_steps") = 100, py::arg("moves_bytes") = true, py::arg("min_gain") = 0.1,
            py::arg("margin") = 0.5, py::arg("confirmations") = 2, py::arg("tolerance") = 0.1,
            "The planning inputs of `plan` (made from graph, profile and cluster with the same options, its fixed "
            "parts included; replicas share microbatches by their devices' speeds, in whole samples) and the policy: the horizon in steps, whether stages moving moves bytes between "

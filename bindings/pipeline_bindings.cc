@@ -107,7 +107,7 @@ void bind_pipeline(py::module_& m) {
                auto mode = recomputation_from_name(r);
                if (!mode) {
                  check(Status(ErrorCode::kInvalidArgument,
-                              "recompute \"" + r + "\" (expected \"none\", \"selective\" or \"full\")"));
+                              "recompute \"" + r + "\" (expected " + recomputation_names_text() + ")"));
                }
                options.recompute.push_back(*mode);
              }

@@ -3,8 +3,10 @@
 // forward again). Shared by the planner, which chooses it per stage, and the runtime.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <string_view>
 
 namespace conveyor {
@@ -16,7 +18,11 @@ enum class Recomputation : std::uint8_t {
   kFull,       ///< keeps only the stage's inputs and runs its forward again
 };
 
-/// "none", "selective", "full": the name plans and the Python API use.
+/// Every recomputation, from keeping the most to keeping the least.
+inline constexpr std::array kRecomputations{Recomputation::kNone, Recomputation::kSelective, Recomputation::kFull};
+
+/// "none", "selective", "full": the name plans, the planner's options and the Python API
+/// (`_C.recomputation_names()`) use; the one place these names are spelled.
 constexpr std::string_view recomputation_name(Recomputation r) {
   switch (r) {
     case Recomputation::kNone: return "none";
@@ -28,10 +34,20 @@ constexpr std::string_view recomputation_name(Recomputation r) {
 
 /// The recomputation a name means, or nothing for an unknown name.
 constexpr std::optional<Recomputation> recomputation_from_name(std::string_view name) {
-  for (Recomputation r : {Recomputation::kNone, Recomputation::kSelective, Recomputation::kFull}) {
+  for (Recomputation r : kRecomputations) {
     if (recomputation_name(r) == name) return r;
   }
   return std::nullopt;
+}
+
+/// Every recomputation's name, quoted and joined for a message: "none", "selective" or "full".
+inline std::string recomputation_names_text() {
+  std::string out;
+  for (std::size_t k = 0; k < kRecomputations.size(); ++k) {
+    if (k > 0) out += k + 1 == kRecomputations.size() ? " or " : ", ";
+    out += "\"" + std::string(recomputation_name(kRecomputations[k])) + "\"";
+  }
+  return out;
 }
 
 }  // namespace conveyor

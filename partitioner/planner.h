@@ -3,6 +3,7 @@
 // Torch-free. The search and the cost model are described in docs/planner.md.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -52,10 +53,10 @@ struct PlanOptions {
   /// Activation recomputation (common/recomputation.h): selective (the cheap operators'
   /// forward again; their activations are not kept) or full (a stage keeps only its inputs
   /// and runs its whole forward again: a forward more of time, one microbatch's activations
-  /// of memory). kWhenNeeded: a stage keeps everything where it fits, else recomputes
-  /// selectively where that fits, else fully. kAlways: every stage fully; kSelective: every
-  /// stage selectively.
-  enum class Recompute : std::uint8_t { kNever, kWhenNeeded, kAlways, kSelective } recompute = Recompute::kWhenNeeded;
+  /// of memory). Set: every stage recomputes so (kNone: no stage recomputes). Unset, the
+  /// planner chooses per stage: it keeps everything where that fits, else recomputes
+  /// selectively where that fits, else fully.
+  std::optional<Recomputation> recompute;
   SearchMode search = SearchMode::kAuto;
   /// After an exact search: enumerate, by branch and bound, every plan of the same space whose
   /// simulated step could beat the analytic optimum's, and return the simulator's best

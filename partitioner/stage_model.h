@@ -144,16 +144,15 @@ class Model {
     return ring * (l.bandwidth_bytes_per_s > 0 ? param_bytes / l.bandwidth_bytes_per_s : 0) + 2.0 * (r - 1) * l.latency_s;
   }
 
-  /// The stage as it runs: keeping its activations, or recomputing them where the options
-  /// ask for it always, or, the cheapest way first (selective, then full), where it would not
-  /// fit otherwise (every search prices it so).
+  /// The stage as it runs: as the options fix its recomputation for every stage, or, where
+  /// they leave it to the planner, keeping its activations, else recomputing them the
+  /// cheapest way first (selective, then full) where it would not fit otherwise (every search
+  /// prices it so).
   StageEval eval(const StageSums& s, int first, int r, int stages_after, bool has_next) const {
-    using R = PlanOptions::Recompute;
     using M = Recomputation;
-    if (options_.recompute == R::kAlways) return eval_as(s, first, r, stages_after, has_next, M::kFull);
-    if (options_.recompute == R::kSelective) return eval_as(s, first, r, stages_after, has_next, M::kSelective);
+    if (options_.recompute) return eval_as(s, first, r, stages_after, has_next, *options_.recompute);
     StageEval e = eval_as(s, first, r, stages_after, has_next, M::kNone);
-    if (e.fits() || options_.recompute == R::kNever) return e;
+    if (e.fits()) return e;
     if (s.sel_freed > 0) {
       StageEval selective = eval_as(s, first, r, stages_after, has_next, M::kSelective);
       if (selective.fits()) return selective;

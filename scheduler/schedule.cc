@@ -228,14 +228,20 @@ void dual_pipe_v(ActionList& list, const ScheduleSpec& spec, int r) {
 }  // namespace
 
 Result<ScheduleKind> schedule_kind_from_name(std::string_view name) {
-  if (name == "gpipe") return ScheduleKind::kGPipe;
-  if (name == "1f1b") return ScheduleKind::kOneFOneB;
-  if (name == "interleaved") return ScheduleKind::kInterleaved;
-  if (name == "zb-h1") return ScheduleKind::kZeroBubbleH1;
-  if (name == "zb-v") return ScheduleKind::kZeroBubbleV;
-  if (name == "dualpipev") return ScheduleKind::kDualPipeV;
-  return Status(ErrorCode::kInvalidArgument, "unknown schedule '" + std::string(name) +
-                                                 "' (expected gpipe, 1f1b, interleaved, zb-h1, zb-v or dualpipev)");
+  for (ScheduleKind kind : kScheduleKinds) {
+    if (schedule_kind_name(kind) == name) return kind;
+  }
+  return Status(ErrorCode::kInvalidArgument,
+                "unknown schedule '" + std::string(name) + "' (expected " + schedule_names_text() + ")");
+}
+
+std::string schedule_names_text(std::string_view last) {
+  std::string out;
+  for (std::size_t k = 0; k < kScheduleKinds.size(); ++k) {
+    if (k > 0) out += k + 1 == kScheduleKinds.size() ? std::string(last) : ", ";
+    out += schedule_kind_name(kScheduleKinds[k]);
+  }
+  return out;
 }
 
 std::string_view schedule_kind_name(ScheduleKind kind) {

@@ -10,6 +10,7 @@
 // places stages as ZB-V does.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -22,15 +23,28 @@ namespace conveyor::scheduler {
 /// The schedules conveyor generates action lists for.
 enum class ScheduleKind : std::uint8_t { kGPipe, kOneFOneB, kInterleaved, kZeroBubbleH1, kZeroBubbleV, kDualPipeV };
 
-/// Parses "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v" or "dualpipev".
-Result<ScheduleKind> schedule_kind_from_name(std::string_view name);
+/// Every schedule, each once, in the order their names are listed to users.
+inline constexpr std::array kScheduleKinds{ScheduleKind::kGPipe,        ScheduleKind::kOneFOneB,
+                                           ScheduleKind::kInterleaved,  ScheduleKind::kZeroBubbleH1,
+                                           ScheduleKind::kZeroBubbleV, ScheduleKind::kDualPipeV};
+
+/// A schedule's name ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"): the one
+/// place these names are spelled; the command line, the launcher and Python (`_C`) read them here.
 std::string_view schedule_kind_name(ScheduleKind kind);
+/// The schedule a name means; an error naming every schedule for an unknown one.
+Result<ScheduleKind> schedule_kind_from_name(std::string_view name);
+/// Every schedule's name in kScheduleKinds' order, joined for a message: "gpipe, 1f1b, ..., zb-v
+/// or dualpipev" (`last` joins the last two).
+std::string schedule_names_text(std::string_view last = " or ");
 /// Whether a schedule places two stages per rank in a V (ZB-V, DualPipeV).
 inline bool is_v_shape(ScheduleKind kind) {
   return kind == ScheduleKind::kZeroBubbleV || kind == ScheduleKind::kDualPipeV;
 }
 /// Whether a schedule holds several stages per rank (interleaved, and the V shapes).
 inline bool is_chunked(ScheduleKind kind) { return kind == ScheduleKind::kInterleaved || is_v_shape(kind); }
+/// The stages each rank holds when nothing else fixes them (a stage count given, the planner
+/// aside): 2 for interleaved (the planner may choose 3 or 4) and the V shapes (always 2), else 1.
+inline int default_chunks(ScheduleKind kind) { return is_chunked(kind) ? 2 : 1; }
 /// Whether a schedule splits (some) backwards into an input and a weight half.
 inline bool splits_backward(ScheduleKind kind) {
   return kind == ScheduleKind::kZeroBubbleH1 || is_v_shape(kind);

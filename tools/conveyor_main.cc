@@ -246,7 +246,7 @@ int main(int argc, char** argv) {
   plan_cmd->add_option("--batch", plan_args.batch, "samples per training step")->required()->check(CLI::PositiveNumber);
   plan_cmd->add_option("--profile", plan_args.profile, "profile JSON of a graph file (default: the profile cache)");
   plan_cmd->add_option("--microbatches", plan_args.microbatches, "fix the microbatch count (default: choose)");
-  plan_cmd->add_option("--schedule", plan_args.schedule, "auto, gpipe, 1f1b, interleaved, zb-h1 or zb-v");
+  plan_cmd->add_option("--schedule", plan_args.schedule, "auto, " + scheduler::schedule_names_text());
   plan_cmd->add_option("--optimizer-state", plan_args.optimizer_state,
                        "optimizer state bytes per parameter byte (Adam 2, SGD+momentum 1)");
   plan_cmd->add_option("--out", plan_args.out, "write the plan JSON here");

@@ -21,6 +21,7 @@
 #include "common/env.h"
 #include "common/secret.h"
 #include "common/toml_reader.h"
+#include "scheduler/schedule.h"
 
 namespace conveyor::tools {
 
@@ -61,7 +62,12 @@ bool host_name(const std::string& h) {
 
 using Choices = std::vector<std::string_view>;
 const Choices kTransports{"ucx", "nccl"};
-const Choices kSchedules{"auto", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"};
+// "auto" (the planner chooses), then every schedule by scheduler/schedule.h's name for it.
+const Choices kSchedules = [] {
+  Choices names{"auto"};
+  for (auto kind : scheduler::kScheduleKinds) names.push_back(scheduler::schedule_kind_name(kind));
+  return names;
+}();
 const Choices kReplans{"auto", "off"};
 
 // Empty where `v` is one of `choices` (or there are none); else what they are, for an error.

@@ -10,14 +10,17 @@ from pathlib import Path
 
 import torch
 
+from . import _C
 from .errors import ConveyorValueError
 
 # The range of every timeout (seconds), as common/timeouts.h holds it for C++: at most a week.
 LEAST_SECONDS, MOST_SECONDS = 0.001, 604800.0
 
-SCHEDULES = ("auto", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
+# The schedules' names and what each places on a rank are scheduler/schedule.h's; "auto" is
+# the Module's own: the planner chooses.
+SCHEDULES = ("auto", *_C.schedule_names())
 # Schedules that put two stages on each device group (pipeline rank).
-TWO_STAGES_PER_RANK = ("interleaved", "zb-v", "dualpipev")
+TWO_STAGES_PER_RANK = tuple(name for name in _C.schedule_names() if _C.chunks_of(name) == 2)
 
 
 def _whole(value, least: int) -> bool:
@@ -79,7 +82,8 @@ def check_output_path(path, what: str) -> None:
         raise ConveyorValueError(f"{what}={str(path)!r} is a folder; name a file in it")
 
 
-RECOMPUTATIONS = ("none", "selective", "full")
+# "none", "selective", "full", as common/recomputation.h names them.
+RECOMPUTATIONS = tuple(_C.recomputation_names())
 
 
 def _recomputation(value) -> bool:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from . import _C
-from .arguments import TWO_STAGES_PER_RANK
+from .arguments import TWO_STAGES_PER_RANK, recomputation
 from .errors import ConveyorValueError, GraphFormatError
 from .graph import Graph, node_value_inputs
 from .selective import SelectiveAccounting
@@ -329,17 +329,17 @@ def cluster_text(cluster: str | os.PathLike) -> str:
 def plan(graph: Graph, profile_doc: dict, cluster: str | os.PathLike, *, batch: int, microbatches: int = 0,
          schedules: list[str] | None = None, optimizer_state: float = 2.0, max_replicas: int = 0,
          max_microbatches: int = 0, even_shares: bool = False, ranks: int = 0, replicas: list[int] | None = None,
-         chunks: int = 0, recompute: str = "auto") -> Plan:
+         chunks: int = 0, recompute: str | None = None) -> Plan:
     """Plans `graph` on `cluster` (a TOML file path or TOML text) for `batch` samples a step;
     `max_replicas` caps the replicas per stage (0: no cap). Every replica's share of a
     microbatch keeps at least the least batch the graph holds for (its batch range). With
     `even_shares` replicas split microbatches evenly, as conveyor's runtime does (otherwise
     in proportion to their devices' speeds, the plan's `shares`). `ranks` (pipeline ranks),
     `replicas` (one count for every stage, or one per rank) and `chunks` (interleaved stages
-    per rank) fix those parts of the plan; the planner chooses the rest. `recompute`: "auto"
-    (a stage recomputes its activations where it would not fit otherwise: selectively where
-    that is enough, else fully), "never", "selective" (every stage its cheap operators) or
-    "always" (every stage fully)."""
+    per rank) fix those parts of the plan; the planner chooses the rest. `recompute`: None
+    (the planner chooses per stage: a stage recomputes its activations where it would not fit
+    otherwise, selectively where that is enough, else fully), or every stage's: "none",
+    "selective" (its cheap operators) or "full" (its whole forward)."""
     doc, table = _C.plan(graph.ir, json.dumps(profile_doc), cluster_text(cluster), batch, microbatches, schedules or [],
                          optimizer_state, max_replicas, max_microbatches, even_shares, ranks, replicas or [], chunks,
                          recompute)
@@ -367,14 +367,13 @@ class FixedParts:
 
     def __init__(self, stages: int | None, replicas: int | list | None, schedule: str, recompute=None):
         self.ranks, self.chunks = 0, 0
-        # A Module's recompute: True or False fixes it for every stage; None or a list (which
-        # the runtime applies as given) leave it to the planner where a stage would not fit.
-        self.recompute = {True: "always", "full": "always", "selective": "selective", False: "never",
-                          "none": "never"}.get(recompute, "auto") if not isinstance(recompute, list) else "auto"
+        # A Module's recompute: one value (True, False, a name) fixes it for every stage; None
+        # or a list (which the runtime applies as given) leave it to the planner (None), which
+        # recomputes where a stage would not fit otherwise.
+        self.recompute = None if recompute is None or isinstance(recompute, list) else recomputation(recompute)
         if schedule == "auto":
             # A fixed stage count keeps the schedules whose stages are the device groups.
-            self.schedules = ["gpipe", "1f1b", "zb-h1"] if stages else [
-                "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"]
+            self.schedules = [name for name in _C.schedule_names() if not stages or _C.chunks_of(name) == 1]
         else:
             self.schedules = [schedule]
         if stages is not None:

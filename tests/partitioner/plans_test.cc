@@ -55,14 +55,14 @@ TEST(Planner, StagesRecomputeWhereTheyWouldNotFitOtherwise) {
   // Activations dominate: 8 layers of 100 MB saved each per microbatch, small weights.
   CostGraph g = uniform_chain(8, 1e-3, 2e-3, 1e6, 1e8);
   PlanOptions o = two_ranks_of_four_microbatches();
-  o.recompute = PlanOptions::Recompute::kNever;
+  o.recompute = Recomputation::kNone;
   auto roomy = make_plan(g, Cluster::uniform(1, 2, 1e12, 1.0, fast_link(), fast_link()), o);
   ASSERT_TRUE(roomy.is_ok()) << roomy.status().to_string();
   double need = 0;
   for (const auto& s : roomy->stages) need = std::max(need, s.memory_bytes);
   const Cluster tight = Cluster::uniform(1, 2, 0.6 * need, 1.0, fast_link(), fast_link());
   EXPECT_EQ(make_plan(g, tight, o).status().code(), ErrorCode::kDoesNotFit);  // without recomputation: none
-  o.recompute = PlanOptions::Recompute::kWhenNeeded;
+  o.recompute = std::nullopt;
   auto plan = make_plan(g, tight, o);
   ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
   int recomputing = 0;
@@ -79,11 +79,11 @@ TEST(Planner, StagesRecomputeWhereTheyWouldNotFitOtherwise) {
   auto back = Plan::from_json(plan->to_json());
   ASSERT_TRUE(back.is_ok());
   for (std::size_t s = 0; s < plan->stages.size(); ++s) EXPECT_EQ(back->stages[s].recompute, plan->stages[s].recompute);
-  // Always: every stage recomputes, even with room to spare.
-  o.recompute = PlanOptions::Recompute::kAlways;
-  auto always = make_plan(g, Cluster::uniform(1, 2, 1e12, 1.0, fast_link(), fast_link()), o);
-  ASSERT_TRUE(always.is_ok());
-  for (const auto& s : always->stages) EXPECT_EQ(s.recompute, Recomputation::kFull);
+  // Full for every stage: every stage recomputes, even with room to spare.
+  o.recompute = Recomputation::kFull;
+  auto every_stage_full = make_plan(g, Cluster::uniform(1, 2, 1e12, 1.0, fast_link(), fast_link()), o);
+  ASSERT_TRUE(every_stage_full.is_ok());
+  for (const auto& s : every_stage_full->stages) EXPECT_EQ(s.recompute, Recomputation::kFull);
 }
 
 // Selective recomputation frees part of what a stage keeps for a part of its forward: where
@@ -99,10 +99,10 @@ TEST(Plans, SelectiveRecomputationWhereItFitsFullWhereOnlyThatFits) {
     op.selective_work_bytes = 0.2 * op.saved_bytes;
   }
   PlanOptions o = two_ranks_of_four_microbatches();
-  o.recompute = PlanOptions::Recompute::kNever;
+  o.recompute = Recomputation::kNone;
   auto roomy = make_plan(g, Cluster::uniform(1, 2, 1e12, 1.0, fast_link(), fast_link()), o);
   ASSERT_TRUE(roomy.is_ok()) << roomy.status().to_string();
-  o.recompute = PlanOptions::Recompute::kSelective;
+  o.recompute = Recomputation::kSelective;
   auto selective = make_plan(g, Cluster::uniform(1, 2, 1e12, 1.0, fast_link(), fast_link()), o);
   ASSERT_TRUE(selective.is_ok()) << selective.status().to_string();
   double need = 0, selective_need = 0;
@@ -115,7 +115,7 @@ TEST(Plans, SelectiveRecomputationWhereItFitsFullWhereOnlyThatFits) {
     EXPECT_NEAR(s.backward_s, 0.25 * s.forward_s + 2 * s.forward_s, 1e-12);
   }
   ASSERT_LT(selective_need, need);
-  o.recompute = PlanOptions::Recompute::kWhenNeeded;
+  o.recompute = std::nullopt;
   // Room for selective but not for keeping everything: selective, where it must.
   auto plan = make_plan(g, Cluster::uniform(1, 2, 0.5 * (need + selective_need), 1.0, fast_link(), fast_link()), o);
   ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
@@ -132,7 +132,7 @@ TEST(Plans, SelectiveRecomputationWhereItFitsFullWhereOnlyThatFits) {
   // Less memory, until no plan fits with selective recomputation alone: full where it must.
   double capacity = selective_need;
   PlanOptions only_selective = o;
-  only_selective.recompute = PlanOptions::Recompute::kSelective;
+  only_selective.recompute = Recomputation::kSelective;
   while (make_plan(g, Cluster::uniform(1, 2, capacity, 1.0, fast_link(), fast_link()), only_selective).is_ok()) {
     capacity *= 0.97;
   }
@@ -392,7 +392,7 @@ TEST(Planner, ASplitBackwardsMemoryIsWhatItsScheduleKeeps) {
   // Memory between the two: ZB-H1 does not fit where 1F1B does, and the error says why.
   const double between = (zb->stages[0].memory_bytes + ofob->stages[0].memory_bytes) / 2;
   Cluster tight = Cluster::uniform(1, 4, between, 1.0, fast_link(), fast_link());
-  o.recompute = PlanOptions::Recompute::kNever;
+  o.recompute = Recomputation::kNone;
   auto refused = make_plan(g, tight, o);
   ASSERT_FALSE(refused.is_ok());
   EXPECT_EQ(refused.status().code(), ErrorCode::kDoesNotFit);

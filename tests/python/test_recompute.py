@@ -116,7 +116,7 @@ def cluster_toml(memory_bytes: float, devices: int = 2) -> str:
             '[link.intra_node]\nbandwidth = "10 GB/s"\nlatency = "10 us"\n')
 
 
-def smallest_memory(graph, prof, recompute: str, **options) -> float:
+def smallest_memory(graph, prof, recompute: str | None, **options) -> float:
     """The least memory a device needs for some plan to exist, by bisection on the planner
     (with the options conveyor.Module plans a batch of 8 with, under SGD: no optimizer state;
     `options` replace or add to them)."""
@@ -167,11 +167,11 @@ def test_a_model_that_fits_only_by_recomputing_is_planned_so_and_trains_exactly(
     case = zoo.gpt2(batch=8)
     graph = conveyor.capture(loss_wrapper(case.model, None, case.args, case.kwargs), case.args, case.kwargs)
     prof = conveyor.profile(graph, case.args, case.kwargs, cache=False)
-    keeping, recomputing = smallest_memory(graph, prof, "never"), smallest_memory(graph, prof, "auto")
+    keeping, recomputing = smallest_memory(graph, prof, "none"), smallest_memory(graph, prof, None)
     assert recomputing < keeping, (recomputing, keeping)  # the tiny GPT-2 is mostly weights: a few %
     memory = (keeping + recomputing) / 2
     with pytest.raises(conveyor.DoesNotFitError):  # keeping every activation, nothing fits there
-        conveyor.plan(graph, prof, cluster_toml(memory), batch=8, recompute="never", even_shares=True,
+        conveyor.plan(graph, prof, cluster_toml(memory), batch=8, recompute="none", even_shares=True,
                       max_microbatches=4, optimizer_state=0.0)
     ref = copy.deepcopy(case.model)
     model = conveyor.Module(case.model, torch.optim.SGD(case.model.parameters(), lr=0.05), cluster=cluster_toml(memory),
@@ -202,7 +202,7 @@ def test_where_selective_recomputation_is_enough_the_plan_takes_it_trains_exactl
     assert sum(n["selective_freed_bytes"] for n in prof["nodes"]) > 0.3 * sum(n["saved_bytes"] for n in prof["nodes"])
 
     gpipe = dict(microbatches=4, ranks=2, schedules=["gpipe"])
-    keeping, selective = smallest_memory(graph, prof, "never", **gpipe), smallest_memory(graph, prof, "selective", **gpipe)
+    keeping, selective = smallest_memory(graph, prof, "none", **gpipe), smallest_memory(graph, prof, "selective", **gpipe)
     assert selective < 0.9 * keeping, (selective, keeping)
     memory = keeping - 0.2 * (keeping - selective)
     ref = copy.deepcopy(case.model)

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <set>
+
 namespace conveyor::scheduler {
 namespace {
 
@@ -216,6 +218,20 @@ TEST(Schedule, BadSpecsAndNames) {
   ASSERT_FALSE(bad.is_ok());
   EXPECT_NE(bad.status().message().find("expected gpipe, 1f1b, interleaved, zb-h1, zb-v or dualpipev"), std::string::npos);
   EXPECT_EQ(schedule_kind_from_name("zb-h1").value(), ScheduleKind::kZeroBubbleH1);
+}
+
+// Every schedule has one name, which means it again; the chunks a fixed stage count is cut
+// into per rank are what make_schedule accepts for it.
+TEST(Schedule, EveryScheduleIsNamedOnceAndTakesItsDefaultChunks) {
+  std::set<std::string_view> names;
+  for (ScheduleKind kind : kScheduleKinds) {
+    EXPECT_TRUE(names.insert(schedule_kind_name(kind)).second) << schedule_kind_name(kind);
+    EXPECT_EQ(schedule_kind_from_name(schedule_kind_name(kind)).value(), kind);
+    const int chunks = default_chunks(kind);
+    EXPECT_EQ(chunks, is_chunked(kind) ? 2 : 1);
+    EXPECT_TRUE(make_schedule({kind, 2, 4, chunks}).is_ok()) << schedule_kind_name(kind);
+  }
+  EXPECT_EQ(schedule_names_text(), "gpipe, 1f1b, interleaved, zb-h1, zb-v or dualpipev");
 }
 
 }  // namespace
