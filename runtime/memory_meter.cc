@@ -10,9 +10,10 @@
 #include <cstdlib>
 #include <mutex>
 #include <new>
-#include <string_view>
 #include <unordered_map>
 #include <utility>
+
+#include "common/env.h"
 
 namespace conveyor::runtime {
 
@@ -112,8 +113,7 @@ MeterScope::~MeterScope() { current_counter = std::move(previous_); }
 bool install_memory_meter() {
   static std::once_flag once;
   std::call_once(once, [] {
-    const char* off = std::getenv("CONVEYOR_MEMORY_METER");
-    if (off != nullptr && std::string_view(off) == "0") return;  // torch's allocator alone; peaks unknown
+    if (!env::memory_meter_enabled()) return;  // torch's allocator alone; peaks unknown
     // Never freed: allocations it counted may be freed at any time until the process ends.
     the_meter = new CountingAllocator(c10::GetCPUAllocator());
     pthread_atfork(nullptr, nullptr, [] { the_meter->after_fork_in_child(); });

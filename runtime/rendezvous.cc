@@ -270,7 +270,7 @@ Result<std::unique_ptr<Rendezvous>> rendezvous(const JoinRequest& req) {
                   "the rendezvous at " + where + " did not complete within " + std::to_string(req.timeout.count()) +
                       " ms" + (req.rank == 0 ? ": processes " + missing + " did not join" : "") +
                       "; start every process (WORLD_SIZE " + std::to_string(req.world) +
-                      "), or raise CONVEYOR_RENDEZVOUS_TIMEOUT");
+                      "), or give them longer (timeout=, or CONVEYOR_TIMEOUT)");
   }
   nlohmann::json j = nlohmann::json::parse(*reply, nullptr, false);
   if (j.is_object() && j.contains("error")) {

@@ -275,8 +275,7 @@ int launch(const JobConfig& c, const std::vector<std::string>& command) {
       setenv("CONVEYOR_REPLAN_HORIZON", std::to_string(c.replan_horizon).c_str(), 1);
       if (!c.trace.empty()) setenv("CONVEYOR_TRACE", c.trace.c_str(), 1);
       // The cores shared out between the processes (fewer if the caller asked for fewer).
-      const char* inherited = std::getenv("OMP_NUM_THREADS");
-      const int asked = inherited != nullptr ? std::atoi(inherited) : 0;
+      const int asked = env::openmp_threads();
       setenv("OMP_NUM_THREADS", std::to_string(asked > 0 ? std::min(asked, threads) : threads).c_str(), 1);
       if (one_machine && loopback(master)) setenv("UCX_NET_DEVICES", "lo", 0);
       // torch's CPU allocations of 2 MB and more on transparent huge pages (unless the caller

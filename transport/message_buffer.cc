@@ -12,6 +12,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "common/env.h"
 #include "transport/cuda_memory.h"
 
 namespace conveyor::transport {
@@ -68,10 +69,7 @@ void give_back(void* ptr, std::size_t cls) {
 
 at::Tensor message_bytes(std::size_t n) {
   const auto bytes = at::TensorOptions().dtype(at::kByte);
-  static const bool pooled = [] {  // CONVEYOR_MESSAGE_POOL=0: every buffer fresh (to measure the pool)
-    const char* v = std::getenv("CONVEYOR_MESSAGE_POOL");
-    return v == nullptr || std::string(v) != "0";
-  }();
+  static const bool pooled = env::message_pool_enabled();
   if (n < kPooledFrom || !pooled) return at::empty({static_cast<std::int64_t>(n)}, bytes);
   const std::size_t cls = size_class(n);
   void* ptr = nullptr;

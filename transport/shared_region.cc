@@ -12,6 +12,8 @@
 #include <cstring>
 #include <string>
 
+#include "common/env.h"
+
 namespace conveyor::transport {
 
 namespace {
@@ -59,11 +61,7 @@ std::optional<RegionName> split_region(std::vector<std::uint8_t>& address) {
   return name;
 }
 
-std::size_t region_capacity() {
-  const char* v = std::getenv("CONVEYOR_UCX_REGION_MB");
-  const long long mb = v != nullptr ? std::atoll(v) : 1024;
-  return mb > 0 ? static_cast<std::size_t>(mb) << 20 : 0;
-}
+std::size_t region_capacity() { return env::ucx_region_bytes(); }
 
 Result<std::unique_ptr<OutboundRegion>> OutboundRegion::create(std::size_t capacity) {
   const int fd = memfd_create("conveyor-ucx-messages", MFD_CLOEXEC);

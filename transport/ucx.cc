@@ -19,6 +19,7 @@
 #include <optional>
 #include <thread>
 
+#include "common/env.h"
 #include "transport/cuda_memory.h"
 #include "transport/message_buffer.h"
 #include "transport/peer_liveness.h"
@@ -49,18 +50,17 @@ Status UcxMember::start(const std::string& net_device) {
   // shared-memory transports detect no peer failure; others over tcp, whose failure UCX
   // detects. The user's UCX_TLS wins (then every endpoint asks UCX for failure detection);
   // CONVEYOR_UCX_SHM=0 keeps every peer on tcp.
-  const char* shm = std::getenv("CONVEYOR_UCX_SHM");
-  shared_memory_ = std::getenv("UCX_TLS") == nullptr && !(shm != nullptr && std::string(shm) == "0");
+  const bool user_transports = env::ucx_setting_given("TLS");
+  shared_memory_ = !user_transports && env::ucx_shared_memory_allowed();
   // With a GPU, UCX's CUDA transports move CUDA tensors from and into device memory
   // (CONVEYOR_UCX_CUDA=0: through the host, as without them).
-  const char* cuda = std::getenv("CONVEYOR_UCX_CUDA");
-  const bool with_cuda = process_sees_a_gpu() && !(cuda != nullptr && std::string(cuda) == "0");
+  const bool with_cuda = process_sees_a_gpu() && env::ucx_cuda_allowed();
   const std::string tls = std::string(shared_memory_ ? "sm," : "") + (with_cuda ? "cuda," : "") + "tcp,self";
-  if (std::getenv("UCX_TLS") == nullptr) ucp_config_modify(config, "TLS", tls.c_str());
+  if (!user_transports) ucp_config_modify(config, "TLS", tls.c_str());
   // A peer that dies is noticed within about a second, even with nothing in flight to it.
-  if (std::getenv("UCX_KEEPALIVE_INTERVAL") == nullptr) ucp_config_modify(config, "KEEPALIVE_INTERVAL", "1s");
+  if (!env::ucx_setting_given("KEEPALIVE_INTERVAL")) ucp_config_modify(config, "KEEPALIVE_INTERVAL", "1s");
   // Listen only where the job's processes meet; the user's UCX_NET_DEVICES wins.
-  if (!net_device.empty() && std::getenv("UCX_NET_DEVICES") == nullptr) {
+  if (!net_device.empty() && !env::ucx_setting_given("NET_DEVICES")) {
     ucp_config_modify(config, "NET_DEVICES", net_device.c_str());
   }
   ucp_params_t params{};
