@@ -1,6 +1,7 @@
-// The messages between conveyor's actors (one translation unit's worth of CAF: include only
-// from actors/*.cc). Local actors pass shared state by pointer; the types that will cross the
-// wire between processes get inspect() overloads when the remote control plane lands.
+// The messages between conveyor's actors (CAF: include only from the actors' own translation
+// units, runtime/coordinator.cc, partitioner_actor.cc and rendezvous.cc). Local actors pass
+// shared state by pointer; the types that will cross the wire between processes get
+// inspect() overloads when the remote control plane lands.
 #pragma once
 
 #include <caf/all.hpp>

@@ -14,7 +14,7 @@
 // weight-gradient, transfer and allreduce times, and the step time. Re-planning from these
 // figures builds on this data path.
 //
-// This header is CAF-free (the actors live in actors/*.cc), so the torch translation units
+// This header is CAF-free (the actors live in runtime/coordinator.cc), so the torch translation units
 // that hold a Coordinator do not compile CAF.
 #pragma once
 

@@ -1,4 +1,4 @@
-// The processes of one job: found through the rendezvous (actors/rendezvous.h, CAF remote
+// The processes of one job: found through the rendezvous (runtime/rendezvous.h, CAF remote
 // actors) and connected on the data plane by UCX, every process to every other. Each process
 // is a member of the UCX world (its rank is the job's RANK) and of a collective group over
 // all processes (transport/endpoint_group.h), which carries the loss to every rank, sums the
