@@ -2,9 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <poll.h>
-#include <sys/eventfd.h>
 #include <ucp/api/ucp.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -35,12 +33,7 @@ namespace {
 // progress thread and back is most of a small message's latency.
 constexpr std::size_t kSentByCallerUpTo = std::size_t{16} << 10;
 
-// How long after a waiting caller's last round the progress thread leaves the worker to it.
-constexpr std::int64_t kLeftToHelperNs = 20'000;
-
 }  // namespace
-
-thread_local UcxMember::HeldCompletions* UcxMember::held_ = nullptr;
 
 Status UcxMember::start(const std::string& net_device) {
   ucp_config_t* config = nullptr;
@@ -75,12 +68,13 @@ Status UcxMember::start(const std::string& net_device) {
                    (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-  // Calls into the worker are serialized by worker_mu_: the progress thread's, and a
-  // caller's sending a small message itself.
+  // Calls into the worker are serialized by the progress thread's worker lock (UcxProgress):
+  // the progress thread's, and a caller's sending a small message itself.
   wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;
   s = ucp_worker_create(context_, &wp, &worker_);
   if (s != UCS_OK) return ucx_error("creating the UCX worker", s);
-  s = ucp_worker_get_efd(worker_, &efd_);
+  int efd = -1;
+  s = ucp_worker_get_efd(worker_, &efd);
   if (s != UCS_OK) return ucx_error("the UCX worker's event descriptor", s);
   ucp_address_t* address = nullptr;
   std::size_t length = 0;
@@ -91,22 +85,11 @@ Status UcxMember::start(const std::string& net_device) {
   if (shared_memory_ && region_capacity() > 0) {  // without one (no memfd), everything goes through UCX
     if (auto made = OutboundRegion::create(region_capacity()); made.is_ok()) region_ = std::move(*made);
   }
-  wake_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  if (wake_ < 0) return Status(ErrorCode::kExecution, "eventfd failed for the UCX progress thread");
-  progress_ = std::thread([this] {
-    pthread_setname_np(pthread_self(), "ucx progress");  // as top -H and debuggers list it
-    loop();
-  });
-  return Status::ok();
+  return progress_.start(efd);
 }
 
 UcxMember::~UcxMember() {
-  if (progress_.joinable()) {
-    stop_ = true;
-    wake();
-    progress_.join();
-  }
-  if (wake_ >= 0) close(wake_);
+  progress_.stop();  // the progress thread's last act closes the member (close)
   if (worker_) ucp_worker_destroy(worker_);
   if (context_) ucp_cleanup(context_);
 }
@@ -133,8 +116,8 @@ Status UcxMember::connect(int peer, const std::vector<std::uint8_t>& given) {
   region_to_[static_cast<std::size_t>(peer)] = inbound != nullptr && region_ != nullptr;
   auto result = std::make_shared<std::promise<Status>>();
   auto future = result->get_future();
-  post([this, peer, address, result, local, watch, inbound] {
-    if (watch >= 0) watched_.add(peer, watch);
+  progress_.post([this, peer, address, result, local, watch, inbound] {
+    if (watch >= 0) peers_.watch(peer, watch);
     inbound_[static_cast<std::size_t>(peer)] = inbound;
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
@@ -143,7 +126,7 @@ Status UcxMember::connect(int peer, const std::vector<std::uint8_t>& given) {
     ep.err_mode = local ? UCP_ERR_HANDLING_MODE_NONE : UCP_ERR_HANDLING_MODE_PEER;
     ep.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t status) {
       auto* self = static_cast<std::pair<UcxMember*, int>*>(arg);
-      self->first->fail_now(ucx_error(self->first->lost(self->second), status));
+      self->first->fail_now(ucx_error(self->first->peers_.lost(self->second), status));
     };
     handler_args_.push_back(std::make_unique<std::pair<UcxMember*, int>>(this, peer));
     ep.err_handler.arg = handler_args_.back().get();
@@ -180,48 +163,43 @@ void UcxMember::recv(int peer, Tag tag, Received done) {
   // arrival then raises no event.
   const std::thread::id owner = std::this_thread::get_id();
   bool pending = true;  // read by with_worker_on_caller once the body ran
-  const bool asked = with_worker_on_caller([&] {
-    if (!nothing_queued()) return false;
+  const bool asked = progress_.with_worker_on_caller([&] {
+    if (!progress_.nothing_queued()) return false;
     ask_receive(ucx_tag(tag, peer), into, owner, std::move(done));
-    round();
-    pending = !receives_.empty() || in_flight_ > 0;
+    progress_.round();
+    pending = !receives_.empty() || in_flight() > 0;
     return true;
   }, /*then_wake=*/pending);
   if (asked) return;
-  post([this, peer, tag, into, owner, done = std::move(done)]() mutable {
+  progress_.post([this, peer, tag, into, owner, done = std::move(done)]() mutable {
     ask_receive(ucx_tag(tag, peer), into, owner, std::move(done));
   });
 }
 
 void UcxMember::leave() {
-  if (left_.exchange(true)) return;
+  if (!peers_.leaving()) return;
   for (int peer = 0; peer < world_; ++peer) {
     if (peer != rank_) send_tagged(peer, kLeavingTag, {}, [](Status) {});
   }
-}
-
-bool UcxMember::nothing_queued() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return commands_.empty();
 }
 
 bool UcxMember::progress_here() {
   // A progress thread asleep since before is woken (once: then it yields to this waiter):
   // this thread's calls may leave the worker disarmed, and what it starts may need progress
   // once it stops waiting.
-  return with_worker_on_caller([this] {
-    round();
-    helped_at_ = now_ns();  // here: a completion this thread runs after may drop the member
+  return progress_.with_worker_on_caller([this] {
+    progress_.round();
+    progress_.helped();  // here: a completion this thread runs after may drop the member
     return true;
   }, /*then_wake=*/true);
 }
 
 void UcxMember::abort(Status error) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> lock(error_mu_);
     if (error_.is_ok()) error_ = error;
   }
-  post([this, error] {
+  progress_.post([this, error] {
     say_goodbye(error.message());  // the peers learn at once, and why, rather than when this process goes
     fail_now(error);
   });
@@ -238,7 +216,7 @@ std::vector<int> UcxMember::silent_peers(std::chrono::milliseconds within) {
   answers->answered.assign(static_cast<std::size_t>(world_), false);
   for (int peer = 0; peer < world_; ++peer) {
     if (peer == rank_) continue;
-    post([this, peer, answers] {
+    progress_.post([this, peer, answers] {
       receives_.push_back({ucx_tag(kPongTag, peer), std::nullopt, std::thread::id{}, [answers, peer](Result<std::vector<at::Tensor>> r) {
                              std::lock_guard<std::mutex> lock(answers->mu);
                              if (!r.is_ok() || answers->answered[peer]) return;
@@ -258,23 +236,6 @@ std::vector<int> UcxMember::silent_peers(std::chrono::milliseconds within) {
   return silent;
 }
 
-void UcxMember::complete(std::thread::id owner, std::function<void()> completion) {
-  if (held_ == nullptr) return completion();
-  (owner == std::this_thread::get_id() ? held_->mine : held_->others).push_back(std::move(completion));
-}
-
-void UcxMember::let_go_on_caller(HeldCompletions& held, bool wake_a_sleeper) {
-  if (wake_a_sleeper && sleeping_.load()) wake();
-  if (!held.others.empty()) {  // for the progress thread alone (a waiter's rounds run commands_)
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (auto& c : held.others) completions_.push_back(std::move(c));
-    }
-    if (sleeping_.load()) wake();
-  }
-  for (auto& c : held.mine) c();  // the last may drop this member: nothing touches it after
-}
-
 void UcxMember::send_tagged(int peer, Tag tag, std::vector<at::Tensor> tensors, Done done, bool copied) {
   if (Status e = current_error(); !e) return done(e);
   std::shared_ptr<OutgoingMessage> message;
@@ -285,7 +246,7 @@ void UcxMember::send_tagged(int peer, Tag tag, std::vector<at::Tensor> tensors, 
     message = std::make_shared<OutgoingMessage>(frame_message(tensors, device_memory_, copied));
   }
   if (sent_by_caller(peer, tag, message, done, /*reply_likely=*/!notice)) return;
-  post([this, peer, tag, message, owner = std::this_thread::get_id(), done = std::move(done)]() mutable {
+  progress_.post([this, peer, tag, message, owner = std::this_thread::get_id(), done = std::move(done)]() mutable {
     issue_send(peer, tag, message, owner, std::move(done));
   });
 }
@@ -314,23 +275,15 @@ void UcxMember::issue_send(int peer, Tag tag, const std::shared_ptr<OutgoingMess
                                                                          " is not connected to member " +
                                                                          std::to_string(peer)));
   }
-  ++in_flight_;
-  const std::uint64_t number = sends_issued_++;
-  sends_in_flight_.emplace(number, SendInFlight{peer, owner, std::move(done)});
-  send_message(eps_[peer], ucx_tag(tag, rank_), message, lost(peer), [this, number](Status s) {
+  const std::uint64_t number = sends_.posted(peer, owner, std::move(done));
+  send_message(eps_[peer], ucx_tag(tag, rank_), message, peers_.lost(peer), [this, number](Status s) {
+    std::optional<UcxSendsInFlight::Finish> send = sends_.completed(number);
+    if (!send) return;  // failed already (fail_sends): its peer was lost
     if (!s) {  // failed by the member's failure (its peer lost): that says why
       if (Status e = current_error(); !e) s = e;
     }
-    finish_send(sends_in_flight_.find(number), std::move(s));
+    complete(send->owner, [done = std::move(send->done), s = std::move(s)] { done(s); });
   });
-}
-
-void UcxMember::finish_send(std::unordered_map<std::uint64_t, SendInFlight>::iterator it, Status s) {
-  if (it == sends_in_flight_.end()) return;  // finished already: its peer was lost
-  SendInFlight send = std::move(it->second);
-  sends_in_flight_.erase(it);
-  --in_flight_;
-  complete(send.owner, [done = std::move(send.done), s = std::move(s)] { done(s); });
 }
 
 bool UcxMember::sent_by_caller(int peer, Tag tag, const std::shared_ptr<OutgoingMessage>& message, Done& done,
@@ -339,46 +292,31 @@ bool UcxMember::sent_by_caller(int peer, Tag tag, const std::shared_ptr<Outgoing
       static_cast<std::size_t>(message->header.nbytes()) > kSentByCallerUpTo) {
     return false;
   }
-  return with_worker_on_caller([&] {
-    if (!nothing_queued()) return false;  // queued earlier, it goes first
+  return progress_.with_worker_on_caller([&] {
+    if (!progress_.nothing_queued()) return false;  // queued earlier, it goes first
     issue_send(peer, tag, message, std::this_thread::get_id(), std::move(done));
     // A small message's reply often follows: the progress thread is woken to poll for it
     // instead of sleeping. Not for a large message's notice, unless UCX left its send in
     // flight: in a stream of them, a thread woken for each took the core its sender copies
     // the next one on.
     if (reply_likely) {
-      poked_ = true;
-    } else if (in_flight_ > 0 && sleeping_.load()) {
-      wake();
+      progress_.poke();
+    } else if (in_flight() > 0) {
+      progress_.wake_if_sleeping();
     }
     return true;
   }, /*then_wake=*/reply_likely);
 }
 
 Status UcxMember::current_error() {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> lock(error_mu_);
   return error_;
-}
-
-void UcxMember::post(std::function<void()> work) {
-  // Wakes the progress thread only when it sleeps (a write to the eventfd is a system call;
-  // the spinning thread takes the work on its next round).
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    commands_.push_back(std::move(work));
-  }
-  if (sleeping_.load()) wake();
-}
-
-void UcxMember::wake() {
-  const std::uint64_t one = 1;
-  [[maybe_unused]] auto n = write(wake_, &one, sizeof one);
 }
 
 void UcxMember::fail_now(Status error) {
   // Every pending receive fails with `error`, and later ones too.
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> lock(error_mu_);
     if (error_.is_ok()) error_ = error;
   }
   std::deque<PendingReceive> pending;
@@ -388,124 +326,55 @@ void UcxMember::fail_now(Status error) {
   for (void* r : parts) ucp_request_cancel(worker_, r);
 }
 
-bool UcxMember::round() {
-  std::deque<std::function<void()>> work, completions;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    work.swap(commands_);
-    if (on_progress_thread()) completions.swap(completions_);
-  }
-  for (auto& c : completions) c();
-  for (auto& w : work) w();
-  bool busy = !work.empty() || !completions.empty();
+bool UcxMember::work() {
+  bool busy = false;
   while (ucp_worker_progress(worker_) != 0) busy = true;
   busy |= answer_pings();
   busy |= match_receives();
   return busy;
 }
 
-void UcxMember::loop() {
-  while (true) {
-    if (!stop_ && now_ns() - helped_at_.load() < kLeftToHelperNs) {
-      std::this_thread::yield();  // a waiting caller runs rounds itself (progress_here)
-      continue;
-    }
-    std::unique_lock<std::mutex> worker(worker_mu_);
-    for (int peer : ended_) closed_at_[static_cast<std::size_t>(peer)] = std::chrono::steady_clock::now();
-    ended_.clear();
-    const bool busy = round() || poked_.exchange(false);
-    fail_exited();
-    if (stop_) break;
-    const auto now = std::chrono::steady_clock::now();
-    if (busy) {
-      last_busy_ = now;
-      continue;
-    }
-    // Just after traffic a reply often follows within microseconds (shared memory raises
-    // its wakeup late): keep polling a short while before sleeping.
-    if (now - last_busy_ < kSpin) {
-      worker.unlock();
-      std::this_thread::yield();  // to a thread woken on this core (a waiter polls too: transport.cc)
-      continue;
-    }
-    // Idle, or a transfer in flight that moved nothing for kSpin (a send waiting for its
-    // receiver to ask for it): sleep until the worker has events, someone queues work or a
-    // watched peer ends; at most a millisecond while a transfer is in flight, since one
-    // waiting for FIFO or socket space raises no event. (Polling instead, yielding, took a
-    // core's share from the compute threads of a pipeline whose sends waited long for their
-    // receives.)
-    if (answer_pings(/*before_sleep=*/true) || ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
-    sleeping_ = true;  // before looking at the queue: work posted after this wakes the thread
-    bool queued = false;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      queued = !commands_.empty() || !completions_.empty();
-    }
-    const int timeout_ms = in_flight_ > 0 ? 1 : receives_.empty() ? 1000 : 10;
-    worker.unlock();
-    if (!queued) wait_for_events(timeout_ms);
-    sleeping_ = false;
-  }
-  close_on_progress_thread();
-}
-
-void UcxMember::close_on_progress_thread() {
-  // Pending receives fail; endpoints are flushed first (what was sent reaches the peers,
-  // within 5 s) unless the member failed or was told to go at once.
-  std::lock_guard<std::mutex> worker(worker_mu_);
-  std::deque<std::function<void()>> completions;  // what a waiter met last still runs
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    completions.swap(completions_);
-  }
-  for (auto& c : completions) c();
-  const bool flush = graceful_ && current_error().is_ok();
-  if (flush) {  // what was queued after the last round (a send just before closing) goes out too
-    std::deque<std::function<void()>> work;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      work.swap(commands_);
-    }
-    for (auto& w : work) w();
-  }
-  if (current_error().is_ok()) say_goodbye();
-  const Status closed(ErrorCode::kExecution, "the UCX endpoint was closed");
-  fail_now(closed);
-  close_endpoints(worker_, eps_, flush);
-  finish_sends(-1, closed);  // what the flush did not see through (a peer that never read it)
-  drop_unreceived(worker_);
-}
-
-void UcxMember::fail_exited() {
+void UcxMember::after_round() {
   // A peer whose process ended fails everything, once what it sent before it ended has had
   // a grace to be received. A send still in flight to it (a rendezvous waiting for the dead
   // process to read it) is finished here with the error, since UCX never completes it (its
   // shared-memory transports have no error handling, and a forced close of the endpoint
   // leaves it in flight too; over tcp UCX fails such sends itself), so whoever waits for it
   // (a step, SendsInFlight::wait) learns of the loss instead of waiting out its timeout.
-  for (int peer : watched_.ended_before(kGrace)) {
-    const Status error(ErrorCode::kExecution, lost(peer, "(its process exited)"));
+  for (int peer : peers_.ended_past_grace()) {
+    const Status error(ErrorCode::kExecution, peers_.lost(peer, "(its process exited)"));
     fail_now(error);
-    finish_sends(peer, error);
+    fail_sends(peer, error);
   }
 }
 
-void UcxMember::finish_sends(int peer, const Status& error) {
-  for (auto it = sends_in_flight_.begin(); it != sends_in_flight_.end();) {
-    auto next = std::next(it);
-    if (peer < 0 || it->second.peer == peer) finish_send(it, error);
-    it = next;
-  }
+std::optional<int> UcxMember::may_sleep() {
+  // At most a millisecond while a transfer is in flight, since one waiting for FIFO or
+  // socket space raises no event.
+  if (answer_pings(/*before_sleep=*/true) || ucp_worker_arm(worker_) == UCS_ERR_BUSY) return std::nullopt;
+  return in_flight() > 0 ? 1 : receives_.empty() ? 1000 : 10;
 }
 
-void UcxMember::wait_for_events(int timeout_ms) {
-  // Polls the worker's events, the wakeup and the watched peers' pidfds for at most
-  // `timeout_ms`; a peer whose process ended is noted (ended_, then fail_exited).
-  std::vector<pollfd> fds{{efd_, POLLIN, 0}, {wake_, POLLIN, 0}};
-  for (int peer : watched_.poll(fds, timeout_ms)) ended_.push_back(peer);
-  if (fds[1].revents & POLLIN) {
-    std::uint64_t drained;
-    [[maybe_unused]] auto n = read(wake_, &drained, sizeof drained);
+void UcxMember::wait(std::vector<pollfd>& fds, int timeout_ms) {
+  peers_.wait(fds, timeout_ms);  // a peer whose process ended counts as closed (then after_round)
+}
+
+void UcxMember::close() {
+  // Pending receives fail; endpoints are flushed first (what was sent reaches the peers,
+  // within 5 s) unless the member failed or was told to go at once.
+  const bool flush = graceful_ && current_error().is_ok();
+  if (flush) progress_.run_queued();  // what was queued after the last round (a send just before closing) goes out too
+  if (current_error().is_ok()) say_goodbye();
+  const Status closed(ErrorCode::kExecution, "the UCX endpoint was closed");
+  fail_now(closed);
+  close_endpoints(worker_, eps_, flush);
+  fail_sends(-1, closed);  // what the flush did not see through (a peer that never read it)
+  drop_unreceived(worker_);
+}
+
+void UcxMember::fail_sends(int peer, const Status& error) {
+  for (UcxSendsInFlight::Finish& send : sends_.fail(peer)) {
+    complete(send.owner, [done = std::move(send.done), error] { done(error); });
   }
 }
 

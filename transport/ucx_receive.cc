@@ -57,20 +57,9 @@ bool UcxMember::match_receives() {
 }
 
 std::string UcxMember::why_nothing_comes(ucp_tag_t tag) const {
-  // Every round asks this of every receive still waiting: no clock read unless the sender
-  // said something.
-  const int from = sender_of(tag);
-  const auto& closed = closed_at_[static_cast<std::size_t>(from)];
-  const auto& leaving = leaving_at_[static_cast<std::size_t>(from)];
-  if (!closed && !leaving) return {};
-  const auto now = std::chrono::steady_clock::now();
-  if (closed && now - *closed >= kGrace) return lost(from, "(it closed its endpoint)");
+  // A collective's message (and the member's own words) still come from a peer that left.
   const Tag caller_tag = tag >> kRankBits;
-  if (leaving && now - *leaving >= kGrace && caller_tag < kLeavingTag && (caller_tag & kCollectiveTagBit) == 0) {
-    return noun_ + " " + std::to_string(from) + " sent nothing for this before it left the job (its work ended, " +
-           "by returning or exiting): every " + noun_ + " must make the same calls in the same order";
-  }
-  return {};
+  return peers_.why_nothing_comes(sender_of(tag), caller_tag >= kLeavingTag || (caller_tag & kCollectiveTagBit) != 0);
 }
 
 bool UcxMember::answer_pings(bool before_sleep) {
@@ -78,13 +67,9 @@ bool UcxMember::answer_pings(bool before_sleep) {
   // alive; a stopped or hung process answers nothing) and notes every goodbye and leaving. True if any
   // came. Each peer's tags are probed exactly, a lookup in UCX's hash of unexpected messages:
   // a probe under a mask walks all of them, thousands while a stream of large sends waits to
-  // be received, and made each round cost more than a 1 MB transfer's share. Small worlds
-  // probe every round; worlds of more than kPeersProbedEveryRound every kPingProbeIntervalNs,
-  // and again `before_sleep` (a ping that came since their last probe raised no event).
-  const std::int64_t now = now_ns();
-  const bool every_round = world_ <= kPeersProbedEveryRound;
-  if (every_round ? before_sleep : !before_sleep && now - pings_probed_at_ < kPingProbeIntervalNs) return false;
-  pings_probed_at_ = now;
+  // be received, and made each round cost more than a 1 MB transfer's share. How often:
+  // UcxPeerLiveness::probe_now.
+  if (!peers_.probe_now(before_sleep)) return false;
   bool any = false;
   for (int peer = 0; peer < world_; ++peer) {
     if (peer == rank_) continue;
@@ -98,14 +83,14 @@ bool UcxMember::answer_pings(bool before_sleep) {
           receive_probed(msg, info.length, peer, info.sender_tag, std::thread::id{},
                          [this, peer](Result<std::vector<at::Tensor>>) { send_tagged(peer, kPongTag, {}, [](Status) {}); });
         } else {  // a peer that closed or leaves: what it sent before stays receivable
-          auto& when = (tag == kByeTag ? closed_at_ : leaving_at_)[static_cast<std::size_t>(peer)];
-          auto& why = gave_up_because_[static_cast<std::size_t>(peer)];
+          const auto word = tag == kByeTag ? UcxPeerLiveness::Word::kGoodbye : UcxPeerLiveness::Word::kLeaving;
           receive_probed(msg, info.length, peer, info.sender_tag, std::thread::id{},
-                         [&when, &why](Result<std::vector<at::Tensor>> got) {
-                           when = std::chrono::steady_clock::now();
+                         [this, peer, word](Result<std::vector<at::Tensor>> got) {
+                           std::string why;
                            if (got.is_ok() && got->size() == 1 && (*got)[0].scalar_type() == at::kByte) {
                              why = text_of((*got)[0]);  // a goodbye that says why
                            }
+                           peers_.heard(peer, word, std::move(why));
                          });
         }
       }
@@ -114,18 +99,10 @@ bool UcxMember::answer_pings(bool before_sleep) {
   return any;
 }
 
-std::string UcxMember::lost(int peer, const std::string& how) const {
-  const std::string& why = gave_up_because_[static_cast<std::size_t>(peer)];
-  const std::string who = noun_ + " " + std::to_string(peer);
-  if (!why.empty()) return who + " gave up the job: " + why;
-  return who + " was lost" + (how.empty() ? "" : " " + how);
-}
-
 void UcxMember::say_goodbye(const std::string& why) {
   // Closing, or giving the job up: tells every connected peer (what waits on this member
   // there fails at once, saying `why` if given), progressing the messages for at most 200 ms.
-  if (said_goodbye_) return;
-  said_goodbye_ = true;
+  if (!peers_.saying_goodbye()) return;
   constexpr std::size_t kMostSaid = 2000;  // bytes of `why` said
   std::vector<at::Tensor> said;
   if (!why.empty()) said.push_back(text_tensor(why.substr(0, kMostSaid)));
@@ -146,12 +123,13 @@ void UcxMember::receive_probed(ucp_tag_message_h msg, std::size_t length, int fr
   // Receives the probed message `msg` of `length` bytes from member `from` under `tag`, then
   // the parts its header announces, and hands its tensors, or the error, to `done`.
   at::Tensor first = message_bytes(length);
-  ++in_flight_;
+  ++receiving_;
   reading_.insert(tag);  // until the whole message is in, no other receive takes the tag's next one
   post_request(
       [this, first, from, tag, owner, device, done = std::move(done)](ucs_status_t s) mutable {
-        --in_flight_;
-        auto message = s == UCS_OK ? read_received(first, from, device) : transfer_error("a UCX receive", lost(from), s);
+        --receiving_;
+        auto message = s == UCS_OK ? read_received(first, from, device)
+                                   : transfer_error("a UCX receive", peers_.lost(from), s);
         if (message.is_ok() && !message->parts.empty()) {
           return receive_parts(std::move(*message), from, tag, owner, std::move(done));
         }
@@ -169,7 +147,7 @@ Result<IncomingMessage> UcxMember::read_received(const at::Tensor& first, int fr
   if (!notice) return read_message(first, device);
   const std::shared_ptr<InboundRegion>& region = inbound_[static_cast<std::size_t>(from)];
   if (!region) {
-    return Status(ErrorCode::kExecution, noun_ + " " + std::to_string(from) +
+    return Status(ErrorCode::kExecution, peers_.name(from) +
                                              " sent a message through its shared-memory region, which this process "
                                              "could not map; set CONVEYOR_UCX_REGION_MB=0 for every process of the job");
   }
@@ -190,16 +168,16 @@ void UcxMember::receive_parts(IncomingMessage message, int from, ucp_tag_t tag, 
         deliver(owner, std::move(done), std::move(tensors));
       });
   for (at::Tensor& part : message.parts) {
-    ++in_flight_;
+    ++receiving_;
     auto posted = std::make_shared<void*>(nullptr);
     *posted = post_request(
         [this, received, part, from, posted](ucs_status_t s) {
-          --in_flight_;
+          --receiving_;
           posted_parts_.erase(*posted);
           if (s == UCS_OK) return received->completed(Status::ok());
           Status failed = current_error();  // a cancelled part fails with the member's error
           received->completed(s == UCS_ERR_CANCELED && !failed.is_ok() ? failed
-                                                                      : transfer_error("a UCX receive", lost(from), s));
+                                                                      : transfer_error("a UCX receive", peers_.lost(from), s));
         },
         [&](const ucp_request_param_t& given) {
           ucp_request_param_t p = with_memory_type(given, part);

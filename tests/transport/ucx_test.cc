@@ -1,7 +1,7 @@
 // The UCX endpoint's own behaviour, beyond the conformance suite every backend passes
 // (conformance_test.cc): large messages, a lost peer failing what waits on it, a peer that
 // left, liveness pings and goodbyes in a large world and behind a backlog, and who runs
-// a callback when callers' threads send, ask and wait for themselves (transport/ucx_member.h).
+// a callback when callers' threads send, ask and wait for themselves (transport/ucx_progress.h).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -89,7 +89,7 @@ TEST(Ucx, AMemberThatLeftDeliversWhatItSentAndCollectivesAndFailsOtherReceives) 
   EXPECT_FALSE(after.is_ok());
 }
 
-// Pings and goodbyes are probed under each peer's exact tag (ucx_member.h, answer_pings):
+// Pings and goodbyes are probed under each peer's exact tag (ucx_receive.cc, answer_pings):
 // in a world larger than probed every round, every member still answers, though its rounds
 // skip them, since it probes before it sleeps; and one whose peer closed fails what waits
 // on that peer at once, not at a timeout.
@@ -129,7 +129,7 @@ TEST(Ucx, PingsAreAnsweredBehindABacklogOfUnreceivedMessages) {
 }
 
 // A caller's thread sends small messages itself and a waiter runs the transport's rounds
-// itself (ucx_member.h): a done that sends again runs once the caller let go of the worker,
+// itself (ucx_progress.h): a done that sends again runs once the caller let go of the worker,
 // and a waiter never runs another thread's callback, though it meets its message.
 TEST(Ucx, CallbacksRunOnTheirIssuerOrTheProgressThreadNeverOnAnotherWaiter) {
   auto world = make_ucx_world_in_process(2);
