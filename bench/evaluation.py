@@ -18,15 +18,18 @@ machine `--device cuda` runs both on the GPU (conveyor's stages each on their ow
 import argparse
 import copy
 import statistics
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
 import conveyor
-from conveyor import zoo
 
 import gpt2_case
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "python"))  # the test models
+import zoo  # noqa: E402
 
 warnings.filterwarnings("ignore")
 

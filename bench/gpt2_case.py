@@ -1,12 +1,16 @@
 """The model the pipeline benchmarks share: a GPT-2 (transformers, random init, float32,
 no dropout) sized from the command line, wrapped to return its loss and captured."""
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
 import conveyor
-from conveyor import zoo
 from conveyor.loss_wrapper import loss_wrapper
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "python"))  # the test models
+import zoo  # noqa: E402
 
 
 def add_arguments(ap: argparse.ArgumentParser, *, hidden: int, seq: int, batch: int, warmup: int | None = None) -> None:

@@ -22,11 +22,12 @@ import time
 import warnings
 
 import torch
+import transformers
 
 import conveyor
-from conveyor import zoo
 
 warnings.filterwarnings("ignore")
+transformers.logging.set_verbosity_error()
 
 SUBJECTS = ["the pipeline", "a stage", "every replica", "the planner", "one microbatch", "the scheduler"]
 VERBS = ["sends", "receives", "computes", "overlaps", "splits", "balances", "measures"]
@@ -39,6 +40,15 @@ def make_corpus(sentences: int, seed: int) -> str:
     rng = random.Random(seed)
     return " ".join(f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)} {rng.choice(ENDINGS)}"
                     for _ in range(sentences))
+
+
+def gpt2(vocab: int, seq: int) -> torch.nn.Module:
+    """A GPT-2 of 4 layers and width 128, its embeddings tied, with random weights (nothing is
+    downloaded); called with labels, it returns its loss."""
+    config = transformers.GPT2Config(vocab_size=vocab, n_embd=128, n_layer=4, n_head=4, n_positions=max(128, seq),
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                                     bos_token_id=0, eos_token_id=0, tie_word_embeddings=True)
+    return transformers.GPT2LMHeadModel(config)
 
 
 def batches(ids: torch.Tensor, batch: int, seq: int, gen: torch.Generator):
@@ -79,9 +89,7 @@ def main():
     ids = torch.tensor([vocab.index(c) for c in text], dtype=torch.long)
     say(f"corpus: {len(text):,} characters, vocabulary of {len(vocab)}")
 
-    case = zoo.gpt2(batch=args.batch, seq=args.seq, dtype=torch.float32, layers=4, hidden=128,
-                    vocab=len(vocab), dropout=0.0)
-    model = case.model
+    model = gpt2(vocab=len(vocab), seq=args.seq)
     n_params = sum(p.numel() for p in model.parameters())
     say(f"model: GPT-2 ({model.config.n_layer} layers, width {model.config.n_embd}, tied embeddings), "
           f"{n_params / 1e6:.2f}M parameters, random init")

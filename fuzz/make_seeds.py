@@ -14,10 +14,12 @@ from pathlib import Path
 import torch
 
 import conveyor
-from conveyor import zoo
 from conveyor.planning import plan, profile
 
 ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent / "tests" / "python"))  # the test models
+import zoo  # noqa: E402
+
 TOOL = Path(os.environ.get("CONVEYOR_BUILD_DIR", ROOT.parent / "build")) / "tools" / "conveyor"
 
 # An op graph with a parameter, an operator of two outputs and one reading both (as in

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 import conveyor
-from conveyor import zoo
+import zoo
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")
 
+HERE = os.path.dirname(os.path.abspath(__file__))  # where zoo.py is: a script run with -c imports it from its cwd
 CASES = ["mlp", "cnn_batchnorm", "resnet18", "gpt2", "t5", "unet3d", "inplace"]
 
 
@@ -51,7 +52,8 @@ def test_a_pipelined_step_makes_the_host_wait_for_the_device_once():
     In a process of its own, so the debug mode reaches no other test."""
     script = textwrap.dedent("""
         import torch, conveyor
-        from conveyor import _C, zoo
+        import zoo
+        from conveyor import _C
 
         torch.manual_seed(0)
         case = zoo.mlp(batch=16)  # returns its loss
@@ -72,7 +74,8 @@ def test_a_pipelined_step_makes_the_host_wait_for_the_device_once():
         print("HOST_WAITS", _C.host_waits() - before, "REDUCED_EARLY", step.last_reduction()[1])
     """)
     env = dict(os.environ, PYTHONWARNINGS="always")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600,
+                          cwd=HERE)
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(l for l in done.stdout.splitlines() if l.startswith("HOST_WAITS"))
     words = line.split()
@@ -91,7 +94,8 @@ def test_ranks_reading_a_tied_weight_never_accumulate_across_streams():
     torch warns once per process, from a C++ thread, on stderr."""
     script = textwrap.dedent("""
         import copy, torch, conveyor
-        from conveyor import _C, zoo
+        import zoo
+        from conveyor import _C
         from conveyor.loss_wrapper import loss_wrapper
 
         torch.manual_seed(0)
@@ -113,7 +117,7 @@ def test_ranks_reading_a_tied_weight_never_accumulate_across_streams():
                     for p, q in zip(model.parameters(), ref.parameters()) if q.grad is not None)
         print("WORST", worst)
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=HERE)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "AccumulateGrad node's stream does not match" not in done.stderr, done.stderr[-3000:]
     readers = next(l for l in done.stdout.splitlines() if l.startswith("READERS")).split()[1:]

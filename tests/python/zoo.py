@@ -1,4 +1,5 @@
-"""Real architectures with small random configurations, for tests, benchmarks and the demo.
+"""Real architectures with small random configurations, for tests and benchmarks
+(which put tests/python on sys.path).
 
 Nothing is downloaded: transformers and torchvision models are built from configs with
 random weights. Each entry returns a ZooCase: the model, example inputs, whether it is
