@@ -13,7 +13,7 @@ import signal
 import torch
 
 import conveyor
-from conveyor import zoo
+import zoo
 
 
 class NeedsFourSamples(torch.nn.Module):

@@ -20,7 +20,8 @@ import time
 import torch
 
 import conveyor
-from conveyor import _C, zoo
+import zoo
+from conveyor import _C
 from conveyor.loss_wrapper import loss_wrapper
 
 

@@ -14,7 +14,7 @@ import os
 import torch
 
 import conveyor
-from conveyor import zoo
+import zoo
 
 
 def optimizer_for(name: str, params):

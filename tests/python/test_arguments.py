@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import conveyor
-from conveyor import zoo
+import zoo
 from conveyor.errors import ConveyorValueError, GraphFormatError
 
 

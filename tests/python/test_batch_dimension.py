@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 import conveyor
 from conftest import launch_script
-from conveyor import _C, zoo
+import zoo
+from conveyor import _C
 from conveyor.errors import ConveyorValueError
 from conveyor.loss_wrapper import loss_wrapper
 from conveyor.call_splitting import where_samples_mix

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 import conveyor
-from conveyor import zoo
+import zoo
 
 
 class DataDependent(nn.Module):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import conveyor
-from conveyor import zoo
+import zoo
 
 TOLERANCE = 1e-9
 STAGE_COUNTS = (2, 3, 5)

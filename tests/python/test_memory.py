@@ -6,7 +6,7 @@ import torch
 import pytest
 
 import conveyor
-from conveyor import zoo
+import zoo
 from conveyor.memory import optimizer_state_per_param_byte
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import conveyor
-from conveyor import zoo
+import zoo
 
 from conftest import split_batch
 from launch_worker import NeedsFourSamples  # refuses fewer than four samples at once

@@ -282,7 +282,7 @@ def test_nccl_transport_with_two_processes_on_one_gpu_fails_naming_why(tmp_path)
 @needs_ucx
 def test_nccl_transport_refuses_a_model_on_the_cpu_naming_it():
     import conveyor
-    from conveyor import zoo
+    import zoo
     from conveyor.errors import ConveyorError
     from conveyor.loss_wrapper import loss_wrapper
     case = zoo.CASES["mlp"](batch=8)
@@ -305,7 +305,7 @@ def test_a_placement_that_does_not_match_the_pipeline_is_refused_naming_it():
     if UCX_PROBLEM:
         pytest.skip(f"UCX cannot start here: {UCX_PROBLEM}")
     import conveyor
-    from conveyor import zoo
+    import zoo
     from conveyor.errors import ConveyorError
     case = zoo.CASES["mlp"](batch=8)
     from conveyor.loss_wrapper import loss_wrapper

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import conveyor
-from conveyor import _C, zoo
+import zoo
+from conveyor import _C
 
 TOLERANCE = 1e-9
 # Each step: (rows, sequence length) per microbatch.

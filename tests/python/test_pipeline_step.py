@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import conveyor
-from conveyor import _C, zoo
+import zoo
+from conveyor import _C
 from conveyor.loss_wrapper import loss_wrapper
 
 from conftest import split_batch

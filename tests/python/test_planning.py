@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import conveyor
-from conveyor import zoo
+import zoo
 
 BUILD = os.environ.get("CONVEYOR_BUILD_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "build"))
 TOOL = os.path.join(BUILD, "tools", "conveyor")

@@ -13,7 +13,7 @@ import torch
 
 import conveyor
 from conftest import split_batch
-from conveyor import zoo
+import zoo
 
 TOLERANCE = 1e-9
 

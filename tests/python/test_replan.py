@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import conveyor
-from conveyor import _C, zoo
+import zoo
+from conveyor import _C
 
 from conftest import free_port
 from replan_worker import LAYOUTS, eager, plan_with, train

@@ -15,7 +15,8 @@ import torch
 import conveyor
 from conftest import split_batch
 from launch_worker import BranchesOnLength
-from conveyor import _C, zoo
+import zoo
+from conveyor import _C
 
 LENGTHS = (8, 12, 20, 7)
 TOLERANCE = 1e-9
