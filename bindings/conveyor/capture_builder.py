@@ -9,7 +9,7 @@ import warnings
 
 import torch
 
-from .arguments import TWO_STAGES_PER_RANK
+from . import _C
 from .call_splitting import refuse_to_split, warn_of_a_loss_split_changes, why_calls_stay_whole
 from .capture import capture, modes_of
 from .capture_state import CaptureState, Layout
@@ -97,7 +97,7 @@ def _given_stages(graph, options: Options, job: Job, batch: int, least: int, who
     """The user's own cut, run as given."""
     stage_nodes = options.stages
     schedule = "1f1b" if options.schedule == "auto" else options.schedule
-    chunks = 2 if schedule in TWO_STAGES_PER_RANK else 1
+    chunks = _C.chunks_of(schedule)
     if len(stage_nodes) % chunks:
         raise ConveyorValueError(f"the {schedule} schedule needs an even number of stages, not {len(stage_nodes)}")
     ranks = len(stage_nodes) // chunks

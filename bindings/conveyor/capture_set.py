@@ -17,6 +17,7 @@ import torch
 from .capture import modes_of
 from .capture_builder import build_capture
 from .capture_state import CaptureState, RunHistory
+from .checkpoint import CheckpointTensors
 from .errors import CaptureError, ConveyorError, ConveyorValueError, NotALossError
 from .job import Job
 from .live_profile import as_it_stood, live_profile
@@ -223,3 +224,27 @@ class CaptureSet:
             return
         state.pipeline = self.job.pipeline_of(state.graph, state.plan, holders=holders)
         carry_optimizer_state(state.pipeline, state.graph.tensors, self.optimizer, group, holders)
+
+    def checkpoint_tensors(self) -> CheckpointTensors:
+        """The model's tensors, with the process that owns each under the running plan and
+        whether this process holds it (what a checkpoint's save writes and its load fills)."""
+        group = self.job.group
+        rank = group.rank if group is not None else 0
+        states = [s for s in [self.current, *self._stashed] if s is not None]
+        by_name, shapes = {}, {}
+        for graph in [s.graph for s in states]:
+            for b in graph.document["bindings"]:
+                if b["kind"] != "constant" and b["name"] in graph.tensors:
+                    by_name[b["name"]] = graph.tensors[b["name"]]
+                    shapes[id(graph.tensors[b["name"]])] = list(graph.document["values"][b["value"]]["shape"])
+        owner_of, readers = {}, {}
+        if group is not None and self.current is not None and self.current.pipeline is not None:
+            readers = {**self._holders, **self.current.pipeline.readers()}
+            owners = self.current.pipeline.owners()
+            for name, ranks in readers.items():
+                if name in by_name:
+                    owner_of[id(by_name[name])] = owners.get(name, min(ranks))
+        read_here = {id(by_name[name]) for name, ranks in readers.items() if name in by_name and rank in ranks}
+        read_anywhere = {id(by_name[name]) for name in readers if name in by_name}
+        return CheckpointTensors(self.model, owner_of=owner_of, shapes=shapes, rank=rank,
+                                 held_here=lambda t: id(t) in read_here or id(t) not in read_anywhere)

@@ -16,34 +16,17 @@ local machine (its CPU split into `devices` virtual devices, or the machines a `
 file describes), unless `stages` lists the cut. Every stage replica runs on its own
 thread; the plan it runs is `model.plan`.
 
-Under a launcher (`conveyor launch -n N -- python train.py`, or RANK, WORLD_SIZE,
-MASTER_ADDR and MASTER_PORT set by hand or by torchrun) the same script runs across the N
-processes: process 0 plans for N devices (one per process), every process runs its share
-of the pipeline's stage replicas and holds only the parameters its stages read (the others
-have 0 elements while it trains); a stage whose replicas run in several processes is data
-parallel across them (its gradients summed over them every step). The loss reaches every
-process, and `state_dict()` gathers the
-whole model from the processes that own each part (call it on every process: it is
-collective, like `load_state_dict()` and every call). Every process must be fed the same
-batches.
+Under a launcher (`conveyor launch -n N -- python train.py`, or torchrun's RANK,
+WORLD_SIZE, MASTER_ADDR and MASTER_PORT) the same script runs across the N processes, one
+device each: every process runs its share of the stage replicas and holds only the
+parameters its stages read; every call is collective and every process must be fed the
+same batches. `save_checkpoint` and `load_checkpoint` write and read each process's part.
 
-Evaluation is pipelined too: a call under torch.no_grad() runs the forwards alone through
-the same stages, replicas and processes (nothing kept for a backward, no gradient touched,
-no process holding more of the model than its stages read) and returns the batch's loss.
-Each mode has its own capture, made on its first call: in eval mode (`model.eval()`)
-BatchNorm uses its running statistics and leaves them alone and dropout keeps everything,
-as eager PyTorch does; with gradients enabled an eval-mode call trains the eval-mode model
-(BatchNorm frozen, as in fine-tuning). In train mode under no_grad BatchNorm normalizes
-each microbatch by its own statistics, as a training step does. An eval-mode call that
-cannot be captured, or whose model returns outputs (logits) rather than a loss, runs the
-model whole, as eager, and says so once.
-
-Dropout (any random operator) in a forward draws from a generator seeded from the
-pipeline's seed, the step, the stage, the microbatch and the replica: the same masks
-whatever the threads' timing and whichever process runs a replica, so a run is
-reproducible and placement does not change it (the seed is drawn from torch's global
-generator when the pipeline is built, so torch.manual_seed decides it; across processes
-process 0's is used). The masks are not eager's: eager draws one stream in execution order.
+A call under torch.no_grad() evaluates: the forwards alone through the same stages and
+processes; `model.eval()` has its own capture (BatchNorm's running statistics, no dropout).
+Dropout draws from generators seeded from the pipeline's seed (torch.manual_seed decides
+it), the step, the stage, the microbatch and the replica: reproducible whatever the
+placement, but not eager's masks. docs/design.md tells the rest.
 
     stages        None: planned; an int: that many stages, cut where the profile balances
                   them best (the rest still planned); a list: node lists (a partition of
@@ -88,6 +71,7 @@ import os
 
 import torch
 
+from . import checkpoint
 from .capture_set import CaptureSet
 from .capture_state import CaptureState, RunHistory
 from .errors import ConveyorValueError
@@ -142,6 +126,7 @@ class Module(torch.nn.Module):
         self._history = RunHistory()
         self._captures = CaptureSet(model, optimizer, options, self.job, self._history)
         self._steps = StepRunner(self._captures, self.job, optimizer, self._history, options.trace)
+        self._pending_checkpoint = None  # load_checkpoint before the first call: read once the plan exists
 
     # -- what runs --------------------------------------------------------------------
     @property
@@ -215,13 +200,46 @@ class Module(torch.nn.Module):
 
     def state_dict(self, *args, **kwargs):
         """The model's state dict; across processes every part gathered from its owner into
-        every process (collective)."""
+        every process (collective), so the whole model must fit each process: for a job's
+        checkpoints use save_checkpoint, which writes each part from its owner alone."""
         self._captures.gather_whole_model()
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """As torch's; across processes every tensor is made whole first (collective). For a
+        job's checkpoints use load_checkpoint, which reads each process's part alone."""
         self._captures.gather_whole_model()  # across processes: every tensor whole, so every one takes its value
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    # -- checkpoints (bindings/conveyor/checkpoint.py) ----------------------------------
+    def save_checkpoint(self, path, *, extra: dict | None = None) -> None:
+        """Writes the folder `path` in PyTorch's distributed checkpoint format: each process
+        the parameters, buffers and optimizer state it owns, each once; beside them the step
+        count, the plan, the optimizer's param groups, torch's random state and `extra` (a
+        data loader's position, an LR scheduler's state_dict). Complete only once every
+        process has written its part (collective: call it on every process)."""
+        meta = dict(steps_run=self._history.steps_run, plan=self.plan.document if self.plan is not None else None,
+                    world_size=self.world_size)
+        checkpoint.save(path, model=self.module, optimizer=self.optimizer, tensors=self._captures.checkpoint_tensors(),
+                        group=self.job.group, meta=meta, extra=extra)
+
+    def load_checkpoint(self, path) -> dict:
+        """Reads a save_checkpoint folder, written on any plan and process count, into this
+        model and its optimizer: each process only the tensors its stages read. Before the
+        first call it is checked now and read once the plan exists. Returns its `extra`."""
+        tensors = self._captures.checkpoint_tensors()
+        meta, _ = checkpoint.inspect(path, optimizer=self.optimizer, tensors=tensors)
+        self._history.steps_run = meta["steps_run"]
+        if self.capture is None:
+            self._pending_checkpoint = path
+        else:
+            checkpoint.load(path, optimizer=self.optimizer, tensors=tensors)
+        return meta["extra"]
+
+    def _read_pending_checkpoint(self) -> None:
+        if self._pending_checkpoint is not None and self.capture is not None:
+            path, self._pending_checkpoint = self._pending_checkpoint, None
+            checkpoint.load(path, optimizer=self.optimizer, tensors=self._captures.checkpoint_tensors())
 
     # -- running ----------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -230,6 +248,7 @@ class Module(torch.nn.Module):
             self._captures.gather_whole_model()
             return loss_wrapper(self.module, self._loss_fn, args, kwargs)(*args, **kwargs)
         calls, packed = found
+        self._read_pending_checkpoint()
         if not torch.is_grad_enabled() and not packed:
             return self._steps.evaluate(calls[0])  # the forwards alone, through the same stages and processes
         loss, pipeline = self._steps.train(calls, packed, hold_gradients=True)
@@ -249,6 +268,7 @@ class Module(torch.nn.Module):
             raise ConveyorValueError("train_step trains: call model.train() first")
         self.optimizer.zero_grad(set_to_none=True)
         calls, packed = self._steps.calls_of(args, kwargs)  # train mode: captures or raises
+        self._read_pending_checkpoint()
         # The loss's gradient is 1 here: the step's gradients go straight to .grad, and on
         # through the inputs that require one (x.grad, or a module before this one).
         loss, pipeline = self._steps.train(calls, packed, hold_gradients=False)

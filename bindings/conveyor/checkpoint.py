@@ -1,0 +1,306 @@
+"""Checkpoints of a conveyor.Module in PyTorch's distributed checkpoint format (DCP:
+a folder of `__<process>_0.distcp` files and a `.metadata`), so PyTorch's own tools read
+them (`torch.distributed.checkpoint.format_utils.dcp_to_torch_save` turns one into a plain
+state dict).
+
+Saving, every process writes only what it owns: the parameters and buffers the running
+plan makes it the owner of, and their optimizer state, each once, never once per replica.
+Beside them process 0 writes one object, `conveyor`: the format, the step count, the plan,
+the optimizer's class and param groups (parameters by name), torch's random state, a
+checksum per tensor, and the user's `extra` dict. The folder is written under a temporary
+name and renamed only after every process has confirmed its part, so a save that fails
+midway never leaves a folder that looks complete.
+
+Loading, every process reads only the tensors it holds under the running plan (what its
+stages read), on any plan and any process count: the checkpoint holds whole tensors keyed
+by name, and DCP reads each one's bytes wherever they lie. The whole checkpoint is checked
+first (its files, names, shapes and checksums), so a truncated, foreign or mismatched one
+is refused, naming what is wrong, before any tensor changes.
+
+Keys: `model.<name>` for parameters and buffers (the model's state_dict names, a tied weight
+once under its first name), `optim.<name>.<state>` for tensor optimizer state."""
+from __future__ import annotations
+
+import io
+import pickle
+import shutil
+import warnings
+import zlib
+from pathlib import Path
+
+import torch
+
+from .errors import ConveyorIOError, ConveyorValueError
+
+__all__ = ["save", "inspect", "load", "CheckpointTensors", "FORMAT"]
+
+FORMAT = "conveyor checkpoint 1"
+META_KEY = "conveyor"
+CHECK_CHUNK_BYTES = 256 << 20  # tensors checked at once on load: the most a load holds beside the model
+
+
+def _dcp():
+    import torch.distributed.checkpoint as dcp  # imported on use: it pulls in torch.distributed
+    return dcp
+
+
+class CheckpointTensors:
+    """A model's parameters and persistent buffers by their first state_dict name (a tied
+    weight once), with the process that owns each (the one whose copy a checkpoint writes)
+    and whether this process holds it whole (what a load fills here)."""
+
+    def __init__(self, model: torch.nn.Module, *, owner_of: dict[int, int], held_here, shapes: dict[int, list],
+                 rank: int):
+        self.tensors: dict[str, torch.Tensor] = {}
+        for name, t in model.state_dict(keep_vars=True).items():
+            if isinstance(t, torch.Tensor) and all(t is not kept for kept in self.tensors.values()):
+                self.tensors[name] = t
+        self.names = {id(t): name for name, t in self.tensors.items()}
+        self.rank = rank
+        self._owner_of, self._held_here, self._shapes = owner_of, held_here, shapes
+
+    def shape(self, name: str) -> list[int]:
+        """The tensor's whole shape (a process holds a tensor its stages do not read with 0 elements)."""
+        t = self.tensors[name]
+        return list(self._shapes.get(id(t), t.shape))
+
+    def owner(self, name: str) -> int:
+        return self._owner_of.get(id(self.tensors[name]), 0)
+
+    def mine(self) -> list[str]:
+        return [name for name in self.tensors if self.owner(name) == self.rank]
+
+    def needed_here(self) -> list[str]:
+        """What a load fills here: the tensors this process's stages read, and those no stage reads."""
+        return [name for name, t in self.tensors.items() if self._held_here(t)]
+
+
+def _checksum(t: torch.Tensor) -> int:
+    data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+    return zlib.crc32(memoryview(data))
+
+
+def _exchange(group, value):
+    """Every process's `value`, in process order (one process: [value])."""
+    if group is None:
+        return [value]
+    mine = pickle.dumps(value)
+    return [pickle.loads(group.broadcast_bytes(root, mine if root == group.rank else b""))
+            for root in range(group.world_size)]
+
+
+def _optimizer_state(optimizer, tensors: CheckpointTensors, names: list[str]) -> tuple[dict, dict]:
+    """The tensor optimizer state of `names` as checkpoint items, and the rest (numbers) by name."""
+    items, scalars = {}, {}
+    if optimizer is None:
+        return items, scalars
+    for name in names:
+        state = optimizer.state.get(tensors.tensors[name])
+        for key, value in (state or {}).items():
+            if isinstance(value, torch.Tensor):
+                items[f"optim.{name}.{key}"] = value.detach()
+            elif value is not None:
+                scalars.setdefault(name, {})[key] = value
+    return items, scalars
+
+
+def _param_groups(optimizer, tensors: CheckpointTensors) -> list[dict]:
+    groups = []
+    for group in optimizer.param_groups:
+        names = [tensors.names.get(id(p)) for p in group["params"]]
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
+    return groups
+
+
+def save(path, *, model, optimizer, tensors: CheckpointTensors, group, meta: dict, extra: dict | None) -> None:
+    """Writes the checkpoint folder `path` (collective: every process calls it)."""
+    dcp = _dcp()
+    path = Path(path)
+    rank = group.rank if group is not None else 0
+    staging = path.with_name(path.name + ".incomplete")
+    mine = tensors.mine()
+    items = {f"model.{name}": tensors.tensors[name].detach() for name in mine}
+    optim_items, scalars = _optimizer_state(optimizer, tensors, mine)
+    items.update(optim_items)
+    checksums = {key: _checksum(t) for key, t in items.items()}
+    gathered = _exchange(group, (checksums, scalars))
+    if rank == 0:
+        everything = dict(meta, format=FORMAT, checksums={}, optimizer_scalars={}, extra=extra or {},
+                          rng=torch.get_rng_state(), optimizer_class=type(optimizer).__name__ if optimizer else None,
+                          param_groups=_param_groups(optimizer, tensors) if optimizer is not None else None)
+        for their_checksums, their_scalars in gathered:
+            everything["checksums"].update(their_checksums)
+            everything["optimizer_scalars"].update(their_scalars)
+        items[META_KEY] = io.BytesIO(pickle.dumps(everything))
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir(parents=True)
+    _exchange(group, None)  # the staging folder exists before anyone writes
+    planner, writer = dcp.DefaultSavePlanner(), dcp.FileSystemWriter(staging)
+    planner.set_up_planner(items, storage_meta=writer.storage_meta(), is_coordinator=rank == 0)
+    writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
+    local = writer.prepare_local_plan(planner.create_local_plan())
+    plans = _exchange(group, local)
+    metadata = None
+    if rank == 0:
+        plans, metadata = planner.create_global_plan(plans)
+        plans = writer.prepare_global_plan(plans)
+    plans = _exchange(group, plans if rank == 0 else None)[0]
+    written = writer.write_data(planner.finish_plan(plans[rank]), planner)
+    written.wait()
+    results = _exchange(group, written.value())
+    if rank == 0:
+        writer.finish(metadata, results)
+        # Complete: the new folder takes the name; a folder of that name before it goes.
+        old = path.with_name(path.name + ".replaced")
+        if path.exists():
+            if old.exists():
+                shutil.rmtree(old)
+            path.rename(old)
+        staging.rename(path)
+        if old.exists():
+            shutil.rmtree(old)
+    _exchange(group, None)  # every process returns once the checkpoint is complete
+
+
+def read_meta(path) -> tuple[dict, object]:
+    """The checkpoint's `conveyor` object and DCP metadata, or a clear refusal naming what is
+    wrong (no folder, an unfinished save, a checkpoint conveyor did not write)."""
+    dcp = _dcp()
+    path = Path(path)
+    if not path.is_dir():
+        staged = path.with_name(path.name + ".incomplete")
+        hint = (f"; {staged} is a save that did not finish" if staged.exists() else "")
+        raise ConveyorIOError(f"no checkpoint at {path}: not a folder{hint}")
+    if not (path / ".metadata").is_file():
+        raise ConveyorIOError(f"{path} is not a complete checkpoint: its .metadata is missing (a save that did not "
+                              "finish, or not a DCP checkpoint)")
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as e:  # a corrupt .metadata: torch raises whatever unpickling raises
+        raise ConveyorIOError(f"{path}/.metadata cannot be read ({type(e).__name__}: {e})") from None
+    if META_KEY not in metadata.state_dict_metadata:
+        raise ConveyorValueError(f"{path} is a DCP checkpoint, but not one conveyor wrote (no '{META_KEY}' entry); "
+                                 "save with model.save_checkpoint")
+    for item, where in (metadata.storage_data or {}).items():
+        if not (path / where.relative_path).is_file():
+            raise ConveyorIOError(f"{path} is incomplete: {where.relative_path} is missing (it holds {item.fqn}, "
+                                  "among others)")
+    holder = {META_KEY: io.BytesIO()}
+    _read(path, holder)
+    meta = pickle.loads(holder[META_KEY].getvalue())
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ConveyorValueError(f"{path} was written by another conveyor checkpoint format "
+                                 f"({meta.get('format') if isinstance(meta, dict) else '?'}); this one reads {FORMAT}")
+    return meta, metadata
+
+
+def _read(path: Path, state: dict) -> None:
+    dcp = _dcp()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DCP's note that it loads in one process: that is the intent
+            dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    except Exception as e:
+        raise ConveyorIOError(f"reading {', '.join(list(state)[:3])}{' ...' if len(state) > 3 else ''} from "
+                              f"{path} failed: the checkpoint is truncated or corrupt ({type(e).__name__}: {e})") from None
+
+
+def _empty_like_item(metadata, key: str) -> torch.Tensor:
+    info = metadata.state_dict_metadata[key]
+    return torch.empty(tuple(info.size), dtype=info.properties.dtype)
+
+
+def inspect(path, *, optimizer, tensors: CheckpointTensors) -> tuple[dict, object]:
+    """Checks that checkpoint `path` is complete and holds this model (every tensor by name,
+    shape and dtype) and its optimizer's param groups; returns its `conveyor` object and its
+    DCP metadata. Reads no tensor."""
+    path = Path(path)
+    meta, metadata = read_meta(path)
+    stored = metadata.state_dict_metadata
+    wanted = [n for n in tensors.tensors if f"model.{n}" not in stored]
+    if wanted:
+        raise ConveyorValueError(f"{path} lacks {len(wanted)} of the model's tensors ({', '.join(wanted[:4])}"
+                                 f"{' ...' if len(wanted) > 4 else ''}): it holds another model")
+    for name, t in tensors.tensors.items():
+        info = stored[f"model.{name}"]
+        if list(info.size) != tensors.shape(name) or info.properties.dtype != t.dtype:
+            raise ConveyorValueError(f"{path} holds {name} as {list(info.size)} {info.properties.dtype}, the model "
+                                     f"as {tensors.shape(name)} {t.dtype}: it holds another model, or another "
+                                     "configuration")
+    if optimizer is not None and meta["param_groups"] is not None:
+        if len(meta["param_groups"]) != len(optimizer.param_groups) or any(
+                [tensors.names.get(id(p)) for p in g["params"]] != saved["params"]
+                for g, saved in zip(optimizer.param_groups, meta["param_groups"])):
+            raise ConveyorValueError(f"{path} was saved with other optimizer param groups (its groups name "
+                                     f"{[len(g['params']) for g in meta['param_groups']]} parameters): make the "
+                                     "optimizer as the saving job did")
+    return meta, metadata
+
+
+def load(path, *, optimizer, tensors: CheckpointTensors) -> dict:
+    """Fills the tensors this process holds (and their optimizer state) from checkpoint
+    `path`, after checking everything it reads; returns the `conveyor` object (extra, step
+    count, param groups). Nothing changes when anything is refused."""
+    path = Path(path)
+    meta, metadata = inspect(path, optimizer=optimizer, tensors=tensors)
+    stored = metadata.state_dict_metadata
+    names = tensors.needed_here()
+    keys = [f"model.{n}" for n in names]
+    if optimizer is not None:
+        keys += [k for k in stored if k.startswith("optim.") and k.rsplit(".", 1)[0][len("optim."):] in set(names)]
+    _check(path, metadata, meta["checksums"], keys)
+    # Checked: now the tensors and the optimizer state change.
+    state: dict = {}
+    with torch.no_grad():
+        for name in names:
+            t = tensors.tensors[name]
+            if t.numel() != stored[f"model.{name}"].size.numel():  # released here: held again from now on
+                t.data = torch.empty(tuple(stored[f"model.{name}"].size), dtype=t.dtype, device=t.device)
+            state[f"model.{name}"] = t.data if t.device.type == "cpu" else torch.empty_like(t.data, device="cpu")
+        for key in keys:
+            if key.startswith("optim."):
+                state[key] = _empty_like_item(metadata, key)
+        _read(path, state)
+        for name in names:
+            t = tensors.tensors[name]
+            if t.device.type != "cpu":
+                t.data.copy_(state[f"model.{name}"])
+    if optimizer is not None:
+        for name in names:
+            p = tensors.tensors[name]
+            loaded = {k.rsplit(".", 1)[1]: v for k, v in state.items() if k.rsplit(".", 1)[0] == f"optim.{name}"}
+            loaded.update(meta["optimizer_scalars"].get(name, {}))
+            if loaded:
+                optimizer.state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) and k != "step" else v
+                                      for k, v in loaded.items()}
+            else:
+                optimizer.state.pop(p, None)
+        for g, saved in zip(optimizer.param_groups, meta["param_groups"] or []):
+            g.update({k: v for k, v in saved.items() if k != "params"})
+    torch.set_rng_state(meta["rng"])
+    return meta
+
+
+def _check(path: Path, metadata, checksums: dict, keys: list[str]) -> None:
+    """Reads `keys` in chunks and compares each with its checksum, naming the first that differs."""
+    chunk: dict = {}
+    size = 0
+
+    def flush():
+        _read(path, chunk)
+        for key, t in chunk.items():
+            if _checksum(t) != checksums.get(key):
+                raise ConveyorIOError(f"{path}: {key} is corrupt (its checksum differs from the one saved); restore "
+                                      "the checkpoint's files from a copy")
+        chunk.clear()
+
+    for key in keys:
+        t = _empty_like_item(metadata, key)
+        chunk[key] = t
+        size += t.numel() * t.element_size()
+        if size >= CHECK_CHUNK_BYTES:
+            flush()
+            size = 0
+    if chunk:
+        flush()

@@ -1,0 +1,152 @@
+"""Checkpoints (bindings/conveyor/checkpoint.py): a job saved on one plan and process count
+resumes on another and trains exactly like one that never stopped; PyTorch's own DCP tools
+read the folder; a corrupt, foreign, mismatched or unfinished checkpoint is refused, naming
+what is wrong, before anything changes."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import conveyor
+from conveyor import _C
+from test_launch import launch
+
+WORKER = Path(__file__).with_name("checkpoint_worker.py")
+TOLERANCE = 1e-9
+needs_ucx = pytest.mark.skipif(bool(_C.ucx_status()), reason=f"UCX cannot start here: {_C.ucx_status()}")
+
+
+def alone(*args):
+    run = subprocess.run([sys.executable, WORKER, *map(str, args)], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, UCX_NET_DEVICES="lo"))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+def job(n, *args):
+    code, out = launch("-n", n, "--", sys.executable, WORKER, *map(str, args))
+    assert code == 0, out[-4000:]
+
+
+def assert_same_training(got: dict, want: dict):
+    losses = got["losses"]
+    assert losses == pytest.approx(want["losses"][-len(losses):], rel=TOLERANCE, abs=0)
+    for key, w in want["state"].items():
+        err = (got["state"][key] - w).abs().max().item() / max(w.abs().max().item(), 1e-6)
+        assert err <= TOLERANCE, (key, err)
+
+
+@needs_ucx
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_a_job_resumed_on_another_plan_and_process_count_trains_as_if_it_never_stopped(optimizer, tmp_path):
+    """4 steps on 2 processes (one stage, data parallel over both), saved; 4 more on 3
+    processes (three stages, cut elsewhere) and on 1: each equals 8 uninterrupted steps
+    (AdamW with an LR schedule whose state travels in extra=)."""
+    alone("--optimizer", optimizer, "--steps", 8, "--out", tmp_path / "whole.pt")
+    want = torch.load(tmp_path / "whole.pt")
+    job(2, "--optimizer", optimizer, "--steps", 4, "--stages", 1, "--replicas", 2, "--save", tmp_path / "ck",
+        "--out", tmp_path / "first.pt")
+    first = torch.load(tmp_path / "first.pt")
+    assert first["world"] == 2 and first["replicas"] == [2]
+    assert first["losses"] == pytest.approx(want["losses"][:4], rel=TOLERANCE, abs=0)
+    job(3, "--optimizer", optimizer, "--first", 4, "--steps", 4, "--stages", 3, "--load", tmp_path / "ck",
+        "--out", tmp_path / "three.pt")
+    three = torch.load(tmp_path / "three.pt")
+    assert three["world"] == 3 and three["stages"] == 3
+    assert_same_training(three, want)
+    alone("--optimizer", optimizer, "--first", 4, "--steps", 4, "--stages", 2, "--load", tmp_path / "ck",
+          "--out", tmp_path / "one.pt")
+    assert_same_training(torch.load(tmp_path / "one.pt"), want)
+
+
+@needs_ucx
+def test_a_process_killed_mid_save_leaves_the_previous_checkpoint_whole_and_the_new_one_refused(tmp_path):
+    job(2, "--steps", 2, "--stages", 2, "--save", tmp_path / "ck", "--out", tmp_path / "first.pt")
+    code, out = launch("-n", 2, "--", sys.executable, WORKER, "--first", 2, "--steps", 2, "--stages", 2,
+                       "--load", tmp_path / "ck", "--save", tmp_path / "ck", "--die-while-saving",
+                       "--out", tmp_path / "second.pt")
+    assert code != 0, out[-3000:]
+    assert (tmp_path / "ck.incomplete").is_dir() and not (tmp_path / "ck.incomplete" / ".metadata").exists()
+    alone("--first", 2, "--steps", 2, "--load", tmp_path / "ck", "--out", tmp_path / "again.pt")  # still loads
+    with pytest.raises(conveyor.ConveyorIOError, match=r"\.metadata is missing"):
+        _mlp_module().load_checkpoint(tmp_path / "ck.incomplete")
+
+
+def _mlp_module(width=16, stages=2):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh(), torch.nn.Linear(width, 4)).double()
+    return conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
+                           loss_fn=torch.nn.functional.mse_loss, stages=stages, replan="off")
+
+
+def _train(model, steps=2):
+    for k in range(steps):
+        g = torch.Generator().manual_seed(k)
+        model.train_step(torch.randn(8, 16, generator=g, dtype=torch.float64),
+                         target=torch.randn(8, 4, generator=g, dtype=torch.float64))
+
+
+def test_pytorch_s_own_tool_reads_a_checkpoint_and_its_tensors_are_the_model_s(tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    model = _mlp_module()
+    _train(model)
+    model.save_checkpoint(tmp_path / "ck")
+    dcp_to_torch_save(tmp_path / "ck", tmp_path / "plain.pt")
+    plain = torch.load(tmp_path / "plain.pt", weights_only=False)
+    for name, t in model.module.state_dict().items():
+        assert torch.equal(plain[f"model.{name}"], t), name
+    for p in model.module.parameters():  # SGD's momentum, each under its parameter's name
+        name = next(n for n, q in model.module.named_parameters() if q is p)
+        assert torch.equal(plain[f"optim.{name}.momentum_buffer"], model.optimizer.state[p]["momentum_buffer"])
+
+
+def test_a_corrupt_tensor_is_refused_naming_it_and_nothing_changes(tmp_path):
+    model = _mlp_module()
+    _train(model)
+    model.save_checkpoint(tmp_path / "ck")
+    data = tmp_path / "ck" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    where = raw.find(model.module.state_dict()["2.weight"].numpy().tobytes())  # its bytes, stored as they are
+    assert where > 0
+    raw[where + 3] ^= 0x40
+    data.write_bytes(bytes(raw))
+    other = _mlp_module()
+    _train(other, 1)
+    before = {k: v.clone() for k, v in other.module.state_dict().items()}
+    with pytest.raises(conveyor.ConveyorIOError, match=r"model\.2\.weight is corrupt"):
+        other.load_checkpoint(tmp_path / "ck")
+    for k, v in other.module.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_checkpoints_of_another_model_a_foreign_format_or_no_folder_are_refused_before_any_work(tmp_path):
+    model = _mlp_module()
+    _train(model)
+    model.save_checkpoint(tmp_path / "ck")
+    with pytest.raises(conveyor.ConveyorValueError, match=r"holds 0\.weight as \[16, 16\].*\[32, 32\]"):
+        _mlp_module(width=32).load_checkpoint(tmp_path / "ck")
+    import torch.distributed.checkpoint as dcp
+    dcp.save({"w": torch.zeros(2)}, checkpoint_id=tmp_path / "foreign", no_dist=True)
+    with pytest.raises(conveyor.ConveyorValueError, match="not one conveyor wrote"):
+        _mlp_module().load_checkpoint(tmp_path / "foreign")
+    with pytest.raises(conveyor.ConveyorIOError, match="no checkpoint at"):
+        _mlp_module().load_checkpoint(tmp_path / "nothing")
+    (tmp_path / "ck" / "__0_0.distcp").unlink()
+    with pytest.raises(conveyor.ConveyorIOError, match=r"__0_0\.distcp is missing"):
+        _mlp_module().load_checkpoint(tmp_path / "ck")
+
+
+def test_a_checkpoint_loaded_before_the_first_call_is_read_once_the_plan_exists(tmp_path):
+    model = _mlp_module()
+    _train(model, 3)
+    model.save_checkpoint(tmp_path / "ck", extra={"epoch": 7})
+    resumed = _mlp_module(stages=1)
+    assert resumed.load_checkpoint(tmp_path / "ck") == {"epoch": 7}
+    _train(resumed, 1)
+    model_next = _mlp_module()
+    model_next.load_checkpoint(tmp_path / "ck")
+    _train(model_next, 1)
+    for a, b in zip(resumed.module.parameters(), model_next.module.parameters()):
+        assert torch.allclose(a, b, rtol=1e-12, atol=0)
