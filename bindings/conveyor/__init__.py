@@ -1,10 +1,16 @@
 """conveyor: train any PyTorch model split automatically across many devices.
 
-Capture a model into conveyor's graph, run it (or any cut of it into stages) in C++:
+One line turns a model into a pipelined one; its first call captures, profiles and plans it
+on this machine (or, under `conveyor launch -n N`, across N processes):
 
-    g = conveyor.capture(model, (x,))
-    loss = g(x); loss.backward()          # same gradients as model(x)
-    staged = g.split(3, seed=0)           # three convex stages, chained
+    model = conveyor.Module(model, optimizer)
+    loss = model(x, labels=y)      # every microbatch forward and backward, in the plan's schedule
+    loss.backward()                # the parameter gradients, scaled by the incoming gradient
+    optimizer.step()               # updates the model's own parameters
+
+The pieces it is built of are here too: capture (the model as conveyor's graph), profile
+and plan (the planner's cut), Graph.split (a graph run in stages); and
+conveyor.distributed, for models split by hand.
 """
 import pkgutil as _pkgutil
 

@@ -231,11 +231,20 @@ class Graph:
         """A random valid cut into `num_stages` stages (node ids per stage, in run order)."""
         return self._ir.random_partition(num_stages, seed, keep_node_order)
 
-    def split(self, stages: int | Iterable[Iterable[int]], *, seed: int = 0,
+    def split(self, stages: int | Iterable[Iterable[int]], *, random_cut: bool = False, seed: int = 0,
               keep_node_order: bool = False) -> "StagedGraph":
-        """Cuts the graph into stages: a count (random valid cut) or explicit node-id lists."""
+        """Cuts the graph into `stages`: node-id lists, one per stage (a plan's stage_nodes);
+        or, to test a cut, a count with `random_cut=True`: a random valid cut drawn from `seed`."""
         if isinstance(stages, int):
+            if not random_cut:
+                raise ConveyorValueError(
+                    f"split({stages}): a count of stages is a random cut, for testing; pass "
+                    f"split({stages}, random_cut=True, seed=0) for one, or the stages' node ids "
+                    "(conveyor.plan(...).stage_nodes) for a planned cut (conveyor.Module plans and cuts by itself)")
             partition = self.random_partition(stages, seed, keep_node_order=keep_node_order)
+        elif random_cut:
+            raise ConveyorValueError("split(random_cut=True) draws a cut into a count of stages: pass the count, as "
+                                     "split(3, random_cut=True, seed=0), not node-id lists")
         else:
             partition = [sorted(int(n) for n in s) for s in stages]
         self._ir.check_partition(partition)

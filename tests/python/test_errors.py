@@ -161,7 +161,12 @@ def test_bad_stage_cuts(saved):
     with pytest.raises(conveyor.InvalidStageError, match="data flows forward"):
         graph.split([list(range(1, n)), [0]])
     with pytest.raises(conveyor.ConveyorValueError, match="units that can be separated"):
-        graph.split(n + 1)
+        graph.split(n + 1, random_cut=True)
+    with pytest.raises(conveyor.ConveyorValueError, match=r"split\(2\): a count of stages is a random cut, for "
+                                                          r"testing; pass split\(2, random_cut=True, seed=0\)"):
+        graph.split(2)
+    with pytest.raises(conveyor.ConveyorValueError, match="pass the count"):
+        graph.split([list(range(n))], random_cut=True)
 
 
 def test_wrong_inputs_and_runtime_failures(saved):

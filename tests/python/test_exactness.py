@@ -81,7 +81,7 @@ def test_random_stage_cuts_match_eager(captured, num_stages, rel_err):
     # Random draws happen in stage order; cuts that keep the capture order keep eager's
     # RNG order, so models with active dropout are cut along the capture order.
     for seed in range(3):
-        staged = graph.split(num_stages, seed=seed, keep_node_order=not case.deterministic)
+        staged = graph.split(num_stages, random_cut=True, seed=seed, keep_node_order=not case.deterministic)
         graph.ir.check_partition(staged.partition)
         assert len(staged) == num_stages
         ref, loss, ref_loss = run_pair(case, initial, staged)
@@ -198,7 +198,7 @@ def test_no_grad_and_multiple_outputs():
     assert set(out) == {"left", "right", "count"}
     assert out["left"].grad_fn is None
     assert torch.equal(out["count"], (x > 0).sum(dim=1))
-    staged = graph.split(2, seed=3)
+    staged = graph.split(2, random_cut=True, seed=3)
     out2 = staged(x)
     assert torch.equal(out2["right"], m.b(x).relu())
     (out2["left"].sum() + out2["right"].sum()).backward()
