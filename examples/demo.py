@@ -110,7 +110,7 @@ def main():
     x = next(data)
     t0 = time.perf_counter()
     loss = piped(input_ids=x, labels=x)
-    where = (f"{piped._devices} virtual CPU devices" if world is None
+    where = (f"{piped.job.devices} virtual CPU devices" if world is None
              else f"{piped.world_size} processes, one device each")
     say(f"captured, profiled and planned in {time.perf_counter() - t0:.1f}s "
         f"(the first step included); the plan on {where}:\n")
@@ -165,7 +165,7 @@ def main():
           f"./run conveyor trace check {trace_path})")
 
     piped.state_dict()  # across processes: every process's copy of the model becomes whole
-    graph = piped._graph
+    graph = piped.capture.graph
     path = os.path.join(args.out, "demo_gpt2.cvg")
     if piped.rank == 0:
         graph.save(path)

@@ -131,7 +131,7 @@ def main():
     if model.rank == 0:
         torch.save({"losses": losses, "evaluations": evaluations, "held": held, "whole": whole,
                     "state": state, "world": model.world_size,
-                    "replans": [r["reason"] for r in model.replans], "captures": len(model._captures)}, args.out)
+                    "replans": [r["reason"] for r in model.replans], "captures": model.capture_count}, args.out)
         if plan is not None:  # planned (node lists have no plan)
             with open(args.out + ".plan.json", "w") as f:
                 json.dump(plan.document, f)

@@ -90,17 +90,17 @@ def train(case_name: str, optimizer_name: str, batch: int, steps_per_plan: int) 
                     if p.numel():
                         optimizer.state[p]["die"] = DieWhenSaved()
             replicas, schedule, m, shares = LAYOUTS[k - 1]
-            before = model._step.readers()
-            model.switch_plan(plan_with(model, cuts(model._graph)[k - 1], replicas, schedule, m, shares=shares))
+            before = model.capture.pipeline.readers()
+            model.switch_plan(plan_with(model, cuts(model.capture.graph)[k - 1], replicas, schedule, m, shares=shares))
             if model.world_size > 1:  # what this process lacked of what it now reads, whole until the next step
-                after, me, tensors = model._step.readers(), model.rank, model._graph.tensors
+                after, me, tensors = model.capture.pipeline.readers(), model.rank, model.capture.graph.tensors
                 lacked = sum(tensors[n].nbytes for n, r in after.items() if me in r and me not in before.get(n, []))
                 moves.append((lacked, model.replans[-1]["tensor_bytes"]))
         losses += [model.train_step(*case.args, **case.kwargs).item() for _ in range(steps_per_plan)]
         if k and LAYOUTS[k - 1][3]:  # the runtime splits by the plan's shares: 3 samples and 1 of 4
-            assert model._step.share_lengths(1, 4) == [3, 1], model._step.share_lengths(1, 4)
+            assert model.capture.pipeline.share_lengths(1, 4) == [3, 1], model.capture.pipeline.share_lengths(1, 4)
         # The loss runs on each share of the last stage's replicas: the pieces eager must match.
-        microbatches += [model.microbatches * model._layout[4][-1]] * steps_per_plan
+        microbatches += [model.microbatches * model.capture.layout[4][-1]] * steps_per_plan
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # every process takes part
     model.moves = moves
     return losses, state, model, microbatches
@@ -139,7 +139,7 @@ def main():
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     losses, state, model, microbatches = train(args.case, args.optimizer, args.batch, args.steps_per_plan)
-    moves = [json.loads(model._group.broadcast_bytes(p, json.dumps(model.moves).encode() if p == model.rank else b""))
+    moves = [json.loads(model.job.group.broadcast_bytes(p, json.dumps(model.moves).encode() if p == model.rank else b""))
              for p in range(model.world_size)]  # per process, per switch
     if model.rank == 0:
         torch.save({"losses": losses, "state": state, "world": model.world_size, "replans": model.replans,

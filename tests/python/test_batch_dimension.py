@@ -102,8 +102,8 @@ def test_a_call_that_cannot_be_split_runs_whole_and_trains_like_eager(make, warn
             warnings.simplefilter("always")
             losses = [model.train_step(x, target=y).item() for _ in range(2)]
         assert any(warned in str(w.message) for w in caught), [str(w.message) for w in caught]
-        _, _, microbatches, _, replicas = model._layout
-        assert microbatches == 1 and max(replicas) == 1, model._layout
+        _, _, microbatches, _, replicas = model.capture.layout
+        assert microbatches == 1 and max(replicas) == 1, model.capture.layout
         for step in range(2):
             ref_opt.zero_grad()
             ref_loss = loss_fn(ref(x), y)

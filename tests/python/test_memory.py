@@ -120,7 +120,7 @@ def test_a_larger_size_than_planned_plans_again_for_it():
     print(f"switches: {reasons}; measured/predicted at 20 tokens: {[round(x, 3) for x in ratios]}")
     print(model.profile_report())
     assert len(reasons) == 2 and "input_ids dim 1 is 20 (planned for 12)" in reasons[1], reasons
-    assert model._planned_sizes == {"input_ids dim 1": 20, "labels dim 1": 20}
+    assert model.capture.planned_sizes == {"input_ids dim 1": 20, "labels dim 1": 20}
     assert all(0.7 <= x <= 1.15 for x in ratios), ratios
 
 

@@ -29,7 +29,7 @@ def test_automatic_plan_trains_like_eager_accumulation(name, batch):
     model = conveyor.Module(case.model, opt)
     for step in range(3):
         loss = model.train_step(*case.args, **case.kwargs)
-        stages, schedule, m, chunks, replicas = model._layout
+        stages, schedule, m, chunks, replicas = model.capture.layout
         # Shares: each microbatch split between the replicas (the same count on every rank
         # when the model has BatchNorm, so that every share sees the same samples).
         shares = replicas[-1]
@@ -104,7 +104,7 @@ def test_fixed_stages_with_replicas_train_like_eager_accumulation(schedule, micr
     assert all(s["forward_s"] > 0 and s["predicted_forward_s"] > 0 for s in report.stages)
     # Node lists run as given: no plan, so the live profile has measured figures only.
     again = copy.deepcopy(ref)
-    given = conveyor.Module(again, torch.optim.SGD(again.parameters(), lr=0.05), stages=model._stage_nodes,
+    given = conveyor.Module(again, torch.optim.SGD(again.parameters(), lr=0.05), stages=model.capture.stage_nodes,
                             replicas=2, microbatches=microbatches, schedule=schedule)
     for _ in range(3):
         given.train_step(*case.args, **case.kwargs)
@@ -249,7 +249,7 @@ def test_a_last_batch_too_small_for_the_plan_trains_like_eager(schedule, stages,
         assert abs(loss.item() - want.item()) <= 1e-12 * abs(want.item()), batch
         for (n, p), (_, q) in zip(case.model.named_parameters(), ref.named_parameters()):
             assert (p.grad - q.grad).abs().max().item() <= 1e-12 * max(q.grad.abs().max().item(), 1e-6), (batch, n)
-    assert model._layout[2] == m and model._layout[4] == [2] * (stages // (1 if schedule == "1f1b" else 2))
+    assert model.capture.layout[2] == m and model.capture.layout[4] == [2] * (stages // (1 if schedule == "1f1b" else 2))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -460,7 +460,7 @@ def test_train_step_in_eval_mode_is_refused_before_it_touches_anything():
     with pytest.raises(conveyor.ConveyorValueError, match=r"train_step trains: call model.train\(\) first"):
         model.train_step(*case.args)
     assert all(torch.equal(p.grad, g) for p, g in zip(case.model.parameters(), grads))
-    assert len(model._captures) == 1
+    assert model.capture_count == 1
 
 
 def test_an_evaluation_in_train_mode_leaves_the_steps_memory_peaks_in_the_live_profile():
@@ -507,8 +507,8 @@ def test_plans_keep_shares_within_the_batch_range_the_model_allows(stages):
         want = net(x, y).item()  # every share's loss is a mean: weighted by size, the batch's
     model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.01), stages=stages)
     loss = model.train_step(x, y)
-    _, _, m, _, replicas = model._layout
-    assert 8 // m // max(replicas) >= 4, model._layout
+    _, _, m, _, replicas = model.capture.layout
+    assert 8 // m // max(replicas) >= 4, model.capture.layout
     assert abs(loss.item() - want) <= 1e-5 * abs(want)
 
 
@@ -538,7 +538,7 @@ def test_evaluation_in_eval_mode_is_the_eager_model_s_pipelined(name, device):
         got.append(model(*case.args, **case.kwargs).item())
     tol = 1e-12 if device == "cpu" else 1e-9  # cuDNN's kernels differ with the batch's split
     assert got[0] == got[1] and abs(got[0] - want) <= tol * abs(want), (got, want)
-    assert model.plan is not None and len(model.plan.stage_nodes) == 2 and model._graph.modes[0] is False
+    assert model.plan is not None and len(model.plan.stage_nodes) == 2 and model.capture.graph.modes[0] is False
     for k, v in case.model.state_dict().items():
         assert torch.equal(v, before[k]), f"{k} changed by evaluation"
     assert all(p.grad is g for p, g in zip(case.model.parameters(), grads)), "evaluation touched the gradients"

@@ -32,7 +32,7 @@ def packed_like_eager(case, model, steps, generator):
         loss = model.train_step(conveyor.Microbatches(microbatches)).item()
         ref_opt.zero_grad(set_to_none=True)
         total, rows = 0, sum(r for r, _ in shapes)
-        torch.set_num_threads(model._threads_per_device())
+        torch.set_num_threads(model.job.threads_per_device())
         try:
             for (r, _), mb in zip(shapes, microbatches):
                 part = case.loss(ref(**mb)) * (r / rows)  # one rounding, as the pipeline weighs a share
@@ -57,9 +57,9 @@ def test_packed_microbatches_of_other_lengths_train_like_eager(name, schedule, r
                             max_sizes={"input_ids dim 1": 20, "labels dim 1": 20})
     worst = packed_like_eager(case, model, STEPS, torch.Generator().manual_seed(1))
     print(f"{name} {schedule} replicas {replicas}: worst relative difference {worst:.2e}; "
-          f"{max(1, len(model._captures))} capture(s)")
+          f"{model.capture_count} capture(s)")
     assert worst <= TOLERANCE
-    assert len(model._captures) <= 1  # one graph holds every length
+    assert model.capture_count <= 1  # one graph holds every length
 
 
 def test_more_microbatches_than_the_plan_runs_on_its_stages():
@@ -85,7 +85,7 @@ def test_a_module_first_called_with_packed_microbatches_plans_for_them():
     assert packed_like_eager(case, model, steps, torch.Generator().manual_seed(3)) <= TOLERANCE
     print(model.plan)
     assert model.microbatches == 3 and model.plan.document["batch"] == 7
-    assert model._planned_sizes == {"input_ids dim 1": 20, "labels dim 1": 20}
+    assert model.capture.planned_sizes == {"input_ids dim 1": 20, "labels dim 1": 20}
     assert model.replans == []
 
 

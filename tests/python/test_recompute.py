@@ -31,7 +31,7 @@ def train_both(case, stages: int, schedule: str, recompute, steps: int = 2):
     for _ in range(steps):
         losses.append(model.train_step(*case.args, **case.kwargs).item())
         ref_opt.zero_grad(set_to_none=True)
-        torch.set_num_threads(model._threads_per_device())  # as a stage replica runs
+        torch.set_num_threads(model.job.threads_per_device())  # as a stage replica runs
         try:
             total = 0  # summed in the loss's own dtype (transformers' losses are float32), as the pipeline does
             for a, k in split_batch(case.args, case.kwargs, 2, batch):
@@ -145,7 +145,7 @@ def train_eager_alike(case, ref, model, losses, shares: int, batch: int = 8):
     threads = torch.get_num_threads()
     for step in range(len(losses)):
         ref_opt.zero_grad(set_to_none=True)
-        torch.set_num_threads(model._threads_per_device())
+        torch.set_num_threads(model.job.threads_per_device())
         try:
             total = 0
             for a, k in split_batch(case.args, case.kwargs, shares, batch):

@@ -68,7 +68,7 @@ def test_a_switch_is_marked_in_the_trace_of_the_next_step(tmp_path):
     for _ in range(3):
         model.train_step(x, target=y)
     assert "replan:" not in trace.read_text()
-    other = conveyor.plan(model._graph, conveyor.profile(model._graph, (x[:8],), {"target": y[:8]}),
+    other = conveyor.plan(model.capture.graph, conveyor.profile(model.capture.graph, (x[:8],), {"target": y[:8]}),
                           wrong_speeds_cluster(), batch=64, microbatches=4, schedules=["1f1b"], max_replicas=1)
     model.switch_plan(other)
     model.train_step(x, target=y)
@@ -86,7 +86,7 @@ def test_a_plan_the_runtime_refuses_leaves_the_running_one_in_place():
     before = model.plan.document
     # A replicated middle stage that a value without a batch dimension (the attention mask)
     # enters from a single replica: the runtime cannot split it.
-    parts = model._graph.random_partition(3, seed=2, keep_node_order=True)
+    parts = model.capture.graph.random_partition(3, seed=2, keep_node_order=True)
     with pytest.raises(conveyor.UnsupportedError, match="no plain batch dimension"):
         model.switch_plan(plan_with(model, parts, [1, 2, 1], "1f1b", 2))
     assert model.replans == [] and model.plan.document == before
@@ -222,7 +222,7 @@ def test_a_replicated_stage_on_wrongly_rated_devices_gets_shares_that_match_thei
     model = conveyor.Module(net, opt, loss_fn=torch.nn.MSELoss(), cluster=wrong_speeds_cluster(6.0), stages=1,
                             replicas=2, microbatches=2, replan="auto")
     model.train_step(x, target=y)
-    assert model._step.share_lengths(0, 64) == [9, 55], model.plan.table
+    assert model.capture.pipeline.share_lengths(0, 64) == [9, 55], model.plan.table
     steps = 21
     for _ in range(steps - 1):
         model.train_step(x, target=y)
@@ -231,7 +231,7 @@ def test_a_replicated_stage_on_wrongly_rated_devices_gets_shares_that_match_thei
     first = model.replans[0]
     assert "stage 0 shares 0.14/0.86" in first["old"], first
     assert first["factors"]["speed"][1] < 0.75 * first["factors"]["speed"][0], first
-    lengths = model._step.share_lengths(0, 64)
+    lengths = model.capture.pipeline.share_lengths(0, 64)
     assert lengths[1] <= 44, (lengths, model.replans)  # from 55 of 64 towards half
     # The switch's measured gain is reported (a time, so its sign is not asserted: on this
     # shared machine a step's noise exceeds the fraction of a millisecond it saves here).

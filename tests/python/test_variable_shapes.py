@@ -36,7 +36,7 @@ def train_like_eager(case, model, batches, shares: int, momentum: float = 0.0):
         want = 0
         # Eager at the intra-op threads of a stage replica: Llama's RMSNorm computes in
         # float32 even in a float64 model, and its reductions' order follows the threads.
-        torch.set_num_threads(model._threads_per_device())
+        torch.set_num_threads(model.job.threads_per_device())
         try:
             for a, k in split_batch(args, kwargs, shares, batch):
                 part = case.loss(ref(*a, **k)) / shares
@@ -64,7 +64,7 @@ def test_token_models_train_on_every_sequence_length_with_one_capture(name, stag
     batches = [((), zoo.padded_tokens(8, n, 96, draws)) for n in LENGTHS]
     last_replicas = replicas[-1] if isinstance(replicas, list) else replicas
     train_like_eager(case, model, batches, shares=2 * last_replicas)
-    symbols = model._graph.document["symbols"]
+    symbols = model.capture.graph.document["symbols"]
     print(f"{name}: {len(LENGTHS)} lengths, 1 capture, symbolic sizes {sorted(symbols.values())}, "
           f"{model.extra_repr()}")
     assert "input_ids dim 1" in symbols.values(), symbols
@@ -83,7 +83,7 @@ def test_lengths_beyond_the_first_plan_train_like_eager_on_plans_made_for_them()
     train_like_eager(case, model, batches, shares=2, momentum=0.9)
     print("\n".join(f"step {r['step']}: {r['reason']}: {r['old']} -> {r['new']}" for r in model.replans))
     assert [r["step"] for r in model.replans] == [1, 2]
-    assert model._planned_sizes["input_ids dim 1"] == 20
+    assert model.capture.planned_sizes["input_ids dim 1"] == 20
 
 
 @pytest.mark.parametrize("stages,replicas,schedule", [(2, 2, "1f1b"), (3, 1, "zb-h1")])
@@ -97,7 +97,7 @@ def test_a_vision_model_trains_on_two_image_sizes_with_one_capture(stages, repli
                  torch.randint(0, 10, (8,), generator=draws)), {}) for h, w in ((48, 48), (64, 40), (48, 48))]
     # BatchNorm normalizes over each replica's share: the eager reference does the same.
     train_like_eager(case, model, batches, shares=2 * replicas)
-    roles = set(model._graph.document["symbols"].values())
+    roles = set(model.capture.graph.document["symbols"].values())
     assert roles == {"batch", "x dim 2", "x dim 3"}, roles
     # Captured at 32 pixels the network ends at 1x1, and torch.export bounds the size there:
     # a larger image is refused naming the bound.
@@ -176,10 +176,10 @@ def test_a_model_that_branches_on_its_length_is_captured_once_per_side():
     batches = [((torch.randint(0, 32, (8, n), generator=draws),), {}) for n in (12, 6, 12, 7, 16)]
     with pytest.warns(UserWarning, match=r"ids dim 1 is 6 \(the capture holds 11 and more\).*2 captures of the model"):
         train_like_eager(case, model, batches, shares=2)
-    assert len(model._captures) == 2  # lengths 12 and 16 share one, 6 and 7 the other
-    print(f"{len(model._captures)} captures for lengths 12, 6, 12, 7 and 16")
+    assert model.capture_count == 2  # lengths 12 and 16 share one, 6 and 7 the other
+    print(f"{model.capture_count} captures for lengths 12, 6, 12, 7 and 16")
     # Node lists name one capture's nodes: the other side is refused, naming the size.
-    again = conveyor.Module(BranchesOnLength().double(), stages=model._stage_nodes, microbatches=2)
+    again = conveyor.Module(BranchesOnLength().double(), stages=model.capture.stage_nodes, microbatches=2)
     again(torch.randint(0, 32, (8, 16)))
     with pytest.raises(conveyor.ConveyorValueError, match=r"ids dim 1 is 6 \(the capture holds 11 and more\).*node"):
         again(torch.randint(0, 32, (8, 6)))
@@ -236,7 +236,7 @@ def test_a_call_with_other_non_tensor_arguments_is_captured_again_for_them():
     with pytest.warns(UserWarning, match=r"temperature is 2.0 \(captured with 0.5\): the graph holds the model's "
                                          r"non-tensor arguments as constants.*2 captures of the model"):
         train_like_eager(case, model, calls, shares=2)
-    assert len(model._captures) == 3
+    assert model.capture_count == 3
     with pytest.raises(conveyor.ConveyorValueError, match=r"temperature is .* captures of the model exist already; "
                                                           r"pass a value that changes from call to call as a tensor"):
         with pytest.warns(UserWarning):
