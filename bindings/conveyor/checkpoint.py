@@ -32,7 +32,7 @@ import torch
 
 from .errors import ConveyorIOError, ConveyorValueError
 
-__all__ = ["save", "inspect", "load", "CheckpointTensors", "FORMAT"]
+__all__ = ["save", "inspect", "load", "publish", "CheckpointTensors", "PendingLoads", "FORMAT"]
 
 FORMAT = "conveyor checkpoint 1"
 META_KEY = "conveyor"
@@ -73,6 +73,25 @@ class CheckpointTensors:
     def needed_here(self) -> list[str]:
         """What a load fills here: the tensors this process's stages read, and those no stage reads."""
         return [name for name, t in self.tensors.items() if self._held_here(t)]
+
+
+class PendingLoads:
+    """Loads of the model's tensors (a checkpoint's, pretrained weights) in the order asked:
+    one asked for before the first call waits until the plan exists (it says which tensors
+    this process holds), one asked for later runs at once."""
+
+    def __init__(self, captures):
+        self._captures, self._waiting = captures, []
+
+    def add(self, load) -> None:
+        """`load(tensors)` fills this process's tensors, given its CheckpointTensors."""
+        self._waiting.append(load)
+        self.run()
+
+    def run(self) -> None:
+        """Runs the waiting loads once the first call has made the plan."""
+        while self._waiting and self._captures.current is not None:
+            self._waiting.pop(0)(self._captures.checkpoint_tensors())
 
 
 def _checksum(t: torch.Tensor) -> int:
@@ -151,16 +170,20 @@ def save(path, *, model, optimizer, tensors: CheckpointTensors, group, meta: dic
     results = _exchange(group, written.value())
     if rank == 0:
         writer.finish(metadata, results)
-        # Complete: the new folder takes the name; a folder of that name before it goes.
-        old = path.with_name(path.name + ".replaced")
-        if path.exists():
-            if old.exists():
-                shutil.rmtree(old)
-            path.rename(old)
-        staging.rename(path)
+        publish(staging, path)
+    _exchange(group, None)  # every process returns once the checkpoint is complete
+
+
+def publish(staging: Path, path: Path) -> None:
+    """Complete: the staging folder takes the name `path`; a folder of that name before it goes."""
+    old = path.with_name(path.name + ".replaced")
+    if path.exists():
         if old.exists():
             shutil.rmtree(old)
-    _exchange(group, None)  # every process returns once the checkpoint is complete
+        path.rename(old)
+    staging.rename(path)
+    if old.exists():
+        shutil.rmtree(old)
 
 
 def read_meta(path) -> tuple[dict, object]:

@@ -71,7 +71,7 @@ import os
 
 import torch
 
-from . import checkpoint
+from . import checkpoint, pretrained
 from .capture_set import CaptureSet
 from .capture_state import CaptureState, RunHistory
 from .errors import ConveyorValueError
@@ -126,7 +126,7 @@ class Module(torch.nn.Module):
         self._history = RunHistory()
         self._captures = CaptureSet(model, optimizer, options, self.job, self._history)
         self._steps = StepRunner(self._captures, self.job, optimizer, self._history, options.trace)
-        self._pending_checkpoint = None  # load_checkpoint before the first call: read once the plan exists
+        self._pending_loads = checkpoint.PendingLoads(self._captures)  # before the first call: read once planned
 
     # -- what runs --------------------------------------------------------------------
     @property
@@ -211,7 +211,7 @@ class Module(torch.nn.Module):
         self._captures.gather_whole_model()  # across processes: every tensor whole, so every one takes its value
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
-    # -- checkpoints (bindings/conveyor/checkpoint.py) ----------------------------------
+    # -- checkpoints and pretrained weights (checkpoint.py, pretrained.py) ---------------
     def save_checkpoint(self, path, *, extra: dict | None = None) -> None:
         """Writes the folder `path` in PyTorch's distributed checkpoint format: each process
         the parameters, buffers and optimizer state it owns, each once; beside them the step
@@ -227,19 +227,20 @@ class Module(torch.nn.Module):
         """Reads a save_checkpoint folder, written on any plan and process count, into this
         model and its optimizer: each process only the tensors its stages read. Before the
         first call it is checked now and read once the plan exists. Returns its `extra`."""
-        tensors = self._captures.checkpoint_tensors()
-        meta, _ = checkpoint.inspect(path, optimizer=self.optimizer, tensors=tensors)
+        meta, _ = checkpoint.inspect(path, optimizer=self.optimizer, tensors=self._captures.checkpoint_tensors())
         self._history.steps_run = meta["steps_run"]
-        if self.capture is None:
-            self._pending_checkpoint = path
-        else:
-            checkpoint.load(path, optimizer=self.optimizer, tensors=tensors)
+        self._pending_loads.add(lambda tensors: checkpoint.load(path, optimizer=self.optimizer, tensors=tensors))
         return meta["extra"]
 
-    def _read_pending_checkpoint(self) -> None:
-        if self._pending_checkpoint is not None and self.capture is not None:
-            path, self._pending_checkpoint = self._pending_checkpoint, None
-            checkpoint.load(path, optimizer=self.optimizer, tensors=self._captures.checkpoint_tensors())
+    def load_pretrained(self, folder) -> None:
+        """Reads a transformers save_pretrained folder (safetensors) into this model as
+        load_checkpoint reads a checkpoint: checked now, each process reading its tensors alone."""
+        self._pending_loads.add(pretrained.loader(folder, self.module, self._captures.checkpoint_tensors()))
+
+    def save_pretrained(self, folder) -> None:
+        """Writes `folder` as transformers' save_pretrained does, from_pretrained's to read: each
+        process a shard of what it owns (collective: call it on every process)."""
+        pretrained.save(folder, model=self.module, tensors=self._captures.checkpoint_tensors(), group=self.job.group)
 
     # -- running ----------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -248,7 +249,7 @@ class Module(torch.nn.Module):
             self._captures.gather_whole_model()
             return loss_wrapper(self.module, self._loss_fn, args, kwargs)(*args, **kwargs)
         calls, packed = found
-        self._read_pending_checkpoint()
+        self._pending_loads.run()
         if not torch.is_grad_enabled() and not packed:
             return self._steps.evaluate(calls[0])  # the forwards alone, through the same stages and processes
         loss, pipeline = self._steps.train(calls, packed, hold_gradients=True)
@@ -268,7 +269,7 @@ class Module(torch.nn.Module):
             raise ConveyorValueError("train_step trains: call model.train() first")
         self.optimizer.zero_grad(set_to_none=True)
         calls, packed = self._steps.calls_of(args, kwargs)  # train mode: captures or raises
-        self._read_pending_checkpoint()
+        self._pending_loads.run()
         # The loss's gradient is 1 here: the step's gradients go straight to .grad, and on
         # through the inputs that require one (x.grad, or a module before this one).
         loss, pipeline = self._steps.train(calls, packed, hold_gradients=False)
