@@ -71,12 +71,18 @@ TEST(ValueStore, AValueReachesTheReaderOfTheSameIndexAsItsProducerMadeIt) {
   const PipelineLayout layout = mlp_layout({2, 2}, 2);
   ValueStore store(layout, nullptr);
   ASSERT_TRUE(store.begin_step({rows(8, 4)}, 8).is_ok());
+  std::vector<at::Tensor> made;
   for (int mb = 0; mb < 2; ++mb) {
-    for (int i = 0; i < 2; ++i) store.put({kRelu}, one(rows(2, 8) + 100 * mb + 10 * i), mb, 0, i, nullptr);
+    for (int i = 0; i < 2; ++i) {
+      made.push_back(rows(2, 8) + 100 * mb + 10 * i);
+      store.put({kRelu}, one(made.back()), mb, 0, i, nullptr);
+    }
   }
   for (int mb = 0; mb < 2; ++mb) {
     for (int i = 0; i < 2; ++i) {
-      EXPECT_TRUE(torch::equal(read_one(store, kRelu, mb, 1, i), rows(2, 8) + 100 * mb + 10 * i));
+      const at::Tensor read = read_one(store, kRelu, mb, 1, i);
+      EXPECT_TRUE(torch::equal(read, rows(2, 8) + 100 * mb + 10 * i));
+      EXPECT_TRUE(read.is_same(made[2 * mb + i]));  // zero-copy: the producer's own tensor
       // What the producer made, to send to another process.
       EXPECT_TRUE(torch::equal(store.produced(kRelu, mb, i).toTensor(), rows(2, 8) + 100 * mb + 10 * i));
     }
