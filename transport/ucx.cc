@@ -319,11 +319,7 @@ void UcxMember::fail_now(Status error) {
     std::lock_guard<std::mutex> lock(error_mu_);
     if (error_.is_ok()) error_ = error;
   }
-  std::deque<PendingReceive> pending;
-  pending.swap(receives_);
-  for (auto& r : pending) deliver(r.owner, std::move(r.done), error);
-  const std::unordered_set<void*> parts = posted_parts_;  // each cancelled completes (and erases itself)
-  for (void* r : parts) ucp_request_cancel(worker_, r);
+  fail_receives(error);
 }
 
 bool UcxMember::work() {
@@ -350,7 +346,8 @@ void UcxMember::after_round() {
 
 std::optional<int> UcxMember::may_sleep() {
   // At most a millisecond while a transfer is in flight, since one waiting for FIFO or
-  // socket space raises no event.
+  // socket space raises no event; 10 ms while a receive waits for its message (a receive
+  // being read has a request in flight).
   if (answer_pings(/*before_sleep=*/true) || ucp_worker_arm(worker_) == UCS_ERR_BUSY) return std::nullopt;
   return in_flight() > 0 ? 1 : receives_.empty() ? 1000 : 10;
 }

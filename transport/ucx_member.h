@@ -7,8 +7,9 @@
 // - UcxSendsInFlight (ucx_sends.h): the sends UCX has not completed, each kPosted or kFailed;
 // - UcxPeerLiveness (ucx_liveness.h): what the peers said, whose process ended, and the
 //   errors that name them.
-// What stays here is the worker's: its endpoints and pending receives, touched only holding
-// the worker (the progress thread, or a caller's thread in with_worker_on_caller).
+// What stays here is the worker's: its endpoints and receives (each with its ReceiveState),
+// touched only holding the worker (the progress thread, or a caller's thread in
+// with_worker_on_caller).
 #pragma once
 
 #include <ucp/api/ucp.h>
@@ -16,8 +17,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <deque>
 #include <functional>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -78,12 +79,21 @@ class UcxMember final : public UcxEndpoint, private WorkerRounds {
   void abort(Status error) override;
 
  private:
-  struct PendingReceive {
+  /// Where one receive stands.
+  enum class ReceiveState {
+    kAsked,          // waiting for its message; receives of one (peer, tag) take theirs in the order asked
+    kReadingHeader,  // its message found: its first buffer (the header, or all of it) being received
+    kReadingParts,   // its header read: the parts it announced being received (cancelled if the member fails)
+  };
+  struct Receive {
     ucp_tag_t tag;
     std::optional<c10::Device> device;  // where parts sent from device memory land
     std::thread::id owner;              // the thread that asked (UcxProgress::complete)
     Received done;
+    ReceiveState state = ReceiveState::kAsked;
+    std::unordered_set<void*> parts = {};  // kReadingParts: the parts' requests still in flight
   };
+  using Receives = std::list<Receive>;  // stable: a request's completion holds its receive
 
   Status check_peer(int peer) const { return transport::check_peer(rank_, world_, peer); }
   Status current_error();
@@ -123,11 +133,16 @@ class UcxMember final : public UcxEndpoint, private WorkerRounds {
   bool answer_pings(bool before_sleep = false);
   // `why`: this member gives the job up (abort), and its peers' errors say why.
   void say_goodbye(const std::string& why = "");
-  void receive_probed(ucp_tag_message_h msg, std::size_t length, int from, ucp_tag_t tag, std::thread::id owner,
-                      Received done, const std::optional<c10::Device>& device = std::nullopt);
+  // Fails every receive kAsked with `error`, and cancels the parts of those kReadingParts.
+  void fail_receives(const Status& error);
+  // `receive`'s message `msg` of `length` bytes, found (kAsked -> kReadingHeader): received,
+  // then the parts its header announces (kReadingParts), then handed to its done.
+  void receive_probed(Receives::iterator receive, ucp_tag_message_h msg, std::size_t length);
   // A received first buffer from `from`, read: a message, or the one a region notice names.
   Result<IncomingMessage> read_received(const at::Tensor& first, int from, const std::optional<c10::Device>& device);
-  void receive_parts(IncomingMessage message, int from, ucp_tag_t tag, std::thread::id owner, Received done);
+  void receive_parts(Receives::iterator receive, IncomingMessage message);
+  // `receive` leaves the table, and its done gets `result`.
+  void finish_receive(Receives::iterator receive, Result<std::vector<at::Tensor>> result);
   // `done` with `result`, as UcxProgress::complete says.
   static void deliver(std::thread::id owner, Received done, Result<std::vector<at::Tensor>> result);
 
@@ -144,10 +159,9 @@ class UcxMember final : public UcxEndpoint, private WorkerRounds {
   // The worker's: touched only holding it.
   std::vector<ucp_ep_h> eps_;
   std::vector<std::unique_ptr<std::pair<UcxMember*, int>>> handler_args_;
-  std::deque<PendingReceive> receives_;     // asked for, no message taken yet
-  int receiving_ = 0;                       // UCX receive requests not completed
-  std::unordered_set<void*> posted_parts_;  // receives of message parts in flight
-  std::unordered_set<ucp_tag_t> reading_;   // tags with a message being received
+  Receives receives_;                      // in the order asked, until each is finished
+  int receiving_ = 0;                      // UCX receive requests not completed
+  std::unordered_set<ucp_tag_t> reading_;  // tags of the receives kReadingHeader or kReadingParts
   // Large host messages to same-host peers (shared_region.h): this member's region (start),
   // whether each peer is sent to through it (connect; callers' threads), and each peer's
   // region as mapped here (the worker's).

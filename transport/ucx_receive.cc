@@ -26,34 +26,47 @@ bool UcxMember::match_receives() {
   bool busy = false;
   // In the order they were asked for: per (peer, tag) messages complete in arrival order.
   for (auto it = receives_.begin(); it != receives_.end();) {
-    if (reading_.contains(it->tag)) {
+    if (it->state != ReceiveState::kAsked || reading_.contains(it->tag)) {
       ++it;
       continue;
     }
+    const auto receive = it++;  // its completion may finish it (erase) before receive_probed returns
     ucp_tag_recv_info_t info{};
-    ucp_tag_message_h msg = ucp_tag_probe_nb(worker_, it->tag, ~ucp_tag_t{0}, 1, &info);
-    const int from = sender_of(it->tag);
+    ucp_tag_message_h msg = ucp_tag_probe_nb(worker_, receive->tag, ~ucp_tag_t{0}, 1, &info);
     if (msg == nullptr) {
       // Nothing more comes from a peer that closed, nor anything but collectives from one
       // that leaves (after a grace for what it sent just before, which may arrive around
       // its word).
-      const std::string gone = why_nothing_comes(it->tag);
-      if (gone.empty()) {
-        ++it;
-        continue;
-      }
-      PendingReceive r = std::move(*it);
-      it = receives_.erase(it);
-      deliver(r.owner, std::move(r.done), Status(ErrorCode::kExecution, gone));
+      const std::string gone = why_nothing_comes(receive->tag);
+      if (gone.empty()) continue;
+      finish_receive(receive, Status(ErrorCode::kExecution, gone));
       busy = true;
       continue;
     }
     busy = true;
-    PendingReceive r = std::move(*it);
-    it = receives_.erase(it);
-    receive_probed(msg, info.length, from, info.sender_tag, r.owner, std::move(r.done), r.device);
+    receive_probed(receive, msg, info.length);
   }
   return busy;
+}
+
+void UcxMember::fail_receives(const Status& error) {
+  Receives asked;  // taken out first: a done may run at once
+  std::vector<void*> parts;
+  for (auto it = receives_.begin(); it != receives_.end();) {
+    const auto receive = it++;
+    if (receive->state == ReceiveState::kAsked) asked.splice(asked.end(), receives_, receive);
+    if (receive->state == ReceiveState::kReadingParts) parts.insert(parts.end(), receive->parts.begin(), receive->parts.end());
+  }
+  for (auto& r : asked) deliver(r.owner, std::move(r.done), error);
+  for (void* r : parts) ucp_request_cancel(worker_, r);  // each cancelled completes (and leaves its receive)
+}
+
+void UcxMember::finish_receive(Receives::iterator receive, Result<std::vector<at::Tensor>> result) {
+  if (receive->state != ReceiveState::kAsked) reading_.erase(receive->tag);
+  const std::thread::id owner = receive->owner;
+  Received done = std::move(receive->done);
+  receives_.erase(receive);
+  deliver(owner, std::move(done), std::move(result));
 }
 
 std::string UcxMember::why_nothing_comes(ucp_tag_t tag) const {
@@ -79,20 +92,21 @@ bool UcxMember::answer_pings(bool before_sleep) {
         ucp_tag_message_h msg = ucp_tag_probe_nb(worker_, ucx_tag(tag, peer), ~ucp_tag_t{0}, 1, &info);
         if (msg == nullptr) break;
         any = true;
+        Received done;
         if (tag == kPingTag) {
-          receive_probed(msg, info.length, peer, info.sender_tag, std::thread::id{},
-                         [this, peer](Result<std::vector<at::Tensor>>) { send_tagged(peer, kPongTag, {}, [](Status) {}); });
+          done = [this, peer](Result<std::vector<at::Tensor>>) { send_tagged(peer, kPongTag, {}, [](Status) {}); };
         } else {  // a peer that closed or leaves: what it sent before stays receivable
           const auto word = tag == kByeTag ? UcxPeerLiveness::Word::kGoodbye : UcxPeerLiveness::Word::kLeaving;
-          receive_probed(msg, info.length, peer, info.sender_tag, std::thread::id{},
-                         [this, peer, word](Result<std::vector<at::Tensor>> got) {
-                           std::string why;
-                           if (got.is_ok() && got->size() == 1 && (*got)[0].scalar_type() == at::kByte) {
-                             why = text_of((*got)[0]);  // a goodbye that says why
-                           }
-                           peers_.heard(peer, word, std::move(why));
-                         });
+          done = [this, peer, word](Result<std::vector<at::Tensor>> got) {
+            std::string why;
+            if (got.is_ok() && got->size() == 1 && (*got)[0].scalar_type() == at::kByte) {
+              why = text_of((*got)[0]);  // a goodbye that says why
+            }
+            peers_.heard(peer, word, std::move(why));
+          };
         }
+        receives_.push_back({info.sender_tag, std::nullopt, std::thread::id{}, std::move(done)});
+        receive_probed(std::prev(receives_.end()), msg, info.length);
       }
     }
   }
@@ -118,24 +132,22 @@ void UcxMember::say_goodbye(const std::string& why) {
   wait_for_requests(worker_, sent, std::chrono::steady_clock::now() + std::chrono::milliseconds(200));
 }
 
-void UcxMember::receive_probed(ucp_tag_message_h msg, std::size_t length, int from, ucp_tag_t tag,
-                               std::thread::id owner, Received done, const std::optional<c10::Device>& device) {
-  // Receives the probed message `msg` of `length` bytes from member `from` under `tag`, then
-  // the parts its header announces, and hands its tensors, or the error, to `done`.
+void UcxMember::receive_probed(Receives::iterator receive, ucp_tag_message_h msg, std::size_t length) {
+  // Receives the probed message `msg` of `length` bytes, then the parts its header
+  // announces, and hands its tensors, or the error, to the receive's done.
   at::Tensor first = message_bytes(length);
+  receive->state = ReceiveState::kReadingHeader;
   ++receiving_;
-  reading_.insert(tag);  // until the whole message is in, no other receive takes the tag's next one
+  reading_.insert(receive->tag);  // until the whole message is in, no other receive takes the tag's next one
   post_request(
-      [this, first, from, tag, owner, device, done = std::move(done)](ucs_status_t s) mutable {
+      [this, first, receive](ucs_status_t s) mutable {
         --receiving_;
-        auto message = s == UCS_OK ? read_received(first, from, device)
+        const int from = sender_of(receive->tag);
+        auto message = s == UCS_OK ? read_received(first, from, receive->device)
                                    : transfer_error("a UCX receive", peers_.lost(from), s);
-        if (message.is_ok() && !message->parts.empty()) {
-          return receive_parts(std::move(*message), from, tag, owner, std::move(done));
-        }
-        reading_.erase(tag);
-        if (!message.is_ok()) return deliver(owner, std::move(done), message.status());
-        deliver(owner, std::move(done), std::move(message->tensors));
+        if (message.is_ok() && !message->parts.empty()) return receive_parts(receive, std::move(*message));
+        if (!message.is_ok()) return finish_receive(receive, message.status());
+        finish_receive(receive, std::move(message->tensors));
       },
       [&](const ucp_request_param_t& p) { return ucp_tag_msg_recv_nbx(worker_, first.data_ptr(), length, msg, &p); },
       /*receive=*/true);
@@ -155,25 +167,25 @@ Result<IncomingMessage> UcxMember::read_received(const at::Tensor& first, int fr
   return read_message(buffer, device);
 }
 
-void UcxMember::receive_parts(IncomingMessage message, int from, ucp_tag_t tag, std::thread::id owner, Received done) {
+void UcxMember::receive_parts(Receives::iterator receive, IncomingMessage message) {
   // As the header is received: receives each part the header announced into its tensor.
   // Until all are in, no other receive matches the tag, so the receives of one (peer, tag)
-  // complete in order. Parts still posted when the member fails are cancelled (fail_now)
-  // and fail with its error.
+  // complete in order. Parts still posted when the member fails are cancelled
+  // (fail_receives) and fail with its error.
+  receive->state = ReceiveState::kReadingParts;
+  const int from = sender_of(receive->tag);
   auto received = std::make_shared<Countdown>(
-      message.parts.size(),
-      [this, tag, owner, tensors = std::move(message.tensors), done = std::move(done)](Status s) mutable {
-        reading_.erase(tag);
-        if (!s.is_ok()) return deliver(owner, std::move(done), s);
-        deliver(owner, std::move(done), std::move(tensors));
+      message.parts.size(), [this, receive, tensors = std::move(message.tensors)](Status s) mutable {
+        if (!s.is_ok()) return finish_receive(receive, s);
+        finish_receive(receive, std::move(tensors));
       });
   for (at::Tensor& part : message.parts) {
     ++receiving_;
     auto posted = std::make_shared<void*>(nullptr);
     *posted = post_request(
-        [this, received, part, from, posted](ucs_status_t s) {
+        [this, received, receive, part, from, posted](ucs_status_t s) {
           --receiving_;
-          posted_parts_.erase(*posted);
+          receive->parts.erase(*posted);  // before the last part's completion finishes the receive
           if (s == UCS_OK) return received->completed(Status::ok());
           Status failed = current_error();  // a cancelled part fails with the member's error
           received->completed(s == UCS_ERR_CANCELED && !failed.is_ok() ? failed
@@ -181,10 +193,12 @@ void UcxMember::receive_parts(IncomingMessage message, int from, ucp_tag_t tag, 
         },
         [&](const ucp_request_param_t& given) {
           ucp_request_param_t p = with_memory_type(given, part);
-          return ucp_tag_recv_nbx(worker_, part.data_ptr(), part.nbytes(), tag, ~ucp_tag_t{0}, &p);
+          return ucp_tag_recv_nbx(worker_, part.data_ptr(), part.nbytes(), receive->tag, ~ucp_tag_t{0}, &p);
         },
         /*receive=*/true);
-    if (*posted != nullptr) posted_parts_.insert(*posted);
+    // Still in flight (not completed as it was posted): the receive is not finished, since
+    // its last part's completion finishes it.
+    if (*posted != nullptr) receive->parts.insert(*posted);
   }
 }
 
