@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <map>
 #include <optional>
 
 #include "../graph/test_graphs.h"
@@ -41,6 +42,29 @@ struct Arrived {
   }
 };
 
+// The process's endpoint as the exchange sees it, counting the receives it asks for.
+class CountingEndpoint final : public transport::Endpoint {
+ public:
+  explicit CountingEndpoint(std::shared_ptr<transport::Endpoint> inner) : inner_(std::move(inner)) {}
+  int rank() const override { return inner_->rank(); }
+  int world_size() const override { return inner_->world_size(); }
+  void send(int peer, transport::Tag tag, std::vector<at::Tensor> tensors, transport::Done done) override {
+    inner_->send(peer, tag, std::move(tensors), std::move(done));
+  }
+  void recv(int peer, transport::Tag tag, transport::Received done) override {
+    ++receives_[{peer, tag}];
+    inner_->recv(peer, tag, std::move(done));
+  }
+  int receives(int peer, transport::Tag tag) const {
+    auto it = receives_.find({peer, tag});
+    return it == receives_.end() ? 0 : it->second;
+  }
+
+ private:
+  std::shared_ptr<transport::Endpoint> inner_;
+  std::map<std::pair<int, transport::Tag>, int> receives_;  // the test's thread only
+};
+
 // One process of the pipeline: what it places, stores and exchanges.
 struct Process {
   Placement placement;
@@ -67,7 +91,8 @@ struct TwoProcesses {
       Process& process = processes[p];
       process.placement = std::move(*placement);
       process.store = std::make_unique<ValueStore>(layout, nullptr);
-      process.exchange = std::make_unique<RemoteExchange>(layout, process.placement, *process.store, nullptr, endpoints[p]);
+      counting.push_back(std::make_shared<CountingEndpoint>(endpoints[p]));
+      process.exchange = std::make_unique<RemoteExchange>(layout, process.placement, *process.store, nullptr, counting[p]);
       EXPECT_TRUE(process.store->begin_step({rows(batch, 4)}, batch).is_ok());
       process.exchange->begin_step();
     }
@@ -76,7 +101,8 @@ struct TwoProcesses {
 
   const graph::Graph graph = graph::testing::mlp_graph();
   PipelineLayout layout;
-  std::vector<std::shared_ptr<transport::Endpoint>> endpoints;
+  std::vector<std::shared_ptr<transport::Endpoint>> endpoints;  // the in-process transport's
+  std::vector<std::shared_ptr<CountingEndpoint>> counting;       // the same, as the exchanges see them
   Process processes[2];
 };
 
@@ -156,6 +182,9 @@ TEST(RemoteExchange, AMessageIsReceivedOncePerProcessAndReleasesEveryReplicaRead
   job[1].exchange->receive(1, recv_activation(0), late.callback());
   ASSERT_TRUE(late.status.has_value());
   EXPECT_TRUE(late.status->is_ok());
+  // One receive asked of the transport for all three: none is left pending to take a later
+  // step's message under the same tag.
+  EXPECT_EQ(job.counting[1]->receives(0, message_tag(1, 0, 0, 0)), 1);
 }
 
 // A lost peer fails the receives waiting on it with the transport's words, and later ones;
@@ -174,6 +203,7 @@ TEST(RemoteExchange, APeerThatFailsFailsTheReceivesWaitingOnItAndTheSends) {
   job[1].exchange->receive(0, recv_activation(0), again.callback());
   ASSERT_TRUE(again.status.has_value());
   EXPECT_EQ(again.status->message(), "process 0 was lost");
+  EXPECT_EQ(job.counting[1]->receives(0, message_tag(1, 0, 0, 0)), 1);
   Arrived next;
   job[1].exchange->receive(0, recv_activation(1), next.callback());
   ASSERT_TRUE(next.status.has_value());
