@@ -342,6 +342,37 @@ TEST(StepRun, ReplicasInAnotherProcessAreReachedThroughTheHooks) {
   EXPECT_EQ((log.transferred[{0, 0}]), sends);
 }
 
+// An evaluation's list ends with a send, which reads what the step's caller clears once the
+// step returns: the step ends only after every send ran, in the order the list posted them.
+TEST(StepRun, AForwardOnlyStepEndsAfterItsLastSend) {
+  auto made = make_schedule(ScheduleSpec{ScheduleKind::kOneFOneB, 2, 4, 1, /*forward_only=*/true});
+  ASSERT_TRUE(made.is_ok()) << made.status().to_string();
+  const Schedule& schedule = *made;
+  ASSERT_EQ(schedule.ranks[0].back().kind, ActionKind::kSendActivation);
+  Log log;
+  RunnerHooks hooks;
+  hooks.compute = [&log](int r, int i, const Action& a) {
+    log.add(log.computed, r, i, a, nullptr);
+    return Status::ok();
+  };
+  hooks.transfer = [&log](int r, int i, const Action& a) {
+    log.add(log.transferred, r, i, a, nullptr);
+    return Status::ok();
+  };
+  auto step = StepRun::create(schedule, hooks, {1, 1}, LocalReplicas{{true}, {false}});
+  ASSERT_TRUE(step.is_ok()) << step.status().to_string();
+  (*step)->run_replica(0);
+  auto result = (*step)->wait(kGenerous);
+  ASSERT_TRUE(result.is_ok()) << result.status().to_string();
+  ActionList sends;
+  for (const Action& a : schedule.ranks[0]) {
+    if (a.kind == ActionKind::kSendActivation) sends.push_back(a);
+  }
+  EXPECT_EQ(sends.size(), 4u);
+  EXPECT_EQ((log.transferred[{0, 0}]), sends);
+  EXPECT_EQ((log.computed[{0, 0}]), computes_of(schedule.ranks[0]));
+}
+
 // Another process's failure, reported through the receive hook, fails the step naming the receive.
 TEST(StepRun, AFailedReceiveFromAnotherProcessFailsTheStep) {
   const Schedule schedule = schedule_of(ScheduleKind::kOneFOneB, 2, 2);
