@@ -3,17 +3,20 @@
 // names for its code by the translator in module.cc), and values cross between Python and
 // C++ (to_ivalue, to_py). Each area binds itself: graph_bindings.cc (the IR, the file format,
 // the executor, planning), process_bindings.cc (UCX, NCCL, the job's processes),
-// pipeline_bindings.cc (PipelineStep).
+// pipeline_bindings.cc (PipelineStep). A plan crosses as a PlanHandle (conveyor._C.Plan).
 #pragma once
 
 #include <torch/extension.h>
 
+#include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "common/status.h"
 #include "graph/ir.h"
+#include "partitioner/planner.h"
 
 namespace conveyor::bindings {
 
@@ -86,6 +89,34 @@ struct PyGraph {
 };
 
 using Stages = std::vector<std::vector<graph::NodeId>>;
+
+/// A plan as it crosses between Python and C++ (conveyor._C.Plan): the planner's Plan, made
+/// once (by the planner, or read from a plan document) and never changed, and its simulated
+/// step, simulated once, the first time a pipeline or the live profile asks for it.
+class PlanHandle {
+ public:
+  explicit PlanHandle(partitioner::Plan plan) : plan_(std::move(plan)) {}
+
+  const partitioner::Plan& plan() const { return plan_; }
+
+  /// The simulator's result for the plan, for a pipeline built as `built`; an error naming
+  /// both when `built` (schedule, ranks, chunks, microbatches) is not the plan's pipeline.
+  const scheduler::SimulationResult& prediction_for(const scheduler::ScheduleSpec& built) const {
+    const scheduler::ScheduleSpec planned = plan_.schedule_spec();
+    if (planned.kind != built.kind || planned.ranks != built.ranks || planned.chunks != built.chunks ||
+        planned.microbatches != built.microbatches) {
+      check(plan_.simulate_as_built(built).status());  // refuses before it simulates, naming both pipelines
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!prediction_) prediction_ = unwrap(plan_.simulate());
+    return *prediction_;
+  }
+
+ private:
+  const partitioner::Plan plan_;
+  mutable std::mutex mutex_;  // guards prediction_
+  mutable std::optional<scheduler::SimulationResult> prediction_;
+};
 
 void bind_graph(py::module_& m);
 void bind_processes(py::module_& m);

@@ -200,7 +200,34 @@ void bind_graph(py::module_& m) {
       },
       "Every activation recomputation's name (common/recomputation.h): none, selective, full.");
 
-  // Planning (torch-free C++ behind it): documents in, documents out.
+  // Planning (torch-free C++ behind it): profiles and clusters in as documents, plans out as
+  // handles (a plan is parsed, and simulated, once; JSON is only its file and wire format).
+  py::class_<PlanHandle, std::shared_ptr<PlanHandle>>(
+      m, "Plan",
+      "A plan made by the planner or read from a plan document (docs/formats.md), unchanged from then on; "
+      "PipelineStep(plan=...) and set_prediction take it, and its simulated step is simulated once, when first asked.")
+      .def("to_json", [](const PlanHandle& p) { return p.plan().to_json(); },
+           "The plan document (docs/formats.md, \"Plan document\"): its file and wire format.")
+      .def_property_readonly("table", [](const PlanHandle& p) { return p.plan().table(); },
+                             "The readable table `conveyor plan` prints.")
+      .def_property_readonly("stage_nodes", [](const PlanHandle& p) {
+        std::vector<std::vector<int>> out;
+        for (const auto& s : p.plan().stages) out.push_back(s.ops);
+        return out;
+      }, "Each stage's node ids.")
+      .def_property_readonly("replicas", [](const PlanHandle& p) {
+        std::vector<int> out;
+        for (const auto& s : p.plan().stages) out.push_back(s.replicas);
+        return out;
+      }, "Each stage's replicas.")
+      .def_property_readonly("schedule", [](const PlanHandle& p) {
+        return std::string(scheduler::schedule_kind_name(p.plan().schedule));
+      })
+      .def_property_readonly("microbatches", [](const PlanHandle& p) { return p.plan().microbatches; })
+      .def_property_readonly("chunks", [](const PlanHandle& p) { return p.plan().chunks; },
+                             "Stages per pipeline rank (2: interleaved, ZB-V, DualPipeV).")
+      .def_property_readonly("predicted_step_s", [](const PlanHandle& p) { return p.plan().predicted_step_s; },
+                             "The simulated step time the planner found.");
   m.def("graph_hash", [](const PyGraph& g) { return partitioner::graph_hash(g.graph); },
         "The hash profiles are keyed by.");
   m.def(
@@ -218,13 +245,13 @@ void bind_graph(py::module_& m) {
           py::gil_scoped_release nogil;
           plan = unwrap(partitioner::make_plan(costs, cluster, o));
         }
-        return py::make_tuple(plan.to_json(), plan.table());
+        return std::make_shared<PlanHandle>(std::move(plan));
       },
       py::arg("graph"), py::arg("profile"), py::arg("cluster"), py::arg("batch"), py::arg("microbatches") = 0,
       py::arg("schedules") = std::vector<std::string>{}, py::arg("optimizer_state") = 2.0, py::arg("max_replicas") = 0,
       py::arg("max_microbatches") = 0, py::arg("even_shares") = false, py::arg("ranks") = 0,
       py::arg("replicas") = std::vector<int>{}, py::arg("chunks") = 0, py::arg("recompute") = py::none(),
-      "Plans a captured graph from its profile on a cluster (TOML text); returns (plan JSON, table). even_shares: "
+      "Plans a captured graph from its profile on a cluster (TOML text); returns a Plan. even_shares: "
       "replicas split microbatches evenly, as the runtime does (off: in proportion to their devices' speeds). "
       "ranks, replicas (one count, or one per rank) and chunks fix those parts (0 or empty: planned); recompute: "
       "None (the planner chooses per stage: a stage recomputes its activations where it would not fit "
@@ -234,10 +261,10 @@ void bind_graph(py::module_& m) {
   m.def(
       "read_plan",
       [](const std::string& plan_json) {
-        auto plan = unwrap(partitioner::Plan::from_json(plan_json));
-        return py::make_tuple(plan.to_json(), plan.table());
+        return std::make_shared<PlanHandle>(unwrap(partitioner::Plan::from_json(plan_json)));
       },
-      py::arg("plan"), "Checks a plan document as conveyor's planner reads it; returns (plan JSON, table).");
+      py::arg("plan"), "A Plan from a plan document (a file's or the wire's text), checked as conveyor's planner "
+      "reads it.");
 
   m.def(
       "plan_stages",
@@ -248,20 +275,19 @@ void bind_graph(py::module_& m) {
         auto cluster = unwrap(partitioner::Cluster::from_toml(cluster_toml, "cluster"));
         auto o = plan_options(batch, microbatches, {schedule}, optimizer_state, 0, 0, even_shares, 0, {}, 0);
         partitioner::Candidate c{stages, replicas, microbatches, unwrap(scheduler::schedule_kind_from_name(schedule))};
-        auto plan = unwrap(partitioner::plan_candidate(costs, cluster, o, c));
-        return py::make_tuple(plan.to_json(), plan.table());
+        return std::make_shared<PlanHandle>(unwrap(partitioner::plan_candidate(costs, cluster, o, c)));
       },
       py::arg("graph"), py::arg("profile"), py::arg("cluster"), py::arg("stages"), py::arg("replicas"),
       py::arg("batch"), py::arg("microbatches"), py::arg("schedule") = "1f1b", py::arg("optimizer_state") = 2.0,
       py::arg("even_shares") = true,
-      "Prices a given split (node lists, replicas per stage) on the planner's model: (plan JSON, table) with its "
-      "objective and simulated step, as `plan` would give it.");
+      "Prices a given split (node lists, replicas per stage) on the planner's model: a Plan with its objective "
+      "and simulated step, as `plan` would give it.");
 
   py::class_<partitioner::Replanner>(m, "Replanner",
                                      "Decides, window after window, whether a running plan should give way to "
                                      "another (partitioner/replan.h).")
       .def(py::init([](const PyGraph& g, const std::string& profile_json, const std::string& cluster_toml,
-                       const std::string& plan_json, int batch, int microbatches,
+                       const PlanHandle& running, int batch, int microbatches,
                        const std::vector<std::string>& schedules, double optimizer_state, int max_replicas,
                        int max_microbatches, int ranks, const std::vector<int>& replicas, int chunks,
                        const std::optional<std::string>& recompute, int horizon_steps, bool moves_bytes, double min_gain, double margin, int confirmations,
@@ -275,7 +301,7 @@ void bind_graph(py::module_& m) {
              policy.tolerance = tolerance;
              return partitioner::Replanner(
                  cost_graph_of(g, profile_json), unwrap(partitioner::Cluster::from_toml(cluster_toml, "cluster")),
-                 unwrap(partitioner::Plan::from_json(plan_json)),
+                 running.plan(),
                  plan_options(batch, microbatches, schedules, optimizer_state, max_replicas, max_microbatches, false,
                               ranks, replicas, chunks, recompute),
                  policy);
@@ -317,12 +343,12 @@ void bind_graph(py::module_& m) {
         out["undo"] = d.undo;
         out["reason"] = d.reason;
         out["arithmetic"] = d.arithmetic(r.policy());
-        out["candidate"] = d.candidate.to_json();
         out["candidate_table"] = d.candidate.table();
-        out["running"] = d.calibration.running.to_json();
+        out["running_predicted_step_s"] = d.calibration.running.predicted_step_s;
+        out["candidate"] = std::make_shared<PlanHandle>(std::move(d.candidate));
+        out["running"] = std::make_shared<PlanHandle>(std::move(d.calibration.running));
         out["measured_step_s"] = d.measured_step_s;
         out["predicted_step_s"] = d.predicted_step_s;
-        out["running_predicted_step_s"] = d.calibration.running.predicted_step_s;
         out["gain_s"] = d.gain_s;
         out["move_bytes"] = d.move.bytes;
         out["move_s"] = d.move.seconds();
@@ -337,11 +363,10 @@ void bind_graph(py::module_& m) {
          "One window of the running plan (the live profile's stages, merged across processes, and its mean step): "
          "corrects the inputs, plans again and decides; rebuild_s and bytes_per_s: what building a pipeline and "
          "moving bytes measured (0: unknown / the cluster's links). Returns a dict: switch, reason, arithmetic, "
-         "candidate (plan JSON) and candidate_table, running (the running plan priced on the corrected inputs), "
+         "candidate (a Plan) and candidate_table, running (a Plan: the running plan priced on the corrected inputs), "
          "the step times, the gain, the moving cost and the factors.")
-      .def("switched_to", [](partitioner::Replanner& r, const std::string& plan_json) {
-        check(r.switched_to(unwrap(partitioner::Plan::from_json(plan_json))));
-      }, py::arg("plan"), "The plan (JSON) that runs from now on.");
+      .def("switched_to", [](partitioner::Replanner& r, const PlanHandle& plan) { check(r.switched_to(plan.plan())); },
+           py::arg("plan"), "The Plan that runs from now on.");
 }
 
 }  // namespace conveyor::bindings

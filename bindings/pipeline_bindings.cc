@@ -75,7 +75,7 @@ void bind_pipeline(py::module_& m) {
                                     "One pipelined training step over stages of a graph, in this process.")
       .def(py::init([](const std::shared_ptr<GraphExecutor>& ex, std::vector<std::vector<NodeId>> stages,
                        const std::string& schedule, int microbatches, int chunks, std::vector<int> replicas,
-                       std::int64_t bucket_bytes, int intra_op_threads, const std::string& plan_json,
+                       std::int64_t bucket_bytes, int intra_op_threads, const std::shared_ptr<PlanHandle>& plan,
                        std::shared_ptr<runtime::ProcessGroup> processes, std::vector<int> rank_process,
                        double step_timeout_s, std::vector<std::vector<int>> replica_process,
                        std::optional<std::uint64_t> seed, const std::string& transport, std::vector<std::string> recompute,
@@ -86,10 +86,9 @@ void bind_pipeline(py::module_& m) {
              spec.ranks = static_cast<int>(stages.size()) / std::max(chunks, 1);
              spec.microbatches = microbatches;
              runtime::PipelineOptions options;
-             if (!plan_json.empty()) {
-               // The plan this pipeline runs: its simulated step is the live profile's reference.
-               options.predicted = unwrap(unwrap(partitioner::Plan::from_json(plan_json)).simulate_as_built(spec));
-             }
+             // The plan this pipeline runs: its simulated step (simulated once per plan) is the live
+             // profile's reference.
+             if (plan) options.predicted = plan->prediction_for(spec);
              options.replicas = std::move(replicas);
              options.shares = std::move(shares);
              options.holders = std::move(holders);
@@ -121,7 +120,7 @@ void bind_pipeline(py::module_& m) {
            }),
            py::arg("executor"), py::arg("stages"), py::arg("schedule") = "1f1b", py::arg("microbatches") = 1,
            py::arg("chunks") = 1, py::arg("replicas") = std::vector<int>{}, py::arg("bucket_bytes") = 0,
-           py::arg("intra_op_threads") = 0, py::arg("plan") = std::string(), py::arg("processes") = nullptr,
+           py::arg("intra_op_threads") = 0, py::arg("plan") = nullptr, py::arg("processes") = nullptr,
            py::arg("rank_process") = std::vector<int>{}, py::arg("step_timeout_s") = 0.0,
            py::arg("replica_process") = std::vector<std::vector<int>>{}, py::arg("seed") = py::none(),
            py::arg("transport") = "ucx", py::arg("recompute") = std::vector<std::string>{},
@@ -131,8 +130,8 @@ void bind_pipeline(py::module_& m) {
            "microbatch (empty: even); holders: a re-plan's {tensor name: processes holding it} (the old "
            "pipeline's readers()): each process receives only what its stages read and lacks, and releases the "
            "rest at the first step (empty: every tensor from its owner to every process); bucket_bytes: gradient reduction bucket size (0: 4 MiB); "
-           "intra_op_threads: torch threads per replica (0: the caller's shared out); plan: the plan document "
-           "the stages come from (its prediction is what the live profile compares against); processes, "
+           "intra_op_threads: torch threads per replica (0: the caller's shared out); plan: the Plan the stages "
+           "come from (its simulated step is what the live profile compares against); processes, "
            "rank_process: run across the job's processes, pipeline rank r on process rank_process[r]; "
            "replica_process: the same per replica, replica i of rank r on process replica_process[r][i] (a stage "
            "whose replicas run in several processes sums its gradients across them); "
@@ -221,9 +220,8 @@ void bind_pipeline(py::module_& m) {
       }, py::arg("path"), py::arg("markers") = std::vector<std::pair<double, std::string>>{},
          "Writes the last step's measured actions as a Perfetto trace; markers: (seconds from the step's start, "
          "name) instant events (a switch of plan).")
-      .def("set_prediction", [](runtime::PipelineStep& step, const std::string& plan_json) {
-        auto plan = unwrap(partitioner::Plan::from_json(plan_json));
-        step.set_prediction(unwrap(plan.simulate_as_built(step.spec())));
+      .def("set_prediction", [](runtime::PipelineStep& step, const PlanHandle& plan) {
+        step.set_prediction(plan.prediction_for(step.spec()));
       }, py::arg("plan"), "From now on the live profile compares the steps that follow with this plan's prediction "
          "(the running plan priced again on corrected inputs).")
       .def("spans", [](const runtime::PipelineStep& step) {

@@ -2,8 +2,6 @@
 built over them (_C.PipelineStep)."""
 from __future__ import annotations
 
-import json
-
 import torch
 
 from . import _C, distributed
@@ -54,8 +52,9 @@ class Job:
         if self.group is None:
             return {}
         n = self.group.world_size
-        stages = plan.document.get("stages", []) if plan is not None else []
-        if plan is not None and len(plan.document.get("devices", [])) == n and len(stages) >= len(replicas) and all(
+        document = plan.document if plan is not None else {}
+        stages = document.get("stages", [])
+        if plan is not None and len(document.get("devices", [])) == n and len(stages) >= len(replicas) and all(
                 0 <= stages[r].get("first_device", -1) and stages[r]["first_device"] + replicas[r] <= n
                 for r in range(len(replicas))):
             where = [[stages[r]["first_device"] + i for i in range(replicas[r])] for r in range(len(replicas))]
@@ -70,9 +69,9 @@ class Job:
     def pipeline_of(self, graph, plan, holders: dict | None = None):
         """The plan's pipeline (`holders`: what each process holds, as _C.PipelineStep.readers
         gives it, when a re-plan or a capture switch builds it)."""
-        chunks = plan.document["chunks"]
-        return self.pipeline(graph, plan.stage_nodes, plan.schedule, plan.microbatches, chunks,
-                             plan.replicas[:len(plan.stage_nodes) // chunks], plan=plan, holders=holders)
+        stage_nodes = plan.stage_nodes
+        return self.pipeline(graph, stage_nodes, plan.schedule, plan.microbatches, plan.chunks,
+                             plan.replicas[:len(stage_nodes) // plan.chunks], plan=plan, holders=holders)
 
     def pipeline(self, graph, stage_nodes: list, schedule: str, microbatches: int, chunks: int, replicas: list,
                  plan=None, across_processes: bool = True, holders: dict | None = None):
@@ -80,17 +79,18 @@ class Job:
         come from one) is what the live profile compares against; across processes, every
         replica on the process `placement` gives it."""
         placement = self.placement(replicas, plan) if across_processes else {}
+        planned_stages = plan.document["stages"] if plan is not None else []
         asked = self.options.recompute
         if isinstance(asked, list):
             recompute = [recomputation(r) for r in asked]
         elif plan is not None and asked is None:  # the plan's choice, stage by stage
-            recompute = [recomputation(s.get("recompute", False)) for s in plan.document["stages"]]
+            recompute = [recomputation(s.get("recompute", False)) for s in planned_stages]
         else:
             recompute = [recomputation(asked)] * len(stage_nodes)
         if len(recompute) != len(stage_nodes):
             raise ConveyorValueError(f"recompute has {len(recompute)} flags but the pipeline has {len(stage_nodes)} stages")
         # The plan's shares: devices of different speeds take microbatch shares to match.
-        shares = [list(s.get("shares", [])) for s in plan.document["stages"][:len(replicas)]] if plan is not None else []
+        shares = [list(s.get("shares", [])) for s in planned_stages[:len(replicas)]]
         return _C.PipelineStep(graph.executor, stage_nodes, schedule, microbatches, chunks, replicas,
-                               plan=json.dumps(plan.document) if plan is not None else "", recompute=recompute,
+                               plan=plan.handle if plan is not None else None, recompute=recompute,
                                shares=shares, holders=holders or {}, **placement)

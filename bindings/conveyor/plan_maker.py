@@ -73,9 +73,10 @@ class PlanMaker:
                 raise refused
             return made
         # Process 0 plans for one device per process; every process runs that plan, or hears
-        # why there is none (instead of waiting for it until the timeout).
+        # why there is none (instead of waiting for it until the timeout). The plan travels as
+        # its document; each other process reads it once into its own plan.
         if made is not None:
-            sent = b"plan\0" + (json.dumps(made.document) + "\0" + made.table).encode()
+            sent = b"plan\0" + made.handle.to_json().encode()
         else:
             sent = f"refused\0{type(refused).__name__}\0{refused}".encode() if refused is not None else b""
         kind, _, body = self.group.broadcast_bytes(0, sent).decode().partition("\0")
@@ -84,15 +85,14 @@ class PlanMaker:
                 raise refused
             name, _, text = body.partition("\0")
             raise getattr(errors, name, ConveyorError)(f"process 0 found no plan: {text}")
-        document, table = body.split("\0", 1)
-        return Plan(document, table)
+        return made if made is not None else Plan(_C.read_plan(body))
 
     def replanner(self, prof: dict | None, running: Plan):
         """The re-planning partitioner (partitioner/replan.h) over `prof`, from the running
         plan; None off process 0."""
         if prof is None:
             return None
-        return _C.Replanner(self.graph.ir, json.dumps(prof), cluster_text(self.cluster), json.dumps(running.document),
+        return _C.Replanner(self.graph.ir, json.dumps(prof), cluster_text(self.cluster), running.handle,
                             batch=self.batch, microbatches=self.microbatches, schedules=self.fixed.schedules,
                             max_replicas=self.max_replicas, max_microbatches=self.most_microbatches,
                             horizon_steps=self.horizon_steps, moves_bytes=self.group is not None,

@@ -282,35 +282,53 @@ def _count_saved_once(measured: list, reads_param: set, nodes: list[dict], selec
 
 
 class Plan:
-    """A plan document with its table; `stage_nodes` runs with Graph.split."""
+    """A plan: its stages (`stage_nodes` runs with Graph.split), replicas, schedule and
+    prediction, and its table. It wraps one _C.Plan, made once by the planner or read from a
+    plan document, which a pipeline takes as it is (its simulated step simulated once);
+    `table`: the text str() shows (default: the plan's own table)."""
 
-    def __init__(self, document: str, table: str):
-        self.document = json.loads(document)
-        self.table = table
+    def __init__(self, plan: _C.Plan, table: str | None = None):
+        if not isinstance(plan, _C.Plan):
+            raise ConveyorValueError(f"Plan wraps a plan from conveyor.plan or a plan document, not "
+                                     f"{type(plan).__name__}; read a document with conveyor.planning.read_plan")
+        self.handle = plan
+        self.table = plan.table if table is None else table
+
+    @property
+    def document(self) -> dict:
+        """The plan document (docs/formats.md) as a dict: a new one each time (changing it
+        changes nothing)."""
+        return json.loads(self.handle.to_json())
 
     @property
     def stage_nodes(self) -> list[list[int]]:
-        return [list(s["ops"]) for s in self.document["stages"]]
+        return self.handle.stage_nodes
 
     @property
     def replicas(self) -> list[int]:
         """Replicas of each stage."""
-        return [int(s["replicas"]) for s in self.document["stages"]]
+        return self.handle.replicas
 
     @property
     def schedule(self) -> str:
-        return self.document["schedule"]
+        return self.handle.schedule
 
     @property
     def microbatches(self) -> int:
-        return self.document["microbatches"]
+        return self.handle.microbatches
+
+    @property
+    def chunks(self) -> int:
+        """Stages per pipeline rank (2 for the interleaved, ZB-V and DualPipeV schedules)."""
+        return self.handle.chunks
 
     @property
     def predicted_step_s(self) -> float:
-        return self.document["predicted_step_s"]
+        return self.handle.predicted_step_s
 
     def save(self, path) -> None:
-        Path(path).write_text(json.dumps(self.document, indent=1))
+        """Writes the plan document (docs/formats.md), as `conveyor plan --out` does."""
+        Path(path).write_text(self.handle.to_json(), encoding="utf-8")
 
     def __str__(self) -> str:
         return self.table
@@ -340,10 +358,10 @@ def plan(graph: Graph, profile_doc: dict, cluster: str | os.PathLike, *, batch: 
     (the planner chooses per stage: a stage recomputes its activations where it would not fit
     otherwise, selectively where that is enough, else fully), or every stage's: "none",
     "selective" (its cheap operators) or "full" (its whole forward)."""
-    doc, table = _C.plan(graph.ir, json.dumps(profile_doc), cluster_text(cluster), batch, microbatches, schedules or [],
+    made = _C.plan(graph.ir, json.dumps(profile_doc), cluster_text(cluster), batch, microbatches, schedules or [],
                          optimizer_state, max_replicas, max_microbatches, even_shares, ranks, replicas or [], chunks,
                          recompute)
-    return Plan(doc, table)
+    return Plan(made)
 
 
 def read_plan(path) -> Plan:
@@ -353,7 +371,7 @@ def read_plan(path) -> Plan:
     except OSError as e:
         raise ConveyorValueError(f"plan={str(path)!r}: cannot read it ({e.strerror})") from None
     try:
-        return Plan(*_C.read_plan(text))
+        return Plan(_C.read_plan(text))
     except GraphFormatError as e:
         raise ConveyorValueError(f"plan={str(path)!r} is not a conveyor plan document ({e}); write one with "
                                  "`conveyor plan --out` or Plan.save") from None

@@ -26,6 +26,7 @@ from . import _C
 from .errors import ConveyorError, ExecutionError
 
 WINDOW = 5  # steps of the running pipeline between two evaluations
+PLANS = ("candidate", "running")  # a decision's plans (_C.Plan): on the wire, their documents
 
 
 def plan_summary(document: dict) -> str:
@@ -173,8 +174,11 @@ class Replanning:
             decision = self.replanner.evaluate(stages, step_s, rebuild_s=self.rebuild_s, bytes_per_s=self.bytes_per_s)
             decision["planning_s"] = time.perf_counter() - t0
         if self.group is not None:
-            sent = json.dumps(decision).encode() if self.group.rank == 0 else b""
-            decision = json.loads(self.group.broadcast_bytes(0, sent))
+            sent = json.dumps({**decision, **{k: decision[k].to_json() for k in PLANS}}).encode() \
+                if self.group.rank == 0 else b""
+            heard = json.loads(self.group.broadcast_bytes(0, sent))
+            if self.group.rank != 0:  # process 0 keeps its own; the others read each plan once
+                decision = {**heard, **{k: _C.read_plan(heard[k]) for k in PLANS}}
         step.set_prediction(decision["running"])
         self.last = decision
         if switches and switches[-1]["measured_gain_s"] is None:
@@ -197,7 +201,7 @@ class Replanning:
         d = self.last
         f = d["factors"]
         speeds = ", ".join(f"{s:.2f}" for s in f["speed"])
-        idle = idle_devices(json.loads(d["running"]))
+        idle = idle_devices(json.loads(d["running"].to_json()))
         unmeasured = (f"  device{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle))} idle under the running "
                       "plan: never measured, so how it compares with the devices that run is the cluster's "
                       "speeds, uncorrected\n") if idle else ""
@@ -257,7 +261,7 @@ def switch_to(state, plan, decision: dict | None, *, job, optimizer, history, re
     if state.replanning is not None:
         r = state.replanning
         if r.replanner is not None:
-            r.replanner.switched_to(json.dumps(plan.document))
+            r.replanner.switched_to(plan.handle)
         r.steps, r.rebuild_s = 0, rebuild_s
         if moved and transfer_s > 0:
             r.bytes_per_s = moved / transfer_s

@@ -41,7 +41,7 @@ def plan_with(model: conveyor.Module, parts: list, replicas: list, schedule: str
     link = doc["links"][0] if doc.get("links") else {"bandwidth_bytes_per_s": 1e10, "latency_s": 5e-6}
     doc.update(stages=stages, schedule=schedule, microbatches=microbatches, chunks=1, devices=[device] * first,
                links=[link] * (len(replicas) - 1))
-    return conveyor.Plan(json.dumps(doc), f"(a plan of {len(replicas)} stages for the test)")
+    return conveyor.Plan(conveyor._C.read_plan(json.dumps(doc)), f"(a plan of {len(replicas)} stages for the test)")
 
 
 def cuts(graph) -> list:

@@ -2,6 +2,7 @@
 (checked by the graph module's own partition validator), the planned stages run to the
 same results as eager, the memory error states a figure that works, the CLI plans, simulates
 and writes traces that decode."""
+import copy
 import json
 import os
 import re
@@ -77,6 +78,32 @@ def test_branchy_models_plan_into_valid_stages_that_run_exactly(name):
     for n, p in case.model.named_parameters():
         if n in ref_grads:
             assert torch.allclose(p.grad, ref_grads[n], rtol=1e-4, atol=1e-5), n
+
+
+def test_a_saved_plan_reads_back_as_the_same_plan_and_runs_against_its_own_prediction(tmp_path):
+    """Plan.save writes the plan document (docs/formats.md), which reads back as the same
+    plan; a Module given the file compares its steps with that plan's simulated step."""
+    torch.manual_seed(0)
+    case = zoo.mlp(batch=8)
+    again = copy.deepcopy(case.model)
+    model = conveyor.Module(case.model, torch.optim.SGD(case.model.parameters(), lr=0.01), loss_fn=case.loss,
+                            stages=2, microbatches=2, replan="off")
+    model.train_step(*case.args)
+    plan = model.plan
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    written = json.loads(path.read_text())
+    assert written == plan.document and written["format"] == "conveyor.plan" and written["version"] == 1
+    read = conveyor.planning.read_plan(path)
+    assert read.document == plan.document and str(read) == str(plan)
+    assert (read.stage_nodes, read.replicas, read.schedule, read.microbatches, read.predicted_step_s) == \
+        (plan.stage_nodes, plan.replicas, plan.schedule, plan.microbatches, plan.predicted_step_s)
+    given = conveyor.Module(again, torch.optim.SGD(again.parameters(), lr=0.01), loss_fn=case.loss, plan=path,
+                            replan="off")
+    for _ in range(3):
+        given.train_step(*case.args)
+    assert given.plan.stage_nodes == plan.stage_nodes
+    assert given.profile_report().predicted_step_s == pytest.approx(plan.predicted_step_s, rel=1e-12)
 
 
 def test_profile_is_cached_and_leaves_gradients_alone():
@@ -190,12 +217,11 @@ def test_a_fixed_stage_count_gets_the_best_cut_by_the_profile(name):
     simulated = []
     for k in range(1, len(order)):
         try:
-            doc, _ = conveyor._C.plan_stages(graph.ir, json.dumps(prof), cluster, [order[:k], order[k:]], [1, 1],
+            priced = conveyor._C.plan_stages(graph.ir, json.dumps(prof), cluster, [order[:k], order[k:]], [1, 1],
                                              batch, 4, "1f1b")
         except conveyor.ConveyorError:
             continue  # not a valid cut (a later node read by an earlier one, or a group split)
-        doc = json.loads(doc)
-        simulated.append(doc["predicted_step_s"])
+        simulated.append(priced.predicted_step_s)
     assert len(simulated) >= 10, "too few valid cut points to compare"
     best = min(simulated)
     print(f"{name}: planned cut {plan.document['predicted_step_s'] * 1e3:.3f} ms, best of {len(simulated)} cut "
