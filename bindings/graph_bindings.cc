@@ -193,6 +193,16 @@ void bind_graph(py::module_& m) {
       py::arg("schedule"),
       "The stages each pipeline rank holds under a schedule when nothing else fixes it: 2 for interleaved and the "
       "V shapes (zb-v, dualpipev), else 1.");
+  m.def("stages_of_rank", [](const std::string& schedule, int ranks, int chunks, int rank) {
+        scheduler::ScheduleSpec spec;
+        spec.kind = unwrap(scheduler::schedule_kind_from_name(schedule));
+        spec.ranks = ranks;
+        spec.chunks = chunks;
+        return spec.stages_of_rank(rank);
+      },
+      py::arg("schedule"), py::arg("ranks"), py::arg("chunks"), py::arg("rank"),
+      "The stages pipeline rank `rank` runs under a schedule of `ranks` ranks and `chunks` stages each, "
+      "ascending (round-robin, or down the ranks and back up for the V shapes).");
   m.def("recomputation_names", [] {
         std::vector<std::string> names;
         for (auto r : kRecomputations) names.emplace_back(recomputation_name(r));

@@ -531,11 +531,14 @@ class _Builder:
         return doc, self.tensors
 
 
-def capture(model: torch.nn.Module, args=(), kwargs=None, *, dynamic_batch: bool = True) -> Graph:
+def capture(model: torch.nn.Module, args=(), kwargs=None, *, dynamic_batch: bool = True,
+            meta_runs_on: torch.device | None = None) -> Graph:
     """Captures `model` called as `model(*args, **kwargs)` into a conveyor Graph.
 
     The batch dimension (dim 0 of the inputs) stays symbolic unless `dynamic_batch=False`
     or the model fixes it. Parameters and buffers are bound to the model's live tensors.
+    `meta_runs_on`: a model and inputs on the meta device, traced there, whose graph runs on
+    that device (the operators' device arguments say it instead of meta).
     Raises CaptureError naming the construct and source line when the model cannot be captured.
     """
     if not isinstance(model, torch.nn.Module):
@@ -546,6 +549,11 @@ def capture(model: torch.nn.Module, args=(), kwargs=None, *, dynamic_batch: bool
     ep, dynamic = _export(model, args, kwargs, dynamic_batch)
     builder = _Builder(ep, model)
     doc, tensors = builder.build(dynamic)
+    if meta_runs_on is not None:
+        for node in doc["nodes"]:
+            for arg in node["args"]:
+                if arg.get("device") == "meta":
+                    arg["device"] = str(meta_runs_on)
     user_positions = _user_leaf_positions(args, kwargs)
     call = ep.module_call_graph[0].signature
     graph = Graph.from_document(doc, tensors, in_spec=call.in_spec if call else None,

@@ -16,6 +16,8 @@ from .capture_state import CaptureState, Layout
 from .errors import ConveyorValueError, NotALossError, UnsupportedError
 from .job import Job
 from .loss_wrapper import loss_wrapper
+from .materialize import exported_on_meta, materialize
+from .memory import stage_tensors
 from .microbatches import Microbatches
 from .options import Options
 from .plan_maker import PlanMaker, local_cluster, model_gpu_memory
@@ -46,9 +48,23 @@ def _job_fingerprint(options: Options, graph, batch: int) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def _device_of(args: tuple, kwargs: dict) -> torch.device:
+    """Where a call's tensors live (a meta-built model's graph runs there)."""
+    return next((x.device for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), torch.device("cpu"))
+
+
 def _capture_loss(model, options: Options, args: tuple, kwargs: dict):
-    """The model's graph on this call, its forward returning one scalar loss."""
-    graph = capture(loss_wrapper(model, options.loss_fn, args, kwargs), args, kwargs)
+    """The model's graph on this call, its forward returning one scalar loss (a model built
+    on the meta device exported on meta twins of its tensors and inputs, then bound to its own)."""
+    wrapper = loss_wrapper(model, options.loss_fn, args, kwargs)
+    if options.meta_built:
+        on_meta = [x.to("meta") if isinstance(x, torch.Tensor) else x for x in (*args, *kwargs.values())]
+        with exported_on_meta(model) as own:
+            graph = capture(wrapper, tuple(on_meta[:len(args)]), dict(zip(kwargs, on_meta[len(args):])),
+                            meta_runs_on=_device_of(args, kwargs))
+        graph.rebind({name: own.get(id(t), t) for name, t in graph.tensors.items()})
+    else:
+        graph = capture(wrapper, args, kwargs)
     graph.modes = modes_of(model)  # a call in another mode needs another capture
     outputs = graph.document["outputs"]
     if len(outputs) != 1 or graph.document["values"][outputs[0]].get("shape") != []:
@@ -66,11 +82,41 @@ def _capture_loss(model, options: Options, args: tuple, kwargs: dict):
     return graph
 
 
+def _made_here(model, options: Options, job: Job, graph, stage_nodes: list, layout: Layout, device,
+               plan=None) -> dict | None:
+    """A model built on the meta device: this process makes on `device` (the call's) and
+    initializes the tensors its stages read under this layout, and those no stage reads; the
+    rest stay placeholders. Across processes, returns who holds each tensor then (its
+    readers: each made it alike), for the pipeline to start from instead of gathering it."""
+    if not options.meta_built:
+        return None
+    bound = {b["name"] for b in graph.document["bindings"] if b["kind"] != "constant"}
+    read = {id(graph.tensors[n]) for n in bound}
+    unread = [t for t in [*model.parameters(), *model.buffers()] if id(t) not in read]
+    seed = job.agreed(options.seed)
+    if job.group is None:
+        materialize(model, [graph.tensors[n] for n in bound] + unread, device, seed=seed, init=options.init)
+        return None
+    where = job.placement(layout.replicas, plan)["replica_process"]
+    ranks = len(layout.replicas)
+    readers: dict[str, set[int]] = {}
+    for r in range(ranks):
+        nodes = [n for s in _C.stages_of_rank(layout.schedule, ranks, layout.chunks, r) for n in stage_nodes[s]]
+        for name in stage_tensors(graph, nodes):
+            readers.setdefault(name, set()).update(where[r])
+    mine = [graph.tensors[n] for n, processes in readers.items() if job.rank in processes]
+    materialize(model, mine + unread, device, seed=seed, init=options.init)
+    return {name: sorted(processes) for name, processes in readers.items()}
+
+
 def build_capture(model, optimizer, options: Options, job: Job, args: tuple, kwargs: dict, *,
-                  packed: Microbatches | None = None, plan_file_taken: bool = False) -> CaptureState:
+                  packed: Microbatches | None = None, plan_file_taken: bool = False,
+                  holders: dict | None = None) -> CaptureState:
     """Captures `model` on this call (`packed`: a first step of packed microbatches, the call
     its first one), then runs the user's node lists, or the plan file (the first train-mode
-    capture's, unless `plan_file_taken`: another capture has other nodes), or plans it."""
+    capture's, unless `plan_file_taken`: another capture has other nodes), or plans it.
+    `holders`: what each process holds, where the pipeline starts from them (a meta-built
+    model's later captures: _C.PipelineStep.readers's form)."""
     with torch.enable_grad():  # an evaluation's first call builds as a step's would
         graph = _capture_loss(model, options, args, kwargs)
         batch = (sum(packed.rows()) if packed is not None else batch_of(graph.flatten_inputs(args, kwargs))) or 1
@@ -80,20 +126,24 @@ def build_capture(model, optimizer, options: Options, job: Job, args: tuple, kwa
             refuse_to_split(whole, options.microbatches, options.replicas)
         job.join(_job_fingerprint(options, graph, batch))
         if options.stages_given:
-            state = _given_stages(graph, options, job, batch, least, whole, packed)
+            state = _given_stages(model, graph, options, job, batch, least, whole, packed, _device_of(args, kwargs))
         elif options.plan_file is not None and not plan_file_taken and model.training:
             plan = read_plan(options.plan_file)
             if whole:
                 refuse_to_split(whole, plan.microbatches, max(plan.replicas), f"the plan {options.plan_file}")
+            made = _made_here(model, options, job, graph, plan.stage_nodes, Layout.of_plan(plan),
+                              _device_of(args, kwargs), plan)
             state = CaptureState(graph, plan.stage_nodes, Layout.of_plan(plan), batch, least, plan=plan,
-                                 pipeline=job.pipeline_of(graph, plan), from_plan_file=True)
+                                 pipeline=job.pipeline_of(graph, plan, holders or made), from_plan_file=True)
         else:
-            state = _planned(model, optimizer, graph, options, job, args, kwargs, batch, least, whole, packed)
+            state = _planned(model, optimizer, graph, options, job, args, kwargs, batch, least, whole, packed,
+                             holders)
     warn_of_a_loss_split_changes(state.pipeline, state.layout.microbatches, state.layout.replicas)
     return state
 
 
-def _given_stages(graph, options: Options, job: Job, batch: int, least: int, whole, packed) -> CaptureState:
+def _given_stages(model, graph, options: Options, job: Job, batch: int, least: int, whole, packed,
+                  device) -> CaptureState:
     """The user's own cut, run as given."""
     stage_nodes = options.stages
     schedule = "1f1b" if options.schedule == "auto" else options.schedule
@@ -106,13 +156,14 @@ def _given_stages(graph, options: Options, job: Job, batch: int, least: int, who
         raise ConveyorValueError(f"replicas has {len(replicas)} counts but the pipeline has {ranks} ranks")
     m = options.microbatches or (len(packed) if packed is not None else 1 if whole else
                                  max(1, min(batch // (max(replicas) * least), 2 * ranks)))
-    pipeline = job.pipeline(graph, stage_nodes, schedule, m, chunks, replicas)
-    return CaptureState(graph, stage_nodes, Layout(len(stage_nodes), schedule, m, chunks, list(replicas)), batch,
-                        least, pipeline=pipeline)
+    layout = Layout(len(stage_nodes), schedule, m, chunks, list(replicas))
+    made = _made_here(model, options, job, graph, stage_nodes, layout, device)
+    return CaptureState(graph, stage_nodes, layout, batch, least,
+                        pipeline=job.pipeline(graph, stage_nodes, schedule, m, chunks, replicas, holders=made))
 
 
 def _planned(model, optimizer, graph, options: Options, job: Job, args: tuple, kwargs: dict, batch: int, least: int,
-             whole, packed) -> CaptureState:
+             whole, packed, holders) -> CaptureState:
     """Profiled on one microbatch of this call and planned for the job's devices."""
     fixed = options.fixed.one_replica() if whole else options.fixed
     job.devices = max(job.devices, fixed.devices())  # every fixed stage replica gets a device to plan for
@@ -138,7 +189,9 @@ def _planned(model, optimizer, graph, options: Options, job: Job, args: tuple, k
     prof = maker.profile(sizes)
     plan = maker.plan(prof, 0)
     try:
-        pipeline = job.pipeline_of(graph, plan)
+        made = _made_here(model, options, job, graph, plan.stage_nodes, Layout.of_plan(plan), _device_of(args, kwargs),
+                          plan)
+        pipeline = job.pipeline_of(graph, plan, holders or made)
     except UnsupportedError:
         # Raised alike on every process, before they talk: replica counts that differ across
         # a cut through a value with no batch dimension. Plan again with one replica per
@@ -146,7 +199,9 @@ def _planned(model, optimizer, graph, options: Options, job: Job, args: tuple, k
         if fixed.replicas:
             raise
         plan = maker.plan(prof, 1)
-        pipeline = job.pipeline_of(graph, plan)
+        made = _made_here(model, options, job, graph, plan.stage_nodes, Layout.of_plan(plan), _device_of(args, kwargs),
+                          plan)
+        pipeline = job.pipeline_of(graph, plan, holders or made)
     state = CaptureState(graph, plan.stage_nodes, Layout.of_plan(plan), batch, least, plan=plan, pipeline=pipeline,
                          planned_sizes=dict(maker.sizes))
     if options.replan == "auto":

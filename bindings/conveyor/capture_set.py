@@ -94,10 +94,11 @@ class CaptureSet:
     def __len__(self) -> int:
         return len(self._stashed) + 1
 
-    def _build(self, args: tuple, kwargs: dict, packed: Microbatches | None = None) -> CaptureState:
+    def _build(self, args: tuple, kwargs: dict, packed: Microbatches | None = None,
+               holders: dict | None = None) -> CaptureState:
         taken = any(s.from_plan_file for s in [self.current, *self._stashed] if s is not None)
         return build_capture(self.model, self.optimizer, self.options, self.job, args, kwargs, packed=packed,
-                             plan_file_taken=taken)
+                             plan_file_taken=taken, holders=holders)
 
     def take_up(self, args: tuple, kwargs: dict) -> bool:
         """Makes the capture of this call's mode, sizes and arguments current (select),
@@ -153,11 +154,12 @@ class CaptureSet:
                 return self.current
         if len(self) >= MOST_CAPTURES:
             raise ConveyorValueError(f"{mismatch}, and {len(self)} captures of the model exist already; {hint}")
-        if group is not None:
+        if group is not None and not self.options.meta_built:
             self.gather_whole_model()  # process 0 profiles the whole model; the new pipeline starts from it
         saved = self._stash()
         try:
-            self.current = self._build(args, kwargs)
+            # A meta-built model is profiled unit by unit; its new pipeline starts from the holders.
+            self.current = self._build(args, kwargs, holders=holders if self.options.meta_built else None)
         except CaptureError:
             self._resume(saved, holders)
             # Inputs the capture in use refuses are named (checked, not run: running it would
@@ -175,12 +177,22 @@ class CaptureSet:
                           "of the model now exist (one graph and pipeline each)", stacklevel=4)
         return self.current
 
+    def gather_for_profiling(self) -> None:
+        """What profiling a new size needs: the whole model in every process, except for a
+        meta-built model, which the profiler makes unit by unit (collective)."""
+        if not self.options.meta_built:
+            self.gather_whole_model()
+
     def gather_whole_model(self) -> None:
         """Across processes: the whole model, every part from its owner, in every process
         (collective; the next training step frees again what this process's stages do not
         read). Every parameter and buffer that only the other captures read (the other
         branch's weights) comes from the lowest process that holds it."""
         group, state = self.job.group, self.current
+        if self.options.meta_built:
+            raise ConveyorValueError("the model was built on the meta device, so no process may hold it whole: save "
+                                     "it with model.save_checkpoint(path) (each process writes its part) or "
+                                     "model.save_pretrained(path), and load with load_checkpoint / load_pretrained")
         if group is None or state is None or state.pipeline is None:
             return
         state.pipeline.gather_state()

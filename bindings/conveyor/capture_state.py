@@ -20,9 +20,8 @@ class Layout(NamedTuple):
 
     @staticmethod
     def of_plan(plan) -> "Layout":
-        chunks = plan.document["chunks"]
-        return Layout(len(plan.stage_nodes), plan.schedule, plan.microbatches, chunks,
-                      plan.replicas[:len(plan.stage_nodes) // chunks])
+        stage_nodes, chunks = plan.stage_nodes, plan.chunks
+        return Layout(len(stage_nodes), plan.schedule, plan.microbatches, chunks, plan.replicas[:len(stage_nodes) // chunks])
 
 
 @dataclass

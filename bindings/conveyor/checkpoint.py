@@ -31,12 +31,13 @@ from pathlib import Path
 import torch
 
 from .errors import ConveyorIOError, ConveyorValueError
+from .materialize import is_placeholder
 
 __all__ = ["save", "inspect", "load", "publish", "CheckpointTensors", "PendingLoads", "FORMAT"]
 
 FORMAT = "conveyor checkpoint 1"
 META_KEY = "conveyor"
-CHECK_CHUNK_BYTES = 256 << 20  # tensors checked at once on load: the most a load holds beside the model
+CHECK_CHUNK_BYTES = 16 << 20  # bytes read at once on load (one tensor at least): what a load holds beside the model
 
 
 def _dcp():
@@ -138,6 +139,11 @@ def save(path, *, model, optimizer, tensors: CheckpointTensors, group, meta: dic
     rank = group.rank if group is not None else 0
     staging = path.with_name(path.name + ".incomplete")
     mine = tensors.mine()
+    unmade = [name for name in mine if is_placeholder(tensors.tensors[name])]
+    if unmade:
+        raise ConveyorValueError(f"{', '.join(unmade[:3])}{' ...' if len(unmade) > 3 else ''} of the model built on the "
+                                 "meta device have no values yet (they are made once the plan exists): call the model "
+                                 "first, or load a checkpoint into it")
     items = {f"model.{name}": tensors.tensors[name].detach() for name in mine}
     optim_items, scalars = _optimizer_state(optimizer, tensors, mine)
     items.update(optim_items)
@@ -278,13 +284,19 @@ def load(path, *, optimizer, tensors: CheckpointTensors) -> dict:
     with torch.no_grad():
         for name in names:
             t = tensors.tensors[name]
-            if t.numel() != stored[f"model.{name}"].size.numel():  # released here: held again from now on
+            if t.numel() != stored[f"model.{name}"].size.numel() or is_placeholder(t):  # held here from now on
                 t.data = torch.empty(tuple(stored[f"model.{name}"].size), dtype=t.dtype, device=t.device)
             state[f"model.{name}"] = t.data if t.device.type == "cpu" else torch.empty_like(t.data, device="cpu")
         for key in keys:
-            if key.startswith("optim."):
-                state[key] = _empty_like_item(metadata, key)
-        _read(path, state)
+            if key.startswith("optim."):  # into the optimizer's own tensor where it has one alike
+                name, _, field = key[len("optim."):].rpartition(".")
+                mine = optimizer.state.get(tensors.tensors[name], {}).get(field)
+                fresh = _empty_like_item(metadata, key) if not isinstance(mine, torch.Tensor) else None
+                alike = fresh is None and mine.device.type == "cpu" and mine.is_contiguous() and \
+                    list(mine.shape) == list(stored[key].size) and mine.dtype == stored[key].properties.dtype
+                state[key] = mine if alike else (fresh if fresh is not None else _empty_like_item(metadata, key))
+        for chunk in _chunks(state, metadata):  # DCP reads through temporaries: a chunk's at a time
+            _read(path, chunk)
         for name in names:
             t = tensors.tensors[name]
             if t.device.type != "cpu":
@@ -303,6 +315,20 @@ def load(path, *, optimizer, tensors: CheckpointTensors) -> dict:
             g.update({k: v for k, v in saved.items() if k != "params"})
     torch.set_rng_state(meta["rng"])
     return meta
+
+
+def _chunks(state: dict, metadata):
+    """`state`'s items in runs of CHECK_CHUNK_BYTES or less (one item at least)."""
+    chunk, size = {}, 0
+    for key, value in state.items():
+        info = metadata.state_dict_metadata[key]
+        chunk[key] = value
+        size += info.size.numel() * info.properties.dtype.itemsize
+        if size >= CHECK_CHUNK_BYTES:
+            yield chunk
+            chunk, size = {}, 0
+    if chunk:
+        yield chunk
 
 
 def _check(path: Path, metadata, checksums: dict, keys: list[str]) -> None:

@@ -163,6 +163,11 @@ class Graph:
                 f"{len(doc['bindings'])} bound tensors, {len(doc['outputs'])} outputs; {top})")
 
     # -- execution ------------------------------------------------------------------------
+    def rebind(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Binds the graph to `tensors` by name instead (its executor made again on next use)."""
+        self._tensors = dict(tensors)
+        self._executor = None
+
     @property
     def executor(self) -> "_C.GraphExecutor":
         if self._executor is None:

@@ -37,6 +37,12 @@ class Job:
         if self.world is not None:
             self.group = distributed.process_group(fingerprint, self.options.timeout_s)
 
+    def agreed(self, value: int) -> int:
+        """Process 0's `value` in every process (collective across processes)."""
+        if self.group is None:
+            return value
+        return int(self.group.broadcast_bytes(0, str(value).encode() if self.rank == 0 else b"").decode())
+
     def threads_per_device(self) -> int:
         """The intra-op threads each device's replica runs with."""
         if self.world is not None:

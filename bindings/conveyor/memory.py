@@ -39,7 +39,7 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _stage_tensors(graph, nodes: list) -> list[str]:
+def stage_tensors(graph, nodes: list) -> list[str]:
     """The parameters and buffers `nodes` read, by name."""
     doc = graph.document
     named = {b["value"]: b["name"] for b in doc["bindings"] if b["kind"] != "constant"}
@@ -63,7 +63,7 @@ def memory_rows(state, optimizer) -> list[dict]:
     rows = []
     for (rank, replica), peak in sorted(peaks.items()):
         stages = step.stages_of_rank(rank)
-        names = sorted({n for s in stages for n in _stage_tensors(graph, stage_nodes[s])})
+        names = sorted({n for s in stages for n in stage_tensors(graph, stage_nodes[s])})
         held = sum(_nbytes(graph.tensors[n]) for n in names)
         if replica == 0 and optimizer is not None:
             params = {graph.tensors[n] for n in names}

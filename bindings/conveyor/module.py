@@ -5,16 +5,11 @@
     loss.backward()                # the parameter gradients, scaled by the incoming gradient
     optimizer.step()               # updates the model's own parameters
 
-A model whose forward returns outputs, not a loss, takes `loss_fn=`: the call's `target=`
-keyword then goes to `loss_fn(output, target)`, as in `criterion(model(x), y)`:
-
-    model = conveyor.Module(net, optimizer, loss_fn=torch.nn.CrossEntropyLoss())
-    loss = model(x, target=y)
-
-On the first call the model is captured, profiled on one microbatch and planned on the
-local machine (its CPU split into `devices` virtual devices, or the machines a `cluster`
-file describes), unless `stages` lists the cut. Every stage replica runs on its own
-thread; the plan it runs is `model.plan`.
+A model whose forward returns outputs, not a loss, takes `loss_fn=`, and a call's `target=`
+goes to `loss_fn(output, target)`: `conveyor.Module(net, opt, loss_fn=nn.CrossEntropyLoss())`,
+then `loss = model(x, target=y)`. The first call captures the model, profiles it on one
+microbatch and plans it for this machine (its CPU as `devices` virtual devices) or a
+`cluster` file's, unless `stages` lists the cut; `model.plan` is the plan it runs.
 
 Under a launcher (`conveyor launch -n N -- python train.py`, or torchrun's RANK,
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT) the same script runs across the N processes, one
@@ -22,11 +17,14 @@ device each: every process runs its share of the stage replicas and holds only t
 parameters its stages read; every call is collective and every process must be fed the
 same batches. `save_checkpoint` and `load_checkpoint` write and read each process's part.
 
-A call under torch.no_grad() evaluates: the forwards alone through the same stages and
-processes; `model.eval()` has its own capture (BatchNorm's running statistics, no dropout).
-Dropout draws from generators seeded from the pipeline's seed (torch.manual_seed decides
-it), the step, the stage, the microbatch and the replica: reproducible whatever the
-placement, but not eager's masks. docs/design.md tells the rest.
+A call under torch.no_grad() evaluates (the forwards alone, same stages and processes);
+`model.eval()` has its own capture. Dropout draws from generators seeded by the pipeline's
+seed, the step, stage, microbatch and replica: reproducible whatever the placement.
+
+A model too large for one process is built on the meta device (`with torch.device("meta"):
+model = GPT(config)`) and passed as usual: each process makes only the tensors its stages
+read, initialized by the model's own initializers (or `init=`), or filled by
+load_checkpoint / load_pretrained called before the first call.
 
     stages        None: planned; an int: that many stages, cut where the profile balances
                   them best (the rest still planned); a list: node lists (a partition of
@@ -64,6 +62,8 @@ placement, but not eager's masks. docs/design.md tells the rest.
                   512}): the plan's memory is made for them (bindings/conveyor/sizes.py);
                   undeclared, a larger size plans again before its step where re-planning
                   is on (bindings/conveyor/plan_maker.py), else gets a warning
+    init          a model built on the meta device: init(name, meta_tensor) -> its first
+                  values, instead of the model's own initializers (bindings/conveyor/materialize.py)
 """
 from __future__ import annotations
 
@@ -78,6 +78,7 @@ from .errors import ConveyorValueError
 from .job import Job
 from .live_profile import LiveProfile, live_profile
 from .loss_wrapper import loss_wrapper
+from .materialize import adopt_meta_model, check_meta_model
 from .options import resolve_options
 from .planning import Plan
 from .step_runner import StepRunner
@@ -113,12 +114,15 @@ class Module(torch.nn.Module):
                  trace: str | os.PathLike | None = None, loss_fn=None, timeout: float | None = None,
                  plan: str | os.PathLike | None = None, transport: str | None = None, replan: str | None = None,
                  replan_horizon: int | None = None, recompute: bool | list | None = None,
-                 max_sizes: dict | None = None):
+                 max_sizes: dict | None = None, init=None):
         super().__init__()
+        check_meta_model(model, optimizer, init)
+        meta_built = adopt_meta_model(model, optimizer)  # its tensors made after planning, each where read
         options = resolve_options(model, optimizer, stages=stages, replicas=replicas, microbatches=microbatches,
                                   schedule=schedule, devices=devices, cluster=cluster, trace=trace, loss_fn=loss_fn,
                                   timeout=timeout, plan=plan, transport=transport, replan=replan,
-                                  replan_horizon=replan_horizon, recompute=recompute, max_sizes=max_sizes)
+                                  replan_horizon=replan_horizon, recompute=recompute, max_sizes=max_sizes,
+                                  init=init, meta_built=meta_built)
         self.module = model
         self.optimizer = optimizer
         self.job = Job(options)

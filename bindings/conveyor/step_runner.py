@@ -53,7 +53,7 @@ class StepRunner:
         state = self.captures.current
         self._maybe_replan(state)
         plan_for_larger_sizes(state, calls, job=self.job, optimizer=self.optimizer, history=self.history,
-                              gather_whole_model=self.captures.gather_whole_model)
+                              gather_whole_model=self.captures.gather_for_profiling)
         pipeline = self._pipeline_for(state, calls, packed)
         reset_device_peak(state.graph)
         if packed:
@@ -86,7 +86,7 @@ class StepRunner:
             return
         decision = state.replanning.evaluate(state.pipeline, self.history.switches)
         if decision["switch"]:
-            switch_to(state, Plan(decision["candidate"], decision["candidate_table"]), decision, job=self.job,
+            switch_to(state, Plan(decision["candidate"]), decision, job=self.job,
                       optimizer=self.optimizer, history=self.history)
 
     def _pipeline_for(self, state: CaptureState, calls: list[list], packed: bool):

@@ -44,12 +44,14 @@ def main():
     ap.add_argument("--microbatches", type=int, default=None)
     ap.add_argument("--load", default=None)
     ap.add_argument("--save", default=None)
+    ap.add_argument("--meta", action="store_true", help="build the model on the meta device")
     ap.add_argument("--die-while-saving", action="store_true",
                     help="process 1 exits once its part is written, before the save completes")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.manual_seed(0)
-    net = Deep().double()
+    with torch.device("meta") if args.meta else torch.device("cpu"):
+        net = Deep().double()
     if args.optimizer == "sgd":
         optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
         schedule = None
@@ -60,7 +62,7 @@ def main():
                             microbatches=args.microbatches, replan="off", timeout=20)
     if args.load:
         extra = model.load_checkpoint(args.load)
-        assert extra["next_step"] == args.first, extra
+        assert extra.get("next_step", 0) == args.first, extra
         if schedule is not None:
             schedule.load_state_dict(extra["lr_schedule"])
     losses = []
@@ -84,10 +86,15 @@ def main():
         if schedule is not None:
             extra["lr_schedule"] = schedule.state_dict()
         model.save_checkpoint(args.save, extra=extra)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if args.meta:  # no process holds it whole: the state as a checkpoint writes it
+        model.save_checkpoint(args.out + ".state")
+        state = None
+    else:
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if model.rank == 0:
         torch.save({"losses": losses, "state": state, "world": model.world_size,
-                    "stages": len(model.plan.stage_nodes), "replicas": model.plan.replicas}, args.out)
+                    "stages": len(model.plan.stage_nodes) if model.plan else 0,
+                    "replicas": model.plan.replicas if model.plan else []}, args.out)
 
 
 if __name__ == "__main__":
