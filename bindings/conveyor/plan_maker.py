@@ -32,6 +32,7 @@ class PlanMaker:
         self.threads, self.horizon_steps = threads, horizon_steps
         self.max_replicas = 0  # the replica cap of the plan that runs (0: none; re-planning keeps it)
         self.sizes: dict[str, int] = {}  # the symbolic sizes the last profile was taken at
+        self.last_profile: dict = {}  # its units, units measured (the others alike) and peak memory
 
     @property
     def plans_here(self) -> bool:
@@ -49,7 +50,9 @@ class PlanMaker:
         saved_threads = torch.get_num_threads()
         torch.set_num_threads(self.threads)
         try:
-            return profile(self.graph, (), flat_inputs=flat)
+            doc = profile(self.graph, (), flat_inputs=flat)
+            self.last_profile = {k: doc.get(k) for k in ("units", "units_measured", "peak_rss_bytes")}
+            return doc
         finally:
             torch.set_num_threads(saved_threads)
             for p, g in grads.items():

@@ -16,6 +16,7 @@ import contextlib
 import copy
 import hashlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -29,6 +30,7 @@ from . import _C
 from .arguments import TWO_STAGES_PER_RANK, recomputation
 from .errors import ConveyorValueError, GraphFormatError
 from .graph import Graph, node_value_inputs
+from .materialize import is_placeholder, units_made
 from .selective import SelectiveAccounting
 
 __all__ = ["profile", "plan", "Plan", "profile_cache_dir"]
@@ -72,6 +74,58 @@ def _units(graph: Graph) -> list[list[int]]:
     return units
 
 
+def _peak_rss_bytes() -> int | None:
+    """This process's peak resident memory so far (Linux's VmHWM), or None elsewhere."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def _stand_ins_for_views(outputs: list, made: list) -> list:
+    """`outputs`, those that view a tensor in `made` replaced by a placeholder of their shape."""
+    storages = {t.untyped_storage().data_ptr() for t in made}
+    if not storages:
+        return list(outputs)
+    return [torch.empty(1, dtype=o.dtype, device=o.device).expand(o.shape)
+            if isinstance(o, torch.Tensor) and o.numel() > 1 and o.untyped_storage().data_ptr() in storages else o
+            for o in outputs]
+
+
+def _made_if_stand_in(t):
+    """A unit's input: a placeholder made to its shape and dtype (values that serve timing)."""
+    if not isinstance(t, torch.Tensor) or not is_placeholder(t):
+        return t
+    if t.is_floating_point():
+        return torch.empty(t.shape, dtype=t.dtype, device=t.device).normal_(0, 0.02)
+    return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+
+
+def _unit_signature(graph: Graph, unit: list[int], values: dict) -> str:
+    """What a unit computes on: its operators, their constants, and the shape, dtype and
+    gradient need of every value they read (a parameter counts as any value). Units alike
+    (the same layer of each transformer block) take the same time and memory."""
+    doc = graph.document
+    parts = []
+    for n in unit:
+        node = doc["nodes"][n]
+        args = []
+        for a in node["args"]:
+            v = a.get("value")
+            if v is None:
+                args.append(a)
+                continue
+            t = values.get(v)
+            if isinstance(t, torch.Tensor):
+                args.append(("t", tuple(t.shape), str(t.dtype), t.requires_grad))
+            else:
+                meta = doc["values"][v]
+                args.append(("v", meta.get("shape"), meta.get("dtype"), meta.get("requires_grad")))
+        parts.append((node["op"], node.get("overload", ""), args))
+    return repr(parts)
+
+
 def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: int = 3, warmup: int = 1,
             cache: bool = True, flat_inputs: list | None = None) -> dict:
     """Measures `graph` on `args` (one microbatch: its batch size is the profile's) and returns
@@ -95,10 +149,10 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
     # Keyed by every input's sizes (a sequence length changes the profile as a batch does);
     # "m9": how memory and time are measured (working memory, metered on the CPU; a value two units save counted
     # once, and which unit it counts for; what selective recomputation frees; a first pass over the units
-    # unmeasured), so
+    # unmeasured; m10: units alike measured once), so
     # that older entries are measured again.
     sizes = hashlib.sha256(repr([tuple(t.shape) for t in tensors]).encode()).hexdigest()[:12]
-    path = profile_cache_dir() / f"{ghash}-{key}-mb{microbatch}-{sizes}-m9.json"
+    path = profile_cache_dir() / f"{ghash}-{key}-mb{microbatch}-{sizes}-m10.json"
     if cache and path.exists():
         try:
             doc = json.loads(path.read_text())
@@ -108,10 +162,21 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
             pass  # unreadable cache entry: measure again
 
     bound = graph.tensors
-    saved_grads = {n: (t.grad.clone() if t.grad is not None else None) for n, t in bound.items() if t.requires_grad}
+    # Tensors this process does not hold (a meta-built model's, or released here by a
+    # pipeline) are placeholders: each unit's are made only while it is measured.
+    released = []  # released here by a pipeline: 0 elements again after (the runtime's sign)
+    for b in graph.document["bindings"]:
+        t = bound[b["name"]]
+        shape = graph.document["values"][b["value"]].get("shape", [])
+        if b["kind"] != "constant" and t.numel() == 0 and math.prod(shape) > 0:
+            released.append(t)
+            with torch.no_grad():
+                t.data = torch.empty(1, dtype=t.dtype).expand(shape)
+    held = {n: t for n, t in bound.items() if not is_placeholder(t)}
+    saved_grads = {n: (t.grad.clone() if t.grad is not None else None) for n, t in held.items() if t.requires_grad}
     # Running the nodes updates buffers in place (BatchNorm statistics): put them back after.
-    saved_buffers = {n: t.detach().clone() for n, t in bound.items() if not t.requires_grad}
-    param_storages = {t.untyped_storage().data_ptr() for t in bound.values()}
+    saved_buffers = {n: t.detach().clone() for n, t in held.items() if not t.requires_grad}
+    param_storages = {t.untyped_storage().data_ptr() for t in held.values()}
     executor = graph.executor
     doc_in = graph.document
     values: dict[int, Any] = dict(zip([i["value"] for i in doc_in["inputs"]], inputs))
@@ -152,88 +217,112 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
         # A pass over every unit first, unmeasured: the first pass in a process measured the
         # backwards up to twice as slow as a whole step runs them (the allocator's and the
         # kernels' first uses), and unevenly, which skewed the cuts.
+        value_names = {b["value"]: b["name"] for b in doc_in["bindings"] if b["kind"] != "constant"}
+        reads = {tuple(unit): [bound[value_names[v]] for n in unit for v in node_value_inputs(graph.nodes[n])
+                               if v in value_names] for unit in _units(graph)}
         warm = dict(values)
         for unit, stage in order:
-            act = stage.forward([warm[v] for v in stage.inputs])
-            warm.update(zip(stage.outputs, act.outputs))
-            grads = [torch.ones_like(o) if isinstance(o, torch.Tensor) and o.requires_grad else None
-                     for o in act.outputs]
-            if any(g is not None for g in grads):
-                stage.backward(act, grads)
-        del warm, act, grads
-        for unit, stage in order:
-            stage_inputs = [values[v] for v in stage.inputs]
-            # Forward: the saved activations are counted once, then the time is measured.
-            saved: dict[int, int] = {}
-            saved_here: set[int] = set()
-
-            def pack(t):
-                try:
-                    ptr = t.untyped_storage().data_ptr()
-                    if ptr not in param_storages:
-                        saved[ptr] = max(saved.get(ptr, 0), t.untyped_storage().nbytes())
-                        saved_here.add(ptr)
-                except (RuntimeError, NotImplementedError):
-                    pass
-                return t
-
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-                base = torch.cuda.memory_allocated(device)
-            # On the CPU the meter charges what the unit allocates from here on, and credits
-            # what of it is freed: the backward's working memory is its peak over what the
-            # forward left (the incoming gradients, every gradient it holds at once, less the
-            # saved activations it has freed by then).
-            meter = _C.HostMemoryMeter() if device.type != "cuda" else None
-            with meter if meter is not None else contextlib.nullcontext(), \
-                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                act = stage.forward(stage_inputs)
-            outputs = act.outputs
-            for v, out in zip(stage.outputs, outputs):
-                values[v] = out
-                value_bytes[v] = _nbytes(out)
-            selective.note_values(values, stage.outputs)
-            # Storages made inside the unit (alive now, so no value's) are its own; a graph
-            # value's storage is counted for one unit only (below).
-            measured.append((unit, sum(b for ptr, b in saved.items() if ptr not in selective.value_storages),
-                             {ptr: b for ptr, b in saved.items() if ptr in selective.value_storages}, saved_here))
-            if meter is not None:
-                meter.reset_peak()
-                held = meter.live
-            with meter if meter is not None else contextlib.nullcontext():
+            with units_made(reads[tuple(unit)], device) as made:
+                act = stage.forward([_made_if_stand_in(warm[v]) for v in stage.inputs])
+                warm.update(zip(stage.outputs, [o.detach().requires_grad_(o.requires_grad) if isinstance(o, torch.Tensor)
+                                                else o for o in _stand_ins_for_views(act.outputs, made)]))
                 grads = [torch.ones_like(o) if isinstance(o, torch.Tensor) and o.requires_grad else None
-                         for o in outputs]
-                differentiable = any(g is not None for g in grads)
-                if differentiable:
+                         for o in act.outputs]
+                if any(g is not None for g in grads):
                     stage.backward(act, grads)
-            if device.type == "cuda":
-                work = torch.cuda.max_memory_allocated(device) - base
-            elif _C.HostMemoryMeter.active():  # beyond its kept activations, what its backward holds at once
-                work = meter.peak - held
-            else:  # the meter is off: the incoming gradients and the parameters' gradients
-                work = sum(_nbytes(o) for o in outputs) + sum(grad_bytes[n] for n in unit)
-            fwd, bwd = [], []
-            for rep in range(warmup + repeats):
-                _sync(device)
-                t0 = time.perf_counter()
-                a = stage.forward(stage_inputs)
-                _sync(device)
-                t1 = time.perf_counter()
-                if differentiable:
-                    stage.backward(a, [None if g is None else g for g in grads])
+        del warm, act, grads
+        timed: dict[str, dict] = {}  # a unit's measured figures by what it computes on (_unit_signature)
+        repeated = 0
+        for unit, stage in order:
+            with units_made(reads[tuple(unit)], device) as made:
+                param_storages.update(t.untyped_storage().data_ptr() for t in made)
+                stage_inputs = [_made_if_stand_in(values[v]) for v in stage.inputs]
+                # Forward: the saved activations are counted once, then the time is measured.
+                saved: dict[int, int] = {}
+                saved_here: set[int] = set()
+
+                def pack(t):
+                    try:
+                        ptr = t.untyped_storage().data_ptr()
+                        if ptr not in param_storages:
+                            saved[ptr] = max(saved.get(ptr, 0), t.untyped_storage().nbytes())
+                            saved_here.add(ptr)
+                    except (RuntimeError, NotImplementedError):
+                        pass
+                    return t
+
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                    base = torch.cuda.memory_allocated(device)
+                # On the CPU the meter charges what the unit allocates from here on, and credits
+                # what of it is freed: the backward's working memory is its peak over what the
+                # forward left (the incoming gradients, every gradient it holds at once, less the
+                # saved activations it has freed by then).
+                meter = _C.HostMemoryMeter() if device.type != "cuda" else None
+                with meter if meter is not None else contextlib.nullcontext(), \
+                        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    act = stage.forward(stage_inputs)
+                outputs = act.outputs
+                for v, out in zip(stage.outputs, outputs):
+                    values[v] = out
+                    value_bytes[v] = _nbytes(out)
+                selective.note_values(values, stage.outputs)
+                # An output over a tensor made for this unit alone (a weight's transpose) is not
+                # kept: the unit that reads it gets one made to its shape and dtype.
+                values.update(zip(stage.outputs, _stand_ins_for_views([values[v] for v in stage.outputs], made)))
+                # Kept as leaves: a kept output's graph would keep what the unit saved for its
+                # backward (its weights) past the unit, and a unit measured once runs no backward.
+                for v in stage.outputs:
+                    if isinstance(values[v], torch.Tensor):
+                        values[v] = values[v].detach().requires_grad_(values[v].requires_grad)
+                # Storages made inside the unit (alive now, so no value's) are its own; a graph
+                # value's storage is counted for one unit only (below).
+                measured.append((unit, sum(b for ptr, b in saved.items() if ptr not in selective.value_storages),
+                                 {ptr: b for ptr, b in saved.items() if ptr in selective.value_storages}, saved_here))
+                first = unit[0]
+                signature = _unit_signature(graph, unit, values)
+                if signature in timed:  # a unit like one measured already (the next transformer layer's)
+                    nodes[first].update(timed[signature])
+                    repeated += 1
+                    continue
+                if meter is not None:
+                    meter.reset_peak()
+                    held = meter.live
+                with meter if meter is not None else contextlib.nullcontext():
+                    grads = [torch.ones_like(o) if isinstance(o, torch.Tensor) and o.requires_grad else None
+                             for o in outputs]
+                    differentiable = any(g is not None for g in grads)
+                    if differentiable:
+                        stage.backward(act, grads)
+                if device.type == "cuda":
+                    work = torch.cuda.max_memory_allocated(device) - base
+                elif _C.HostMemoryMeter.active():  # beyond its kept activations, what its backward holds at once
+                    work = meter.peak - held
+                else:  # the meter is off: the incoming gradients and the parameters' gradients
+                    work = sum(_nbytes(o) for o in outputs) + sum(grad_bytes[n] for n in unit)
+                fwd, bwd = [], []
+                for rep in range(warmup + repeats):
                     _sync(device)
-                t2 = time.perf_counter()
-                if rep >= warmup:
-                    fwd.append(t1 - t0)
-                    bwd.append(t2 - t1)
-            first = unit[0]
-            nodes[first]["forward_s"] = statistics.median(fwd)
-            nodes[first]["backward_s"] = statistics.median(bwd) if differentiable else 0.0
-            # The weight-gradient part of a split backward: about half for nodes that read
-            # parameters (dW costs what dX costs for matmuls and convolutions), else none.
-            if any(n in reads_param for n in unit):
-                nodes[first]["backward_weight_s"] = nodes[first]["backward_s"] / 2
-            nodes[first]["work_bytes"] = float(max(work, 0))
+                    t0 = time.perf_counter()
+                    a = stage.forward(stage_inputs)
+                    _sync(device)
+                    t1 = time.perf_counter()
+                    if differentiable:
+                        stage.backward(a, [None if g is None else g for g in grads])
+                        _sync(device)
+                    t2 = time.perf_counter()
+                    if rep >= warmup:
+                        fwd.append(t1 - t0)
+                        bwd.append(t2 - t1)
+                nodes[first]["forward_s"] = statistics.median(fwd)
+                nodes[first]["backward_s"] = statistics.median(bwd) if differentiable else 0.0
+                # The weight-gradient part of a split backward: about half for nodes that read
+                # parameters (dW costs what dX costs for matmuls and convolutions), else none.
+                if any(n in reads_param for n in unit):
+                    nodes[first]["backward_weight_s"] = nodes[first]["backward_s"] / 2
+                nodes[first]["work_bytes"] = float(max(work, 0))
+                timed[signature] = {k: nodes[first][k] for k in ("forward_s", "backward_s", "backward_weight_s",
+                                                                  "work_bytes")}
         _count_saved_once(measured, reads_param, nodes, selective, saved_by)
         selective.finish(nodes, values)
     finally:
@@ -243,10 +332,13 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
         with torch.no_grad():
             for n, v in saved_buffers.items():
                 bound[n].copy_(v)
+            for t in released:
+                t.data = torch.empty(0, dtype=t.dtype, device=t.device)
     doc = {
         "format": "conveyor.profile", "version": 1, "graph_hash": ghash, "device": name,
         "microbatch": int(microbatch), "torch": torch.__version__, "nodes": nodes,
         "value_bytes": [float(b) for b in value_bytes], "value_saved_by": saved_by,
+        "units": len(order), "units_measured": len(order) - repeated, "peak_rss_bytes": _peak_rss_bytes(),
     }
     if cache:
         path.parent.mkdir(parents=True, exist_ok=True)
