@@ -13,7 +13,6 @@
                              [--schedules 1f1b,zb-v] [--devices 4]
 """
 import argparse
-import json
 import os
 import statistics
 import time
@@ -80,10 +79,10 @@ def planned_vs_simulated(args, case, wrapped, graph, inputs):
                              max_replicas=1, **ranks)
         print(plan)
         plans[schedule] = plan
-        chunks = plan.document["chunks"]
+        chunks = plan.chunks
         steps[schedule] = _C.PipelineStep(graph.executor, plan.stage_nodes, plan.schedule, plan.microbatches,
                                           chunks, plan.replicas[:len(plan.stage_nodes) // chunks], 0, threads,
-                                          plan=json.dumps(plan.document))
+                                          plan=plan.handle)
         times[schedule] = []
     for i in range(args.warmup + args.iters):
         for schedule in schedules:

@@ -1,0 +1,134 @@
+"""A model no single process here could hold, trained across processes: a GPT-2 built on the
+meta device in every process (float32, AdamW), captured without real tensors, profiled unit
+by unit on process 0, each process making and initializing only what its stages read.
+
+Prints, per process: its peak resident memory (VmHWM), what it holds at the end (parameters,
+gradients and optimizer state of its stages) and the ratio of the two; the first call's time
+(capture, profile, plan, build and the first step) and the steps after; the profiler's units,
+how many it measured (the others are alike: measured once) and its peak memory; the losses.
+The baseline is the model's whole training state, which one process would have to hold.
+
+    ./run bench big_model                      # 1.01B parameters on 4 processes (16.2 GB of training state in all)
+    ./run bench big_model --layers 2 --hidden 256 --processes 2 --limit-mb 0.6   # small
+`--limit-mb F`: each process's data segment (RLIMIT_DATA) may grow by at most F times the
+whole model's training state beyond what it held once torch was imported.
+"""
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+warnings.filterwarnings("ignore")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+
+def config(args):
+    import transformers
+    transformers.logging.set_verbosity_error()
+    return transformers.GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=max(1, args.hidden // 64),
+                                   vocab_size=args.vocab, n_positions=args.seq, use_cache=False,
+                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def worker(args) -> None:
+    import torch
+    import transformers
+    import conveyor
+    from conveyor.materialize import is_placeholder
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(config(args))
+    params = sum(p.numel() for p in model.parameters())
+    whole_state = params * 4 * 4  # float32 parameters, gradients and AdamW's two moments
+    if args.limit_mb:
+        limit = status("VmData:") + int(args.limit_mb * whole_state)
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    piped = conveyor.Module(model, optimizer, microbatches=args.microbatches)
+    draws = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=draws) for _ in range(args.steps)]
+    losses, times = [], []
+    for x in batches:
+        t0 = time.perf_counter()
+        losses.append(piped.train_step(input_ids=x, labels=x).item())
+        times.append(time.perf_counter() - t0)
+    held = 0
+    for p in model.parameters():
+        if p.numel() > 0 and not is_placeholder(p):
+            held += p.numel() * p.element_size()
+            held += p.grad.numel() * p.grad.element_size() if p.grad is not None else 0
+            held += sum(v.numel() * v.element_size() for v in optimizer.state.get(p, {}).values()
+                        if isinstance(v, torch.Tensor) and v.dim() > 0)
+    maker = piped.capture.plan_maker
+    out = dict(rank=piped.rank, params=params, whole_state=whole_state, peak=status("VmHWM:"), held=held,
+               losses=losses, times=times, profile=maker.last_profile if maker is not None else {},
+               stages=len(piped.plan.stage_nodes), replicas=piped.plan.replicas, step_peaks=None)
+    with open(os.path.join(args.out, f"rank{piped.rank}.json"), "w") as f:
+        json.dump(out, f)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=18)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=50257)
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--processes", type=int, default=4)
+    ap.add_argument("--limit-mb", type=float, default=0.0)
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    out = args.out or tempfile.mkdtemp(prefix="big_model.")
+    tool = os.path.join(os.environ.get("CONVEYOR_BUILD_DIR", os.path.join(ROOT, "build")), "tools", "conveyor")
+    argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("worker", "out")]
+    env = dict(os.environ, CONVEYOR_CACHE_DIR=os.path.join(out, "cache"), UCX_NET_DEVICES="lo",
+               OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // args.processes)))
+    t0 = time.perf_counter()
+    run = subprocess.run([tool, "launch", "-n", str(args.processes), "--", sys.executable, os.path.abspath(__file__),
+                          "--worker", "--out", out, *argv], env=env)
+    wall = time.perf_counter() - t0
+    if run.returncode != 0:
+        sys.exit(f"the job failed (exit {run.returncode})")
+    ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(args.processes)]
+    first = ranks[0]
+    gib = 1 << 30
+    print(f"GPT-2 of {first['params'] / 1e9:.3f}B parameters ({args.layers} layers, width {args.hidden}), float32, "
+          f"AdamW: the whole training state is {first['whole_state'] / gib:.2f} GiB")
+    print(f"plan: {first['stages']} stages, replicas {first['replicas']}, on {args.processes} processes; job "
+          f"wall time {wall:.0f} s")
+    prof = first["profile"]
+    if prof:
+        peak = prof.get("peak_rss_bytes")
+        print(f"profile (process 0): {prof['units']} units, {prof['units_measured']} measured (the rest alike); "
+              f"peak resident memory then {peak / gib:.2f} GiB" if peak else "")
+    print(f"first call (capture, profile, plan, build, first step): {first['times'][0]:.1f} s; steps after: "
+          + ", ".join(f"{t:.1f} s" for t in first["times"][1:]))
+    print("losses: " + ", ".join(f"{x:.4f}" for x in first["losses"]))
+    print("process  peak (VmHWM)  holds (params+grads+AdamW)  peak / holds  peak / whole state")
+    for r in ranks:
+        print(f"{r['rank']:7d}  {r['peak'] / gib:9.2f} GiB  {r['held'] / gib:17.2f} GiB  {r['peak'] / max(r['held'], 1):12.2f}"
+              f"  {r['peak'] / r['whole_state']:17.2f}")
+    largest = max(r["peak"] for r in ranks)
+    print(f"largest peak {largest / gib:.2f} GiB against the whole training state {first['whole_state'] / gib:.2f} GiB: "
+          f"{largest / first['whole_state']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

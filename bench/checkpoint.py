@@ -1,0 +1,155 @@
+"""Checkpoints against plain file writes of the same bytes, in one run: a job's
+save_checkpoint and load_checkpoint (DCP format, each process its own part, checksummed,
+renamed into place once complete) against each process writing, then reading back, exactly
+the tensors it owns with plain `write`/`readinto` calls and an fsync (the least any
+checkpoint must do). The two alternate in rounds; prints medians with their spread, the
+ratio of throughputs (above 1: conveyor faster), and each process's peak memory during save
+and load beyond what it held before (Linux's VmHWM, reset before each).
+
+    ./run bench checkpoint                          # GPT-2 of 0.2B parameters, 2 processes
+    ./run bench checkpoint --layers 18 --hidden 2048 --vocab 50257 --processes 4 --meta   # the 1B model
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+warnings.filterwarnings("ignore")
+
+
+def status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+
+def reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM starts again from what is resident now
+
+
+def worker(args) -> None:
+    import torch
+    import transformers
+    import conveyor
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=max(1, args.hidden // 64),
+                                     vocab_size=args.vocab, n_positions=args.seq, use_cache=False)
+    with torch.device("meta") if args.meta else torch.device("cpu"):
+        model = transformers.GPT2LMHeadModel(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    piped = conveyor.Module(model, optimizer, stages=args.processes, replicas=1, replan="off")  # each owns a part
+    x = torch.randint(0, args.vocab, (4, args.seq), generator=torch.Generator().manual_seed(1))
+    piped.train_step(input_ids=x, labels=x)  # the optimizer's state exists, the plan decides the owners
+    folder = os.path.join(args.out, "ck")
+    piped.save_checkpoint(folder)  # a first save names what each process owns
+    mine = _owned(folder, piped.rank, model, optimizer)
+    nbytes = sum(t.numel() * t.element_size() for t in mine)
+    plain = os.path.join(args.out, f"plain.{piped.rank}")
+    rows = {"save": [], "plain write": [], "load": [], "plain read": []}
+    peaks = {"save": 0, "load": 0}
+    for _ in range(args.rounds):
+        before = status("VmRSS:")
+        reset_peak()
+        t0 = time.perf_counter()
+        piped.save_checkpoint(folder)
+        rows["save"].append(time.perf_counter() - t0)
+        peaks["save"] = max(peaks["save"], status("VmHWM:") - before)
+        t0 = time.perf_counter()
+        with open(plain, "wb") as f:
+            for t in mine:
+                f.write(memoryview(t.detach().contiguous().view(-1).view(torch.uint8).numpy()))
+            f.flush()
+            os.fsync(f.fileno())
+        rows["plain write"].append(time.perf_counter() - t0)
+        before = status("VmRSS:")
+        reset_peak()
+        t0 = time.perf_counter()
+        piped.load_checkpoint(folder)
+        rows["load"].append(time.perf_counter() - t0)
+        peaks["load"] = max(peaks["load"], status("VmHWM:") - before)
+        t0 = time.perf_counter()
+        with open(plain, "rb") as f:
+            for t in mine:
+                f.readinto(memoryview(t.detach().view(-1).view(torch.uint8).numpy()))
+        rows["plain read"].append(time.perf_counter() - t0)
+    largest = max(t.numel() * t.element_size() for t in mine)
+    with open(os.path.join(args.out, f"rank{piped.rank}.json"), "w") as f:
+        json.dump(dict(rank=piped.rank, rows=rows, peaks=peaks, owned=nbytes, largest=largest,
+                       params=sum(p.numel() for p in model.parameters())), f)
+
+
+def _owned(folder: str, rank: int, model, optimizer) -> list:
+    """The tensors process `rank` wrote to the checkpoint: its file's items in DCP's index
+    (`model.<name>`, `optim.<name>.<key>`), found in the model and its optimizer."""
+    import torch.distributed.checkpoint as dcp
+    metadata = dcp.FileSystemReader(folder).read_metadata()
+    params = dict(model.named_parameters())
+    state = {**params, **dict(model.named_buffers())}
+    out = []
+    for item, where in metadata.storage_data.items():
+        if where.relative_path != f"__{rank}_0.distcp":
+            continue
+        key = item.fqn
+        if key.startswith("model."):
+            out.append(state[key[len("model."):]].detach())
+        elif key.startswith("optim."):
+            name, _, field = key[len("optim."):].rpartition(".")
+            value = optimizer.state[params[name]][field]
+            if value.dim() > 0:
+                out.append(value)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=50257)
+    ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--processes", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--meta", action="store_true", help="build the model on the meta device")
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    out = args.out or tempfile.mkdtemp(prefix="checkpoint_bench.")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tool = os.path.join(os.environ.get("CONVEYOR_BUILD_DIR", os.path.join(root, "build")), "tools", "conveyor")
+    argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+            if k not in ("worker", "out", "meta")] + (["--meta"] if args.meta else [])
+    env = dict(os.environ, CONVEYOR_CACHE_DIR=os.path.join(out, "cache"), UCX_NET_DEVICES="lo")
+    run = subprocess.run([tool, "launch", "-n", str(args.processes), "--", sys.executable, os.path.abspath(__file__),
+                          "--worker", "--out", out, *argv], env=env)
+    if run.returncode != 0:
+        sys.exit(f"the job failed (exit {run.returncode})")
+    ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(args.processes)]
+    mib = 1 << 20
+    print(f"GPT-2 of {ranks[0]['params'] / 1e9:.3f}B parameters, AdamW, {args.processes} processes, "
+          f"{args.rounds} rounds alternating")
+    for what, plain in (("save", "plain write"), ("load", "plain read")):
+        ours = [max(r["rows"][what][k] for r in ranks) for k in range(args.rounds)]  # the job's: its slowest process
+        theirs = [max(r["rows"][plain][k] for r in ranks) for k in range(args.rounds)]
+        total = sum(r["owned"] for r in ranks)
+        mo, mt = statistics.median(ours), statistics.median(theirs)
+        print(f"{what:5s}: {mo:.2f} s ({min(ours):.2f}-{max(ours):.2f}), {total / mib / mo:.0f} MiB/s; {plain}: "
+              f"{mt:.2f} s ({min(theirs):.2f}-{max(theirs):.2f}), {total / mib / mt:.0f} MiB/s; ratio {mt / mo:.2f}")
+    print("process  owns (MiB)  largest tensor  save peak beyond held  load peak beyond held")
+    for r in ranks:
+        print(f"{r['rank']:7d}  {r['owned'] / mib:10.1f}  {r['largest'] / mib:14.1f}  {r['peaks']['save'] / mib:21.1f}"
+              f"  {r['peaks']['load'] / mib:21.1f}")
+    shutil.rmtree(os.path.join(out, "ck"), ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
