@@ -5,6 +5,7 @@ example tiled to the new sizes and plan again, keeping what the Module fixed; an
 cluster it plans for when none is given (this machine, local_cluster)."""
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 
@@ -52,6 +53,7 @@ class PlanMaker:
         try:
             doc = profile(self.graph, (), flat_inputs=flat)
             self.last_profile = {k: doc.get(k) for k in ("units", "units_measured", "peak_rss_bytes")}
+            _return_freed_memory()  # what profiling freed, to the system before the stages are made
             return doc
         finally:
             torch.set_num_threads(saved_threads)
@@ -137,6 +139,14 @@ def plan_for_larger_sizes(state, calls: list[list], *, job, optimizer, history, 
     state.planned_sizes = dict(maker.sizes)
     if state.replanning is not None:
         state.replanning.replanner = maker.replanner(prof, plan)
+
+
+def _return_freed_memory() -> None:
+    """glibc keeps freed heap for reuse; malloc_trim hands it back (elsewhere: nothing)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def local_cluster(devices: int, threads: int, gpu_memory: int | None = None, one_gpu: bool = True) -> str:
