@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from . import _C
+from . import _C, environment
 from .arguments import TWO_STAGES_PER_RANK, recomputation
 from .errors import ConveyorValueError, GraphFormatError
 from .graph import Graph, node_value_inputs
@@ -38,8 +38,8 @@ __all__ = ["profile", "plan", "Plan", "profile_cache_dir"]
 
 def profile_cache_dir() -> Path:
     """Where profiles are cached: $CONVEYOR_CACHE_DIR/profiles (default ~/.cache/conveyor)."""
-    base = os.environ.get("CONVEYOR_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "conveyor")
+    base = environment.variable("CONVEYOR_CACHE_DIR") or os.path.join(
+        environment.variable("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "conveyor")
     return Path(base) / "profiles"
 
 

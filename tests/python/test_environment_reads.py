@@ -22,11 +22,23 @@ def test_the_environment_is_read_in_common_env_alone():
     assert not readers, "read these through common/env.h:\n" + "\n".join(readers)
 
 
+def test_the_python_package_reads_the_environment_in_environment_py_alone():
+    readers = []
+    for path in sorted((ROOT / "bindings" / "conveyor").rglob("*.py")):
+        if path.name == "environment.py":
+            continue
+        for i, line in enumerate(path.read_text().splitlines()):
+            code = line.split("#")[0]
+            if re.search(r"\bos\.(environ|getenv)\b", code) and "`" not in code:
+                readers.append(f"{path.relative_to(ROOT)}:{i + 1}")
+    assert not readers, "read these through conveyor/environment.py:\n" + "\n".join(readers)
+
+
 def test_every_variable_conveyor_reads_is_documented():
     read = set(re.findall(r'"(CONVEYOR_[A-Z_]+)"', (ROOT / "common" / "env.cc").read_text()))
     assert read, "common/env.cc reads no CONVEYOR_ variable: the rule checks nothing"
     for path in (ROOT / "bindings" / "conveyor").rglob("*.py"):
-        read |= set(re.findall(r"""environ(?:\.get\(|\[)\s*["'](CONVEYOR_[A-Z_]+)""", path.read_text()))
+        read |= set(re.findall(r"""environment\.(?:variable|is_set)\(\s*["'](CONVEYOR_[A-Z_]+)""", path.read_text()))
     table = (ROOT / "docs" / "environment.md").read_text()
     assert not [v for v in read if f"`{v}`" not in table], "add these to docs/environment.md"
 

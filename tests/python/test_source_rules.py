@@ -75,3 +75,12 @@ def test_no_module_outside_module_py_reads_the_privates_of_conveyor_Module():
 def test_module_py_stays_small():
     lines = len((ROOT / "bindings/conveyor/module.py").read_text().splitlines())
     assert lines <= 320, f"bindings/conveyor/module.py has {lines} lines: move a job out to a module of its own"
+
+
+def test_every_module_of_the_package_is_installed():
+    """`pip install .` (meson-python) installs what bindings/conveyor/meson.build lists."""
+    listed = set(re.findall(r"'([\w/]+\.py)'", (ROOT / "bindings/conveyor/meson.build").read_text()))
+    package = ROOT / "bindings/conveyor"
+    missing = sorted(str(p.relative_to(package)) for p in package.rglob("*.py")
+                     if "__pycache__" not in p.parts and str(p.relative_to(package)) not in listed)
+    assert not missing, "add these to bindings/conveyor/meson.build's install_sources:\n" + "\n".join(missing)

@@ -40,6 +40,7 @@ import weakref
 import torch
 from torch.autograd.graph import get_gradient_edge
 
+from .. import environment
 from ..arguments import check_output_path
 from ..errors import ConveyorError, ConveyorValueError
 from . import arguments, groups, records
@@ -82,7 +83,7 @@ def init(transport: str | None = None, device=None, trace: str | os.PathLike | N
     if transport is None:
         transport = launch_settings().get("transport", "ucx")
     if trace is None:  # the launcher's file itself: one trace of the job, not one per process
-        trace = os.environ.get("CONVEYOR_TRACE") or None
+        trace = environment.variable("CONVEYOR_TRACE") or None
     check_output_path(trace, "trace")
     if transport not in ("ucx", "nccl"):
         raise ConveyorValueError(f"transport={transport!r}: expected \"ucx\" or \"nccl\"")

@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import os
 import socket
 import sys
 
-from .. import _C
+from .. import _C, environment
 from ..arguments import seconds
 from ..errors import ConveyorValueError
 
@@ -46,12 +45,12 @@ def world():
     process runs alone (no WORLD_SIZE, or WORLD_SIZE=1). RANK and WORLD_SIZE come from
     `conveyor launch` or torchrun, or else from mpirun or srun's own variables; MASTER_ADDR
     (default 127.0.0.1) and MASTER_PORT (default 29500) name where process 0 listens."""
-    size = os.environ.get("WORLD_SIZE")
+    size = environment.variable("WORLD_SIZE")
     if size is None:
         for rank_var, size_var in _LAUNCHERS:
-            if rank_var in os.environ and size_var in os.environ:
-                size = os.environ[size_var]
-                os.environ.setdefault("RANK", os.environ[rank_var])
+            if environment.is_set(rank_var) and environment.is_set(size_var):
+                size = environment.variable(size_var)
+                environment.set_default("RANK", environment.variable(rank_var))
                 break
     if size is None or size.strip() == "1":
         return None
@@ -64,14 +63,14 @@ def world():
                                      "MASTER_ADDR and MASTER_PORT (see `conveyor launch --help`)") from None
 
     n = number("WORLD_SIZE", size)
-    if "RANK" not in os.environ:
+    if not environment.is_set("RANK"):
         raise ConveyorValueError(f"WORLD_SIZE={n} but no RANK: start the processes with `conveyor launch -n {n} -- ...` "
                                  "or set RANK (0 to WORLD_SIZE - 1) for each")
-    rank = number("RANK", os.environ["RANK"])
+    rank = number("RANK", environment.variable("RANK"))
     if n < 1 or not 0 <= rank < n:
         raise ConveyorValueError(f"RANK={rank} with WORLD_SIZE={n}: RANK must be 0 to {n - 1}")
-    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = number("MASTER_PORT", os.environ.get("MASTER_PORT", "29500"))
+    host = environment.variable("MASTER_ADDR", "127.0.0.1")
+    port = number("MASTER_PORT", environment.variable("MASTER_PORT", "29500"))
     return rank, n, host, port
 
 
@@ -80,28 +79,28 @@ def launch_settings() -> dict:
     file; absent for "auto"), `transport`, `trace` (this process's own file), `replan` and
     `replan_horizon`, where set."""
     out = {}
-    replan = os.environ.get("CONVEYOR_REPLAN")
+    replan = environment.variable("CONVEYOR_REPLAN")
     if replan:
         if replan not in ("auto", "off"):
             raise ConveyorValueError(f"CONVEYOR_REPLAN={replan!r}: expected auto or off")
         out["replan"] = replan
-    horizon = os.environ.get("CONVEYOR_REPLAN_HORIZON")
+    horizon = environment.variable("CONVEYOR_REPLAN_HORIZON")
     if horizon:
         if not horizon.isdigit() or int(horizon) < 1:
             raise ConveyorValueError(f"CONVEYOR_REPLAN_HORIZON={horizon!r}: expected a whole number of steps, at least 1")
         out["replan_horizon"] = int(horizon)
-    schedule = os.environ.get("CONVEYOR_SCHEDULE")
+    schedule = environment.variable("CONVEYOR_SCHEDULE")
     if schedule:
         out["schedule"] = schedule
-    plan = os.environ.get("CONVEYOR_PLAN")
+    plan = environment.variable("CONVEYOR_PLAN")
     if plan and plan != "auto":
         out["plan"] = plan
-    transport = os.environ.get("CONVEYOR_TRANSPORT")
+    transport = environment.variable("CONVEYOR_TRANSPORT")
     if transport:
         if transport not in ("ucx", "nccl"):
             raise ConveyorValueError(f"CONVEYOR_TRANSPORT={transport!r}: expected ucx or nccl")
         out["transport"] = transport
-    trace = os.environ.get("CONVEYOR_TRACE")
+    trace = environment.variable("CONVEYOR_TRACE")
     if trace:
         found = world()
         if found is not None:
@@ -112,7 +111,7 @@ def launch_settings() -> dict:
 
 
 def default_timeout() -> float:
-    text = os.environ.get("CONVEYOR_TIMEOUT", "300")
+    text = environment.variable("CONVEYOR_TIMEOUT", "300")
     try:
         value = float(text)
     except ValueError:
@@ -146,7 +145,7 @@ def _rendezvous_port(rank: int, host: str, port: int, timeout_s: float) -> int:
     MASTER_PORT is its agent's TCPStore, taken: process 0 listens on a free port of
     MASTER_ADDR's interface instead and hands it out through that store (a key per restart,
     so an elastic restart does not read the last one's)."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
+    if not environment.is_set("TORCHELASTIC_RUN_ID"):
         return port
     from torch.distributed import TCPStore  # only under torchrun: a torch built without distributed still runs alone
     where = f"torchrun's store at {host}:{port}"
@@ -155,7 +154,7 @@ def _rendezvous_port(rank: int, host: str, port: int, timeout_s: float) -> int:
                          wait_for_workers=False)
     except Exception as e:  # noqa: BLE001  (torch raises several kinds)
         raise ConveyorValueError(f"process {rank} cannot reach {where} (MASTER_ADDR, MASTER_PORT): {e}") from None
-    key = f"conveyor/rendezvous/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    key = f"conveyor/rendezvous/{environment.variable('TORCHELASTIC_RESTART_COUNT', '0')}"
     if rank == 0:
         family, _, _, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
         with socket.socket(family, socket.SOCK_STREAM) as probe:
