@@ -16,7 +16,7 @@ from .capture_state import CaptureState, Layout
 from .errors import ConveyorValueError, NotALossError, UnsupportedError
 from .job import Job
 from .loss_wrapper import loss_wrapper
-from .materialize import exported_on_meta, materialize
+from .materialize import exported_on_meta, materialize, restore_placeholders
 from .memory import stage_tensors
 from .microbatches import Microbatches
 from .options import Options
@@ -59,10 +59,11 @@ def _capture_loss(model, options: Options, args: tuple, kwargs: dict):
     wrapper = loss_wrapper(model, options.loss_fn, args, kwargs)
     if options.meta_built:
         on_meta = [x.to("meta") if isinstance(x, torch.Tensor) else x for x in (*args, *kwargs.values())]
-        with exported_on_meta(model) as own:
+        with exported_on_meta(model, shapes=options.meta_shapes) as own:
             graph = capture(wrapper, tuple(on_meta[:len(args)]), dict(zip(kwargs, on_meta[len(args):])),
                             meta_runs_on=_device_of(args, kwargs))
         graph.rebind({name: own.get(id(t), t) for name, t in graph.tensors.items()})
+        restore_placeholders(graph.tensors.values(), options.meta_shapes)  # released here: the executor checks shapes
     else:
         graph = capture(wrapper, args, kwargs)
     graph.modes = modes_of(model)  # a call in another mode needs another capture

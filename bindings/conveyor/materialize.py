@@ -24,14 +24,15 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import inspect
+import math
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from .errors import ConveyorValueError
 
-__all__ = ["check_meta_model", "adopt_meta_model", "is_placeholder", "exported_on_meta", "materialize",
-           "units_made"]
+__all__ = ["check_meta_model", "adopt_meta_model", "is_placeholder", "restore_placeholders", "exported_on_meta",
+           "materialize", "units_made"]
 
 # In-place random fills: each takes `generator=`, which a seeded one is given.
 _RANDOM_FILLS = {torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.random_, torch.Tensor.bernoulli_,
@@ -75,6 +76,15 @@ def _placeholder(t: torch.Tensor) -> torch.Tensor:
     return torch.nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else data
 
 
+def restore_placeholders(tensors, shapes: dict) -> None:
+    """Those of `tensors` a pipeline released here (0 elements) made placeholders of their
+    shape in `shapes` (by id) again: what a new capture's executor binds to."""
+    with torch.no_grad():
+        for t in tensors:
+            if t.numel() == 0 and id(t) in shapes and math.prod(shapes[id(t)]) > 0:
+                t.data = torch.empty(1, dtype=t.dtype, device=t.device).expand(shapes[id(t)])
+
+
 def _slots(model: torch.nn.Module):
     """Every (module, dict, key) holding a parameter or buffer (a tied one in each slot)."""
     for module in model.modules():
@@ -84,9 +94,11 @@ def _slots(model: torch.nn.Module):
                     yield module, table, key
 
 
-def adopt_meta_model(model: torch.nn.Module, optimizer) -> bool:
+def adopt_meta_model(model: torch.nn.Module, optimizer) -> dict[int, torch.Size]:
     """Gives every meta tensor of `model` a placeholder (tied slots the same one) and the
-    optimizer's param groups the new parameters; False for a model with no meta tensor."""
+    optimizer's param groups the new parameters. Returns each new tensor's shape by id
+    (what a later capture exports it at, once a pipeline released it here to 0 elements);
+    empty for a model with no meta tensor."""
     made: dict[int, torch.Tensor] = {}
     for _, table, key in list(_slots(model)):
         t = table[key]
@@ -94,27 +106,26 @@ def adopt_meta_model(model: torch.nn.Module, optimizer) -> bool:
             if id(t) not in made:
                 made[id(t)] = _placeholder(t)
             table[key] = made[id(t)]
-    if not made:
-        return False
     if optimizer is not None:
         for group in optimizer.param_groups:
             group["params"] = [made.get(id(p), p) for p in group["params"]]
-    return True
+    return {id(t): t.shape for t in made.values()}
 
 
 @contextlib.contextmanager
-def exported_on_meta(model: torch.nn.Module, which=lambda t: True):
+def exported_on_meta(model: torch.nn.Module, which=lambda t: True, shapes: dict | None = None):
     """While torch.export traces a model that was built on the meta device: every parameter
     and buffer slot (of those `which` picks) holds a meta tensor of its shape (the inputs must
-    be meta too); after, the slots hold their own tensors again. Yields the live tensors by
-    their meta twins, to bind the graph to ({id(meta twin): live tensor})."""
+    be meta too) and of its shape in `shapes` (by id) where given; after, the slots hold
+    their own tensors again. Yields the live tensors by their meta twins, to bind the graph
+    to ({id(meta twin): live tensor})."""
     slots = [(m, table, key) for m, table, key in _slots(model) if which(table[key])]
     own = [table[key] for _, table, key in slots]
     twins: dict[int, torch.Tensor] = {}
     twin_of_own: dict[int, torch.Tensor] = {}
     for (_, table, key), t in zip(slots, own):
         if id(t) not in twin_of_own:
-            meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+            meta = torch.empty((shapes or {}).get(id(t), t.shape), dtype=t.dtype, device="meta")
             twin = torch.nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) \
                 else meta
             twin_of_own[id(t)] = twin

@@ -117,12 +117,12 @@ class Module(torch.nn.Module):
                  max_sizes: dict | None = None, init=None):
         super().__init__()
         check_meta_model(model, optimizer, init)
-        meta_built = adopt_meta_model(model, optimizer)  # its tensors made after planning, each where read
+        meta_shapes = adopt_meta_model(model, optimizer)  # its tensors made after planning, each where read
         options = resolve_options(model, optimizer, stages=stages, replicas=replicas, microbatches=microbatches,
                                   schedule=schedule, devices=devices, cluster=cluster, trace=trace, loss_fn=loss_fn,
                                   timeout=timeout, plan=plan, transport=transport, replan=replan,
                                   replan_horizon=replan_horizon, recompute=recompute, max_sizes=max_sizes,
-                                  init=init, meta_built=meta_built)
+                                  init=init, meta_shapes=meta_shapes)
         self.module = model
         self.optimizer = optimizer
         self.job = Job(options)

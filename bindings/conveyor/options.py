@@ -38,9 +38,14 @@ class Options:
     recompute: Any
     max_sizes: dict
     fixed: FixedParts | None
-    meta_built: bool = False  # the model was built on the meta device (materialize.py)
+    meta_shapes: dict = None  # a model built on the meta device: its tensors' shapes by id (materialize.py)
     init: Any = None          # with it: init(name, meta_tensor) -> the tensor's first values
     seed: int = 0             # what its tensors' first values derive from, with their names
+
+    @property
+    def meta_built(self) -> bool:
+        """Whether the model was built on the meta device."""
+        return bool(self.meta_shapes)
 
     @property
     def stages_given(self) -> bool:
@@ -50,7 +55,7 @@ class Options:
 
 def resolve_options(model, optimizer, *, stages, replicas, microbatches, schedule, devices, cluster, trace, loss_fn,
                     timeout, plan, transport, replan, replan_horizon, recompute, max_sizes, init=None,
-                    meta_built=False) -> Options:
+                    meta_shapes=None) -> Options:
     """The Module's arguments, checked (every misuse a ConveyorValueError naming it), with
     what `conveyor launch` (or its job config) asks of every process where not given."""
     launched = distributed.launch_settings()
@@ -72,5 +77,5 @@ def resolve_options(model, optimizer, *, stages, replicas, microbatches, schedul
                    loss_fn=loss_fn, plan_file=plan, transport=transport,
                    timeout_s=seconds(timeout, "timeout") if timeout is not None else distributed.default_timeout(),
                    replan=replan, replan_horizon=replan_horizon, recompute=recompute,
-                   max_sizes=as_max_sizes(max_sizes), fixed=fixed, meta_built=meta_built, init=init,
+                   max_sizes=as_max_sizes(max_sizes), fixed=fixed, meta_shapes=meta_shapes or {}, init=init,
                    seed=torch.initial_seed())

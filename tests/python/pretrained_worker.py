@@ -6,8 +6,9 @@ save_pretrained to another folder. Alone or under `conveyor launch`:
     conveyor launch -n 2 -- python pretrained_worker.py --load gpt2 --save export --out r.pt
 
 Process 0 writes the first loss; every process writes the names it read from the folder
-(`<out>.reads<R>.json`). The model is built on the CPU, not on the meta device: conveyor
-captures and profiles the model on its first call, which needs real tensors.
+(`<out>.reads<R>.json`). The model is built on the meta device, as a fine-tuning job of a
+model too large for one process builds it: each process makes only the tensors its stages
+read, filled from the folder.
 """
 import argparse
 import json
@@ -72,8 +73,8 @@ def main():
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     safetensors.safe_open = RecordedReads
-    torch.manual_seed(1234)  # weights other than the folder's
-    net = transformers.GPT2LMHeadModel(transformers.GPT2Config.from_pretrained(args.load)).double()
+    with torch.device("meta"):
+        net = transformers.GPT2LMHeadModel(transformers.GPT2Config.from_pretrained(args.load)).double()
     model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.1), stages=2, loss_fn=next_token_loss,
                             replan="off", timeout=60)
     model.load_pretrained(args.load)

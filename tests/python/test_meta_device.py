@@ -225,3 +225,49 @@ def test_a_meta_built_model_saved_before_its_tensors_exist_is_refused(tmp_path):
     with pytest.raises(conveyor.ConveyorValueError, match="have no values yet"):
         model.save_checkpoint(tmp_path / "ck")
     assert not (tmp_path / "ck").exists()
+
+
+EVERYTHING_ELSE = r'''
+import json, sys, torch
+sys.path.insert(0, sys.argv[2])
+import conveyor, zoo, transformers
+transformers.logging.set_verbosity_error()
+config = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=96, n_positions=32, use_cache=False,
+                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+torch.manual_seed(0)
+with torch.device("meta"):
+    net = transformers.GPT2LMHeadModel(config).double()
+model = conveyor.Module(net, torch.optim.AdamW(net.parameters(), lr=1e-2), stages=2)
+draws = torch.Generator().manual_seed(0)
+out = []
+for k, n in enumerate([8, 8, 12, 8, 16, 8]):
+    batch = zoo.padded_tokens(8, n, 96, draws)
+    out.append(model.train_step(**batch).item())
+    if k == 3:
+        model.eval()
+        with torch.no_grad():
+            out.append(model(**batch).item())
+        model.train()
+norm = model.clip_grad_norm_(1.0).item()
+model.save_checkpoint(sys.argv[1] + "/ck")
+json.dump(dict(losses=out, norm=norm, captures=model.capture_count, replans=len(model.replans),
+               held=sum(p.numel() for p in net.parameters()), whole=sum(p.numel() for p in
+               transformers.GPT2LMHeadModel(config).parameters())),
+          open(f"{sys.argv[1]}/rank{model.rank}.json", "w"))
+'''
+
+
+@needs_ucx
+def test_a_meta_built_model_evaluates_grows_its_sizes_clips_and_saves_across_processes(tmp_path):
+    """Two processes, stages cut in two: a longer sequence plans again (profiled without
+    gathering the model), an evaluation takes its own capture, clip_grad_norm_ and a
+    checkpoint work, and the processes agree on every loss and the norm."""
+    script = tmp_path / "job.py"
+    script.write_text(EVERYTHING_ELSE)
+    code, out = launch("-n", 2, "--", sys.executable, script, tmp_path, Path(__file__).parent)
+    assert code == 0, out[-4000:]
+    ranks = [__import__("json").loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["losses"] == ranks[1]["losses"] and ranks[0]["norm"] == ranks[1]["norm"]
+    assert ranks[0]["captures"] == 2 and ranks[0]["replans"] >= 2, ranks[0]
+    assert all(r["held"] < r["whole"] for r in ranks), ranks  # neither process made the whole model
+    assert (tmp_path / "ck" / ".metadata").exists()
