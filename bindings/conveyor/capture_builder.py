@@ -13,7 +13,7 @@ from . import _C
 from .call_splitting import refuse_to_split, warn_of_a_loss_split_changes, why_calls_stay_whole
 from .capture import capture, modes_of
 from .capture_state import CaptureState, Layout
-from .errors import ConveyorValueError, NotALossError, UnsupportedError
+from .errors import CaptureError, ConveyorValueError, NotALossError, UnsupportedError
 from .job import Job
 from .loss_wrapper import loss_wrapper
 from .materialize import exported_on_meta, materialize, restore_placeholders
@@ -53,6 +53,18 @@ def _device_of(args: tuple, kwargs: dict) -> torch.device:
     return next((x.device for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), torch.device("cpu"))
 
 
+def _off_meta(name: str, t: torch.Tensor, device) -> torch.Tensor:
+    """A tensor the graph binds, after a capture on meta twins: the model's own, or a constant
+    the model made while it ran (an empty cache): made on `device` where it holds no values."""
+    if not t.is_meta:
+        return t
+    if t.numel() == 0:
+        return torch.empty(t.shape, dtype=t.dtype, device=device)
+    raise CaptureError(f"{name}: the model made a tensor of {tuple(t.shape)} values while it ran, which a model built "
+                       "on the meta device cannot give; make it in the model's __init__ as a buffer (its initializers "
+                       "then set it), or build the model on a real device")
+
+
 def _capture_loss(model, options: Options, args: tuple, kwargs: dict):
     """The model's graph on this call, its forward returning one scalar loss (a model built
     on the meta device exported on meta twins of its tensors and inputs, then bound to its own)."""
@@ -62,7 +74,8 @@ def _capture_loss(model, options: Options, args: tuple, kwargs: dict):
         with exported_on_meta(model, shapes=options.meta_shapes) as own:
             graph = capture(wrapper, tuple(on_meta[:len(args)]), dict(zip(kwargs, on_meta[len(args):])),
                             meta_runs_on=_device_of(args, kwargs))
-        graph.rebind({name: own.get(id(t), t) for name, t in graph.tensors.items()})
+        graph.rebind({name: _off_meta(name, own.get(id(t), t), _device_of(args, kwargs))
+                      for name, t in graph.tensors.items()})
         restore_placeholders(graph.tensors.values(), options.meta_shapes)  # released here: the executor checks shapes
     else:
         graph = capture(wrapper, args, kwargs)

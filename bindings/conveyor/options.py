@@ -10,6 +10,7 @@ import torch
 
 from . import distributed
 from .arguments import check_module_arguments, seconds
+from .distributed.processes import this_process_file
 from .planning import FixedParts
 from .sizes import as_max_sizes
 
@@ -62,7 +63,7 @@ def resolve_options(model, optimizer, *, stages, replicas, microbatches, schedul
     if schedule == "auto":
         schedule = launched.get("schedule", "auto")
     plan = plan if plan is not None else launched.get("plan")
-    trace = trace if trace is not None else launched.get("trace")
+    trace = this_process_file(trace) if trace is not None else launched.get("trace")
     transport = transport if transport is not None else launched.get("transport", "ucx")
     replan = replan or launched.get("replan", "auto")
     replan_horizon = replan_horizon if replan_horizon is not None else launched.get("replan_horizon", 100)

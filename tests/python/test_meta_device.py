@@ -232,12 +232,12 @@ import json, sys, torch
 sys.path.insert(0, sys.argv[2])
 import conveyor, zoo, transformers
 transformers.logging.set_verbosity_error()
-config = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=96, n_positions=32, use_cache=False,
-                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+config = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=96, n_positions=32,
+                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # use_cache as transformers sets it
 torch.manual_seed(0)
 with torch.device("meta"):
     net = transformers.GPT2LMHeadModel(config).double()
-model = conveyor.Module(net, torch.optim.AdamW(net.parameters(), lr=1e-2), stages=2)
+model = conveyor.Module(net, torch.optim.AdamW(net.parameters(), lr=1e-2), stages=2, trace=sys.argv[1] + "/t.json")
 draws = torch.Generator().manual_seed(0)
 out = []
 for k, n in enumerate([8, 8, 12, 8, 16, 8]):
@@ -259,9 +259,10 @@ json.dump(dict(losses=out, norm=norm, captures=model.capture_count, replans=len(
 
 @needs_ucx
 def test_a_meta_built_model_evaluates_grows_its_sizes_clips_and_saves_across_processes(tmp_path):
-    """Two processes, stages cut in two: a longer sequence plans again (profiled without
-    gathering the model), an evaluation takes its own capture, clip_grad_norm_ and a
-    checkpoint work, and the processes agree on every loss and the norm."""
+    """Two processes, stages cut in two, transformers' default config (use_cache): a longer
+    sequence plans again (profiled without gathering the model), an evaluation takes its own
+    capture, clip_grad_norm_ and a checkpoint work, each process writes its own trace, and
+    the processes agree on every loss and the norm."""
     script = tmp_path / "job.py"
     script.write_text(EVERYTHING_ELSE)
     code, out = launch("-n", 2, "--", sys.executable, script, tmp_path, Path(__file__).parent)
@@ -271,3 +272,4 @@ def test_a_meta_built_model_evaluates_grows_its_sizes_clips_and_saves_across_pro
     assert ranks[0]["captures"] == 2 and ranks[0]["replans"] >= 2, ranks[0]
     assert all(r["held"] < r["whole"] for r in ranks), ranks  # neither process made the whole model
     assert (tmp_path / "ck" / ".metadata").exists()
+    assert (tmp_path / "t.rank0.json").exists() and (tmp_path / "t.rank1.json").exists()

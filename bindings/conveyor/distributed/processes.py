@@ -26,7 +26,7 @@ from .. import _C, environment
 from ..arguments import seconds
 from ..errors import ConveyorValueError
 
-__all__ = ["world", "process_group", "default_timeout", "launch_settings"]
+__all__ = ["world", "process_group", "default_timeout", "launch_settings", "this_process_file"]
 
 # The job's process state: this process's member of the job (process_group()), and the
 # world it joined as.
@@ -102,12 +102,19 @@ def launch_settings() -> dict:
         out["transport"] = transport
     trace = environment.variable("CONVEYOR_TRACE")
     if trace:
-        found = world()
-        if found is not None:
-            stem, dot, ext = trace.rpartition(".")
-            trace = f"{stem}.rank{found[0]}.{ext}" if dot else f"{trace}.rank{found[0]}"
-        out["trace"] = trace
+        out["trace"] = this_process_file(trace)
     return out
+
+
+def this_process_file(path):
+    """Under a launcher, this process's own file for `path`: <stem>.rank<R><suffix> (every
+    process writing one file would leave none whole); alone, `path` itself."""
+    found = world()
+    if found is None:
+        return path
+    text = str(path)
+    stem, dot, ext = text.rpartition(".")
+    return f"{stem}.rank{found[0]}.{ext}" if dot and "/" not in ext else f"{text}.rank{found[0]}"
 
 
 def default_timeout() -> float:
