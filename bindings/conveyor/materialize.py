@@ -29,6 +29,7 @@ import math
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .arguments import check_model
 from .errors import ConveyorValueError
 
 __all__ = ["check_meta_model", "adopt_meta_model", "is_placeholder", "restore_placeholders", "exported_on_meta",
@@ -139,8 +140,10 @@ def exported_on_meta(model: torch.nn.Module, which=lambda t: True, shapes: dict 
 
 
 def check_meta_model(model: torch.nn.Module, optimizer, init) -> None:
-    """Refuses, before any work, a model with some tensors on the meta device and some real,
-    an optimizer holding tensors the model does not have, and an `init` that is no callable."""
+    """Refuses, before any work, what is not a model and optimizer (arguments.check_model), a
+    model with some tensors on the meta device and some real, an optimizer holding tensors
+    the model does not have, and an `init` that is no callable."""
+    check_model(model, optimizer)
     tensors = _named_tensors(model)
     meta = [n for n, t in tensors.items() if t.is_meta]
     if init is not None and not callable(init):
