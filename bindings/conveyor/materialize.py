@@ -140,22 +140,23 @@ def exported_on_meta(model: torch.nn.Module, which=lambda t: True, shapes: dict 
 
 
 def check_meta_model(model: torch.nn.Module, optimizer, init) -> None:
-    """Refuses, before any work, what is not a model and optimizer (arguments.check_model), a
-    model with some tensors on the meta device and some real, an optimizer holding tensors
-    the model does not have, and an `init` that is no callable."""
+    """Refuses, before any work, what is not a model and optimizer (arguments.check_model), an
+    `init` that is no callable, and for a model on the meta device: some of its tensors real,
+    or an optimizer holding tensors it does not have."""
     check_model(model, optimizer)
     tensors = _named_tensors(model)
     meta = [n for n, t in tensors.items() if t.is_meta]
     if init is not None and not callable(init):
         raise ConveyorValueError(f"init={init!r}: expected a function (name, meta_tensor) -> tensor")
+    if not meta:
+        return  # an optimizer may also train what feeds the model (its inputs' gradients)
     if optimizer is not None:
         mine = {id(t) for t in tensors.values()}
         foreign = [i for g in optimizer.param_groups for i, p in enumerate(g["params"]) if id(p) not in mine]
         if foreign:
-            raise ConveyorValueError(f"the optimizer holds {len(foreign)} tensors the model does not have; make it from "
+            raise ConveyorValueError(f"the optimizer holds {len(foreign)} tensors the model built on the meta device "
+                                     "does not have (whose own are made after planning); make it from "
                                      "model.parameters() of the model given to conveyor.Module")
-    if not meta:
-        return
     real = [n for n, t in tensors.items() if not t.is_meta]
     if real:
         raise ConveyorValueError(f"{len(meta)} of the model's tensors are on the meta device ({', '.join(meta[:3])}"

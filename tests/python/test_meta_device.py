@@ -104,7 +104,7 @@ def test_bad_meta_models_are_refused_naming_what_is_wrong():
         conveyor.Module(mixed, loss_fn=torch.nn.functional.mse_loss)
     net = _meta_mlp()
     stranger = torch.nn.Parameter(torch.zeros(3))
-    with pytest.raises(conveyor.ConveyorValueError, match="tensors the model does not have"):
+    with pytest.raises(conveyor.ConveyorValueError, match="tensors the model built on the meta device does not have"):
         conveyor.Module(net, torch.optim.SGD([*net.parameters(), stranger], lr=0.1), loss_fn=torch.nn.functional.mse_loss)
     net = _meta_mlp()
     wrong = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.1), loss_fn=torch.nn.functional.mse_loss,
