@@ -17,19 +17,13 @@ import argparse
 import json
 import os
 import resource
-import subprocess
-import sys
 import tempfile
 import time
 import warnings
 
+from job import launch_workers, process_status
+
 warnings.filterwarnings("ignore")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
 
 
 def config(args):
@@ -52,7 +46,7 @@ def worker(args) -> None:
     params = sum(p.numel() for p in model.parameters())
     whole_state = params * 4 * 4  # float32 parameters, gradients and AdamW's two moments
     if args.limit_mb:
-        limit = status("VmData:") + int(args.limit_mb * whole_state)
+        limit = process_status("VmData:") + int(args.limit_mb * whole_state)
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     piped = conveyor.Module(model, optimizer, microbatches=args.microbatches)
@@ -72,7 +66,7 @@ def worker(args) -> None:
             held += sum(v.numel() * v.element_size() for v in optimizer.state.get(p, {}).values()
                         if isinstance(v, torch.Tensor) and v.dim() > 0)
     maker = piped.capture.plan_maker
-    out = dict(rank=piped.rank, params=params, whole_state=whole_state, peak=status("VmHWM:"), held=held,
+    out = dict(rank=piped.rank, params=params, whole_state=whole_state, peak=process_status("VmHWM:"), held=held,
                losses=losses, times=times, profile=maker.last_profile if maker is not None else {},
                stages=len(piped.plan.stage_nodes), replicas=piped.plan.replicas, step_peaks=None)
     with open(os.path.join(args.out, f"rank{piped.rank}.json"), "w") as f:
@@ -97,19 +91,12 @@ def main() -> None:
         worker(args)
         return
     out = args.out or tempfile.mkdtemp(prefix="big_model.")
-    tool = os.path.join(os.environ.get("CONVEYOR_BUILD_DIR", os.path.join(ROOT, "build")), "tools", "conveyor")
-    argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("worker", "out")]
     # Each process's outbound UCX region (1 GiB by default, resident once touched) kept small:
     # what crosses between stages here is a few MiB a microbatch.
-    env = dict(os.environ, CONVEYOR_CACHE_DIR=os.path.join(out, "cache"), UCX_NET_DEVICES="lo",
-               OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // args.processes)),
-               CONVEYOR_UCX_REGION_MB=os.environ.get("CONVEYOR_UCX_REGION_MB", "128"))
     t0 = time.perf_counter()
-    run = subprocess.run([tool, "launch", "-n", str(args.processes), "--", sys.executable, os.path.abspath(__file__),
-                          "--worker", "--out", out, *argv], env=env)
+    launch_workers(__file__, args, out, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // args.processes)),
+                   CONVEYOR_UCX_REGION_MB=os.environ.get("CONVEYOR_UCX_REGION_MB", "128"))
     wall = time.perf_counter() - t0
-    if run.returncode != 0:
-        sys.exit(f"the job failed (exit {run.returncode})")
     ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(args.processes)]
     first = ranks[0]
     gib = 1 << 30

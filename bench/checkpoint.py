@@ -14,18 +14,13 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import warnings
 
+from job import launch_workers, process_status
+
 warnings.filterwarnings("ignore")
-
-
-def status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
 
 
 def reset_peak() -> None:
@@ -56,12 +51,12 @@ def worker(args) -> None:
     rows = {"save": [], "plain write": [], "load": [], "plain read": []}
     peaks = {"save": 0, "load": 0}
     for _ in range(args.rounds):
-        before = status("VmRSS:")
+        before = process_status("VmRSS:")
         reset_peak()
         t0 = time.perf_counter()
         piped.save_checkpoint(folder)
         rows["save"].append(time.perf_counter() - t0)
-        peaks["save"] = max(peaks["save"], status("VmHWM:") - before)
+        peaks["save"] = max(peaks["save"], process_status("VmHWM:") - before)
         t0 = time.perf_counter()
         with open(plain, "wb") as f:
             for t in mine:
@@ -69,12 +64,12 @@ def worker(args) -> None:
             f.flush()
             os.fsync(f.fileno())
         rows["plain write"].append(time.perf_counter() - t0)
-        before = status("VmRSS:")
+        before = process_status("VmRSS:")
         reset_peak()
         t0 = time.perf_counter()
         piped.load_checkpoint(folder)
         rows["load"].append(time.perf_counter() - t0)
-        peaks["load"] = max(peaks["load"], status("VmHWM:") - before)
+        peaks["load"] = max(peaks["load"], process_status("VmHWM:") - before)
         t0 = time.perf_counter()
         with open(plain, "rb") as f:
             for t in mine:
@@ -124,15 +119,7 @@ def main() -> None:
         worker(args)
         return
     out = args.out or tempfile.mkdtemp(prefix="checkpoint_bench.")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    tool = os.path.join(os.environ.get("CONVEYOR_BUILD_DIR", os.path.join(root, "build")), "tools", "conveyor")
-    argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-            if k not in ("worker", "out", "meta")] + (["--meta"] if args.meta else [])
-    env = dict(os.environ, CONVEYOR_CACHE_DIR=os.path.join(out, "cache"), UCX_NET_DEVICES="lo")
-    run = subprocess.run([tool, "launch", "-n", str(args.processes), "--", sys.executable, os.path.abspath(__file__),
-                          "--worker", "--out", out, *argv], env=env)
-    if run.returncode != 0:
-        sys.exit(f"the job failed (exit {run.returncode})")
+    launch_workers(__file__, args, out)
     ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(args.processes)]
     mib = 1 << 20
     print(f"GPT-2 of {ranks[0]['params'] / 1e9:.3f}B parameters, AdamW, {args.processes} processes, "

@@ -36,3 +36,24 @@ def run_job(cmd: list, timeout: float, what: str, processes: int = 2, **env_extr
         sys.exit(f"{what}: a process failed (exits {[p.returncode for p in procs]}):\n" +
                  "\n".join(f"-- process {rank}:\n{out[-3000:]}" for rank, out in enumerate(outputs)))
     return outputs
+
+
+def process_status(field: str) -> int:
+    """A byte figure of this process's /proc/self/status (VmHWM, VmRSS, VmData)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+
+def launch_workers(script: str, args, out: str, **env_extra) -> None:
+    """`script --worker --out OUT` with `args` (an argparse namespace: every option passed on)
+    under `conveyor launch -n args.processes`, profiles cached under OUT; exits if it fails."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tool = os.path.join(os.environ.get("CONVEYOR_BUILD_DIR", os.path.join(root, "build")), "tools", "conveyor")
+    argv = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+            if k not in ("worker", "out") and not isinstance(v, bool)]
+    argv += [f"--{k.replace('_', '-')}" for k, v in vars(args).items() if v is True and k != "worker"]
+    env = dict(os.environ, CONVEYOR_CACHE_DIR=os.path.join(out, "cache"), UCX_NET_DEVICES="lo", **env_extra)
+    run = subprocess.run([tool, "launch", "-n", str(args.processes), "--", sys.executable, os.path.abspath(script),
+                          "--worker", "--out", out, *argv], env=env)
+    if run.returncode != 0:
+        sys.exit(f"the job failed (exit {run.returncode})")

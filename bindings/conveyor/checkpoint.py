@@ -296,7 +296,7 @@ def load(path, *, optimizer, tensors: CheckpointTensors) -> dict:
                     list(mine.shape) == list(stored[key].size) and mine.dtype == stored[key].properties.dtype
                 state[key] = mine if alike else (fresh if fresh is not None else _empty_like_item(metadata, key))
         for chunk in _chunks(state, metadata):  # DCP reads through temporaries: a chunk's at a time
-            _read(path, chunk)
+            _read(path, {key: state[key] for key in chunk})
         for name in names:
             t = tensors.tensors[name]
             if t.device.type != "cpu":
@@ -317,39 +317,26 @@ def load(path, *, optimizer, tensors: CheckpointTensors) -> dict:
     return meta
 
 
-def _chunks(state: dict, metadata):
-    """`state`'s items in runs of CHECK_CHUNK_BYTES or less (one item at least)."""
-    chunk, size = {}, 0
-    for key, value in state.items():
+def _chunks(keys, metadata):
+    """`keys` in runs of CHECK_CHUNK_BYTES or less (one item at least): what a load reads at once."""
+    chunk, size = [], 0
+    for key in keys:
         info = metadata.state_dict_metadata[key]
-        chunk[key] = value
+        chunk.append(key)
         size += info.size.numel() * info.properties.dtype.itemsize
         if size >= CHECK_CHUNK_BYTES:
             yield chunk
-            chunk, size = {}, 0
+            chunk, size = [], 0
     if chunk:
         yield chunk
 
 
 def _check(path: Path, metadata, checksums: dict, keys: list[str]) -> None:
-    """Reads `keys` in chunks and compares each with its checksum, naming the first that differs."""
-    chunk: dict = {}
-    size = 0
-
-    def flush():
-        _read(path, chunk)
-        for key, t in chunk.items():
+    """Reads `keys` a chunk at a time and compares each with its checksum, naming the first that differs."""
+    for chunk in _chunks(keys, metadata):
+        read = {key: _empty_like_item(metadata, key) for key in chunk}
+        _read(path, read)
+        for key, t in read.items():
             if _checksum(t) != checksums.get(key):
                 raise ConveyorIOError(f"{path}: {key} is corrupt (its checksum differs from the one saved); restore "
                                       "the checkpoint's files from a copy")
-        chunk.clear()
-
-    for key in keys:
-        t = _empty_like_item(metadata, key)
-        chunk[key] = t
-        size += t.numel() * t.element_size()
-        if size >= CHECK_CHUNK_BYTES:
-            flush()
-            size = 0
-    if chunk:
-        flush()

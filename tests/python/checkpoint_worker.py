@@ -59,7 +59,7 @@ def main():
         optimizer = torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=0.1)
         schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     model = conveyor.Module(net, optimizer, stages=args.stages, replicas=args.replicas,
-                            microbatches=args.microbatches, replan="off", timeout=20)
+                            microbatches=args.microbatches, replan="off", timeout=120)
     if args.load:
         extra = model.load_checkpoint(args.load)
         assert extra.get("next_step", 0) == args.first, extra
