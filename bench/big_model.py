@@ -40,6 +40,7 @@ def worker(args) -> None:
     import conveyor
     from conveyor.materialize import is_placeholder
 
+    baseline = process_status("VmRSS:")  # torch, transformers and conveyor imported, nothing built
     torch.manual_seed(0)
     with torch.device("meta"):
         model = transformers.GPT2LMHeadModel(config(args))
@@ -65,10 +66,16 @@ def worker(args) -> None:
             held += p.grad.numel() * p.grad.element_size() if p.grad is not None else 0
             held += sum(v.numel() * v.element_size() for v in optimizer.state.get(p, {}).values()
                         if isinstance(v, torch.Tensor) and v.dim() > 0)
+    # What the stages hold (parameters, buffers, optimizer state) plus the most the last
+    # step's compute held at once (activations, gradients, working memory), as torch's
+    # allocator counted them: the "what its stages hold plus its activations".
+    devices = piped.profile_report().memory
+    stages_and_step = sum(d["held_bytes"] + d["step_peak_bytes"] for d in devices)
     maker = piped.capture.plan_maker
     out = dict(rank=piped.rank, params=params, whole_state=whole_state, peak=process_status("VmHWM:"), held=held,
+               stages_and_step=stages_and_step, baseline=baseline,
                losses=losses, times=times, profile=maker.last_profile if maker is not None else {},
-               stages=len(piped.plan.stage_nodes), replicas=piped.plan.replicas, step_peaks=None)
+               stages=len(piped.plan.stage_nodes), replicas=piped.plan.replicas)
     with open(os.path.join(args.out, f"rank{piped.rank}.json"), "w") as f:
         json.dump(out, f)
 
@@ -112,10 +119,14 @@ def main() -> None:
     print(f"first call (capture, profile, plan, build, first step): {first['times'][0]:.1f} s; steps after: "
           + ", ".join(f"{t:.1f} s" for t in first["times"][1:]))
     print("losses: " + ", ".join(f"{x:.4f}" for x in first["losses"]))
-    print("process  peak (VmHWM)  holds (params+grads+AdamW)  peak / holds  peak / whole state")
+    print("holds: parameters, gradients and AdamW state of its stages at the end; stages + step: what its stages\n"
+          "hold plus the most its last step held at once (activations, gradients, working memory), as torch's\n"
+          "allocator counted them; base: resident once torch, transformers and conveyor were imported")
+    print("process  peak (VmHWM)     holds  stages + step      base  peak / holds  peak / (stages + step)")
     for r in ranks:
-        print(f"{r['rank']:7d}  {r['peak'] / gib:9.2f} GiB  {r['held'] / gib:17.2f} GiB  {r['peak'] / max(r['held'], 1):12.2f}"
-              f"  {r['peak'] / r['whole_state']:17.2f}")
+        print(f"{r['rank']:7d}  {r['peak'] / gib:8.2f} GiB  {r['held'] / gib:4.2f} GiB  {r['stages_and_step'] / gib:8.2f} GiB"
+              f"  {r['baseline'] / gib:4.2f} GiB  {r['peak'] / max(r['held'], 1):12.2f}"
+              f"  {r['peak'] / max(r['stages_and_step'], 1):22.2f}")
     largest = max(r["peak"] for r in ranks)
     print(f"largest peak {largest / gib:.2f} GiB against the whole training state {first['whole_state'] / gib:.2f} GiB: "
           f"{largest / first['whole_state']:.2f}")
