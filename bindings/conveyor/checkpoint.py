@@ -3,13 +3,14 @@ a folder of `__<process>_0.distcp` files and a `.metadata`), so PyTorch's own to
 them (`torch.distributed.checkpoint.format_utils.dcp_to_torch_save` turns one into a plain
 state dict).
 
-Saving, every process writes only what it owns: the parameters and buffers the running
-plan makes it the owner of, and their optimizer state, each once, never once per replica.
-Beside them process 0 writes one object, `conveyor`: the format, the step count, the plan,
-the optimizer's class and param groups (parameters by name), torch's random state, a
-checksum per tensor, and the user's `extra` dict. The folder is written under a temporary
-name and renamed only after every process has confirmed its part, so a save that fails
-midway never leaves a folder that looks complete.
+Saving (checkpoint_save.py), every process writes only what it owns: the parameters and
+buffers the running plan makes it the owner of, and their optimizer state, each once, never
+once per replica, with `conveyor.part.<p>`, a checksum per tensor and its non-tensor
+optimizer state. Process 0 also writes one object, `conveyor`: the format, the step count,
+the plan, the optimizer's class and param groups (parameters by name), torch's random state
+and the user's `extra` dict. The folder is written under a temporary name and renamed only
+after every process has confirmed its part, so a save that fails midway never leaves a
+folder that looks complete.
 
 Loading, every process reads only the tensors it holds under the running plan (what its
 stages read), on any plan and any process count: the checkpoint holds whole tensors keyed
@@ -18,26 +19,27 @@ first (its files, names, shapes and checksums), so a truncated, foreign or misma
 is refused, naming what is wrong, before any tensor changes.
 
 Keys: `model.<name>` for parameters and buffers (the model's state_dict names, a tied weight
-once under its first name), `optim.<name>.<state>` for tensor optimizer state."""
+once under its first name), `optim.<name>.<state>` for tensor optimizer state, `conveyor`
+and `conveyor.part.<p>` (pickled dicts)."""
 from __future__ import annotations
 
 import io
 import pickle
-import shutil
 import warnings
 import zlib
 from pathlib import Path
 
 import torch
 
+from .checkpoint_read import BLOCK_BYTES, locate, read_into, stored_checksum
 from .errors import ConveyorIOError, ConveyorValueError
 from .materialize import is_placeholder
 
-__all__ = ["save", "inspect", "load", "publish", "CheckpointTensors", "PendingLoads", "FORMAT"]
+__all__ = ["inspect", "load", "checksum", "CheckpointTensors", "FORMAT"]
 
-FORMAT = "conveyor checkpoint 1"
+FORMAT = "conveyor checkpoint 2"
 META_KEY = "conveyor"
-CHECK_CHUNK_BYTES = 16 << 20  # bytes read at once on load (one tensor at least): what a load holds beside the model
+PART_KEY = "conveyor.part"  # `conveyor.part.<p>`: process p's checksums and non-tensor optimizer state
 
 
 def _dcp():
@@ -76,120 +78,10 @@ class CheckpointTensors:
         return [name for name, t in self.tensors.items() if self._held_here(t)]
 
 
-class PendingLoads:
-    """Loads of the model's tensors (a checkpoint's, pretrained weights) in the order asked:
-    one asked for before the first call waits until the plan exists (it says which tensors
-    this process holds), one asked for later runs at once."""
-
-    def __init__(self, captures):
-        self._captures, self._waiting = captures, []
-
-    def add(self, load) -> None:
-        """`load(tensors)` fills this process's tensors, given its CheckpointTensors."""
-        self._waiting.append(load)
-        self.run()
-
-    def run(self) -> None:
-        """Runs the waiting loads once the first call has made the plan."""
-        while self._waiting and self._captures.current is not None:
-            self._waiting.pop(0)(self._captures.checkpoint_tensors())
-
-
-def _checksum(t: torch.Tensor) -> int:
+def checksum(t: torch.Tensor) -> int:
+    """CRC-32 of a tensor's bytes."""
     data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
     return zlib.crc32(memoryview(data))
-
-
-def _exchange(group, value):
-    """Every process's `value`, in process order (one process: [value])."""
-    if group is None:
-        return [value]
-    mine = pickle.dumps(value)
-    return [pickle.loads(group.broadcast_bytes(root, mine if root == group.rank else b""))
-            for root in range(group.world_size)]
-
-
-def _optimizer_state(optimizer, tensors: CheckpointTensors, names: list[str]) -> tuple[dict, dict]:
-    """The tensor optimizer state of `names` as checkpoint items, and the rest (numbers) by name."""
-    items, scalars = {}, {}
-    if optimizer is None:
-        return items, scalars
-    for name in names:
-        state = optimizer.state.get(tensors.tensors[name])
-        for key, value in (state or {}).items():
-            if isinstance(value, torch.Tensor):
-                items[f"optim.{name}.{key}"] = value.detach()
-            elif value is not None:
-                scalars.setdefault(name, {})[key] = value
-    return items, scalars
-
-
-def _param_groups(optimizer, tensors: CheckpointTensors) -> list[dict]:
-    groups = []
-    for group in optimizer.param_groups:
-        names = [tensors.names.get(id(p)) for p in group["params"]]
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
-    return groups
-
-
-def save(path, *, model, optimizer, tensors: CheckpointTensors, group, meta: dict, extra: dict | None) -> None:
-    """Writes the checkpoint folder `path` (collective: every process calls it)."""
-    dcp = _dcp()
-    path = Path(path)
-    rank = group.rank if group is not None else 0
-    staging = path.with_name(path.name + ".incomplete")
-    mine = tensors.mine()
-    unmade = [name for name in mine if is_placeholder(tensors.tensors[name])]
-    if unmade:
-        raise ConveyorValueError(f"{', '.join(unmade[:3])}{' ...' if len(unmade) > 3 else ''} of the model built on the "
-                                 "meta device have no values yet (they are made once the plan exists): call the model "
-                                 "first, or load a checkpoint into it")
-    items = {f"model.{name}": tensors.tensors[name].detach() for name in mine}
-    optim_items, scalars = _optimizer_state(optimizer, tensors, mine)
-    items.update(optim_items)
-    checksums = {key: _checksum(t) for key, t in items.items()}
-    gathered = _exchange(group, (checksums, scalars))
-    if rank == 0:
-        everything = dict(meta, format=FORMAT, checksums={}, optimizer_scalars={}, extra=extra or {},
-                          rng=torch.get_rng_state(), optimizer_class=type(optimizer).__name__ if optimizer else None,
-                          param_groups=_param_groups(optimizer, tensors) if optimizer is not None else None)
-        for their_checksums, their_scalars in gathered:
-            everything["checksums"].update(their_checksums)
-            everything["optimizer_scalars"].update(their_scalars)
-        items[META_KEY] = io.BytesIO(pickle.dumps(everything))
-        if staging.exists():
-            shutil.rmtree(staging)
-        staging.mkdir(parents=True)
-    _exchange(group, None)  # the staging folder exists before anyone writes
-    planner, writer = dcp.DefaultSavePlanner(), dcp.FileSystemWriter(staging)
-    planner.set_up_planner(items, storage_meta=writer.storage_meta(), is_coordinator=rank == 0)
-    writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
-    local = writer.prepare_local_plan(planner.create_local_plan())
-    plans = _exchange(group, local)
-    metadata = None
-    if rank == 0:
-        plans, metadata = planner.create_global_plan(plans)
-        plans = writer.prepare_global_plan(plans)
-    plans = _exchange(group, plans if rank == 0 else None)[0]
-    written = writer.write_data(planner.finish_plan(plans[rank]), planner)
-    written.wait()
-    results = _exchange(group, written.value())
-    if rank == 0:
-        writer.finish(metadata, results)
-        publish(staging, path)
-    _exchange(group, None)  # every process returns once the checkpoint is complete
-
-
-def publish(staging: Path, path: Path) -> None:
-    """Complete: the staging folder takes the name `path`; a folder of that name before it goes."""
-    old = path.with_name(path.name + ".replaced")
-    if path.exists():
-        if old.exists():
-            shutil.rmtree(old)
-        path.rename(old)
-    staging.rename(path)
-    if old.exists():
-        shutil.rmtree(old)
 
 
 def read_meta(path) -> tuple[dict, object]:
@@ -221,6 +113,13 @@ def read_meta(path) -> tuple[dict, object]:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ConveyorValueError(f"{path} was written by another conveyor checkpoint format "
                                  f"({meta.get('format') if isinstance(meta, dict) else '?'}); this one reads {FORMAT}")
+    parts = {key: io.BytesIO() for key in metadata.state_dict_metadata if key.startswith(PART_KEY + ".")}
+    _read(path, parts)
+    meta["checksums"], meta["optimizer_scalars"] = {}, {}
+    for part in parts.values():
+        written = pickle.loads(part.getvalue())
+        meta["checksums"].update(written["checksums"])
+        meta["optimizer_scalars"].update(written["optimizer_scalars"])
     return meta, metadata
 
 
@@ -278,7 +177,8 @@ def load(path, *, optimizer, tensors: CheckpointTensors) -> dict:
     keys = [f"model.{n}" for n in names]
     if optimizer is not None:
         keys += [k for k in stored if k.startswith("optim.") and k.rsplit(".", 1)[0][len("optim."):] in set(names)]
-    _check(path, metadata, meta["checksums"], keys)
+    located = _located(path, metadata, keys)
+    _check(path, metadata, meta["checksums"], keys, located)
     # Checked: now the tensors and the optimizer state change.
     state: dict = {}
     with torch.no_grad():
@@ -295,7 +195,15 @@ def load(path, *, optimizer, tensors: CheckpointTensors) -> dict:
                 alike = fresh is None and mine.device.type == "cpu" and mine.is_contiguous() and \
                     list(mine.shape) == list(stored[key].size) and mine.dtype == stored[key].properties.dtype
                 state[key] = mine if alike else (fresh if fresh is not None else _empty_like_item(metadata, key))
-        for chunk in _chunks(state, metadata):  # DCP reads through temporaries: a chunk's at a time
+        through_dcp = []
+        for key, target in state.items():  # straight into the target where it lies plainly, else through DCP
+            where = located.get(key)
+            if where is not None and target.device.type == "cpu" and target.is_contiguous() and \
+                    target.numel() * target.element_size() == where.nbytes:
+                read_into(where, target)
+            else:
+                through_dcp.append(key)
+        for chunk in _chunks(through_dcp, metadata):  # DCP reads through temporaries: a chunk's at a time
             _read(path, {key: state[key] for key in chunk})
         for name in names:
             t = tensors.tensors[name]
@@ -317,26 +225,45 @@ def load(path, *, optimizer, tensors: CheckpointTensors) -> dict:
     return meta
 
 
+def _located(path: Path, metadata, keys: list[str]) -> dict:
+    """Where each item of `keys` lies in its file, where it is stored plainly (checkpoint_read.py)."""
+    infos: dict = {}
+    for index, info in (metadata.storage_data or {}).items():
+        infos.setdefault(index.fqn, []).append(info)
+    out = {}
+    for key in keys:
+        item = metadata.state_dict_metadata[key]
+        if len(infos.get(key, [])) == 1:
+            out[key] = locate(path, infos[key][0], item.size.numel() * item.properties.dtype.itemsize)
+    return out
+
+
 def _chunks(keys, metadata):
-    """`keys` in runs of CHECK_CHUNK_BYTES or less (one item at least): what a load reads at once."""
+    """`keys` in runs of BLOCK_BYTES or less (one item at least): what a load reads through DCP at once."""
     chunk, size = [], 0
     for key in keys:
         info = metadata.state_dict_metadata[key]
         chunk.append(key)
         size += info.size.numel() * info.properties.dtype.itemsize
-        if size >= CHECK_CHUNK_BYTES:
+        if size >= BLOCK_BYTES:
             yield chunk
             chunk, size = [], 0
     if chunk:
         yield chunk
 
 
-def _check(path: Path, metadata, checksums: dict, keys: list[str]) -> None:
-    """Reads `keys` a chunk at a time and compares each with its checksum, naming the first that differs."""
-    for chunk in _chunks(keys, metadata):
+def _check(path: Path, metadata, checksums: dict, keys: list[str], located: dict) -> None:
+    """Compares each item of `keys` with its checksum, naming the first that differs: read a
+    block at a time where it lies plainly, else through DCP a chunk at a time."""
+    def refuse(key):
+        raise ConveyorIOError(f"{path}: {key} is corrupt (its checksum differs from the one saved); restore "
+                              "the checkpoint's files from a copy")
+    for key in keys:
+        if located.get(key) is not None and stored_checksum(located[key]) != checksums.get(key):
+            refuse(key)
+    for chunk in _chunks([key for key in keys if located.get(key) is None], metadata):
         read = {key: _empty_like_item(metadata, key) for key in chunk}
         _read(path, read)
         for key, t in read.items():
-            if _checksum(t) != checksums.get(key):
-                raise ConveyorIOError(f"{path}: {key} is corrupt (its checksum differs from the one saved); restore "
-                                      "the checkpoint's files from a copy")
+            if checksum(t) != checksums.get(key):
+                refuse(key)

@@ -71,9 +71,9 @@ import os
 
 import torch
 
-from . import checkpoint, pretrained
 from .capture_set import CaptureSet
 from .capture_state import CaptureState, RunHistory
+from .checkpoint_io import CheckpointIO
 from .errors import ConveyorValueError
 from .job import Job
 from .live_profile import LiveProfile, live_profile
@@ -130,7 +130,7 @@ class Module(torch.nn.Module):
         self._history = RunHistory()
         self._captures = CaptureSet(model, optimizer, options, self.job, self._history)
         self._steps = StepRunner(self._captures, self.job, optimizer, self._history, options.trace)
-        self._pending_loads = checkpoint.PendingLoads(self._captures)  # before the first call: read once planned
+        self._checkpoints = CheckpointIO(model, optimizer, self._captures, self.job, self._history)
 
     # -- what runs --------------------------------------------------------------------
     @property
@@ -216,35 +216,32 @@ class Module(torch.nn.Module):
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     # -- checkpoints and pretrained weights (checkpoint.py, pretrained.py) ---------------
-    def save_checkpoint(self, path, *, extra: dict | None = None) -> None:
+    def save_checkpoint(self, path, *, extra: dict | None = None, background: bool = False):
         """Writes the folder `path` in PyTorch's distributed checkpoint format: each process
         the parameters, buffers and optimizer state it owns, each once; beside them the step
         count, the plan, the optimizer's param groups, torch's random state and `extra` (a
         data loader's position, an LR scheduler's state_dict). Complete only once every
-        process has written its part (collective: call it on every process)."""
-        meta = dict(steps_run=self._history.steps_run, plan=self.plan.document if self.plan is not None else None,
-                    world_size=self.world_size)
-        checkpoint.save(path, model=self.module, optimizer=self.optimizer, tensors=self._captures.checkpoint_tensors(),
-                        group=self.job.group, meta=meta, extra=extra)
+        process has written its part (collective: call it on every process). background=True
+        copies this process's part and returns while a thread writes it (the cost: one more
+        copy of the part in memory): the returned save's `.wait()` waits for it, as the next
+        save or load does, and raises what failed."""
+        return self._checkpoints.save(path, extra, background)
 
     def load_checkpoint(self, path) -> dict:
         """Reads a save_checkpoint folder, written on any plan and process count, into this
         model and its optimizer: each process only the tensors its stages read. Before the
         first call it is checked now and read once the plan exists. Returns its `extra`."""
-        meta, _ = checkpoint.inspect(path, optimizer=self.optimizer, tensors=self._captures.checkpoint_tensors())
-        self._history.steps_run = meta["steps_run"]
-        self._pending_loads.add(lambda tensors: checkpoint.load(path, optimizer=self.optimizer, tensors=tensors))
-        return meta["extra"]
+        return self._checkpoints.load(path)
 
     def load_pretrained(self, folder) -> None:
         """Reads a transformers save_pretrained folder (safetensors) into this model as
         load_checkpoint reads a checkpoint: checked now, each process reading its tensors alone."""
-        self._pending_loads.add(pretrained.loader(folder, self.module, self._captures.checkpoint_tensors()))
+        self._checkpoints.load_pretrained(folder)
 
     def save_pretrained(self, folder) -> None:
         """Writes `folder` as transformers' save_pretrained does, from_pretrained's to read: each
         process a shard of what it owns (collective: call it on every process)."""
-        pretrained.save(folder, model=self.module, tensors=self._captures.checkpoint_tensors(), group=self.job.group)
+        self._checkpoints.save_pretrained(folder)
 
     # -- running ----------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -253,7 +250,7 @@ class Module(torch.nn.Module):
             self._captures.gather_whole_model()
             return loss_wrapper(self.module, self._loss_fn, args, kwargs)(*args, **kwargs)
         calls, packed = found
-        self._pending_loads.run()
+        self._checkpoints.run_waiting()
         if not torch.is_grad_enabled() and not packed:
             return self._steps.evaluate(calls[0])  # the forwards alone, through the same stages and processes
         loss, pipeline = self._steps.train(calls, packed, hold_gradients=True)
@@ -273,7 +270,7 @@ class Module(torch.nn.Module):
             raise ConveyorValueError("train_step trains: call model.train() first")
         self.optimizer.zero_grad(set_to_none=True)
         calls, packed = self._steps.calls_of(args, kwargs)  # train mode: captures or raises
-        self._pending_loads.run()
+        self._checkpoints.run_waiting()
         # The loss's gradient is 1 here: the step's gradients go straight to .grad, and on
         # through the inputs that require one (x.grad, or a module before this one).
         loss, pipeline = self._steps.train(calls, packed, hold_gradients=False)

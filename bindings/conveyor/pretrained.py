@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint
 from .checkpoint import CheckpointTensors
+from .checkpoint_save import exchange, publish
 from .errors import ConveyorIOError, ConveyorValueError
 
 __all__ = ["loader", "check", "load", "save", "INDEX", "SINGLE"]
@@ -192,7 +192,7 @@ def save(folder, *, model: torch.nn.Module, tensors: CheckpointTensors, group) -
     rank = group.rank if group is not None else 0
     staging = folder.with_name(folder.name + ".incomplete")
     names = tensors.mine()
-    shares = checkpoint._exchange(group, (len(names), [n for n in names if _stands_in(tensors.tensors[n])][:1]))
+    shares = exchange(group, (len(names), [n for n in names if _stands_in(tensors.tensors[n])][:1]))
     if unmade := [n for _, first in shares for n in first]:  # every process refuses alike
         raise ConveyorValueError(f"{unmade[0]} is not made yet (a model built on the meta device makes its tensors "
                                  "once the plan exists): call save_pretrained after the first call")
@@ -201,18 +201,18 @@ def save(folder, *, model: torch.nn.Module, tensors: CheckpointTensors, group) -
     error = None
     if rank == 0:
         error = _attempt(lambda: _make_empty(staging))
-    if (first := checkpoint._exchange(group, error)[0]) is not None:
+    if (first := exchange(group, error)[0]) is not None:
         raise ConveyorIOError(f"saving {folder}: {staging} cannot be made ({first})")
     file = None
     if mine:  # the shard's name as save_pretrained numbers them
         k = writers.index(rank)
         file = SINGLE if len(writers) == 1 else f"model-{k + 1:05d}-of-{len(writers):05d}.safetensors"
         error = _attempt(lambda: st.save_file(mine, str(staging / file), metadata={"format": "pt"}))
-    written = checkpoint._exchange(group, (file, {n: t.numel() * t.element_size() for n, t in mine.items()}, error))
+    written = exchange(group, (file, {n: t.numel() * t.element_size() for n, t in mine.items()}, error))
     failed = [(r, e) for r, (_, _, e) in enumerate(written) if e]
     if rank == 0 and not failed:
         error = _attempt(lambda: _finish(staging, folder, model, written, len(writers)))
-    if not failed and (last := checkpoint._exchange(group, error)[0]) is not None:
+    if not failed and (last := exchange(group, error)[0]) is not None:
         failed = [(0, last)]
     if failed:
         raise ConveyorIOError(f"saving {folder}: process {failed[0][0]} could not write its part ({failed[0][1]}); "
@@ -237,7 +237,7 @@ def _finish(staging: Path, folder: Path, model, written: list, writers: int) -> 
         can_generate = getattr(model, "can_generate", None)
         if callable(can_generate) and can_generate() and getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(staging)
-    checkpoint.publish(staging, folder)
+    publish(staging, folder)
 
 
 def _stands_in(t: torch.Tensor) -> bool:

@@ -47,6 +47,8 @@ def main():
     ap.add_argument("--meta", action="store_true", help="build the model on the meta device")
     ap.add_argument("--die-while-saving", action="store_true",
                     help="process 1 exits once its part is written, before the save completes")
+    ap.add_argument("--background", action="store_true",
+                    help="save in the background, train 2 more steps meanwhile, then wait for the save")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -72,20 +74,24 @@ def main():
             schedule.step()
     if args.save:
         if args.die_while_saving and model.rank == 1:
-            from conveyor import checkpoint
-            writes = checkpoint._exchange
+            from conveyor import checkpoint_save
+            writes = checkpoint_save.exchange
 
-            def exit_after_writing(group, value):  # the third exchange follows this process's writes
+            def exit_after_writing(group, value):  # the fourth exchange follows this process's writes
                 exit_after_writing.calls += 1
-                if exit_after_writing.calls == 5:
+                if exit_after_writing.calls == 4:
                     os._exit(3)
                 return writes(group, value)
             exit_after_writing.calls = 0
-            checkpoint._exchange = exit_after_writing
+            checkpoint_save.exchange = exit_after_writing
         extra = {"next_step": args.first + args.steps}
         if schedule is not None:
             extra["lr_schedule"] = schedule.state_dict()
-        model.save_checkpoint(args.save, extra=extra)
+        saving = model.save_checkpoint(args.save, extra=extra, background=args.background)
+        if args.background:  # the steps after change the tensors; the checkpoint keeps the call's
+            for step in range(args.first + args.steps, args.first + args.steps + 2):
+                model.train_step(*batch(step))
+            saving.wait()
     if args.meta:  # no process holds it whole: the state as a checkpoint writes it
         model.save_checkpoint(args.out + ".state")
         state = None

@@ -150,3 +150,77 @@ def test_a_checkpoint_loaded_before_the_first_call_is_read_once_the_plan_exists(
     _train(model_next, 1)
     for a, b in zip(resumed.module.parameters(), model_next.module.parameters()):
         assert torch.allclose(a, b, rtol=1e-12, atol=0)
+
+
+def test_a_background_save_writes_the_state_of_its_call_while_training_goes_on(tmp_path):
+    model = _mlp_module()
+    _train(model, 2)
+    at_save = {k: v.clone() for k, v in model.module.state_dict().items()}
+    saving = model.save_checkpoint(tmp_path / "ck", extra={"epoch": 1}, background=True)
+    _train(model, 2)  # changes every parameter while the thread writes the copy
+    saving.wait()
+    assert saving.done() and not (tmp_path / "ck.incomplete").exists()
+    resumed = _mlp_module(stages=1)
+    assert resumed.load_checkpoint(tmp_path / "ck") == {"epoch": 1}
+    x = torch.zeros(2, 16, dtype=torch.float64)
+    with torch.no_grad():
+        resumed(x, target=torch.zeros(2, 4, dtype=torch.float64))  # the first call reads it
+    for k, v in resumed.module.state_dict().items():
+        assert torch.equal(v, at_save[k]), k
+
+
+def test_a_background_save_that_fails_is_raised_by_its_wait_and_leaves_the_last_checkpoint(tmp_path, monkeypatch):
+    from conveyor import checkpoint_save
+    model = _mlp_module()
+    _train(model, 1)
+    model.save_checkpoint(tmp_path / "ck")
+
+    def disk_full(t):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(checkpoint_save, "checksum", disk_full)
+    saving = model.save_checkpoint(tmp_path / "ck", background=True)
+    with pytest.raises(conveyor.ConveyorIOError, match=r"did not complete: OSError.*No space left"):
+        saving.wait()
+    assert (tmp_path / "ck.incomplete" / ".failed.0").is_file()
+    _mlp_module().load_checkpoint(tmp_path / "ck")  # the previous one is whole
+    monkeypatch.undo()
+    model.save_checkpoint(tmp_path / "ck", background=True)
+    model.load_checkpoint(tmp_path / "ck")  # waits for the save first
+
+
+@needs_ucx
+def test_a_job_saved_in_the_background_on_two_processes_resumes_exactly(tmp_path):
+    """AdamW on 2 processes, two stages: saved in the background after 4 steps while 2 more
+    run; resumed alone from it, 4 more steps equal 8 uninterrupted ones."""
+    alone("--optimizer", "adamw", "--steps", 8, "--out", tmp_path / "whole.pt")
+    want = torch.load(tmp_path / "whole.pt")
+    job(2, "--optimizer", "adamw", "--steps", 4, "--stages", 2, "--save", tmp_path / "ck", "--background",
+        "--out", tmp_path / "first.pt")
+    alone("--optimizer", "adamw", "--first", 4, "--steps", 4, "--load", tmp_path / "ck", "--out", tmp_path / "one.pt")
+    assert_same_training(torch.load(tmp_path / "one.pt"), want)
+
+
+def test_tensors_stored_row_major_are_read_in_place_and_others_through_dcp_alike(tmp_path):
+    """A channels_last convolution weight is stored with its own strides: it is not read in
+    place (checkpoint_read.locate) but through DCP, and loads equal all the same."""
+    from conveyor import checkpoint
+
+    def conv_module():
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4 * 4 * 4, 2)).double()
+        net[0].weight.data = net[0].weight.data.to(memory_format=torch.channels_last)
+        return conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
+                               loss_fn=torch.nn.functional.mse_loss, stages=1, replan="off")
+    x, y = torch.randn(4, 3, 6, 6, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    model = conv_module()
+    model.train_step(x, target=y)
+    model.save_checkpoint(tmp_path / "ck")
+    _, metadata = checkpoint.read_meta(tmp_path / "ck")
+    located = checkpoint._located(tmp_path / "ck", metadata, ["model.0.weight", "model.2.weight"])
+    assert located["model.0.weight"] is None and located["model.2.weight"] is not None
+    other = conv_module()
+    other.load_checkpoint(tmp_path / "ck")
+    with torch.no_grad():
+        other(x, target=y)  # the first call reads it
+    for (name, a), b in zip(model.module.state_dict().items(), other.module.state_dict().values()):
+        assert torch.equal(a, b), name

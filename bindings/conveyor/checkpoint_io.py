@@ -1,0 +1,60 @@
+"""A Module's checkpoint and pretrained-weight calls: loads asked for before the first call
+wait for the plan (it says which tensors this process holds), and a checkpoint saved in the
+background is waited for before the next save or load (checkpoint.py, checkpoint_save.py,
+pretrained.py)."""
+from __future__ import annotations
+
+from . import checkpoint, checkpoint_save, pretrained
+
+__all__ = ["CheckpointIO"]
+
+
+class CheckpointIO:
+    def __init__(self, model, optimizer, captures, job, history):
+        self._model, self._optimizer, self._captures, self._job, self._history = \
+            model, optimizer, captures, job, history
+        self._waiting = []  # loads, in the order asked
+        self.in_flight: checkpoint_save.SaveInFlight | None = None
+
+    def _tensors(self) -> checkpoint.CheckpointTensors:
+        return self._captures.checkpoint_tensors()
+
+    def run_waiting(self) -> None:
+        """Runs the waiting loads once the first call has made the plan."""
+        while self._waiting and self._captures.current is not None:
+            self._waiting.pop(0)(self._tensors())
+
+    def _add(self, load) -> None:
+        self.wait()
+        self._waiting.append(load)
+        self.run_waiting()
+
+    def wait(self) -> None:
+        """Returns once the save in flight (if any) is complete; raises what failed (unless
+        the caller's own wait on it raised it already)."""
+        saving, self.in_flight = self.in_flight, None
+        if saving is not None and not saving.failure_raised:
+            saving.wait()
+
+    def save(self, path, extra: dict | None, background: bool) -> checkpoint_save.SaveInFlight | None:
+        self.wait()
+        plan = self._captures.current.plan if self._captures.current is not None else None
+        meta = dict(steps_run=self._history.steps_run, plan=plan.document if plan is not None else None,
+                    world_size=self._job.world_size)
+        self.in_flight = checkpoint_save.save(
+            path, model=self._model, optimizer=self._optimizer, tensors=self._tensors(), group=self._job.group,
+            meta=meta, extra=extra, background=background, timeout_s=self._job.options.timeout_s)
+        return self.in_flight
+
+    def load(self, path) -> dict:
+        meta, _ = checkpoint.inspect(path, optimizer=self._optimizer, tensors=self._tensors())
+        self._history.steps_run = meta["steps_run"]
+        self._add(lambda tensors: checkpoint.load(path, optimizer=self._optimizer, tensors=tensors))
+        return meta["extra"]
+
+    def load_pretrained(self, folder) -> None:
+        self._add(pretrained.loader(folder, self._model, self._tensors()))
+
+    def save_pretrained(self, folder) -> None:
+        self.wait()
+        pretrained.save(folder, model=self._model, tensors=self._tensors(), group=self._job.group)
