@@ -20,9 +20,9 @@ from .materialize import exported_on_meta, materialize, restore_placeholders
 from .memory import stage_tensors
 from .microbatches import Microbatches
 from .options import Options
-from .plan_maker import PlanMaker, local_cluster, model_gpu_memory
+from .planning.plan_maker import PlanMaker, local_cluster, model_gpu_memory
 from .planning import read_plan
-from .replanning import Replanning
+from .planning.replanning import Replanning
 from .sizes import check_max_sizes, largest_sizes
 
 __all__ = ["build_capture", "batch_of"]

@@ -23,7 +23,7 @@ from .job import Job
 from .live_profile import as_it_stood, live_profile
 from .microbatches import Microbatches
 from .options import Options
-from .replanning import carry_optimizer_state
+from .planning.replanning import carry_optimizer_state
 from .sizes import input_dims, range_text
 
 __all__ = ["CaptureSet", "call_mismatch", "fixed_size_mismatch", "MOST_CAPTURES"]

@@ -42,7 +42,7 @@ META_KEY = "conveyor"
 PART_KEY = "conveyor.part"  # `conveyor.part.<p>`: process p's checksums and non-tensor optimizer state
 
 
-def _dcp():
+def torch_dcp():
     import torch.distributed.checkpoint as dcp  # imported on use: it pulls in torch.distributed
     return dcp
 
@@ -87,7 +87,7 @@ def checksum(t: torch.Tensor) -> int:
 def read_meta(path) -> tuple[dict, object]:
     """The checkpoint's `conveyor` object and DCP metadata, or a clear refusal naming what is
     wrong (no folder, an unfinished save, a checkpoint conveyor did not write)."""
-    dcp = _dcp()
+    dcp = torch_dcp()
     path = Path(path)
     if not path.is_dir():
         staged = path.with_name(path.name + ".incomplete")
@@ -124,7 +124,7 @@ def read_meta(path) -> tuple[dict, object]:
 
 
 def _read(path: Path, state: dict) -> None:
-    dcp = _dcp()
+    dcp = torch_dcp()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # DCP's note that it loads in one process: that is the intent

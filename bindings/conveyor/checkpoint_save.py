@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import FORMAT, META_KEY, PART_KEY, CheckpointTensors, checksum
+from .checkpoint import FORMAT, META_KEY, PART_KEY, CheckpointTensors, torch_dcp, checksum
 from .errors import ConveyorIOError, ConveyorValueError
 from .materialize import is_placeholder
 
@@ -85,8 +85,7 @@ def save(path, *, model, optimizer, tensors: CheckpointTensors, group, meta: dic
          background: bool = False, timeout_s: float = 600.0) -> SaveInFlight | None:
     """Writes the checkpoint folder `path` (collective: every process calls it). In the
     background: returns once this process's part is copied, the writing in flight."""
-    from .checkpoint import _dcp
-    dcp = _dcp()
+    dcp = torch_dcp()
     path = Path(path)
     rank = group.rank if group is not None else 0
     world = group.world_size if group is not None else 1

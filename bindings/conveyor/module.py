@@ -61,7 +61,7 @@ load_checkpoint / load_pretrained called before the first call.
     max_sizes     the largest symbolic sizes batches will have, by name ({"input_ids dim 1":
                   512}): the plan's memory is made for them (bindings/conveyor/sizes.py);
                   undeclared, a larger size plans again before its step where re-planning
-                  is on (bindings/conveyor/plan_maker.py), else gets a warning
+                  is on (bindings/conveyor/planning/plan_maker.py), else gets a warning
     init          a model built on the meta device: init(name, meta_tensor) -> its first
                   values, instead of the model's own initializers (bindings/conveyor/materialize.py)
 """

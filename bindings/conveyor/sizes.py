@@ -7,7 +7,7 @@ declared by its own name); the Module then
 profiles the first batch tiled along those dimensions to that size, so the plan's memory is
 for the largest, while the live profile measures the time of the sizes that run (and
 re-planning corrects the plan's times with it). A call beyond the sizes planned for plans
-again for them (bindings/conveyor/plan_maker.py) or, where the Module does not re-plan,
+again for them (bindings/conveyor/planning/plan_maker.py) or, where the Module does not re-plan,
 gets one warning that names the size and what to declare."""
 from __future__ import annotations
 

@@ -13,9 +13,9 @@ from .errors import ConveyorValueError
 from .job import Job
 from .memory import reset_device_peak
 from .microbatches import Microbatches, is_packed
-from .plan_maker import plan_for_larger_sizes
+from .planning.plan_maker import plan_for_larger_sizes
 from .planning import Plan
-from .replanning import switch_to
+from .planning.replanning import switch_to
 
 __all__ = ["StepRunner"]
 

@@ -358,7 +358,7 @@ def test_the_local_cluster_of_a_gpu_model_describes_the_gpu():
     devices that share it; one process per GPU gives each device the whole GPU."""
     import tomllib
 
-    from conveyor.plan_maker import local_cluster
+    from conveyor.planning.plan_maker import local_cluster
 
     gpu = 80 << 30
     shared = tomllib.loads(local_cluster(4, 1, gpu_memory=gpu, one_gpu=True))["node"][0]

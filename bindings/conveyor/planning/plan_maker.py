@@ -11,12 +11,13 @@ import os
 
 import torch
 
-from . import _C, errors
-from .errors import ConveyorError, ConveyorValueError
-from .memory import optimizer_state_per_param_byte
-from .planning import Plan, cluster_text, plan as make_plan, profile
+from .. import _C, errors
+from ..errors import ConveyorError, ConveyorValueError
+from ..memory import optimizer_state_per_param_byte
+from ..sizes import largest_sizes, sizes_of, tiled_to, warn_beyond
+from .planner import Plan, cluster_text, plan as make_plan
+from .profiler import profile
 from .replanning import switch_to
-from .sizes import largest_sizes, sizes_of, tiled_to, warn_beyond
 
 
 class PlanMaker:

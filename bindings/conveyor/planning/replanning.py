@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from . import _C
-from .errors import ConveyorError, ExecutionError
+from .. import _C
+from ..errors import ConveyorError, ExecutionError
 
 WINDOW = 5  # steps of the running pipeline between two evaluations
 PLANS = ("candidate", "running")  # a decision's plans (_C.Plan): on the wire, their documents
