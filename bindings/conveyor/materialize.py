@@ -163,6 +163,28 @@ def check_meta_model(model: torch.nn.Module, optimizer, init) -> None:
                                  f"{' ...' if len(meta) > 3 else ''}) and {len(real)} are real ({', '.join(real[:3])}"
                                  f"{' ...' if len(real) > 3 else ''}): build the whole model under "
                                  "`with torch.device('meta'):`, or none of it")
+    if init is not None:
+        _dry_run_init(init, tensors)
+
+
+def _check_init_value(name: str, value, t: torch.Tensor) -> None:
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(t.shape):
+        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ConveyorValueError(f"init({name!r}) returned {got}; {name} is {tuple(t.shape)} "
+                                 f"{t.dtype}: return a tensor of that shape")
+
+
+def _dry_run_init(init, tensors: dict) -> None:
+    """`init` called once per tensor on the meta device (its factories make shapes, not
+    values), so that a wrong shape is refused before any work. An `init` that needs real
+    tensors to run is checked when it runs, after planning."""
+    with torch.device("meta"), torch.no_grad():
+        for name, t in sorted(tensors.items()):  # in the order materialize calls it
+            try:
+                value = init(name, torch.empty(t.shape, dtype=t.dtype, device="meta"))
+            except Exception:
+                return
+            _check_init_value(name, value, t)
 
 
 def _tensor_seed(seed: int, name: str) -> int:
@@ -236,10 +258,7 @@ def materialize(model: torch.nn.Module, wanted, device: torch.device, *, seed: i
             for name in sorted(todo):
                 t = tensors[name]
                 value = init(name, torch.empty(t.shape, dtype=t.dtype, device="meta"))
-                if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(t.shape):
-                    got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                    raise ConveyorValueError(f"init({name!r}) returned {got}; {name} is {tuple(t.shape)} "
-                                             f"{t.dtype}: return a tensor of that shape")
+                _check_init_value(name, value, t)
                 t.copy_(value)
         return made_bytes
     hf_init = getattr(model, "_init_weights", None) if hasattr(model, "config") else None

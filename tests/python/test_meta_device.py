@@ -106,9 +106,13 @@ def test_bad_meta_models_are_refused_naming_what_is_wrong():
     stranger = torch.nn.Parameter(torch.zeros(3))
     with pytest.raises(conveyor.ConveyorValueError, match="tensors the model built on the meta device does not have"):
         conveyor.Module(net, torch.optim.SGD([*net.parameters(), stranger], lr=0.1), loss_fn=torch.nn.functional.mse_loss)
-    net = _meta_mlp()
+    net = _meta_mlp()  # refused in the constructor: init ran once on the meta device
+    with pytest.raises(conveyor.ConveyorValueError, match=r"init\('0\.bias'\) returned \(3,\); 0\.bias is \(8,\)"):
+        conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.1), loss_fn=torch.nn.functional.mse_loss,
+                        init=lambda name, meta: torch.zeros(3))
+    net = _meta_mlp()  # an init that needs real tensors (through numpy) is checked when it runs
     wrong = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.1), loss_fn=torch.nn.functional.mse_loss,
-                            init=lambda name, meta: torch.zeros(3), replan="off")
+                            init=lambda name, meta: torch.from_numpy(torch.zeros(3).numpy()), replan="off")
     with pytest.raises(conveyor.ConveyorValueError, match=r"init\('0\.bias'\) returned \(3,\); 0\.bias is \(8,\)"):
         _step(wrong)
 
