@@ -49,16 +49,32 @@ def test_a_meta_built_model_from_the_same_state_trains_as_the_eager_one(optimize
 
 
 @needs_ucx
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 @pytest.mark.parametrize("processes,stages", [(2, 2), (4, 4)])
-def test_across_processes_a_meta_built_model_trains_as_the_eager_one(processes, stages, tmp_path):
-    alone("--optimizer", "adamw", "--steps", 4, "--out", tmp_path / "eager.pt")
-    alone("--optimizer", "adamw", "--steps", 0, "--save", tmp_path / "start", "--out", tmp_path / "start.pt")
-    code, out = launch("-n", processes, "--", sys.executable, WORKER, "--optimizer", "adamw", "--steps", 4, "--meta",
+def test_across_processes_a_meta_built_model_trains_as_the_eager_one(processes, stages, optimizer, tmp_path):
+    alone("--optimizer", optimizer, "--steps", 4, "--out", tmp_path / "eager.pt")
+    alone("--optimizer", optimizer, "--steps", 0, "--save", tmp_path / "start", "--out", tmp_path / "start.pt")
+    code, out = launch("-n", processes, "--", sys.executable, WORKER, "--optimizer", optimizer, "--steps", 4, "--meta",
                        "--load", tmp_path / "start", "--stages", stages, "--out", tmp_path / "meta.pt")
     assert code == 0, out[-4000:]
     got = torch.load(tmp_path / "meta.pt")
     assert got["world"] == processes
     assert_like(got["losses"], meta_state(Path(f"{tmp_path / 'meta.pt'}.state")), torch.load(tmp_path / "eager.pt"))
+
+
+@needs_ucx
+def test_the_model_s_own_initializers_give_the_same_model_on_another_plan_and_process_count(tmp_path):
+    """Built on the meta device and initialized by its own reset_parameters: one process with
+    three stages and two processes with two stages each make the same first values (one
+    SGD step later, equal up to summation order)."""
+    alone("--optimizer", "sgd", "--steps", 1, "--meta", "--stages", 3, "--out", tmp_path / "one.pt")
+    code, out = launch("-n", 2, "--", sys.executable, WORKER, "--optimizer", "sgd", "--steps", 1, "--meta",
+                       "--stages", 2, "--out", tmp_path / "two.pt")
+    assert code == 0, out[-4000:]
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    assert (one["world"], one["stages"], two["world"], two["stages"]) == (1, 3, 2, 2)
+    assert_like(two["losses"], meta_state(Path(f"{tmp_path / 'two.pt'}.state")),
+                dict(losses=one["losses"], state=meta_state(Path(f"{tmp_path / 'one.pt'}.state"))))
 
 
 def _gpt2(meta: bool):
