@@ -42,7 +42,7 @@ def worker(args) -> None:
 
     baseline = process_status("VmRSS:")  # torch, transformers and conveyor imported, nothing built
     torch.manual_seed(0)
-    with torch.device("meta"):
+    with torch.device("cpu" if args.eager else "meta"):
         model = transformers.GPT2LMHeadModel(config(args))
     params = sum(p.numel() for p in model.parameters())
     whole_state = params * 4 * 4  # float32 parameters, gradients and AdamW's two moments
@@ -69,11 +69,13 @@ def worker(args) -> None:
     # What the stages hold (parameters, buffers, optimizer state) plus the most the last
     # step's compute held at once (activations, gradients, working memory), as torch's
     # allocator counted them: the issue's "what its stages hold plus its activations".
-    devices = piped.profile_report().memory
+    report = piped.profile_report()
+    devices = report.memory
     stages_and_step = sum(d["held_bytes"] + d["step_peak_bytes"] for d in devices)
     maker = piped.capture.plan_maker
     out = dict(rank=piped.rank, params=params, whole_state=whole_state, peak=process_status("VmHWM:"), held=held,
-               stages_and_step=stages_and_step, baseline=baseline,
+               stages_and_step=stages_and_step, baseline=baseline, predicted_step=report.predicted_step_s,
+               measured_step=report.measured_step_s, compute_ratios=[s["compute_ratio"] for s in report.stages if s["compute_ratio"] > 0],  # its own stages
                losses=losses, times=times, profile=maker.last_profile if maker is not None else {},
                stages=len(piped.plan.stage_nodes), replicas=piped.plan.replicas)
     with open(os.path.join(args.out, f"rank{piped.rank}.json"), "w") as f:
@@ -91,6 +93,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--processes", type=int, default=4)
     ap.add_argument("--limit-mb", type=float, default=0.0)
+    ap.add_argument("--eager", action="store_true", help="build the model eagerly instead (small models: to compare)")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -107,7 +110,7 @@ def main() -> None:
     ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(args.processes)]
     first = ranks[0]
     gib = 1 << 30
-    print(f"GPT-2 of {first['params'] / 1e9:.3f}B parameters ({args.layers} layers, width {args.hidden}), float32, "
+    print(f"GPT-2 {'built eagerly' if args.eager else 'built on the meta device'}, {first['params'] / 1e9:.3f}B parameters ({args.layers} layers, width {args.hidden}), float32, "
           f"AdamW: the whole training state is {first['whole_state'] / gib:.2f} GiB")
     print(f"plan: {first['stages']} stages, replicas {first['replicas']}, on {args.processes} processes; job "
           f"wall time {wall:.0f} s")
@@ -118,6 +121,9 @@ def main() -> None:
               f"peak resident memory then {peak / gib:.2f} GiB" if peak else "")
     print(f"first call (capture, profile, plan, build, first step): {first['times'][0]:.1f} s; steps after: "
           + ", ".join(f"{t:.1f} s" for t in first["times"][1:]))
+    print(f"step: predicted {first['predicted_step']:.2f} s, measured {first['measured_step']:.2f} s (ratio "
+          f"{first['measured_step'] / max(first['predicted_step'], 1e-12):.2f}); measured over predicted compute of "
+          "process 0's stages: " + ", ".join(f"{x:.2f}" for x in first["compute_ratios"]))
     print("losses: " + ", ".join(f"{x:.4f}" for x in first["losses"]))
     print("holds: parameters, gradients and AdamW state of its stages at the end; stages + step: what its stages\n"
           "hold plus the most its last step held at once (activations, gradients, working memory), as torch's\n"
