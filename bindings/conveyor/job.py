@@ -34,8 +34,24 @@ class Job:
     def join(self, fingerprint: str) -> None:
         """Across processes: this process's member of the job (every process must bring the
         same `fingerprint`: the captured model and the pipeline asked for)."""
-        if self.world is not None:
+        if self.world is None:
+            return
+        if self.group is None:
             self.group = distributed.process_group(fingerprint, self.options.timeout_s)
+            return
+        # Joined before the capture (batch_feed.py): the fingerprints are compared now.
+        theirs = [self.group.broadcast_bytes(r, fingerprint.encode() if r == self.rank else b"").decode()
+                  for r in range(self.world_size)]
+        differ = [r for r, f in enumerate(theirs) if f != theirs[0]]
+        if differ:
+            raise ConveyorValueError(f"processes {differ} captured another model, or asked for another pipeline, than "
+                                     "process 0: every process must run the same script on the same model")
+
+    def join_before_capture(self) -> None:
+        """Joins the job before the first capture (each process fed its share: the capture
+        needs the whole batch); join() then compares the captures' fingerprints."""
+        if self.world is not None and self.group is None:
+            self.group = distributed.process_group("joined before the capture", self.options.timeout_s)
 
     def agreed(self, value: int) -> int:
         """Process 0's `value` in every process (collective across processes)."""

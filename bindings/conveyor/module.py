@@ -15,7 +15,8 @@ Under a launcher (`conveyor launch -n N -- python train.py`, or torchrun's RANK,
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT) the same script runs across the N processes, one
 device each: every process runs its share of the stage replicas and holds only the
 parameters its stages read; every call is collective and every process must be fed the
-same batches. `save_checkpoint` and `load_checkpoint` write and read each process's part.
+same batches, or with `batches="shares"` each its own share (a DistributedSampler's).
+`save_checkpoint` and `load_checkpoint` write and read each process's part.
 
 A call under torch.no_grad() evaluates (the forwards alone, same stages and processes);
 `model.eval()` has its own capture. Dropout draws from generators seeded by the pipeline's
@@ -26,44 +27,7 @@ model = GPT(config)`) and passed as usual: each process makes only the tensors i
 read, initialized by the model's own initializers (or `init=`), or filled by
 load_checkpoint / load_pretrained called before the first call.
 
-    stages        None: planned; an int: that many stages, cut where the profile balances
-                  them best (the rest still planned); a list: node lists (a partition of
-                  the captured graph), run as given
-    replicas      None: planned (node lists: 1); an int: every stage that many; a list: one
-                  count per pipeline rank (with stages)
-    microbatches  None: planned; an int: fixed
-    schedule      "auto" (planned), "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v" or
-                  "dualpipev"; with an int `stages`, "auto" plans among gpipe, 1f1b and
-                  zb-h1 (interleaved, zb-v and dualpipev put 2 stages on each device group)
-    devices       virtual devices of the local machine to plan for (default: 2-4 by cores)
-    cluster       a cluster TOML file (or text) to plan for instead of the local machine
-    trace         a path: the second step's measured actions are written there (Perfetto;
-                  across processes each writes <stem>.rank<R><suffix>)
-    plan          a plan document (`conveyor plan --out`, Plan.save) to run instead of planning
-                  (the first train-mode capture's: eval mode's, another size's are planned)
-    timeout       seconds any wait between processes may take (rendezvous, a step); default
-                  CONVEYOR_TIMEOUT or 300
-    transport     across processes: "ucx" (host memory; the default, or CONVEYOR_TRANSPORT)
-                  or "nccl" (GPU to GPU, one GPU per process)
-    replan        "auto" (the default, or the job config's): every few steps the measured stage
-                  times correct the plan's inputs and, when another plan saves more than moving
-                  to it costs within `replan_horizon` steps, the job switches to it at a step
-                  boundary (`model.replans` lists the switches); "off": the first plan stays.
-                  Only plans conveyor made re-plan (not node lists or a plan file), and
-                  a re-plan keeps what `stages`, `replicas` and `microbatches` fixed.
-    replan_horizon  steps within which a switch must pay for moving (default 100)
-    recompute     None (default): a stage recomputes its activations where the plan needs it
-                  to fit: "selective" (its cheap operators, elementwise, softmax, dropout and
-                  attention, keep nothing and run again just before the backward) where that
-                  is enough, else "full" (it keeps only its inputs and runs its whole forward
-                  again), with the same dropout masks: less memory for more time; True or
-                  "full", "selective": every stage; False or "none": none; a list: one per stage
-    max_sizes     the largest symbolic sizes batches will have, by name ({"input_ids dim 1":
-                  512}): the plan's memory is made for them (bindings/conveyor/sizes.py);
-                  undeclared, a larger size plans again before its step where re-planning
-                  is on (bindings/conveyor/planning/plan_maker.py), else gets a warning
-    init          a model built on the meta device: init(name, meta_tensor) -> its first
-                  values, instead of the model's own initializers (bindings/conveyor/materialize.py)
+The options are conveyor.options.OPTIONS_HELP, shown by help(conveyor.Module.__init__).
 """
 from __future__ import annotations
 
@@ -74,12 +38,13 @@ import torch
 from .capture_set import CaptureSet
 from .capture_state import CaptureState, RunHistory
 from .checkpoint_io import CheckpointIO
+from .clipping import GradientClipping, route_torch_clip
 from .errors import ConveyorValueError
 from .job import Job
 from .live_profile import LiveProfile, live_profile
 from .loss_wrapper import loss_wrapper
 from .materialize import adopt_meta_model, check_meta_model
-from .options import resolve_options
+from .options import OPTIONS_HELP, resolve_options
 from .planning import Plan
 from .step_runner import StepRunner
 
@@ -114,7 +79,7 @@ class Module(torch.nn.Module):
                  trace: str | os.PathLike | None = None, loss_fn=None, timeout: float | None = None,
                  plan: str | os.PathLike | None = None, transport: str | None = None, replan: str | None = None,
                  replan_horizon: int | None = None, recompute: bool | list | None = None,
-                 max_sizes: dict | None = None, init=None):
+                 max_sizes: dict | None = None, init=None, batches: str = "same"):
         super().__init__()
         check_meta_model(model, optimizer, init)
         meta_shapes = adopt_meta_model(model, optimizer)  # its tensors made after planning, each where read
@@ -122,15 +87,20 @@ class Module(torch.nn.Module):
                                   schedule=schedule, devices=devices, cluster=cluster, trace=trace, loss_fn=loss_fn,
                                   timeout=timeout, plan=plan, transport=transport, replan=replan,
                                   replan_horizon=replan_horizon, recompute=recompute, max_sizes=max_sizes,
-                                  init=init, meta_shapes=meta_shapes)
+                                  init=init, meta_shapes=meta_shapes, batches=batches)
         self.module = model
         self.optimizer = optimizer
         self.job = Job(options)
         self._loss_fn = options.loss_fn
         self._history = RunHistory()
         self._captures = CaptureSet(model, optimizer, options, self.job, self._history)
-        self._steps = StepRunner(self._captures, self.job, optimizer, self._history, options.trace)
+        self._steps = StepRunner(self._captures, self.job, optimizer, self._history, options.trace, options.batches)
         self._checkpoints = CheckpointIO(model, optimizer, self._captures, self.job, self._history)
+        self._clipping = GradientClipping(model, self._captures, self.job)
+        if self.job.world is not None:  # torch's clip_grad_norm_ over this model: the norm across processes
+            route_torch_clip(self._clipping)
+
+    __init__.__doc__ = OPTIONS_HELP  # one text of the options, kept in options.py
 
     # -- what runs --------------------------------------------------------------------
     @property
@@ -181,26 +151,9 @@ class Module(torch.nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over the whole model: across processes the norm
         counts every parameter's gradient once (in the process that owns it) and is the same
-        on every process (collective: call it on every process). Returns the total norm."""
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        group = self.job.group
-        if group is None or self.capture is None or self.capture.pipeline is None:
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
-        if norm_type != 2.0:
-            raise ConveyorValueError("across processes clip_grad_norm_ takes norm_type=2 for now")
-        owners = self.capture.pipeline.owners()
-        mine = {t.data_ptr() for name, t in self.capture.graph.tensors.items() if owners.get(name) == group.rank}
-        total = torch.zeros(1, dtype=torch.float64)
-        for p in params:
-            if p.data_ptr() in mine:
-                total += p.grad.detach().double().pow(2).sum().cpu()
-        group.allreduce(total)
-        norm = total.sqrt()[0]
-        scale = max_norm / (norm.item() + 1e-6)
-        if scale < 1:
-            for p in params:
-                p.grad.mul_(scale)
-        return norm.to(params[0].dtype if params else torch.float32)
+        on every process (collective: call it on every process). Returns the total norm.
+        torch.nn.utils.clip_grad_norm_(model.parameters(), ...) does the same (clipping.py)."""
+        return self._clipping.clip(self.module.parameters(), max_norm, norm_type)
 
     def state_dict(self, *args, **kwargs):
         """The model's state dict; across processes every part gathered from its owner into

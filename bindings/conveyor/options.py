@@ -1,5 +1,5 @@
 """What a conveyor.Module was asked for, checked once in its constructor and passed, never
-changed, to whatever builds or runs its pipelines (module.py's docstring describes each)."""
+changed, to whatever builds or runs its pipelines; OPTIONS_HELP describes each."""
 from __future__ import annotations
 
 import os
@@ -10,11 +10,59 @@ import torch
 
 from . import distributed
 from .arguments import check_module_arguments, seconds
+from .batch_feed import BATCH_MODES
+from .errors import ConveyorValueError
 from .distributed.processes import this_process_file
 from .planning import FixedParts
 from .sizes import as_max_sizes
 
-__all__ = ["Options", "resolve_options"]
+__all__ = ["Options", "resolve_options", "OPTIONS_HELP"]
+
+OPTIONS_HELP = """conveyor.Module(model, optimizer=None, **options): the options, each optional.
+
+    stages        None: planned; an int: that many stages, cut where the profile balances
+                  them best (the rest still planned); a list: node lists (a partition of
+                  the captured graph), run as given
+    replicas      None: planned (node lists: 1); an int: every stage that many; a list: one
+                  count per pipeline rank (with stages)
+    microbatches  None: planned; an int: fixed
+    schedule      "auto" (planned), "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v" or
+                  "dualpipev"; with an int `stages`, "auto" plans among gpipe, 1f1b and
+                  zb-h1 (interleaved, zb-v and dualpipev put 2 stages on each device group)
+    devices       virtual devices of the local machine to plan for (default: 2-4 by cores)
+    cluster       a cluster TOML file (or text) to plan for instead of the local machine
+    trace         a path: the second step's measured actions are written there (Perfetto;
+                  across processes each writes <stem>.rank<R><suffix>)
+    plan          a plan document (`conveyor plan --out`, Plan.save) to run instead of planning
+                  (the first train-mode capture's: eval mode's, another size's are planned)
+    timeout       seconds any wait between processes may take (rendezvous, a step); default
+                  CONVEYOR_TIMEOUT or 300
+    transport     across processes: "ucx" (host memory; the default, or CONVEYOR_TRANSPORT)
+                  or "nccl" (GPU to GPU, one GPU per process)
+    replan        "auto" (the default, or the job config's): every few steps the measured stage
+                  times correct the plan's inputs and, when another plan saves more than moving
+                  to it costs within `replan_horizon` steps, the job switches to it at a step
+                  boundary (`model.replans` lists the switches); "off": the first plan stays.
+                  Only plans conveyor made re-plan (not node lists or a plan file), and
+                  a re-plan keeps what `stages`, `replicas` and `microbatches` fixed.
+    replan_horizon  steps within which a switch must pay for moving (default 100)
+    recompute     None (default): a stage recomputes its activations where the plan needs it
+                  to fit: "selective" (its cheap operators, elementwise, softmax, dropout and
+                  attention, keep nothing and run again just before the backward) where that
+                  is enough, else "full" (it keeps only its inputs and runs its whole forward
+                  again), with the same dropout masks: less memory for more time; True or
+                  "full", "selective": every stage; False or "none": none; a list: one per stage
+    max_sizes     the largest symbolic sizes batches will have, by name ({"input_ids dim 1":
+                  512}): the plan's memory is made for them (bindings/conveyor/sizes.py);
+                  undeclared, a larger size plans again before its step where re-planning
+                  is on (bindings/conveyor/planning/plan_maker.py), else gets a warning
+    init          a model built on the meta device: init(name, meta_tensor) -> its first
+                  values, instead of the model's own initializers (bindings/conveyor/materialize.py)
+    batches       across processes: "same" (the default): every process is fed the same whole
+                  batch (checked on the first calls, then sampled); "shares": each process
+                  its own share, as a DistributedSampler loads it, the step's batch being the
+                  shares concatenated in process order (bindings/conveyor/batch_feed.py)
+"""
 
 
 @dataclass(frozen=True)
@@ -39,6 +87,7 @@ class Options:
     recompute: Any
     max_sizes: dict
     fixed: FixedParts | None
+    batches: str = "same"     # across processes: every process fed the same batch, or its share (batch_feed.py)
     meta_shapes: dict = None  # a model built on the meta device: its tensors' shapes by id (materialize.py)
     init: Any = None          # with it: init(name, meta_tensor) -> the tensor's first values
     seed: int = 0             # what its tensors' first values derive from, with their names
@@ -56,7 +105,7 @@ class Options:
 
 def resolve_options(model, optimizer, *, stages, replicas, microbatches, schedule, devices, cluster, trace, loss_fn,
                     timeout, plan, transport, replan, replan_horizon, recompute, max_sizes, init=None,
-                    meta_shapes=None) -> Options:
+                    meta_shapes=None, batches="same") -> Options:
     """The Module's arguments, checked (every misuse a ConveyorValueError naming it), with
     what `conveyor launch` (or its job config) asks of every process where not given."""
     launched = distributed.launch_settings()
@@ -71,6 +120,9 @@ def resolve_options(model, optimizer, *, stages, replicas, microbatches, schedul
                            schedule=schedule, devices=devices, cluster=cluster, trace=trace, loss_fn=loss_fn,
                            plan=plan, transport=transport, replan=replan, replan_horizon=replan_horizon,
                            recompute=recompute)
+    if batches not in BATCH_MODES:
+        raise ConveyorValueError(f"batches={batches!r}: expected 'same' (every process is fed the whole batch) or "
+                                 "'shares' (each process its own share, as a DistributedSampler loads it)")
     # Checked now, not at the first call; node lists run as given instead.
     fixed = None if isinstance(stages, list) else FixedParts(stages, replicas, schedule, recompute)
     return Options(stages=stages, replicas=replicas, microbatches=microbatches, schedule=schedule,
@@ -79,4 +131,4 @@ def resolve_options(model, optimizer, *, stages, replicas, microbatches, schedul
                    timeout_s=seconds(timeout, "timeout") if timeout is not None else distributed.default_timeout(),
                    replan=replan, replan_horizon=replan_horizon, recompute=recompute,
                    max_sizes=as_max_sizes(max_sizes), fixed=fixed, meta_shapes=meta_shapes or {}, init=init,
-                   seed=torch.initial_seed())
+                   seed=torch.initial_seed(), batches=batches)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from .batch_feed import BatchFeed
 from .capture_builder import batch_of
 from .capture_set import CaptureSet
 from .capture_state import CaptureState, RunHistory
@@ -23,17 +24,23 @@ __all__ = ["StepRunner"]
 class StepRunner:
     """Runs a Module's steps over its captures (`captures.current` is the one in use)."""
 
-    def __init__(self, captures: CaptureSet, job: Job, optimizer, history: RunHistory, trace):
+    def __init__(self, captures: CaptureSet, job: Job, optimizer, history: RunHistory, trace, batches: str = "same"):
         self.captures, self.job, self.optimizer, self.history, self.trace = captures, job, optimizer, history, trace
+        self.feed = BatchFeed(job, batches)
 
     def calls_of(self, args: tuple, kwargs: dict) -> tuple[list[list], bool] | None:
         """The flattened inputs of this call's step, and whether they are packed
         microbatches, with the capture that fits them in use (captured and built on the first
         call); None for an eval-mode call that cannot be captured (CaptureSet.take_up)."""
         if is_packed(args, kwargs):
+            if self.feed.mode != "same":
+                raise ConveyorValueError("packed Microbatches are the whole step's batch: with batches='shares' call "
+                                         "the model on each process's share instead")
             return self._packed_calls(args[0]), True
+        args, kwargs = self.feed.whole_batch(args, kwargs)
         if not self.captures.take_up(args, kwargs):
             return None
+        self.feed.check(args, kwargs)
         return [self.captures.current.graph.flatten_inputs(args, kwargs)], False
 
     def _packed_calls(self, packed: Microbatches) -> list[list]:
