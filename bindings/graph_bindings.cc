@@ -241,6 +241,22 @@ void bind_graph(py::module_& m) {
   m.def("graph_hash", [](const PyGraph& g) { return partitioner::graph_hash(g.graph); },
         "The hash profiles are keyed by.");
   m.def(
+      "read_cluster",
+      [](const std::string& cluster_toml, const std::string& source) {
+        const auto cluster = unwrap(partitioner::Cluster::from_toml(cluster_toml, source));
+        py::dict out;
+        out["name"] = cluster.name;
+        out["nodes"] = cluster.nodes;
+        out["devices"] = cluster.devices.size();
+        double memory = 0;
+        for (const auto& d : cluster.devices) memory = std::max(memory, d.memory_bytes);
+        out["largest_device_memory_bytes"] = memory;
+        return out;
+      },
+      py::arg("cluster"), py::arg("source"),
+      "Checks a cluster's TOML text (errors name `source` and the line); returns its name, nodes, devices and "
+      "its largest device's memory.");
+  m.def(
       "plan",
       [](const PyGraph& g, const std::string& profile_json, const std::string& cluster_toml, int batch,
          int microbatches, const std::vector<std::string>& schedules, double optimizer_state, int max_replicas,

@@ -147,6 +147,8 @@ void bind_pipeline(py::module_& m) {
         check(step.gather_state());
       }, "Many processes: every parameter and buffer becomes its owner's, whole, on every process (collective; "
          "the next step releases what this process's stages do not read).")
+      .def("set_draws", &runtime::PipelineStep::set_draws, py::arg("seed"), py::arg("next_step"),
+           "The next step's random draws: the job's seed and the step's number in the job.")
       .def("owners", [](const runtime::PipelineStep& step) {
         py::dict out;
         for (const auto& [name, process] : step.owners()) out[py::str(name)] = process;

@@ -2,21 +2,34 @@
 
 #include <filesystem>
 #include <fstream>
-#include <sstream>
+#include <algorithm>
+#include <string>
 
 namespace conveyor {
 
-Result<std::string> read_file(const std::string& path, std::string_view what) {
+Result<std::string> read_file(const std::string& path, std::string_view what, std::uint64_t limit) {
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) {
     return Status(ErrorCode::kIo, std::string(what) + " '" + path + "' is a directory; name the file in it");
   }
+  // Only a regular file, whose end is known, may be larger than a text file.
+  if (!std::filesystem::is_regular_file(path, ec)) limit = std::min(limit, kTextFileLimit);
   std::ifstream in(path, std::ios::binary);
   if (!in) return Status(ErrorCode::kIo, "cannot open " + std::string(what) + " '" + path + "'");
-  std::stringstream ss;
-  ss << in.rdbuf();
+  std::string out;
+  std::string block(std::size_t{1} << 20, '\0');
+  while (in) {
+    in.read(block.data(), static_cast<std::streamsize>(block.size()));
+    const auto got = static_cast<std::uint64_t>(in.gcount());
+    if (out.size() + got > limit) {
+      return Status(ErrorCode::kInvalidArgument,
+                    std::string(what) + " '" + path + "' is larger than the " + std::to_string(limit >> 20) +
+                        " MiB a " + std::string(what) + " may hold (docs/formats.md, \"Size limits\"): is it the right file?");
+    }
+    out.append(block.data(), got);
+  }
   if (in.bad()) return Status(ErrorCode::kIo, "reading " + std::string(what) + " '" + path + "' failed");
-  return ss.str();
+  return out;
 }
 
 Status write_file(const std::string& path, std::string_view data, std::string_view what) {

@@ -204,7 +204,7 @@ void fix_checksums(std::string& bytes) {
 }
 
 Result<GraphFile> load_graph_file(const std::string& path) {
-  CONVEYOR_ASSIGN_OR_RETURN(std::string bytes, read_file(path, "graph file"));
+  CONVEYOR_ASSIGN_OR_RETURN(std::string bytes, read_file(path, "graph file", kLargeFileLimit));
   return read_graph_file(bytes, "graph file '" + path + "'");
 }
 

@@ -188,6 +188,9 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   const double needed = left_.count(key) ? 2 * asked : asked;
   if (key == layout_key(running_)) {
     d.reason = "the running plan is still the best on the corrected costs";
+  } else if (relative <= 0) {
+    d.reason = "no other plan is faster on the corrected costs: the best other one would take " +
+               percent(-relative) + " more of a step";
   } else if (relative < needed) {
     d.reason = "the best other plan saves " + percent(relative) + " of a step, less than the " + percent(needed) +
                " asked" + (left_.count(key) ? " to return to a plan left before" : "");

@@ -212,7 +212,9 @@ Status BatchLayout::check_step(std::int64_t batch, int m, const std::vector<int>
   if (batch < m) {
     return Status(ErrorCode::kInvalidArgument, "the batch has " + std::to_string(batch) + " samples, fewer than the " +
                                                    std::to_string(m) +
-                                                   " microbatches; use a larger batch or fewer microbatches");
+                                                   " microbatches the plan runs; use a larger batch, or fix fewer microbatches (microbatches= of "
+                                                   "conveyor.Module); a data loader's smaller last batch can be dropped: "
+                                                   "drop_last=True");
   }
   const int most = *std::max_element(stage_replicas.begin(), stage_replicas.end());
   if (batch / m < most) {

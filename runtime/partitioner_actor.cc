@@ -153,13 +153,22 @@ std::string ProfileReport::table() const {
     return predicted > 0 ? ms(measured) + " / " + ms(predicted) : ms(measured);
   };
   const bool with_prediction = predicted_step_s > 0;
-  std::string out = "live profile over " + std::to_string(steps) + " step" + (steps == 1 ? "" : "s") +
+  // Re-planning starts the count again after each window: the steps are the last ones measured.
+  std::string out = "live profile over the last " + std::to_string(steps) + " step" + (steps == 1 ? "" : "s") +
+                    " measured" +
                     (with_prediction ? " (measured / predicted, ms per microbatch)\n" : " (measured, ms per microbatch)\n");
   char line[256];
   std::snprintf(line, sizeof line, "%-6s %-5s %-9s %-17s %-17s %-17s %-17s %-17s %s\n", "stage", "rank", "replicas",
                 "forward", "backward", "weight grad", "send", "allreduce/step", with_prediction ? "compute ratio" : "");
   out += line;
   for (const auto& s : stages) {
+    if (s.forward_s == 0 && s.backward_s == 0 && s.backward_weight_s == 0) {
+      // Its replicas run in another process: that process's own report measures them.
+      std::snprintf(line, sizeof line, "%-6d %-5d %-9d %s\n", s.stage, s.rank, s.replicas,
+                    "runs in another process (its profile_report measures it)");
+      out += line;
+      continue;
+    }
     char ratio[32] = "";
     if (with_prediction) std::snprintf(ratio, sizeof ratio, "%.2f", s.compute_ratio());
     std::snprintf(line, sizeof line, "%-6d %-5d %-9d %-17s %-17s %-17s %-17s %-17s %s\n", s.stage, s.rank, s.replicas,

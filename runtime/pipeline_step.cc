@@ -307,6 +307,12 @@ Result<StepResult> PipelineStep::run(const std::vector<c10::IValue>& inputs, dou
   return run_begun(grad_scale, hold_gradients);
 }
 
+void PipelineStep::set_draws(std::uint64_t seed, std::uint64_t next_step) {
+  Impl& im = *impl_;
+  im.settings.random_seed = seed;
+  im.steps_begun = next_step;
+}
+
 Result<StepResult> PipelineStep::evaluate(const std::vector<c10::IValue>& inputs) {
   CONVEYOR_RETURN_IF_ERROR(begin_batch(inputs));
   return run_begun(1.0, /*hold_gradients=*/false, /*forward_only=*/true);

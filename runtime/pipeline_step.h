@@ -126,6 +126,12 @@ class PipelineStep {
   /// (buffers written in place, a train-mode BatchNorm's statistics, are handed on as after a
   /// step). Its measurement is returned, not added to the live profile or the trace.
   Result<StepResult> evaluate(const std::vector<c10::IValue>& inputs);
+  /// What the next step's random operators draw from: the job's seed, and the step's number
+  /// in the job (the draws of step k are the same whichever pipeline runs it, so a job
+  /// resumed from a checkpoint, or switched to another capture of the same plan, draws as
+  /// one that never stopped). Without it, the seed given when the pipeline was made and the
+  /// pipeline's own count of steps.
+  void set_draws(std::uint64_t seed, std::uint64_t next_step);
   /// The gradients the last run held (hold_gradients), taken: each call to run holds its own.
   std::shared_ptr<HeldGradients> take_held_gradients();
   /// The last run's gradients of the graph's inputs, taken: per input that required a

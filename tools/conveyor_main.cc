@@ -3,6 +3,7 @@
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -279,10 +280,23 @@ int main(int argc, char** argv) {
   auto* addr_opt = launch_cmd->add_option("--master-addr", job.master_addr, "where process 0 listens (default: the first host)");
   auto* port_opt = launch_cmd->add_option("--master-port", job.master_port, "its port (default: a free one, one machine only)")
                        ->check(CLI::Range(0, 65535));
+  // CLI::Range lets NaN through (no comparison with it is true): the one check of seconds instead.
+  const CLI::Validator seconds_check(
+      [](std::string& text) -> std::string {
+        char* end = nullptr;
+        const double s = std::strtod(text.c_str(), &end);
+        if (end == text.c_str() || *end != '\0' || !valid_seconds(s)) {
+          char range[64];
+          std::snprintf(range, sizeof range, "from %g to %g", kLeastSeconds, kMostSeconds);
+          return "expected a number of seconds " + std::string(range) + ", not '" + text.substr(0, 40) + "'";
+        }
+        return "";
+      },
+      "SECONDS");
   auto* timeout_opt = launch_cmd->add_option("--timeout", job.timeout_s, "seconds any wait between processes may take")
-                          ->check(CLI::Range(kLeastSeconds, kMostSeconds));
+                          ->check(seconds_check);
   auto* grace_opt = launch_cmd->add_option("--grace", job.grace_s, "seconds from SIGTERM to SIGKILL when stopping")
-                        ->check(CLI::Range(kLeastSeconds, kMostSeconds));
+                        ->check(seconds_check);
   auto* transport_opt = launch_cmd->add_option("--transport", job.transport,
                                                 "ucx or nccl: how GPU tensors cross between processes (pipelines, "
                                                 "conveyor.distributed)")

@@ -202,6 +202,10 @@ Result<JobConfig> parse_job_config(const std::string& content, const std::string
     c.replan = text(t, "replan", c.replan, kReplans);
     c.replan_horizon = whole_number(t, "replan_horizon", 1, 1000000000, c.replan_horizon);
     c.secret = text(t, "secret", c.secret);
+    if (t.get("secret") && c.secret.find('\0') != std::string::npos) {
+      // The environment a secret travels in ends a string at NUL: it would be cut, not kept.
+      throw TomlError(t.get("secret")->line(), "secret must not hold a NUL character (\\u0000)");
+    }
     if (t.get("secret") && c.secret.size() < 16) {
       throw TomlError(t.get("secret")->line(), "secret must be at least 16 characters (a random string)");
     }

@@ -306,7 +306,7 @@ Result<TraceSummary> check_trace(std::string_view bytes) {
 }
 
 Result<TraceSummary> check_trace_file(const std::string& path) {
-  CONVEYOR_ASSIGN_OR_RETURN(std::string bytes, read_file(path, "trace"));
+  CONVEYOR_ASSIGN_OR_RETURN(std::string bytes, read_file(path, "trace", kLargeFileLimit));
   auto r = check_trace(bytes);
   if (!r) return r.status().with_context(path);
   return r;

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from numbers import Real
 from pathlib import Path
 
@@ -55,18 +56,43 @@ def check_model(model, optimizer) -> None:
                                  "model.parameters() of the model given to conveyor.Module")
 
 
-def check_cluster(cluster) -> None:
+CLUSTER_FILE_LIMIT = 256 << 20  # common/file.h's kTextFileLimit, as every text file conveyor reads
+
+
+def check_cluster(cluster) -> dict | None:
     """A cluster is TOML text or the path of a TOML file; a path that names nothing is an
-    error here, not TOML text that fails to parse."""
+    error here, not TOML text that fails to parse. Parsed now, errors naming the file and
+    line; returns what _C.read_cluster says of it (nodes, devices)."""
     if cluster is None:
-        return
+        return None
     if not isinstance(cluster, (str, os.PathLike)):
         raise ConveyorValueError(f"cluster={cluster!r}: expected the path of a cluster file or its TOML text")
     text = str(cluster)
     if "\n" in text or "=" in text:
-        return  # TOML text
+        return _C.read_cluster(text, "cluster=")  # TOML text
     if not Path(text).is_file():
         raise ConveyorValueError(f"cluster={text!r}: no such file (give a cluster TOML file, docs/formats.md, or its text)")
+    if Path(text).stat().st_size > CLUSTER_FILE_LIMIT:
+        raise ConveyorValueError(f"cluster={text!r} is larger than the {CLUSTER_FILE_LIMIT >> 20} MiB a cluster file may "
+                                 "hold (docs/formats.md, \"Size limits\"): is it the right file?")
+    try:
+        return _C.read_cluster(Path(text).read_text(), text)
+    except UnicodeDecodeError:
+        raise ConveyorValueError(f"cluster={text!r} is not a text file: give a cluster TOML file (docs/formats.md)") \
+            from None
+
+
+def warn_of_another_machine(cluster, summary: dict | None, devices: int, launched: bool) -> None:
+    """A cluster file that describes more devices than the job runs on plans for that
+    machine, not this one: said once, naming both."""
+    if summary is None or summary["devices"] <= devices:
+        return
+    here = f"{devices} processes" if launched else f"{devices} virtual devices of this process's CPU"
+    name = cluster if "\n" not in str(cluster) else "cluster="
+    warnings.warn(f"conveyor: {name} describes {summary['devices']} devices on {summary['nodes']} nodes, but this "
+                  f"job runs on {here}: the plan uses {devices} of the file's devices and predicts for that "
+                  "machine, not this one. Give a cluster file of this machine (docs/formats.md), or leave cluster= "
+                  "out to plan for the devices the job has", stacklevel=4)
 
 
 def check_output_path(path, what: str) -> None:
@@ -133,7 +159,6 @@ def check_module_arguments(model, optimizer, *, stages, replicas, microbatches, 
                                      f"devices={devices}; give more devices or fewer stages")
     if loss_fn is not None and not callable(loss_fn):
         raise ConveyorValueError(f"loss_fn={loss_fn!r}: expected a function of (output, *inputs) returning the loss")
-    check_cluster(cluster)
     check_output_path(trace, "trace")
     if plan is not None and plan != "auto":
         if not isinstance(plan, (str, os.PathLike)) or not Path(plan).is_file():

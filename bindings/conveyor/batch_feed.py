@@ -19,12 +19,12 @@ One process alone takes its batch as it is.
 from __future__ import annotations
 
 import hashlib
-import pickle
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import ConveyorValueError
+from .exchange import exchange
 
 __all__ = ["BatchFeed", "BATCH_MODES", "CHECKED_CALLS", "CHECK_EVERY"]
 
@@ -85,13 +85,8 @@ class BatchFeed:
             return
         self._check_same(group, tree_flatten((args, dict(kwargs)))[0], _leaf_names(args, kwargs))
 
-    def _exchange(self, group, value) -> list:
-        mine = pickle.dumps(value)
-        return [pickle.loads(group.broadcast_bytes(root, mine if root == group.rank else b""))
-                for root in range(group.world_size)]
-
     def _check_same(self, group, leaves: list, names: list[str]) -> None:
-        described = self._exchange(group, _describe(leaves, with_hash=True))
+        described = exchange(group, _describe(leaves, with_hash=True), f"call {self.calls}'s batch check")
         differ = [r for r, d in enumerate(described) if d != described[0]]
         if not differ:
             return
@@ -114,7 +109,8 @@ class BatchFeed:
         if grads:
             raise ConveyorValueError(f"{grads[0]} requires a gradient, which batches='shares' cannot carry back to "
                                      "each process's share; feed every process the whole batch (batches='same')")
-        shares = self._exchange(group, [t.detach().cpu() if isinstance(t, torch.Tensor) else t for t in leaves])
+        shares = exchange(group, [t.detach().cpu() if isinstance(t, torch.Tensor) else t for t in leaves],
+                          f"call {self.calls}'s shares")
         if any(len(share) != len(leaves) for share in shares):
             raise ConveyorValueError(f"the processes' shares have {[len(share) for share in shares]} inputs: every "
                                      "process must be fed the same kinds of inputs")

@@ -38,7 +38,7 @@ if hasattr(torch, "sym_sqrt"):
     _SYM_OPS[torch.sym_sqrt] = "sqrt"
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
-_TORCH_DIR = os.path.dirname(torch.__file__)
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep  # with the separator: torchvision/ is not torch's
 
 # Ops that update running statistics in training mode although their schema does not say so
 # (no `(a!)`): (running_mean, running_var, the training flag) argument positions. The graph
@@ -96,7 +96,12 @@ def _capture_failure(model: torch.nn.Module, exc: BaseException) -> CaptureError
     where = _user_frame(str(exc)) or _user_frame("".join(_traceback_lines(exc)))
     hint = ""
     low = text.lower()
-    if "data-dependent" in low or "data dependent" in low or "guard on data" in low:
+    if "extract specialized integer" in low or "trunctoint" in low:
+        hint = ("the model reads a tensor's value as a Python number (.item(), int(tensor)) and uses it as a "
+                "size or an index, so the graph would differ from input to input; compute that number outside "
+                "the model (in the data loader, or as an argument), or keep it a tensor (torch.where, indexing "
+                "with a tensor)")
+    elif "data-dependent" in low or "data dependent" in low or "guard on data" in low:
         hint = ("the model branches on the value of a tensor (data-dependent control flow); "
                 "conveyor needs a graph that is the same for every input: use torch.where or "
                 "torch.cond instead of a Python if on tensor values")

@@ -19,6 +19,7 @@ from .loss_wrapper import loss_wrapper
 from .materialize import exported_on_meta, materialize, restore_placeholders
 from .memory import stage_tensors
 from .microbatches import Microbatches
+from .progress import phase
 from .options import Options
 from .planning.plan_maker import PlanMaker, local_cluster, model_gpu_memory
 from .planning import read_plan
@@ -26,6 +27,15 @@ from .planning.replanning import Replanning
 from .sizes import check_max_sizes, largest_sizes
 
 __all__ = ["build_capture", "batch_of"]
+
+
+def plan_line(plan) -> str:
+    """A plan in one line: stages, replicas, schedule, microbatches, the predicted step."""
+    replicas = plan.replicas
+    shown = f"replicas {replicas}" if any(r > 1 for r in replicas) else "1 replica each"
+    return (f"{len(plan.stage_nodes)} stage{'s' if len(plan.stage_nodes) != 1 else ''} ({shown}), {plan.schedule}, "
+            f"{plan.microbatches} microbatch{'es' if plan.microbatches != 1 else ''}; predicted step "
+            f"{plan.predicted_step_s * 1e3:.1f} ms")
 
 
 def batch_of(inputs: list) -> int | None:
@@ -132,7 +142,10 @@ def build_capture(model, optimizer, options: Options, job: Job, args: tuple, kwa
     `holders`: what each process holds, where the pipeline starts from them (a meta-built
     model's later captures: _C.PipelineStep.readers's form)."""
     with torch.enable_grad():  # an evaluation's first call builds as a step's would
-        graph = _capture_loss(model, options, args, kwargs)
+        with phase(options.verbose, job.rank) as said:
+            graph = _capture_loss(model, options, args, kwargs)
+            said["text"] = (f"captured {type(model).__name__}: {len(graph.document['nodes'])} operators, "
+                            f"{len(graph.tensors)} parameters and buffers")
         batch = (sum(packed.rows()) if packed is not None else batch_of(graph.flatten_inputs(args, kwargs))) or 1
         least = _least_share(graph)
         whole = None if packed is not None else why_calls_stay_whole(model, graph, batch)
@@ -200,12 +213,20 @@ def _planned(model, optimizer, graph, options: Options, job: Job, args: tuple, k
     maker = PlanMaker(graph, example, batch=batch, microbatches=m_hint, most_microbatches=most_microbatches,
                       fixed=fixed, cluster=cluster, optimizer=optimizer, group=job.group,
                       threads=job.threads_per_device(), horizon_steps=options.replan_horizon)
-    prof = maker.profile(sizes)
-    plan = maker.plan(prof, 0)
+    with phase(options.verbose, job.rank) as said:
+        prof = maker.profile(sizes)
+        if prof is not None:
+            said["text"] = (f"profiled {prof.get('units', '?')} units, {prof.get('units_measured', '?')} measured "
+                            "(the others alike)")
+    with phase(options.verbose, job.rank) as said:
+        plan = maker.plan(prof, 0)
+        said["text"] = f"planned: {plan_line(plan)}"
     try:
-        made = _made_here(model, options, job, graph, plan.stage_nodes, Layout.of_plan(plan), _device_of(args, kwargs),
-                          plan)
-        pipeline = job.pipeline_of(graph, plan, holders or made)
+        with phase(options.verbose, job.rank) as said:
+            made = _made_here(model, options, job, graph, plan.stage_nodes, Layout.of_plan(plan),
+                              _device_of(args, kwargs), plan)
+            pipeline = job.pipeline_of(graph, plan, holders or made)
+            said["text"] = f"built the pipeline on {job.world_size if job.group is not None else job.devices} devices"
     except UnsupportedError:
         # Raised alike on every process, before they talk: replica counts that differ across
         # a cut through a value with no batch dimension. Plan again with one replica per

@@ -35,7 +35,7 @@ from .checkpoint_read import BLOCK_BYTES, locate, read_into, stored_checksum
 from .errors import ConveyorIOError, ConveyorValueError
 from .materialize import is_placeholder
 
-__all__ = ["inspect", "load", "checksum", "CheckpointTensors", "FORMAT"]
+__all__ = ["inspect", "load", "load_hyperparameters", "checksum", "CheckpointTensors", "FORMAT"]
 
 FORMAT = "conveyor checkpoint 2"
 META_KEY = "conveyor"
@@ -156,6 +156,18 @@ def inspect(path, *, optimizer, tensors: CheckpointTensors) -> tuple[dict, objec
             raise ConveyorValueError(f"{path} holds {name} as {list(info.size)} {info.properties.dtype}, the model "
                                      f"as {tensors.shape(name)} {t.dtype}: it holds another model, or another "
                                      "configuration")
+    foreign = [k[len("model."):] for k in stored if k.startswith("model.") and k[len("model."):] not in tensors.tensors]
+    if foreign:
+        raise ConveyorValueError(f"{path} holds {len(foreign)} tensors the model does not have ({', '.join(foreign[:4])}"
+                                 f"{' ...' if len(foreign) > 4 else ''}): it holds another model, or another "
+                                 "configuration")
+    if optimizer is not None and meta["optimizer_class"] not in (None, type(optimizer).__name__):
+        raise ConveyorValueError(f"{path} was saved with a {meta['optimizer_class']} optimizer, this model's is "
+                                 f"{type(optimizer).__name__}: its state would not mean the same; make the optimizer "
+                                 "as the saving job did")
+    if optimizer is not None and meta["optimizer_class"] is None:
+        warnings.warn(f"conveyor: {path} was saved without an optimizer: the optimizer's state starts fresh",
+                      stacklevel=4)
     if optimizer is not None and meta["param_groups"] is not None:
         if len(meta["param_groups"]) != len(optimizer.param_groups) or any(
                 [tensors.names.get(id(p)) for p in g["params"]] != saved["params"]
@@ -169,7 +181,8 @@ def inspect(path, *, optimizer, tensors: CheckpointTensors) -> tuple[dict, objec
 def load(path, *, optimizer, tensors: CheckpointTensors) -> dict:
     """Fills the tensors this process holds (and their optimizer state) from checkpoint
     `path`, after checking everything it reads; returns the `conveyor` object (extra, step
-    count, param groups). Nothing changes when anything is refused."""
+    count, param groups). Nothing changes when anything is refused. The optimizer's
+    hyperparameters are not set here: load_hyperparameters does, when the load is asked for."""
     path = Path(path)
     meta, metadata = inspect(path, optimizer=optimizer, tensors=tensors)
     stored = metadata.state_dict_metadata
@@ -219,8 +232,6 @@ def load(path, *, optimizer, tensors: CheckpointTensors) -> dict:
                                       for k, v in loaded.items()}
             else:
                 optimizer.state.pop(p, None)
-        for g, saved in zip(optimizer.param_groups, meta["param_groups"] or []):
-            g.update({k: v for k, v in saved.items() if k != "params"})
     torch.set_rng_state(meta["rng"])
     return meta
 
@@ -236,6 +247,15 @@ def _located(path: Path, metadata, keys: list[str]) -> dict:
         if len(infos.get(key, [])) == 1:
             out[key] = locate(path, infos[key][0], item.size.numel() * item.properties.dtype.itemsize)
     return out
+
+
+def load_hyperparameters(optimizer, meta: dict) -> None:
+    """The checkpoint's param groups' hyperparameters (lr, weight decay, ...) into `optimizer`,
+    at once: what the user sets after load_checkpoint then stays, as with torch's own load."""
+    if optimizer is None:
+        return
+    for g, saved in zip(optimizer.param_groups, meta["param_groups"] or []):
+        g.update({k: v for k, v in saved.items() if k != "params"})
 
 
 def _chunks(keys, metadata):

@@ -30,32 +30,55 @@ import torch
 
 from .checkpoint import FORMAT, META_KEY, PART_KEY, CheckpointTensors, torch_dcp, checksum
 from .errors import ConveyorIOError, ConveyorValueError
+from .exchange import exchange
 from .materialize import is_placeholder
 
-__all__ = ["save", "publish", "exchange", "SaveInFlight"]
+__all__ = ["save", "publish", "SaveInFlight"]
 
 POLL_S = 0.05
+WHAT = "save_checkpoint"
 
 
-def exchange(group, value):
-    """Every process's `value`, in process order (one process: [value])."""
-    if group is None:
-        return [value]
-    mine = pickle.dumps(value)
-    return [pickle.loads(group.broadcast_bytes(root, mine if root == group.rank else b""))
-            for root in range(group.world_size)]
-
-
-def publish(staging: Path, path: Path) -> None:
-    """Complete: the staging folder takes the name `path`; a folder of that name before it goes."""
+def publish(staging: Path, path: Path, format_owns) -> None:
+    """Complete: the staging folder takes the name `path`. Of a folder of that name before
+    it, what the format does not own (`format_owns(name)` false: a tokenizer, a log, notes)
+    moves into it first; the rest, the last save's, goes."""
     old = path.with_name(path.name + ".replaced")
-    if path.exists():
+    if path.is_dir():
+        for entry in path.iterdir():
+            if not format_owns(entry.name) and not (staging / entry.name).exists():
+                entry.rename(staging / entry.name)
         if old.exists():
             shutil.rmtree(old)
         path.rename(old)
     staging.rename(path)
     if old.exists():
         shutil.rmtree(old)
+
+
+def checkpoint_owns(name: str) -> bool:
+    """The names a checkpoint folder's format owns (docs/formats.md, "Checkpoint folder")."""
+    return name == ".metadata" or (name.startswith("__") and name.endswith(".distcp")) or \
+        name.startswith((".written.", ".failed."))
+
+
+def agreed_folder(path, group, what: str, refusal: str | None = None) -> Path:
+    """`path` as an absolute folder name, the same on every process (collective): refused on
+    every process alike, before anything is written, where it is a file, where the processes
+    name different folders, or where any process has a `refusal` of its own."""
+    path = Path(os.path.abspath(path))
+    if refusal is None and path.exists() and not path.is_dir():
+        refusal = f"{path} is a file, not a folder: {what} writes a folder; give another path"
+    every = exchange(group, (str(path), refusal), what)
+    refused = [(r, text) for r, (_, text) in enumerate(every) if text]
+    if refused:
+        raise ConveyorValueError(refused[0][1] if len(every) == 1 else f"process {refused[0][0]}: {refused[0][1]}")
+    differ = [r for r, (p, _) in enumerate(every) if p != every[0][0]]
+    if differ:
+        raise ConveyorValueError(f"{what} was called with another folder on processes {differ} than on process 0 "
+                                 f"({every[differ[0]][0]} against {every[0][0]}): every process names the same "
+                                 "folder, each writing its part into it")
+    return path
 
 
 def _optimizer_state(optimizer, tensors: CheckpointTensors, names: list[str]) -> tuple[dict, dict]:
@@ -86,16 +109,17 @@ def save(path, *, model, optimizer, tensors: CheckpointTensors, group, meta: dic
     """Writes the checkpoint folder `path` (collective: every process calls it). In the
     background: returns once this process's part is copied, the writing in flight."""
     dcp = torch_dcp()
-    path = Path(path)
     rank = group.rank if group is not None else 0
     world = group.world_size if group is not None else 1
-    staging = path.with_name(path.name + ".incomplete")
     mine = tensors.mine()
     unmade = [name for name in mine if is_placeholder(tensors.tensors[name])]
+    refusal = None
     if unmade:
-        raise ConveyorValueError(f"{', '.join(unmade[:3])}{' ...' if len(unmade) > 3 else ''} of the model built on the "
-                                 "meta device have no values yet (they are made once the plan exists): call the model "
-                                 "first, or load a checkpoint into it")
+        refusal = (f"{', '.join(unmade[:3])}{' ...' if len(unmade) > 3 else ''} of the model built on the meta device "
+                   "have no values yet (they are made once the plan exists): call the model first, or load a "
+                   "checkpoint into it")
+    path = agreed_folder(path, group, WHAT, refusal)
+    staging = path.with_name(path.name + ".incomplete")
     items = {f"model.{name}": tensors.tensors[name].detach() for name in mine}
     optim_items, scalars = _optimizer_state(optimizer, tensors, mine)
     items.update(optim_items)
@@ -111,16 +135,16 @@ def save(path, *, model, optimizer, tensors: CheckpointTensors, group, meta: dic
         if staging.exists():
             shutil.rmtree(staging)
         staging.mkdir(parents=True)
-    exchange(group, None)  # the staging folder exists before anyone writes
+    exchange(group, None, WHAT)  # the staging folder exists before anyone writes
     planner, writer = dcp.DefaultSavePlanner(), dcp.FileSystemWriter(staging)
     planner.set_up_planner(items, storage_meta=writer.storage_meta(), is_coordinator=rank == 0)
     writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
-    plans = exchange(group, writer.prepare_local_plan(planner.create_local_plan()))
+    plans = exchange(group, writer.prepare_local_plan(planner.create_local_plan()), WHAT)
     metadata = None
     if rank == 0:
         plans, metadata = planner.create_global_plan(plans)
         plans = writer.prepare_global_plan(plans)
-    local = planner.finish_plan(exchange(group, plans if rank == 0 else None)[0][rank])
+    local = planner.finish_plan(exchange(group, plans if rank == 0 else None, WHAT)[0][rank])
 
     def write() -> list:
         part.write(pickle.dumps(dict(checksums={key: checksum(t) for key, t in items.items()
@@ -132,13 +156,13 @@ def save(path, *, model, optimizer, tensors: CheckpointTensors, group, meta: dic
 
     def finish(results: list) -> None:
         writer.finish(metadata, results)
-        publish(staging, path)
+        publish(staging, path, checkpoint_owns)
 
     if not background:
-        results = exchange(group, write())
+        results = exchange(group, write(), WHAT)
         if rank == 0:
             finish(results)
-        exchange(group, None)  # every process returns once the checkpoint is complete
+        exchange(group, None, WHAT)  # every process returns once the checkpoint is complete
         return None
     return SaveInFlight(write, finish if rank == 0 else None, staging=staging, path=path, rank=rank, world=world,
                         timeout_s=timeout_s)

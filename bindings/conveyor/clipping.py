@@ -1,17 +1,20 @@
 """Gradient clipping across processes, as users write it.
 
-Across processes each process holds the gradients of its stages only, so the norm that
-`torch.nn.utils.clip_grad_norm_` computes over one process's gradients is that process's
-part, and clipping by it trains differently on each. Here the norm counts every gradient
-once, in the process that owns its parameter, summed across processes: every process gets
-the same norm and the same scale.
+Across processes each process holds the gradients of its stages only, so the norm torch
+computes over one process's gradients is that process's part, and clipping by it trains
+differently on each. Here the norm counts every gradient once, in the process that owns its
+parameter, summed across processes (the largest, for the infinity norm): every process gets
+the same norm, and so the same scale.
 
-A Module across processes routes torch's own `torch.nn.utils.clip_grad_norm_` (the name
-that scripts, transformers' Trainer and Lightning call) to this: when the parameters given
-include one of a Module running across processes, the norm is that Module's; any other call
-runs torch's unchanged. `Module.clip_grad_norm_(max_norm)` is the same over all its
-parameters. Every process must call it (it is collective), as every process runs the same
-script.
+A Module across processes routes torch's own total-norm function to this: the module-level
+`_get_total_norm` that `torch.nn.utils.clip_grad_norm_` calls (so `clip_grad_norm_` works
+however it was imported), and `torch.nn.utils.get_total_norm` (before
+`clip_grads_with_norm_`). Given gradients of a Module running across processes, the norm is
+that Module's; any other call runs torch's unchanged. Gradients given beside the Module's
+(a module outside it, alike on every process) count once, on process 0. Only a
+`get_total_norm` imported by name before the Module was made keeps torch's own.
+`Module.clip_grad_norm_(max_norm)` is the same over all its parameters. Every process must
+call it (it is collective), as every process runs the same script.
 """
 from __future__ import annotations
 
@@ -19,11 +22,14 @@ import math
 import weakref
 
 import torch
+import torch.nn.utils.clip_grad as _torch_clip
+
+from .exchange import exchange
 
 __all__ = ["GradientClipping", "route_torch_clip"]
 
 _ROUTED: weakref.WeakSet = weakref.WeakSet()  # the GradientClipping of each live Module across processes
-_TORCH_CLIP = torch.nn.utils.clip_grad_norm_
+_TORCH_TOTAL_NORM = _torch_clip._get_total_norm
 
 
 class GradientClipping:
@@ -32,10 +38,6 @@ class GradientClipping:
 
     def __init__(self, model: torch.nn.Module, captures, job):
         self.model, self.captures, self.job = model, captures, job
-        self._param_ids = {id(p) for p in model.parameters()}
-
-    def covers(self, params: list) -> bool:
-        return any(id(p) in self._param_ids for p in params)
 
     def _owned(self) -> set[int] | None:
         """data_ptr of the tensors this process owns; None where one process holds everything."""
@@ -45,58 +47,61 @@ class GradientClipping:
         owners = state.pipeline.owners()
         return {t.data_ptr() for name, t in state.graph.tensors.items() if owners.get(name) == group.rank}
 
-    def clip(self, params, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-             foreach=None) -> torch.Tensor:
-        """torch.nn.utils.clip_grad_norm_ over `params`, the norm across processes."""
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
+    def params_of(self, grads: list) -> dict[int, torch.nn.Parameter]:
+        """The model's parameters whose gradient is among `grads`, by the gradient's id."""
+        given = {id(g) for g in grads}
+        return {id(p.grad): p for p in self.model.parameters() if p.grad is not None and id(p.grad) in given}
+
+    def total_norm(self, grads: list, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                   foreach=None) -> torch.Tensor:
+        """The norm of `grads` across processes (torch's where one process holds everything)."""
         owned = self._owned()
         if owned is None:
-            return _TORCH_CLIP(params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach)
-        norm_type = float(norm_type)
-        grads = [p.grad for p in params if p.grad is not None]
-        mine = [g for p, g in ((p, p.grad) for p in params) if g is not None and p.data_ptr() in owned]
+            return _TORCH_TOTAL_NORM(grads, norm_type, error_if_nonfinite, foreach)
+        group, norm_type = self.job.group, float(norm_type)
+        params = self.params_of(grads)
+        counted = [g for g in grads if (id(g) in params and params[id(g)].data_ptr() in owned)
+                   or (id(g) not in params and group.rank == 0)]
         if math.isinf(norm_type):
-            local = max((g.detach().abs().max().double().cpu() for g in mine if g.numel()),
-                        default=torch.zeros((), dtype=torch.float64))
-            values = [float(x) for x in self._each(local)]
-            norm = torch.tensor(max(values), dtype=torch.float64)
+            mine = max((float(g.detach().abs().max()) for g in counted if g.numel()), default=0.0)
+            norm = torch.tensor(max(exchange(group, mine, "clip_grad_norm_")), dtype=torch.float64)
         else:
             total = torch.zeros(1, dtype=torch.float64)
-            for g in mine:
+            for g in counted:
                 total += g.detach().double().abs().pow(norm_type).sum().cpu()
-            self.job.group.allreduce(total)
+            group.allreduce(total)
             norm = total[0] ** (1.0 / norm_type)
         if error_if_nonfinite and not torch.isfinite(norm):
             raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so "
                                "it cannot be clipped. To disable this error and scale the gradients by the non-finite "
                                "norm anyway, set `error_if_nonfinite=False`")
-        scale = max_norm / (float(norm) + 1e-6)
-        if scale < 1:
-            for g in grads:
-                g.mul_(scale)
-        return norm.to(grads[0].dtype if grads else torch.float32)
+        first = grads[0] if grads else None
+        return norm.to(dtype=first.dtype if first is not None else torch.float32,
+                       device=first.device if first is not None else "cpu")
 
-    def _each(self, value: torch.Tensor) -> list:
-        group = self.job.group
-        return [float(group.broadcast_bytes(r, repr(float(value)).encode() if r == group.rank else b"").decode())
-                for r in range(group.world_size)]
+    def clip(self, params, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over `params`, the norm across processes."""
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        norm = self.total_norm([p.grad for p in params if p.grad is not None], norm_type)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
 
 
-def _routed_clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+def _routed_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    grads = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     for clipping in list(_ROUTED):
-        if clipping.covers(params):
-            return clipping.clip(params, max_norm, norm_type, error_if_nonfinite, foreach)
-    return _TORCH_CLIP(params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach)
+        if clipping.params_of(grads):
+            return clipping.total_norm(grads, norm_type, error_if_nonfinite, foreach)
+    return _TORCH_TOTAL_NORM(grads, norm_type, error_if_nonfinite, foreach)
 
 
-_routed_clip_grad_norm_.__doc__ = (_TORCH_CLIP.__doc__ or "") + "\n(conveyor: across processes, the norm of a " \
-    "conveyor.Module's parameters counts every process's gradients; bindings/conveyor/clipping.py)"
+_routed_total_norm.__doc__ = (_TORCH_TOTAL_NORM.__doc__ or "") + "\n(conveyor: across processes, the norm of a " \
+    "conveyor.Module's gradients counts every process's; bindings/conveyor/clipping.py)"
 
 
 def route_torch_clip(clipping: GradientClipping) -> None:
-    """From now on torch.nn.utils.clip_grad_norm_ over `clipping`'s parameters takes the norm
-    across processes (installed once, for every Module running across processes)."""
+    """From now on torch's total norm of `clipping`'s gradients is taken across processes
+    (installed once, for every Module running across processes)."""
     _ROUTED.add(clipping)
-    torch.nn.utils.clip_grad_norm_ = _routed_clip_grad_norm_
-    torch.nn.utils.clip_grad.clip_grad_norm_ = _routed_clip_grad_norm_
+    _torch_clip._get_total_norm = _routed_total_norm  # what clip_grad_norm_ calls, however it was imported
+    torch.nn.utils.get_total_norm = _routed_total_norm

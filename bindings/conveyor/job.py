@@ -2,11 +2,14 @@
 built over them (_C.PipelineStep)."""
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from . import _C, distributed
 from .arguments import recomputation
 from .errors import ConveyorValueError
+from .exchange import exchange
 from .options import Options
 
 __all__ = ["Job"]
@@ -22,6 +25,7 @@ class Job:
         self.world = distributed.world()  # (rank, world_size, ...) under a launcher, else None
         self.group = None
         self.devices = self.world[1] if self.world is not None else options.devices
+        self._draws_seed: int | None = None
 
     @property
     def rank(self) -> int:
@@ -40,8 +44,7 @@ class Job:
             self.group = distributed.process_group(fingerprint, self.options.timeout_s)
             return
         # Joined before the capture (batch_feed.py): the fingerprints are compared now.
-        theirs = [self.group.broadcast_bytes(r, fingerprint.encode() if r == self.rank else b"").decode()
-                  for r in range(self.world_size)]
+        theirs = exchange(self.group, fingerprint, "the first capture")
         differ = [r for r, f in enumerate(theirs) if f != theirs[0]]
         if differ:
             raise ConveyorValueError(f"processes {differ} captured another model, or asked for another pipeline, than "
@@ -52,6 +55,20 @@ class Job:
         needs the whole batch); join() then compares the captures' fingerprints."""
         if self.world is not None and self.group is None:
             self.group = distributed.process_group("joined before the capture", self.options.timeout_s)
+
+    @property
+    def draws_seed(self) -> int:
+        """What the steps' random operators (dropout) draw from (PipelineStep.set_draws):
+        derived from torch's seed when the Module was made, process 0's (collective the first
+        time), or a checkpoint's."""
+        if self._draws_seed is None:
+            derived = hashlib.sha256(f"{self.options.seed}:draws".encode()).digest()[:8]
+            self._draws_seed = self.agreed(int.from_bytes(derived, "little") & ((1 << 63) - 1))
+        return self._draws_seed
+
+    @draws_seed.setter
+    def draws_seed(self, seed: int) -> None:
+        self._draws_seed = int(seed)
 
     def agreed(self, value: int) -> int:
         """Process 0's `value` in every process (collective across processes)."""

@@ -49,13 +49,47 @@ def loss_wrapper(model: torch.nn.Module, loss_fn, args: tuple, kwargs: dict) -> 
     `step(target=)` convention): `loss = model(x, target=y)` for `criterion(model(x), y)`."""
     pos = positional_names(model, len(args), kwargs)
     to_loss = loss_fn is not None and "target" in kwargs
+    if loss_fn is not None:
+        _refuse_a_target_under_another_name(model, kwargs)
     call = ", ".join(pos + [f"{k}={k}" for k in kwargs if not (to_loss and k == "target")])
     namespace: dict = {}
     exec(f"def forward(self, {', '.join(pos + list(kwargs))}):\n"
          f"    return self._loss(self.model({call}){', target' if to_loss else ''})", namespace)
-    cls = type(f"{type(model).__name__}Loss", (torch.nn.Module,), {"forward": namespace["forward"]})
+    # Named as the user's model: capture errors and warnings name it.
+    cls = type(type(model).__name__, (torch.nn.Module,), {"forward": namespace["forward"]})
     wrapper = cls()
     wrapper.training = model.training  # its own flag only: the model's modules keep theirs
     wrapper.model = model
-    wrapper._loss = loss_fn or _loss_of
+    wrapper._loss = _named_loss_fn(loss_fn) if loss_fn is not None else _loss_of
     return wrapper
+
+
+def _refuse_a_target_under_another_name(model: torch.nn.Module, kwargs: dict) -> None:
+    """With loss_fn, a keyword the model's forward does not take (labels=, y=) is most likely
+    the target under another name: said before the capture fails on it."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return
+    foreign = [k for k in kwargs if k != "target" and k not in params]
+    if foreign:
+        raise ConveyorValueError(f"{type(model).__name__}.forward() takes no argument {foreign[0]!r}; with loss_fn= "
+                                 f"the target goes as target=: model(x, target=y) calls loss_fn(model(x), y)")
+
+
+def _named_loss_fn(loss_fn):
+    """loss_fn(output, target), its failure on an output that is no tensor said as such."""
+    def loss(output, target):
+        try:
+            return loss_fn(output, target)
+        except Exception as e:
+            if isinstance(output, torch.Tensor):
+                raise
+            keys = f" with keys {list(output.keys())}" if hasattr(output, "keys") else ""
+            raise ConveyorValueError(
+                f"loss_fn(output, target) failed ({type(e).__name__}: {e}): the model returns a "
+                f"{type(output).__name__}{keys}, not a tensor; pass a loss_fn that takes it, e.g. "
+                "loss_fn=lambda out, target: torch.nn.functional.cross_entropy(out['logits'], target)") from None
+    return loss

@@ -79,7 +79,8 @@ class Module(torch.nn.Module):
                  trace: str | os.PathLike | None = None, loss_fn=None, timeout: float | None = None,
                  plan: str | os.PathLike | None = None, transport: str | None = None, replan: str | None = None,
                  replan_horizon: int | None = None, recompute: bool | list | None = None,
-                 max_sizes: dict | None = None, init=None, batches: str = "same"):
+                 max_sizes: dict | None = None, init=None, batches: str = "same",
+                 verbose: bool = True):
         super().__init__()
         check_meta_model(model, optimizer, init)
         meta_shapes = adopt_meta_model(model, optimizer)  # its tensors made after planning, each where read
@@ -87,7 +88,8 @@ class Module(torch.nn.Module):
                                   schedule=schedule, devices=devices, cluster=cluster, trace=trace, loss_fn=loss_fn,
                                   timeout=timeout, plan=plan, transport=transport, replan=replan,
                                   replan_horizon=replan_horizon, recompute=recompute, max_sizes=max_sizes,
-                                  init=init, meta_shapes=meta_shapes, batches=batches)
+                                  init=init, meta_shapes=meta_shapes, batches=batches,
+                                  verbose=verbose)
         self.module = model
         self.optimizer = optimizer
         self.job = Job(options)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from . import distributed
-from .arguments import check_module_arguments, seconds
+from .arguments import check_cluster, check_module_arguments, seconds, warn_of_another_machine
 from .batch_feed import BATCH_MODES
 from .errors import ConveyorValueError
 from .distributed.processes import this_process_file
@@ -62,6 +62,8 @@ OPTIONS_HELP = """conveyor.Module(model, optimizer=None, **options): the options
                   batch (checked on the first calls, then sampled); "shares": each process
                   its own share, as a DistributedSampler loads it, the step's batch being the
                   shares concatenated in process order (bindings/conveyor/batch_feed.py)
+    verbose       True (default): a line per phase of the first call (captured, profiled,
+                  planned, built) on process 0, through the "conveyor" logger; False: none
 """
 
 
@@ -87,6 +89,7 @@ class Options:
     recompute: Any
     max_sizes: dict
     fixed: FixedParts | None
+    verbose: bool = True      # a line per phase of a capture and plan, on process 0 (progress.py)
     batches: str = "same"     # across processes: every process fed the same batch, or its share (batch_feed.py)
     meta_shapes: dict = None  # a model built on the meta device: its tensors' shapes by id (materialize.py)
     init: Any = None          # with it: init(name, meta_tensor) -> the tensor's first values
@@ -105,7 +108,7 @@ class Options:
 
 def resolve_options(model, optimizer, *, stages, replicas, microbatches, schedule, devices, cluster, trace, loss_fn,
                     timeout, plan, transport, replan, replan_horizon, recompute, max_sizes, init=None,
-                    meta_shapes=None, batches="same") -> Options:
+                    meta_shapes=None, batches="same", verbose=True) -> Options:
     """The Module's arguments, checked (every misuse a ConveyorValueError naming it), with
     what `conveyor launch` (or its job config) asks of every process where not given."""
     launched = distributed.launch_settings()
@@ -123,12 +126,16 @@ def resolve_options(model, optimizer, *, stages, replicas, microbatches, schedul
     if batches not in BATCH_MODES:
         raise ConveyorValueError(f"batches={batches!r}: expected 'same' (every process is fed the whole batch) or "
                                  "'shares' (each process its own share, as a DistributedSampler loads it)")
+    devices = devices or max(2, min(4, os.cpu_count() or 2))
+    world = distributed.world()
+    warn_of_another_machine(cluster, check_cluster(cluster), world[1] if world else devices, world is not None)
     # Checked now, not at the first call; node lists run as given instead.
     fixed = None if isinstance(stages, list) else FixedParts(stages, replicas, schedule, recompute)
     return Options(stages=stages, replicas=replicas, microbatches=microbatches, schedule=schedule,
-                   devices=devices or max(2, min(4, os.cpu_count() or 2)), cluster=cluster, trace=trace,
+                   devices=devices, cluster=cluster, trace=trace,
                    loss_fn=loss_fn, plan_file=plan, transport=transport,
                    timeout_s=seconds(timeout, "timeout") if timeout is not None else distributed.default_timeout(),
                    replan=replan, replan_horizon=replan_horizon, recompute=recompute,
                    max_sizes=as_max_sizes(max_sizes), fixed=fixed, meta_shapes=meta_shapes or {}, init=init,
-                   seed=torch.initial_seed(), batches=batches)
+                   seed=torch.initial_seed(), batches=batches,
+                   verbose=bool(verbose))

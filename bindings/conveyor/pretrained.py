@@ -36,10 +36,13 @@ from pathlib import Path
 import torch
 
 from .checkpoint import CheckpointTensors
-from .checkpoint_save import exchange, publish
+from .checkpoint_save import agreed_folder, publish
+from .exchange import exchange
 from .errors import ConveyorIOError, ConveyorValueError
 
 __all__ = ["loader", "check", "load", "save", "INDEX", "SINGLE"]
+
+WHAT = "save_pretrained"
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -188,31 +191,31 @@ def save(folder, *, model: torch.nn.Module, tensors: CheckpointTensors, group) -
     """Writes `folder` (collective: every process calls it): each process a shard of what it
     owns, process 0 the index and the configuration; complete once every part is written."""
     st = _safetensors().torch
-    folder = Path(folder)
     rank = group.rank if group is not None else 0
-    staging = folder.with_name(folder.name + ".incomplete")
     names = tensors.mine()
-    shares = exchange(group, (len(names), [n for n in names if _stands_in(tensors.tensors[n])][:1]))
-    if unmade := [n for _, first in shares for n in first]:  # every process refuses alike
-        raise ConveyorValueError(f"{unmade[0]} is not made yet (a model built on the meta device makes its tensors "
-                                 "once the plan exists): call save_pretrained after the first call")
-    writers = [r for r, (count, _) in enumerate(shares) if count]
+    unmade = [n for n in names if _stands_in(tensors.tensors[n])][:1]
+    folder = agreed_folder(folder, group, WHAT, f"{unmade[0]} is not made yet (a model built on the meta device "
+                           "makes its tensors once the plan exists): call save_pretrained after the first call"
+                           if unmade else None)
+    staging = folder.with_name(folder.name + ".incomplete")
+    shares = exchange(group, len(names), WHAT)
+    writers = [r for r, count in enumerate(shares) if count]
     mine = _unshared({name: tensors.tensors[name] for name in names})
     error = None
     if rank == 0:
         error = _attempt(lambda: _make_empty(staging))
-    if (first := exchange(group, error)[0]) is not None:
+    if (first := exchange(group, error, WHAT)[0]) is not None:
         raise ConveyorIOError(f"saving {folder}: {staging} cannot be made ({first})")
     file = None
     if mine:  # the shard's name as save_pretrained numbers them
         k = writers.index(rank)
         file = SINGLE if len(writers) == 1 else f"model-{k + 1:05d}-of-{len(writers):05d}.safetensors"
         error = _attempt(lambda: st.save_file(mine, str(staging / file), metadata={"format": "pt"}))
-    written = exchange(group, (file, {n: t.numel() * t.element_size() for n, t in mine.items()}, error))
+    written = exchange(group, (file, {n: t.numel() * t.element_size() for n, t in mine.items()}, error), WHAT)
     failed = [(r, e) for r, (_, _, e) in enumerate(written) if e]
     if rank == 0 and not failed:
         error = _attempt(lambda: _finish(staging, folder, model, written, len(writers)))
-    if not failed and (last := exchange(group, error)[0]) is not None:
+    if not failed and (last := exchange(group, error, WHAT)[0]) is not None:
         failed = [(0, last)]
     if failed:
         raise ConveyorIOError(f"saving {folder}: process {failed[0][0]} could not write its part ({failed[0][1]}); "
@@ -237,7 +240,13 @@ def _finish(staging: Path, folder: Path, model, written: list, writers: int) -> 
         can_generate = getattr(model, "can_generate", None)
         if callable(can_generate) and can_generate() and getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(staging)
-    publish(staging, folder)
+    publish(staging, folder, _pretrained_owns)
+
+
+def _pretrained_owns(name: str) -> bool:
+    """The names save_pretrained writes (the rest of a folder, a tokenizer, stays)."""
+    return name in (SINGLE, INDEX, "config.json", "generation_config.json") or \
+        (name.startswith("model-") and name.endswith(".safetensors"))
 
 
 def _stands_in(t: torch.Tensor) -> bool:

@@ -62,6 +62,7 @@ class StepRunner:
         plan_for_larger_sizes(state, calls, job=self.job, optimizer=self.optimizer, history=self.history,
                               gather_whole_model=self.captures.gather_for_profiling)
         pipeline = self._pipeline_for(state, calls, packed)
+        pipeline.set_draws(self.job.draws_seed, self.history.steps_run)  # step k draws alike on any pipeline
         reset_device_peak(state.graph)
         if packed:
             loss, _, _ = pipeline.run_packed(calls, hold_gradients=hold_gradients)

@@ -18,13 +18,14 @@ class Deep(torch.nn.Module):
     """Six layers (cuts anywhere), a loss that is a mean over the samples: any split into
     microbatches and replicas gives the whole batch's gradients."""
 
-    def __init__(self):
+    def __init__(self, dropout: float = 0.0):
         super().__init__()
         self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(6))
+        self.drop = torch.nn.Dropout(dropout)
 
     def forward(self, x, y):
         for layer in self.layers:
-            x = torch.tanh(layer(x))
+            x = self.drop(torch.tanh(layer(x)))
         return (x - y).pow(2).mean()
 
 
@@ -45,6 +46,7 @@ def main():
     ap.add_argument("--load", default=None)
     ap.add_argument("--save", default=None)
     ap.add_argument("--meta", action="store_true", help="build the model on the meta device")
+    ap.add_argument("--dropout", type=float, default=0.0, help="dropout after every layer")
     ap.add_argument("--die-while-saving", action="store_true",
                     help="process 1 exits once its part is written, before the save completes")
     ap.add_argument("--background", action="store_true",
@@ -53,7 +55,7 @@ def main():
     args = ap.parse_args()
     torch.manual_seed(0)
     with torch.device("meta") if args.meta else torch.device("cpu"):
-        net = Deep().double()
+        net = Deep(args.dropout).double()
     if args.optimizer == "sgd":
         optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
         schedule = None
@@ -77,11 +79,11 @@ def main():
             from conveyor import checkpoint_save
             writes = checkpoint_save.exchange
 
-            def exit_after_writing(group, value):  # the fourth exchange follows this process's writes
+            def exit_after_writing(group, value, what):  # the fifth exchange follows this process's writes
                 exit_after_writing.calls += 1
-                if exit_after_writing.calls == 4:
+                if exit_after_writing.calls == 5:
                     os._exit(3)
-                return writes(group, value)
+                return writes(group, value, what)
             exit_after_writing.calls = 0
             checkpoint_save.exchange = exit_after_writing
         extra = {"next_step": args.first + args.steps}

@@ -86,7 +86,7 @@ def flat_target_lstm():
 @pytest.mark.parametrize("make, warned", [
     (time_major_encoder, "combines values across dim 0 of its inputs, so dim 0 is not its batch: "
                          "aten::scaled_dot_product_attention"),
-    (time_major_lstm, "TimeMajorLSTMLoss specializes its batch size"),  # export fixes an LSTM's length
+    (time_major_lstm, "TimeMajorLSTM specializes its batch size"),  # export fixes an LSTM's length
     (flat_target_lstm, "specializes its batch size (target dim 0 must be 8*batch)"),
 ])
 def test_a_call_that_cannot_be_split_runs_whole_and_trains_like_eager(make, warned):

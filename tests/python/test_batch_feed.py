@@ -16,9 +16,11 @@ TOLERANCE = 1e-9
 needs_ucx = pytest.mark.skipif(bool(_C.ucx_status()), reason=f"UCX cannot start here: {_C.ucx_status()}")
 
 SCRIPT = r'''
-import json, sys, torch, conveyor
+import json, sys, torch
+from torch.nn.utils import clip_grad_norm_  # bound before conveyor.Module exists, as many scripts do
+import conveyor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-out, mode = sys.argv[1], sys.argv[2]
+out, mode, clipping = sys.argv[1], sys.argv[2], sys.argv[3]
 torch.manual_seed(0)
 net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
                           torch.nn.Linear(16, 2)).double()
@@ -36,11 +38,17 @@ for x, y in DataLoader(data, batch_size=8, sampler=sampler):
     optimizer.zero_grad()
     loss = model(x, target=y)
     loss.backward()
-    norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
+    if clipping == "clip_grad_norm_":
+        norms.append(float(clip_grad_norm_(model.parameters(), 0.5)))
+    else:  # torch's two-part form
+        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), 0.5, norm)
+        norms.append(float(norm))
     optimizer.step()
     losses.append(loss.item())
 state = {k: v.tolist() for k, v in model.state_dict().items()}
-json.dump(dict(losses=losses, norms=norms, state=state), open(f"{out}/rank{model.rank}.json", "w"))
+json.dump(dict(losses=losses, norms=norms, state=state, report=str(model.profile_report())),
+          open(f"{out}/rank{model.rank}.json", "w"))
 '''
 
 
@@ -68,15 +76,17 @@ def _eager():
     return losses, norms, {k: v.tolist() for k, v in net.state_dict().items()}
 
 
-def _run(tmp_path, mode):
+def _run(tmp_path, mode, clipping="clip_grad_norm_"):
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
-    return launch("-n", 2, "--", sys.executable, script, tmp_path, mode)
+    return launch("-n", 2, "--", sys.executable, script, tmp_path, mode, clipping)
 
 
 @needs_ucx
-def test_each_process_fed_its_share_trains_as_one_process_on_the_shares_and_clips_by_the_whole_norm(tmp_path):
-    code, out = _run(tmp_path, "shares")
+@pytest.mark.parametrize("clipping", ["clip_grad_norm_", "get_total_norm"])
+def test_each_process_fed_its_share_trains_as_one_process_on_the_shares_and_clips_by_the_whole_norm(clipping,
+                                                                                                      tmp_path):
+    code, out = _run(tmp_path, "shares", clipping)
     assert code == 0, out[-4000:]
     losses, norms, state = _eager()
     for r in (0, 1):
@@ -84,6 +94,9 @@ def test_each_process_fed_its_share_trains_as_one_process_on_the_shares_and_clip
         assert got["losses"] == pytest.approx(losses, rel=TOLERANCE, abs=0)
         assert got["norms"] == pytest.approx(norms, rel=TOLERANCE, abs=0)
         assert max(norms) > 0.5  # the clipping acted
+        other = 1 - r  # each process runs one of the two stages; its report says where the other one is
+        assert f"{other}      {other}     1         runs in another process (its profile_report measures it)" \
+            in got["report"], got["report"]
         for key, want in state.items():
             w = torch.tensor(want)
             err = (torch.tensor(got["state"][key]) - w).abs().max().item() / w.abs().max().item()

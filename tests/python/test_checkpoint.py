@@ -158,6 +158,7 @@ def test_a_background_save_writes_the_state_of_its_call_while_training_goes_on(t
     at_save = {k: v.clone() for k, v in model.module.state_dict().items()}
     saving = model.save_checkpoint(tmp_path / "ck", extra={"epoch": 1}, background=True)
     _train(model, 2)  # changes every parameter while the thread writes the copy
+    assert model.load_checkpoint(tmp_path / "ck") == {"epoch": 1}  # waits for the save, then loads it
     saving.wait()
     assert saving.done() and not (tmp_path / "ck.incomplete").exists()
     resumed = _mlp_module(stages=1)
@@ -185,7 +186,7 @@ def test_a_background_save_that_fails_is_raised_by_its_wait_and_leaves_the_last_
     _mlp_module().load_checkpoint(tmp_path / "ck")  # the previous one is whole
     monkeypatch.undo()
     model.save_checkpoint(tmp_path / "ck", background=True)
-    model.load_checkpoint(tmp_path / "ck")  # waits for the save first
+    model.load_checkpoint(tmp_path / "ck")  # waits for the save first, then finds it complete
 
 
 @needs_ucx
@@ -224,3 +225,104 @@ def test_tensors_stored_row_major_are_read_in_place_and_others_through_dcp_alike
         other(x, target=y)  # the first call reads it
     for (name, a), b in zip(model.module.state_dict().items(), other.module.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_dropout_draws_are_the_job_s_and_a_resumed_job_draws_on_as_one_that_never_stopped(tmp_path):
+    """Dropout draws from the job's seed and the step's number in the job: two runs draw
+    alike, and 4 steps, a checkpoint, and 4 more on the same plan equal 8 steps (the seed and
+    the step count travel in the checkpoint)."""
+    alone("--dropout", 0.3, "--steps", 8, "--stages", 2, "--out", tmp_path / "whole.pt")
+    alone("--dropout", 0.3, "--steps", 8, "--stages", 2, "--out", tmp_path / "again.pt")
+    whole = torch.load(tmp_path / "whole.pt")
+    assert torch.load(tmp_path / "again.pt")["losses"] == whole["losses"]
+    alone("--dropout", 0.3, "--steps", 4, "--stages", 2, "--save", tmp_path / "ck", "--out", tmp_path / "first.pt")
+    alone("--dropout", 0.3, "--first", 4, "--steps", 4, "--stages", 2, "--load", tmp_path / "ck",
+          "--out", tmp_path / "resumed.pt")
+    assert_same_training(torch.load(tmp_path / "resumed.pt"), whole)
+
+
+def test_a_save_keeps_the_folder_s_other_files_and_refuses_a_file_in_its_place(tmp_path):
+    model = _mlp_module()
+    _train(model, 1)
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (folder / "train.log").write_text("kept")
+    model.save_checkpoint(folder)
+    model.save_checkpoint(folder)  # again over the last one: its own files replaced, the log kept
+    assert (folder / "train.log").read_text() == "kept" and (folder / ".metadata").is_file()
+    (tmp_path / "notes").write_text("mine")
+    with pytest.raises(conveyor.ConveyorValueError, match="is a file, not a folder: save_checkpoint writes a folder"):
+        model.save_checkpoint(tmp_path / "notes")
+    assert (tmp_path / "notes").read_text() == "mine" and not (tmp_path / "notes.incomplete").exists()
+    here = os.getcwd()
+    try:
+        os.chdir(folder)
+        model.save_checkpoint(".")  # the folder named by "."
+    finally:
+        os.chdir(here)
+    assert (folder / ".metadata").is_file() and (folder / "train.log").exists()
+
+
+def test_a_checkpoint_of_another_optimizer_or_a_larger_model_is_refused_and_set_hyperparameters_stay(tmp_path):
+    model = _mlp_module()
+    _train(model, 1)
+    model.save_checkpoint(tmp_path / "ck")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).double()
+    adam = conveyor.Module(net, torch.optim.AdamW(net.parameters(), lr=0.1), loss_fn=torch.nn.functional.mse_loss)
+    with pytest.raises(conveyor.ConveyorValueError, match="saved with a SGD optimizer, this model's is AdamW"):
+        adam.load_checkpoint(tmp_path / "ck")
+    smaller = torch.nn.Sequential(torch.nn.Linear(16, 16)).double()  # the first layer alone
+    with pytest.raises(conveyor.ConveyorValueError, match=r"holds 2 tensors the model does not have \(2\.weight, "
+                                                          r"2\.bias\)"):
+        conveyor.Module(smaller, loss_fn=torch.nn.functional.mse_loss).load_checkpoint(tmp_path / "ck")
+    resumed = _mlp_module()
+    resumed.load_checkpoint(tmp_path / "ck")
+    resumed.optimizer.param_groups[0]["lr"] = 0.123  # set after the load: kept, as with torch's own load
+    _train(resumed, 1)
+    assert resumed.optimizer.param_groups[0]["lr"] == 0.123
+
+
+def test_a_load_that_fails_at_the_first_call_fails_every_call_after(tmp_path):
+    model = _mlp_module()
+    _train(model, 2)
+    model.save_checkpoint(tmp_path / "ck")
+    data = tmp_path / "ck" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[raw.find(model.module.state_dict()["0.weight"].numpy().tobytes()) + 5] ^= 0x10
+    data.write_bytes(bytes(raw))
+    resumed = _mlp_module()
+    resumed.load_checkpoint(tmp_path / "ck")  # checked against the index now; the bytes once the plan exists
+    for _ in range(2):
+        with pytest.raises(conveyor.ConveyorIOError, match=r"model\.0\.weight is corrupt"):
+            _train(resumed, 1)
+
+
+CALLS = r'''
+import sys, torch, conveyor
+out, case = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).double()
+model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.1), loss_fn=torch.nn.functional.mse_loss, stages=2)
+x, y = torch.ones(4, 8, dtype=torch.float64), torch.zeros(4, 2, dtype=torch.float64)
+model.train_step(x, target=y)
+if case == "folders":
+    model.save_checkpoint(f"{out}/ck{model.rank}")
+elif model.rank == 0:
+    model.save_checkpoint(f"{out}/ck")
+model.train_step(x, target=y)
+'''
+
+
+@needs_ucx
+@pytest.mark.parametrize("case, said", [
+    ("folders", "save_checkpoint was called with another folder on processes [1] than on process 0"),
+    ("one process", "process 0 is in save_checkpoint while process 1 is in call 2's batch check: every process must "
+                    "make the same calls in the same order")])
+def test_a_save_called_differently_across_processes_is_refused_naming_how(case, said, tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(CALLS)
+    code, out = launch("-n", 2, "--", sys.executable, script, tmp_path, case)
+    assert code != 0
+    assert said in out, out[-3000:]
+    assert not (tmp_path / "ck0").exists() and not (tmp_path / "ck").exists()

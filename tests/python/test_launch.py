@@ -269,6 +269,7 @@ def test_a_bad_setting_in_the_environment_is_refused_naming_it(variable, value, 
     ('[job]\nreplan = "sometimes"\n', 'job.toml:2: replan = "sometimes" (expected one of auto, off)'),
     ('[job]\nreplan_horizon = 0\n', "job.toml:2: replan_horizon must be a whole number from 1 to 1000000000"),
     ('[jobs]\n', "job.toml:1: unknown key 'jobs' in the job config"),
+    ('[job]\nsecret = "a\\u0000bcdefghijklmnopq"\n', "job.toml:2: secret must not hold a NUL character"),
     ('[job\n', "job.toml:1: not valid TOML"),
 ])
 def test_a_bad_job_config_is_refused_naming_the_line(text, expected, tmp_path):
@@ -278,6 +279,14 @@ def test_a_bad_job_config_is_refused_naming_the_line(text, expected, tmp_path):
     assert code != 0
     assert expected.split(": ", 1)[1].split(" (")[0] in out, out
     assert "job.toml:" + expected.split(":")[1] in out, out
+
+
+@pytest.mark.parametrize("flag, value", [("--timeout", "nan"), ("--grace", "nan"), ("--timeout", "0"),
+                                         ("--timeout", "1e9")])
+def test_a_bad_number_of_seconds_on_the_command_line_is_refused_naming_it(flag, value):
+    code, out = launch(flag, value, "-n", 1, "--", sys.executable, "-c", "pass", timeout=30)
+    assert code != 0
+    assert f"expected a number of seconds from 0.001 to 604800, not '{value}'" in out, out
 
 
 def test_launch_without_a_command_says_how_to_give_one():

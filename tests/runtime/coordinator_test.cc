@@ -546,7 +546,7 @@ TEST(Coordinator, LiveProfilesCompareEachStageWithThePrediction) {
   // Stage 1 is the one that runs slower than planned.
   EXPECT_GT(report->stages[1].compute_ratio(), report->stages[0].compute_ratio());
   const std::string table = report->table();
-  EXPECT_NE(table.find("live profile over 3 steps"), std::string::npos) << table;
+  EXPECT_NE(table.find("live profile over the last 3 steps measured"), std::string::npos) << table;
   EXPECT_NE(table.find("measured / predicted"), std::string::npos) << table;
 }
 
