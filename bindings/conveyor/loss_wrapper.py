@@ -80,10 +80,10 @@ def _refuse_a_target_under_another_name(model: torch.nn.Module, kwargs: dict) ->
 
 
 def _named_loss_fn(loss_fn):
-    """loss_fn(output, target), its failure on an output that is no tensor said as such."""
-    def loss(output, target):
+    """loss_fn(output[, target]), its failure on an output that is no tensor said as such."""
+    def loss(output, *target):
         try:
-            return loss_fn(output, target)
+            return loss_fn(output, *target)
         except Exception as e:
             if isinstance(output, torch.Tensor):
                 raise
