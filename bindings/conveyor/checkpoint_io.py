@@ -15,6 +15,7 @@ class CheckpointIO:
             model, optimizer, captures, job, history
         self._waiting = []  # loads, in the order asked
         self.in_flight: checkpoint_save.SaveInFlight | None = None
+        self._copies: dict = {}  # a background save's copy of this process's part, reused by the next
 
     def _tensors(self) -> checkpoint.CheckpointTensors:
         return self._captures.checkpoint_tensors()
@@ -46,7 +47,7 @@ class CheckpointIO:
                     world_size=self._job.world_size, draws_seed=self._job.draws_seed)
         self.in_flight = checkpoint_save.save(
             path, model=self._model, optimizer=self._optimizer, tensors=self._tensors(), group=self._job.group,
-            meta=meta, extra=extra, background=background, timeout_s=self._job.options.timeout_s)
+            meta=meta, extra=extra, background=background, timeout_s=self._job.options.timeout_s, copies=self._copies)
         return self.in_flight
 
     def load(self, path) -> dict:

@@ -7,8 +7,8 @@ Then, in the caller's time, each process writes its file, the processes exchange
 wrote, and process 0 writes DCP's `.metadata` and renames `<path>.incomplete` to `<path>`.
 
 In the background (`background=True`, as torchtitan's async save) the call copies what this
-process owns (the cost: memory for one more copy of its part, and the copy's time) and
-returns; a thread writes the copy while training goes on. The threads do not use the job's
+process owns and returns (the cost: memory for one more copy of its part, kept from one
+background save to the next as torchtitan keeps its staging memory, and the copy's time); a thread writes the copy while training goes on. The threads do not use the job's
 messages: each process's thread leaves its DCP results in the staging folder as
 `.written.<p>` (or its error as `.failed.<p>`), and process 0's thread finishes and renames
 the folder once all are there. `SaveInFlight.wait()` returns once the folder is renamed (on
@@ -105,9 +105,11 @@ def _param_groups(optimizer, tensors: CheckpointTensors) -> list[dict]:
 
 
 def save(path, *, model, optimizer, tensors: CheckpointTensors, group, meta: dict, extra: dict | None,
-         background: bool = False, timeout_s: float = 600.0) -> SaveInFlight | None:
+         background: bool = False, timeout_s: float = 600.0, copies: dict | None = None) -> SaveInFlight | None:
     """Writes the checkpoint folder `path` (collective: every process calls it). In the
-    background: returns once this process's part is copied, the writing in flight."""
+    background: returns once this process's part is copied, the writing in flight; the
+    copies go into `copies` (by item, kept by the caller from one background save to the
+    next, so that the next copies into memory already made)."""
     dcp = torch_dcp()
     rank = group.rank if group is not None else 0
     world = group.world_size if group is not None else 1
@@ -124,7 +126,15 @@ def save(path, *, model, optimizer, tensors: CheckpointTensors, group, meta: dic
     optim_items, scalars = _optimizer_state(optimizer, tensors, mine)
     items.update(optim_items)
     if background:  # training goes on changing the originals
-        items = {key: t.to("cpu", copy=True) for key, t in items.items()}
+        copies = {} if copies is None else copies
+        for key, t in items.items():
+            kept = copies.get(key)
+            if kept is None or kept.shape != t.shape or kept.dtype != t.dtype:
+                kept = copies[key] = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            kept.copy_(t)
+            items[key] = kept
+        for key in [k for k in copies if k not in items]:
+            del copies[key]  # what this process no longer owns
     part = io.BytesIO()  # this process's checksums and optimizer numbers, filled just before writing
     items[f"{PART_KEY}.{rank}"] = part
     if rank == 0:
@@ -192,6 +202,12 @@ class SaveInFlight:
             raise ConveyorIOError(f"the checkpoint save to {self.path} did not complete: {self._error}")
 
     def _run(self) -> None:
+        try:
+            # The lowest priority: on cores training also uses, the step goes first and the
+            # writing takes what is left (Linux: a thread's own nice value).
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
         try:
             results = self._write()
             (self._staging / f".written.{self._rank}").write_bytes(pickle.dumps(results))
