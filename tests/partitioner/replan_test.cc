@@ -51,12 +51,21 @@ TEST(Replan, NoiseOnAnAccuratePlanNeverSwitches) {
   const Plan plan = *make_plan(g, cluster, options());
   Replanner r(g, cluster, plan, options(), ReplanPolicy{});
   std::mt19937 rng(7);
+  int slower_said = 0;
   for (int window = 0; window < 200; ++window) {
     auto [m, step] = run(g, r.running(), {1, 1, 1}, 0.1, rng);
     auto d = r.evaluate(m, step);
     ASSERT_TRUE(d.is_ok()) << d.status().to_string();
     ASSERT_FALSE(d->switch_plan) << "window " << window << ": " << d->reason << "; " << d->arithmetic(r.policy());
+    // A slower best other plan is said as such, not as a negative saving.
+    EXPECT_EQ(d->reason.find("saves -"), std::string::npos) << d->reason;
+    if (d->reason.find("no other plan is faster on the corrected costs: the best other one would take ") !=
+        std::string::npos) {
+      ++slower_said;
+      EXPECT_NE(d->reason.find("% more of a step"), std::string::npos) << d->reason;
+    }
   }
+  EXPECT_GE(slower_said, 1) << "this seed's noise makes the best other plan slower in one window at least";
 }
 
 TEST(Replan, AStragglerSwitchesOnceConfirmedAndStays) {
