@@ -240,22 +240,29 @@ void bind_graph(py::module_& m) {
                              "The simulated step time the planner found.");
   m.def("graph_hash", [](const PyGraph& g) { return partitioner::graph_hash(g.graph); },
         "The hash profiles are keyed by.");
+  const auto cluster_summary = [](const partitioner::Cluster& cluster) {
+    py::dict out;
+    out["name"] = cluster.name;
+    out["nodes"] = cluster.nodes;
+    out["devices"] = cluster.devices.size();
+    double memory = 0;
+    for (const auto& d : cluster.devices) memory = std::max(memory, d.memory_bytes);
+    out["largest_device_memory_bytes"] = memory;
+    return out;
+  };
   m.def(
       "read_cluster",
-      [](const std::string& cluster_toml, const std::string& source) {
-        const auto cluster = unwrap(partitioner::Cluster::from_toml(cluster_toml, source));
-        py::dict out;
-        out["name"] = cluster.name;
-        out["nodes"] = cluster.nodes;
-        out["devices"] = cluster.devices.size();
-        double memory = 0;
-        for (const auto& d : cluster.devices) memory = std::max(memory, d.memory_bytes);
-        out["largest_device_memory_bytes"] = memory;
-        return out;
+      [cluster_summary](const std::string& cluster_toml, const std::string& source) {
+        return cluster_summary(unwrap(partitioner::Cluster::from_toml(cluster_toml, source)));
       },
       py::arg("cluster"), py::arg("source"),
       "Checks a cluster's TOML text (errors name `source` and the line); returns its name, nodes, devices and "
       "its largest device's memory.");
+  m.def(
+      "read_cluster_file",
+      [cluster_summary](const std::string& path) { return cluster_summary(unwrap(partitioner::load_cluster(path))); },
+      py::arg("path"),
+      "read_cluster of a cluster file, read as every text file is (its size limit: docs/formats.md).");
   m.def(
       "plan",
       [](const PyGraph& g, const std::string& profile_json, const std::string& cluster_toml, int batch,

@@ -56,9 +56,6 @@ def check_model(model, optimizer) -> None:
                                  "model.parameters() of the model given to conveyor.Module")
 
 
-CLUSTER_FILE_LIMIT = 256 << 20  # common/file.h's kTextFileLimit, as every text file conveyor reads
-
-
 def check_cluster(cluster) -> dict | None:
     """A cluster is TOML text or the path of a TOML file; a path that names nothing is an
     error here, not TOML text that fails to parse. Parsed now, errors naming the file and
@@ -72,14 +69,7 @@ def check_cluster(cluster) -> dict | None:
         return _C.read_cluster(text, "cluster=")  # TOML text
     if not Path(text).is_file():
         raise ConveyorValueError(f"cluster={text!r}: no such file (give a cluster TOML file, docs/formats.md, or its text)")
-    if Path(text).stat().st_size > CLUSTER_FILE_LIMIT:
-        raise ConveyorValueError(f"cluster={text!r} is larger than the {CLUSTER_FILE_LIMIT >> 20} MiB a cluster file may "
-                                 "hold (docs/formats.md, \"Size limits\"): is it the right file?")
-    try:
-        return _C.read_cluster(Path(text).read_text(), text)
-    except UnicodeDecodeError:
-        raise ConveyorValueError(f"cluster={text!r} is not a text file: give a cluster TOML file (docs/formats.md)") \
-            from None
+    return _C.read_cluster_file(text)  # read in C++, as every text file: its size limit, its encoding checked
 
 
 def warn_of_another_machine(cluster, summary: dict | None, devices: int, launched: bool) -> None:
