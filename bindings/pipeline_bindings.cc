@@ -222,6 +222,18 @@ void bind_pipeline(py::module_& m) {
       }, py::arg("path"), py::arg("markers") = std::vector<std::pair<double, std::string>>{},
          "Writes the last step's measured actions as a Perfetto trace; markers: (seconds from the step's start, "
          "name) instant events (a switch of plan).")
+      .def("trace_record", &runtime::PipelineStep::trace_record,
+           "The last step's measured spans of this process, with the step's start on the wall clock (bytes for "
+           "process 0 to merge with write_job_trace).")
+      .def("write_job_trace", [](const runtime::PipelineStep& step, const std::string& path,
+                                 const std::vector<std::string>& records,
+                                 const std::vector<std::pair<double, std::string>>& markers) {
+        std::vector<trace::Marker> marks;
+        for (const auto& [t, name] : markers) marks.push_back({t, name});
+        check(step.write_job_trace(path, records, marks));
+      }, py::arg("path"), py::arg("records"), py::arg("markers") = std::vector<std::pair<double, std::string>>{},
+         "Writes one trace of the job's last step from every process's trace_record(): every replica's tracks, "
+         "flows from each send to its consumer across processes.")
       .def("set_prediction", [](runtime::PipelineStep& step, const PlanHandle& plan) {
         step.set_prediction(plan.prediction_for(step.spec()));
       }, py::arg("plan"), "From now on the live profile compares the steps that follow with this plan's prediction "

@@ -18,6 +18,7 @@
 #include "runtime/stage_replica.h"
 #include "runtime/value_store.h"
 #include "trace/simulation_trace.h"
+#include "trace/span_record.h"
 
 namespace conveyor::runtime {
 
@@ -546,9 +547,21 @@ void PipelineStep::set_prediction(scheduler::SimulationResult predicted) {
 const scheduler::ScheduleSpec& PipelineStep::spec() const { return impl_->layout.schedule.spec; }
 
 Status PipelineStep::write_trace(const std::string& path, const std::vector<trace::Marker>& markers) const {
+  return write_job_trace(path, {trace_record()}, markers);
+}
+
+std::string PipelineStep::trace_record() const {
+  using namespace std::chrono;
+  const auto since_start = steady_clock::now() - impl_->last.start;
+  const auto wall_start = system_clock::now() - duration_cast<system_clock::duration>(since_start);
+  return trace::span_record(impl_->last.spans, duration_cast<nanoseconds>(wall_start.time_since_epoch()).count());
+}
+
+Status PipelineStep::write_job_trace(const std::string& path, const std::vector<std::string>& records,
+                                     const std::vector<trace::Marker>& markers) const {
   if (impl_->last.spans.empty()) return Status(ErrorCode::kInvalidArgument, "no step has run yet: nothing to trace");
   scheduler::SimulationResult spans;
-  spans.spans = impl_->last.spans;
+  CONVEYOR_ASSIGN_OR_RETURN(spans.spans, trace::merge_span_records(records, static_cast<int>(impl_->layout.schedule.ranks.size())));
   return trace::write_step_trace(path, impl_->layout.schedule, spans, "measured", impl_->layout.rank_replicas, markers);
 }
 

@@ -187,6 +187,14 @@ class PipelineStep {
   /// replica with its compute, send and collective streams, flows from each transfer to its
   /// consumer; `markers` (a switch of plan before the step) as instant events.
   Status write_trace(const std::string& path, const std::vector<trace::Marker>& markers = {}) const;
+  /// The last step's measured spans of this process's replicas, with the step's start on the
+  /// wall clock (trace/span_record.h): what process 0 merges into the job's trace.
+  std::string trace_record() const;
+  /// Writes one trace of the job's last step from every process's `trace_record()` (in any
+  /// order; this process's own among them): every replica's tracks, and a flow from each
+  /// send to its consumer in whichever process it runs.
+  Status write_job_trace(const std::string& path, const std::vector<std::string>& records,
+                         const std::vector<trace::Marker>& markers = {}) const;
 
  private:
   /// Checks a whole batch against the capture and the pipeline and splits it into the store.

@@ -12,7 +12,6 @@ from . import distributed
 from .arguments import check_cluster, check_module_arguments, seconds, warn_of_another_machine
 from .batch_feed import BATCH_MODES
 from .errors import ConveyorValueError
-from .distributed.processes import this_process_file
 from .planning import FixedParts
 from .sizes import as_max_sizes
 
@@ -32,7 +31,8 @@ OPTIONS_HELP = """conveyor.Module(model, optimizer=None, **options): the options
     devices       virtual devices of the local machine to plan for (default: 2-4 by cores)
     cluster       a cluster TOML file (or text) to plan for instead of the local machine
     trace         a path: the second step's measured actions are written there (Perfetto;
-                  across processes each writes <stem>.rank<R><suffix>)
+                  across processes each writes its own to <stem>.rank<R><suffix>, and process
+                  0 the job's, every process's tracks and the flows between them, to the path)
     plan          a plan document (`conveyor plan --out`, Plan.save) to run instead of planning
                   (the first train-mode capture's: eval mode's, another size's are planned)
     timeout       seconds any wait between processes may take (rendezvous, a step); default
@@ -115,7 +115,7 @@ def resolve_options(model, optimizer, *, stages, replicas, microbatches, schedul
     if schedule == "auto":
         schedule = launched.get("schedule", "auto")
     plan = plan if plan is not None else launched.get("plan")
-    trace = this_process_file(trace) if trace is not None else launched.get("trace")
+    trace = trace if trace is not None else launched.get("trace")
     transport = transport if transport is not None else launched.get("transport", "ucx")
     replan = replan or launched.get("replan", "auto")
     replan_horizon = replan_horizon if replan_horizon is not None else launched.get("replan_horizon", 100)

@@ -10,7 +10,9 @@ from .batch_feed import BatchFeed
 from .capture_builder import batch_of
 from .capture_set import CaptureSet
 from .capture_state import CaptureState, RunHistory
+from .distributed.processes import this_process_file
 from .errors import ConveyorValueError
+from .exchange import exchange
 from .job import Job
 from .memory import reset_device_peak
 from .microbatches import Microbatches, is_packed
@@ -76,8 +78,21 @@ class StepRunner:
             # The second step (past warm-up), or the first after a switch of plan, marked.
             markers = [(0.0, self.history.marker)] if self.history.marker is not None else []
             self.history.marker = None
-            pipeline.write_trace(str(self.trace), markers)
+            self._write_trace(pipeline, markers)
         return loss, pipeline
+
+    def _write_trace(self, pipeline, markers: list) -> None:
+        """The step's trace at `trace=`; across processes, each writes its own replicas' to
+        <stem>.rank<R><suffix> too, and process 0 writes the job's at `trace=` itself: every
+        process's tracks, and a flow from each send to its receive in whichever process."""
+        group = self.job.group
+        if group is None:
+            pipeline.write_trace(str(self.trace), markers)
+            return
+        pipeline.write_trace(str(this_process_file(self.trace)), markers)
+        records = exchange(group, pipeline.trace_record(), "the job's trace")
+        if group.rank == 0:
+            pipeline.write_job_trace(str(self.trace), records, markers)
 
     def evaluate(self, inputs: list) -> torch.Tensor:
         """The forwards alone over one call's inputs, through the same stages and processes."""

@@ -74,6 +74,31 @@ def test_the_same_script_under_the_launcher_trains_like_one_process_running_its_
     assert_trains_like_one_process(tmp_path / "two.pt", 2, ["--plan", tmp_path / "two.pt.plan.json"], tmp_path)
 
 
+def trace_check(path) -> dict:
+    """`conveyor trace check`'s counts of a trace file: tracks, slices, instants, flows."""
+    check = subprocess.run([TOOL, "trace", "check", path], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0 and "valid Perfetto trace" in check.stdout, check.stdout + check.stderr
+    counts = check.stdout.split(": valid Perfetto trace: ")[1].splitlines()[0]
+    return {name: int(n) for n, name in (part.split() for part in counts.strip().split(", "))}
+
+
+@pytest.mark.skipif(bool(_C.ucx_status()), reason=f"UCX cannot start here: {_C.ucx_status()}")
+def test_the_job_trace_holds_every_process_and_the_flows_between_them(tmp_path):
+    """`conveyor launch -n 2 --trace`: each process writes its own replicas' trace, whose
+    transfers to the other process have no end there (no flow); process 0 writes the job's,
+    every process's tracks, with a flow for each of the 2 x 4 transfers between the stages."""
+    trace = tmp_path / "job.pftrace"
+    code, out = launch("-n", 2, "--trace", trace, "--", sys.executable, WORKER, "--stages", 2, "--replicas", 1,
+                       "--microbatches", 4, "--schedule", "1f1b", "--out", tmp_path / "two.pt")
+    assert code == 0, out[-4000:]
+    own = [trace_check(tmp_path / f"job.rank{rank}.pftrace") for rank in (0, 1)]
+    job = trace_check(trace)
+    assert [o["flows"] for o in own] == [0, 0]
+    assert job["flows"] == 2 * 4
+    assert job["slices"] == own[0]["slices"] + own[1]["slices"]
+    assert job["tracks"] > max(o["tracks"] for o in own)
+
+
 @pytest.mark.skipif(bool(_C.ucx_status()), reason=f"UCX cannot start here: {_C.ucx_status()}")
 def test_evaluation_between_steps_is_pipelined_across_the_processes_and_exact(tmp_path):
     """A CNN with BatchNorm and dropout, evaluated (model.eval(), no_grad) after every other

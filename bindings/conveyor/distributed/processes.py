@@ -76,7 +76,7 @@ def world():
 
 def launch_settings() -> dict:
     """What `conveyor launch` (or its job config) asks of every process: `schedule`, `plan` (a
-    file; absent for "auto"), `transport`, `trace` (this process's own file), `replan` and
+    file; absent for "auto"), `transport`, `trace` (the job's file), `replan` and
     `replan_horizon`, where set."""
     out = {}
     replan = environment.variable("CONVEYOR_REPLAN")
@@ -102,7 +102,7 @@ def launch_settings() -> dict:
         out["transport"] = transport
     trace = environment.variable("CONVEYOR_TRACE")
     if trace:
-        out["trace"] = this_process_file(trace)
+        out["trace"] = trace
     return out
 
 
