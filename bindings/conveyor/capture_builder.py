@@ -90,6 +90,7 @@ def _capture_loss(model, options: Options, args: tuple, kwargs: dict):
     else:
         graph = capture(wrapper, args, kwargs)
     graph.modes = modes_of(model)  # a call in another mode needs another capture
+    graph.output_type = wrapper.output_type()  # what a call returns with returns="model" (as_model.py)
     outputs = graph.document["outputs"]
     if len(outputs) != 1 or graph.document["values"][outputs[0]].get("shape") != []:
         raise NotALossError(f"the model's forward must return one scalar loss to be trained pipelined (it returns "

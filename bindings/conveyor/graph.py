@@ -69,6 +69,9 @@ class Graph:
         # graph holds the operators they chose (a BatchNorm's batch or running statistics,
         # dropout, the model's own branches on them). Unknown (empty) for a loaded graph.
         self.modes: tuple[bool, ...] = ()
+        # The type the model's forward returned at capture (a ModelOutput, a dict, a tensor):
+        # conveyor.Module(returns="model") returns the loss in it. None for a loaded graph.
+        self.output_type: type | None = None
         self._executor = None
         self._doc = None
 

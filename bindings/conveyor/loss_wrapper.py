@@ -60,7 +60,15 @@ def loss_wrapper(model: torch.nn.Module, loss_fn, args: tuple, kwargs: dict) -> 
     wrapper = cls()
     wrapper.training = model.training  # its own flag only: the model's modules keep theirs
     wrapper.model = model
-    wrapper._loss = _named_loss_fn(loss_fn) if loss_fn is not None else _loss_of
+    loss = _named_loss_fn(loss_fn) if loss_fn is not None else _loss_of
+    returned: list = []  # the type of what the model's forward returned (as_model.py), once it ran
+
+    def seen(output, *target):
+        # Kept outside the module's attributes: torch.export restores those after tracing.
+        returned[:] = [type(output) if loss_fn is None else None]  # loss_fn's loss is a tensor
+        return loss(output, *target)
+    wrapper._loss = seen
+    wrapper.output_type = lambda: returned[0] if returned else None
     return wrapper
 
 

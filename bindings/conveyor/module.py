@@ -35,6 +35,7 @@ import os
 
 import torch
 
+from .as_model import model_attribute, shaped_like_model, signed_forward
 from .capture_set import CaptureSet
 from .capture_state import CaptureState, RunHistory
 from .checkpoint_io import CheckpointIO
@@ -80,7 +81,7 @@ class Module(torch.nn.Module):
                  plan: str | os.PathLike | None = None, transport: str | None = None, replan: str | None = None,
                  replan_horizon: int | None = None, recompute: bool | list | None = None,
                  max_sizes: dict | None = None, init=None, batches: str = "same",
-                 verbose: bool = True):
+                 verbose: bool = True, returns: str = "loss"):
         super().__init__()
         check_meta_model(model, optimizer, init)
         meta_shapes = adopt_meta_model(model, optimizer)  # its tensors made after planning, each where read
@@ -89,11 +90,12 @@ class Module(torch.nn.Module):
                                   timeout=timeout, plan=plan, transport=transport, replan=replan,
                                   replan_horizon=replan_horizon, recompute=recompute, max_sizes=max_sizes,
                                   init=init, meta_shapes=meta_shapes, batches=batches,
-                                  verbose=verbose)
+                                  verbose=verbose, returns=returns)
         self.module = model
         self.optimizer = optimizer
         self.job = Job(options)
         self._loss_fn = options.loss_fn
+        self._returns = options.returns
         self._history = RunHistory()
         self._captures = CaptureSet(model, optimizer, options, self.job, self._history)
         self._steps = StepRunner(self._captures, self.job, optimizer, self._history, options.trace, options.batches)
@@ -101,6 +103,9 @@ class Module(torch.nn.Module):
         self._clipping = GradientClipping(model, self._captures, self.job)
         if self.job.world is not None:  # torch's clip_grad_norm_ over this model: the norm across processes
             route_torch_clip(self._clipping)
+        signed = signed_forward(self, model, takes_target=options.loss_fn is not None)
+        if signed is not None:  # inspect.signature(model.forward) reads the model's parameters (as_model.py)
+            self.forward = signed
 
     __init__.__doc__ = OPTIONS_HELP  # one text of the options, kept in options.py
 
@@ -148,6 +153,20 @@ class Module(torch.nn.Module):
         if self.capture is None or self.capture.pipeline is None:
             raise ConveyorValueError(what)
         return self.capture
+
+    # -- looking like the model (as_model.py) -------------------------------------------
+    accepts_loss_kwargs = False
+    """transformers' Trainer passes `num_items_in_batch` to models that accept it, to divide
+    a summed loss by the tokens of all its accumulated batches; conveyor's step averages its
+    microbatches' losses, so the model computes its own mean and the Trainer averages those."""
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)  # parameters, buffers, submodules
+        except AttributeError:
+            if name.startswith("__") or "module" not in self.__dict__.get("_modules", {}):
+                raise
+        return model_attribute(self._modules["module"], name)
 
     # -- the model's own state --------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -203,19 +222,26 @@ class Module(torch.nn.Module):
         found = self._steps.calls_of(args, kwargs)
         if found is None:  # an eval mode that cannot be captured: the model whole, as eager
             self._captures.gather_whole_model()
-            return loss_wrapper(self.module, self._loss_fn, args, kwargs)(*args, **kwargs)
+            wrapper = loss_wrapper(self.module, self._loss_fn, args, kwargs)
+            return self._returned(wrapper(*args, **kwargs), wrapper.output_type())
         calls, packed = found
         self._checkpoints.run_waiting()
+        output_type = self.capture.graph.output_type
         if not torch.is_grad_enabled() and not packed:
-            return self._steps.evaluate(calls[0])  # the forwards alone, through the same stages and processes
+            # The forwards alone, through the same stages and processes.
+            return self._returned(self._steps.evaluate(calls[0]), output_type)
         loss, pipeline = self._steps.train(calls, packed, hold_gradients=True)
         params = [p for p in self.module.parameters() if p.requires_grad]
         # Inputs that require a gradient get the step's, through autograd (a module before
         # this one trains; x.grad fills).
         wanting = [] if packed else [(t, g) for t, g in zip(calls[0], pipeline.take_input_gradients())
                                      if g is not None]
-        return _PipelinedLoss.apply(loss, pipeline.take_held_gradients(), [g for _, g in wanting], len(params),
-                                    *params, *[t for t, _ in wanting])
+        return self._returned(_PipelinedLoss.apply(loss, pipeline.take_held_gradients(), [g for _, g in wanting],
+                                                   len(params), *params, *[t for t, _ in wanting]), output_type)
+
+    def _returned(self, loss: torch.Tensor, output_type):
+        """What a call returns: the loss, or with returns="model" the model's output type holding it."""
+        return shaped_like_model(loss, output_type) if self._returns == "model" else loss
 
     def train_step(self, *args, **kwargs) -> torch.Tensor:
         """One whole step: zero the gradients, run the pipeline, apply the optimizer."""

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from . import distributed
+from .as_model import RETURNS
 from .arguments import check_cluster, check_module_arguments, seconds, warn_of_another_machine
 from .batch_feed import BATCH_MODES
 from .errors import ConveyorValueError
@@ -62,6 +63,10 @@ OPTIONS_HELP = """conveyor.Module(model, optimizer=None, **options): the options
                   batch (checked on the first calls, then sampled); "shares": each process
                   its own share, as a DistributedSampler loads it, the step's batch being the
                   shares concatenated in process order (bindings/conveyor/batch_feed.py)
+    returns       "loss" (default): a call returns the loss tensor; "model": what the model's
+                  forward returns, of the same type where that is a ModelOutput or dict, holding
+                  the pipelined loss as `loss` and nothing else (bindings/conveyor/as_model.py),
+                  as transformers' Trainer and Lightning read it
     verbose       True (default): a line per phase of the first call (captured, profiled,
                   planned, built) on process 0, through the "conveyor" logger; False: none
 """
@@ -94,6 +99,7 @@ class Options:
     meta_shapes: dict = None  # a model built on the meta device: its tensors' shapes by id (materialize.py)
     init: Any = None          # with it: init(name, meta_tensor) -> the tensor's first values
     seed: int = 0             # what its tensors' first values derive from, with their names
+    returns: str = "loss"     # a call returns the loss, or the model's own output type holding it (as_model.py)
 
     @property
     def meta_built(self) -> bool:
@@ -108,7 +114,7 @@ class Options:
 
 def resolve_options(model, optimizer, *, stages, replicas, microbatches, schedule, devices, cluster, trace, loss_fn,
                     timeout, plan, transport, replan, replan_horizon, recompute, max_sizes, init=None,
-                    meta_shapes=None, batches="same", verbose=True) -> Options:
+                    meta_shapes=None, batches="same", verbose=True, returns="loss") -> Options:
     """The Module's arguments, checked (every misuse a ConveyorValueError naming it), with
     what `conveyor launch` (or its job config) asks of every process where not given."""
     launched = distributed.launch_settings()
@@ -126,6 +132,9 @@ def resolve_options(model, optimizer, *, stages, replicas, microbatches, schedul
     if batches not in BATCH_MODES:
         raise ConveyorValueError(f"batches={batches!r}: expected 'same' (every process is fed the whole batch) or "
                                  "'shares' (each process its own share, as a DistributedSampler loads it)")
+    if returns not in RETURNS:
+        raise ConveyorValueError(f"returns={returns!r}: expected 'loss' (a call returns the loss tensor) or 'model' "
+                                 "(the model's own output type, a ModelOutput or dict, holding the loss)")
     devices = devices or max(2, min(4, os.cpu_count() or 2))
     world = distributed.world()
     warn_of_another_machine(cluster, check_cluster(cluster), world[1] if world else devices, world is not None)
@@ -138,4 +147,4 @@ def resolve_options(model, optimizer, *, stages, replicas, microbatches, schedul
                    replan=replan, replan_horizon=replan_horizon, recompute=recompute,
                    max_sizes=as_max_sizes(max_sizes), fixed=fixed, meta_shapes=meta_shapes or {}, init=init,
                    seed=torch.initial_seed(), batches=batches,
-                   verbose=bool(verbose))
+                   verbose=bool(verbose), returns=returns)
