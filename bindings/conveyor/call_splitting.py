@@ -9,7 +9,13 @@ splitting, the graph is read for operators that combine values across that dimen
     and any operator after which it is gone from a result that is not yet the loss
     (a mean over the sequence, a product summing over it), unless only sums, means and
     scaling by constants follow on the way to the loss (a loss that averages over the
-    batch first).
+    batch first), or the result is a statistic of the batch that reaches the loss combined
+    only with other such statistics and constants (a mixture of experts' load-balancing
+    loss: no weight of the model, no row and no other input meets it after the batch is
+    gone, so each share computes it as gradient accumulation would).
+
+A mixture of experts counts its rows per expert, a reduction over the batch, yet keeps each
+row to itself: row_order.py proves that, or names what breaks it.
 
 BatchNorm combines samples too, by design, and keeps its per-microbatch statistics
 (docs/design.md, "Execution"). A recurrence needs no rule: torch.export fixes the length an
@@ -25,6 +31,7 @@ import torch
 
 from .errors import ConveyorValueError
 from .graph import node_value_inputs
+from .row_order import key_order_problems
 
 __all__ = ["why_calls_stay_whole", "refuse_to_split", "warn_of_a_loss_split_changes", "where_samples_mix"]
 
@@ -88,8 +95,28 @@ def where_samples_mix(document: dict) -> str | None:
     def at(node: dict) -> str:
         return f"{node['op']}" + (f" ({node['source']})" if node.get("source") else "")
 
+    statistics, constants = _statistics_and_constants(document, batch_dims)
+
+    def a_loss_of_statistics(v: int, seen: set) -> bool:
+        if v in loss or v in seen:
+            return True
+        seen.add(v)
+        for node in consumers.get(v, []):
+            outs = [r["value"] for r in node["returns"] if "value" in r and values[r["value"]].get("kind") == "tensor"]
+            if any(batch_dims(o) for o in outs):
+                return False  # back into rows: the rows would depend on each other
+            if any(u not in statistics and u not in constants
+                   for u in node_value_inputs(node) if values[u].get("kind") == "tensor"):
+                return False  # meets a weight of the model or another input: a layer after a pooling
+            if not all(a_loss_of_statistics(o, seen) for o in outs):
+                return False
+        return True
+
+    problems, counted = key_order_problems(document, batch_dims)
     for node in document["nodes"]:
         op = node["op"]
+        if node["id"] in problems:
+            return problems[node["id"]]
         if "batch_norm" in op or op in _NEW:
             continue
         ins = [v for v in node_value_inputs(node) if values[v].get("kind") == "tensor"]
@@ -124,10 +151,34 @@ def where_samples_mix(document: dict) -> str | None:
         outs = [r["value"] for r in node["returns"] if "value" in r and values[r["value"]].get("kind") == "tensor"]
         lost = [o for o in outs if shape(o) and not batch_dims(o)]
         if lost and outs and not any(batch_dims(o) for o in outs):
+            if all(o in counted for o in lost):
+                continue  # rows per group, as offsets of a product over the rows in that order
             if all(reaches_loss_linearly(o, set()) for o in lost):
                 continue  # a loss that sums or averages over the batch first
+            if all(a_loss_of_statistics(o, set()) for o in lost):
+                continue  # a loss term of batch statistics, per share as gradient accumulation has it
             return f"{at(node)} leaves no batch dimension in its result of shape {shape(lost[0])}"
     return None
+
+
+def _statistics_and_constants(document: dict, batch_dims) -> tuple[set[int], set[int]]:
+    """The batch-free tensors of a graph document computed from the batch through reductions
+    over it and from constants alone (statistics of the batch), and those computed from
+    constants alone (zeros, a constant arange). A parameter, a buffer or an input is neither."""
+    values = document["values"]
+    statistics: set[int] = set()
+    constants: set[int] = set()
+    for node in document["nodes"]:
+        ins = [v for v in node_value_inputs(node) if values[v].get("kind") == "tensor"]
+        outs = [r["value"] for r in node["returns"] if "value" in r and values[r["value"]].get("kind") == "tensor"]
+        free = [o for o in outs if not batch_dims(o)]
+        if any(batch_dims(v) for v in ins):
+            statistics.update(free)
+        elif all(v in constants for v in ins):
+            constants.update(free)
+        elif all(v in constants or v in statistics for v in ins):
+            statistics.update(free)
+    return statistics, constants
 
 
 def why_calls_stay_whole(model: torch.nn.Module, graph, batch: int) -> str | None:

@@ -1,0 +1,223 @@
+"""Mixtures of experts split into microbatches and replicas and train exactly like eager
+gradient accumulation over the same shares, their load-balancing loss included (each share
+computes it, as accumulation does): Mixtral, Qwen3-MoE and Qwen2-MoE (shared experts) in
+transformers' default experts implementation, which sorts the tokens by expert, counts them
+per expert, multiplies each group by its expert and puts the tokens back. The batch analysis
+proves such routing keeps every token to itself (conveyor/row_order.py); a model whose rows
+do depend on each other, capacity-limited routing above all, is still refused, naming the
+operator."""
+import copy
+import re
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import conveyor
+import zoo
+from conftest import split_batch
+from conveyor.call_splitting import where_samples_mix
+
+transformers = pytest.importorskip("transformers")
+moe = pytest.importorskip("transformers.integrations.moe")
+
+TOLERANCE = 1e-9
+BATCH, SEQ, VOCAB = 8, 6, 64
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture(autouse=True)
+def float64_experts(monkeypatch):
+    """torch's grouped_mm has no float64 kernel on the CPU: eager takes transformers' own
+    fallback (one matrix product per expert), as the capture does under torch.export."""
+    monkeypatch.setattr(moe, "_can_use_grouped_mm", lambda *args, **kwargs: False)
+
+
+def _common(**more):
+    return dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                max_position_embeddings=64, output_router_logits=True, router_aux_loss_coef=0.1, use_cache=False,
+                **more)
+
+
+FAMILIES = {
+    "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **_common(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2))),
+    "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **_common(intermediate_size=24, moe_intermediate_size=12, num_experts=4, num_experts_per_tok=2, head_dim=8))),
+    "qwen2_moe": lambda: transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        **_common(intermediate_size=24, moe_intermediate_size=12, shared_expert_intermediate_size=20, num_experts=4,
+                  num_experts_per_tok=2))),
+}
+
+
+def _model(family: str) -> nn.Module:
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return FAMILIES[family]().to(torch.float64)
+
+
+def _tokens(family: str, seed: int) -> dict:
+    """Mixtral's batches are full; the Qwens' are padded (an attention mask, which their
+    load-balancing loss weighs the tokens by)."""
+    generator = torch.Generator().manual_seed(seed)
+    if family != "mixtral":
+        return zoo.padded_tokens(BATCH, SEQ, VOCAB, generator)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _train_and_compare(net: nn.Module, family: str, microbatches: int, replicas: int,
+                       **options) -> conveyor.Module:
+    """Two SGD steps of conveyor.Module(net, ...) against eager gradient accumulation over the
+    same shares (each microbatch split between the replicas, weighed by its part of the batch)."""
+    ref = copy.deepcopy(net)
+    model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.1), microbatches=microbatches,
+                            replicas=replicas, replan="off", verbose=False, **options)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(2):
+        batch = _tokens(family, step)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the load-balancing loss is neither a mean nor a sum: said once
+            loss = model.train_step(**batch).item()
+        ref_opt.zero_grad(set_to_none=True)
+        ref_loss = 0  # a float32 tensor: transformers computes its losses in float32
+        for _, micro in split_batch((), batch, microbatches, BATCH):
+            for _, share in split_batch((), micro, replicas, micro["input_ids"].shape[0]):
+                part = ref(**share).loss * (share["input_ids"].shape[0] / BATCH)
+                part.backward()
+                ref_loss = ref_loss + part.detach()
+        ref_opt.step()
+        assert abs(loss - ref_loss.item()) <= TOLERANCE * abs(ref_loss.item()), (step, loss, ref_loss.item())
+    for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+        err = (p - q).abs().max().item() / max(q.abs().max().item(), 1e-6)
+        assert err <= TOLERANCE, f"{name}: relative error {err:.2e}"
+    return model
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_moe_models_train_like_eager_accumulation(family, schedule):
+    net = _model(family)
+    assert net.config._experts_implementation == "grouped_mm"  # transformers' default
+    model = _train_and_compare(net, family, microbatches=2, replicas=2, stages=2, schedule=schedule)
+    assert model.capture.layout.microbatches == 2 and model.capture.layout.replicas == [2, 2]
+
+
+@pytest.mark.parametrize("schedule, stage_count", [("1f1b", 2), ("zb-h1", 3)])
+def test_cuts_inside_moe_layers_train_like_eager_accumulation(schedule, stage_count):
+    """Each stage but the last ends between the two expert products of an MoE layer: the
+    tokens in expert order, their counts and the order itself cross to the next stage."""
+    net = _model("mixtral")
+    spare = copy.deepcopy(net)
+    planned = conveyor.Module(spare, torch.optim.SGD(spare.parameters(), lr=0.1), stages=2, verbose=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        planned.train_step(**_tokens("mixtral", 0))
+    graph = planned.capture.graph
+    products = [n["id"] for n in graph.document["nodes"] if n["op"] == "transformers::grouped_mm_fallback"]
+    cuts = products[0:2 * (stage_count - 1):2]  # the first product of layer 0, then of layer 1
+    nodes = [n["id"] for n in graph.document["nodes"]]
+    bounds = [-1] + cuts + [max(nodes)]
+    stages = [[n for n in nodes if low < n <= high] for low, high in zip(bounds, bounds[1:])]
+    _train_and_compare(net, "mixtral", microbatches=2, replicas=2, stages=stages, schedule=schedule)
+
+
+class RoutedExperts(nn.Module):
+    """Tokens routed to 2 of 4 experts as transformers' grouped_mm experts route them (sort the
+    (token, expert) pairs by expert, count them per expert, one product per expert, put them
+    back), then a classifier; `routing` names what it does otherwise."""
+
+    def __init__(self, routing: str = "exact"):
+        super().__init__()
+        self.routing = routing
+        self.router = nn.Linear(8, 4, bias=False)
+        self.experts = nn.Parameter(torch.randn(4, 8, 8) * 0.3)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        rows = x.reshape(-1, 8)
+        if self.routing == "tokens normalized over the batch":
+            rows = rows - rows.mean(0)
+        weights, experts = torch.topk(self.router(rows).softmax(-1), 2, dim=-1)
+        keys, order = torch.sort(experts.reshape(-1))
+        pairs = rows[order // 2]
+        if self.routing == "pairs not sorted":
+            pairs = rows.repeat_interleave(2, dim=0)
+        if self.routing == "pairs from other tokens":
+            pairs = rows[order // 3]
+        counts = torch.histc(keys.to(x.dtype), bins=4, min=0, max=2 if self.routing == "narrow counts" else 3)
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        if self.routing == "offsets not counted":
+            offsets = torch.arange(1, 5, dtype=torch.int32) * (keys.shape[0] // 4)
+        scale = weights.reshape(-1)[order]
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.shape[0])
+        if self.routing == "capacity by counts":  # a pair past the first 3 of its expert is dropped
+            first_of_expert = (offsets - counts.to(torch.int32))[keys]
+            scale = scale * (torch.arange(keys.shape[0]) - first_of_expert < 3).to(x.dtype)
+        if self.routing == "capacity by rank":  # pairs past the first 12 in expert order are dropped
+            scale = scale * (inverse < 12).to(x.dtype)[order]
+        out = torch.ops.transformers.grouped_mm_fallback(pairs, self.experts, offsets) * scale[:, None]
+        if self.routing != "kept in expert order":
+            out = out[inverse]
+        return F.cross_entropy(self.head(out.view(-1, 2, 8).sum(1)), y.reshape(-1))
+
+
+def _graph_of(routing: str):
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 5, 8), torch.randint(0, 3, (4, 5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return conveyor.capture(RoutedExperts(routing), (x, y)), x, y
+
+
+def test_routing_that_keeps_tokens_apart_is_split_exactly():
+    torch.set_default_dtype(torch.float64)
+    try:
+        graph, x, y = _graph_of("exact")
+        assert where_samples_mix(graph.document) is None
+        torch.manual_seed(0)
+        net = RoutedExperts()
+        ref = copy.deepcopy(net)
+        model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.1), stages=2, microbatches=2, replicas=2,
+                                replan="off", verbose=False)
+        loss = model(x, y)
+        loss.backward()
+        want = sum(ref(a, b) * 0.25 for a, b in zip(x.tensor_split(4), y.tensor_split(4)))
+        want.backward()
+        assert abs(loss.item() - want.item()) <= TOLERANCE * abs(want.item())
+        for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+            err = (p.grad - q.grad).abs().max().item() / max(q.grad.abs().max().item(), 1e-30)
+            assert err <= TOLERANCE, f"{name}: relative error {err:.2e}"
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+@pytest.mark.parametrize("routing, named", [
+    ("capacity by counts", r"aten::sub \(.*uses the counts of aten::histc .* otherwise than as the offsets"),
+    ("capacity by rank", r"aten::lt \(.*reads the places aten::sort .* gives the rows as data"),
+    ("kept in expert order", r"combines rows in the order aten::sort .* gave them with rows in another order"),
+    ("pairs not sorted", r"grouped_mm_fallback \(.*groups rows that are not sorted by the keys its offsets count"),
+    ("pairs from other tokens", r"aten::index \(.*reads the places aten::sort .* gives the rows as data"),
+    ("offsets not counted", r"grouped_mm_fallback \(.*groups rows by offsets that do not count their sorted keys"),
+    ("narrow counts", r"aten::histc \(.*counts keys sorted by aten::sort .* that may fall outside its range"),
+    ("tokens normalized over the batch", r"aten::mean \(.*leaves no batch dimension"),
+])
+def test_routing_whose_tokens_depend_on_each_other_is_refused_naming_the_operator(routing, named):
+    graph, x, y = _graph_of(routing)
+    found = where_samples_mix(graph.document)
+    assert found is not None and "test_mixture_of_experts.py" in found, found
+    assert re.search(named, found), found
+    net = RoutedExperts(routing)
+    model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.1), microbatches=2, verbose=False)
+    with pytest.raises(conveyor.ConveyorValueError, match="microbatches=2 would split each call along dim 0"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model(x, y)
