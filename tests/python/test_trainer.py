@@ -2,13 +2,17 @@
 tiny Llama train with Trainer's AdamW, linear warmup, max_grad_norm=1.0, two accumulated
 batches a step and evaluation every 2 steps, pipelined (2 stages, 2 microbatches), and
 everything Trainer logs (losses, gradient norms, learning rates, evaluation losses) and the
-trained parameters equal Trainer's own run without conveyor to 1e-9 in float64; a checkpoint
-Trainer saved resumes to the same result; what conveyor cannot honour is refused.
+trained parameters equal Trainer's own run without conveyor to 1e-9 in float64, in one process
+and under torchrun --nproc-per-node 2 (trainer_worker.py); a checkpoint Trainer saved resumes
+to the same result; what conveyor cannot honour is refused.
 
 In float64 throughout: the default dtype too, so that Trainer's loss accumulator is float64,
 and the models' causal-LM loss without transformers' cast of the logits to float32."""
-import inspect
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +25,7 @@ import conveyor  # noqa: E402
 from conveyor.trainer import ConveyorTrainer  # noqa: E402
 
 import zoo  # noqa: E402
+from conftest import free_port  # noqa: E402
 
 TOLERANCE = 1e-9
 LOGGED = ("loss", "grad_norm", "learning_rate", "eval_loss")
@@ -146,6 +151,34 @@ def test_a_checkpoint_resumes(tmp_path, float64):
     for (name, p), (_, q) in zip(resumed_net.named_parameters(), straight_net.named_parameters()):
         err = (p - q).abs().max().item() / max(q.abs().max().item(), floor)
         assert err <= TOLERANCE, f"{name} differs by {err:.2e} after resuming"
+
+
+@pytest.mark.skipif(bool(conveyor._C.ucx_status()), reason=f"UCX cannot start here: {conveyor._C.ucx_status()}")
+def test_torchrun_two_processes_train_as_one_process_without_conveyor(tmp_path):
+    """The same script under torchrun --nproc-per-node 2 (Trainer's own data loading: each
+    process its share of a step's batch) against Trainer alone on the shares together."""
+    worker = Path(__file__).with_name("trainer_worker.py")
+    env = dict(os.environ, UCX_NET_DEVICES="lo", OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    two = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()), str(worker),
+                          "--out", str(tmp_path / "two.pt")], env=env, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, (two.stdout + two.stderr)[-4000:]
+    one = subprocess.run([sys.executable, str(worker), "--alone", "2", "--out", str(tmp_path / "one.pt")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, (one.stdout + one.stderr)[-4000:]
+    ours, theirs = torch.load(tmp_path / "two.pt"), torch.load(tmp_path / "one.pt")
+    assert [sorted(e) for e in ours["logged"]] == [sorted(e) for e in theirs["logged"]]
+    assert sum("eval_loss" in e for e in ours["logged"]) == 2
+    assert any(e.get("grad_norm", 0) > 0.75 for e in ours["logged"]), "never clipped: no test of it"
+    for step, (x, y) in enumerate(zip(ours["logged"], theirs["logged"])):
+        for key in x:
+            assert abs(x[key] - y[key]) <= TOLERANCE * abs(y[key]), f"entry {step} {key}: {x[key]} against {y[key]}"
+    floor = 1e-6 * max(t.abs().max().item() for t in theirs["state"].values())
+    for name, want in theirs["state"].items():
+        err = (ours["state"][name] - want).abs().max().item() / max(want.abs().max().item(), floor)
+        assert err <= TOLERANCE, f"{name} differs by {err:.2e} across processes"
 
 
 def test_a_folder_of_another_kind_is_not_resumed(tmp_path):
