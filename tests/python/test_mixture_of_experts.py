@@ -1,7 +1,7 @@
 """Mixtures of experts split into microbatches and replicas and train exactly like eager
 gradient accumulation over the same shares, their load-balancing loss included (each share
-computes it, as accumulation does): Mixtral, Qwen3-MoE and Qwen2-MoE (shared experts) in
-transformers' default experts implementation, which sorts the tokens by expert, counts them
+computes it, as accumulation does), in one process and across two: Mixtral, Qwen3-MoE and
+Qwen2-MoE (shared experts) in transformers' default experts implementation, which sorts the tokens by expert, counts them
 per expert, multiplies each group by its expert and puts the tokens back. The batch analysis
 proves such routing keeps every token to itself (conveyor/row_order.py); a model whose rows
 do depend on each other, capacity-limited routing above all, is still refused, naming the
@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 import conveyor
 import zoo
-from conftest import split_batch
+from conftest import launch_script, split_batch
+from conveyor import _C
 from conveyor.call_splitting import where_samples_mix
 
 transformers = pytest.importorskip("transformers")
@@ -95,8 +96,9 @@ def _train_and_compare(net: nn.Module, family: str, microbatches: int, replicas:
                 ref_loss = ref_loss + part.detach()
         ref_opt.step()
         assert abs(loss - ref_loss.item()) <= TOLERANCE * abs(ref_loss.item()), (step, loss, ref_loss.item())
-    for (name, p), q in zip(net.named_parameters(), ref.parameters()):
-        err = (p - q).abs().max().item() / max(q.abs().max().item(), 1e-6)
+    state = model.state_dict()  # across processes too
+    for name, want in ref.state_dict().items():
+        err = (state[name] - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
         assert err <= TOLERANCE, f"{name}: relative error {err:.2e}"
     return model
 
@@ -127,6 +129,22 @@ def test_cuts_inside_moe_layers_train_like_eager_accumulation(schedule, stage_co
     bounds = [-1] + cuts + [max(nodes)]
     stages = [[n for n in nodes if low < n <= high] for low, high in zip(bounds, bounds[1:])]
     _train_and_compare(net, "mixtral", microbatches=2, replicas=2, stages=stages, schedule=schedule)
+
+
+def train_across_processes() -> None:
+    """Run under `conveyor launch -n 2` (this file as a script): Mixtral in 2 stages of 2
+    replicas over the two processes trains 2 steps like eager accumulation."""
+    warnings.simplefilter("ignore")
+    moe._can_use_grouped_mm = lambda *args, **kwargs: False  # as float64_experts does
+    model = _train_and_compare(_model("mixtral"), "mixtral", microbatches=2, replicas=2, stages=2, schedule="zb-h1")
+    print(f"process {model.rank}: trained like eager accumulation ({model.capture.layout})", flush=True)
+
+
+@pytest.mark.skipif(bool(_C.ucx_status()), reason=f"UCX cannot start here: {_C.ucx_status()}")
+def test_an_moe_model_trains_like_eager_accumulation_across_processes():
+    code, out = launch_script(__file__)
+    assert code == 0, out[-4000:]
+    assert out.count("trained like eager accumulation") == 2, out[-4000:]
 
 
 class RoutedExperts(nn.Module):
@@ -221,3 +239,7 @@ def test_routing_whose_tokens_depend_on_each_other_is_refused_naming_the_operato
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model(x, y)
+
+
+if __name__ == "__main__":
+    train_across_processes()
