@@ -104,6 +104,7 @@ def key_order_problems(document: dict, batch_dims) -> tuple[dict[int, str], set[
     keys: dict[int, int] = {}         # a sort's sorted keys
     key_range: dict[int, tuple] = {}  # integer values known to lie within [low, high]
     counts: dict[int, int] = {}       # per group counts of a sort's keys, or their running sum
+    offsets: dict[int, int] = {}      # the running sum: where each group ends
     counted_by: dict[int, dict] = {}  # counts -> the node that counted them
     problems: dict[int, str] = {}
 
@@ -131,7 +132,7 @@ def key_order_problems(document: dict, batch_dims) -> tuple[dict[int, str], set[
             out = outs[0]
             if first in key_range:
                 key_range[out] = key_range[first]
-            tagged = [tags for tags in (moves, divisor, permutation, restores, keys, counts) if first in tags]
+            tagged = [tags for tags in (moves, divisor, permutation, restores, keys, counts, offsets) if first in tags]
             if op in _SAME_PLACES and tagged:
                 for tags in tagged:
                     tags[out] = tags[first]
@@ -145,16 +146,21 @@ def key_order_problems(document: dict, batch_dims) -> tuple[dict[int, str], set[
             dims = shape(first)
             if dims and isinstance(dims[dim], int) and dim % len(dims) not in batch_dims(first):
                 key_range[outs[1]] = (0, dims[dim] - 1)
-        if op in _SORTS and first is not None and not order.get(first) and first not in permutation:
+        if op in _SORTS:
             dim_at = 2 if node.get("overload") == "stable" else 1
             dim = args[dim_at].get("int", -1) if len(args) > dim_at else -1
+            ascending = len(args) > dim_at + 1 and args[dim_at + 1].get("bool") is False
+        if op in _SORTS and first in permutation and ascending:
+            restores[outs[-1]] = permutation[first]  # sorting a permutation inverts it
+            continue
+        if op in _SORTS and first is not None and not order.get(first) and first not in permutation:
             rank = len(shape(first))
             if rank and dim % rank in batch_dims(first):
                 sorted_keys = outs[0] if op == "aten::sort" else None
                 positions = outs[-1]
                 for v in outs:
                     order[v] = nid
-                if rank == 1:
+                if rank == 1 and ascending:  # the order histc's bins run in
                     permutation[positions] = moves[positions] = nid
                     flattened = _flattened_from(producer, first, shape)
                     if flattened is not None:
@@ -164,9 +170,6 @@ def key_order_problems(document: dict, batch_dims) -> tuple[dict[int, str], set[
                         if first in key_range:
                             key_range[sorted_keys] = key_range[first]
                 continue
-        if op in _SORTS and first in permutation:
-            restores[outs[-1]] = permutation[first]  # sorting a permutation inverts it
-            continue
         if op == "aten::floor_divide" and first in permutation and len(args) > 1 and "int" in args[1]:
             moves[outs[0]] = moves[first]
             divisor[outs[0]] = args[1]["int"]
@@ -201,22 +204,25 @@ def key_order_problems(document: dict, batch_dims) -> tuple[dict[int, str], set[
             problems[nid] = (f"{at(node)} counts keys sorted by {sort_at(keys[first])} that may fall outside its "
                              f"range [{low}, {high}]: an uncounted key would move every later row to another group")
             continue
-        if op == "aten::cumsum" and first in counts and args[1].get("int") in (0, -1):
-            counts[outs[0]] = counts[first]
+        if op == "aten::cumsum" and first in counts and first not in offsets and args[1].get("int") in (0, -1):
+            counts[outs[0]] = offsets[outs[0]] = counts[first]
             counted_by[outs[0]] = counted_by[first]
             continue
         if op in _GROUPED:
             rows_at, offsets_at = _GROUPED[op]
             rows = args[rows_at].get("value")
-            offsets = args[offsets_at].get("value") if len(args) > offsets_at else None
-            if rows is not None and batch_dims(rows) and offsets is not None:
-                if offsets in counts and order.get(rows) == counts[offsets]:
+            ends = args[offsets_at].get("value") if len(args) > offsets_at else None
+            if rows is not None and batch_dims(rows) and ends is not None:
+                if ends in offsets and order.get(rows) == offsets[ends]:
                     for v in outs:
-                        order[v] = counts[offsets]
+                        order[v] = offsets[ends]
                     continue
-                if offsets in counts:
+                if ends in offsets:
                     problems[nid] = (f"{at(node)} groups rows that are not sorted by the keys its offsets count "
-                                     f"({at(counted_by[offsets])}): a row's group would depend on the other rows")
+                                     f"({at(counted_by[ends])}): a row's group would depend on the other rows")
+                elif ends in counts:
+                    problems[nid] = (f"{at(node)} takes the counts of {at(counted_by[ends])} for the offsets where "
+                                     "groups end, not their running sum: a row's group would depend on the other rows")
                 else:
                     problems[nid] = (f"{at(node)} groups rows by offsets that do not count their sorted keys: a "
                                      "row's group would depend on its place in the call")

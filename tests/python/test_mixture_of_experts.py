@@ -164,7 +164,7 @@ class RoutedExperts(nn.Module):
         if self.routing == "tokens normalized over the batch":
             rows = rows - rows.mean(0)
         weights, experts = torch.topk(self.router(rows).softmax(-1), 2, dim=-1)
-        keys, order = torch.sort(experts.reshape(-1))
+        keys, order = torch.sort(experts.reshape(-1), descending=self.routing == "sorted descending")
         pairs = rows[order // 2]
         if self.routing == "pairs not sorted":
             pairs = rows.repeat_interleave(2, dim=0)
@@ -172,6 +172,8 @@ class RoutedExperts(nn.Module):
             pairs = rows[order // 3]
         counts = torch.histc(keys.to(x.dtype), bins=4, min=0, max=2 if self.routing == "narrow counts" else 3)
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        if self.routing == "counts for offsets":
+            offsets = counts.to(torch.int32)
         if self.routing == "offsets not counted":
             offsets = torch.arange(1, 5, dtype=torch.int32) * (keys.shape[0] // 4)
         scale = weights.reshape(-1)[order]
@@ -224,6 +226,8 @@ def test_routing_that_keeps_tokens_apart_is_split_exactly():
     ("kept in expert order", r"combines rows in the order aten::sort .* gave them with rows in another order"),
     ("pairs not sorted", r"grouped_mm_fallback \(.*groups rows that are not sorted by the keys its offsets count"),
     ("pairs from other tokens", r"aten::index \(.*reads the places aten::sort .* gives the rows as data"),
+    ("sorted descending", r"aten::index \(.*combines rows in the order aten::sort .* with rows in another order"),
+    ("counts for offsets", r"grouped_mm_fallback \(.*takes the counts of aten::histc .* not their running sum"),
     ("offsets not counted", r"grouped_mm_fallback \(.*groups rows by offsets that do not count their sorted keys"),
     ("narrow counts", r"aten::histc \(.*counts keys sorted by aten::sort .* that may fall outside its range"),
     ("tokens normalized over the batch", r"aten::mean \(.*leaves no batch dimension"),
