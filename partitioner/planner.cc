@@ -6,6 +6,7 @@
 #include <functional>
 #include <numeric>
 
+#include "partitioner/fixed_parts.h"
 #include "partitioner/search.h"
 
 namespace conveyor::partitioner {
@@ -254,7 +255,8 @@ bool memory_as_simulated(Plan& p, const scheduler::SimulationResult& sim, const 
 // stage per rank that shares base's memory model; added to `out` where it beats base.
 void simulator_best(const CostGraph& g, const Cluster& cluster, const PlanOptions& options, const Units& units,
                     const CutStates& states, const StagePairs& pairs, const Model& model, Plan& base,
-                    const std::vector<ScheduleKind>& wanted, std::vector<Plan>& out) {
+                    const std::vector<ScheduleKind>& wanted, std::chrono::steady_clock::time_point deadline,
+                    std::vector<Plan>& out) {
   std::vector<ScheduleKind> plain;
   for (ScheduleKind k : wanted) {
     if (memory_kind(k) == model.kind() && !scheduler::is_chunked(k)) {
@@ -279,9 +281,14 @@ void simulator_best(const CostGraph& g, const Cluster& cluster, const PlanOption
     return simulated(build_plan(g, cluster, options, units, states, model, s, model.kind()));
   };
   SimulatedBest found = simulated_search(states, pairs, model, split, bound * (1 - 1e-12), simulate,
-                                         options.simulated_budget);
-  const std::string how = "; simulated: " + std::to_string(found.tried) + " stages tried" +
-                          (found.complete ? ", no plan of this space simulates faster" : ", stopped at the budget");
+                                         options.simulated_budget, deadline);
+  const std::string how =
+      "; simulated: " + std::to_string(found.tried) + " stages tried" +
+      (found.complete      ? ", no plan of this space simulates faster"
+       : found.out_of_time ? ", stopped at its share of the planner's time budget (" +
+                                 std::to_string(static_cast<int>(options.time_budget_s)) + " s): the best found so far"
+                           : ", stopped at the budget of " + std::to_string(options.simulated_budget) +
+                                 " stages: the best found so far");
   base.search += how;
   if (found.solution.cuts.empty()) return;
   auto objective = score(units, states, model, found.solution);
@@ -293,52 +300,6 @@ void simulator_best(const CostGraph& g, const Cluster& cluster, const PlanOption
     q.schedule = k;
     out.push_back(std::move(q));
   }
-}
-
-// "2 stages of 1 replica each", in the words of the options that fixed them.
-std::string fixed_parts_text(const PlanOptions& o) {
-  std::string text = o.ranks > 0 ? std::to_string(o.ranks) + (o.ranks == 1 ? " pipeline rank" : " pipeline ranks")
-                                 : "any number of stages";
-  if (o.replicas.size() == 1) {
-    text += " of " + std::to_string(o.replicas[0]) + (o.replicas[0] == 1 ? " replica each" : " replicas each");
-  } else if (!o.replicas.empty()) {
-    text += " of replicas";
-    for (std::size_t k = 0; k < o.replicas.size(); ++k) text += (k ? ", " : " ") + std::to_string(o.replicas[k]);
-  }
-  return text;
-}
-
-Status check_fixed_parts(const CostGraph& g, const Cluster& cluster, const PlanOptions& o, int units) {
-  if (o.ranks < 0 || o.chunks < 0) return Status(ErrorCode::kInvalidArgument, "ranks and chunks must be 0 (planned) or positive");
-  if (o.chunks == 1) {
-    return Status(ErrorCode::kInvalidArgument, "an interleaved plan needs at least 2 chunks per device group");
-  }
-  for (int r : o.replicas) {
-    if (r < 1) return Status(ErrorCode::kInvalidArgument, "every stage needs at least one replica, not " + std::to_string(r));
-  }
-  if (o.replicas.size() > 1 && static_cast<int>(o.replicas.size()) != o.ranks) {
-    return Status(ErrorCode::kInvalidArgument, std::to_string(o.replicas.size()) +
-                                                   " replica counts need as many pipeline ranks (ranks = " +
-                                                   std::to_string(o.ranks) + "); give one count for every stage");
-  }
-  const int n = static_cast<int>(cluster.devices.size());
-  if (o.ranks > 0) {
-    const int devices = o.replicas.empty() ? o.ranks
-                        : o.replicas.size() == 1
-                            ? o.ranks * o.replicas[0]
-                            : std::accumulate(o.replicas.begin(), o.replicas.end(), 0);
-    if (devices > n) {
-      return Status(ErrorCode::kInvalidArgument, fixed_parts_text(o) + " need " + std::to_string(devices) +
-                                                     " devices; the cluster has " + std::to_string(n) +
-                                                     "; use fewer stages or replicas, or more devices");
-    }
-    if (o.ranks > units) {
-      return Status(ErrorCode::kInvalidArgument,
-                    "'" + g.name + "' can be cut into at most " + std::to_string(units) +
-                        " stages (its operators that must stay together counted as one); use at most that many");
-    }
-  }
-  return Status::ok();
 }
 
 }  // namespace
@@ -397,9 +358,30 @@ Result<Plan> make_plan(const CostGraph& g, const Cluster& cluster, const PlanOpt
   }
   const auto wanted = schedule_candidates(options);
   auto want = [&](ScheduleKind k) { return std::find(wanted.begin(), wanted.end(), k) != wanted.end(); };
-  for (int m : microbatch_candidates(options, g.min_share)) {
+  const std::vector<int> microbatch_counts = microbatch_candidates(options, g.min_share);
+  const int searches = static_cast<int>(microbatch_counts.size() * memory_kinds.size());
+  int searched = 0;
+  bool any_out_of_time = false;
+  const auto time_out = options.time_budget_s > 0
+                            ? t0 + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                       std::chrono::duration<double>(options.time_budget_s))
+                            : std::chrono::steady_clock::time_point::max();
+  auto report = [&] {
+    ++searched;
+    if (!options.progress) return;
+    double best = kInf;
+    for (const Plan& p : candidates) best = std::min(best, p.objective_s);
+    options.progress(searched, searches, best);
+  };
+  for (int m : microbatch_counts) {
     for (ScheduleKind mk : memory_kinds) {
+      // This search's share of the time left: an equal part of it per search still to run.
+      const auto now = std::chrono::steady_clock::now();
+      const auto deadline = time_out == std::chrono::steady_clock::time_point::max() || now >= time_out
+                                ? time_out
+                                : now + (time_out - now) / (searches - searched);
       Model model(cluster, options, m, mk, g.microbatch, g.min_share);
+      bool exact_out_of_time = false;
       const CutStates* states = have_downsets ? &exact_states : &linear;
       // Fixed ranks: only the exact search counts stages (over block prefixes when the
       // convex cut states are too many).
@@ -419,19 +401,27 @@ Result<Plan> make_plan(const CostGraph& g, const Cluster& cluster, const PlanOpt
         if (pairs.sums.empty()) pairs = stage_pairs(units, *states);
         Solution incumbent = sol;
         if (!states->linear && !incumbent.cuts.empty()) incumbent = translate(incumbent, linear, *states);
-        sol = exact_search(*states, pairs, model, incumbent);
+        sol = exact_search(*states, pairs, model, incumbent, deadline, &exact_out_of_time);
+        any_out_of_time = any_out_of_time || exact_out_of_time;
         sol_states = states;
       }
       states = sol_states;
-      if (sol.cuts.empty() || !std::isfinite(sol.objective)) continue;
+      if (sol.cuts.empty() || !std::isfinite(sol.objective)) {
+        report();
+        continue;
+      }
       search_used = exact ? (states->linear ? "exact over " + std::to_string(states->sets.size() - 1) + " blocks in order"
                                             : "exact over " + std::to_string(states->sets.size()) + " convex cut states")
                           : "bottleneck bisection over " + std::to_string(states->sets.size() - 1) + " blocks";
+      if (exact_out_of_time) {
+        search_used += " stopped at its share of the planner's time budget (" +
+                       std::to_string(static_cast<int>(options.time_budget_s)) + " s): the bottleneck bisection's plan";
+      }
       any_fit = true;
       Plan base = build_plan(g, cluster, options, units, *states, model, sol, mk);
       base.search = search_used;
-      if (exact && options.simulated_search) {
-        simulator_best(g, cluster, options, units, *states, pairs, model, base, wanted, candidates);
+      if (exact && options.simulated_search && !exact_out_of_time) {
+        simulator_best(g, cluster, options, units, *states, pairs, model, base, wanted, deadline, candidates);
       }
       for (ScheduleKind k : wanted) {
         if (memory_kind(k) != mk) continue;
@@ -443,6 +433,7 @@ Result<Plan> make_plan(const CostGraph& g, const Cluster& cluster, const PlanOpt
       for (ScheduleKind k : {ScheduleKind::kInterleaved, ScheduleKind::kZeroBubbleV, ScheduleKind::kDualPipeV}) {
         if (mk == ScheduleKind::kOneFOneB && want(k)) chunked_candidates(k, g, cluster, units, linear, model, base, candidates);
       }
+      report();
     }
   }
   if (candidates.empty() && any_fit) {
@@ -452,6 +443,13 @@ Result<Plan> make_plan(const CostGraph& g, const Cluster& cluster, const PlanOpt
                   "pieces per group; ZB-V needs memory for two pieces per group and at least two blocks per group; "
                   "DualPipeV needs that and at least two microbatches per stage; "
                   "allow other schedules (schedule \"auto\") or fix the microbatch count");
+  }
+  if (candidates.empty() && any_out_of_time) {
+    return Status(ErrorCode::kDoesNotFit,
+                  "no plan found within the planner's time budget of " +
+                      std::to_string(static_cast<int>(options.time_budget_s)) + " s for '" + g.name + "' on " +
+                      std::to_string(n) + " devices (" + fixed_parts_text(options) +
+                      "); give it more time (--time-budget, or 0 for no limit), or fix fewer parts of the plan");
   }
   if (candidates.empty() && (options.ranks > 0 || !options.replicas.empty())) {
     return Status(ErrorCode::kDoesNotFit,

@@ -3,6 +3,7 @@
 // Torch-free. The search and the cost model are described in docs/planner.md.
 #pragma once
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -63,6 +64,14 @@ struct PlanOptions {
   /// (docs/planner.md). Off: the analytic optimum as found.
   bool simulated_search = true;
   long long simulated_budget = 3000000;  ///< stages the branch and bound may try
+  /// Seconds the simulated searches may take together, over every microbatch count and
+  /// memory model (0: no limit). Each gets an equal share of what is left when it starts;
+  /// one that reaches its share returns the best plan it found so far, and the plan's
+  /// `search` says so. The analytic searches before them are bounded by `exact_budget`.
+  double time_budget_s = 30;
+  /// Called after each microbatch count and memory model is searched: how many of how many,
+  /// and the best analytic step time found so far (infinity: none fits yet).
+  std::function<void(int done, int total, double best_objective_s)> progress;
   int max_downsets = 1500;   ///< more convex cut states than this: stages cut a linear order of blocks
   int max_blocks = 192;      ///< blocks of that linear order
   double exact_budget = 3e7; ///< transitions the exact search may take before bottleneck search is used

@@ -30,7 +30,8 @@ StagePairs stage_pairs(const Units& u, const CutStates& cs) {
   return p;
 }
 
-Solution exact_search(const CutStates& cs, const StagePairs& pairs, const Model& model, const Solution& incumbent) {
+Solution exact_search(const CutStates& cs, const StagePairs& pairs, const Model& model, const Solution& incumbent,
+                      std::chrono::steady_clock::time_point deadline, bool* out_of_time) {
   const int n = model.devices();
   const int c_count = static_cast<int>(cs.sets.size());
   const int j_states = model.stage_states();
@@ -63,6 +64,10 @@ Solution exact_search(const CutStates& cs, const StagePairs& pairs, const Model&
     const int outer = pairs.outer[p], inner = pairs.inner[p];
     const StageSums& ss = pairs.sums[p];
     for (int used = 0; used < n; ++used) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        if (out_of_time != nullptr) *out_of_time = true;
+        return incumbent;
+      }
       for (int j = 0; j < j_states; ++j) {
         const auto& front = fronts[idx(outer, used, j)];
         if (front.empty() || !model.may_add_stage(j)) continue;
@@ -160,8 +165,9 @@ struct Fixed {
 class BranchAndBound {
  public:
   BranchAndBound(const CutStates& cs, const StagePairs& pairs, const Model& model, bool split, double bound,
-                 const std::function<double(const Solution&)>& simulate, long long budget)
-      : cs_(cs), pairs_(pairs), model_(model), split_(split), simulate_(simulate), budget_(budget) {
+                 const std::function<double(const Solution&)>& simulate, long long budget,
+                 std::chrono::steady_clock::time_point deadline)
+      : cs_(cs), pairs_(pairs), model_(model), split_(split), simulate_(simulate), budget_(budget), deadline_(deadline) {
     best_.step_s = bound;
     by_outer_.resize(cs.sets.size());
     for (std::size_t p = 0; p < pairs.sums.size(); ++p) by_outer_[pairs.outer[p]].push_back(static_cast<int>(p));
@@ -209,6 +215,11 @@ class BranchAndBound {
           best_.complete = false;
           return;
         }
+        if (std::chrono::steady_clock::now() > deadline_) {
+          best_.complete = false;
+          best_.out_of_time = true;
+          return;
+        }
         const int left = n - used - r;
         const double rest_work = (cs_.fwd[inner] + cs_.bwd[inner]) * model_.scale();
         if (rest_work > 0 && left == 0) continue;
@@ -251,6 +262,7 @@ class BranchAndBound {
   const bool split_;
   const std::function<double(const Solution&)>& simulate_;
   const long long budget_;
+  const std::chrono::steady_clock::time_point deadline_;
   std::vector<std::vector<int>> by_outer_;
   std::vector<Fixed> stack_;
   SimulatedBest best_;
@@ -260,8 +272,8 @@ class BranchAndBound {
 
 SimulatedBest simulated_search(const CutStates& cs, const StagePairs& pairs, const Model& model, bool split,
                                double bound, const std::function<double(const Solution&)>& simulate,
-                               long long budget) {
-  return BranchAndBound(cs, pairs, model, split, bound, simulate, budget).run();
+                               long long budget, std::chrono::steady_clock::time_point deadline) {
+  return BranchAndBound(cs, pairs, model, split, bound, simulate, budget, deadline).run();
 }
 
 Solution translate(const Solution& sol, const CutStates& from, const CutStates& to) {

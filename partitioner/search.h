@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <functional>
 #include <vector>
@@ -35,8 +36,11 @@ struct StagePairs {
 StagePairs stage_pairs(const Units& u, const CutStates& cs);
 
 /// `incumbent`: a known solution (from the bottleneck search); partial plans whose objective
-/// already reaches it are dropped, since every term only grows as stages are added.
-Solution exact_search(const CutStates& cs, const StagePairs& pairs, const Model& model, const Solution& incumbent);
+/// already reaches it are dropped, since every term only grows as stages are added. Past
+/// `deadline` the search gives up and returns the incumbent, setting `*out_of_time`.
+Solution exact_search(const CutStates& cs, const StagePairs& pairs, const Model& model, const Solution& incumbent,
+                      std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max(),
+                      bool* out_of_time = nullptr);
 
 /// DP over block prefixes finds the fewest devices that keep every stage under T and in
 /// memory, each stage taking the fewest replicas that do.
@@ -177,10 +181,11 @@ struct SimulatedBest {
   double step_s = kInf;
   long long tried = 0;
   bool complete = true;
+  bool out_of_time = false;  ///< stopped at `deadline` (else, when incomplete, at `budget`)
 };
 SimulatedBest simulated_search(const CutStates& cs, const StagePairs& pairs, const Model& model, bool split,
                                double bound, const std::function<double(const Solution&)>& simulate,
-                               long long budget);
+                               long long budget, std::chrono::steady_clock::time_point deadline);
 
 /// The same solution with its cut states looked up in another state list (block prefixes
 /// are downsets, so they appear among all downsets).

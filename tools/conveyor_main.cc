@@ -3,6 +3,8 @@
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
+#include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstdio>
 #include <fstream>
@@ -145,6 +147,7 @@ struct PlanArgs {
   std::string graph, cluster, profile, out, trace, schedule;
   int batch = 0, microbatches = 0;
   double optimizer_state = 2;
+  double time_budget_s = partitioner::PlanOptions{}.time_budget_s;
 };
 
 int plan_command(const PlanArgs& a) {
@@ -156,6 +159,18 @@ int plan_command(const PlanArgs& a) {
   o.batch = a.batch;
   o.microbatches = a.microbatches;
   o.optimizer_bytes_per_param_byte = a.optimizer_state;
+  o.time_budget_s = a.time_budget_s;
+  // Progress on stderr, so a long search is never silent and the plan on stdout stays clean.
+  const auto started = std::chrono::steady_clock::now();
+  o.progress = [&started](int done, int total, double best_s) {
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    if (std::isfinite(best_s)) {
+      std::fprintf(stderr, "planning: %d of %d searches done in %.1f s; best so far %.3f ms a step (analytic)\n", done,
+                   total, elapsed, best_s * 1e3);
+    } else {
+      std::fprintf(stderr, "planning: %d of %d searches done in %.1f s; no plan fits yet\n", done, total, elapsed);
+    }
+  };
   if (!a.schedule.empty() && a.schedule != "auto") {
     auto k = scheduler::schedule_kind_from_name(a.schedule);
     if (!k) return fail(k.status());
@@ -248,8 +263,28 @@ int main(int argc, char** argv) {
   plan_cmd->add_option("--profile", plan_args.profile, "profile JSON of a graph file (default: the profile cache)");
   plan_cmd->add_option("--microbatches", plan_args.microbatches, "fix the microbatch count (default: choose)");
   plan_cmd->add_option("--schedule", plan_args.schedule, "auto, " + scheduler::schedule_names_text());
+  // CLI::Range lets NaN through (no comparison with it is true).
+  const auto finite_range = [](double lo, double hi, const std::string& what) {
+    return CLI::Validator(
+        [lo, hi, what](std::string& text) -> std::string {
+          char* end = nullptr;
+          const double v = std::strtod(text.c_str(), &end);
+          if (end == text.c_str() || *end != '\0' || !std::isfinite(v) || v < lo || v > hi) {
+            char range[64];
+            std::snprintf(range, sizeof range, "from %g to %g", lo, hi);
+            return "expected " + what + " " + range + ", not '" + text.substr(0, 40) + "'";
+          }
+          return "";
+        },
+        "NUMBER");
+  };
   plan_cmd->add_option("--optimizer-state", plan_args.optimizer_state,
-                       "optimizer state bytes per parameter byte (Adam 2, SGD+momentum 1)");
+                       "optimizer state bytes per parameter byte (Adam 2, SGD+momentum 1)")
+      ->check(finite_range(0, 64, "bytes of optimizer state per parameter byte"));
+  plan_cmd->add_option("--time-budget", plan_args.time_budget_s,
+                       "seconds the simulated search may take (default 30; 0: no limit): past it, the best plan found "
+                       "so far, and the plan says so")
+      ->check(finite_range(0, 86400, "seconds"));
   plan_cmd->add_option("--out", plan_args.out, "write the plan JSON here");
   plan_cmd->add_option("--trace", plan_args.trace, "write the simulated step as a Perfetto trace");
 

@@ -128,5 +128,34 @@ TEST(OpGraphExamples, NoPipelineCutFromTheOperatorOrderSimulatesFasterThanThePla
   std::printf("%d plans on public op graphs: worst %.3fx the best brute-force cut\n", compared, worst);
 }
 
+// The repository's own example that once searched for minutes (a layer graph on the
+// heterogeneous cluster file): with no time at all, the planner still returns a plan (the
+// bottleneck bisection's), says its search was cut, and reports each search as it ends.
+TEST(OpGraphExamples, AnExhaustedTimeBudgetReturnsTheBestPlanSoFarAndSaysSo) {
+  auto g = load_cost_graph(example("layer-gnmt"));
+  ASSERT_TRUE(g.is_ok()) << g.status().to_string();
+  auto cluster = load_cluster(std::string(CONVEYOR_SOURCE_ROOT) + "/examples/clusters/mixed-generations.toml");
+  ASSERT_TRUE(cluster.is_ok()) << cluster.status().to_string();
+  PlanOptions o;
+  o.batch = 64;
+  o.time_budget_s = 1e-9;
+  std::vector<std::pair<int, int>> reports;
+  o.progress = [&reports](int done, int total, double) { reports.emplace_back(done, total); };
+  auto plan = make_plan(*g, *cluster, o);
+  ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
+  EXPECT_NE(plan->search.find("time budget"), std::string::npos) << plan->search;
+  EXPECT_GT(plan->predicted_step_s, 0);
+  ASSERT_FALSE(reports.empty());
+  for (std::size_t k = 0; k < reports.size(); ++k) EXPECT_EQ(reports[k].first, static_cast<int>(k) + 1);
+  EXPECT_EQ(reports.back().first, reports.back().second);  // every search reported, the last as the end
+
+  o.microbatches = 8;  // a small search given all the time it needs does not mention the budget
+  o.time_budget_s = 0;
+  o.progress = nullptr;
+  auto whole = make_plan(*g, Cluster::uniform(1, 4, 1e12, 1.0, {kBandwidth, 0}, {kBandwidth, 0}), o);
+  ASSERT_TRUE(whole.is_ok()) << whole.status().to_string();
+  EXPECT_EQ(whole->search.find("time budget"), std::string::npos) << whole->search;
+}
+
 }  // namespace
 }  // namespace conveyor::partitioner

@@ -49,3 +49,24 @@ def test_bad_files_fail_cleanly(resnet_file, tmp_path):
     assert "truncated" in r.stderr
     r = run("partition", resnet_file, "--stages", 0)
     assert r.returncode != 0
+
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
+OP_GRAPHS = sorted(f for f in os.listdir(os.path.join(EXAMPLES, "op_graphs")) if f.endswith(".json"))
+CLUSTERS = sorted(f for f in os.listdir(os.path.join(EXAMPLES, "clusters")) if f.endswith(".toml"))
+
+
+@pytest.mark.parametrize("graph", OP_GRAPHS)
+@pytest.mark.parametrize("cluster", CLUSTERS)
+def test_every_example_graph_plans_on_every_example_cluster_within_the_budget(graph, cluster):
+    """The repository's own examples, as the README's commands give them: each plans (the
+    search stops at its 30 s time budget with the best plan so far; `run`'s 60 s timeout
+    would otherwise fail the test), and the search's progress is on stderr as it goes."""
+    r = run("plan", "--graph", os.path.join(EXAMPLES, "op_graphs", graph),
+            "--cluster", os.path.join(EXAMPLES, "clusters", cluster), "--batch", 64)
+    assert r.returncode == 0, r.stderr
+    assert "predicted step" in r.stdout and "search:" in r.stdout
+    progress = [line for line in r.stderr.splitlines() if line.startswith("planning: ")]
+    assert progress and " searches done in " in progress[-1]
+    done, total = progress[-1].split("planning: ")[1].split(" searches")[0].split(" of ")
+    assert done == total, progress[-1]
