@@ -24,6 +24,8 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from .errors import CaptureError
 from .graph import Graph
+from . import guards
+from .guards import export_under_guards
 
 # Python-level size arithmetic that export leaves in the graph, by conveyor::sym overload.
 _SYM_OPS = {
@@ -71,8 +73,8 @@ def _source_of(node: torch.fx.Node) -> str:
 
 
 def _is_user_path(path: str) -> bool:
-    """Frames in torch itself or in generated code say nothing about the user's model."""
-    return not path.startswith(_TORCH_DIR) and not path.startswith("<")
+    """Frames in torch, generated code or guards.py's Tensor.__bool__ say nothing of the user's model."""
+    return not path.startswith(_TORCH_DIR) and not path.startswith("<") and path != guards.__file__
 
 
 def _user_frame(text: str) -> str | None:
@@ -551,7 +553,7 @@ def capture(model: torch.nn.Module, args=(), kwargs=None, *, dynamic_batch: bool
     if not isinstance(args, tuple):
         args = tuple(args) if isinstance(args, list) else (args,)
     kwargs = dict(kwargs or {})
-    ep, dynamic = _export(model, args, kwargs, dynamic_batch)
+    ep, dynamic = export_under_guards(_export, model, args, kwargs, dynamic_batch)
     builder = _Builder(ep, model)
     doc, tensors = builder.build(dynamic)
     if meta_runs_on is not None:
