@@ -11,10 +11,8 @@ namespace conveyor::toml {
 
 const Node* Node::get(std::string_view key) const {
   if (kind_ != Kind::kTable) return nullptr;
-  for (std::size_t i = 0; i < keys_.size(); ++i) {
-    if (keys_[i] == key) return &items_[i];
-  }
-  return nullptr;
+  const auto it = index_.find(std::string(key));
+  return it == index_.end() ? nullptr : &items_[it->second];
 }
 
 std::optional<std::string> Node::string() const {
@@ -104,7 +102,7 @@ class Parser {
         current = header(root);
         end_of_line();
       } else {
-        key_value(*current);
+        key_value(*current, header_depth_);
         end_of_line();
       }
     }
@@ -163,10 +161,17 @@ class Parser {
     newline();
   }
 
+  [[noreturn]] void too_deep() const {
+    fail("values nest more than " + std::to_string(kMaxDepth) +
+         " deep (table headers' and dotted keys' parts, arrays and inline tables together); conveyor's files "
+         "nest a few levels: see docs/formats.md");
+  }
+
   // A key: bare, "basic" or 'literal' parts joined by dots.
   std::vector<std::string> key() {
     std::vector<std::string> parts;
     while (true) {
+      if (static_cast<int>(parts.size()) >= kMaxDepth) too_deep();
       skip_blank();
       if (peek() == '"') {
         parts.push_back(quoted_string(false));
@@ -191,12 +196,11 @@ class Parser {
   }
 
   Node* child(Node& table, const std::string& name) {
-    for (std::size_t k = 0; k < table.keys_.size(); ++k) {
-      if (table.keys_[k] == name) return &table.items_[k];
-    }
-    return nullptr;
+    const auto it = table.index_.find(name);
+    return it == table.index_.end() ? nullptr : &table.items_[it->second];
   }
   Node& add(Node& table, const std::string& name, Node value) {
+    table.index_.emplace(name, table.keys_.size());
     table.keys_.push_back(name);
     table.items_.push_back(std::move(value));
     return table.items_.back();
@@ -231,6 +235,7 @@ class Parser {
     const bool array = starts("[[");
     i_ += array ? 2 : 1;
     const auto parts = key();
+    header_depth_ = static_cast<int>(parts.size());
     if (!(array ? starts("]]") : starts("]"))) fail(std::string("expected '") + (array ? "]]" : "]") + "' to close the header");
     i_ += array ? 2 : 1;
     Node& parent = walk(root, parts, parts.size() - 1, false);
@@ -260,20 +265,23 @@ class Parser {
     return existing;
   }
 
-  void key_value(Node& table, int depth = 0) {
+  // `depth`: how deep `table` nests (a header's parts, inline tables and arrays around it).
+  void key_value(Node& table, int depth) {
     const auto parts = key();
     if (peek() != '=') fail("expected '=' after the key '" + joined(parts, parts.size()) + "'");
     ++i_;
     skip_blank();
+    const int level = depth + static_cast<int>(parts.size()) - 1;
+    if (level >= kMaxDepth) too_deep();
     Node& parent = walk(table, parts, parts.size() - 1, true);
     if (Node* old = child(parent, parts.back())) {
       fail("'" + joined(parts, parts.size()) + "' is defined twice (first on line " + std::to_string(old->line_) + ")");
     }
-    add(parent, parts.back(), value(depth));
+    add(parent, parts.back(), value(level));
   }
 
   Node value(int depth) {
-    if (depth >= kMaxDepth) fail("arrays and inline tables nest more than " + std::to_string(kMaxDepth) + " deep");
+    if (depth >= kMaxDepth) too_deep();
     Node v;
     v.line_ = line_;
     const char c = peek();
@@ -481,6 +489,7 @@ class Parser {
   std::string_view s_;
   std::size_t i_ = 0;
   int line_ = 1;
+  int header_depth_ = 0;  ///< the parts of the last [header]: how deep its keys start
 };
 
 Node parse(std::string_view text) { return Parser(text).document(); }

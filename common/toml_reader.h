@@ -10,6 +10,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "common/status.h"
@@ -29,7 +30,8 @@ class TomlError {
   std::string what_;
 };
 
-/// Arrays and inline tables nest at most this deep.
+/// Values nest at most this deep, however they nest: table headers' and dotted keys' parts,
+/// arrays and inline tables (so no walk or destructor of a Node recurses deeper).
 inline constexpr int kMaxDepth = 64;
 
 /// One TOML value: a string, integer, float, boolean, array or table, with the line it
@@ -68,6 +70,7 @@ class Node {
   bool boolean_ = false;
   std::vector<std::string> keys_;
   std::vector<Node> items_;
+  std::unordered_map<std::string, std::size_t> index_;  ///< a table's key -> its place in keys_ (lookups in O(1))
   // How a table or array came to be, for TOML's rules on defining things twice.
   bool header_defined_ = false;  ///< named by a [header] (may not be named again)
   bool by_dotted_key_ = false;   ///< made by a dotted key (a [header] may not name it)

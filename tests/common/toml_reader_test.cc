@@ -80,5 +80,44 @@ TEST(TomlReader, InputsThatCrashedTomlPlusPlus) {
   EXPECT_NE(error_of("\xef\xbb\xbdx = 1\n").find("expected a key"), std::string::npos);
 }
 
+// Every way TOML nests counts toward one limit: a header of 500,000 parts (1 MB) overflowed
+// the stack in Node's destructor, and a dotted key as much; a header's parts and a dotted
+// key under it add up, and so do inline tables and arrays around a dotted key.
+TEST(TomlReader, NestingIsBoundedHoweverItNests) {
+  auto inline_tables = [](int n) {  // "{b = " n times: n inline tables, each holding the next
+    std::string out;
+    for (int k = 0; k < n; ++k) out += "{b = ";
+    return out;
+  };
+  auto parts = [](int n) {
+    std::string out = "a";
+    for (int k = 1; k < n; ++k) out += ".a";
+    return out;
+  };
+  for (const std::string& deep : {"[" + parts(500000) + "]\n", parts(500000) + " = 1\n", "[[" + parts(500000) + "]]\n",
+                                  "[" + parts(40) + "]\n" + parts(40) + " = 1\n",
+                                  "x = " + inline_tables(30) + "{" + parts(40) + " = 1}" + std::string(30, '}') + "\n",
+                                  "x = " + std::string(40, '[') + "{" + parts(40) + " = 1}" + std::string(40, ']') + "\n"}) {
+    EXPECT_NE(error_of(deep).find("nest more than 64 deep"), std::string::npos) << deep.substr(0, 60);
+  }
+  EXPECT_EQ(error_of("[" + parts(32) + "]\n" + parts(31) + " = 1\n"), "");  // 63 deep: read
+}
+
+// Lookups are by hash: 200,000 keys, and as many headers, read in linear time (each was a
+// scan of the table's keys: 100,000 took a minute).
+TEST(TomlReader, ManyKeysAndHeadersReadInLinearTime) {
+  std::string keys, headers;
+  for (int k = 0; k < 200000; ++k) {
+    keys += "k" + std::to_string(k) + " = " + std::to_string(k) + "\n";
+    headers += "[t" + std::to_string(k) + "]\nx = 1\n";
+  }
+  const Node root = parse(keys);
+  ASSERT_EQ(root.keys().size(), 200000u);
+  EXPECT_EQ(root.get("k199999")->integer(), 199999);
+  const Node tables = parse(headers);
+  EXPECT_EQ(tables.get("t123456")->get("x")->integer(), 1);
+  EXPECT_NE(error_of(keys + "k7 = 1\n").find("defined twice"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace conveyor::toml
