@@ -147,6 +147,18 @@ def test_an_moe_model_trains_like_eager_accumulation_across_processes():
     assert out.count("trained like eager accumulation") == 2, out[-4000:]
 
 
+def test_transformers_eager_experts_are_refused_naming_the_implementation_to_use():
+    """The eager experts loop over the experts a batch routes to (nonzero): no one graph."""
+    torch.manual_seed(0)
+    net = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **_common(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2), experts_implementation="eager"))
+    with pytest.raises(conveyor.CaptureError, match=r"(?s)modeling_mixtral.py:\d+: for expert_idx in expert_hit.*"
+                                                    r"experts_implementation=\"grouped_mm\""):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            conveyor.capture(net, (), _tokens("mixtral", 0))
+
+
 class RoutedExperts(nn.Module):
     """Tokens routed to 2 of 4 experts as transformers' grouped_mm experts route them (sort the
     (token, expert) pairs by expert, count them per expert, one product per expert, put them
