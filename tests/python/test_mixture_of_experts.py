@@ -25,6 +25,7 @@ transformers = pytest.importorskip("transformers")
 moe = pytest.importorskip("transformers.integrations.moe")
 
 TOLERANCE = 1e-9
+TORCH_GROUPED_MM = moe._can_use_grouped_mm  # transformers' own choice, before float64_experts
 BATCH, SEQ, VOCAB = 8, 6, 64
 
 
@@ -145,6 +146,25 @@ def test_an_moe_model_trains_like_eager_accumulation_across_processes():
     code, out = launch_script(__file__)
     assert code == 0, out[-4000:]
     assert out.count("trained like eager accumulation") == 2, out[-4000:]
+
+
+def test_moe_in_bfloat16_runs_torchs_grouped_mm_and_is_split(monkeypatch):
+    """In bfloat16 transformers calls torch's grouped_mm (aten::_grouped_mm) rather than its
+    fallback: the analysis knows both. The loss equals eager accumulation's."""
+    monkeypatch.setattr(moe, "_can_use_grouped_mm", TORCH_GROUPED_MM)
+    net = _model("mixtral").to(torch.bfloat16)
+    ref = copy.deepcopy(net)
+    batch = _tokens("mixtral", 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = conveyor.capture(net, (), batch)
+        assert "aten::_grouped_mm" in {n["op"] for n in graph.document["nodes"]}
+        assert where_samples_mix(graph.document) is None
+        model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.1), stages=2, microbatches=2,
+                                replan="off", verbose=False)
+        loss = model(**batch).item()
+    want = sum(ref(**share).loss.item() / 2 for _, share in split_batch((), batch, 2, BATCH))
+    assert abs(loss - want) <= 1e-6 * abs(want), (loss, want)
 
 
 def test_transformers_eager_experts_are_refused_naming_the_implementation_to_use():
