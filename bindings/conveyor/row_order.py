@@ -76,183 +76,253 @@ def key_order_problems(document: dict, batch_dims) -> tuple[dict[int, str], set[
     values that count sorted keys and serve only as the offsets of grouped products over
     the rows in that order (reductions over the batch that keep rows apart). `batch_dims(v)`
     gives the dimensions of value v that hold the batch."""
-    values = document["values"]
-    nodes = document["nodes"]
-    producer = {r["value"]: node for node in nodes for r in node["returns"] if "value" in r}
+    walk = _KeyOrder(document, batch_dims)
+    for node in document["nodes"]:
+        walk.visit(node)
+    walk.check_outputs()
+    return walk.problems, set(walk.counted_by)
 
-    def tensor(v: int) -> bool:
-        return values[v].get("kind") == "tensor"
 
-    def shape(v: int) -> list:
-        return values[v].get("shape", []) if tensor(v) else []
+class _KeyOrder:
+    """One walk over a graph document in node order: what each value is to a sort."""
 
-    def at(node: dict) -> str:
-        return f"{node['op']}" + (f" ({node['source']})" if node.get("source") else "")
+    def __init__(self, document: dict, batch_dims):
+        self.values = document["values"]
+        self.document = document
+        self.batch_dims = batch_dims
+        self.producer = {r["value"]: node for node in document["nodes"] for r in node["returns"] if "value" in r}
+        self.nodes = {node["id"]: node for node in document["nodes"]}
+        self.order: dict[int, int] = {}        # value -> the sort node whose key order its rows follow
+        self.moves: dict[int, int] = {}        # index values that put rows in a sort's order: order, order // k
+        self.divisor: dict[int, int] = {}      # order // k -> k
+        self.pairs: dict[int, tuple] = {}      # a sort -> (rows, k) where it sorts a [rows, k] tensor's flattening
+        self.permutation: dict[int, int] = {}  # a sort's order itself
+        self.restores: dict[int, int] = {}     # the inverse of a sort's order
+        self.keys: dict[int, int] = {}         # a sort's sorted keys
+        self.key_range: dict[int, tuple] = {}  # integer values known to lie within [low, high]
+        self.counts: dict[int, int] = {}       # per group counts of a sort's keys, or their running sum
+        self.offsets: dict[int, int] = {}      # the running sum: where each group ends
+        self.counted_by: dict[int, dict] = {}  # counts -> the node that counted them
+        self.problems: dict[int, str] = {}
 
-    def outputs(node: dict) -> list[int]:
+    # -- helpers ------------------------------------------------------------------------------
+    def tensor(self, v: int) -> bool:
+        return self.values[v].get("kind") == "tensor"
+
+    def shape(self, v: int) -> list:
+        return self.values[v].get("shape", []) if self.tensor(v) else []
+
+    def outputs(self, node: dict) -> list[int]:
         out = []
         for r in node["returns"]:
             out += [r["value"]] if "value" in r else list(r.get("list", []))
-        return [v for v in out if tensor(v)]
+        return [v for v in out if self.tensor(v)]
 
-    order: dict[int, int] = {}        # value -> the sort node whose key order its rows follow
-    moves: dict[int, int] = {}        # index values that put rows in a sort's order: order, order // k
-    divisor: dict[int, int] = {}      # order // k -> k
-    pairs: dict[int, tuple] = {}      # a sort -> (rows, k) where it sorts a [rows, k] tensor's flattening
-    permutation: dict[int, int] = {}  # a sort's order itself
-    restores: dict[int, int] = {}     # the inverse of a sort's order
-    keys: dict[int, int] = {}         # a sort's sorted keys
-    key_range: dict[int, tuple] = {}  # integer values known to lie within [low, high]
-    counts: dict[int, int] = {}       # per group counts of a sort's keys, or their running sum
-    offsets: dict[int, int] = {}      # the running sum: where each group ends
-    counted_by: dict[int, dict] = {}  # counts -> the node that counted them
-    problems: dict[int, str] = {}
+    @staticmethod
+    def at(node: dict) -> str:
+        return f"{node['op']}" + (f" ({node['source']})" if node.get("source") else "")
 
-    def sort_at(s: int) -> str:
-        return at(next(n for n in nodes if n["id"] == s))
+    def sort_at(self, sort: int) -> str:
+        return self.at(self.nodes[sort])
 
-    def gathered_rows(by: int) -> list | None:
+    def gathered_rows(self, by: int) -> list | None:
         """How many rows a gather by `by` reads from, for row i of its result to be pair i's:
         the pairs themselves (as many as the sort's), or with order // k the [rows, k] tensor
         the sort's keys were flattened from."""
-        if by not in divisor:
-            return shape(by)[:1]
-        rows, k = pairs.get(moves[by], (None, None))
-        return [rows] if k == divisor[by] else None
+        if by not in self.divisor:
+            return self.shape(by)[:1]
+        rows, k = self.pairs.get(self.moves[by], (None, None))
+        return [rows] if k == self.divisor[by] else None
 
-    for node in nodes:
-        op, args, nid = node["op"], node["args"], node["id"]
-        ins = [v for v in node_value_inputs(node) if tensor(v)]
-        outs = outputs(node)
-        first = args[0].get("value") if args else None
+    # -- the walk -----------------------------------------------------------------------------
+    def visit(self, node: dict) -> None:
+        if node["op"] in _SHAPE_ONLY:
+            return
+        handlers = (self.cast, self.top_k, self.sort, self.divide, self.gather, self.invert, self.count,
+                    self.running_sum, self.grouped)
+        if not any(handle(node) for handle in handlers):
+            self.any_other(node)
 
-        if op in _SHAPE_ONLY:
-            continue
-        if op in _SAME_VALUES and first is not None and len(outs) == 1:
-            out = outs[0]
-            if first in key_range:
-                key_range[out] = key_range[first]
-            tagged = [tags for tags in (moves, divisor, permutation, restores, keys, counts, offsets) if first in tags]
-            if op in _SAME_PLACES and tagged:
-                for tags in tagged:
-                    tags[out] = tags[first]
-                if first in counts:
-                    counted_by[out] = counted_by[first]
-                if first in order:
-                    order[out] = order[first]
-                continue
-        if op == "aten::topk" and first is not None and len(outs) == 2:
+    def cast(self, node: dict) -> bool:
+        """A reshape keeps the values (a key's range); a cast keeps each in place (every tag)."""
+        first, outs = _first(node), self.outputs(node)
+        if node["op"] not in _SAME_VALUES or first is None or len(outs) != 1:
+            return False
+        if first in self.key_range:
+            self.key_range[outs[0]] = self.key_range[first]
+        tagged = [tags for tags in (self.moves, self.divisor, self.permutation, self.restores, self.keys, self.counts,
+                                    self.offsets, self.counted_by, self.order) if first in tags]
+        if node["op"] not in _SAME_PLACES or not any(t is not self.order for t in tagged):
+            return False
+        for tags in tagged:
+            tags[outs[0]] = tags[first]
+        return True
+
+    def top_k(self, node: dict) -> bool:
+        """topk's indices along a dim of static size n lie within [0, n - 1]."""
+        first, outs, args = _first(node), self.outputs(node), node["args"]
+        if node["op"] == "aten::topk" and first is not None and len(outs) == 2:
             dim = args[2].get("int", -1) if len(args) > 2 else -1
-            dims = shape(first)
-            if dims and isinstance(dims[dim], int) and dim % len(dims) not in batch_dims(first):
-                key_range[outs[1]] = (0, dims[dim] - 1)
-        if op in _SORTS:
-            dim_at = 2 if node.get("overload") == "stable" else 1
-            dim = args[dim_at].get("int", -1) if len(args) > dim_at else -1
-            ascending = len(args) > dim_at + 1 and args[dim_at + 1].get("bool") is False
-        if op in _SORTS and first in permutation and ascending:
-            restores[outs[-1]] = permutation[first]  # sorting a permutation inverts it
-            continue
-        if op in _SORTS and first is not None and not order.get(first) and first not in permutation:
-            rank = len(shape(first))
-            if rank and dim % rank in batch_dims(first):
-                sorted_keys = outs[0] if op == "aten::sort" else None
-                positions = outs[-1]
-                for v in outs:
-                    order[v] = nid
-                if rank == 1 and ascending:  # the order histc's bins run in
-                    permutation[positions] = moves[positions] = nid
-                    flattened = _flattened_from(producer, first, shape)
-                    if flattened is not None:
-                        pairs[nid] = flattened
-                    if sorted_keys is not None:
-                        keys[sorted_keys] = nid
-                        if first in key_range:
-                            key_range[sorted_keys] = key_range[first]
-                continue
-        if op == "aten::floor_divide" and first in permutation and len(args) > 1 and "int" in args[1]:
-            moves[outs[0]] = moves[first]
-            divisor[outs[0]] = args[1]["int"]
-            continue
-        if op == "aten::index" and first is not None and len(args) > 1:
-            index = [a.get("value") for a in args[1].get("list", [])]
-            if index and index[0] is not None and all(i is None for i in index[1:]):
-                by = index[0]
-                if by in moves and not order.get(first) and 0 in batch_dims(first) and \
-                        shape(first)[:1] == gathered_rows(by):
-                    for v in outs:
-                        order[v] = moves[by]
-                    continue
-                if by in restores and order.get(first) == restores[by]:
-                    continue  # back in the batch's order
-        if op in ("aten::index_put_", "aten::index_put") and len(args) > 2:
-            index = [a.get("value") for a in args[1].get("list", [])]
-            filled_with = args[2].get("value")
-            accumulate = len(args) > 3 and args[3].get("bool", False)
-            if (len(index) == 1 and index[0] in permutation and _counts_from_zero(producer.get(filled_with))
-                    and shape(filled_with) == shape(index[0]) and not accumulate):
-                for v in outs + [first]:
-                    restores[v] = permutation[index[0]]
-                continue
-        if op == "aten::histc" and first in keys:
-            low, high = _number(args[2]), _number(args[3])
-            known = key_range.get(first)
-            if known is not None and low is not None and high is not None and low <= known[0] and known[1] <= high:
-                counts[outs[0]] = keys[first]
-                counted_by[outs[0]] = node
-                continue
-            problems[nid] = (f"{at(node)} counts keys sorted by {sort_at(keys[first])} that may fall outside its "
-                             f"range [{low}, {high}]: an uncounted key would move every later row to another group")
-            continue
-        if op == "aten::cumsum" and first in counts and first not in offsets and args[1].get("int") in (0, -1):
-            counts[outs[0]] = offsets[outs[0]] = counts[first]
-            counted_by[outs[0]] = counted_by[first]
-            continue
-        if op in _GROUPED:
-            rows_at, offsets_at = _GROUPED[op]
-            rows = args[rows_at].get("value")
-            ends = args[offsets_at].get("value") if len(args) > offsets_at else None
-            if rows is not None and batch_dims(rows) and ends is not None:
-                if ends in offsets and order.get(rows) == offsets[ends]:
-                    for v in outs:
-                        order[v] = offsets[ends]
-                    continue
-                if ends in offsets:
-                    problems[nid] = (f"{at(node)} groups rows that are not sorted by the keys its offsets count "
-                                     f"({at(counted_by[ends])}): a row's group would depend on the other rows")
-                elif ends in counts:
-                    problems[nid] = (f"{at(node)} takes the counts of {at(counted_by[ends])} for the offsets where "
-                                     "groups end, not their running sum: a row's group would depend on the other rows")
-                else:
-                    problems[nid] = (f"{at(node)} groups rows by offsets that do not count their sorted keys: a "
-                                     "row's group would depend on its place in the call")
-                continue
+            dims = self.shape(first)
+            if dims and isinstance(dims[dim], int) and dim % len(dims) not in self.batch_dims(first):
+                self.key_range[outs[1]] = (0, dims[dim] - 1)
+        return False  # otherwise an operator like any other
 
-        # Any other operator: counts and a sort's positions may not be read as data, and rows
-        # in one order are not combined with rows in another.
+    def sort(self, node: dict) -> bool:
+        """A sort along the batch puts rows in its order; an ascending sort of a 1-D tensor gives
+        the keys and the permutation; sorting that permutation gives its inverse."""
+        if node["op"] not in _SORTS:
+            return False
+        first, outs, args, nid = _first(node), self.outputs(node), node["args"], node["id"]
+        dim_at = 2 if node.get("overload") == "stable" else 1
+        dim = args[dim_at].get("int", -1) if len(args) > dim_at else -1
+        ascending = len(args) > dim_at + 1 and args[dim_at + 1].get("bool") is False
+        if first in self.permutation and ascending:
+            self.restores[outs[-1]] = self.permutation[first]
+            return True
+        rank = len(self.shape(first)) if first is not None else 0
+        if self.order.get(first) or first in self.permutation or not rank or dim % rank not in self.batch_dims(first):
+            return False
+        for v in outs:
+            self.order[v] = nid
+        if rank == 1 and ascending:  # the order histc's bins run in
+            self.permutation[outs[-1]] = self.moves[outs[-1]] = nid
+            flattened = _flattened_from(self.producer, first, self.shape)
+            if flattened is not None:
+                self.pairs[nid] = flattened
+            if node["op"] == "aten::sort":
+                self.keys[outs[0]] = nid
+                if first in self.key_range:
+                    self.key_range[outs[0]] = self.key_range[first]
+        return True
+
+    def divide(self, node: dict) -> bool:
+        """order // k: for each pair in key order, the row it came from."""
+        first, args = _first(node), node["args"]
+        if node["op"] != "aten::floor_divide" or first not in self.permutation or len(args) < 2 or "int" not in args[1]:
+            return False
+        out = self.outputs(node)[0]
+        self.moves[out], self.divisor[out] = self.moves[first], args[1]["int"]
+        return True
+
+    def gather(self, node: dict) -> bool:
+        """rows[order] (or rows[order // k]) puts rows in key order; rows[inverse] puts them back."""
+        first, args = _first(node), node["args"]
+        if node["op"] != "aten::index" or first is None or len(args) < 2:
+            return False
+        index = [a.get("value") for a in args[1].get("list", [])]
+        if not index or index[0] is None or any(i is not None for i in index[1:]):
+            return False
+        by = index[0]
+        if (by in self.moves and not self.order.get(first) and 0 in self.batch_dims(first)
+                and self.shape(first)[:1] == self.gathered_rows(by)):
+            for v in self.outputs(node):
+                self.order[v] = self.moves[by]
+            return True
+        return by in self.restores and self.order.get(first) == self.restores[by]  # back in the batch's order
+
+    def invert(self, node: dict) -> bool:
+        """inverse[order] = arange(n): the inverse permutation."""
+        first, args = _first(node), node["args"]
+        if node["op"] not in ("aten::index_put_", "aten::index_put") or len(args) < 3:
+            return False
+        index = [a.get("value") for a in args[1].get("list", [])]
+        filled_with = args[2].get("value")
+        accumulate = len(args) > 3 and args[3].get("bool", False)
+        if (len(index) != 1 or index[0] not in self.permutation or accumulate
+                or not _counts_from_zero(self.producer.get(filled_with))
+                or self.shape(filled_with) != self.shape(index[0])):
+            return False
+        for v in self.outputs(node) + [first]:
+            self.restores[v] = self.permutation[index[0]]
+        return True
+
+    def count(self, node: dict) -> bool:
+        """histc of sorted keys all within its range: per group counts."""
+        first, args, nid = _first(node), node["args"], node["id"]
+        if node["op"] != "aten::histc" or first not in self.keys:
+            return False
+        low, high = _number(args[2]), _number(args[3])
+        known = self.key_range.get(first)
+        if known is not None and low is not None and high is not None and low <= known[0] and known[1] <= high:
+            out = self.outputs(node)[0]
+            self.counts[out], self.counted_by[out] = self.keys[first], node
+        else:
+            self.problems[nid] = (f"{self.at(node)} counts keys sorted by {self.sort_at(self.keys[first])} that may "
+                                  f"fall outside its range [{low}, {high}]: an uncounted key would move every later "
+                                  "row to another group")
+        return True
+
+    def running_sum(self, node: dict) -> bool:
+        """cumsum of the counts: where each group ends."""
+        first = _first(node)
+        if (node["op"] != "aten::cumsum" or first not in self.counts or first in self.offsets
+                or node["args"][1].get("int") not in (0, -1)):
+            return False
+        out = self.outputs(node)[0]
+        self.counts[out] = self.offsets[out] = self.counts[first]
+        self.counted_by[out] = self.counted_by[first]
+        return True
+
+    def grouped(self, node: dict) -> bool:
+        """A grouped product over rows in a sort's key order, its offsets where that sort's
+        groups end: row i by the weights of its own key's group."""
+        if node["op"] not in _GROUPED:
+            return False
+        rows_at, offsets_at = _GROUPED[node["op"]]
+        args, nid, at = node["args"], node["id"], self.at(node)
+        rows = args[rows_at].get("value")
+        ends = args[offsets_at].get("value") if len(args) > offsets_at else None
+        if rows is None or not self.batch_dims(rows) or ends is None:
+            return False
+        if ends in self.offsets and self.order.get(rows) == self.offsets[ends]:
+            for v in self.outputs(node):
+                self.order[v] = self.offsets[ends]
+        elif ends in self.offsets:
+            self.problems[nid] = (f"{at} groups rows that are not sorted by the keys its offsets count "
+                                  f"({self.at(self.counted_by[ends])}): a row's group would depend on the other rows")
+        elif ends in self.counts:
+            self.problems[nid] = (f"{at} takes the counts of {self.at(self.counted_by[ends])} for the offsets where "
+                                  "groups end, not their running sum: a row's group would depend on the other rows")
+        else:
+            self.problems[nid] = (f"{at} groups rows by offsets that do not count their sorted keys: a row's group "
+                                  "would depend on its place in the call")
+        return True
+
+    def any_other(self, node: dict) -> None:
+        """Counts and a sort's positions are not read as data, and rows in one order do not
+        meet rows in another; results follow their inputs' order."""
+        nid, at = node["id"], self.at(node)
+        ins = [v for v in node_value_inputs(node) if self.tensor(v)]
         for v in ins:
-            if v in counts:
-                problems.setdefault(nid, (
-                    f"{at(node)} uses the counts of {at(counted_by[v])} otherwise than as the offsets of a grouped "
-                    "product over the rows they count, so a row depends on the other rows of its call (as "
+            if v in self.counts:
+                self.problems.setdefault(nid, (
+                    f"{at} uses the counts of {self.at(self.counted_by[v])} otherwise than as the offsets of a "
+                    "grouped product over the rows they count, so a row depends on the other rows of its call (as "
                     "capacity-limited routing drops a token by its place among the others)"))
-            elif v in moves or v in restores:
-                tag = moves.get(v, restores.get(v))
-                problems.setdefault(nid, (
-                    f"{at(node)} reads the places {sort_at(tag)} gives the rows as data, so a row depends on the "
-                    "other rows of its call"))
-        orders = {order.get(v) for v in ins if batch_dims(v) or v in order}
+            elif v in self.moves or v in self.restores:
+                sort = self.moves.get(v, self.restores.get(v))
+                self.problems.setdefault(nid, (f"{at} reads the places {self.sort_at(sort)} gives the rows as data, "
+                                               "so a row depends on the other rows of its call"))
+        orders = {self.order.get(v) for v in ins if self.batch_dims(v) or v in self.order}
         if len(orders) > 1:
             sort = next(o for o in orders if o is not None)
-            problems.setdefault(nid, f"{at(node)} combines rows in the order {sort_at(sort)} gave them with rows "
-                                     "in another order")
+            self.problems.setdefault(nid, f"{at} combines rows in the order {self.sort_at(sort)} gave them with rows "
+                                          "in another order")
         elif orders and None not in orders:
-            for v in outs:
-                if batch_dims(v):
-                    order[v] = next(iter(orders))
+            for v in self.outputs(node):
+                if self.batch_dims(v):
+                    self.order[v] = next(iter(orders))
 
-    for v in document.get("outputs", []):
-        if order.get(v) and batch_dims(v) and v in producer:
-            problems.setdefault(producer[v]["id"], (
-                f"{at(producer[v])} returns rows in the order {sort_at(order[v])} gave them, not the call's"))
-    return problems, set(counted_by)
+    def check_outputs(self) -> None:
+        """Rows the graph returns are in the batch's order."""
+        for v in self.document.get("outputs", []):
+            made = self.producer.get(v)
+            if self.order.get(v) and self.batch_dims(v) and made is not None:
+                self.problems.setdefault(made["id"], (f"{self.at(made)} returns rows in the order "
+                                                      f"{self.sort_at(self.order[v])} gave them, not the call's"))
+
+
+def _first(node: dict) -> int | None:
+    args = node["args"]
+    return args[0].get("value") if args else None
