@@ -8,7 +8,9 @@ every tensor tested by `bool()`, by source line. Captured again, each check take
 example's branch and leaves a `conveyor::guard` node in the graph that tests the same
 tensor at run time, on each share of each step: a batch that would take the other branch
 stops its step with an error naming the line and what changed ("GuardError: conveyor: a
-guard stopped the step"), before the step's gradients reach a parameter.
+guard stopped the step"), before any parameter is updated (a `model(x)` call's gradients
+are held for its backward, which never comes; train_step's next call zeroes what a failed
+one added to `.grad`).
 
 Guarded: the truth value of a result of `all()`, `any()`, `isfinite()`, `isnan()` or
 `isinf()`, tested in an `if`, `not`, `and`/`or`, `assert` or `torch._assert`: checks that

@@ -122,13 +122,15 @@ def test_detr_trains_exactly_under_guards_and_a_batch_that_fails_a_check_stops_i
         pixels[3, 0, 0, 0] = float("inf")  # the last share's encoder output is not finite
         before = {name: t.clone() for name, t in net.state_dict().items()}
         opt.zero_grad(set_to_none=True)
-        with pytest.raises(conveyor.ExecutionError, match=r"GuardError: conveyor: a guard stopped the step, before any "
-                                                          r"parameter was updated: .*modeling_detr.py:\d+ \(`if not "
-                                                          r"torch.isfinite\(hidden_states\).all\(\):`\) tested a tensor "
-                                                          r"that was True when the model was captured and is False"):
-            model.train_step(pixels, boxes)
-        assert all(torch.equal(t, net.state_dict()[name]) for name, t in before.items())
+        said = (r"GuardError: conveyor: a guard stopped the step, before any parameter was updated: "
+                r".*modeling_detr.py:\d+ \(`if not torch.isfinite\(hidden_states\).all\(\):`\) tested a tensor that "
+                r"was True when the model was captured and is False")
+        with pytest.raises(conveyor.ExecutionError, match=said):
+            model(pixels, boxes)  # the step's gradients are held for loss.backward(), which never comes
         assert all(p.grad is None for p in net.parameters())
+        with pytest.raises(conveyor.ExecutionError, match=said):
+            model.train_step(pixels, boxes)  # its gradients go to .grad as they come; the next step zeroes them
+        assert all(torch.equal(t, net.state_dict()[name]) for name, t in before.items())
         step_both(*batch(2))
         for name, want in ref.state_dict().items():
             err = (net.state_dict()[name] - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
