@@ -309,6 +309,11 @@ Result<Plan> make_plan(const CostGraph& g, const Cluster& cluster, const PlanOpt
   CONVEYOR_RETURN_IF_ERROR(g.validate());
   if (options.batch < 1) return Status(ErrorCode::kInvalidArgument, "the batch size must be at least 1");
   if (cluster.devices.empty()) return Status(ErrorCode::kInvalidArgument, "the cluster has no devices");
+  if (options.microbatches < 0 || options.microbatches > scheduler::kMostMicrobatches) {
+    return Status(ErrorCode::kInvalidArgument, std::to_string(options.microbatches) +
+                                                   " microbatches: expected 0 (the planner chooses) to " +
+                                                   std::to_string(scheduler::kMostMicrobatches));
+  }
   if (options.microbatches > options.batch) {
     return Status(ErrorCode::kInvalidArgument, "the batch (" + std::to_string(options.batch) +
                                                    " samples) is smaller than the microbatch count (" +

@@ -291,6 +291,15 @@ Result<Schedule> make_schedule(const ScheduleSpec& spec) {
   if (spec.microbatches < 1) {
     return Status(ErrorCode::kInvalidArgument, "a schedule needs at least one microbatch");
   }
+  if (spec.ranks > kMostRanks || spec.microbatches > kMostMicrobatches || spec.chunks > kMostRanks ||
+      static_cast<long long>(spec.ranks) * std::max(spec.chunks, 1) * spec.microbatches > kMostStageMicrobatches) {
+    return Status(ErrorCode::kInvalidArgument,
+                  "a schedule of " + std::to_string(spec.ranks) + " ranks, " + std::to_string(spec.chunks) +
+                      " stages each and " + std::to_string(spec.microbatches) + " microbatches is larger than conveyor " +
+                      "makes: at most " + std::to_string(kMostRanks) + " ranks, " + std::to_string(kMostMicrobatches) +
+                      " microbatches and " + std::to_string(kMostStageMicrobatches) +
+                      " stages x microbatches (docs/formats.md, \"Size limits\")");
+  }
   if (spec.v_shape() && spec.chunks != 2) {
     return Status(ErrorCode::kInvalidArgument, std::string(schedule_kind_name(spec.kind)) +
                                                    " holds exactly two stages (chunks) per rank, not " +

@@ -23,6 +23,13 @@ namespace conveyor::scheduler {
 /// The schedules conveyor generates action lists for.
 enum class ScheduleKind : std::uint8_t { kGPipe, kOneFOneB, kInterleaved, kZeroBubbleH1, kZeroBubbleV, kDualPipeV };
 
+/// The largest schedule made (docs/formats.md, "Size limits"): a plan or a command asking for
+/// more is refused, naming the value and the limit, before anything is allocated.
+inline constexpr int kMostRanks = 4096;
+inline constexpr int kMostMicrobatches = 65536;
+/// Compute actions (stages x microbatches): 2^22, about 40 million actions in all at most.
+inline constexpr long long kMostStageMicrobatches = 1LL << 22;
+
 /// Every schedule, each once, in the order their names are listed to users.
 inline constexpr std::array kScheduleKinds{ScheduleKind::kGPipe,        ScheduleKind::kOneFOneB,
                                            ScheduleKind::kInterleaved,  ScheduleKind::kZeroBubbleH1,

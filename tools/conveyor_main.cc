@@ -261,7 +261,8 @@ int main(int argc, char** argv) {
   plan_cmd->add_option("--cluster", plan_args.cluster, "cluster TOML (docs/formats.md)")->required();
   plan_cmd->add_option("--batch", plan_args.batch, "samples per training step")->required()->check(CLI::PositiveNumber);
   plan_cmd->add_option("--profile", plan_args.profile, "profile JSON of a graph file (default: the profile cache)");
-  plan_cmd->add_option("--microbatches", plan_args.microbatches, "fix the microbatch count (default: choose)");
+  plan_cmd->add_option("--microbatches", plan_args.microbatches, "fix the microbatch count (default: choose)")
+      ->check(CLI::Range(0, scheduler::kMostMicrobatches));
   plan_cmd->add_option("--schedule", plan_args.schedule, "auto, " + scheduler::schedule_names_text());
   // CLI::Range lets NaN through (no comparison with it is true).
   const auto finite_range = [](double lo, double hi, const std::string& what) {
