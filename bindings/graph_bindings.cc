@@ -3,6 +3,7 @@
 
 #include <optional>
 
+#include "common/printable.h"
 #include "common/recomputation.h"
 #include "graph/executor.h"
 #include "graph/format.h"
@@ -181,6 +182,10 @@ void bind_graph(py::module_& m) {
       });
 
   // The vocabularies Python checks its arguments against, spelled once in C++.
+  m.def("printable", [](const std::string& text, std::size_t limit) { return printable(text, limit); },
+        py::arg("text"), py::arg("limit") = 40,
+        "What an error message may quote of an input: at most `limit` bytes (\"...\" marks the cut), bytes that "
+        "are not printable ASCII as '?' (common/printable.h: the one function for it, C++ and Python).");
   m.def("schedule_names", [] {
         std::vector<std::string> names;
         for (auto kind : scheduler::kScheduleKinds) names.emplace_back(scheduler::schedule_kind_name(kind));

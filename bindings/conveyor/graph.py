@@ -26,8 +26,39 @@ def _spec_loads(text: str | None):
         return None
     try:
         return pytree.treespec_loads(text)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - torch raises several kinds on a malformed spec
         return None
+
+
+def _checked_extra(doc: dict, path) -> dict:
+    """A loaded graph document's "extra" (how a call's arguments and results map to the
+    graph's inputs and outputs), checked against the graph: anything else is a
+    GraphFormatError naming the file, never a TypeError at the first call."""
+    def bad(what: str):
+        return GraphFormatError(f"the graph in '{path}' is not one conveyor wrote: its extra {what}; capture and save "
+                                "the model again")
+    extra = doc.get("extra") or {}
+    if not isinstance(extra, dict):
+        raise bad(f"is {type(extra).__name__}, not a table")
+    inputs, outputs = len(doc.get("inputs") or []), len(doc.get("outputs") or [])
+    positions = extra.get("input_positions")
+    if positions is not None and (not isinstance(positions, list) or
+                                  not all(type(k) is int and k >= 0 for k in positions)):
+        raise bad(f"input_positions is {_C.printable(repr(positions))}, not a list of argument positions")
+    if positions is not None and len(positions) != inputs:
+        raise bad(f"input_positions names {len(positions)} arguments for {inputs} graph inputs")
+    for key, count in (("in_spec", None), ("out_spec", outputs)):
+        text = extra.get(key)
+        if text is None:
+            continue
+        spec = _spec_loads(text) if isinstance(text, str) else None
+        if spec is None:
+            raise bad(f"{key} does not read as a tree of arguments")
+        if count is not None and spec.num_leaves != count:
+            raise bad(f"{key} has {spec.num_leaves} leaves for {count} graph outputs")
+    if not isinstance(extra.get("dynamic_batch", True), bool):
+        raise bad("dynamic_batch is not true or false")
+    return extra
 
 
 def node_value_inputs(node: dict) -> list[int]:
@@ -96,7 +127,7 @@ class Graph:
         tensors (checked against the graph); without, they come from the file's weights."""
         ir, stored = _C.load_graph_file(str(path))
         doc = json.loads(ir.to_json())
-        extra = doc.get("extra") or {}
+        extra = _checked_extra(doc, path)
         stored = dict(stored)
         tensors: dict[str, torch.Tensor] = {}
         live = {}
@@ -114,6 +145,10 @@ class Graph:
             elif name in stored:
                 t = stored[name]
                 if b["kind"] == "parameter":
+                    if not (t.is_floating_point() or t.is_complex()):
+                        raise GraphFormatError(f"the graph in '{path}' stores parameter '{_C.printable(name)}' as {t.dtype}: a "
+                                               "parameter is floating point (the file is damaged or was not written "
+                                               "by conveyor)")
                     t = torch.nn.Parameter(t)
                 tensors[name] = t
             else:

@@ -1,5 +1,6 @@
 """Bad input gets a clear error naming what is wrong and what to do."""
 import json
+import re
 import os
 
 import pytest
@@ -139,6 +140,41 @@ def test_unknown_op_is_named(saved, tmp_path):
     with pytest.raises(conveyor.UnknownOpError) as info:
         loaded(*case.args)
     assert "aten::gelu_v2" in str(info.value) and "captured with torch 3.0.0" in str(info.value)
+
+
+def test_crafted_extras_and_weights_raise_conveyor_errors_at_load(saved, tmp_path):
+    """A .cvg whose mapping of a call to the graph ("extra") or whose weights were crafted:
+    each is a GraphFormatError naming the file at load, not torch's RuntimeError, an
+    AttributeError or a TypeError at the first call."""
+    case, graph, _ = saved
+    path = tmp_path / "crafted.cvg"
+
+    def crafted(extra=None, weights=None):
+        doc = json.loads(json.dumps(graph.document))
+        if extra is not None:
+            doc["extra"] = extra
+        conveyor._C.save_graph_file(str(path), conveyor._C.GraphIR(json.dumps(doc)),
+                                    weights if weights is not None else list(graph.tensors.items()))
+        return path
+
+    good = graph.document["extra"]
+    for extra, says in [([1], "is list, not a table"),
+                        (dict(good, input_positions=5), "input_positions is 5"),
+                        (dict(good, input_positions="ab"), "input_positions is 'ab'"),
+                        (dict(good, input_positions=[0, 1, 2]), "names 3 arguments for 2 graph inputs"),
+                        (dict(good, out_spec='[1, {"type": "builtins.tuple", "context": "null", "children_spec": ['
+                                             '{"type": null, "context": null, "children_spec": []}, '
+                                             '{"type": null, "context": null, "children_spec": []}]}]'),
+                         "out_spec has 2 leaves for 1 graph outputs"),
+                        (dict(good, in_spec="not a spec"), "in_spec does not read"),
+                        (dict(good, dynamic_batch="yes"), "dynamic_batch")]:
+        with pytest.raises(conveyor.GraphFormatError, match=re.escape(says)):
+            conveyor.Graph.load(crafted(extra))
+    for dtype in (torch.int32, torch.bool):
+        weights = [(n, t.to(dtype) if n == "layers.0.weight" else t) for n, t in graph.tensors.items()]
+        with pytest.raises(conveyor.GraphFormatError, match=f"parameter 'layers.0.weight' as {dtype}"):
+            conveyor.Graph.load(crafted(weights=weights))
+    assert torch.equal(conveyor.Graph.load(crafted(good))(*case.args), case.model(*case.args))
 
 
 def test_malformed_documents(saved):
