@@ -18,6 +18,8 @@
 #include <thread>
 #include <vector>
 
+#include "common/printable.h"
+
 #include "common/env.h"
 #include "common/secret.h"
 #include "common/toml_reader.h"
@@ -215,7 +217,33 @@ Result<JobConfig> parse_job_config(const std::string& content, const std::string
   }
 }
 
+Status check_job(const JobConfig& c) {
+  for (const std::string& h : c.hosts) {
+    if (!host_name(h)) {
+      return Status(ErrorCode::kInvalidArgument, "host '" + printable(h, 40) +
+                                                     "' is not a host name or address (letters, digits, '.', '-', "
+                                                     "':', '_'; at most 253)");
+    }
+  }
+  if (!c.master_addr.empty() && !host_name(c.master_addr)) {
+    return Status(ErrorCode::kInvalidArgument, "master address '" + printable(c.master_addr, 40) +
+                                                   "' is not a host name or address");
+  }
+  const long long world = static_cast<long long>(c.processes) * static_cast<long long>(c.hosts.size());
+  if (c.processes < 1 || world > kMostProcesses) {
+    return Status(ErrorCode::kInvalidArgument, std::to_string(c.processes) + " processes on each of " +
+                                                   std::to_string(c.hosts.size()) + " hosts make " +
+                                                   std::to_string(world) + " processes; a job has 1 to " +
+                                                   std::to_string(kMostProcesses));
+  }
+  return Status::ok();
+}
+
 int launch(const JobConfig& c, const std::vector<std::string>& command) {
+  if (Status st = check_job(c); !st) {
+    std::fprintf(stderr, "conveyor launch: %s\n", st.message().c_str());
+    return 2;
+  }
   if (command.empty()) {
     std::fprintf(stderr, "conveyor launch: nothing to run; write the command after --, e.g. "
                          "conveyor launch -n 2 -- python train.py\n");

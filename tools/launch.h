@@ -53,4 +53,12 @@ Result<JobConfig> parse_job_config(const std::string& text, const std::string& s
 /// Runs `command` as the job's local processes; returns the launcher's exit status.
 int launch(const JobConfig& config, const std::vector<std::string>& command);
 
+/// The most processes a job has (hosts x processes per host): ranks stay far inside an int.
+inline constexpr long long kMostProcesses = 1 << 20;
+
+/// Whatever way a JobConfig was made (flags, a config file, both): its hosts and master
+/// address are host names or addresses, and its world size is at most kMostProcesses. The
+/// error names the value, excerpted and printable.
+Status check_job(const JobConfig& config);
+
 }  // namespace conveyor::tools

@@ -361,3 +361,15 @@ def test_when_process_0_finds_no_plan_every_process_says_why(tmp_path):
     assert ("DoesNotFitError: process 0 found no plan: no plan fits" in out
             or "DoesNotFitError: no plan fits" in out), out[-4000:]
     assert time.monotonic() - start < 60, "the refusal waited for a timeout"
+
+
+def test_hosts_addresses_and_world_size_are_checked_however_given(tmp_path):
+    """Flags are checked as a job config's are, and the world size cannot overflow: 2,048
+    processes on each of 1,048,577 hosts launched with RANK=-2147483648 before."""
+    hosts = tmp_path / "many_hosts.toml"
+    hosts.write_text("[job]\nprocesses = 2048\nmaster_port = 5\nhosts = [" + ",".join(['"h"'] * 1048577) + "]\n")
+    for args, says in [(["--config", hosts], "make 2147485696 processes; a job has 1 to 1048576"),
+                       (["-n", 2, "--hosts", "a;rm -rf x,b", "--master-port", 5], "host 'a;rm -rf x' is not a host name"),
+                       (["-n", 2, "--master-addr", "\x1b[31mx"], "master address '?[31mx' is not a host name")]:
+        code, out = launch(*args, "--", sys.executable, "-c", "pass", timeout=60)
+        assert code == 2 and says in out, out
