@@ -20,8 +20,10 @@ constexpr int kPlanVersion = 1;
 json link_json(const Link& l) { return {{"bandwidth_bytes_per_s", l.bandwidth_bytes_per_s}, {"latency_s", l.latency_s}}; }
 
 Link parse_link(const json& j, const std::string& path) {
-  return {as_amount(field(j, path, "bandwidth_bytes_per_s"), path + "/bandwidth_bytes_per_s"),
-          as_amount(field(j, path, "latency_s"), path + "/latency_s")};
+  const double bandwidth = as_amount(field(j, path, "bandwidth_bytes_per_s"), path + "/bandwidth_bytes_per_s");
+  // A link of no bandwidth is no link: it priced every transfer as free.
+  if (bandwidth <= 0) throw JsonError(path + "/bandwidth_bytes_per_s", "expected a bandwidth > 0");
+  return {bandwidth, as_amount(field(j, path, "latency_s"), path + "/latency_s")};
 }
 
 }  // namespace

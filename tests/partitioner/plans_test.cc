@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include <set>
 #include <string>
 #include <vector>
@@ -178,6 +180,26 @@ TEST(Planner, PlanDocumentErrorsNameThePath) {
   auto bad2 = Plan::from_json(wrong);
   ASSERT_FALSE(bad2.is_ok());
   EXPECT_NE(bad2.status().message().find("/stages/"), std::string::npos) << bad2.status().message();
+  // A link of no bandwidth priced every transfer as free; a count past the schedule limit
+  // allocated until bad_alloc.
+  o.ranks = 2;  // two stages: a link between them
+  auto piped = make_plan(g, cluster, o);
+  ASSERT_TRUE(piped.is_ok()) << piped.status().to_string();
+  const auto doc_json = nlohmann::json::parse(piped->to_json());
+  ASSERT_FALSE(doc_json["links"].empty());
+  auto zero = doc_json;
+  zero["links"][0]["bandwidth_bytes_per_s"] = 0;
+  auto bad3 = Plan::from_json(zero.dump());
+  ASSERT_FALSE(bad3.is_ok());
+  EXPECT_NE(bad3.status().message().find("expected a bandwidth > 0"), std::string::npos) << bad3.status().message();
+  auto huge = doc_json;
+  huge["batch"] = 2147483647;
+  huge["microbatches"] = 2147483647;
+  auto loaded = Plan::from_json(huge.dump());
+  ASSERT_TRUE(loaded.is_ok()) << loaded.status().to_string();
+  auto sim = loaded->simulate();
+  ASSERT_FALSE(sim.is_ok());
+  EXPECT_NE(sim.status().message().find("65536 microbatches"), std::string::npos) << sim.status().message();
 }
 
 TEST(Planner, RejectsBadOptions) {
