@@ -543,13 +543,16 @@ class _Builder:
 
 
 def capture(model: torch.nn.Module, args=(), kwargs=None, *, dynamic_batch: bool = True,
-            meta_runs_on: torch.device | None = None) -> Graph:
+            meta_runs_on: torch.device | None = None, guards: bool = True) -> Graph:
     """Captures `model` called as `model(*args, **kwargs)` into a conveyor Graph.
 
     The batch dimension (dim 0 of the inputs) stays symbolic unless `dynamic_batch=False`
     or the model fixes it. Parameters and buffers are bound to the model's live tensors.
     `meta_runs_on`: a model and inputs on the meta device, traced there, whose graph runs on
     that device (the operators' device arguments say it instead of meta).
+    `guards`: a check of a tensor's values (`if not torch.isfinite(h).all()`, `torch._assert`)
+    is captured as the example takes it, under a guard that stops a step whose batch would take
+    the other way (guards.py); False: refused, as any branch on a value is.
     Raises CaptureError naming the construct and source line when the model cannot be captured.
     """
     if not isinstance(model, torch.nn.Module):
@@ -557,7 +560,8 @@ def capture(model: torch.nn.Module, args=(), kwargs=None, *, dynamic_batch: bool
     if not isinstance(args, tuple):
         args = tuple(args) if isinstance(args, list) else (args,)
     kwargs = dict(kwargs or {})
-    ep, dynamic = export_under_guards(_export, model, args, kwargs, dynamic_batch)
+    ep, dynamic = (export_under_guards(_export, model, args, kwargs, dynamic_batch) if guards
+                   else _export(model, args, kwargs, dynamic_batch))
     builder = _Builder(ep, model)
     doc, tensors = builder.build(dynamic)
     if meta_runs_on is not None:

@@ -83,12 +83,12 @@ def _capture_loss(model, options: Options, args: tuple, kwargs: dict):
         on_meta = [x.to("meta") if isinstance(x, torch.Tensor) else x for x in (*args, *kwargs.values())]
         with exported_on_meta(model, shapes=options.meta_shapes) as own:
             graph = capture(wrapper, tuple(on_meta[:len(args)]), dict(zip(kwargs, on_meta[len(args):])),
-                            meta_runs_on=_device_of(args, kwargs))
+                            meta_runs_on=_device_of(args, kwargs), guards=options.guards)
         graph.rebind({name: _off_meta(name, own.get(id(t), t), _device_of(args, kwargs))
                       for name, t in graph.tensors.items()})
         restore_placeholders(graph.tensors.values(), options.meta_shapes)  # released here: the executor checks shapes
     else:
-        graph = capture(wrapper, args, kwargs)
+        graph = capture(wrapper, args, kwargs, guards=options.guards)
     graph.modes = modes_of(model)  # a call in another mode needs another capture
     graph.output_type = wrapper.output_type()  # what a call returns with returns="model" (as_model.py)
     outputs = graph.document["outputs"]

@@ -81,7 +81,7 @@ class Module(torch.nn.Module):
                  plan: str | os.PathLike | None = None, transport: str | None = None, replan: str | None = None,
                  replan_horizon: int | None = None, recompute: bool | list | None = None,
                  max_sizes: dict | None = None, init=None, batches: str = "same",
-                 verbose: bool = True, returns: str = "loss"):
+                 verbose: bool = True, returns: str = "loss", guards: bool = True):
         super().__init__()
         check_meta_model(model, optimizer, init)
         meta_shapes = adopt_meta_model(model, optimizer)  # its tensors made after planning, each where read
@@ -90,7 +90,7 @@ class Module(torch.nn.Module):
                                   timeout=timeout, plan=plan, transport=transport, replan=replan,
                                   replan_horizon=replan_horizon, recompute=recompute, max_sizes=max_sizes,
                                   init=init, meta_shapes=meta_shapes, batches=batches,
-                                  verbose=verbose, returns=returns)
+                                  verbose=verbose, returns=returns, guards=guards)
         self.module = model
         self.optimizer = optimizer
         self.job = Job(options)

@@ -67,6 +67,11 @@ OPTIONS_HELP = """conveyor.Module(model, optimizer=None, **options): the options
                   forward returns, of the same type where that is a ModelOutput or dict, holding
                   the pipelined loss as `loss` and nothing else (bindings/conveyor/as_model.py),
                   as transformers' Trainer and Lightning read it
+    guards        True (default): a check of a tensor's values (`if not torch.isfinite(h).all()`,
+                  `torch._assert`) is captured as the example takes it, under a guard that stops
+                  a step whose batch would take the other way, naming its line
+                  (bindings/conveyor/guards.py); False: such a check is refused, as any branch on
+                  a tensor's value is
     verbose       True (default): a line per phase of the first call (captured, profiled,
                   planned, built) on process 0, through the "conveyor" logger; False: none
 """
@@ -99,6 +104,7 @@ class Options:
     meta_shapes: dict = None  # a model built on the meta device: its tensors' shapes by id (materialize.py)
     init: Any = None          # with it: init(name, meta_tensor) -> the tensor's first values
     seed: int = 0             # what its tensors' first values derive from, with their names
+    guards: bool = True       # checks of tensor values captured under guards (guards.py)
     returns: str = "loss"     # a call returns the loss, or the model's own output type holding it (as_model.py)
 
     @property
@@ -114,7 +120,7 @@ class Options:
 
 def resolve_options(model, optimizer, *, stages, replicas, microbatches, schedule, devices, cluster, trace, loss_fn,
                     timeout, plan, transport, replan, replan_horizon, recompute, max_sizes, init=None,
-                    meta_shapes=None, batches="same", verbose=True, returns="loss") -> Options:
+                    meta_shapes=None, batches="same", verbose=True, returns="loss", guards=True) -> Options:
     """The Module's arguments, checked (every misuse a ConveyorValueError naming it), with
     what `conveyor launch` (or its job config) asks of every process where not given."""
     launched = distributed.launch_settings()
@@ -147,4 +153,4 @@ def resolve_options(model, optimizer, *, stages, replicas, microbatches, schedul
                    replan=replan, replan_horizon=replan_horizon, recompute=recompute,
                    max_sizes=as_max_sizes(max_sizes), fixed=fixed, meta_shapes=meta_shapes or {}, init=init,
                    seed=torch.initial_seed(), batches=batches,
-                   verbose=bool(verbose), returns=returns)
+                   verbose=bool(verbose), returns=returns, guards=bool(guards))

@@ -61,6 +61,16 @@ def test_checks_of_tensor_values_are_captured_under_guards_naming_their_lines():
     assert graph.dynamic_batch
 
 
+def test_guards_off_refuses_a_check_as_any_branch_on_a_value():
+    x, y = torch.randn(6, 4), torch.randn(6, 4)
+    with pytest.raises(conveyor.CaptureError, match=r"test_guards.py:\d+"):
+        conveyor.capture(Checked(), (x, y), guards=False)
+    net = Checked()
+    model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.1), guards=False, verbose=False)
+    with pytest.raises(conveyor.CaptureError, match=r"test_guards.py:\d+"):
+        model.train_step(x, y)
+
+
 def test_a_branch_on_a_sum_is_still_refused_naming_its_line():
     with pytest.raises(conveyor.CaptureError, match=r"(?s)test_guards.py:\d+: if h.sum\(\) > 0.*data-dependent"):
         conveyor.capture(BranchesOnASum(), (torch.randn(6, 4),))
