@@ -129,21 +129,50 @@ inline void check_header(const json& doc, const char* format, int newest) {
   }
 }
 
+/// How deep a document's arrays and objects nest, read without building it (nlohmann's SAX
+/// interface); stops at kMaxDepth. The DOM parser's own depth callback made reading an array
+/// of n objects O(n^2) (its end_object walks the parent for discarded values).
+class DepthCheck : public nlohmann::json_sax<json> {
+ public:
+  bool too_deep = false;
+  bool null() override { return true; }
+  bool boolean(bool) override { return true; }
+  bool number_integer(number_integer_t) override { return true; }
+  bool number_unsigned(number_unsigned_t) override { return true; }
+  bool number_float(number_float_t, const string_t&) override { return true; }
+  bool string(string_t&) override { return true; }
+  bool binary(binary_t&) override { return true; }
+  bool start_object(std::size_t) override { return enter(); }
+  bool key(string_t&) override { return true; }
+  bool end_object() override { return leave(); }
+  bool start_array(std::size_t) override { return enter(); }
+  bool end_array() override { return leave(); }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override { return false; }
+
+ private:
+  int depth_ = 0;
+  bool enter() {
+    too_deep = ++depth_ > kMaxDepth;
+    return !too_deep;
+  }
+  bool leave() {
+    --depth_;
+    return true;
+  }
+};
+
 /// Parses `text` as one JSON document of at most kMaxDepth levels; invalid JSON, a number out
 /// of double's range and a document nested too deep become kFormat errors naming `document`.
+/// Linear in the text: the depth is checked by a first pass that builds nothing.
 inline Result<json> parse_json(std::string_view text, const std::string& document) {
-  struct TooDeep {};
-  try {
-    return json::parse(text.begin(), text.end(), [](int depth, json::parse_event_t event, json&) {
-      if ((event == json::parse_event_t::object_start || event == json::parse_event_t::array_start) &&
-          depth >= kMaxDepth) {
-        throw TooDeep{};
-      }
-      return true;
-    });
-  } catch (const TooDeep&) {
+  DepthCheck depth;
+  json::sax_parse(text.begin(), text.end(), &depth, nlohmann::detail::input_format_t::json, /*strict=*/true);
+  if (depth.too_deep) {
     return Status(ErrorCode::kFormat, document + " nests arrays and objects more than " + std::to_string(kMaxDepth) +
                                           " deep; conveyor's documents never do, so it is not one");
+  }
+  try {
+    return json::parse(text.begin(), text.end());
   } catch (const json::exception& e) {
     std::string what = e.what();  // may quote the offending bytes: keep it short and printable
     return Status(ErrorCode::kFormat, document + " is not valid JSON: " + printable(what, 300));

@@ -169,14 +169,14 @@ Result<Cluster> Cluster::from_toml(std::string_view text, const std::string& sou
         if (!v || !std::isfinite(*v) || *v <= 0) throw TomlError(s->line(), "speed must be a number > 0 (1 = the profiled device)");
         speed = *v;
       }
-      if (c.devices.size() + static_cast<std::size_t>(count) * static_cast<std::size_t>(devices) > (1u << 20)) {
+      if (c.devices.size() + static_cast<std::size_t>(count) * static_cast<std::size_t>(devices) > kMostDevices) {
         throw TomlError(t->line(), "more than 2^20 devices");
       }
       for (int n = 0; n < count; ++n, ++c.nodes) {
         for (int d = 0; d < devices; ++d) c.devices.push_back({c.nodes, d, memory, speed});
       }
     }
-    if (c.devices.size() > (1u << 20)) throw TomlError(1, "more than 2^20 devices");
+    if (c.devices.size() > kMostDevices) throw TomlError(1, "more than 2^20 devices");
     const toml::Node* link = root.get("link");
     if (!link || !link->as_table()) {
       throw TomlError(link ? link->line() : 1,

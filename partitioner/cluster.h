@@ -10,6 +10,9 @@
 
 namespace conveyor::partitioner {
 
+/// The most devices a cluster file or a plan describes (docs/formats.md, "Size limits").
+inline constexpr std::size_t kMostDevices = std::size_t{1} << 20;
+
 /// One device of a cluster: its memory, relative speed and node.
 struct Device {
   int node = 0;              ///< index of its machine

@@ -100,6 +100,7 @@ Result<Plan> Plan::from_json(std::string_view text) {
     if (doc.contains("search")) p.search = as_string(doc["search"], "/search");
     p.search_seconds = amount_or(doc, "", "search_seconds", 0);
     const auto& devs = as_array(field(doc, "", "devices"), "/devices");
+    if (devs.size() > kMostDevices) throw JsonError("/devices", "more than 2^20 devices");
     for (std::size_t i = 0; i < devs.size(); ++i) {
       const std::string path = "/devices/" + std::to_string(i);
       Device d;
