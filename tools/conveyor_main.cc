@@ -17,6 +17,7 @@
 #include "graph/partition.h"
 #include "common/env.h"
 #include "common/file.h"
+#include "common/printable.h"
 #include "partitioner/planner.h"
 #include "tools/launch.h"
 #include "trace/simulation_trace.h"
@@ -34,6 +35,9 @@ int fail(const Status& st) {
 using partitioner::human_bytes;
 using partitioner::human_seconds;
 
+// A name read from a file (an operator, an input, a track), as printed: printable and excerpted.
+std::string shown(const std::string& name) { return printable(name, 80); }
+
 int inspect(const std::string& path, int top) {
   auto file = load_graph_file(path);
   if (!file) return fail(file.status());
@@ -48,15 +52,15 @@ int inspect(const std::string& path, int top) {
   for (const auto& t : file->tensors) weight_bytes += static_cast<double>(t.bytes.size());
   std::printf("graph file   %s\n", path.c_str());
   std::printf("format       version %d", g.version);
-  for (const auto& [k, v] : g.producer) std::printf(", %s %s", k.c_str(), v.c_str());
+  for (const auto& [k, v] : g.producer) std::printf(", %s %s", shown(k).c_str(), shown(v).c_str());
   std::printf("\nnodes        %zu (%zu distinct operators)\n", g.nodes.size(), ops.size());
   std::printf("values       %zu\n", g.values.size());
   std::printf("inputs       %zu:", g.inputs.size());
   for (const auto& in : g.inputs) {
     const Value& v = g.values[in.value];
-    std::printf(" %s[", in.name.c_str());
+    std::printf(" %s[", shown(in.name).c_str());
     for (std::size_t d = 0; d < v.shape.size(); ++d) {
-      std::printf("%s%s", d ? "," : "", v.shape[d].is_symbolic() ? v.shape[d].symbol.c_str()
+      std::printf("%s%s", d ? "," : "", v.shape[d].is_symbolic() ? shown(v.shape[d].symbol).c_str()
                                                                    : std::to_string(v.shape[d].size).c_str());
     }
     std::printf("]");
@@ -64,7 +68,7 @@ int inspect(const std::string& path, int top) {
   std::printf("\noutputs      %zu\n", g.outputs.size());
   std::printf("bound        %zu parameters, %zu buffers, %zu constants; weights stored: %s\n", params,
               buffers, constants, file->tensors.empty() ? "no" : human_bytes(weight_bytes).c_str());
-  for (const auto& [sym, role] : g.symbols) std::printf("symbol       %s = %s\n", sym.c_str(), role.c_str());
+  for (const auto& [sym, role] : g.symbols) std::printf("symbol       %s = %s\n", shown(sym).c_str(), shown(role).c_str());
   auto groups = atomic_groups(g);
   std::size_t grouped = 0;
   for (const auto& gr : groups) grouped += gr.size();
@@ -75,7 +79,7 @@ int inspect(const std::string& path, int top) {
   std::sort(sorted.rbegin(), sorted.rend());
   std::printf("operators    (most used first)\n");
   for (int i = 0; i < top && i < static_cast<int>(sorted.size()); ++i) {
-    std::printf("  %6d  %s\n", sorted[i].first, sorted[i].second.c_str());
+    std::printf("  %6d  %s\n", sorted[i].first, shown(sorted[i].second).c_str());
   }
   return 0;
 }
@@ -93,7 +97,7 @@ int partition(const std::string& path, int stages, std::uint64_t seed, bool keep
     const auto& p = (*parts)[s];
     auto b = stage_boundary(g, p);
     std::printf("%-6zu %-7zu %-10zu %-10zu %s .. %s\n", s, p.size(), b.inputs.size(), b.outputs.size(),
-                g.nodes[p.front()].qualified_name().c_str(), g.nodes[p.back()].qualified_name().c_str());
+                shown(g.nodes[p.front()].qualified_name()).c_str(), shown(g.nodes[p.back()].qualified_name()).c_str());
   }
   return 0;
 }
@@ -223,9 +227,11 @@ int trace_check_command(const std::string& path) {
   if (!s) return fail(s.status());
   std::printf("%s: valid Perfetto trace: %zu tracks, %zu slices, %zu instants, %zu flows\n", path.c_str(), s->tracks,
               s->slices, s->instants, s->flows);
-  for (const auto& [name, count] : s->slices_by_name) std::printf("  %-12s %zu slices\n", name.empty() ? "(other)" : name.c_str(), count);
+  for (const auto& [name, count] : s->slices_by_name) {
+    std::printf("  %-12s %zu slices\n", name.empty() ? "(other)" : shown(name).c_str(), count);
+  }
   for (const auto& [track, count] : s->slices_by_track) {
-    std::printf("  on %-24s %zu slices\n", ("'" + track + "'").c_str(), count);
+    std::printf("  on %-24s %zu slices\n", ("'" + shown(track) + "'").c_str(), count);
   }
   return 0;
 }
@@ -273,7 +279,7 @@ int main(int argc, char** argv) {
           if (end == text.c_str() || *end != '\0' || !std::isfinite(v) || v < lo || v > hi) {
             char range[64];
             std::snprintf(range, sizeof range, "from %g to %g", lo, hi);
-            return "expected " + what + " " + range + ", not '" + text.substr(0, 40) + "'";
+            return "expected " + what + " " + range + ", not '" + printable(text, 40) + "'";
           }
           return "";
         },
@@ -324,7 +330,7 @@ int main(int argc, char** argv) {
         if (end == text.c_str() || *end != '\0' || !valid_seconds(s)) {
           char range[64];
           std::snprintf(range, sizeof range, "from %g to %g", kLeastSeconds, kMostSeconds);
-          return "expected a number of seconds " + std::string(range) + ", not '" + text.substr(0, 40) + "'";
+          return "expected a number of seconds " + std::string(range) + ", not '" + printable(text, 40) + "'";
         }
         return "";
       },

@@ -88,7 +88,7 @@ std::string text(const toml::Node& t, std::string_view key, const std::string& f
   auto v = n->string();
   if (!v) throw TomlError(n->line(), std::string(key) + " must be a string");
   if (std::string list = not_one_of(*v, choices); !list.empty()) {
-    throw TomlError(n->line(), std::string(key) + " = \"" + *v + "\" (expected one of " + list + ")");
+    throw TomlError(n->line(), std::string(key) + " = \"" + printable(*v, 40) + "\" (expected one of " + list + ")");
   }
   return *v;
 }
@@ -125,7 +125,7 @@ std::string describe_exit(int status) {
 Result<JobConfig> job_defaults_from_environment() {
   JobConfig c;
   const auto invalid = [](const char* name, const std::string& v, const std::string& expected) {
-    return Status(ErrorCode::kInvalidArgument, std::string(name) + "=\"" + v.substr(0, 80) + "\" in the environment: " +
+    return Status(ErrorCode::kInvalidArgument, std::string(name) + "=\"" + printable(v, 40) + "\" in the environment: " +
                                                    expected + " (set it so, or unset it)");
   };
   if (std::string v = env::job_setting("CONVEYOR_TIMEOUT"); !v.empty()) {
@@ -183,7 +183,7 @@ Result<JobConfig> parse_job_config(const std::string& content, const std::string
     c.node_rank = whole_number(t, "node_rank", 0, static_cast<int>(c.hosts.size()) - 1, 0);
     c.master_addr = text(t, "master_addr", c.master_addr);
     if (t.get("master_addr") && !host_name(c.master_addr)) {
-      throw TomlError(t.get("master_addr")->line(), "master_addr = \"" + c.master_addr.substr(0, 40) +
+      throw TomlError(t.get("master_addr")->line(), "master_addr = \"" + printable(c.master_addr, 40) +
                                                         "\" is not a host name or address");
     }
     c.master_port = whole_number(t, "master_port", 0, 65535, c.master_port);
@@ -193,12 +193,12 @@ Result<JobConfig> parse_job_config(const std::string& content, const std::string
     c.plan = text(t, "plan", c.plan);
     std::error_code ec;
     if (c.plan != "auto" && (access(c.plan.c_str(), R_OK) != 0 || std::filesystem::is_directory(c.plan, ec))) {
-      throw TomlError(t.get("plan")->line(), "plan = \"" + c.plan.substr(0, 200) + "\": no such readable file (or \"auto\")");
+      throw TomlError(t.get("plan")->line(), "plan = \"" + printable(c.plan, 40) + "\": no such readable file (or \"auto\")");
     }
     c.schedule = text(t, "schedule", c.schedule, kSchedules);
     c.trace = text(t, "trace", c.trace);
     if (const std::string dir = c.trace.empty() ? "" : missing_folder(c.trace); !dir.empty()) {
-      throw TomlError(t.get("trace")->line(), "trace = \"" + c.trace.substr(0, 200) + "\": the folder " + dir.substr(0, 200) +
+      throw TomlError(t.get("trace")->line(), "trace = \"" + printable(c.trace, 40) + "\": the folder " + printable(dir, 40) +
                                                   " does not exist (make it first)");
     }
     c.replan = text(t, "replan", c.replan, kReplans);

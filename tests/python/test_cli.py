@@ -70,3 +70,17 @@ def test_every_example_graph_plans_on_every_example_cluster_within_the_budget(gr
     assert progress and " searches done in " in progress[-1]
     done, total = progress[-1].split("planning: ")[1].split(" searches")[0].split(" of ")
     assert done == total, progress[-1]
+
+
+def test_names_read_from_files_are_printed_printable(tmp_path):
+    """A trace whose track and slice names hold terminal escapes: `trace check` prints them as
+    '?', never raw (common/printable.h, the one excerpt for every printed name)."""
+    trace = conveyor._C.PerfettoTrace()
+    track = trace.add_track("\x1b[31mred track")
+    trace.slice(track, 0, 10, "\x1b]0;title\x07slice")
+    path = tmp_path / "names.pftrace"
+    trace.write(str(path))
+    r = run("trace", "check", path)
+    assert r.returncode == 0, r.stderr
+    assert "\x1b" not in r.stdout and "\x07" not in r.stdout
+    assert "?[31mred track" in r.stdout, r.stdout
