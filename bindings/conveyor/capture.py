@@ -8,11 +8,15 @@ keeps updating the very tensors the graph runs with.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
+import logging
 import math
 import operator
 import os
 import re
+import sys
 import warnings
 from typing import Any
 
@@ -202,7 +206,7 @@ def _export(model, args, kwargs, dynamic_batch: bool) -> tuple[ExportedProgram, 
                 shapes = _dynamic_shapes(model, args, kwargs, batch, bounds, other_sizes)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    return torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=False), True
+                    return _export_quietly(model, args, kwargs, dynamic_shapes=shapes), True
             except Exception as exc:  # noqa: BLE001 - retried below, then reported
                 text = str(exc)
                 specialization = "batch" in text and ("specializ" in text or "constraint" in text.lower()
@@ -223,9 +227,48 @@ def _export(model, args, kwargs, dynamic_batch: bool) -> tuple[ExportedProgram, 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return torch.export.export(model, args, kwargs, strict=False), False
+            return _export_quietly(model, args, kwargs), False
     except Exception as exc:  # noqa: BLE001
         raise _capture_failure(model, exc) from exc
+
+
+def _export_quietly(model, args, kwargs, **options):
+    """torch.export.export (non-strict), without the partial graph torch prints to stderr
+    when an attempt fails (conveyor tries several, and says what failed in its own words);
+    anything else written to stderr meanwhile, such as the model's own prints, is kept."""
+    caught = io.StringIO()
+    failed = None
+    try:
+        with contextlib.redirect_stderr(caught):
+            return torch.export.export(model, args, kwargs, strict=False, **options)
+    except Exception as exc:
+        failed = exc
+        raise
+    finally:
+        text = caught.getvalue()
+        partial = getattr(failed, "partial_fx_graph", None)
+        if partial is not None:
+            text = text.replace(f"{partial}\n", "")
+        if text:
+            sys.stderr.write(text)
+
+
+@contextlib.contextmanager
+def _torch_logs_quiet():
+    """torch's own loggers below ERROR while conveyor exports: each attempt of a capture
+    (a symbolic batch, then fixed sizes, then guards) made torch log its warnings with the
+    whole graph ("Unable to find user code corresponding to {u0}" and the graph's code). What
+    conveyor concludes from them is its own error or one warning."""
+    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+               if name == "torch" or name.startswith("torch.")]
+    levels = [(lg, lg.level) for lg in loggers]
+    for lg, _ in levels:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in levels:
+            lg.setLevel(level)
 
 
 def _finite_int(bound) -> int | None:
@@ -560,8 +603,9 @@ def capture(model: torch.nn.Module, args=(), kwargs=None, *, dynamic_batch: bool
     if not isinstance(args, tuple):
         args = tuple(args) if isinstance(args, list) else (args,)
     kwargs = dict(kwargs or {})
-    ep, dynamic = (export_under_guards(_export, model, args, kwargs, dynamic_batch) if guards
-                   else _export(model, args, kwargs, dynamic_batch))
+    with _torch_logs_quiet():
+        ep, dynamic = (export_under_guards(_export, model, args, kwargs, dynamic_batch) if guards
+                       else _export(model, args, kwargs, dynamic_batch))
     builder = _Builder(ep, model)
     doc, tensors = builder.build(dynamic)
     if meta_runs_on is not None:

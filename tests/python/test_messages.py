@@ -2,6 +2,9 @@
 own name with loss_fn=, a loss_fn that cannot take the model's dict output, a cluster file
 with a typo (named with its line), and one that describes another machine. (A batch smaller
 than the plan's microbatches points to drop_last: tests/runtime/layout_test.cc.)"""
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -88,3 +91,32 @@ def test_the_first_call_says_each_phase_in_a_line_unless_asked_not_to(capfd):
     quiet = conveyor.Module(net, loss_fn=torch.nn.functional.mse_loss, verbose=False)
     quiet(torch.randn(8, 4), target=torch.randn(8, 2))
     assert "conveyor: " not in capfd.readouterr().err
+
+
+TORCH_SPEAKS = """
+import torch, conveyor
+class Sum(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 4)
+    def forward(self, x):
+        print("the model's own print")
+        h = self.layer(x)
+        if h.sum() > 0:
+            h = -h
+        return h.pow(2).mean()
+try:
+    conveyor.capture(Sum(), (torch.randn(6, 4),))
+except conveyor.CaptureError as e:
+    print("refused:", str(e).splitlines()[0][:60])
+"""
+
+
+def test_torch_export_says_nothing_of_its_own_on_a_refused_capture():
+    """Each failed attempt of torch.export printed the partial graph to stderr and logged
+    'Unable to find user code' (several screens for one refusal); conveyor's error says it
+    once. The model's own prints still reach the user."""
+    r = subprocess.run([sys.executable, "-c", TORCH_SPEAKS], capture_output=True, text=True, timeout=120)
+    assert "refused: cannot capture Sum" in r.stdout, r.stdout + r.stderr
+    assert "the model's own print" in r.stdout
+    assert "def forward(self" not in r.stderr and "Unable to find user code" not in r.stderr, r.stderr[:2000]
