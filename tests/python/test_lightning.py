@@ -13,19 +13,9 @@ import conveyor  # noqa: E402
 from conveyor.lightning import ConveyorStrategy  # noqa: E402
 
 import zoo  # noqa: E402
+from zoo import Tokens  # noqa: E402
 
 TOLERANCE = 1e-9
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, rows: int, seq: int = 16, vocab: int = 96, seed: int = 0):
-        self.ids = torch.randint(0, vocab, (rows, seq), generator=torch.Generator().manual_seed(seed))
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 class LitBert(pl.LightningModule):

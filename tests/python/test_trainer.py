@@ -25,6 +25,7 @@ import conveyor  # noqa: E402
 from conveyor.trainer import ConveyorTrainer  # noqa: E402
 
 import zoo  # noqa: E402
+from zoo import Tokens  # noqa: E402
 from conftest import free_port  # noqa: E402
 
 TOLERANCE = 1e-9
@@ -41,20 +42,6 @@ def float64_causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, 
                                        ignore_index=ignore_index,
                                        reduction="sum" if num_items_in_batch is not None else "mean")
     return loss / num_items_in_batch if num_items_in_batch is not None else loss
-
-
-class Tokens(torch.utils.data.Dataset):
-    """Rows of random tokens, each its own labels (whole rows: every batch holds as many
-    label tokens, where Trainer's token-weighted loss and conveyor's mean agree)."""
-
-    def __init__(self, rows: int, seq: int = 16, vocab: int = 96, seed: int = 0):
-        self.ids = torch.randint(0, vocab, (rows, seq), generator=torch.Generator().manual_seed(seed))
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 @pytest.fixture

@@ -313,3 +313,17 @@ CASES: dict[str, Callable[..., ZooCase]] = {
 MORE_CASES: dict[str, Callable[..., ZooCase]] = {
     "qwen2": qwen2, "gemma2": gemma2, "bart": bart, "swin": swin, "convnext": convnext, "mobilenet_v3": mobilenet_v3,
 }
+
+
+class Tokens(torch.utils.data.Dataset):
+    """Rows of random tokens, each its own labels (whole rows: every batch holds as many
+    label tokens, where Trainer's token-weighted loss and conveyor's mean agree)."""
+
+    def __init__(self, rows: int, seq: int = 16, vocab: int = 96, seed: int = 0):
+        self.ids = torch.randint(0, vocab, (rows, seq), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
