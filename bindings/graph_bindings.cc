@@ -10,6 +10,7 @@
 #include "graph/partition.h"
 #include "partitioner/planner.h"
 #include "partitioner/replan.h"
+#include "runtime/batch_layout.h"
 #include "scheduler/schedule.h"
 
 namespace conveyor::bindings {
@@ -81,6 +82,14 @@ void bind_graph(py::module_& m) {
       .def_property_readonly("num_nodes", [](const PyGraph& g) { return g.graph.nodes.size(); })
       .def_property_readonly("num_values", [](const PyGraph& g) { return g.graph.values.size(); })
       .def("atomic_groups", [](const PyGraph& g) { return atomic_groups(g.graph); })
+      .def("loss_reduction", [](const PyGraph& g) -> std::optional<py::tuple> {
+        std::vector<NodeId> all(g.graph.nodes.size());
+        for (std::size_t i = 0; i < all.size(); ++i) all[i] = static_cast<NodeId>(i);
+        auto layout = runtime::BatchLayout::analyze(g.graph, {all}, {1});
+        if (!layout.is_ok()) return std::nullopt;
+        const auto& found = layout.value().loss_reduction;
+        return py::make_tuple(runtime::loss_reduction_name(found.reduction), found.why);
+      }, "(how, why) as PipelineStep.loss_reduction, for the graph whole; None where it returns no scalar loss.")
       .def("check_stage", [](const PyGraph& g, const std::vector<NodeId>& nodes) {
         check(check_stage(g.graph, nodes));
       })

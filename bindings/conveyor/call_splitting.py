@@ -30,7 +30,7 @@ import warnings
 import torch
 
 from .errors import ConveyorValueError
-from .graph import node_value_inputs
+from .document import node_value_inputs
 from .row_order import key_order_problems
 
 __all__ = ["why_calls_stay_whole", "refuse_to_split", "warn_of_a_loss_split_changes", "where_samples_mix"]

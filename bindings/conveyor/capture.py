@@ -14,7 +14,6 @@ import io
 import logging
 import math
 import operator
-import os
 import re
 import sys
 import warnings
@@ -26,6 +25,8 @@ import torch.utils._pytree as pytree
 from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
+from .capture_failure import FRAME, capture_failure, is_user_path
+from .counted_targets import with_counted_means_summed
 from .errors import CaptureError
 from .graph import Graph
 from . import guards
@@ -43,8 +44,6 @@ _SYM_OPS = {
 if hasattr(torch, "sym_sqrt"):
     _SYM_OPS[torch.sym_sqrt] = "sqrt"
 
-_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep  # with the separator: torchvision/ is not torch's
 
 # Ops that update running statistics in training mode although their schema does not say so
 # (no `(a!)`): (running_mean, running_var, the training flag) argument positions. The graph
@@ -69,68 +68,11 @@ def _is_list_type(t) -> bool:
 
 
 def _source_of(node: torch.fx.Node) -> str:
-    frames = [(p, l) for p, l in _FRAME.findall(node.meta.get("stack_trace") or "") if _is_user_path(p)]
+    frames = [(p, l) for p, l in FRAME.findall(node.meta.get("stack_trace") or "") if is_user_path(p)]
     if not frames:
         return ""
     path, line = frames[-1]
     return f"{path}:{line}"
-
-
-def _is_user_path(path: str) -> bool:
-    """Frames in torch, generated code or guards.py's Tensor.__bool__ say nothing of the user's model."""
-    return not path.startswith(_TORCH_DIR) and not path.startswith("<") and path != guards.__file__
-
-
-def _user_frame(text: str) -> str | None:
-    """The innermost source location in `text` that is not inside torch itself."""
-    frames = [(p, l) for p, l in _FRAME.findall(text) if _is_user_path(p)]
-    if not frames:
-        return None
-    path, line = frames[-1]
-    code = ""
-    try:
-        with open(path, encoding="utf-8") as f:
-            code = f.readlines()[int(line) - 1].strip()
-    except (OSError, IndexError, ValueError):
-        pass
-    return f"{path}:{line}" + (f": {code}" if code else "")
-
-
-def _capture_failure(model: torch.nn.Module, exc: BaseException) -> CaptureError:
-    text = f"{type(exc).__name__}: {exc}"
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    where = _user_frame(str(exc)) or _user_frame("".join(_traceback_lines(exc)))
-    hint = ""
-    low = text.lower()
-    if "extract specialized integer" in low or "trunctoint" in low:
-        hint = ("the model reads a tensor's value as a Python number (.item(), int(tensor)) and uses it as a "
-                "size or an index, so the graph would differ from input to input; compute that number outside "
-                "the model (in the data loader, or as an argument), or keep it a tensor (torch.where, indexing "
-                "with a tensor)")
-    elif ("data-dependent" in low or "data dependent" in low) and any(
-            getattr(getattr(m, "config", None), "_experts_implementation", None) == "eager" for m in model.modules()):
-        hint = ("transformers' eager experts loop over the experts each batch routes to; build the model with "
-                "experts_implementation=\"grouped_mm\" (transformers' default), which conveyor captures")
-    elif "data-dependent" in low or "data dependent" in low or "guard on data" in low:
-        hint = ("the model branches on the value of a tensor (data-dependent control flow); "
-                "conveyor needs a graph that is the same for every input: use torch.where or "
-                "torch.cond instead of a Python if on tensor values")
-    elif "cache" in low and "pytree" in low:
-        hint = ("the model returns a cache object; for training set use_cache=False in the "
-                "model's config (or pass use_cache=False)")
-    elif "higher_order" in low or "higher-order" in low:
-        hint = "the model uses a higher-order operator conveyor cannot run"
-    msg = f"cannot capture {type(model).__name__}: {first}"
-    if where:
-        msg += f"\n  at {where}"
-    if hint:
-        msg += f"\n  hint: {hint}"
-    return CaptureError(msg)
-
-
-def _traceback_lines(exc: BaseException) -> list[str]:
-    import traceback
-    return traceback.format_exception(type(exc), exc, exc.__traceback__)
 
 
 def _dynamic_shapes(model, args, kwargs, batch: int, bounds: dict[str, int] | None = None, other_sizes: bool = True):
@@ -215,7 +157,7 @@ def _export(model, args, kwargs, dynamic_batch: bool) -> tuple[ExportedProgram, 
                     if other_sizes:  # sizes other than the batch fixed, as captured
                         other_sizes = False
                         continue
-                    raise _capture_failure(model, exc) from exc
+                    raise capture_failure(model, exc) from exc
                 narrower = _suggested_batch_bounds(text)
                 if narrower is None or narrower == bounds:
                     break
@@ -229,7 +171,7 @@ def _export(model, args, kwargs, dynamic_batch: bool) -> tuple[ExportedProgram, 
             warnings.simplefilter("ignore")
             return _export_quietly(model, args, kwargs), False
     except Exception as exc:  # noqa: BLE001
-        raise _capture_failure(model, exc) from exc
+        raise capture_failure(model, exc) from exc
 
 
 def _export_quietly(model, args, kwargs, **options):
@@ -613,11 +555,12 @@ def capture(model: torch.nn.Module, args=(), kwargs=None, *, dynamic_batch: bool
             for arg in node["args"]:
                 if arg.get("device") == "meta":
                     arg["device"] = str(meta_runs_on)
+    doc, counted = with_counted_means_summed(doc)
     user_positions = _user_leaf_positions(args, kwargs)
     call = ep.module_call_graph[0].signature
     graph = Graph.from_document(doc, tensors, in_spec=call.in_spec if call else None,
                                 out_spec=call.out_spec if call else None,
-                                input_positions=user_positions, dynamic_batch=dynamic)
+                                input_positions=user_positions, dynamic_batch=dynamic, counted_targets=counted)
     graph.call_constants = {i: x for i, x in enumerate(pytree.tree_leaves((args, kwargs)))
                             if not isinstance(x, torch.Tensor)}
     return graph

@@ -45,7 +45,7 @@ def call_mismatch(graph, args: tuple, kwargs: dict, modes: tuple) -> tuple[str, 
     if changed is not None:
         return (f"{changed}: the graph holds the model's non-tensor arguments as constants",
                 "pass a value that changes from call to call as a tensor")
-    size = fixed_size_mismatch(graph, graph.flatten_inputs(args, kwargs))
+    size = fixed_size_mismatch(graph, graph.user_inputs(args, kwargs))
     if size is not None:
         return f"{size}: the model fixes that size", "pad batches to a few sizes (bucket the lengths) so that few " \
                                                      "captures serve them"
@@ -59,7 +59,7 @@ def fixed_size_mismatch(graph, inputs: list) -> str | None:
     fit (the inputs may still be wrong in other ways, which the graph's own checks name). The
     batch's range is about shares, which the pipeline checks."""
     doc = graph.document
-    if len(inputs) != len(doc["inputs"]):
+    if len(inputs) not in (len(doc["inputs"]), len(doc["inputs"]) - len(graph.counted_targets)):
         return None
     ranges, symbols = doc.get("ranges", {}), doc.get("symbols", {})
     for _, name, x, d, size in input_dims(graph, inputs):

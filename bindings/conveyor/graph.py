@@ -9,6 +9,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from . import _C
+from .counted_targets import count_targets, targets_document
 from .errors import ConveyorValueError, GraphFormatError
 
 
@@ -45,7 +46,7 @@ def _checked_extra(doc: dict, path) -> dict:
     if positions is not None and (not isinstance(positions, list) or
                                   not all(type(k) is int and k >= 0 for k in positions)):
         raise bad(f"input_positions is {_C.printable(repr(positions))}, not a list of argument positions")
-    if positions is not None and len(positions) != inputs:
+    if positions is not None and not extra.get("counted_targets") and len(positions) != inputs:
         raise bad(f"input_positions names {len(positions)} arguments for {inputs} graph inputs")
     for key, count in (("in_spec", None), ("out_spec", outputs)):
         text = extra.get(key)
@@ -58,22 +59,20 @@ def _checked_extra(doc: dict, path) -> dict:
             raise bad(f"{key} has {spec.num_leaves} leaves for {count} graph outputs")
     if not isinstance(extra.get("dynamic_batch", True), bool):
         raise bad("dynamic_batch is not true or false")
+    counted = extra.get("counted_targets") or []
+    input_ids = [i.get("value") for i in doc.get("inputs") or []]
+    value_count = len(doc.get("values") or [])
+    bound = {b.get("name") for b in doc.get("bindings") or []}
+    if not isinstance(counted, list) or not all(
+            isinstance(e, dict) and e.get("input") in input_ids[-len(counted):] and
+            type(e.get("target")) is int and 0 <= e["target"] < value_count and
+            type(e.get("ignore_index")) is int and (e.get("weight") is None or e.get("weight") in bound)
+            for e in counted):
+        raise bad(f"counted_targets is {_C.printable(repr(counted))[:200]}, not a list of the last inputs' counted "
+                  "targets")
+    if positions is not None and counted and len(positions) + len(counted) != inputs:
+        raise bad(f"input_positions names {len(positions)} arguments for {inputs - len(counted)} graph inputs")
     return extra
-
-
-def node_value_inputs(node: dict) -> list[int]:
-    """The value ids a node of a graph document reads, lists flattened, in argument order."""
-    out = []
-
-    def walk(arg):
-        if "value" in arg:
-            out.append(arg["value"])
-        for item in arg.get("list", []):
-            walk(item)
-
-    for a in node["args"]:
-        walk(a)
-    return out
 
 
 class Graph:
@@ -86,13 +85,17 @@ class Graph:
 
     def __init__(self, ir: "_C.GraphIR", tensors: dict[str, torch.Tensor], *, in_spec=None,
                  out_spec=None, input_positions: Sequence[int] | None = None,
-                 dynamic_batch: bool = True):
+                 dynamic_batch: bool = True, counted_targets: list[dict] | None = None):
         self._ir = ir
         self._tensors = dict(tensors)
         self._in_spec = in_spec
         self._out_spec = out_spec
         self._input_positions = list(input_positions) if input_positions is not None else None
         self.dynamic_batch = dynamic_batch
+        # Losses averaged over counted targets, each divided by the call's count, the last
+        # inputs (counted_targets.py): what they count, and the graph computing the targets.
+        self.counted_targets = list(counted_targets or [])
+        self._targets_graph: Graph | None = None
         # The capture's call's non-tensor arguments (a flag, a temperature) by leaf position:
         # the graph holds them as constants. Set by capture; unknown for a loaded graph.
         self.call_constants: dict[int, Any] = {}
@@ -109,17 +112,19 @@ class Graph:
     # -- construction ---------------------------------------------------------------------
     @classmethod
     def from_document(cls, doc: dict, tensors: dict[str, torch.Tensor], *, in_spec=None,
-                      out_spec=None, input_positions=None, dynamic_batch=True) -> "Graph":
+                      out_spec=None, input_positions=None, dynamic_batch=True,
+                      counted_targets: list[dict] | None = None) -> "Graph":
         doc = dict(doc)
         doc["extra"] = {
             "in_spec": _spec_dumps(in_spec),
             "out_spec": _spec_dumps(out_spec),
             "input_positions": list(input_positions) if input_positions is not None else None,
             "dynamic_batch": dynamic_batch,
+            **({"counted_targets": counted_targets} if counted_targets else {}),
         }
         ir = _C.GraphIR(json.dumps(doc))
         return cls(ir, tensors, in_spec=in_spec, out_spec=out_spec,
-                   input_positions=input_positions, dynamic_batch=dynamic_batch)
+                   input_positions=input_positions, dynamic_batch=dynamic_batch, counted_targets=counted_targets)
 
     @classmethod
     def load(cls, path: str, model: torch.nn.Module | None = None) -> "Graph":
@@ -158,7 +163,8 @@ class Graph:
         return cls(ir, tensors, in_spec=_spec_loads(extra.get("in_spec")),
                    out_spec=_spec_loads(extra.get("out_spec")),
                    input_positions=extra.get("input_positions"),
-                   dynamic_batch=bool(extra.get("dynamic_batch", True)))
+                   dynamic_batch=bool(extra.get("dynamic_batch", True)),
+                   counted_targets=extra.get("counted_targets"))
 
     def save(self, path: str, *, weights: bool = True) -> None:
         """Writes the graph (and, by default, its parameters, buffers and constants)."""
@@ -205,6 +211,7 @@ class Graph:
         """Binds the graph to `tensors` by name instead (its executor made again on next use)."""
         self._tensors = dict(tensors)
         self._executor = None
+        self._targets_graph = None
 
     @property
     def executor(self) -> "_C.GraphExecutor":
@@ -213,7 +220,14 @@ class Graph:
         return self._executor
 
     def flatten_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-        """The graph's inputs, in order, from a call's positional and keyword arguments."""
+        """The graph's inputs, in order, from a call's positional and keyword arguments: the
+        call's tensors, then the counts of targets its losses average over (counted_targets.py),
+        which runs the nodes making the targets."""
+        inputs = self.user_inputs(args, kwargs)
+        return inputs + self.count_targets(inputs)
+
+    def user_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        """The graph's inputs that come from a call's arguments (all but the counts), in order."""
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
         if self._in_spec is not None and spec != self._in_spec:
             raise ConveyorValueError(
@@ -226,7 +240,7 @@ class Graph:
         positions = self._input_positions
         if positions is None:
             positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-        n = len(self.document["inputs"])
+        n = len(self.document["inputs"]) - len(self.counted_targets)
         if len(positions) != n:
             raise ConveyorValueError(f"the graph takes {n} tensor inputs but the call provides "
                                      f"{len(positions)}")
@@ -238,6 +252,31 @@ class Graph:
                                          "was captured with a tensor there; pass a tensor")
             out.append(leaves[p])
         return out
+
+    def count_targets(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The counts of targets the graph's losses average over (counted_targets.py), for a
+        call with the user's `inputs`: the graph's last inputs."""
+        if not self.counted_targets:
+            return []
+        if self._targets_graph is None:
+            doc = targets_document(self.document, self.counted_targets)
+            read = {b["name"] for b in doc["bindings"]}
+            self._targets_graph = Graph(_C.GraphIR(json.dumps(doc)),
+                                        {k: t for k, t in self._tensors.items() if k in read})
+        with torch.no_grad():
+            targets = self._targets_graph.executor.run(inputs)
+        values = self.document["values"]
+        dtypes = [getattr(torch, values[e["input"]]["dtype"]) for e in self.counted_targets]
+        return count_targets(targets, self.counted_targets, self._tensors, dtypes)
+
+    def counted_over(self, calls: list[list]) -> list[list]:
+        """Flattened inputs of calls making one step (packed microbatches), each call's counts
+        made the step's: the losses average over the targets of all the calls."""
+        k = len(self.counted_targets)
+        if not k or len(calls) < 2:
+            return calls
+        totals = [sum(call[len(call) - k + j] for call in calls) for j in range(k)]
+        return [call[:len(call) - k] + totals for call in calls]
 
     def constant_mismatch(self, args: tuple, kwargs: dict) -> str | None:
         """Where a call's non-tensor arguments differ from the capture's, which the graph holds

@@ -12,7 +12,8 @@ Each microbatch is one microbatch of the pipeline's schedule (its replicas split
 checked against the capture (its symbolic sizes within their ranges) before anything runs.
 The step's loss is every microbatch's loss weighted by its rows over the step's, so its
 gradients are those of eager training on the same microbatches with the same weights:
-sum_k loss(mb_k) * rows_k / sum_j rows_j.
+sum_k loss(mb_k) * rows_k / sum_j rows_j. A loss averaged over counted targets (labels
+with ignore_index, counted_targets.py) is the mean over every counted target of the step.
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ combined with rows in another order, or rows returned still in key order.
 """
 from __future__ import annotations
 
-from .graph import node_value_inputs
+from .document import node_value_inputs
 
 __all__ = ["key_order_problems"]
 

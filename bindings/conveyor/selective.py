@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .graph import node_value_inputs
+from .document import node_value_inputs
 
 
 class SelectiveAccounting:

@@ -50,7 +50,13 @@ class StepRunner:
             raise ConveyorValueError("Microbatches are one training step; to evaluate, call the model on each batch")
         first_args, first_kwargs = packed.calls[0]
         graph = self.captures.select(first_args, first_kwargs, packed).graph
-        calls = [graph.flatten_inputs(args, kwargs) for args, kwargs in packed.calls]
+        calls = []
+        for k, (args, kwargs) in enumerate(packed.calls):
+            try:
+                calls.append(graph.flatten_inputs(args, kwargs))
+            except ConveyorValueError as e:  # the counts of targets run the inputs (counted_targets.py)
+                raise type(e)(f"microbatch {k}: {e}") from e
+        calls = graph.counted_over(calls)
         if any(isinstance(t, torch.Tensor) and t.requires_grad for inputs in calls for t in inputs):
             raise ConveyorValueError("an input of the packed microbatches requires a gradient, which a packed step does "
                                      "not compute; pass inputs that need gradients as one batch (model(x) or "

@@ -25,11 +25,12 @@ prepares the optimizer and dataloaders but never wraps the model (no DDP: convey
 replicas are its data parallelism).
 
 What differs, and why:
-- The loss. conveyor's step averages its microbatches' losses, so `num_items_in_batch` is not
-  passed to the model (`model_accepts_loss_kwargs = False`): each batch's loss is the model's
-  own mean, and Trainer divides it by the accumulation steps. That equals transformers'
-  token-weighted loss where every batch holds the same number of label tokens (no padding);
-  with padding each batch, and each microbatch, weighs alike.
+- The loss. `num_items_in_batch` is not passed to the model (`model_accepts_loss_kwargs =
+  False`): each batch's loss is the model's own mean over the tokens it counts (exact however
+  conveyor splits the batch: counted_targets.py), and Trainer divides it by the accumulation
+  steps. That equals transformers' token-weighted loss where the accumulated batches hold as
+  many label tokens; where padding makes them differ, each accumulated batch weighs alike
+  instead of by its tokens.
 - Checkpoints. `checkpoint-<step>/conveyor/` is conveyor.Module.save_checkpoint's folder (the
   model and optimizer, each process writing what it owns), beside Trainer's scheduler,
   random states and trainer_state.json; `resume_from_checkpoint` reads it on any plan and

@@ -1,7 +1,7 @@
 """Packed microbatches (bindings/conveyor/microbatches.py): one step over microbatches the
 caller made, each with its own rows and sequence length (attention masks for the padding
-inside each), trains exactly like eager on the same microbatches, each loss weighted by its
-rows (float64, 1e-9), under 1F1B and ZB-H1, with replicas, in one process and in two; a bad
+inside each), trains exactly like eager on the same microbatches, each loss (a mean over its
+counted tokens) weighted by its tokens over the step's (float64, 1e-9), under 1F1B and ZB-H1, with replicas, in one process and in two; a bad
 microbatch is refused before anything runs, naming it."""
 import copy
 import os
@@ -31,11 +31,11 @@ def packed_like_eager(case, model, steps, generator):
         microbatches = [zoo.padded_tokens(rows, seq, 96, generator=generator) for rows, seq in shapes]
         loss = model.train_step(conveyor.Microbatches(microbatches)).item()
         ref_opt.zero_grad(set_to_none=True)
-        total, rows = 0, sum(r for r, _ in shapes)
+        total, tokens = 0, sum(_counted(mb) for mb in microbatches)
         torch.set_num_threads(model.job.threads_per_device())
         try:
-            for (r, _), mb in zip(shapes, microbatches):
-                part = case.loss(ref(**mb)) * (r / rows)  # one rounding, as the pipeline weighs a share
+            for mb in microbatches:
+                part = case.loss(ref(**mb, num_items_in_batch=tokens))  # the step's mean over its tokens
                 part.backward()
                 total = total + part.detach()  # in the loss's own dtype, as the pipeline sums
         finally:
@@ -45,6 +45,11 @@ def packed_like_eager(case, model, steps, generator):
     for p, q in zip(case.model.parameters(), ref.parameters()):
         worst = max(worst, ((p - q).abs().max() / q.abs().max().clamp_min(1e-12)).item())
     return worst
+
+
+def _counted(microbatch: dict) -> int:
+    """The tokens a causal LM's loss counts: labels shifted by one, -100 (padding) not counted."""
+    return int((microbatch["labels"][:, 1:] != -100).sum())
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])

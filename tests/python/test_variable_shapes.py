@@ -25,7 +25,9 @@ TOLERANCE = 1e-9
 def train_like_eager(case, model, batches, shares: int, momentum: float = 0.0):
     """Trains `model` (a conveyor.Module over case.model) and an eager copy on `batches`,
     each step's loss the mean of `shares` equal parts of the batch (what the pipeline's
-    microbatches and last-stage replicas compute), and checks losses and weights."""
+    microbatches and last-stage replicas compute) or, for a causal LM's padded labels, the sum
+    over its parts of their tokens' losses over the batch's tokens (the whole batch's mean,
+    counted_targets.py), and checks losses and weights."""
     ref = copy.deepcopy(case.model)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=momentum)
     threads = torch.get_num_threads()
@@ -38,8 +40,10 @@ def train_like_eager(case, model, batches, shares: int, momentum: float = 0.0):
         # float32 even in a float64 model, and its reductions' order follows the threads.
         torch.set_num_threads(model.job.threads_per_device())
         try:
+            tokens = int((kwargs["labels"][:, 1:] != -100).sum()) if "labels" in kwargs else None
             for a, k in split_batch(args, kwargs, shares, batch):
-                part = case.loss(ref(*a, **k)) / shares
+                part = (case.loss(ref(*a, **k, num_items_in_batch=tokens)) if tokens is not None else
+                        case.loss(ref(*a, **k)) / shares)
                 part.backward()
                 want = want + part.detach()
         finally:

@@ -24,7 +24,8 @@ import torch
 
 from .. import _C, environment
 from ..errors import ConveyorValueError
-from ..graph import Graph, node_value_inputs
+from ..document import node_value_inputs
+from ..graph import Graph
 from ..materialize import is_placeholder, units_made
 from ..selective import SelectiveAccounting
 

@@ -1,0 +1,72 @@
+"""Why a model could not be captured, said the user's way: the first line of torch's error,
+the innermost line of the user's own code it came from, and a hint naming what to change
+(capture.py raises what capture_failure makes)."""
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+from . import guards
+from .errors import CaptureError
+
+FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep  # with the separator: torchvision/ is not torch's
+
+
+def is_user_path(path: str) -> bool:
+    """Frames in torch, generated code or guards.py's Tensor.__bool__ say nothing of the user's model."""
+    return not path.startswith(_TORCH_DIR) and not path.startswith("<") and path != guards.__file__
+
+
+def _user_frame(text: str) -> str | None:
+    """The innermost source location in `text` that is not inside torch itself."""
+    frames = [(p, l) for p, l in FRAME.findall(text) if is_user_path(p)]
+    if not frames:
+        return None
+    path, line = frames[-1]
+    code = ""
+    try:
+        with open(path, encoding="utf-8") as f:
+            code = f.readlines()[int(line) - 1].strip()
+    except (OSError, IndexError, ValueError):
+        pass
+    return f"{path}:{line}" + (f": {code}" if code else "")
+
+
+def capture_failure(model: torch.nn.Module, exc: BaseException) -> CaptureError:
+    text = f"{type(exc).__name__}: {exc}"
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    where = _user_frame(str(exc)) or _user_frame("".join(_traceback_lines(exc)))
+    hint = ""
+    low = text.lower()
+    if "extract specialized integer" in low or "trunctoint" in low:
+        hint = ("the model reads a tensor's value as a Python number (.item(), int(tensor)) and uses it as a "
+                "size or an index, so the graph would differ from input to input; compute that number outside "
+                "the model (in the data loader, or as an argument), or keep it a tensor (torch.where, indexing "
+                "with a tensor)")
+    elif ("data-dependent" in low or "data dependent" in low) and any(
+            getattr(getattr(m, "config", None), "_experts_implementation", None) == "eager" for m in model.modules()):
+        hint = ("transformers' eager experts loop over the experts each batch routes to; build the model with "
+                "experts_implementation=\"grouped_mm\" (transformers' default), which conveyor captures")
+    elif "data-dependent" in low or "data dependent" in low or "guard on data" in low:
+        hint = ("the model branches on the value of a tensor (data-dependent control flow); "
+                "conveyor needs a graph that is the same for every input: use torch.where or "
+                "torch.cond instead of a Python if on tensor values")
+    elif "cache" in low and "pytree" in low:
+        hint = ("the model returns a cache object; for training set use_cache=False in the "
+                "model's config (or pass use_cache=False)")
+    elif "higher_order" in low or "higher-order" in low:
+        hint = "the model uses a higher-order operator conveyor cannot run"
+    msg = f"cannot capture {type(model).__name__}: {first}"
+    if where:
+        msg += f"\n  at {where}"
+    if hint:
+        msg += f"\n  hint: {hint}"
+    return CaptureError(msg)
+
+
+def _traceback_lines(exc: BaseException) -> list[str]:
+    import traceback
+    return traceback.format_exception(type(exc), exc, exc.__traceback__)
