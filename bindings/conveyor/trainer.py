@@ -25,12 +25,15 @@ prepares the optimizer and dataloaders but never wraps the model (no DDP: convey
 replicas are its data parallelism).
 
 What differs, and why:
-- The loss. `num_items_in_batch` is not passed to the model (`model_accepts_loss_kwargs =
-  False`): each batch's loss is the model's own mean over the tokens it counts (exact however
-  conveyor splits the batch: counted_targets.py), and Trainer divides it by the accumulation
-  steps. That equals transformers' token-weighted loss where the accumulated batches hold as
-  many label tokens; where padding makes them differ, each accumulated batch weighs alike
-  instead of by its tokens.
+- The loss. As without conveyor, a model that takes loss kwargs is given `num_items_in_batch`,
+  the label tokens of every batch accumulated into the step, and divides its summed loss by
+  it: conveyor's step is then a sum over its shares, exact however it splits the batch. Under
+  torchrun the count is every process's together (gathered even where
+  `average_tokens_across_devices=False`: conveyor's step holds every process's share), and
+  the loss is not multiplied by the processes as for DDP, which averages the processes'
+  gradients: conveyor's loss is the whole step's already. A model without loss kwargs
+  returns its own mean over the tokens it counts (counted_targets.py), which Trainer divides
+  by the accumulation steps, as it does without conveyor.
 - Checkpoints. `checkpoint-<step>/conveyor/` is conveyor.Module.save_checkpoint's folder (the
   model and optimizer, each process writing what it owns), beside Trainer's scheduler,
   random states and trainer_state.json; `resume_from_checkpoint` reads it on any plan and
@@ -120,7 +123,6 @@ class ConveyorTrainer(transformers.Trainer):
         self.conveyor_options = dict(options, returns="model",
                                      batches="shares" if self.args.world_size > 1 else "same")
         self.conveyor_model: Module | None = None
-        self.model_accepts_loss_kwargs = False  # see the module docstring: the model's own mean
 
     def conveyor_module(self) -> Module:
         """The conveyor.Module the Trainer runs, made on first use with the Trainer's optimizer."""
@@ -134,6 +136,22 @@ class ConveyorTrainer(transformers.Trainer):
     # -- where DeepSpeed's engine stands ------------------------------------------------
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         return self.conveyor_module()
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
+        count = super()._get_num_items_in_batch(batch_samples, device)
+        if count is not None and self.args.world_size > 1 and not self.args.average_tokens_across_devices:
+            count = self.accelerator.gather(torch.as_tensor(count, device=device).reshape(1)).sum()
+        return count
+
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                      num_items_in_batch=num_items_in_batch)
+        if (self.args.average_tokens_across_devices and self.model_accepts_loss_kwargs
+                and num_items_in_batch is not None and self.accelerator.num_processes > 1):
+            # Trainer multiplied by the processes, for DDP's mean of their gradients.
+            scale = self.accelerator.num_processes // self.get_tp_size()
+            result = (result[0] / scale, result[1]) if return_outputs else result / scale
+        return result
 
     def _clip_grad_norm(self, model):
         self.accelerator.unscale_gradients()  # a GradScaler's, where fp16 made one

@@ -39,10 +39,10 @@ class LitBert(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
     def train_dataloader(self):
-        return torch.utils.data.DataLoader(Tokens(32, seed=1), batch_size=4)
+        return torch.utils.data.DataLoader(Tokens(32, seed=1, padded=True), batch_size=4)
 
     def val_dataloader(self):
-        return torch.utils.data.DataLoader(Tokens(8, seed=2), batch_size=4)
+        return torch.utils.data.DataLoader(Tokens(8, seed=2, padded=True), batch_size=4)
 
 
 class Kept(pl.loggers.Logger):

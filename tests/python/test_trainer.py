@@ -1,6 +1,8 @@
 """transformers' Trainer through conveyor (bindings/conveyor/trainer.py): a tiny GPT-2 and a
 tiny Llama train with Trainer's AdamW, linear warmup, max_grad_norm=1.0, two accumulated
-batches a step and evaluation every 2 steps, pipelined (2 stages, 2 microbatches), and
+batches a step and evaluation every 2 steps, pipelined (2 stages, 2 microbatches), on rows
+padded to random lengths (labels -100 past them: Trainer weighs each accumulated batch by its
+label tokens, num_items_in_batch, and conveyor divides its summed loss alike), and
 everything Trainer logs (losses, gradient norms, learning rates, evaluation losses) and the
 trained parameters equal Trainer's own run without conveyor to 1e-9 in float64, in one process
 and under torchrun --nproc-per-node 2 (trainer_worker.py); a checkpoint Trainer saved resumes
@@ -71,7 +73,7 @@ def training_args(out, **changes) -> "transformers.TrainingArguments":
 
 
 def train(net, args, use_conveyor: bool, resume=None):
-    data = dict(train_dataset=Tokens(32, seed=1), eval_dataset=Tokens(8, seed=2))
+    data = dict(train_dataset=Tokens(32, seed=1, padded=True), eval_dataset=Tokens(8, seed=2, padded=True))
     if use_conveyor:
         trainer = ConveyorTrainer(model=net, args=args, conveyor=dict(devices=2, stages=2, microbatches=2), **data)
     else:
@@ -114,6 +116,8 @@ def test_trainer_trains_as_without_conveyor(name, clips, tmp_path, float64):
     assert (layout.stages, layout.microbatches) == (2, 2), "the steps ran pipelined"
     assert ours.conveyor_model.capture_count == 2, "training and evaluation each ran their own capture"
     assert_same_run(ours, theirs, ours_net, theirs_net, name)
+    inputs = [i["name"] for i in ours.conveyor_model.capture.graph.document["inputs"]]
+    assert any("num_items_in_batch" in i for i in inputs), inputs
 
 
 def test_a_checkpoint_resumes(tmp_path, float64):

@@ -316,14 +316,20 @@ MORE_CASES: dict[str, Callable[..., ZooCase]] = {
 
 
 class Tokens(torch.utils.data.Dataset):
-    """Rows of random tokens, each its own labels (whole rows: every batch holds as many
-    label tokens, where Trainer's token-weighted loss and conveyor's mean agree)."""
+    """Rows of random tokens, each its own labels; padded=True: each row has a random length
+    (2 to seq) and labels -100 (ignored) past it, so batches count other numbers of label
+    tokens (Trainer weighs accumulated batches by them: num_items_in_batch)."""
 
-    def __init__(self, rows: int, seq: int = 16, vocab: int = 96, seed: int = 0):
-        self.ids = torch.randint(0, vocab, (rows, seq), generator=torch.Generator().manual_seed(seed))
+    def __init__(self, rows: int, seq: int = 16, vocab: int = 96, seed: int = 0, padded: bool = False):
+        generator = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, vocab, (rows, seq), generator=generator)
+        self.labels = self.ids.clone()
+        if padded:
+            lengths = torch.randint(2, seq + 1, (rows,), generator=generator)
+            self.labels[torch.arange(seq) >= lengths[:, None]] = -100
 
     def __len__(self):
         return len(self.ids)
 
     def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
