@@ -31,6 +31,7 @@ from .errors import CaptureError
 from .graph import Graph
 from . import guards
 from .guards import export_under_guards
+from .moe_experts import eager_experts_grouped
 
 # Python-level size arithmetic that export leaves in the graph, by conveyor::sym overload.
 _SYM_OPS = {
@@ -545,7 +546,7 @@ def capture(model: torch.nn.Module, args=(), kwargs=None, *, dynamic_batch: bool
     if not isinstance(args, tuple):
         args = tuple(args) if isinstance(args, list) else (args,)
     kwargs = dict(kwargs or {})
-    with _torch_logs_quiet():
+    with _torch_logs_quiet(), eager_experts_grouped(model):
         ep, dynamic = (export_under_guards(_export, model, args, kwargs, dynamic_batch) if guards
                        else _export(model, args, kwargs, dynamic_batch))
     builder = _Builder(ep, model)

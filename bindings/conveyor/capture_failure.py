@@ -46,10 +46,6 @@ def capture_failure(model: torch.nn.Module, exc: BaseException) -> CaptureError:
                 "size or an index, so the graph would differ from input to input; compute that number outside "
                 "the model (in the data loader, or as an argument), or keep it a tensor (torch.where, indexing "
                 "with a tensor)")
-    elif ("data-dependent" in low or "data dependent" in low) and any(
-            getattr(getattr(m, "config", None), "_experts_implementation", None) == "eager" for m in model.modules()):
-        hint = ("transformers' eager experts loop over the experts each batch routes to; build the model with "
-                "experts_implementation=\"grouped_mm\" (transformers' default), which conveyor captures")
     elif "data-dependent" in low or "data dependent" in low or "guard on data" in low:
         hint = ("the model branches on the value of a tensor (data-dependent control flow); "
                 "conveyor needs a graph that is the same for every input: use torch.where or "
