@@ -47,7 +47,9 @@ Status backward_roots(const StageActivation& act, const std::vector<c10::IValue>
 struct DeferredWeightGradient {
   torch::autograd::edge_list roots;
   torch::autograd::variable_list grads;
-  std::vector<std::shared_ptr<AutogradNode>> keep_alive;  // the graph between the two halves
+  // The graph between the two halves, held as edges hold nodes: std::shared_ptr up to torch
+  // 2.11, c10::intrusive_ptr from 2.15 (found by ./run test --latest).
+  std::vector<decltype(Edge::function)> keep_alive;
 };
 
 Result<std::vector<c10::IValue>> StageProgram::backward(StageActivation& act,
