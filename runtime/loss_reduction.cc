@@ -47,6 +47,21 @@ bool passes_on(const std::string& op) {
 
 bool aggregate(Of k) { return k == Of::kMean || k == Of::kSum; }
 
+// A loss whose mean divides by the targets it counts (those other than ignore_index, each
+// its class's weight): a share counts its own, so its mean weighs neither its samples nor 1.
+// Capture rewrites such a loss as a sum over a count of the whole call's targets where it can
+// (bindings/conveyor/counted_targets.py); one left as it was is read here.
+bool averages_counted_targets(const graph::Graph& g, const graph::Node& node) {
+  static const char* const ops[] = {"aten::nll_loss", "aten::nll_loss_nd", "aten::nll_loss2d",
+                                    "aten::cross_entropy_loss"};
+  bool counting = false;
+  for (const char* o : ops) counting = counting || node.op == o;
+  if (!counting || node.args.size() < 4 || node.args[1].kind != Argument::Kind::kValue) return false;
+  if (node.args[3].kind != Argument::Kind::kInt || node.args[3].int_value != 1) return false;
+  const std::string& dtype = g.values[node.args[1].value].dtype;
+  return dtype.rfind("int", 0) == 0 || dtype == "uint8";  // class indices, not probabilities
+}
+
 }  // namespace
 
 const char* loss_reduction_name(LossReduction reduction) {
@@ -88,7 +103,12 @@ LossReductionFound find_loss_reduction(const graph::Graph& g, const std::vector<
       result = Of::kNeither;
     } else if (samples) {
       // A result with no batch dimension made from the samples (one with one is kSamples below).
-      if (node.op == "aten::sum") {
+      if (averages_counted_targets(g, node)) {
+        result = Of::kNeither;
+        reason = where + " averages over the targets it counts (ignore_index, class weights), which each share "
+                 "counts alone; conveyor makes it a sum over the call's count only where its targets and weights "
+                 "come from the inputs, buffers and constants alone, and the whole loss is then a sum";
+      } else if (node.op == "aten::sum") {
         result = Of::kSum;
       } else if (node.op == "aten::mean") {
         result = Of::kMean;

@@ -25,6 +25,7 @@ from .microbatches import Microbatches
 from .options import Options
 from .planning.replanning import carry_optimizer_state
 from .sizes import input_dims, range_text
+from .users_rng import users_rng_kept
 
 __all__ = ["CaptureSet", "call_mismatch", "fixed_size_mismatch", "MOST_CAPTURES"]
 
@@ -97,8 +98,9 @@ class CaptureSet:
     def _build(self, args: tuple, kwargs: dict, packed: Microbatches | None = None,
                holders: dict | None = None) -> CaptureState:
         taken = any(s.from_plan_file for s in [self.current, *self._stashed] if s is not None)
-        return build_capture(self.model, self.optimizer, self.options, self.job, args, kwargs, packed=packed,
-                             plan_file_taken=taken, holders=holders)
+        with users_rng_kept(self.model):
+            return build_capture(self.model, self.optimizer, self.options, self.job, args, kwargs, packed=packed,
+                                 plan_file_taken=taken, holders=holders)
 
     def take_up(self, args: tuple, kwargs: dict) -> bool:
         """Makes the capture of this call's mode, sizes and arguments current (select),

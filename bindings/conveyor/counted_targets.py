@@ -8,12 +8,20 @@ weighing the shares' means by their samples, as a mean over the samples is weigh
 the batch's loss wherever shares count different numbers of targets.
 
 So capture rewrites such a loss as its sum over the targets divided by a new input of the
-graph, the whole call's count (`counted_targets_<k>`). The target is computed from the
-inputs alone (labels padded, shifted and flattened), so every call counts it before the step
-from its inputs (Graph.flatten_inputs appends the counts); each share then adds its part
-sum/count, and the shares add up to the batch's loss exactly, as transformers' Trainer
-does with `num_items_in_batch`. A loss whose target depends on the model's parameters or
-activations is left a mean, weighed as before.
+graph, the whole call's count (`counted_targets_<k>`). The targets are computed from the
+inputs, buffers and constants alone (labels padded, shifted, flattened, mapped through a
+table), and the class weights from the model's tensors alone, so every call counts before the
+step (Graph.flatten_inputs appends the counts, running the nodes that make the targets and
+weights on the whole call); each share then adds its part sum/count, and the shares add up
+to the batch's loss exactly, as transformers' Trainer does with `num_items_in_batch`.
+
+Where that cannot be (a target made from the model's activations, a random draw, or a loss
+that would then add a sum to a mean, such as a mixture of experts' load balancing), the loss
+is left as it was, and the batch analysis reads it as neither a mean nor a sum
+(runtime/loss_reduction.cc): shares weigh their samples, and a split step warns so.
+
+A graph document names only the count inputs (extra "counted_targets"); which loss each
+divides, its targets, ignore_index and weights are read from the graph (`counted_losses`).
 """
 from __future__ import annotations
 
@@ -35,60 +43,49 @@ _MEAN, _SUM = 1, 2
 _INTEGER_DTYPES = {"int64", "int32", "int16", "int8", "uint8"}
 
 
-def with_counted_means_summed(doc: dict) -> tuple[dict, list[dict]]:
-    """`doc` (a graph document, docs/formats.md) with each counting loss taken as a mean whose
-    target comes from the inputs alone rewritten as a sum divided by a new input, the call's
-    count of that target, where that makes the graph's loss a sum over the samples; else
-    `doc` itself (a loss that also adds a term of its own kind, such as a mixture of experts'
-    load balancing, stays weighed as a mean, with the warning call_splitting gives). Also one
-    entry per new input, for the document's extra "counted_targets": {"input", "target",
-    "ignore_index", "weight"} (a binding's name or None)."""
+def with_counted_means_summed(doc: dict) -> tuple[dict, list[int]]:
+    """`doc` (a graph document, docs/formats.md) with each counting loss taken as a mean
+    rewritten as a sum divided by a new input, the call's count of its targets, where the
+    targets and weights can be counted before the step and that makes the graph's loss a sum
+    over the samples (or the graph returns more than a scalar loss, and runs whole); else
+    `doc` itself. Also the new inputs' value ids (the document's extra
+    "counted_targets")."""
     if not any(node["op"] in _COUNTING_LOSSES for node in doc["nodes"]):
         return doc, []
     rewritten = copy.deepcopy(doc)
-    entries = _make_counted_means_sums(rewritten)
-    if not entries:
+    inputs = _make_counted_means_sums(rewritten)
+    if not inputs:
         return doc, []
     found = _C.GraphIR(json.dumps(rewritten)).loss_reduction()
-    if found is None or found[0] != "sum":
+    if found is not None and found[0] != "sum":
         return doc, []
-    return rewritten, entries
+    return rewritten, inputs  # (a graph returning more than a loss runs whole: the call's count is exact)
 
 
-def _make_counted_means_sums(doc: dict) -> list[dict]:
+def _make_counted_means_sums(doc: dict) -> list[int]:
     """The rewrite with_counted_means_summed describes, in place, whatever it makes of the loss."""
     values, nodes = doc["values"], doc["nodes"]
     bound = {b["value"]: b for b in doc["bindings"]}
-    made_by: dict[int, dict] = {}
-    for node in nodes:
-        for r in node["returns"]:
-            if "value" in r:
-                made_by[r["value"]] = node
-    entries: list[dict] = []
-    rewritten: list[dict] = []
+    made_by = _made_by(doc)
+    inputs = {i["value"] for i in doc["inputs"]}
+    chosen: list[dict] = []
     for node in nodes:
         positions = _COUNTING_LOSSES.get(node["op"])
         if positions is None:
             continue
-        target, weight, reduction, ignore = positions
-        args = node["args"]
-        if (args[reduction].get("int") != _MEAN or "value" not in args[target] or "int" not in args[ignore]
-                or len(node["returns"]) != 1 or "value" not in node["returns"][0]):
-            continue
-        target_id = args[target]["value"]
-        if values[target_id].get("dtype") not in _INTEGER_DTYPES:
+        target, weight, reduction, ignore = (node["args"][k] for k in positions)
+        if (reduction.get("int") != _MEAN or "value" not in target or "int" not in ignore
+                or len(node["returns"]) != 1 or "value" not in node["returns"][0]
+                or values[target["value"]].get("dtype") not in _INTEGER_DTYPES):
             continue  # class probabilities: a mean over the samples
-        weight_name = None
-        if "value" in args[weight]:
-            binding = bound.get(args[weight]["value"])
-            if binding is None:
-                continue  # weights computed by the model: counted only where they are
-            weight_name = binding["name"]
-        if _ancestors(target_id, made_by, bound) is None:
+        if _ancestors(target["value"], made_by, bound, inputs, parameters=False) is None:
             continue
-        rewritten.append(node)
-        entries.append({"target": target_id, "ignore_index": args[ignore]["int"], "weight": weight_name})
-    for k, (node, entry) in enumerate(zip(rewritten, entries)):
+        if "value" in weight and _ancestors(weight["value"], made_by, bound, inputs, parameters=True,
+                                            batch=False) is None:
+            continue
+        chosen.append(node)
+    counts = []
+    for k, node in enumerate(chosen):
         loss = node["returns"][0]["value"]
         total = len(values)
         values.append({**values[loss], "id": total, "name": f"{values[loss].get('name', 'loss')}_sum"})
@@ -104,16 +101,57 @@ def _make_counted_means_sums(doc: dict) -> list[dict]:
             if key in node:
                 divide[key] = node[key]
         nodes.insert(next(i for i, n in enumerate(nodes) if n is node) + 1, divide)
-        entry["input"] = count
+        counts.append(count)
     for i, node in enumerate(nodes):
         node["id"] = i
-    return entries
+    return counts
 
 
-def _ancestors(value: int, made_by: dict[int, dict], bound: dict[int, dict]) -> list[dict] | None:
-    """The nodes `value` is computed by, in no order, or None where one of them reads a
-    parameter or buffer (a target of the model's own making) or draws random numbers (a
-    masking the model draws: counted apart from the step, it would draw other numbers)."""
+def counted_losses(doc: dict, counts: list) -> list[dict]:
+    """What each count input of `doc` counts, read from the graph: {"input", "target",
+    "ignore_index", "weight" (a value id or None), "dtype"}. Raises ValueError naming what
+    does not hold: an input that is not among the graph's last, or not the divisor of a
+    counting loss's sum whose targets and weights can be counted before the step."""
+    if not isinstance(counts, list) or not all(type(c) is int for c in counts):
+        raise ValueError(f"is {counts!r:.80}, not a list of value ids")
+    last = [i["value"] for i in doc["inputs"]][len(doc["inputs"]) - len(counts):]
+    if counts != last or len(set(counts)) != len(counts):
+        raise ValueError(f"names {counts!r:.40}, not the graph's last {len(counts)} inputs")
+    values = doc["values"]
+    bound = {b["value"]: b for b in doc["bindings"]}
+    made_by = _made_by(doc)
+    inputs = {i["value"] for i in doc["inputs"]} - set(counts)
+    divisions = {node["args"][1]["value"]: node for node in doc["nodes"] if node["op"] == "aten::div"
+                 and len(node["args"]) == 2 and all("value" in a for a in node["args"])}
+    out = []
+    for count in counts:
+        divide = divisions.get(count)
+        loss = made_by.get(divide["args"][0]["value"]) if divide is not None else None
+        positions = _COUNTING_LOSSES.get(loss["op"]) if loss is not None else None
+        if positions is None:
+            raise ValueError(f"input {count} divides no counting loss's sum")
+        target, weight, reduction, ignore = (loss["args"][k] for k in positions)
+        if (reduction.get("int") != _SUM or "value" not in target or type(ignore.get("int")) is not int
+                or _ancestors(target["value"], made_by, bound, inputs, parameters=False) is None
+                or ("value" in weight and _ancestors(weight["value"], made_by, bound, inputs, parameters=True,
+                                                     batch=False) is None)):
+            raise ValueError(f"input {count} divides {loss['op']}, whose targets conveyor cannot count before the "
+                             "step")
+        out.append({"input": count, "target": target["value"], "ignore_index": ignore["int"],
+                    "weight": weight.get("value"), "dtype": values[count].get("dtype")})
+    return out
+
+
+def _made_by(doc: dict) -> dict[int, dict]:
+    return {r["value"]: node for node in doc["nodes"] for r in node["returns"] if "value" in r}
+
+
+def _ancestors(value: int, made_by: dict[int, dict], bound: dict[int, dict], inputs: set[int], *,
+               parameters: bool, batch: bool = True) -> list[dict] | None:
+    """The nodes `value` is computed by, in no order, or None where it cannot be computed
+    apart from the step: one of them draws random numbers (the step would draw others), or
+    reads a parameter (unless `parameters`: a target of the model's own making) or a graph
+    input (unless `batch`: class weights made from the batch differ from share to share)."""
     seen: set[int] = set()
     out: dict[int, dict] = {}
     todo = [value]
@@ -123,49 +161,58 @@ def _ancestors(value: int, made_by: dict[int, dict], bound: dict[int, dict]) -> 
             continue
         seen.add(v)
         if v in bound:
-            if bound[v]["kind"] != "constant":
+            if bound[v]["kind"] == "parameter" and not parameters:
+                return None
+            continue
+        if v in inputs:
+            if not batch:
                 return None
             continue
         node = made_by.get(v)
-        if node is None:
-            continue  # an input
-        if node.get("random"):
+        if node is None or node.get("random"):
             return None
         out[id(node)] = node
         todo.extend(node_value_inputs(node))
     return list(out.values())
 
 
-def targets_document(doc: dict, entries: list[dict]) -> dict:
-    """A graph document computing, from the user's inputs alone, the targets `entries` count
-    (its outputs, in order): the nodes they are computed by, in the graph's order."""
-    bound = {b["value"]: b for b in doc["bindings"]}
-    made_by = {r["value"]: node for node in doc["nodes"] for r in node["returns"] if "value" in r}
-    wanted: set[int] = set()
-    for entry in entries:
-        wanted.update(id(n) for n in _ancestors(entry["target"], made_by, bound) or [])
-    counted = {entry["input"] for entry in entries}
+def counting_document(doc: dict, entries: list[dict]) -> dict:
+    """A graph document computing, from the user's inputs and the model's tensors, what
+    `entries` count: per entry its targets, then its weights where it has them (its outputs, in
+    that order), by the nodes the graph makes them with, in the graph's order."""
+    made_by = _made_by(doc)
+    outputs = [v for e in entries for v in ([e["target"]] + ([e["weight"]] if e["weight"] is not None else []))]
+    wanted: dict[int, dict] = {}
+    todo = list(outputs)
+    while todo:
+        node = made_by.get(todo.pop())
+        if node is not None and id(node) not in wanted:
+            wanted[id(node)] = node
+            todo.extend(node_value_inputs(node))
+    counts = {e["input"] for e in entries}
     nodes = [dict(n) for n in doc["nodes"] if id(n) in wanted]
     for i, node in enumerate(nodes):
         node["id"] = i
-    read = {v for n in nodes for v in node_value_inputs(n)}
+    read = {v for n in nodes for v in node_value_inputs(n)} | set(outputs)
     return {**{k: v for k, v in doc.items() if k != "extra"},
-            "inputs": [i for i in doc["inputs"] if i["value"] not in counted],
+            "inputs": [i for i in doc["inputs"] if i["value"] not in counts],
             "bindings": [b for b in doc["bindings"] if b["value"] in read],
-            "nodes": nodes, "outputs": [entry["target"] for entry in entries]}
+            "nodes": nodes, "outputs": outputs}
 
 
-def count_targets(targets: list[torch.Tensor], entries: list[dict], tensors: dict[str, torch.Tensor],
-                  dtypes: list[torch.dtype]) -> list[torch.Tensor]:
-    """Each entry's count of its target (a 0-dim tensor of the loss's dtype): the targets
-    other than ignore_index, each weighing its class's weight where the loss has weights."""
+def count_targets(made: list[torch.Tensor], entries: list[dict]) -> list[torch.Tensor]:
+    """Each entry's count (a 0-dim tensor of its loss's dtype) from what counting_document's
+    graph made: the targets other than ignore_index, each its class's weight where the loss
+    has weights."""
     out = []
-    for t, entry, dtype in zip(targets, entries, dtypes):
+    made = list(made)
+    for entry in entries:
+        t = made.pop(0)
         kept = t != entry["ignore_index"]
         if entry["weight"] is None:
             n = kept.sum()
         else:
-            w = tensors[entry["weight"]].detach()
+            w = made.pop(0).detach()
             n = (w.to(t.device)[t.masked_fill(~kept, 0)] * kept).sum()
-        out.append(n.to(dtype))
+        out.append(n.to(getattr(torch, entry["dtype"])))
     return out

@@ -9,7 +9,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from . import _C
-from .counted_targets import count_targets, targets_document
+from .counted_targets import count_targets, counted_losses, counting_document
 from .errors import ConveyorValueError, GraphFormatError
 
 
@@ -60,16 +60,10 @@ def _checked_extra(doc: dict, path) -> dict:
     if not isinstance(extra.get("dynamic_batch", True), bool):
         raise bad("dynamic_batch is not true or false")
     counted = extra.get("counted_targets") or []
-    input_ids = [i.get("value") for i in doc.get("inputs") or []]
-    value_count = len(doc.get("values") or [])
-    bound = {b.get("name") for b in doc.get("bindings") or []}
-    if not isinstance(counted, list) or not all(
-            isinstance(e, dict) and e.get("input") in input_ids[-len(counted):] and
-            type(e.get("target")) is int and 0 <= e["target"] < value_count and
-            type(e.get("ignore_index")) is int and (e.get("weight") is None or e.get("weight") in bound)
-            for e in counted):
-        raise bad(f"counted_targets is {_C.printable(repr(counted))[:200]}, not a list of the last inputs' counted "
-                  "targets")
+    try:
+        counted_losses(doc, counted)
+    except ValueError as e:
+        raise bad(f"counted_targets {_C.printable(str(e), 200)}") from None
     if positions is not None and counted and len(positions) + len(counted) != inputs:
         raise bad(f"input_positions names {len(positions)} arguments for {inputs - len(counted)} graph inputs")
     return extra
@@ -85,7 +79,7 @@ class Graph:
 
     def __init__(self, ir: "_C.GraphIR", tensors: dict[str, torch.Tensor], *, in_spec=None,
                  out_spec=None, input_positions: Sequence[int] | None = None,
-                 dynamic_batch: bool = True, counted_targets: list[dict] | None = None):
+                 dynamic_batch: bool = True, counted_targets: list[int] | None = None):
         self._ir = ir
         self._tensors = dict(tensors)
         self._in_spec = in_spec
@@ -93,9 +87,12 @@ class Graph:
         self._input_positions = list(input_positions) if input_positions is not None else None
         self.dynamic_batch = dynamic_batch
         # Losses averaged over counted targets, each divided by the call's count, the last
-        # inputs (counted_targets.py): what they count, and the graph computing the targets.
-        self.counted_targets = list(counted_targets or [])
-        self._targets_graph: Graph | None = None
+        # inputs (counted_targets.py): those inputs, what each counts (read from the graph on
+        # first use), and the graph making the targets and weights.
+        self._count_inputs = list(counted_targets or [])
+        self._counted: list[dict] | None = None
+        self._counting_graph: Graph | None = None
+        self._counting_bound: list[str | None] = []
         # The capture's call's non-tensor arguments (a flag, a temperature) by leaf position:
         # the graph holds them as constants. Set by capture; unknown for a loaded graph.
         self.call_constants: dict[int, Any] = {}
@@ -113,7 +110,7 @@ class Graph:
     @classmethod
     def from_document(cls, doc: dict, tensors: dict[str, torch.Tensor], *, in_spec=None,
                       out_spec=None, input_positions=None, dynamic_batch=True,
-                      counted_targets: list[dict] | None = None) -> "Graph":
+                      counted_targets: list[int] | None = None) -> "Graph":
         doc = dict(doc)
         doc["extra"] = {
             "in_spec": _spec_dumps(in_spec),
@@ -211,7 +208,7 @@ class Graph:
         """Binds the graph to `tensors` by name instead (its executor made again on next use)."""
         self._tensors = dict(tensors)
         self._executor = None
-        self._targets_graph = None
+        self._counting_graph = None
 
     @property
     def executor(self) -> "_C.GraphExecutor":
@@ -240,7 +237,7 @@ class Graph:
         positions = self._input_positions
         if positions is None:
             positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-        n = len(self.document["inputs"]) - len(self.counted_targets)
+        n = len(self.document["inputs"]) - len(self._count_inputs)
         if len(positions) != n:
             raise ConveyorValueError(f"the graph takes {n} tensor inputs but the call provides "
                                      f"{len(positions)}")
@@ -253,26 +250,36 @@ class Graph:
             out.append(leaves[p])
         return out
 
+    @property
+    def counted_targets(self) -> list[dict]:
+        """Per loss capture made a sum over a count of its targets (counted_targets.py): its
+        count input, targets and weights (value ids), ignore_index and dtype."""
+        if self._counted is None:
+            self._counted = counted_losses(self.document, self._count_inputs) if self._count_inputs else []
+        return self._counted
+
     def count_targets(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The counts of targets the graph's losses average over (counted_targets.py), for a
         call with the user's `inputs`: the graph's last inputs."""
-        if not self.counted_targets:
+        if not self._count_inputs:
             return []
-        if self._targets_graph is None:
-            doc = targets_document(self.document, self.counted_targets)
+        if self._counting_graph is None:
+            doc = counting_document(self.document, self.counted_targets)
             read = {b["name"] for b in doc["bindings"]}
-            self._targets_graph = Graph(_C.GraphIR(json.dumps(doc)),
-                                        {k: t for k, t in self._tensors.items() if k in read})
+            self._counting_graph = Graph(_C.GraphIR(json.dumps(doc)),
+                                         {k: t for k, t in self._tensors.items() if k in read})
+            # The executor returns what its nodes made; a bound tensor itself is taken here.
+            names = {b["value"]: b["name"] for b in doc["bindings"]}
+            self._counting_bound = [names.get(v) for v in doc["outputs"]]
         with torch.no_grad():
-            targets = self._targets_graph.executor.run(inputs)
-        values = self.document["values"]
-        dtypes = [getattr(torch, values[e["input"]]["dtype"]) for e in self.counted_targets]
-        return count_targets(targets, self.counted_targets, self._tensors, dtypes)
+            made = self._counting_graph.executor.run(inputs)
+        made = [self._tensors[name] if name is not None else t for t, name in zip(made, self._counting_bound)]
+        return count_targets(made, self.counted_targets)
 
     def counted_over(self, calls: list[list]) -> list[list]:
         """Flattened inputs of calls making one step (packed microbatches), each call's counts
         made the step's: the losses average over the targets of all the calls."""
-        k = len(self.counted_targets)
+        k = len(self._count_inputs)
         if not k or len(calls) < 2:
             return calls
         totals = [sum(call[len(call) - k + j] for call in calls) for j in range(k)]

@@ -31,6 +31,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.overrides import TorchFunctionMode
 
 from .errors import CaptureError
+from .users_rng import users_rng_kept
 
 __all__ = ["GuardError", "export_under_guards"]
 
@@ -152,10 +153,9 @@ def _outcomes_of_the_example(model: torch.nn.Module, args: tuple, kwargs: dict) 
     if any(t.is_meta for t in tensors):
         return None
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    devices = sorted({t.device.index or 0 for t in tensors if t.is_cuda})
     outcomes: dict = {}
     try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), _recording(outcomes):
+        with users_rng_kept(model), torch.no_grad(), _recording(outcomes):
             model(*args, **kwargs)
     except Exception:  # noqa: BLE001 - the capture's own error is the one to report
         return None

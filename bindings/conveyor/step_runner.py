@@ -19,6 +19,7 @@ from .microbatches import Microbatches, is_packed
 from .planning.plan_maker import plan_for_larger_sizes
 from .planning import Plan
 from .planning.replanning import switch_to
+from .users_rng import users_rng_kept
 
 __all__ = ["StepRunner"]
 
@@ -66,9 +67,10 @@ class StepRunner:
     def train(self, calls: list[list], packed: bool, hold_gradients: bool):
         """One training step over `calls` (calls_of's): the loss and the pipeline that ran it."""
         state = self.captures.current
-        self._maybe_replan(state)
-        plan_for_larger_sizes(state, calls, job=self.job, optimizer=self.optimizer, history=self.history,
-                              gather_whole_model=self.captures.gather_for_profiling)
+        with users_rng_kept(self.captures.model):
+            self._maybe_replan(state)
+            plan_for_larger_sizes(state, calls, job=self.job, optimizer=self.optimizer, history=self.history,
+                                  gather_whole_model=self.captures.gather_for_profiling)
         pipeline = self._pipeline_for(state, calls, packed)
         pipeline.set_draws(self.job.draws_seed, self.history.steps_run)  # step k draws alike on any pipeline
         reset_device_peak(state.graph)

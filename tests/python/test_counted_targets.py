@@ -138,6 +138,66 @@ def test_class_weights_and_ignore_index_in_a_loss_fn():
         assert (model.state_dict()[name] - want).abs().max().item() <= TOLERANCE
 
 
+class _Tagger(nn.Module):
+    """Tags each token of a row with one of 5 classes, its loss made one of several ways."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.embed, self.head = nn.Embedding(20, 8), nn.Linear(8, 5)
+        self.register_buffer("label_map", torch.tensor([0, 1, 2, 3, 4, -100]))  # 5: ignored
+        self.register_buffer("pad_id", torch.tensor(0))
+        self.register_buffer("weights32", torch.tensor([0.5, 1.0, 2.0, 3.0, 0.25], dtype=torch.float32))
+
+    def forward(self, ids, tags):
+        logits = self.head(torch.tanh(self.embed(ids))).flatten(0, 1)
+        if self.how == "label map":  # targets through a table the model holds
+            return F.cross_entropy(logits, self.label_map[tags].flatten())
+        if self.how == "pad id":  # the padding's id held by the model
+            return F.cross_entropy(logits, tags.clamp(max=4).masked_fill(ids == self.pad_id, -100).flatten())
+        weights = self.weights32.to(logits.dtype)
+        if self.how == "normalized weights":  # class weights computed from the model's own
+            weights = weights / weights.sum()
+        return F.cross_entropy(logits, tags.clamp(max=4).flatten(), weight=weights, ignore_index=4)
+
+
+@pytest.mark.parametrize("how", ["label map", "pad id", "converted weights", "normalized weights"])
+def test_targets_and_weights_the_model_makes_from_its_buffers(how):
+    torch.manual_seed(0)
+    net = _Tagger(how).to(torch.float64)
+    ref = copy.deepcopy(net)
+    model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.5), stages=2, microbatches=2, replicas=2,
+                            replan="off", verbose=False)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    generator = torch.Generator().manual_seed(4)
+    for _ in range(2):
+        ids, tags = torch.randint(0, 20, (8, 6), generator=generator), torch.randint(0, 6, (8, 6), generator=generator)
+        ids[:2], tags[:2] = 0, 5  # the first share counts nothing: eager's mean is over the others
+        loss = model.train_step(ids, tags).item()
+        ref_opt.zero_grad(set_to_none=True)
+        want = ref(ids, tags)
+        want.backward()
+        ref_opt.step()
+        assert abs(loss - want.item()) <= TOLERANCE * abs(want.item()), (how, loss, want.item())
+    assert len(model.capture.graph.counted_targets) == 1
+    for name, value in ref.state_dict().items():
+        assert (model.state_dict()[name] - value).abs().max().item() <= TOLERANCE * max(value.abs().max().item(), 1)
+
+
+def test_a_counted_mean_added_to_a_mean_over_the_samples_warns():
+    """Cross-entropy over counted tokens plus a mean squared error over the samples is neither
+    a mean nor a sum: the shares weigh their samples, and the step warns, naming the loss."""
+    net = _Classifier().to(torch.float64)
+
+    def loss_fn(out, y):
+        return F.cross_entropy(out, y, ignore_index=4) + F.mse_loss(out, torch.zeros_like(out))
+
+    model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.1), loss_fn=loss_fn, microbatches=2,
+                            replan="off", verbose=False)
+    with pytest.warns(UserWarning, match="cross_entropy_loss.*averages over the targets it counts"):
+        model.train_step(torch.randn(8, 6, dtype=torch.float64), target=torch.randint(0, 5, (8,)))
+
+
 def test_packed_microbatches_average_over_all_their_targets():
     """Packed microbatches of different lengths: the step's loss is the mean over every
     counted target of the step, as eager's over the same targets."""
@@ -168,7 +228,7 @@ def test_a_saved_graph_counts_its_targets(tmp_path):
     graph = conveyor.capture(net, kwargs=batch)
     graph.save(tmp_path / "bert.cvg")
     loaded = conveyor.Graph.load(str(tmp_path / "bert.cvg"), model=net)
-    assert loaded.counted_targets == graph.counted_targets
+    assert len(graph.counted_targets) == 1 and loaded.counted_targets == graph.counted_targets
     for step in (0, 1):
         batch = _masked(step)
         want = net(**batch).loss.item()
@@ -176,17 +236,22 @@ def test_a_saved_graph_counts_its_targets(tmp_path):
 
 
 def test_a_forged_count_in_a_graph_file_is_refused(tmp_path):
+    """A graph file names only its count inputs; what each counts is read from the graph, so
+    an entry that does not name the divisor of a counting loss's sum is refused at load."""
     graph = conveyor.capture(_bert(), kwargs=_masked(0))
     doc = graph.document
-    for forged in ([{"input": 0, "target": 1, "ignore_index": -100, "weight": None}],
-                   [{"input": doc["inputs"][-1]["value"], "target": 10 ** 9, "ignore_index": -100, "weight": None}],
-                   [{"input": doc["inputs"][-1]["value"], "target": 1, "ignore_index": "x", "weight": None}],
-                   [{"input": doc["inputs"][-1]["value"], "target": 1, "ignore_index": -100, "weight": "nowhere"}],
-                   {"input": 0}):
-        bad = dict(doc, extra=dict(doc["extra"], counted_targets=forged))
+    count = doc["inputs"][-1]["value"]
+    logits = next(n for n in doc["nodes"] if n["op"] == "aten::cross_entropy_loss")["args"][0]["value"]
+    aimed_at_logits = json.loads(json.dumps(doc))
+    for node in aimed_at_logits["nodes"]:
+        if node["op"] == "aten::cross_entropy_loss":
+            node["args"][1] = {"value": logits}  # the targets made by the model itself
+    for forged, why in (([0], "last 1 inputs"), ([count, count], "last 2 inputs"), (["x"], "list of value ids"),
+                        ({"input": count}, "list of value ids"), ([count], "cannot count")):
+        bad = dict(aimed_at_logits if why == "cannot count" else doc, extra=dict(doc["extra"], counted_targets=forged))
         path = tmp_path / "forged.cvg"
         _C.save_graph_file(str(path), _C.GraphIR(json.dumps(bad)), [])
-        with pytest.raises(GraphFormatError, match="counted_targets"):
+        with pytest.raises(GraphFormatError, match=f"counted_targets .*{why}"):
             conveyor.Graph.load(str(path), model=_bert())
 
 

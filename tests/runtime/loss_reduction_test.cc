@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <functional>
+#include <tuple>
 
 #include "../graph/test_graphs.h"
 #include "runtime/batch_layout.h"
@@ -63,6 +64,30 @@ TEST(LossReduction, ALossFunctionsReductionArgumentDecides) {
       return b.op("aten::mse_loss", "", {v(y), v(y), Argument::of_int(reduction)}, {});
     });
     EXPECT_EQ(found(g).reduction, want) << reduction;
+  }
+}
+
+TEST(LossReduction, AMeanOverCountedTargetsIsNeitherASumOverThemIs) {
+  // cross_entropy's mean divides by the targets other than ignore_index: a share's count is
+  // its own. Class probabilities (a float target) average over the samples.
+  for (const auto& [dtype, reduction, want] :
+       {std::tuple{"int64", 1, LossReduction::kOther}, std::tuple{"int64", 2, LossReduction::kSum},
+        std::tuple{"float64", 1, LossReduction::kMean}}) {
+    GraphBuilder b;
+    ValueId x = b.input("x", {sym("s0"), fixed(4)});
+    ValueId t = b.input("t", {sym("s0")}, dtype);
+    ValueId w = b.parameter("w", {fixed(3), fixed(4)});
+    ValueId y = b.op("aten::linear", "", {v(x), v(w), Argument::none()}, {sym("s0"), fixed(3)});
+    ValueId target = std::string(dtype) == "int64" ? t : b.op("aten::softmax", "int", {v(y), Argument::of_int(-1),
+                                                                                        Argument::none()},
+                                                               {sym("s0"), fixed(3)});
+    b.output(b.op("aten::cross_entropy_loss", "", {v(y), v(target), Argument::none(), Argument::of_int(reduction),
+                                                   Argument::of_int(-100), Argument::of_float(0.0)}, {}));
+    Graph g = b.build();
+    g.symbols["s0"] = "batch";
+    const LossReductionFound f = found(g);
+    EXPECT_EQ(f.reduction, want) << dtype << " " << reduction;
+    if (want == LossReduction::kOther) EXPECT_NE(f.why.find("targets it counts"), std::string::npos) << f.why;
   }
 }
 
