@@ -44,7 +44,8 @@ _NEW = {"aten::new_zeros", "aten::new_ones", "aten::new_empty", "aten::new_full"
 # Ops through which a batch-free result may still reach the loss linearly.
 _LINEAR = {"aten::sum", "aten::mean", "aten::neg", "aten::view", "aten::reshape", "aten::_unsafe_view",
            "aten::flatten", "aten::squeeze", "aten::unsqueeze", "aten::clone", "aten::alias", "aten::mul",
-           "aten::div", "aten::add", "aten::sub"}
+           "aten::div", "aten::add", "aten::sub", "aten::add_", "aten::sub_", "aten::mul_", "aten::div_",
+           "aten::to", "aten::_to_copy"}
 
 
 def where_samples_mix(document: dict) -> str | None:
@@ -84,7 +85,7 @@ def where_samples_mix(document: dict) -> str | None:
         for node in users:
             if node["op"] not in _LINEAR:
                 return False
-            if node["op"] in ("aten::mul", "aten::div", "aten::add", "aten::sub") and any(
+            if node["op"].rstrip("_") in ("aten::mul", "aten::div", "aten::add", "aten::sub") and any(
                     u != v and values[u].get("kind") == "tensor" and shape(u) for u in node_value_inputs(node)):
                 return False  # combined with another tensor: no longer a plain sum of samples
             outs = [r["value"] for r in node["returns"] if "value" in r]
@@ -146,10 +147,16 @@ def where_samples_mix(document: dict) -> str | None:
             if d in dims:
                 return f"{at(node)} accumulates along dim {d}, which holds the batch"
             continue
+        if op in ("aten::roll", "aten::flip"):
+            along = node["args"][2 if op == "aten::roll" else 1].get("list", [])
+            moved = [a["int"] + len(shape(first)) if a["int"] < 0 else a["int"] for a in along if "int" in a]
+            if dims and (not moved or set(moved) & set(dims)):
+                return f"{at(node)} moves values along dim {dims[0]}, which holds the batch"
+            continue
         if not any(batch_dims(v) for v in ins):
             continue
         outs = [r["value"] for r in node["returns"] if "value" in r and values[r["value"]].get("kind") == "tensor"]
-        lost = [o for o in outs if shape(o) and not batch_dims(o)]
+        lost = [o for o in outs if not batch_dims(o)]  # a statistic of the batch (a scalar too)
         if lost and outs and not any(batch_dims(o) for o in outs):
             if all(o in counted for o in lost):
                 continue  # rows per group, as offsets of a product over the rows in that order
@@ -157,7 +164,8 @@ def where_samples_mix(document: dict) -> str | None:
                 continue  # a loss that sums or averages over the batch first
             if all(a_loss_of_statistics(o, set()) for o in lost):
                 continue  # a loss term of batch statistics, per share as gradient accumulation has it
-            return f"{at(node)} leaves no batch dimension in its result of shape {shape(lost[0])}"
+            return (f"{at(node)} leaves no batch dimension in its result of shape {shape(lost[0])}, which the "
+                    "rows then use")
     return None
 
 

@@ -237,6 +237,43 @@ def test_a_time_major_model_is_found_naming_the_operator(mix, named):
     assert "test_batch_dimension.py" in found, found  # the user's source line
 
 
+class RowsMeet(torch.nn.Module):
+    """Rows of a batch-first model that meet one another: `how` says how."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how, self.head = how, torch.nn.Linear(16, 3)
+
+    def forward(self, x, y):
+        h = torch.tanh(x)
+        if self.how == "scaled by the batch's largest value":
+            h = h / h.abs().max()
+        elif self.how == "scaled by the batch's norm":
+            h = h / h.norm()
+        elif self.how == "each row plus the one before":
+            h = h + torch.roll(h, 1, 0)
+        elif self.how == "each row plus its mirror":
+            h = h + torch.flip(h, [0])
+        elif self.how == "features rolled within a row":  # rows apart: split
+            h = h + torch.roll(h, 1, 1)
+        return torch.nn.functional.cross_entropy(self.head(h), y)
+
+
+@pytest.mark.parametrize("how, named", [
+    ("scaled by the batch's largest value", "aten::max"), ("scaled by the batch's norm", "aten::linalg_vector_norm"),
+    ("each row plus the one before", "aten::roll"), ("each row plus its mirror", "aten::flip"),
+    ("features rolled within a row", None),
+])
+def test_rows_that_meet_are_found_naming_the_operator(how, named):
+    """A statistic of the whole batch that the rows then use, and values moved along the
+    batch, make a share's rows depend on the others: found (a user trial found them split)."""
+    graph = conveyor.capture(RowsMeet(how), (torch.randn(8, 16), torch.randint(0, 3, (8,))))
+    found = where_samples_mix(graph.document)
+    if named is None:
+        assert found is None, found
+    else:
+        assert found is not None and found.startswith(named) and "test_batch_dimension.py" in found, found
+
 
 class WithLoss(torch.nn.Module):
     """A small network and a loss of the kind named (how it combines the samples)."""
