@@ -156,10 +156,12 @@ def test_pipelined_steps_equal_eager_gradient_accumulation(name, device, rel_err
             # between the replicas), each weighted by its part of the batch (1 for a sum).
             ref_opt.zero_grad(set_to_none=True)
             ref_loss = 0
+            tokens = case.counted_tokens(case.kwargs)  # a padded causal LM's: the whole call's count
             for a, k in split_batch(case.args, case.kwargs, m, batch):
                 for a2, k2 in split_batch(a, k, replicas, batch_size(zoo.ZooCase(name, None, a, k))):
-                    share = case.share_weight(batch_size(zoo.ZooCase(name, None, a2, k2)), batch)
-                    part = ref(*a2, **k2) * share
+                    rows = batch_size(zoo.ZooCase(name, None, a2, k2))
+                    part = (case.share_loss(ref.model, a2, k2, rows, batch, tokens) if tokens is not None else
+                            ref(*a2, **k2) * case.share_weight(rows, batch))
                     part.backward()
                     ref_loss = ref_loss + part.detach()
             ref_opt.step()

@@ -36,7 +36,7 @@ def train_both(case, stages: int, schedule: str, recompute, steps: int = 2):
             total = 0  # summed in the loss's own dtype (transformers' losses are float32), as the pipeline does
             for a, k in split_batch(case.args, case.kwargs, 2, batch):
                 rows = next(t for t in [*a, *k.values()] if isinstance(t, torch.Tensor)).shape[0]
-                part = case.loss(ref(*a, **k)) * case.share_weight(rows, batch)
+                part = case.share_loss(ref, a, k, rows, batch, case.counted_tokens(case.kwargs))
                 part.backward()
                 total = total + part.detach()
         finally:

@@ -33,6 +33,24 @@ class ZooCase:
         accumulation's factor): its fraction of the batch for a mean, 1 for a sum."""
         return 1.0 if self.loss_sums_samples else rows / batch
 
+    def counted_tokens(self, kwargs: dict) -> int | None:
+        """The label tokens of a padded causal LM's call (shifted by one, -100 not counted),
+        which its loss averages over and conveyor counts over the whole call
+        (counted_targets.py); None for a call without ignored labels."""
+        labels = kwargs.get("labels")
+        if not isinstance(labels, torch.Tensor) or not bool((labels == -100).any()):
+            return None
+        return int((labels[:, 1:] != -100).sum())
+
+    def share_loss(self, model: nn.Module, args: tuple, kwargs: dict, rows: int, batch: int,
+                   tokens: int | None) -> torch.Tensor:
+        """A share's part of the batch's loss, computed as the pipeline computes it: its
+        tokens' summed loss over the whole call's `tokens` (transformers' num_items_in_batch),
+        or its loss weighed by share_weight."""
+        if tokens is not None:
+            return self.loss(model(*args, **kwargs, num_items_in_batch=tokens))
+        return self.loss(model(*args, **kwargs)) * self.share_weight(rows, batch)
+
 
 def loss_of(output: Any) -> torch.Tensor:
     """The scalar loss in a model's output: the tensor itself, `.loss`, or the first item."""
