@@ -73,17 +73,13 @@ def _make_counted_means_sums(doc: dict) -> list[int]:
         positions = _COUNTING_LOSSES.get(node["op"])
         if positions is None:
             continue
-        target, weight, reduction, ignore = (node["args"][k] for k in positions)
+        target, _, reduction, ignore = (node["args"][k] for k in positions)
         if (reduction.get("int") != _MEAN or "value" not in target or "int" not in ignore
                 or len(node["returns"]) != 1 or "value" not in node["returns"][0]
                 or values[target["value"]].get("dtype") not in _INTEGER_DTYPES):
             continue  # class probabilities: a mean over the samples
-        if _ancestors(target["value"], made_by, bound, inputs, parameters=False) is None:
-            continue
-        if "value" in weight and _ancestors(weight["value"], made_by, bound, inputs, parameters=True,
-                                            batch=False) is None:
-            continue
-        chosen.append(node)
+        if _countable(node, made_by, bound, inputs):
+            chosen.append(node)
     counts = []
     for k, node in enumerate(chosen):
         loss = node["returns"][0]["value"]
@@ -132,14 +128,22 @@ def counted_losses(doc: dict, counts: list) -> list[dict]:
             raise ValueError(f"input {count} divides no counting loss's sum")
         target, weight, reduction, ignore = (loss["args"][k] for k in positions)
         if (reduction.get("int") != _SUM or "value" not in target or type(ignore.get("int")) is not int
-                or _ancestors(target["value"], made_by, bound, inputs, parameters=False) is None
-                or ("value" in weight and _ancestors(weight["value"], made_by, bound, inputs, parameters=True,
-                                                     batch=False) is None)):
+                or not _countable(loss, made_by, bound, inputs)):
             raise ValueError(f"input {count} divides {loss['op']}, whose targets conveyor cannot count before the "
                              "step")
         out.append({"input": count, "target": target["value"], "ignore_index": ignore["int"],
                     "weight": weight.get("value"), "dtype": values[count].get("dtype")})
     return out
+
+
+def _countable(loss: dict, made_by: dict[int, dict], bound: dict[int, dict], inputs: set[int]) -> bool:
+    """Whether a counting loss's targets and class weights can be counted before the step:
+    the targets from the inputs, buffers and constants, the weights from the model's tensors."""
+    target, weight = (loss["args"][k] for k in _COUNTING_LOSSES[loss["op"]][:2])
+    if _ancestors(target["value"], made_by, bound, inputs, parameters=False) is None:
+        return False
+    return "value" not in weight or _ancestors(weight["value"], made_by, bound, inputs, parameters=True,
+                                               batch=False) is not None
 
 
 def _made_by(doc: dict) -> dict[int, dict]:
