@@ -20,7 +20,8 @@ SECRET = "a3f1c2d4e5b60718293a4b5c6d7e8f90"
 JOB = "fingerprint-of-the-model-1234"
 
 # Joins as RANK of WORLD_SIZE with the secret and job given, prints "joined", keeps the group
-# HOLD seconds, checks it still sums across the job, prints "done".
+# until the file RELEASE exists (when one is named; at most 120 s), checks it still sums across
+# the job, prints "done".
 JOINER = """
 import os, sys, time, torch
 from conveyor import _C
@@ -32,7 +33,9 @@ except Exception as e:
     print(f"{type(e).__name__}: {e}", flush=True)
     sys.exit(3)
 print("joined", flush=True)
-time.sleep(float(os.environ.get("HOLD", "0")))
+release, deadline = os.environ.get("RELEASE"), time.monotonic() + 120
+while release and not os.path.exists(release) and time.monotonic() < deadline:
+    time.sleep(0.1)
 t = torch.ones(1)
 g.allreduce(t)
 print(f"done {int(t.item())}", flush=True)
@@ -40,9 +43,9 @@ g.close()
 """
 
 
-def start(rank: int, world: int, port: int, secret: str = SECRET, hold: float = 0, timeout: float = 30):
+def start(rank: int, world: int, port: int, secret: str = SECRET, release: Path | None = None, timeout: float = 30):
     env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_PORT=str(port), JOB=JOB, SECRET=secret,
-               HOLD=str(hold), TIMEOUT=str(timeout), UCX_NET_DEVICES="lo", OMP_NUM_THREADS="1")
+               RELEASE=str(release or ""), TIMEOUT=str(timeout), UCX_NET_DEVICES="lo", OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, "-c", JOINER], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
 
@@ -107,9 +110,9 @@ def test_an_impostor_neither_joins_nor_aborts_a_forming_job():
         assert p.returncode == 0 and "done 2" in text, text
 
 
-def test_a_late_process_cannot_take_a_rank_and_the_job_goes_on():
-    port = free_port()
-    job = [start(r, 2, port, hold=6) for r in range(2)]
+def test_a_late_process_cannot_take_a_rank_and_the_job_goes_on(tmp_path):
+    port, release = free_port(), tmp_path / "release"
+    job = [start(r, 2, port, release=release) for r in range(2)]
     for p in job:
         wait_for_line(p, "joined")
     late = start(1, 2, port)
@@ -118,6 +121,7 @@ def test_a_late_process_cannot_take_a_rank_and_the_job_goes_on():
     late_impostor = start(1, 2, port, secret="not-the-secret-of-this-job")
     text = finish(late_impostor)
     assert late_impostor.returncode == 3 and "job secret differs" in text, text
+    release.touch()  # the job held its group, however slowly the late ones started
     for p in job:
         text = finish(p)
         assert p.returncode == 0 and "done 2" in text, text
