@@ -1,6 +1,6 @@
 #include "runtime/coordinator.h"
 
-#include <caf/io/middleman.hpp>
+#include <caf/all.hpp>
 #include <thread>
 
 #include "runtime/actor_messages.h"
@@ -13,7 +13,6 @@ caf::actor_system& actor_system() {
     // The pooled threads run only the Coordinator and PartitionerActor (short handlers); the
     // replicas are detached, each on a thread of its own.
     config.set("scheduler.max-threads", 2);
-    config.load<caf::io::middleman>();  // remote actors: the rendezvous of many processes
     auto* s = new caf::actor_system(config);
     s->await_actors_before_shutdown(false);
     return s;

@@ -1,197 +1,250 @@
 #include "runtime/rendezvous.h"
 
-#include <caf/io/all.hpp>
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <cerrno>
+
 #include <algorithm>
-#include <deque>
+#include <atomic>
+#include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <thread>
 
 #include "common/blocking_call.h"
 #include "common/secret.h"
-
-#include "runtime/actor_messages.h"
+#include "runtime/rendezvous_protocol.h"
+#include "runtime/rendezvous_wire.h"
 
 namespace conveyor::runtime {
 
+namespace protocol = rendezvous_protocol;
+using wire::Clock;
+
 namespace {
 
-using join_atom = caf::atom_constant<caf::atom("join")>;        // rendezvous: (request JSON, its MAC)
-using challenge_atom = caf::atom_constant<caf::atom("challenge")>;  // rendezvous: a nonce to sign a join with
-using missing_atom = caf::atom_constant<caf::atom("missing")>;  // rendezvous: who has not joined?
+// What process 0 lets unproven peers (connected, no signed join yet) hold, so that nothing
+// grows before authentication: each keeps at most one join frame (protocol::kLargestJoin), so
+// all of them together at most 16 MiB; a peer address holds at most a quarter of the places,
+// and a connection that has not sent its signed join within kProofWithin is closed. A process
+// turned away for want of a place connects again (every joining process retries until its
+// deadline), so a burst of honest processes only waits.
+constexpr std::size_t kMostUnproven = 256;
+constexpr std::size_t kMostUnprovenPerPeer = 64;
+constexpr auto kProofWithin = std::chrono::seconds(10);
 
-// Outstanding nonces process 0 keeps: enough for every process of a large job asking at
-// once; an impostor asking for more only pushes out its own oldest.
-constexpr std::size_t kMostNonces = 65536;
-// A join request is a few hundred bytes; anything far larger is not one.
-constexpr std::size_t kLargestRequest = 1 << 20;
+// Process 0's side: a thread that listens at MASTER_ADDR:MASTER_PORT, hands every connection
+// a nonce, reads its one join frame and answers as the JoinBook decides, for as long as the
+// job runs (a late process is told the job is complete).
+class Server {
+ public:
+  Server(wire::Socket listener, protocol::JoinBook book)
+      : listener_(std::move(listener)), book_(std::move(book)), thread_([this] { run(); }) {}
+  ~Server() {
+    stop_ = true;
+    thread_.join();
+  }
+  std::string missing() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return book_.missing();
+  }
 
-// What process 0 answers a join with: the body and its MAC over the joining process's nonce,
-// so the joining process knows the answer comes from a holder of the secret.
-std::string signed_reply(const std::string& secret, const std::string& client_nonce, const nlohmann::json& body) {
-  const std::string text = body.dump();
-  return nlohmann::json{{"body", text}, {"mac", secret::hmac_hex(secret, "reply\n" + client_nonce + "\n" + text)}}
-      .dump();
-}
+ private:
+  struct Connection {
+    wire::Socket socket;
+    std::string peer, nonce;
+    wire::FrameReader reader{protocol::kLargestJoin};
+    Clock::time_point opened = Clock::now();
+    bool proven = false;         // its join was signed: it waits for its answer, beyond the limits
+    bool close_after_sent = false;
+    std::string outgoing;        // framed bytes not yet sent
+    std::size_t sent = 0;
+  };
 
-// A string field of a join request, or `fallback` when absent or not a string (value() would throw).
-std::string text_field(const nlohmann::json& j, const char* key, const std::string& fallback = "") {
-  auto it = j.find(key);
-  return it != j.end() && it->is_string() ? it->get<std::string>() : fallback;
-}
+  void run() {
+    while (!stop_) {
+      std::vector<pollfd> fds{{listener_.fd(), POLLIN, 0}};
+      std::vector<int> ids;
+      for (auto& [id, c] : connections_) {
+        short events = c.sent < c.outgoing.size() ? POLLOUT : 0;
+        if (!c.proven && !c.close_after_sent) events |= POLLIN;
+        fds.push_back({c.socket.fd(), events, 0});
+        ids.push_back(id);
+      }
+      ::poll(fds.data(), fds.size(), static_cast<int>(kStopAskedEvery.count()));
+      if (fds[0].revents & POLLIN) accept_all();
+      for (std::size_t i = 1; i < fds.size(); ++i) {
+        if (fds[i].revents != 0) serve(ids[i - 1], fds[i].revents);
+      }
+      close_idle();
+    }
+  }
 
-struct Waiting {
-  caf::response_promise promise;
-  std::string client_nonce;
+  std::size_t unproven(const std::string& peer) const {
+    return static_cast<std::size_t>(std::count_if(connections_.begin(), connections_.end(), [&](const auto& entry) {
+      return !entry.second.proven && (peer.empty() || entry.second.peer == peer);
+    }));
+  }
+
+  void accept_all() {
+    while (true) {
+      wire::Socket s(::accept4(listener_.fd(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
+      if (!s) return;
+      std::string peer = wire::peer_of(s.fd());
+      if (unproven("") >= kMostUnproven || unproven(peer) >= kMostUnprovenPerPeer) continue;  // closed: it may retry
+      Connection c;
+      c.socket = std::move(s);
+      c.peer = std::move(peer);
+      c.nonce = protocol::challenge();
+      c.outgoing = wire::frame(c.nonce);
+      connections_.emplace(next_id_++, std::move(c));
+    }
+  }
+
+  void serve(int id, short revents) {
+    auto it = connections_.find(id);
+    if (it == connections_.end()) return;
+    Connection& c = it->second;
+    if ((revents & POLLOUT) && !flush(c)) return drop(id);
+    if (c.close_after_sent && c.sent == c.outgoing.size()) return drop(id);
+    if (revents & (POLLERR | POLLHUP | POLLNVAL)) return drop(id);
+    if (!(revents & POLLIN) || c.proven) return;
+    switch (c.reader.read_from(c.socket.fd())) {
+      case wire::FrameReader::Progress::kMore:
+        return;
+      case wire::FrameReader::Progress::kTooLarge:
+      case wire::FrameReader::Progress::kClosed:
+        return drop(id);
+      case wire::FrameReader::Progress::kDone:
+        break;
+    }
+    protocol::JoinBook::Outcome outcome;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      outcome = book_.join(id, c.nonce, c.reader.payload());
+    }
+    c.reader = wire::FrameReader(0);  // the join is read; nothing more is
+    c.proven = outcome.held;
+    if (!outcome.held) c.close_after_sent = true;
+    for (auto& send : outcome.sends) {
+      auto to = connections_.find(send.connection);
+      if (to == connections_.end()) continue;
+      to->second.outgoing += wire::frame(send.payload);
+      to->second.close_after_sent = to->second.close_after_sent || send.close_after;
+      if (!flush(to->second)) drop(send.connection);
+    }
+  }
+
+  // Sends what the socket takes now; false when the peer has gone.
+  static bool flush(Connection& c) {
+    while (c.sent < c.outgoing.size()) {
+      const ssize_t n = ::send(c.socket.fd(), c.outgoing.data() + c.sent, c.outgoing.size() - c.sent, MSG_NOSIGNAL);
+      if (n > 0) {
+        c.sent += static_cast<std::size_t>(n);
+        continue;
+      }
+      if (n < 0 && errno == EINTR) continue;
+      return n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
+    }
+    return true;
+  }
+
+  void drop(int id) {
+    auto it = connections_.find(id);
+    if (it == connections_.end()) return;
+    if (it->second.proven) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      book_.forget(id);
+    }
+    connections_.erase(it);
+  }
+
+  void close_idle() {
+    const auto now = Clock::now();
+    for (auto it = connections_.begin(); it != connections_.end();) {
+      const Connection& c = it->second;
+      const bool done = c.close_after_sent && c.sent == c.outgoing.size();
+      if (done || (!c.proven && now - c.opened > kProofWithin)) {
+        it = connections_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  wire::Socket listener_;
+  protocol::JoinBook book_;  // guarded by mutex_ (missing() reads it from another thread)
+  std::mutex mutex_;
+  std::map<int, Connection> connections_;
+  int next_id_ = 0;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;  // last: it starts once everything it reads is made
 };
 
-struct RendezvousState {
-  int world = 1;
-  std::string version, job, secret;
-  std::vector<std::string> addresses;  // hex, per rank ("" until it joins)
-  std::vector<Waiting> waiting;
-  std::deque<std::string> nonces;  // handed out, not yet used (each signs one join)
-  bool complete = false;
-  std::string error;  // the first disagreement among the job's processes: every one gets it
-};
-
-// Process 0's rendezvous actor. A join counts only when signed with the job's secret over a
-// nonce this actor handed out (once): anything else is refused to its sender alone and
-// changes nothing, so an impostor can neither join nor abort the forming job. Processes that
-// hold the secret and disagree (version, world size, rank, model) fail every process with the
-// first disagreement; once complete, a further join is turned away and the job goes on.
-caf::behavior rendezvous_actor(caf::stateful_actor<RendezvousState>* self, int world, std::string version,
-                               std::string job, std::string secret) {
-  self->state.world = world;
-  self->state.version = std::move(version);
-  self->state.job = std::move(job);
-  self->state.secret = std::move(secret);
-  self->state.addresses.assign(static_cast<std::size_t>(world), "");
-  return {
-      [self](challenge_atom) {
-        auto& st = self->state;
-        if (st.nonces.size() >= kMostNonces) st.nonces.pop_front();
-        st.nonces.push_back(secret::random_hex(16));
-        return st.nonces.back();
-      },
-      [self](join_atom, const std::string& text, const std::string& mac) -> caf::result<std::string> {
-        auto& st = self->state;
-        const std::string refused = nlohmann::json{{"refused", true}}.dump();
-        if (text.size() > kLargestRequest) return refused;
-        nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-        if (!j.is_object() || !j.contains("nonce") || !j["nonce"].is_string()) return refused;
-        auto nonce = std::find(st.nonces.begin(), st.nonces.end(), j["nonce"].get<std::string>());
-        if (nonce == st.nonces.end()) return refused;
-        st.nonces.erase(nonce);  // used once, whether the MAC holds or not
-        if (!secret::same(mac, secret::hmac_hex(st.secret, "join\n" + text))) return refused;
-        const std::string client_nonce = text_field(j, "client_nonce");
-        auto answer = [&](const nlohmann::json& body) { return signed_reply(st.secret, client_nonce, body); };
-        if (st.complete) {
-          return answer({{"error", "the job already has all its " + std::to_string(st.world) +
-                                       " processes; this one is not part of it (check RANK and WORLD_SIZE)"}});
-        }
-        auto promise = self->make_response_promise<std::string>();
-        auto fail_all = [&](const std::string& why) {
-          if (st.error.empty()) st.error = why;
-          promise.deliver(answer({{"error", st.error}}));
-          for (auto& w : st.waiting) w.promise.deliver(signed_reply(st.secret, w.client_nonce, {{"error", st.error}}));
-          st.waiting.clear();
-          return promise;
-        };
-        if (!st.error.empty()) return fail_all(st.error);
-        if (!j.contains("rank") || !j["rank"].is_number_integer() || !j.contains("world") ||
-            !j["world"].is_number_integer()) {
-          return fail_all("a process sent a malformed join request (another conveyor version?)");
-        }
-        const std::int64_t rank = j["rank"].get<std::int64_t>();
-        const std::string who = "process " + std::to_string(rank);
-        const std::string their_version = text_field(j, "version", "?");
-        if (their_version != st.version) {
-          return fail_all(who + " runs conveyor " + their_version.substr(0, 40) + " but process 0 runs conveyor " +
-                          st.version + "; install the same conveyor on every machine");
-        }
-        if (j["world"].get<std::int64_t>() != st.world) {
-          return fail_all(who + " expects a world of " + std::to_string(j["world"].get<std::int64_t>()) +
-                          " processes but process 0 expects " + std::to_string(st.world) +
-                          "; set the same WORLD_SIZE everywhere");
-        }
-        if (rank < 0 || rank >= st.world) {
-          return fail_all(who + " is outside the world of " + std::to_string(st.world) + " (RANK 0 to " +
-                          std::to_string(st.world - 1) + ")");
-        }
-        if (!st.addresses[rank].empty()) return fail_all("two processes joined as rank " + std::to_string(rank) + "; give each a RANK of its own");
-        const std::string their_job = text_field(j, "job");
-        if (their_job != st.job) {
-          return fail_all(who + " runs a different model or plan than process 0 (job " + their_job.substr(0, 40) +
-                          " against " + st.job + "); every process must run the same script with the same model, plan and schedule");
-        }
-        st.addresses[rank] = text_field(j, "address");
-        if (st.addresses[rank].empty()) return fail_all(who + " sent no data-plane address");
-        st.waiting.push_back({promise, client_nonce});
-        for (const auto& a : st.addresses) {
-          if (a.empty()) return promise;
-        }
-        st.complete = true;
-        for (auto& w : st.waiting) w.promise.deliver(signed_reply(st.secret, w.client_nonce, {{"addresses", st.addresses}}));
-        st.waiting.clear();
-        return promise;
-      },
-      [self](missing_atom) {
-        std::string out;
-        for (int r = 0; r < self->state.world; ++r) {
-          if (self->state.addresses[r].empty()) out += (out.empty() ? "" : ", ") + std::to_string(r);
-        }
-        return out;
-      },
-  };
-}
-
-// Asks for a nonce, sends the join request signed over it, and waits for the answer within
-// `timeout`: the answer's body once its MAC over `client_nonce` holds.
-Result<std::string> ask(const caf::actor& rendezvous, nlohmann::json request, const std::string& secret,
-                        std::chrono::milliseconds timeout, const std::string& where) {
-  caf::scoped_actor self{actor_system()};
-  Result<std::string> out = Status(ErrorCode::kInternal, "the rendezvous did not answer");
-  auto failed = [&](caf::error& e) {
-    out = Status(ErrorCode::kExecution,
-                 e == caf::sec::request_timeout ? "timeout" : "the rendezvous failed: " + actor_system().render(e));
-  };
-  std::string nonce;
-  self->request(rendezvous, caf::duration{timeout}, challenge_atom::value)
-      .receive([&](std::string& n) { nonce = std::move(n); }, failed);
-  if (nonce.empty()) return out;
-  const std::string client_nonce = secret::random_hex(16);
-  request["nonce"] = nonce;
-  request["client_nonce"] = client_nonce;
-  const std::string text = request.dump();
-  self->request(rendezvous, caf::duration{timeout}, join_atom::value, text, secret::hmac_hex(secret, "join\n" + text))
-      .receive([&](std::string& reply) { out = std::move(reply); }, failed);
-  if (!out) return out;
-  nlohmann::json j = nlohmann::json::parse(*out, nullptr, false);
-  if (j.is_object() && j.contains("refused")) {
-    return Status(ErrorCode::kInvalidArgument,
-                  "the process listening at " + where + " refused this process: its job secret differs. Start every "
-                  "process with `conveyor launch`, or give each the same CONVEYOR_JOB_SECRET (by default the processes "
-                  "of one user share the secret file in the cache folder)");
+// Connects to process 0 until the deadline, sends the signed join, and waits for the answer:
+// its body once the answer's MAC over this process's own nonce holds. A connection process 0
+// turned away before handing out a nonce (its limits) is tried again.
+Result<std::string> ask(const JoinRequest& req, const nlohmann::json& request, Clock::time_point deadline,
+                        const std::string& where) {
+  const std::string who = "process " + std::to_string(req.rank);
+  std::string last_refusal = "no attempt";
+  while (true) {
+    if (req.interrupted && req.interrupted()) {
+      return Status(ErrorCode::kInterrupted, who + " was interrupted while looking for process 0 at " + where);
+    }
+    if (Clock::now() >= deadline) {
+      return Status(ErrorCode::kExecution, who + " found no process 0 at " + where + " within " +
+                                               std::to_string(req.timeout.count()) + " ms (" + last_refusal +
+                                               "); start process 0, or check MASTER_ADDR and MASTER_PORT");
+    }
+    auto socket = wire::connect_to(req.host, req.port, std::chrono::seconds(1));
+    if (!socket) {
+      last_refusal = socket.status().message();
+      std::this_thread::sleep_for(kStopAskedEvery);
+      continue;
+    }
+    auto nonce = wire::read_frame(socket->fd(), protocol::kLargestChallenge,
+                                  std::min(deadline, Clock::now() + kProofWithin), req.interrupted);
+    if (!nonce && nonce.status().code() == ErrorCode::kInterrupted) {
+      return Status(ErrorCode::kInterrupted, who + " was interrupted while looking for process 0 at " + where);
+    }
+    if (!nonce && nonce.status().code() == ErrorCode::kFormat) {
+      return Status(ErrorCode::kInvalidArgument, "the process listening at " + where +
+                                                     " does not speak conveyor's rendezvous; check MASTER_ADDR and MASTER_PORT");
+    }
+    if (!nonce) {
+      last_refusal = "connected, but " + nonce.status().message();
+      std::this_thread::sleep_for(kStopAskedEvery);
+      continue;
+    }
+    nlohmann::json signed_request = request;
+    const std::string client_nonce = secret::random_hex(16);
+    signed_request["client_nonce"] = client_nonce;
+    const std::string payload = protocol::join_payload(req.secret, *nonce, signed_request.dump());
+    CONVEYOR_RETURN_IF_ERROR(wire::write_all(socket->fd(), wire::frame(payload), deadline));
+    auto answer = wire::read_frame(socket->fd(), protocol::largest_answer(req.world), deadline, req.interrupted);
+    if (!answer) {
+      switch (answer.status().code()) {
+        case ErrorCode::kInterrupted:
+          return Status(ErrorCode::kInterrupted, who + " was interrupted while waiting for the others to join at " + where);
+        case ErrorCode::kFormat:
+          return Status(ErrorCode::kInvalidArgument, "the process listening at " + where +
+                                                         " is not this job's process 0 (its answer is too large)");
+        default:
+          if (answer.status().message() == "timeout") return answer.status();
+          return Status(ErrorCode::kExecution, "process 0 at " + where + " closed the connection before every process "
+                                                   "joined (did it stop? its own output says why)");
+      }
+    }
+    return protocol::read_answer(req.secret, client_nonce, *answer, where);
   }
-  if (!j.is_object() || !j.contains("body") || !j["body"].is_string() || !j.contains("mac") || !j["mac"].is_string() ||
-      !secret::same(j["mac"].get<std::string>(),
-                    secret::hmac_hex(secret, "reply\n" + client_nonce + "\n" + j["body"].get<std::string>()))) {
-    return Status(ErrorCode::kInvalidArgument, "the process listening at " + where +
-                                                   " is not this job's process 0 (its answer is not signed with the "
-                                                   "job's secret); check MASTER_ADDR and MASTER_PORT");
-  }
-  return j["body"].get<std::string>();
 }
 
 }  // namespace
 
 struct Rendezvous::Impl {
-  caf::actor published;
-  ~Impl() {
-    if (!published) return;
-    (void)actor_system().middleman().unpublish(published);
-    caf::anon_send_exit(published, caf::exit_reason::user_shutdown);
-  }
+  std::unique_ptr<Server> server;  // process 0's, while the job runs
 };
 
 Rendezvous::Rendezvous(std::unique_ptr<Impl> impl, std::vector<std::string> addresses)
@@ -199,7 +252,6 @@ Rendezvous::Rendezvous(std::unique_ptr<Impl> impl, std::vector<std::string> addr
 Rendezvous::~Rendezvous() = default;
 
 Result<std::unique_ptr<Rendezvous>> rendezvous(const JoinRequest& req) {
-  using Clock = std::chrono::steady_clock;
   const auto deadline = Clock::now() + req.timeout;
   const std::string where = req.host + ":" + std::to_string(req.port);
   if (req.world < 1 || req.rank < 0 || req.rank >= req.world) {
@@ -210,62 +262,30 @@ Result<std::unique_ptr<Rendezvous>> rendezvous(const JoinRequest& req) {
   if (req.port < 1 || req.port > 65535) {
     return Status(ErrorCode::kInvalidArgument, "MASTER_PORT " + std::to_string(req.port) + " (1 to 65535)");
   }
-  auto& system = actor_system();
+  if (req.address.size() * 2 > protocol::kLargestAddress) {
+    return Status(ErrorCode::kInternal, "this process's data-plane address is " + std::to_string(req.address.size()) +
+                                            " bytes, more than the rendezvous carries");
+  }
   auto impl = std::make_unique<Rendezvous::Impl>();
-  caf::actor target;
   if (req.rank == 0) {
-    impl->published = system.spawn(rendezvous_actor, req.world, req.version, req.job, req.secret);
-    auto port = system.middleman().publish(impl->published, static_cast<std::uint16_t>(req.port), req.host.c_str(),
-                                           /*reuse=*/true);
-    if (!port) {
+    auto listener = wire::listen_at(req.host, req.port);
+    if (!listener) {
       return Status(ErrorCode::kExecution, "process 0 cannot listen for the other processes at " + where + ": " +
-                                               system.render(port.error()) +
+                                               listener.status().message() +
                                                " (is the port in use? set MASTER_PORT to a free one)");
     }
-    target = impl->published;
-  } else {
-    while (true) {
-      auto remote = system.middleman().remote_actor(req.host, static_cast<std::uint16_t>(req.port));
-      if (remote) {
-        target = *remote;
-        break;
-      }
-      if (req.interrupted && req.interrupted()) {
-        return Status(ErrorCode::kInterrupted, "process " + std::to_string(req.rank) +
-                                                   " was interrupted while looking for process 0 at " + where);
-      }
-      if (Clock::now() >= deadline) {
-        return Status(ErrorCode::kExecution, "process " + std::to_string(req.rank) + " found no process 0 at " + where +
-                                                 " within " + std::to_string(req.timeout.count()) +
-                                                 " ms (" + system.render(remote.error()) +
-                                                 "); start process 0, or check MASTER_ADDR and MASTER_PORT");
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
+    impl->server = std::make_unique<Server>(std::move(*listener),
+                                            protocol::JoinBook(req.world, req.version, req.job, req.secret));
   }
-  const nlohmann::json request = {
-      {"rank", req.rank}, {"world", req.world}, {"version", req.version}, {"job", req.job}, {"address", secret::to_hex(req.address)}};
-  const auto left = std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()),
-                             std::chrono::milliseconds(1));
-  // The answer comes once every process joined: asked on a thread of its own, so that an
-  // interruption need not wait for it (the thread ends at the request's timeout, or at once
-  // when process 0's actor goes).
-  auto asked = wait_for_blocking_call<Result<std::string>>(
-      [target, request, secret = req.secret, left, where] { return ask(target, request, secret, left, where); }, {},
-      left + std::chrono::seconds(5), req.interrupted, kStopAskedEvery);
-  if (asked.end == BlockingCallEnd::kAbandoned) {
-    return Status(ErrorCode::kInterrupted, "process " + std::to_string(req.rank) +
-                                               " was interrupted while waiting for the others to join at " + where);
-  }
-  Result<std::string> reply = asked.value ? std::move(*asked.value) : Result<std::string>(Status(ErrorCode::kExecution, "timeout"));
+  const nlohmann::json request = {{"rank", req.rank},
+                                  {"world", req.world},
+                                  {"version", req.version},
+                                  {"job", req.job},
+                                  {"address", secret::to_hex(req.address)}};
+  Result<std::string> reply = ask(req, request, deadline, where);
   if (!reply) {
     if (reply.status().message() != "timeout") return reply.status();
-    std::string missing = "?";
-    if (req.rank == 0) {
-      caf::scoped_actor self{system};
-      self->request(target, std::chrono::seconds(5), missing_atom::value)
-          .receive([&](std::string& m) { missing = std::move(m); }, [](caf::error&) {});
-    }
+    const std::string missing = impl->server ? impl->server->missing() : "";
     return Status(ErrorCode::kExecution,
                   "the rendezvous at " + where + " did not complete within " + std::to_string(req.timeout.count()) +
                       " ms" + (req.rank == 0 ? ": processes " + missing + " did not join" : "") +
@@ -273,11 +293,12 @@ Result<std::unique_ptr<Rendezvous>> rendezvous(const JoinRequest& req) {
                       "), or give them longer (timeout=, or CONVEYOR_TIMEOUT)");
   }
   nlohmann::json j = nlohmann::json::parse(*reply, nullptr, false);
-  if (j.is_object() && j.contains("error")) {
+  if (j.is_object() && j.contains("error") && j["error"].is_string()) {
     return Status(ErrorCode::kInvalidArgument, "rendezvous at " + where + ": " + j["error"].get<std::string>());
   }
   if (!j.is_object() || !j.contains("addresses") || !j["addresses"].is_array() ||
-      static_cast<int>(j["addresses"].size()) != req.world) {
+      static_cast<int>(j["addresses"].size()) != req.world ||
+      !std::all_of(j["addresses"].begin(), j["addresses"].end(), [](const auto& a) { return a.is_string(); })) {
     return Status(ErrorCode::kCorrupt, "a malformed rendezvous answer from process 0 (another conveyor version?)");
   }
   std::vector<std::string> addresses;

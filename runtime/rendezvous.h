@@ -1,14 +1,15 @@
-// How the processes of one job find each other (CAF remote actors, the middleman): process 0
-// publishes a rendezvous actor at MASTER_ADDR:MASTER_PORT; every other process connects to
-// it (retrying until the deadline, so start order does not matter) and sends what it is: its
-// rank, the world size it expects, its conveyor version, its job fingerprint (the model and
-// plan it will run) and its data-plane address (a UCX worker address), signed with the job's
-// secret over a nonce process 0 handed out (common/secret.h): process 0 refuses an unsigned
-// join to its sender alone, so a process without the secret can neither join nor disturb the
-// job, and signs its answer, so a process cannot be fooled by an impostor process 0. Once
-// every rank has joined, each gets every rank's address, in rank order. Any disagreement among
-// the job's processes fails every process with an error naming the processes that disagree
-// and what each said. Torch-free.
+// How the processes of one job find each other (conveyor's own frames over TCP,
+// runtime/rendezvous_protocol.h): process 0 listens at MASTER_ADDR:MASTER_PORT; every
+// process, process 0 included, connects to it (retrying until the deadline, so start order
+// does not matter) and sends what it is: its rank, the world size it expects, its conveyor
+// version, its job fingerprint (the model and plan it will run) and its data-plane address
+// (a UCX worker address), signed with the job's secret over a nonce process 0 handed its
+// connection (common/secret.h). Process 0 refuses an unsigned join to its sender alone and
+// keeps nothing of an unproven peer beyond one bounded frame, so a process without the
+// secret can neither join nor disturb the job; it signs its answer, so a process cannot be
+// fooled by an impostor process 0. Once every rank has joined, each gets every rank's
+// address, in rank order. Any disagreement among the job's processes fails every process
+// with an error naming the processes that disagree and what each said. Torch-free.
 #pragma once
 
 #include <chrono>
@@ -36,7 +37,7 @@ struct JoinRequest {
   std::function<bool()> interrupted;
 };
 
-/// Held by process 0 while the job runs (the published actor and its port); nothing for the others.
+/// Held by process 0 while the job runs (its rendezvous server and port); nothing for the others.
 class Rendezvous {
  public:
   ~Rendezvous();

@@ -2,7 +2,10 @@
 secret) neither joins nor aborts a forming job and learns nothing from its refusal; a late
 process cannot take a rank; and nothing of a job listens beyond the address it names."""
 import os
+import random
 import re
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -212,3 +215,64 @@ def test_nothing_of_the_job_listens_beyond_its_address(launched, tmp_path):
     finally:
         for p in procs:
             finish(p)
+
+
+def resident_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for process {pid}")
+
+
+def listening(port: int, within: float = 60) -> None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError(f"nothing listens at port {port} within {within} s")
+
+
+def test_nothing_grows_before_authentication_and_the_job_still_forms(tmp_path):
+    """Unauthenticated peers on the rendezvous port (a header announcing 4 GiB, CAF's old
+    32-byte BASP header, 100 connections of random bytes, 100 that each hold a join frame
+    just under the limit) leave process 0's resident memory within 50 MB of where it was,
+    and the job forms and trains."""
+    port, release = free_port(), tmp_path / "release"
+    first = start(0, 2, port, release=release, timeout=120)
+    listening(port)
+    time.sleep(0.5)
+    before = resident_bytes(first.pid)
+    rng = random.Random(0)
+    peers = []
+    try:
+        announce = socket.create_connection(("127.0.0.1", port))
+        announce.sendall(struct.pack(">I", 0xFFFFFFFF) + b"x" * 65536)  # 4 GiB announced, refused at its header
+        peers.append(announce)
+        basp = socket.create_connection(("127.0.0.1", port))
+        basp.sendall(struct.pack(">IIQ", 0, 0xFFFFFFFF, 0) + bytes(16))
+        peers.append(basp)
+        for _ in range(100):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(rng.randbytes(4096))
+            peers.append(s)
+        for _ in range(100):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(struct.pack(">I", 65536) + rng.randbytes(65535))  # one byte short: held until its time is up
+            peers.append(s)
+    except OSError:
+        pass  # process 0 closing a connection under the writes is what it may do
+    time.sleep(2.0)
+    grown = resident_bytes(first.pid) - before
+    print(f"process 0: {before / 1e6:.1f} MB resident before, {grown / 1e6:+.1f} MB after {len(peers)} unproven peers")
+    assert grown < 50e6, f"process 0 grew by {grown / 1e6:.1f} MB before any peer proved the job's secret"
+    second = start(1, 2, port, release=release)
+    wait_for_line(second, "joined")
+    release.touch()
+    for p in (first, second):
+        text = finish(p)
+        assert p.returncode == 0 and "done 2" in text, text
+    for s in peers:
+        s.close()
