@@ -12,7 +12,9 @@
 namespace conveyor::fuzz {
 
 /// The readers by name: graph_file, graph_document, op_graph, profile, cluster, job_config,
-/// plan, trace.
+/// plan, trace; and what else reads bytes an attacker chooses: command_line (the `conveyor`
+/// command's arguments, NUL-separated) and rendezvous_join (frames sent to process 0's
+/// rendezvous port).
 const std::vector<std::string>& reader_names();
 
 /// Reads `bytes` as `reader` would read a file, then uses what it read the way conveyor does

@@ -1,12 +1,12 @@
 // The `conveyor` command-line tool: inspect, validate and cut graph files; plan a graph on a
-// cluster; simulate a plan; check traces; launch the processes of a job.
-#include <CLI/CLI.hpp>
-
+// cluster; simulate a plan; check traces; launch the processes of a job. Its arguments are
+// read by tools/command_line.h.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <string>
@@ -19,6 +19,7 @@
 #include "common/file.h"
 #include "common/printable.h"
 #include "partitioner/planner.h"
+#include "tools/command_line.h"
 #include "tools/launch.h"
 #include "trace/simulation_trace.h"
 
@@ -147,12 +148,7 @@ Status write_simulation_trace(const partitioner::Plan& plan, const std::string& 
   return trace::write_step_trace(path, schedule, sim);
 }
 
-struct PlanArgs {
-  std::string graph, cluster, profile, out, trace, schedule;
-  int batch = 0, microbatches = 0;
-  double optimizer_state = 2;
-  double time_budget_s = partitioner::PlanOptions{}.time_budget_s;
-};
+using tools::PlanArgs;
 
 int plan_command(const PlanArgs& a) {
   auto g = load_planning_graph(a.graph, a.profile);
@@ -239,164 +235,33 @@ int trace_check_command(const std::string& path) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"conveyor: automatic pipeline + data parallel training for PyTorch models"};
-  app.set_version_flag("--version", std::string("conveyor ") + CONVEYOR_VERSION);
-  app.require_subcommand(1);
-
-  std::string path;
-  int top = 15;
-  auto* inspect_cmd = app.add_subcommand("inspect", "summarize a graph file (validates it first)");
-  inspect_cmd->add_option("graph", path, "graph file written by Graph.save")->required();
-  inspect_cmd->add_option("--top", top, "how many operators to list");
-
-  auto* validate_cmd = app.add_subcommand("validate", "check a graph file; exit status 0 when valid");
-  validate_cmd->add_option("graph", path, "graph file")->required();
-
-  int stages = 2;
-  std::uint64_t seed = 0;
-  bool keep_order = false;
-  auto* partition_cmd = app.add_subcommand("partition", "cut a graph file into random valid stages");
-  partition_cmd->add_option("graph", path, "graph file")->required();
-  partition_cmd->add_option("--stages", stages, "number of stages")->check(CLI::PositiveNumber);
-  partition_cmd->add_option("--seed", seed, "random seed");
-  partition_cmd->add_flag("--keep-node-order", keep_order, "stages are contiguous in capture order");
-
-  PlanArgs plan_args;
-  auto* plan_cmd = app.add_subcommand("plan", "plan a graph on a cluster: stages, replicas, schedule, microbatches");
-  plan_cmd->add_option("--graph", plan_args.graph, "op-graph JSON, or a graph file (with its profile)")->required();
-  plan_cmd->add_option("--cluster", plan_args.cluster, "cluster TOML (docs/formats.md)")->required();
-  plan_cmd->add_option("--batch", plan_args.batch, "samples per training step")->required()->check(CLI::PositiveNumber);
-  plan_cmd->add_option("--profile", plan_args.profile, "profile JSON of a graph file (default: the profile cache)");
-  plan_cmd->add_option("--microbatches", plan_args.microbatches, "fix the microbatch count (default: choose)")
-      ->check(CLI::Range(0, scheduler::kMostMicrobatches));
-  plan_cmd->add_option("--schedule", plan_args.schedule, "auto, " + scheduler::schedule_names_text());
-  // CLI::Range lets NaN through (no comparison with it is true).
-  const auto finite_range = [](double lo, double hi, const std::string& what) {
-    return CLI::Validator(
-        [lo, hi, what](std::string& text) -> std::string {
-          char* end = nullptr;
-          const double v = std::strtod(text.c_str(), &end);
-          if (end == text.c_str() || *end != '\0' || !std::isfinite(v) || v < lo || v > hi) {
-            char range[64];
-            std::snprintf(range, sizeof range, "from %g to %g", lo, hi);
-            return "expected " + what + " " + range + ", not '" + printable(text, 40) + "'";
-          }
-          return "";
-        },
-        "NUMBER");
-  };
-  plan_cmd->add_option("--optimizer-state", plan_args.optimizer_state,
-                       "optimizer state bytes per parameter byte (Adam 2, SGD+momentum 1)")
-      ->check(finite_range(0, 64, "bytes of optimizer state per parameter byte"));
-  plan_cmd->add_option("--time-budget", plan_args.time_budget_s,
-                       "seconds the simulated search may take (default 30; 0: no limit): past it, the best plan found "
-                       "so far, and the plan says so")
-      ->check(finite_range(0, 86400, "seconds"));
-  plan_cmd->add_option("--out", plan_args.out, "write the plan JSON here");
-  plan_cmd->add_option("--trace", plan_args.trace, "write the simulated step as a Perfetto trace");
-
-  std::string plan_path, trace_path;
-  auto* simulate_cmd = app.add_subcommand("simulate", "simulate a plan's step event by event");
-  simulate_cmd->add_option("--plan", plan_path, "plan JSON written by conveyor plan")->required();
-  simulate_cmd->add_option("--trace", trace_path, "write a Perfetto trace of the simulated step");
-
-  auto* trace_cmd = app.add_subcommand("trace", "work with Perfetto traces");
-  trace_cmd->require_subcommand(1);
-  auto* trace_check_cmd = trace_cmd->add_subcommand("check", "decode a trace and check its structure");
-  trace_check_cmd->add_option("file", trace_path, "a .pftrace file")->required();
-
-  // The environment's CONVEYOR_TIMEOUT and the like are the defaults; a config, then flags, override them.
-  const Result<tools::JobConfig> environment_defaults = tools::job_defaults_from_environment();
-  tools::JobConfig job = environment_defaults ? *environment_defaults : tools::JobConfig{};
-  std::string job_file, hosts;
-  std::vector<std::string> command;
-  auto* launch_cmd = app.add_subcommand(
-      "launch", "start a job's processes here (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set for each); "
-                "one that fails stops the others");
-  launch_cmd->add_option("--config", job_file, "job config TOML (docs/formats.md); flags given here override it");
-  auto* n_opt = launch_cmd->add_option("-n,--processes", job.processes, "processes on this machine")
-                    ->check(CLI::Range(1, 4096));
-  auto* hosts_opt = launch_cmd->add_option("--hosts", hosts, "comma-separated machines of the job (the launcher runs on each)");
-  auto* node_opt = launch_cmd->add_option("--node-rank", job.node_rank, "which of --hosts this machine is")
-                       ->check(CLI::NonNegativeNumber);
-  auto* addr_opt = launch_cmd->add_option("--master-addr", job.master_addr, "where process 0 listens (default: the first host)");
-  auto* port_opt = launch_cmd->add_option("--master-port", job.master_port, "its port (default: a free one, one machine only)")
-                       ->check(CLI::Range(0, 65535));
-  // CLI::Range lets NaN through (no comparison with it is true): the one check of seconds instead.
-  const CLI::Validator seconds_check(
-      [](std::string& text) -> std::string {
-        char* end = nullptr;
-        const double s = std::strtod(text.c_str(), &end);
-        if (end == text.c_str() || *end != '\0' || !valid_seconds(s)) {
-          char range[64];
-          std::snprintf(range, sizeof range, "from %g to %g", kLeastSeconds, kMostSeconds);
-          return "expected a number of seconds " + std::string(range) + ", not '" + printable(text, 40) + "'";
-        }
-        return "";
-      },
-      "SECONDS");
-  auto* timeout_opt = launch_cmd->add_option("--timeout", job.timeout_s, "seconds any wait between processes may take")
-                          ->check(seconds_check);
-  auto* grace_opt = launch_cmd->add_option("--grace", job.grace_s, "seconds from SIGTERM to SIGKILL when stopping")
-                        ->check(seconds_check);
-  auto* transport_opt = launch_cmd->add_option("--transport", job.transport,
-                                                "ucx or nccl: how GPU tensors cross between processes (pipelines, "
-                                                "conveyor.distributed)")
-                            ->check(CLI::IsMember({"ucx", "nccl"}));
-  auto* trace_opt = launch_cmd->add_option("--trace", job.trace,
-                                            "trace the job: each process's conveyor.Module writes its step to "
-                                            "FILE.rank<R>, conveyor.distributed's process 0 every process's "
-                                            "communication to FILE (Perfetto; Chrome JSON for .json)");
-  launch_cmd->add_option("command", command, "the command every process runs (after --)")->expected(-1);
-
-  CLI11_PARSE(app, argc, argv);
-  if (*launch_cmd) {
-    if (!environment_defaults) return fail(environment_defaults.status());
-    tools::JobConfig from_cli = job;
-    if (!job_file.empty()) {
-      auto text = read_file(job_file, "job config");
-      if (!text) return fail(text.status());
-      auto parsed = tools::parse_job_config(*text, job_file, *environment_defaults);
-      if (!parsed) return fail(parsed.status());
-      job = *parsed;
-      if (*n_opt) job.processes = from_cli.processes;
-      if (*node_opt) job.node_rank = from_cli.node_rank;
-      if (*addr_opt) job.master_addr = from_cli.master_addr;
-      if (*port_opt) job.master_port = from_cli.master_port;
-      if (*timeout_opt) job.timeout_s = from_cli.timeout_s;
-      if (*grace_opt) job.grace_s = from_cli.grace_s;
-      if (*transport_opt) job.transport = from_cli.transport;
-      if (*trace_opt) job.trace = from_cli.trace;
-    }
-    if (*trace_opt && !tools::missing_folder(job.trace).empty()) {
-      return fail(Status(ErrorCode::kInvalidArgument, "--trace " + job.trace + ": its folder does not exist (make it first)"));
-    }
-    if (*hosts_opt) {
-      job.hosts.clear();
-      std::size_t at = 0;
-      while (at <= hosts.size()) {
-        const std::size_t comma = std::min(hosts.find(',', at), hosts.size());
-        if (comma > at) job.hosts.push_back(hosts.substr(at, comma - at));
-        at = comma + 1;
-      }
-      if (job.hosts.empty()) return fail(Status(ErrorCode::kInvalidArgument, "--hosts names no machine"));
-    }
-    if (job.node_rank >= static_cast<int>(job.hosts.size())) {
-      return fail(Status(ErrorCode::kInvalidArgument, "--node-rank " + std::to_string(job.node_rank) + " but " +
-                                                          std::to_string(job.hosts.size()) + " hosts"));
-    }
-    return tools::launch(job, command);
+  const tools::Invocation run = tools::parse_command_line(std::vector<std::string>(argv, argv + argc));
+  if (run.done) {
+    std::fputs(run.text.c_str(), run.exit_code == 0 ? stdout : stderr);
+    return run.exit_code;
   }
-  if (*plan_cmd) return plan_command(plan_args);
-  if (*simulate_cmd) return simulate_command(plan_path, trace_path);
-  if (*trace_check_cmd) return trace_check_command(trace_path);
-  if (*inspect_cmd) return inspect(path, top);
-  if (*validate_cmd) {
-    auto file = load_graph_file(path);
-    if (!file) return fail(file.status());
-    std::printf("%s: valid conveyor graph (%zu nodes)\n", path.c_str(), file->graph.nodes.size());
-    return 0;
+  using Command = tools::Invocation::Command;
+  switch (run.command) {
+    case Command::kLaunch:
+      return tools::launch(run.job, run.launch_command);
+    case Command::kPlan:
+      return plan_command(run.plan);
+    case Command::kSimulate:
+      return simulate_command(run.plan_path, run.trace_path);
+    case Command::kTraceCheck:
+      return trace_check_command(run.trace_path);
+    case Command::kInspect:
+      return inspect(run.path, run.top);
+    case Command::kValidate: {
+      auto file = load_graph_file(run.path);
+      if (!file) return fail(file.status());
+      std::printf("%s: valid conveyor graph (%zu nodes)\n", run.path.c_str(), file->graph.nodes.size());
+      return 0;
+    }
+    case Command::kPartition:
+      return partition(run.path, run.stages, run.seed, run.keep_order);
+    case Command::kNone:
+      break;
   }
-  if (*partition_cmd) return partition(path, stages, seed, keep_order);
   return 0;
 }
