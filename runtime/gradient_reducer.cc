@@ -65,9 +65,11 @@ GradientReducer::GradientReducer(const PipelineLayout& layout, const Placement& 
     : layout_(layout), placement_(placement), hook_target_(std::make_shared<HookTarget>()),
       across_(std::make_shared<Across>()) {}
 
-Result<std::unique_ptr<GradientReducer>> GradientReducer::create(
-    const PipelineLayout& layout, const Placement& placement, TensorLookup tensors, PipelineStreams* streams,
-    std::int64_t bucket_bytes, Groups groups, std::function<const std::vector<std::int64_t>*(const std::string&)> released) {
+Result<std::unique_ptr<GradientReducer>> GradientReducer::create(const PipelineLayout& layout,
+                                                                 const Placement& placement, TensorLookup tensors,
+                                                                 PipelineStreams* streams, std::int64_t bucket_bytes,
+                                                                 Groups groups, SizesLookup released,
+                                                                 SizesLookup declared) {
   std::unique_ptr<GradientReducer> r(new GradientReducer(layout, placement));
   r->tensors_ = std::move(tensors);
   r->streams_ = streams;
@@ -75,6 +77,7 @@ Result<std::unique_ptr<GradientReducer>> GradientReducer::create(
   r->groups_ = std::move(groups);
   r->groups_.across.resize(static_cast<std::size_t>(layout.num_stages()));
   r->released_ = std::move(released);
+  r->declared_ = std::move(declared);
   const int num_stages = layout.num_stages(), most = layout.most_replicas;
   for (int s = 0; s < num_stages; ++s) {
     r->local_groups_.push_back(transport::make_inproc_group(std::max<int>(1, placement.local_replicas[s].size())));
@@ -132,9 +135,22 @@ std::vector<std::vector<std::string>> GradientReducer::make_buckets(const std::v
       dtype = t->scalar_type();
     }
     out.back().push_back(name);
-    bytes += t->numel() * static_cast<std::int64_t>(t->element_size());
+    bytes += numel_of(name) * static_cast<std::int64_t>(t->element_size());
   }
   return out;
+}
+
+// Elements of `name` by its declared shape, whether held here or not (a tensor released
+// under the plan this pipeline replaced is still empty until it is handed over). Every
+// process counts the same, so every process cuts the same buckets and their sums across
+// processes agree.
+std::int64_t GradientReducer::numel_of(const std::string& name) const {
+  if (const auto* sizes = declared_ ? declared_(name) : nullptr) {
+    std::int64_t n = 1;
+    for (std::int64_t d : *sizes) n *= d;
+    return n;
+  }
+  return tensors_(0, name)->numel();
 }
 
 void GradientReducer::begin_step() {
@@ -233,7 +249,7 @@ Status GradientReducer::reduce_bucket(int stage, int b) {
   }
   if (!sum.defined()) {
     std::int64_t numel = 0;
-    for (const auto& name : bucket.names) numel += tensors_(0, name)->numel();
+    for (const auto& name : bucket.names) numel += numel_of(name);
     bucket.across = at::zeros({numel + 1}, tensors_(0, bucket.names[0])->options());
   } else {
     bucket.across = std::move(sum);

@@ -59,12 +59,17 @@ class GradientReducer {
     std::chrono::milliseconds timeout{std::chrono::minutes(5)};
   };
 
+  /// Sizes of a tensor by name (null: unknown).
+  using SizesLookup = std::function<const std::vector<std::int64_t>*(const std::string&)>;
   /// Buckets the stages' parameters and hooks their accumulation. `released`: the sizes of
   /// a tensor this process released (null: held), whose `.grad` is never written here.
-  static Result<std::unique_ptr<GradientReducer>> create(
-      const PipelineLayout& layout, const Placement& placement, TensorLookup tensors, PipelineStreams* streams,
-      std::int64_t bucket_bytes, Groups groups,
-      std::function<const std::vector<std::int64_t>*(const std::string&)> released);
+  /// `declared`: every parameter's sizes as the graph declares them, which the buckets are
+  /// cut by (a tensor may still be empty here, released under the plan this one replaced);
+  /// null: the tensors' own.
+  static Result<std::unique_ptr<GradientReducer>> create(const PipelineLayout& layout, const Placement& placement,
+                                                         TensorLookup tensors, PipelineStreams* streams,
+                                                         std::int64_t bucket_bytes, Groups groups, SizesLookup released,
+                                                         SizesLookup declared = nullptr);
   ~GradientReducer();
   GradientReducer(const GradientReducer&) = delete;
   GradientReducer& operator=(const GradientReducer&) = delete;
@@ -113,6 +118,7 @@ class GradientReducer {
                                   bool with_count = false);
   void write_back(const std::vector<std::string>& names, const at::Tensor& flat, bool as_views = false);
   std::vector<std::vector<std::string>> make_buckets(const std::vector<std::string>& names) const;
+  std::int64_t numel_of(const std::string& name) const;
 
   const PipelineLayout& layout_;
   const Placement& placement_;
@@ -120,7 +126,7 @@ class GradientReducer {
   PipelineStreams* streams_;
   std::int64_t bucket_bytes_ = 4 << 20;
   Groups groups_;
-  std::function<const std::vector<std::int64_t>*(const std::string&)> released_;
+  SizesLookup released_, declared_;
   std::vector<std::vector<std::shared_ptr<transport::Collective>>> local_groups_;  // [stage]: over its local replicas
   std::vector<std::shared_ptr<transport::Collective>> tied_group_;               // over every replica index
   std::unique_ptr<std::atomic<bool>[]> final_pass_;  // [stage * most_replicas + replica]

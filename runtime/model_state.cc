@@ -27,6 +27,7 @@ Result<std::unique_ptr<ModelState>> ModelState::create(const PipelineLayout& lay
     auto it = sizes.find(name);
     m->not_here_.push_back({name, it != sizes.end() ? it->second : m->executors_[0]->tensor(name)->sizes().vec()});
   }
+  m->declared_ = std::move(sizes);
   // One group per set of readers, made in the placement's order on every process.
   std::map<std::vector<int>, std::shared_ptr<transport::EndpointGroup>> groups;
   for (const auto& sync : placement.buffer_syncs) {
@@ -280,6 +281,11 @@ void HeldGradients::apply(const at::Tensor& scale) {
     }
   }
   grads_.clear();
+}
+
+const std::vector<std::int64_t>* ModelState::declared_sizes(const std::string& name) const {
+  auto it = declared_.find(name);
+  return it != declared_.end() ? &it->second : nullptr;
 }
 
 const std::vector<std::int64_t>* ModelState::released_sizes(const std::string& name) const {

@@ -84,12 +84,15 @@ class ModelState {
   std::shared_ptr<HeldGradients> hold_step_gradients();
   /// The sizes of a tensor released here (null: held, or nothing is released).
   const std::vector<std::int64_t>* released_sizes(const std::string& name) const;
+  /// The sizes the graph declares for a parameter or buffer (null: not one of the graph's).
+  const std::vector<std::int64_t>* declared_sizes(const std::string& name) const;
 
  private:
   ModelState(const PipelineLayout& layout, const Placement& placement) : layout_(layout), placement_(placement) {}
   // Gives the released tensors (or ones still empty from a replaced pipeline) their shapes
   // back (contents: gather's broadcast).
   void materialize();
+  std::map<std::string, std::vector<std::int64_t>> declared_;  // every binding's sizes, from the graph
   // `name` becomes `whole` here, on every replica's handle (parameters share it, buffers copy it).
   void take(const std::string& name, const at::Tensor& whole);
 

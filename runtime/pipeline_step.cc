@@ -217,7 +217,8 @@ Result<std::unique_ptr<PipelineStep>> PipelineStep::create(std::shared_ptr<const
                       layout, im.placement,
                       [&executors](int r, const std::string& name) { return executors[r]->tensor(name); },
                       im.streams.get(), options.bucket_bytes, std::move(groups),
-                      [state](const std::string& name) { return state->released_sizes(name); }));
+                      [state](const std::string& name) { return state->released_sizes(name); },
+                      [state](const std::string& name) { return state->declared_sizes(name); }));
   // This process's replicas, each with its programs.
   const LocalReplicas local = im.placement.local_workers(layout);
   for (int rank = 0; rank < spec.ranks; ++rank) {
