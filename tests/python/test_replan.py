@@ -15,6 +15,7 @@ import torch
 import conveyor
 import zoo
 from conveyor import _C
+from conveyor.planning.replanning import WINDOW
 
 from conftest import free_port
 from replan_worker import LAYOUTS, eager, plan_with, train
@@ -30,7 +31,7 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
 
 
-def start_two(args: list, timeout_s: int, rank1_env: dict | None = None) -> list:
+def start_two(args: list, timeout_s: int, rank1_env: dict | None = None, worker: Path = WORKER) -> list:
     """The worker as processes 0 and 1 of a job on loopback (torchrun-style environment)."""
     port = free_port()
     procs = []
@@ -39,7 +40,7 @@ def start_two(args: list, timeout_s: int, rank1_env: dict | None = None) -> list
                    UCX_NET_DEVICES="lo", OMP_NUM_THREADS="1", CONVEYOR_TIMEOUT=str(timeout_s))
         if rank == 1 and rank1_env:
             env.update(rank1_env)
-        procs.append(subprocess.Popen([sys.executable, WORKER, *map(str, args)], env=env, stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen([sys.executable, worker, *map(str, args)], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     return procs
 
@@ -132,6 +133,33 @@ def test_switching_plans_across_two_processes_moves_state_and_trains_like_eager(
     assert result["replans"][1]["move_bytes"] > moves[0][1][1], result["replans"]  # and optimizer state
 
 
+@needs_ucx
+def test_back_to_a_stage_replicated_across_processes_after_a_pipeline_trains_like_eager(tmp_path):
+    """Coming back from two stages, each process had released the other stage's parameters:
+    they still count whole in the gradient buckets every process cuts (the sums across
+    processes failed on buckets of other sizes), and training stays exact."""
+    import switch_back_worker as w
+    procs = start_two([tmp_path / "back.pt"], timeout_s=120, worker=WORKER.with_name("switch_back_worker.py"))
+    try:
+        outputs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        reap(procs)
+    for p, text in zip(procs, outputs):
+        assert p.returncode == 0, text[-4000:]
+    result = torch.load(tmp_path / "back.pt")
+    assert len(result["replans"]) == 2, result["replans"]
+    net, x, y = w.data()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    losses = []
+    for _ in range(3 * w.STEPS_PER_PLAN):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(net(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert_like_eager(result["losses"], result["state"], losses, net.state_dict())
+
+
 def wrong_speeds_cluster(claimed: float = 3.0) -> str:
     """Two devices, the second said to be `claimed` times faster than it is: the plan gives it
     most of the work, and measurement shows it."""
@@ -192,7 +220,7 @@ def test_the_report_names_devices_the_running_plan_leaves_idle():
     net, x, y = wide_mlp()
     model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.01), loss_fn=torch.nn.MSELoss(),
                             cluster=wrong_speeds_cluster(), stages=1, replicas=1, microbatches=4, replan="auto")
-    for _ in range(7):  # the first window is evaluated before step 7
+    for _ in range(2 + 2 * WINDOW):  # the first window's decision is heard at the second window's end
         model.train_step(x, target=y)
     report = str(model.profile_report())
     assert "device 0 idle under the running plan: never measured" in report, report
