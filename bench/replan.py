@@ -15,6 +15,7 @@ against up front: within 15%), the re-planned run's switch with the decision's a
 (seconds per GB of optimizer state and parameters handed over).
 
     ./run bench replan [--rounds 2] [--steps 40] [--layers 16] [--hidden 512] [--batch 64]
+    ./run bench replan --scenario none [--rounds 5]   (no straggler: what evaluating costs)
 
 Needs two cores and UCX; the hog and the processes are killed at the end whatever happens.
 """
@@ -29,6 +30,7 @@ import time
 from job import run_job
 
 HERE = os.path.abspath(__file__)
+WARM_UP = 3  # steps left out of the mean: capture, profiling and planning run in the first
 
 
 def hog() -> None:
@@ -58,7 +60,10 @@ def worker(args) -> None:
                    f'[[node]]\ndevices = 1\nmemory = "8 GiB"\nspeed = {args.straggler_speed}\n'
                    '[link.intra_node]\nbandwidth = "10 GB/s"\nlatency = "5 us"\n'
                    '[link.inter_node]\nbandwidth = "10 GB/s"\nlatency = "5 us"\n')
-    model = conveyor.Module(net, opt, loss_fn=torch.nn.MSELoss(), cluster=cluster, replicas=1,
+    # With a straggler: one replica per stage (a pipelined first plan). Without: whatever
+    # conveyor plans (data parallel over both processes, here).
+    layout = dict(replicas=1) if args.scenario == "straggler" else {}
+    model = conveyor.Module(net, opt, loss_fn=torch.nn.MSELoss(), cluster=cluster, **layout,
                             replan="auto" if args.mode == "replanned" else "off")
     times = []
     for _ in range(args.steps):
@@ -67,12 +72,14 @@ def worker(args) -> None:
         times.append(time.perf_counter() - t0)
     if rank == 0:
         steady = statistics.median(times[-args.steps // 4:])
-        print("RESULT " + json.dumps({"steady_s": steady, "replans": model.replans, "plan": model.plan.table,
+        mean = statistics.fmean(times[WARM_UP:])  # every evaluation window's cost included
+        print("RESULT " + json.dumps({"steady_s": steady, "mean_s": mean, "replans": model.replans, "plan": model.plan.table,
                                       "report": str(model.profile_report())}), flush=True)
 
 
-def run_job(mode: str, args, straggler_speed: float) -> dict:
-    cmd = [sys.executable, HERE, "--worker", "--mode", mode, "--steps", args.steps, "--layers", args.layers,
+def run_contender(mode: str, args, straggler_speed: float) -> dict:
+    cmd = [sys.executable, HERE, "--worker", "--mode", mode, "--scenario", args.scenario, "--steps", args.steps,
+           "--layers", args.layers,
            "--hidden", args.hidden, "--batch", args.batch, "--straggler-speed", f"{straggler_speed:.3f}"]
     outs = run_job(cmd, 600, mode, OMP_NUM_THREADS="1", CONVEYOR_TIMEOUT="120")
     line = next(l for l in outs[0].splitlines() if l.startswith("RESULT "))
@@ -102,6 +109,30 @@ def straggler_share() -> float:
     return alone / shared
 
 
+def evaluation_cost(args) -> None:
+    """No straggler: replan="off" and "auto" in alternating rounds, the mean step after
+    warm-up (the evaluation windows' steps included), median over rounds with the spread."""
+    modes = ["static", "replanned"]
+    mean = {m: [] for m in modes}
+    for r in range(args.rounds):
+        for mode in modes:
+            result = run_contender(mode, args, 1.0)
+            mean[mode].append(result["mean_s"])
+            print(f"round {r + 1} {mode:10s} mean step {result['mean_s'] * 1e3:8.2f} ms"
+                  + (f"; {len(result['replans'])} switches" if mode == "replanned" else ""), flush=True)
+            if r == 0:
+                print("  " + result["plan"].strip().replace("\n", "\n  "))
+                if mode == "replanned":
+                    print("  " + result["report"].strip().replace("\n", "\n  "))
+    print(f"\nmean step after {WARM_UP} warm-up steps, median over {args.rounds} rounds (min - max):")
+    for m in modes:
+        print(f"  {m:10s} {statistics.median(mean[m]) * 1e3:8.2f} ms ({min(mean[m]) * 1e3:.2f} - {max(mean[m]) * 1e3:.2f})")
+    cost = statistics.median(mean["replanned"]) / statistics.median(mean["static"]) - 1
+    ratios = [a / b - 1 for a, b in zip(mean["replanned"], mean["static"])]
+    print(f"replan=auto costs {cost * 100:+.1f}% of the mean step against off (per round: "
+          + ", ".join(f"{x * 100:+.1f}%" for x in ratios) + "; aim: at most 2%)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
@@ -113,6 +144,8 @@ def main() -> None:
     ap.add_argument("--hog", action="store_true")
     ap.add_argument("--mode", default="static")
     ap.add_argument("--straggler-speed", type=float, default=0.5)
+    ap.add_argument("--scenario", choices=["straggler", "none"], default="straggler",
+                    help="none: no hog, replan=auto against off, the mean step (what evaluating costs)")
     args = ap.parse_args()
     if args.hog:
         hog()
@@ -122,6 +155,9 @@ def main() -> None:
         return
     if (os.cpu_count() or 1) < 2:
         sys.exit("bench/replan needs two cores (one per process)")
+    if args.scenario == "none":
+        evaluation_cost(args)
+        return
     speed = straggler_share()
     print(f"straggler: process 1 shares its core with a hog, running at {speed:.2f} of its speed")
     modes = ["static", "replanned", "upfront"]
@@ -131,7 +167,7 @@ def main() -> None:
     try:
         for r in range(args.rounds):
             for mode in modes:  # alternating: static, replanned, up front, static, ...
-                result = run_job(mode, args, speed)
+                result = run_contender(mode, args, speed)
                 steady[mode].append(result["steady_s"])
                 if mode == "replanned":
                     replans.append(result["replans"])

@@ -402,6 +402,7 @@ void bind_graph(py::module_& m) {
         out["transfer_s"] = d.move.transfer_s;
         out["rebuild_s"] = d.move.rebuild_s;
         out["confirmations"] = d.confirmations;
+        out["searched"] = d.searched;
         out["action_overhead_s"] = d.action_overhead_s;
         out["factors"] = py::dict(py::arg("forward") = f.forward, py::arg("backward") = f.backward,
                                   py::arg("weight") = f.weight, py::arg("speed") = f.speed, py::arg("link") = f.link);

@@ -287,6 +287,7 @@ void bind_pipeline(py::module_& m) {
             d[name] = measured_predicted.first;
             d[py::str(std::string("predicted_") + name)] = measured_predicted.second;
           }
+          d["across_s"] = s.across_s;
           d["compute_ratio"] = s.compute_ratio();
           d["replica_compute_s"] = s.replica_compute_s;
           stages.append(d);

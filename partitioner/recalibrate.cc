@@ -64,6 +64,22 @@ double running_speed(const StagePlan& p, const std::vector<Device>& devices) {
   return slowest > 0 ? 1.0 / slowest : 0;
 }
 
+// What a stage's measured times are scaled by before they count towards the common factor:
+// its least slowed replica's compute over its predicted share (`fraction` of the stage's
+// time), against the stage's measured compute `whole`, which is its slowest replica's.
+// 1 when no two replicas were measured; never above 1.
+double fastest_replicas_scale(const std::vector<double>& replica_compute_s, const std::vector<double>& fraction,
+                              double whole) {
+  double least = 0;
+  int measured = 0;
+  for (std::size_t i = 0; i < replica_compute_s.size() && i < fraction.size(); ++i) {
+    if (replica_compute_s[i] <= 0 || fraction[i] <= 0) continue;
+    const double per_stage = replica_compute_s[i] / fraction[i];
+    least = measured++ ? std::min(least, per_stage) : per_stage;
+  }
+  return measured >= 2 && whole > 0 ? std::min(1.0, least / whole) : 1.0;
+}
+
 }  // namespace
 
 Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasurement>& measured, int devices,
@@ -83,9 +99,14 @@ Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasure
     for (double x : m.replica_compute_s) CONVEYOR_RETURN_IF_ERROR(check_time(x, s));
     const StagePlan& p = plan.stages[s];
     CONVEYOR_RETURN_IF_ERROR(check_devices(p, s, devices));
-    mf.push_back(m.forward_s);
-    mb.push_back(m.backward_s);
-    mw.push_back(m.backward_weight_s);
+    // The common factor is the profile's error, which every device shows alike: read from the
+    // stage's fastest replica, so that a straggler among its replicas (whose time the stage's
+    // is) shows as that device's speed, not as every device's.
+    const double reference = fastest_replicas_scale(m.replica_compute_s, replica_fractions(p, plan.devices),
+                                                    m.forward_s + m.backward_s + m.backward_weight_s);
+    mf.push_back(m.forward_s * reference);
+    mb.push_back(m.backward_s * reference);
+    mw.push_back(m.backward_weight_s * reference);
     pf.push_back(std::max(0.0, p.forward_s - action_overhead_s));
     // A first stage's split backward is all W: its input half is the action's overhead alone,
     // less which only rounding is left (a ratio over that would be astronomical).

@@ -48,6 +48,17 @@ Factors zip(const Factors& x, const Factors& y, Op op) {
   return out;
 }
 
+// Every correction of `a` within `tolerance` (relative) of `b`'s.
+bool within(const Factors& a, const Factors& b, double tolerance) {
+  auto close = [tolerance](double x, double y) { return std::abs(x - y) <= tolerance * std::max(std::abs(y), 1e-12); };
+  if (a.speed.size() != b.speed.size()) return false;
+  for (std::size_t d = 0; d < a.speed.size(); ++d) {
+    if (!close(a.speed[d], b.speed[d])) return false;
+  }
+  return close(a.forward, b.forward) && close(a.backward, b.backward) && close(a.weight, b.weight) &&
+         close(a.link, b.link);
+}
+
 std::string percent(double x) {
   char b[32];
   std::snprintf(b, sizeof b, "%.1f%%", x * 100);
@@ -173,7 +184,17 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
       return d;
     }
   }
-  CONVEYOR_ASSIGN_OR_RETURN(d.candidate, make_plan(costs_, cluster_, options_));
+  // The search again only when the inputs moved since the last one (or a switch is pending
+  // its confirmation): with nothing new to learn, its best plan is priced on the inputs now.
+  const std::string running_key = layout_key(running_);
+  if (last_search_ && last_search_->running_key == running_key && confirmations_ == 0 &&
+      within(last_search_->factors, applied_, policy_.tolerance / 2)) {
+    CONVEYOR_ASSIGN_OR_RETURN(d.candidate, reprice(costs_, cluster_, options_, last_search_->best));
+    d.searched = false;
+  } else {
+    CONVEYOR_ASSIGN_OR_RETURN(d.candidate, make_plan(costs_, cluster_, options_));
+    last_search_ = Search{running_key, applied_, d.candidate};
+  }
   // The runtime's cost beyond the simulated step (dispatching actions, messages, the host)
   // grows with the actions each rank walks: per action, measured on the running plan.
   const double per_action =
@@ -207,6 +228,7 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
     return d;
   }
   confirmations_ = 0;
+  if (!d.searched) d.reason += " (not searched again: the corrections moved less than the noise since the last search)";
   return d;
 }
 
@@ -219,6 +241,7 @@ Status Replanner::switched_to(const Plan& plan) {
   left_.erase(key);
   CONVEYOR_ASSIGN_OR_RETURN(running_, reprice(costs_, cluster_, options_, plan));
   confirmations_ = 0;
+  last_search_.reset();
   return Status::ok();
 }
 

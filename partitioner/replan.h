@@ -58,6 +58,10 @@ struct ReplanDecision {
   double gain_s = 0;               ///< per step: measured less predicted
   MoveCost move;
   int confirmations = 0;           ///< consecutive evaluations that picked this candidate
+  /// Whether the planner searched: false when the corrected inputs moved less than half the
+  /// tolerance since its last search under the same running plan, with no switch pending;
+  /// that search's best plan is then priced again instead (a search is the costly part).
+  bool searched = true;
   std::string reason;              ///< why it switches or not
   /// The decision's arithmetic on one line: gain, horizon, moving cost in bytes and seconds.
   std::string arithmetic(const ReplanPolicy& policy) const;
@@ -101,6 +105,13 @@ class Replanner {
   // plan it left with that step: the next window undoes it if it measures slower.
   std::optional<std::pair<std::string, double>> decided_;
   std::optional<std::pair<Plan, double>> undo_;
+  // The last search: under which running layout, on which corrections, and its best plan.
+  struct Search {
+    std::string running_key;
+    Factors factors;
+    Plan best;
+  };
+  std::optional<Search> last_search_;
 };
 
 }  // namespace conveyor::partitioner

@@ -42,6 +42,7 @@ std::vector<StageProfile> summarize(const std::vector<Span>& spans, const schedu
         break;
       case ActionKind::kAllReduce:  // buckets reduced during backward, then the rest, then across processes: their sum
         if (s.replica == 0 || s.stream == Span::Stream::kAcrossProcesses) out[stage].allreduce_s += d;
+        if (s.stream == Span::Stream::kAcrossProcesses) out[stage].across_s += d;
         break;
       default: break;
     }
@@ -116,6 +117,7 @@ caf::behavior partitioner_actor(caf::event_based_actor* self, scheduler::Schedul
             t.backward_weight_s += m.stages[s].backward_weight_s * w;
             t.send_s += m.stages[s].send_s * w;
             t.allreduce_s += m.stages[s].allreduce_s * w;
+            t.across_s += m.stages[s].across_s * w;
             for (std::size_t i = 0; i < t.replica_compute_s.size() && i < m.stages[s].replica_compute_s.size(); ++i) {
               t.replica_compute_s[i] += m.stages[s].replica_compute_s[i] * w;
             }

@@ -116,7 +116,7 @@ class StepRunner:
         if state.replanning is None or not state.replanning.due():
             return
         decision = state.replanning.evaluate(state.pipeline, self.history.switches)
-        if decision["switch"]:
+        if decision is not None and decision["switch"]:
             switch_to(state, Plan(decision["candidate"]), decision, job=self.job,
                       optimizer=self.optimizer, history=self.history)
 

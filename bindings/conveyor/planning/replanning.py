@@ -2,11 +2,13 @@
 between steps when `replan="auto"`.
 
 Every `WINDOW` steps of the running pipeline (its first step, warm-up, left out) the live
-profile's per-stage times, merged across the job's processes, go to the Replanner
-(partitioner/replan.h) on process 0. It corrects the planning inputs (the profile's error
-per kind of work, each device's speed), plans again, and decides whether moving to the new
-plan pays for itself within the horizon; every process hears the decision and, on a switch,
-the job moves at that step boundary: the pipeline rebuilt over the same live parameters,
+profile's per-stage times, merged across the job's processes (a gradient sum's wait for the
+slowest process told from its moving time), go to the Replanner (partitioner/replan.h) on a
+thread of process 0, beside the next window's steps. It corrects the planning inputs (the
+profile's error per kind of work, each device's speed), plans again where they moved, and
+decides whether moving to the new plan pays for itself within the horizon; every process
+hears the decision at the next window's boundary and, on a switch, the job moves at that
+step boundary: the pipeline rebuilt over the same live parameters,
 each parameter, buffer and optimizer state (momentum, Adam's moments and step) sent from a
 process that held it to each process whose new stages read it and lack it, and, once every
 process has confirmed, whatever a process's new stages do not read released there. A
@@ -18,6 +20,7 @@ from __future__ import annotations
 import io
 import json
 import sys
+import threading
 import time
 
 import torch
@@ -51,33 +54,51 @@ def idle_devices(document: dict) -> list[int]:
     return [d for d in range(len(document["devices"])) if d not in used]
 
 
-def _merge(into: list, stages: list) -> None:
-    """Stage by stage the larger of two processes' figures (a stage runs where it is measured)."""
-    for mine, theirs in zip(into, stages):
-        for k in ("forward_s", "backward_s", "backward_weight_s", "send_s", "allreduce_s"):
-            mine[k] = max(mine[k], theirs[k])
-        mine["replica_compute_s"] = [max(a, b) for a, b in zip(mine["replica_compute_s"], theirs["replica_compute_s"])]
+FIGURES = ("forward_s", "backward_s", "backward_weight_s", "replica_compute_s", "send_s", "allreduce_s", "across_s")
 
 
-def merged_window(report: dict, group) -> tuple[list, float]:
-    """The window's stages and mean step from every process's live profile (collective
-    across processes: each process's figures for the replicas it runs)."""
-    stages = [{k: s[k] for k in ("forward_s", "backward_s", "backward_weight_s", "replica_compute_s", "send_s",
-                                 "allreduce_s")}
-              for s in report["stages"]]
+def merge_processes(reports: list) -> tuple[list, list]:
+    """Every process's stage figures as one: per stage, each kind of compute and transfer as
+    the process that ran it measured it (the larger figure), each replica's compute from the
+    process that runs it; and a gradient sum across processes told apart into moving and
+    waiting. Each process's figure for that sum runs from when its own part was ready to
+    when the sum completed, so it holds the wait for the last process to contribute; the
+    last one waits for nobody, so the least figure is the time spent moving bytes, and each
+    process's figure beyond it the time it waited for the slowest's compute. Returns the
+    merged stages (allreduce_s: what the sums took without waiting) and per stage each
+    process's wait in seconds."""
+    merged = [dict(s) for s in reports[0]]
+    waiting = []
+    for k, stage in enumerate(merged):
+        for theirs in (r[k] for r in reports[1:]):
+            for key in ("forward_s", "backward_s", "backward_weight_s", "send_s"):
+                stage[key] = max(stage[key], theirs[key])
+            stage["replica_compute_s"] = [max(a, b) for a, b in zip(stage["replica_compute_s"],
+                                                                     theirs["replica_compute_s"])]
+        across = [r[k]["across_s"] for r in reports]
+        measured = [a for a in across if a > 0]
+        moving = min(measured) if measured else 0.0
+        within = max(r[k]["allreduce_s"] - r[k]["across_s"] for r in reports)  # summed in one process: no wait
+        stage["allreduce_s"], stage["across_s"] = within + moving, moving
+        waiting.append([a - moving if a > 0 else 0.0 for a in across])
+    return merged, waiting
+
+
+def merged_window(report: dict, group) -> tuple[list, float, list]:
+    """The window's stages, mean step and waits (merge_processes) from every process's live
+    profile (collective across processes: each process's figures for the replicas it runs)."""
+    stages = [{k: s[k] for k in FIGURES} for s in report["stages"]]
     step_s = report["measured_step_s"]
     if group is None:
-        return stages, step_s
+        return stages, step_s, []
     mine = json.dumps([stages, step_s]).encode()
-    merged = None
+    reports = []
     for root in range(group.world_size):
         theirs, their_step = json.loads(group.broadcast_bytes(root, mine if root == group.rank else b""))
-        if merged is None:
-            merged, step_s = theirs, their_step
-        else:
-            _merge(merged, theirs)
-            step_s = max(step_s, their_step)
-    return merged, step_s
+        reports.append(theirs)
+        step_s = max(step_s, their_step)
+    merged, waiting = merge_processes(reports)
+    return merged, step_s, waiting
 
 
 # The tag of the optimizer state's hand-over messages: beside the parameters' own
@@ -149,7 +170,14 @@ def carry_optimizer_state(pipeline, tensors: dict, optimizer, group, holders: di
 
 class Replanning:
     """The Module's re-planning between steps: when a window is due, what the Replanner
-    decided (process 0 decides, every process hears it), and the log of switches."""
+    decided (process 0 decides, every process hears it), and the log of switches.
+
+    The Replanner thinks beside the training steps: a window's merged profile starts its
+    evaluation on a thread of process 0 (the planner releases the GIL), and the decision is
+    heard by every process at the next window's step boundary, where every process applies
+    it at once. So a decision comes one window after what it measured, and the steps between
+    wait for nothing but the small exchange of profiles; only a search slower than a window
+    of steps delays the next boundary by the rest of it."""
 
     def __init__(self, replanner, group):
         self.replanner = replanner  # process 0 (or the only process); None elsewhere
@@ -158,29 +186,78 @@ class Replanning:
         self.rebuild_s = 0.0    # what building the current pipeline took
         self.bytes_per_s = 0.0  # the last move's measured speed
         self.last: dict | None = None
+        self.thinking: tuple | None = None  # process 0: (thread, result box) of the evaluation under way
 
     def due(self) -> bool:
         return self.steps >= 1 + WINDOW and (self.steps - 1) % WINDOW == 0
 
-    def evaluate(self, step, switches: list) -> dict:
-        """One window: the merged live profile to the Replanner and its decision back
-        (collective across processes). The pipeline compares the next window with the running
+    def evaluate(self, step, switches: list) -> dict | None:
+        """One window: the merged live profile starts the Replanner's next evaluation, and the
+        previous window's decision is heard (collective across processes); None while none
+        is ready (the first window). The pipeline compares the next window with the running
         plan as the corrected inputs price it; the last of the Module's `switches` (forced
-        ones included) gets its measured gain once a window after it is measured."""
-        stages, step_s = merged_window(step.profile_report(), self.group)
+        ones included) gets its measured gain from the first window after it."""
+        stages, step_s, waiting = merged_window(step.profile_report(), self.group)
+        self._measure_switch(switches, step_s)
         decision = None
         if self.replanner is not None:
-            t0 = time.perf_counter()
-            decision = self.replanner.evaluate(stages, step_s, rebuild_s=self.rebuild_s, bytes_per_s=self.bytes_per_s)
-            decision["planning_s"] = time.perf_counter() - t0
+            decision = self._decided()
+            if decision is None or not decision["switch"]:  # a switch measures anew under its plan
+                self._think(stages, step_s, waiting)
         if self.group is not None:
-            sent = json.dumps({**decision, **{k: decision[k].to_json() for k in PLANS}}).encode() \
-                if self.group.rank == 0 else b""
+            sent = b""
+            if self.group.rank == 0:
+                sent = json.dumps(None if decision is None else
+                                  {**decision, **{k: decision[k].to_json() for k in PLANS}}).encode()
             heard = json.loads(self.group.broadcast_bytes(0, sent))
-            if self.group.rank != 0:  # process 0 keeps its own; the others read each plan once
+            if self.group.rank != 0 and heard is not None:  # process 0 keeps its own; the others read each plan once
                 decision = {**heard, **{k: _C.read_plan(heard[k]) for k in PLANS}}
-        step.set_prediction(decision["running"])
-        self.last = decision
+        if decision is not None:
+            step.set_prediction(decision["running"])
+            self.last = decision
+        return decision
+
+    def _think(self, stages: list, step_s: float, waiting: list) -> None:
+        """Starts the evaluation of one window on a thread of its own."""
+        measured = [{k: s[k] for k in FIGURES if k != "across_s"} for s in stages]
+        box: dict = {}
+
+        def run():
+            t0 = time.perf_counter()
+            try:
+                box["decision"] = self.replanner.evaluate(measured, step_s, rebuild_s=self.rebuild_s,
+                                                          bytes_per_s=self.bytes_per_s)
+            except BaseException as e:  # raised where the decision is heard, on the caller's thread
+                box["error"] = e
+            box["planning_s"] = time.perf_counter() - t0
+
+        thread = threading.Thread(target=run, name="conveyor-replanning", daemon=True)
+        thread.start()
+        self.thinking = (thread, box, waiting, [s["across_s"] for s in stages])
+
+    def _decided(self) -> dict | None:
+        """The evaluation under way, once it ends (waited for here if it is not over yet)."""
+        if self.thinking is None:
+            return None
+        thread, box, waiting, across = self.thinking
+        t0 = time.perf_counter()
+        thread.join()
+        self.thinking = None
+        if "error" in box:
+            raise box["error"]
+        decision = box["decision"]
+        decision.update(waiting=waiting, across_s=across, planning_s=box["planning_s"],
+                        waited_s=time.perf_counter() - t0)
+        return decision
+
+    def forget_thinking(self) -> None:
+        """Drops the evaluation under way (a switch the user forces changes what it measured)."""
+        if self.thinking is not None:
+            self.thinking[0].join()
+            self.thinking = None
+
+    def _measure_switch(self, switches: list, step_s: float) -> None:
+        """The last switch's measured gain, from the first window after it."""
         if switches and switches[-1]["measured_gain_s"] is None:
             last = switches[-1]
             last["measured_step_s"] = step_s
@@ -188,7 +265,6 @@ class Replanning:
             self.say(f"step {last['step']}: the switch measured {last['measured_gain_s'] * 1e3:.2f} ms saved per step "
                      f"({last['step_before_s'] * 1e3:.2f} -> {step_s * 1e3:.2f} ms; predicted "
                      f"{last['predicted_gain_s'] * 1e3:.2f} ms)")
-        return decision
 
     def say(self, text: str) -> None:
         if self.group is None or self.group.rank == 0:
@@ -205,7 +281,11 @@ class Replanning:
         unmeasured = (f"  device{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle))} idle under the running "
                       "plan: never measured, so how it compares with the devices that run is the cluster's "
                       "speeds, uncorrected\n") if idle else ""
-        return (f"re-planning: {d['reason']}\n  {d['arithmetic']}\n  corrections: forward x{f['forward']:.2f}, "
+        sums = "".join(
+            f"  stage {k}'s gradient sum across processes: {moving * 1e3:.2f} ms per step moving bytes; waiting "
+            f"for the slowest process: " + ", ".join(f"process {p} {w * 1e3:.2f} ms" for p, w in enumerate(waits)) + "\n"
+            for k, (moving, waits) in enumerate(zip(d.get("across_s", []), d.get("waiting", []))) if moving > 0)
+        return (f"re-planning: {d['reason']}\n  {d['arithmetic']}\n{sums}  corrections: forward x{f['forward']:.2f}, "
                 f"backward x{f['backward']:.2f}, weight gradient x{f['weight']:.2f}, transfers x{f['link']:.2f}; "
                 f"device speeds x[{speeds}]; the runtime's cost per action {d['action_overhead_s'] * 1e6:.0f} us\n"
                 f"{unmeasured}  switches so far: {len(switches)}\n")
@@ -261,6 +341,7 @@ def switch_to(state, plan, decision: dict | None, *, job, optimizer, history, re
     if state.replanning is not None:
         r = state.replanning
         if r.replanner is not None:
+            r.forget_thinking()
             r.replanner.switched_to(plan.handle)
         r.steps, r.rebuild_s = 0, rebuild_s
         if moved and transfer_s > 0:

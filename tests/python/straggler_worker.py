@@ -1,0 +1,57 @@
+"""One process of a two-process job whose only stage has a replica in each (data parallel
+across the processes), one process slowed by a CPU hog on its core: trains until re-planning
+has evaluated its first window and prints, from process 0, what that window concluded (the
+corrections, and the waiting told from moving) as `WINDOW {json}`. For test_straggler.py.
+
+    RANK=r WORLD_SIZE=2 ... STRAGGLER=1 python straggler_worker.py
+
+Each process is pinned to core RANK (of the cores it may use) with one thread, as a user
+pins one process per device; the straggler's hog is pinned to the same core and killed at the end.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+import conveyor
+from conveyor.planning.replanning import WINDOW
+
+WIDTH = 768  # steps of about 0.1 s here: a window spans many of the scheduler's time slices
+HOG = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nprint(flush=True)\nwhile True:\n    pass\n"
+
+
+def main() -> None:
+    rank, straggler = int(os.environ["RANK"]), int(os.environ["STRAGGLER"])
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[rank % len(cores)]
+    os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
+    hog = None
+    if rank == straggler:
+        hog = subprocess.Popen([sys.executable, "-c", HOG, str(core)], stdout=subprocess.PIPE)
+        hog.stdout.readline()  # on its core, spinning
+    try:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh())])
+        opt = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
+        x, y = torch.randn(64, WIDTH), torch.randn(64, WIDTH)
+        model = conveyor.Module(net, opt, loss_fn=torch.nn.MSELoss(), stages=1, replicas=2, microbatches=1,
+                                replan="auto")
+        for _ in range(2 + 2 * WINDOW):  # the first window's decision is heard at the second window's end
+            model.train_step(x, target=y)
+        report = model.profile_report()
+        if rank == 0:
+            decision = report.replan
+            print("WINDOW " + json.dumps({"factors": decision["factors"], "waiting": decision["waiting"],
+                                          "planning_s": decision["planning_s"], "waited_s": decision["waited_s"],
+                                          "layout": model.capture.layout[4], "report": str(report)}), flush=True)
+    finally:
+        if hog is not None:
+            hog.kill()
+            hog.wait()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""Re-planning reads a straggler in a data-parallel stage for what it is: two processes each
+run a replica of the only stage, one shares its core with a CPU hog. The slow process's
+device gets the lower speed whichever process it is (process 0 plans; it used to read its
+own slowness as every device's), and the time the fast process waits for it inside the
+gradient sum is reported as waiting, not booked as link time."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port
+from conveyor import _C
+
+WORKER = Path(__file__).with_name("straggler_worker.py")
+
+pytestmark = [
+    pytest.mark.skipif(bool(_C.ucx_status()), reason=f"UCX cannot start here: {_C.ucx_status()}"),
+    pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores: one per process, the hog on one"),
+]
+
+
+def two_idle_cores() -> None:
+    """The straggler is made by a hog on one core: other work on the machine's cores slows
+    the other process too, and which one is slower is then anybody's guess."""
+    load = os.getloadavg()[0]
+    if load > 1.5:
+        pytest.skip(f"needs two idle cores: the machine's load is {load:.1f} (the hog alone must make the straggler)")
+
+
+def first_window(straggler: int, tmp_path) -> dict:
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   UCX_NET_DEVICES="lo", OMP_NUM_THREADS="1", STRAGGLER=str(straggler), CONVEYOR_TIMEOUT="120",
+                   CONVEYOR_CACHE_DIR=str(tmp_path / "cache"))
+        procs.append(subprocess.Popen([sys.executable, str(WORKER)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=300)[0])
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    line = next(l for l in outs[0].splitlines() if l.startswith("WINDOW "))
+    return json.loads(line[len("WINDOW "):])
+
+
+@pytest.mark.parametrize("straggler", [0, 1], ids=["process 0 slow", "process 1 slow"])
+def test_the_slow_process_is_read_as_a_slow_device_and_the_other_as_waiting(straggler, tmp_path):
+    two_idle_cores()
+    window = first_window(straggler, tmp_path)
+    fast = 1 - straggler
+    speed = window["factors"]["speed"]
+    assert window["layout"] == [2], window["report"]  # one stage, a replica per process
+    assert speed[straggler] < 0.75 * speed[fast], window["report"]
+    (waits,) = window["waiting"]  # the one stage's, per process
+    assert waits[fast] > 0 and waits[fast] > 2 * waits[straggler], window["report"]
+    assert "waiting for the slowest process" in window["report"], window["report"]
