@@ -30,7 +30,7 @@ from .counted_targets import with_counted_means_summed
 from .errors import CaptureError
 from .graph import Graph
 from . import guards
-from .guards import export_under_guards
+from .guards import export_attempt_begins, export_under_guards
 from .moe_experts import eager_experts_grouped
 
 # Python-level size arithmetic that export leaves in the graph, by conveyor::sym overload.
@@ -181,6 +181,7 @@ def _export_quietly(model, args, kwargs, **options):
     anything else written to stderr meanwhile, such as the model's own prints, is kept."""
     caught = io.StringIO()
     failed = None
+    export_attempt_begins()
     try:
         with contextlib.redirect_stderr(caught):
             return torch.export.export(model, args, kwargs, strict=False, **options)

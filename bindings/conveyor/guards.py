@@ -33,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 from .errors import CaptureError
 from .users_rng import users_rng_kept
 
-__all__ = ["GuardError", "export_under_guards"]
+__all__ = ["GuardError", "export_attempt_begins", "export_under_guards"]
 
 
 class GuardError(RuntimeError):
@@ -109,12 +109,31 @@ class _MarkingChecks(TorchFunctionMode):
         return out
 
 
+_replays: list = []  # a restart for each _taking under way: its outcomes and guards from the first again
+
+
+def export_attempt_begins() -> None:
+    """A torch.export attempt starts tracing the model from its first line: a capture tries
+    several (a symbolic batch, a narrower range, fixed sizes), and each must meet the checks
+    with the example's outcomes from the first, not with what an earlier attempt left."""
+    for restart in _replays:
+        restart()
+
+
 @contextlib.contextmanager
 def _taking(outcomes: dict, guarded: list):
     """Tensor.__bool__ on a traced tensor whose value is unknown takes the recorded outcome of
-    its site and leaves a guard in the graph (its site appended to `guarded`)."""
+    its site and leaves a guard in the graph (its site appended to `guarded`); each export
+    attempt (export_attempt_begins) takes them from the first."""
     original = torch.Tensor.__bool__
-    queues = {site: list(values) for site, values in outcomes.items()}
+    queues: dict = {}
+
+    def restart():
+        queues.clear()
+        queues.update({site: list(values) for site, values in outcomes.items()})
+        guarded.clear()
+
+    restart()
 
     def take(self):
         site = _call_site()
@@ -131,10 +150,12 @@ def _taking(outcomes: dict, guarded: list):
         return expected
 
     torch.Tensor.__bool__ = take
+    _replays.append(restart)
     try:
         with _MarkingChecks():
             yield
     finally:
+        _replays.remove(restart)
         torch.Tensor.__bool__ = original
 
 

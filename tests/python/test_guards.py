@@ -6,6 +6,7 @@ stops its step with an error naming the line, leaving the parameters and their g
 as they were, and the next batch trains on. A branch whose outcome changes from batch to
 batch (on a sum compared with a number) is still refused at capture."""
 import copy
+import re
 import warnings
 
 import pytest
@@ -74,6 +75,33 @@ def test_guards_off_refuses_a_check_as_any_branch_on_a_value():
 def test_a_branch_on_a_sum_is_still_refused_naming_its_line():
     with pytest.raises(conveyor.CaptureError, match=r"(?s)test_guards.py:\d+: if h.sum\(\) > 0.*data-dependent"):
         conveyor.capture(BranchesOnASum(), (torch.randn(6, 4),))
+
+
+class CheckedFixedBatch(nn.Module):
+    """A check, and a reshape that ties the batch to 6: the capture tries a symbolic batch,
+    then fixed sizes, and each attempt must meet the check."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.layer(x))
+        if not torch.isfinite(h).all():
+            h = torch.nan_to_num(h)
+        return (h.reshape(6, 4) - y).pow(2).mean()
+
+
+def test_a_check_is_guarded_in_every_attempt_of_a_capture_that_retries():
+    x, y = torch.randn(6, 4), torch.randn(6, 4)
+    with pytest.warns(UserWarning) as said:
+        graph = conveyor.capture(CheckedFixedBatch(), (x, y))
+    said = [str(w.message) for w in said]
+    assert any("specializes its batch size" in text for text in said), said
+    assert any(re.search(r"under a guard .*test_guards.py:\d+ \(`if not torch.isfinite\(h\).all\(\):`\), True", text)
+               for text in said), said
+    assert not graph.dynamic_batch
+    assert sum(n["op"] == "conveyor::guard" for n in graph.document["nodes"]) == 1
 
 
 class DetrSetLoss(nn.Module):
