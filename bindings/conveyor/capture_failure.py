@@ -3,6 +3,7 @@ the innermost line of the user's own code it came from, and a hint naming what t
 (capture.py raises what capture_failure makes)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 
@@ -18,6 +19,35 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep  # with the separator: tor
 def is_user_path(path: str) -> bool:
     """Frames in torch, generated code or guards.py's Tensor.__bool__ say nothing of the user's model."""
     return not path.startswith(_TORCH_DIR) and not path.startswith("<") and path != guards.__file__
+
+
+@contextlib.contextmanager
+def helpers_in_stack_traces():
+    """While conveyor exports, each node's stack trace keeps every frame from the first
+    `forward` in, as torch.fx's own tracer does. torch.export keeps only the frames named
+    `forward`, so a node made in a helper (transformers' experts function in moe.py, a
+    model's own `self.route(h)`) was placed at the forward that calls it, and so was a
+    refusal citing that node; with every frame, the innermost outside torch is the
+    operator's own line, in any package."""
+    tracer = torch.fx.proxy.TracerBase
+    original = tracer.__dict__.get("_filter_traceback_frames")
+    if original is None:  # a torch that filters otherwise: its traces as they are
+        yield
+        return
+
+    def every_frame(self, summary):
+        forward_only = getattr(self, "_record_forward_stack_traces_only", False)
+        self._record_forward_stack_traces_only = False
+        try:
+            return original(self, summary)
+        finally:
+            self._record_forward_stack_traces_only = forward_only
+
+    tracer._filter_traceback_frames = every_frame
+    try:
+        yield
+    finally:
+        tracer._filter_traceback_frames = original
 
 
 def _user_frame(text: str) -> str | None:
