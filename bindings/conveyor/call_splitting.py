@@ -31,6 +31,7 @@ import torch
 
 from .errors import ConveyorValueError
 from .document import node_value_inputs
+from .counted_targets import why_left_as_a_mean
 from .row_order import key_order_problems
 
 __all__ = ["why_calls_stay_whole", "refuse_to_split", "warn_of_a_loss_split_changes", "where_samples_mix"]
@@ -221,12 +222,19 @@ def refuse_to_split(why: str, microbatches: int | None, replicas, fixed_by: str 
                                  f"inputs, but {why}. It runs whole with microbatches=1 and one replica per stage")
 
 
-def warn_of_a_loss_split_changes(step, microbatches: int, replicas: list) -> None:
+def warn_of_a_loss_split_changes(step, microbatches: int, replicas: list, document: dict) -> None:
     """Warns where `step` splits calls and its loss is neither a mean nor a sum over the
     samples (runtime/loss_reduction.h): the shares' losses are then weighed as a mean's, as
-    gradient accumulation weighs microbatches, which is not the whole batch's loss."""
+    gradient accumulation weighs microbatches, which is not the whole batch's loss. Where a
+    mean over counted targets was left as it was because the loss would still be no sum
+    (`document`'s, counted_targets.why_left_as_a_mean), the warning names what stops it."""
     how, why = step.loss_reduction
     if how == "other" and (microbatches > 1 or max(replicas) > 1):
+        stopped = why_left_as_a_mean(document) if "averages over the targets it counts" in why else None
+        if stopped:
+            why = (f"{why.split(' averages over the targets it counts')[0]} averages over the targets it counts, "
+                   f"which each share counts alone; conveyor leaves it so, as the loss would be no sum over the "
+                   f"samples were it made one over the call's count: {stopped}")
         warnings.warn(f"conveyor: the loss is neither a mean nor a sum over the samples ({why}): each of the "
                       f"{microbatches} microbatches' shares weighs its part of the batch, as gradient accumulation "
                       "would, which differs from the loss of the whole batch at once; compute the loss as a mean "

@@ -166,7 +166,8 @@ def build_capture(model, optimizer, options: Options, job: Job, args: tuple, kwa
         else:
             state = _planned(model, optimizer, graph, options, job, args, kwargs, batch, least, whole, packed,
                              holders)
-    warn_of_a_loss_split_changes(state.pipeline, state.layout.microbatches, state.layout.replicas)
+    warn_of_a_loss_split_changes(state.pipeline, state.layout.microbatches, state.layout.replicas,
+                                state.graph.document)
     return state
 
 
