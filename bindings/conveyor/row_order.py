@@ -39,6 +39,9 @@ _SHAPE_ONLY = {"aten::empty_like", "aten::zeros_like", "aten::ones_like", "aten:
 # by the weights of the group whose offsets range holds i.
 _GROUPED = {"aten::_grouped_mm": (0, 2), "transformers::grouped_mm_fallback": (0, 2)}
 _SORTS = {"aten::sort", "aten::argsort"}
+# Ops whose last result holds indices along a dim: (where the dim argument is, how many results).
+_PICKS = {"aten::topk": (2, 2), "aten::max": (1, 2), "aten::min": (1, 2), "aten::argmax": (1, 1),
+          "aten::argmin": (1, 1)}
 
 
 def _number(arg: dict) -> float | None:
@@ -159,13 +162,19 @@ class _KeyOrder:
         return True
 
     def top_k(self, node: dict) -> bool:
-        """topk's indices along a dim of static size n lie within [0, n - 1]."""
+        """The indices topk, max, min, argmax and argmin give along a dim of static size n lie
+        within [0, n - 1]; a concatenation of such indices within the widest of their ranges."""
         first, outs, args = _first(node), self.outputs(node), node["args"]
-        if node["op"] == "aten::topk" and first is not None and len(outs) == 2:
-            dim = args[2].get("int", -1) if len(args) > 2 else -1
+        picks = _PICKS.get(node["op"])
+        if picks is not None and first is not None and len(outs) == picks[1] and len(args) > picks[0]:
+            dim = args[picks[0]].get("int")
             dims = self.shape(first)
-            if dims and isinstance(dims[dim], int) and dim % len(dims) not in self.batch_dims(first):
-                self.key_range[outs[1]] = (0, dims[dim] - 1)
+            if dims and dim is not None and isinstance(dims[dim], int) and dim % len(dims) not in self.batch_dims(first):
+                self.key_range[outs[-1]] = (0, dims[dim] - 1)
+        if node["op"] in ("aten::cat", "aten::concat") and len(outs) == 1 and args and "list" in args[0]:
+            ranges = [self.key_range.get(a.get("value")) for a in args[0]["list"]]
+            if ranges and None not in ranges:
+                self.key_range[outs[0]] = (min(r[0] for r in ranges), max(r[1] for r in ranges))
         return False  # otherwise an operator like any other
 
     def sort(self, node: dict) -> bool:

@@ -1,7 +1,7 @@
 """Mixtures of experts split into microbatches and replicas and train exactly like eager
 gradient accumulation over the same shares, their load-balancing loss included (each share
 computes it, as accumulation does), in one process and across two: Mixtral, Qwen3-MoE and
-Qwen2-MoE (shared experts) in transformers' default experts implementation, which sorts the tokens by expert, counts them
+Qwen2-MoE (shared experts), and PhiMoE (keys from max()) in transformers' default experts implementation, which sorts the tokens by expert, counts them
 per expert, multiplies each group by its expert and puts the tokens back. The batch analysis
 proves such routing keeps every token to itself (conveyor/row_order.py); a model whose rows
 do depend on each other, capacity-limited routing above all, is still refused, naming the
@@ -130,6 +130,25 @@ def test_cuts_inside_moe_layers_train_like_eager_accumulation(schedule, stage_co
     bounds = [-1] + cuts + [max(nodes)]
     stages = [[n for n in nodes if low < n <= high] for low, high in zip(bounds, bounds[1:])]
     _train_and_compare(net, "mixtral", microbatches=2, replicas=2, stages=stages, schedule=schedule)
+
+
+def test_phimoe_whose_keys_come_from_max_trains_like_eager_accumulation():
+    """PhiMoE's router picks each token's experts with max() (sparsemixer), twice, and
+    concatenates them: keys within [0, experts - 1], so histc counts every one. Its routers
+    run in eval mode here: in training they draw a Gumbel sample, which conveyor's seeded
+    generators draw otherwise than eager does."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        net = transformers.PhimoeForCausalLM(transformers.PhimoeConfig(
+            **_common(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2))).to(torch.float64)
+    routers = [m for m in net.modules() if type(m).__name__ == "PhimoeTopKRouter"]
+    assert routers
+    for router in routers:
+        router.eval()
+    model = _train_and_compare(net, "mixtral", microbatches=2, replicas=2, stages=2, schedule="1f1b")
+    assert model.capture.layout.microbatches == 2 and model.capture.layout.replicas == [2, 2]
+    assert "aten::histc" in {n["op"] for n in model.capture.graph.document["nodes"]}
 
 
 def train_across_processes() -> None:
