@@ -17,10 +17,10 @@ splitting, the graph is read for operators that combine values across that dimen
 A mixture of experts counts its rows per expert, a reduction over the batch, yet keeps each
 row to itself: row_order.py proves that, or names what breaks it.
 
-BatchNorm combines samples too, by design, and keeps its per-microbatch statistics
-(docs/design.md, "Execution"). A recurrence needs no rule: torch.export fixes the length an
-RNN runs along, so a time-major RNN's capture fixes "the batch" (conveyor.Module runs its
-calls whole for that reason). What is found is a reason to run each call whole.
+BatchNorm combines samples too, by design, and keeps its per-share statistics, of which a
+split step warns (warn_of_statistics_per_share; docs/design.md, "Execution"). A recurrence
+needs no rule: torch.export fixes the length an RNN runs along, so a time-major RNN's
+capture fixes "the batch" (conveyor.Module runs its calls whole for that reason). What is found is a reason to run each call whole.
 """
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ from .document import node_value_inputs
 from .counted_targets import why_left_as_a_mean
 from .row_order import key_order_problems
 
-__all__ = ["why_calls_stay_whole", "refuse_to_split", "warn_of_a_loss_split_changes", "where_samples_mix"]
+__all__ = ["why_calls_stay_whole", "refuse_to_split", "warn_of_a_loss_split_changes", "warn_of_statistics_per_share",
+           "where_samples_mix"]
 
 _SOFTMAX = {"aten::softmax", "aten::_softmax", "aten::log_softmax", "aten::_log_softmax"}
 _CONVOLUTION = ("aten::convolution", "aten::conv1d", "aten::conv2d", "aten::conv3d", "aten::conv_transpose1d",
@@ -220,6 +221,43 @@ def refuse_to_split(why: str, microbatches: int | None, replicas, fixed_by: str 
     if asked:
         raise ConveyorValueError(f"{fixed_by or ' and '.join(asked)} would split each call along dim 0 of its "
                                  f"inputs, but {why}. It runs whole with microbatches=1 and one replica per stage")
+
+
+# Batch normalizations by their `training` argument: in training mode each normalizes by the
+# statistics of its input over every dim but the channels (dim 1).
+_BATCH_STATISTICS = {"aten::batch_norm": 5, "aten::native_batch_norm": 5, "aten::_native_batch_norm_legit": 5,
+                     "aten::cudnn_batch_norm": 5}
+
+
+def warn_of_statistics_per_share(document: dict, microbatches: int, replicas: list) -> None:
+    """Warns where a split step runs a batch norm in training mode whose statistics cover a
+    dimension holding the batch (a CNN's BatchNorm2d, a BatchNorm1d over the tokens of an
+    expert block): each share normalizes by its own samples' mean and variance, as gradient
+    accumulation over the same shares would, not by the whole batch's."""
+    if not (microbatches > 1 or max(replicas) > 1):
+        return
+    batch = {s for s, role in document.get("symbols", {}).items() if role == "batch"}
+    values = document["values"]
+    found = []
+    for node in document["nodes"]:
+        training = _BATCH_STATISTICS.get(node["op"])
+        args = node["args"]
+        if training is None or len(args) <= training or args[training].get("bool") is not True:
+            continue
+        shape = values[args[0]["value"]].get("shape", []) if "value" in args[0] else []
+        held = [d for d, size in enumerate(shape) if d != 1 and isinstance(size, str)
+                and batch & set(re.findall(r"[A-Za-z_]\w*", size))]
+        if held:
+            found.append((node, held[0]))
+    if found:
+        node, dim = found[0]
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        warnings.warn(f"conveyor: {node['op']}" + (f" ({node['source']})" if node.get("source") else "") + more +
+                      f" normalizes in training mode by statistics over dim {dim} of its input, which holds the "
+                      f"batch: each share of the {microbatches} microbatches normalizes by its own samples' mean and "
+                      "variance, as gradient accumulation over the same shares would, not by the whole batch's. For "
+                      "the whole batch's statistics run each call whole (microbatches=1, replicas=1), or normalize "
+                      "per sample (LayerNorm, GroupNorm)", stacklevel=5)
 
 
 def warn_of_a_loss_split_changes(step, microbatches: int, replicas: list, document: dict) -> None:

@@ -311,6 +311,38 @@ def test_a_refusal_names_the_operators_own_line_in_a_helper_of_any_package(tmp_p
         model.train_step(torch.randn(8, 16), torch.randint(0, 3, (8,)))
 
 
+class TokensBatchNormed(torch.nn.Module):
+    """BatchNorm1d over the tokens of every sample at once, as inside an expert block."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.head = torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 3)
+
+    def forward(self, x, y):
+        h = self.norm(x.reshape(-1, 16))  # statistics over every token of the call
+        return F.cross_entropy(self.head(h), y.reshape(-1))
+
+
+def test_a_split_step_with_batch_statistics_in_training_warns_naming_the_operator():
+    """Each share normalizes by its own samples' statistics (gradient accumulation's), which a
+    split step says, naming the line; a whole call and an evaluation-mode norm say nothing."""
+    x, y = torch.randn(8, 5, 16), torch.randint(0, 3, (8, 5))
+    said = r"aten::batch_norm \(.*test_batch_dimension.py:\d+\) normalizes in training mode by statistics over dim 0"
+    net = TokensBatchNormed()
+    model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.05), microbatches=2, replan="off",
+                            verbose=False)
+    with pytest.warns(UserWarning, match=said):
+        model.train_step(x, y)
+    for microbatches, mode in ((1, "train"), (2, "eval")):
+        net = getattr(TokensBatchNormed(), mode)()
+        model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.05), microbatches=microbatches,
+                                replicas=1, replan="off", verbose=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.train_step(x, y)
+        assert not [w for w in caught if "normalizes in training mode" in str(w.message)], (microbatches, mode)
+
+
 class WithLoss(torch.nn.Module):
     """A small network and a loss of the kind named (how it combines the samples)."""
 
