@@ -98,6 +98,8 @@ def where_samples_mix(document: dict) -> str | None:
     def at(node: dict) -> str:
         return f"{node['op']}" + (f" ({node['source']})" if node.get("source") else "")
 
+    problems, counted, groups = key_order_problems(document, batch_dims)
+    batch |= groups  # a group's rows, split from the batch's by counts, are rows of the batch
     statistics, constants = _statistics_and_constants(document, batch_dims)
 
     def a_loss_of_statistics(v: int, seen: set) -> bool:
@@ -115,7 +117,6 @@ def where_samples_mix(document: dict) -> str | None:
                 return False
         return True
 
-    problems, counted = key_order_problems(document, batch_dims)
     for node in document["nodes"]:
         op = node["op"]
         if node["id"] in problems:

@@ -298,5 +298,87 @@ def test_routing_whose_tokens_depend_on_each_other_is_refused_naming_the_operato
             model(x, y)
 
 
+class SplitExperts(nn.Module):
+    """Tokens routed to 2 of 4 experts as JetMoE routes them: a one-hot of each token's experts
+    summed over the tokens counts the pairs per expert, the pairs sorted by expert are split
+    by those counts, each group multiplied by its expert, joined, and added back to their
+    tokens; `routing` names what it does otherwise."""
+
+    def __init__(self, routing: str = "exact"):
+        super().__init__()
+        self.routing = routing
+        self.router = nn.Linear(8, 4, bias=False)
+        self.experts = nn.Parameter(torch.randn(4, 8, 8) * 0.3)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        rows = x.reshape(-1, 8)
+        weights, experts = torch.topk(self.router(rows).softmax(-1), 2, dim=-1)
+        counts = torch.zeros(rows.shape[0], 4, dtype=x.dtype).scatter(1, experts, 1).long().sum(0).tolist()
+        _, order = experts.flatten().sort(0)
+        token = order.div(2, rounding_mode="trunc")
+        groups = rows[token].split(counts, dim=0)
+        if self.routing == "groups joined out of order":
+            groups = groups[::-1]
+        out = [group @ self.experts[e] for e, group in enumerate(groups)]
+        if self.routing == "a group centred":
+            out = [o - o.mean(0) for o in out]
+        if self.routing == "capacity by place in the group":  # a pair past the first 3 of its expert is dropped
+            out = [o * (torch.arange(o.shape[0]) < 3).to(x.dtype)[:, None] for o in out]
+        if self.routing == "a group sorted":
+            out = [o.sort(0).values for o in out]
+        if self.routing == "scaled by the count":
+            out = [o / (1 + count) for o, count in zip(out, counts)]
+        out = torch.cat(out, 0) * weights.flatten()[order][:, None]
+        return F.cross_entropy(self.head(torch.zeros_like(rows).index_add(0, token, out)), y.reshape(-1))
+
+
+def test_rows_split_by_their_counts_train_exactly_and_jetmoe_too():
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        x, y = torch.randn(4, 5, 8), torch.randint(0, 3, (4, 5))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert where_samples_mix(conveyor.capture(SplitExperts(), (x, y)).document) is None
+        net = SplitExperts()
+        ref = copy.deepcopy(net)
+        model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.1), stages=2, microbatches=2, replicas=2,
+                                replan="off", verbose=False)
+        loss = model(x, y)
+        loss.backward()
+        want = sum(ref(a, b) * 0.25 for a, b in zip(x.tensor_split(4), y.tensor_split(4)))
+        want.backward()
+        assert abs(loss.item() - want.item()) <= TOLERANCE * abs(want.item())
+        for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+            err = (p.grad - q.grad).abs().max().item() / max(q.grad.abs().max().item(), 1e-30)
+            assert err <= TOLERANCE, f"{name}: relative error {err:.2e}"
+    finally:
+        torch.set_default_dtype(torch.float32)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        jetmoe = transformers.JetMoeForCausalLM(transformers.JetMoeConfig(
+            **_common(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2))).to(torch.float64)
+    model = _train_and_compare(jetmoe, "mixtral", microbatches=2, replicas=2, stages=2, schedule="1f1b")
+    assert model.capture.layout.microbatches == 2 and model.capture.layout.replicas == [2, 2]
+
+
+@pytest.mark.parametrize("routing, named", [
+    ("groups joined out of order", r"aten::cat \(.*joins groups of the rows of aten::split_with_sizes"),
+    ("a group centred", r"aten::mean \(.*leaves no batch dimension"),
+    ("capacity by place in the group", r"aten::arange \(.*uses the counts of keys as data"),
+    ("scaled by the count", r"uses the counts of keys as data"),
+    ("a group sorted", r"aten::sort \(.*sorts rows already in the order aten::sort"),
+])
+def test_rows_split_by_their_counts_that_meet_are_refused_naming_the_operator(routing, named):
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 5, 8), torch.randint(0, 3, (4, 5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        found = where_samples_mix(conveyor.capture(SplitExperts(routing), (x, y)).document)
+    assert found is not None and "test_mixture_of_experts.py" in found and re.search(named, found), found
+
+
 if __name__ == "__main__":
     train_across_processes()
