@@ -129,6 +129,7 @@ class _KeyOrder:
         self.pieces: dict[int, tuple] = {}     # a group's rows -> (the split node, its key)
         self.split_into: dict[int, int] = {}   # a split node -> how many groups
         self.group_symbols: set[str] = set()   # the groups' sizes ("u0")
+        self.views: set[int] = set()           # views of any of those (a write through them is one into them)
         self.problems: dict[int, str] = {}
 
     # -- helpers ------------------------------------------------------------------------------
@@ -168,6 +169,7 @@ class _KeyOrder:
 
     # -- the walk -----------------------------------------------------------------------------
     def visit(self, node: dict) -> None:
+        self.writes(node)
         if node["op"] in _SHAPE_ONLY:
             return
         handlers = (self.cast, self.top_k, self.sort, self.divide, self.gather, self.invert, self.count,
@@ -175,6 +177,22 @@ class _KeyOrder:
                     self.join, self.add_back)
         if not any(handle(node) for handle in handlers):
             self.any_other(node)
+
+    def relied_on(self, v: int) -> bool:
+        return any(v in tags for tags in (self.moves, self.permutation, self.restores, self.keys, self.counts,
+                                          self.one_hot, self.tallies, self.tally_items, self.views))
+
+    def writes(self, node: dict) -> None:
+        """What the proof relies on (a sort's keys and places, counts, a one-hot of keys) is
+        not written in place, directly or through a view of it."""
+        args = node["args"]
+        read = [args[i].get("value") for i in node.get("aliases", []) if i < len(args)]
+        if any(v is not None and self.relied_on(v) for v in read):
+            self.views.update(r["value"] for r in node["returns"] if "value" in r)
+        written = [args[i].get("value") for i in node.get("mutates", []) if i < len(args)]
+        if any(v is not None and self.relied_on(v) for v in written):
+            self.problems.setdefault(node["id"], f"{self.at(node)} writes in place into the keys, places or counts "
+                                                 "of a sort, so a row's group may depend on the other rows")
 
     def cast(self, node: dict) -> bool:
         """A reshape keeps the values (a key's range); a cast keeps each in place (every tag)."""
