@@ -62,6 +62,22 @@ def test_checks_of_tensor_values_are_captured_under_guards_naming_their_lines():
     assert graph.dynamic_batch
 
 
+def test_a_failed_assertion_stops_the_step_as_a_guard_naming_its_line():
+    """torch._assert on a tensor: a guard under torch 2.11, which refuses the branch, and
+    under torch 2.15, which captures the assertion itself (aten._assert_async) alike."""
+    net = Checked()
+    model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.1), microbatches=2, replan="off",
+                            verbose=False)
+    model.train_step(torch.randn(6, 4), torch.randn(6, 4))
+    x = torch.randn(6, 4)
+    x[5, 0] = 1e7
+    before = [p.clone() for p in net.parameters()]
+    with pytest.raises(conveyor.ExecutionError, match=r"GuardError: conveyor: a guard stopped the step, before any "
+                                                      r"parameter was updated: .*test_guards.py:\d+ \(`torch._assert"):
+        model.train_step(x, torch.randn(6, 4))
+    assert all(torch.equal(p, q) for p, q in zip(before, net.parameters()))
+
+
 def test_guards_off_refuses_a_check_as_any_branch_on_a_value():
     x, y = torch.randn(6, 4), torch.randn(6, 4)
     with pytest.raises(conveyor.CaptureError, match=r"test_guards.py:\d+"):
