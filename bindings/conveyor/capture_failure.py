@@ -27,7 +27,7 @@ def helpers_in_stack_traces():
     `forward` in, as torch.fx's own tracer does. torch.export keeps only the frames named
     `forward`, so a node made in a helper (transformers' experts function in moe.py, a
     model's own `self.route(h)`) was placed at the forward that calls it, and so was a
-    refusal citing that node; with every frame, the innermost outside torch is the
+    refusal citing that node; with every frame outside torch, the innermost is the
     operator's own line, in any package."""
     tracer = torch.fx.proxy.TracerBase
     original = tracer.__dict__.get("_filter_traceback_frames")
@@ -39,9 +39,11 @@ def helpers_in_stack_traces():
         forward_only = getattr(self, "_record_forward_stack_traces_only", False)
         self._record_forward_stack_traces_only = False
         try:
-            return original(self, summary)
+            frames = original(self, summary)
         finally:
             self._record_forward_stack_traces_only = forward_only
+        # torch's own frames but the forwards (what torch keeps) name nothing of the model's
+        return type(frames).from_list([f for f in frames if f.name == "forward" or is_user_path(f.filename)])
 
     tracer._filter_traceback_frames = every_frame
     try:
