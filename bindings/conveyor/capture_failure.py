@@ -67,6 +67,20 @@ def _user_frame(text: str) -> str | None:
     return f"{path}:{line}" + (f": {code}" if code else "")
 
 
+_SIZE_LIKE = re.compile(r"Size-like symbols: ([^)]*)\)")
+_EXPRESSION = re.compile(r"data-dependent expression (.*?) \(unhinted")
+
+
+def _branches_on_a_drawn_size(text: str) -> bool:
+    """Whether torch.export's error is a branch on sizes drawn from tensor values alone (its
+    expression's unbacked symbols all size-like: `if boxes.numel() == 0:` after a filter)."""
+    sizes, expression = _SIZE_LIKE.search(text), _EXPRESSION.search(text)
+    if sizes is None or expression is None:
+        return False
+    drawn = set(re.findall(r"\bu\d+\b", expression.group(1)))
+    return bool(drawn) and drawn <= {name.strip() for name in sizes.group(1).split(",")}
+
+
 def capture_failure(model: torch.nn.Module, exc: BaseException) -> CaptureError:
     text = f"{type(exc).__name__}: {exc}"
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -78,6 +92,11 @@ def capture_failure(model: torch.nn.Module, exc: BaseException) -> CaptureError:
                 "size or an index, so the graph would differ from input to input; compute that number outside "
                 "the model (in the data loader, or as an argument), or keep it a tensor (torch.where, indexing "
                 "with a tensor)")
+    elif _branches_on_a_drawn_size(str(exc)):
+        hint = ("the model branches on a size that tensor values decide (how many elements nonzero, masked_select "
+                "or boolean indexing keep: a detector's boxes left after filtering), so no one graph holds every "
+                "input, and no guard keeps it: keep that size fixed (a fixed number of candidates, topk instead of "
+                "a threshold, padding), or compute that part outside the model")
     elif "data-dependent" in low or "data dependent" in low or "guard on data" in low:
         hint = ("the model branches on the value of a tensor (data-dependent control flow); "
                 "conveyor needs a graph that is the same for every input: use torch.where or "

@@ -120,6 +120,27 @@ def test_a_check_is_guarded_in_every_attempt_of_a_capture_that_retries():
     assert sum(n["op"] == "conveyor::guard" for n in graph.document["nodes"]) == 1
 
 
+class BranchesOnAFilteredSize(nn.Module):
+    """A branch on how many values a filter keeps, as torchvision's box utilities have it."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.layer(x)
+        kept = h[h > 0]
+        if kept.numel() == 0:
+            return h.sum() * 0
+        return kept.pow(2).mean()
+
+
+def test_a_branch_on_a_size_values_decide_is_refused_naming_its_line_and_what_to_change():
+    with pytest.raises(conveyor.CaptureError, match=r"(?s)test_guards.py:\d+: if kept.numel\(\) == 0:.*a size that "
+                                                    r"tensor values decide.*keep that size fixed"):
+        conveyor.capture(BranchesOnAFilteredSize(), (torch.randn(6, 4),))
+
+
 class DetrSetLoss(nn.Module):
     """transformers' DETR (DetrModel, training mode), its queries' boxes scored against the
     target boxes as a set: each target's nearest prediction, whatever the queries' order."""
