@@ -221,7 +221,7 @@ _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 def _guards_of(ep) -> list[str]:
     """Each guard of `ep`'s graph, in graph order, as the warning names it; an assertion of
     torch's own capture (aten._assert_async.msg) is made one first."""
-    sites = []
+    sites, asserted = [], False
     for node in ep.graph.nodes:
         if node.op != "call_function":
             continue
@@ -231,7 +231,9 @@ def _guards_of(ep) -> list[str]:
             where = (_where(frames[-1]) if frames else "an assertion") + f" ({node.args[1]})"
             node.target, node.args, node.kwargs = torch.ops.conveyor.guard.default, (node.args[0], True, where), {}
             sites.append(f"{where}, asserted")
+            asserted = True
         elif node.target is torch.ops.conveyor.guard.default:
             sites.append(f"{node.args[2]}, {node.args[1]} on the example")
-    ep.graph_module.recompile()
+    if asserted:
+        ep.graph_module.recompile()
     return sites
