@@ -17,10 +17,10 @@ splitting, the graph is read for operators that combine values across that dimen
 A mixture of experts counts its rows per expert, a reduction over the batch, yet keeps each
 row to itself: row_order.py proves that, or names what breaks it.
 
-BatchNorm combines samples too, by design, and keeps its per-microbatch statistics
-(docs/design.md, "Execution"). A recurrence needs no rule: torch.export fixes the length an
-RNN runs along, so a time-major RNN's capture fixes "the batch" (conveyor.Module runs its
-calls whole for that reason). What is found is a reason to run each call whole.
+BatchNorm combines samples too, by design, and keeps its per-share statistics, of which a
+split step warns (warn_of_statistics_per_share; docs/design.md, "Execution"). A recurrence
+needs no rule: torch.export fixes the length an RNN runs along, so a time-major RNN's
+capture fixes "the batch" (conveyor.Module runs its calls whole for that reason). What is found is a reason to run each call whole.
 """
 from __future__ import annotations
 
@@ -31,9 +31,11 @@ import torch
 
 from .errors import ConveyorValueError
 from .document import node_value_inputs
+from .counted_targets import why_left_as_a_mean
 from .row_order import key_order_problems
 
-__all__ = ["why_calls_stay_whole", "refuse_to_split", "warn_of_a_loss_split_changes", "where_samples_mix"]
+__all__ = ["why_calls_stay_whole", "refuse_to_split", "warn_of_a_loss_split_changes", "warn_of_statistics_per_share",
+           "where_samples_mix"]
 
 _SOFTMAX = {"aten::softmax", "aten::_softmax", "aten::log_softmax", "aten::_log_softmax"}
 _CONVOLUTION = ("aten::convolution", "aten::conv1d", "aten::conv2d", "aten::conv3d", "aten::conv_transpose1d",
@@ -96,6 +98,8 @@ def where_samples_mix(document: dict) -> str | None:
     def at(node: dict) -> str:
         return f"{node['op']}" + (f" ({node['source']})" if node.get("source") else "")
 
+    problems, counted, groups = key_order_problems(document, batch_dims)
+    batch |= groups  # a group's rows, split from the batch's by counts, are rows of the batch
     statistics, constants = _statistics_and_constants(document, batch_dims)
 
     def a_loss_of_statistics(v: int, seen: set) -> bool:
@@ -113,7 +117,6 @@ def where_samples_mix(document: dict) -> str | None:
                 return False
         return True
 
-    problems, counted = key_order_problems(document, batch_dims)
     for node in document["nodes"]:
         op = node["op"]
         if node["id"] in problems:
@@ -221,12 +224,56 @@ def refuse_to_split(why: str, microbatches: int | None, replicas, fixed_by: str 
                                  f"inputs, but {why}. It runs whole with microbatches=1 and one replica per stage")
 
 
-def warn_of_a_loss_split_changes(step, microbatches: int, replicas: list) -> None:
+# Batch normalizations by their `training` argument: in training mode each normalizes by the
+# statistics of its input over every dim but the channels (dim 1).
+_BATCH_STATISTICS = {"aten::batch_norm": 5, "aten::native_batch_norm": 5, "aten::_native_batch_norm_legit": 5,
+                     "aten::cudnn_batch_norm": 5}
+
+
+def warn_of_statistics_per_share(document: dict, microbatches: int, replicas: list) -> None:
+    """Warns where a split step runs a batch norm in training mode whose statistics cover a
+    dimension holding the batch (a CNN's BatchNorm2d, a BatchNorm1d over the tokens of an
+    expert block): each share normalizes by its own samples' mean and variance, as gradient
+    accumulation over the same shares would, not by the whole batch's."""
+    if not (microbatches > 1 or max(replicas) > 1):
+        return
+    batch = {s for s, role in document.get("symbols", {}).items() if role == "batch"}
+    values = document["values"]
+    found = []
+    for node in document["nodes"]:
+        training = _BATCH_STATISTICS.get(node["op"])
+        args = node["args"]
+        if training is None or len(args) <= training or args[training].get("bool") is not True:
+            continue
+        shape = values[args[0]["value"]].get("shape", []) if "value" in args[0] else []
+        held = [d for d, size in enumerate(shape) if d != 1 and isinstance(size, str)
+                and batch & set(re.findall(r"[A-Za-z_]\w*", size))]
+        if held:
+            found.append((node, held[0]))
+    if found:
+        node, dim = found[0]
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        warnings.warn(f"conveyor: {node['op']}" + (f" ({node['source']})" if node.get("source") else "") + more +
+                      f" normalizes in training mode by statistics over dim {dim} of its input, which holds the "
+                      f"batch: each share of the {microbatches} microbatches normalizes by its own samples' mean and "
+                      "variance, as gradient accumulation over the same shares would, not by the whole batch's. For "
+                      "the whole batch's statistics run each call whole (microbatches=1, replicas=1), or normalize "
+                      "per sample (LayerNorm, GroupNorm)", stacklevel=5)
+
+
+def warn_of_a_loss_split_changes(step, microbatches: int, replicas: list, document: dict) -> None:
     """Warns where `step` splits calls and its loss is neither a mean nor a sum over the
     samples (runtime/loss_reduction.h): the shares' losses are then weighed as a mean's, as
-    gradient accumulation weighs microbatches, which is not the whole batch's loss."""
+    gradient accumulation weighs microbatches, which is not the whole batch's loss. Where a
+    mean over counted targets was left as it was because the loss would still be no sum
+    (`document`'s, counted_targets.why_left_as_a_mean), the warning names what stops it."""
     how, why = step.loss_reduction
     if how == "other" and (microbatches > 1 or max(replicas) > 1):
+        stopped = why_left_as_a_mean(document) if "averages over the targets it counts" in why else None
+        if stopped:
+            why = (f"{why.split(' averages over the targets it counts')[0]} averages over the targets it counts, "
+                   f"which each share counts alone; conveyor leaves it so, as the loss would be no sum over the "
+                   f"samples were it made one over the call's count: {stopped}")
         warnings.warn(f"conveyor: the loss is neither a mean nor a sum over the samples ({why}): each of the "
                       f"{microbatches} microbatches' shares weighs its part of the batch, as gradient accumulation "
                       "would, which differs from the loss of the whole batch at once; compute the loss as a mean "

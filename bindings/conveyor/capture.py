@@ -25,12 +25,12 @@ import torch.utils._pytree as pytree
 from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-from .capture_failure import FRAME, capture_failure, is_user_path
+from .capture_failure import FRAME, capture_failure, helpers_in_stack_traces, is_user_path
 from .counted_targets import with_counted_means_summed
 from .errors import CaptureError
 from .graph import Graph
 from . import guards
-from .guards import export_under_guards
+from .guards import export_attempt_begins, export_under_guards
 from .moe_experts import eager_experts_grouped
 
 # Python-level size arithmetic that export leaves in the graph, by conveyor::sym overload.
@@ -181,8 +181,9 @@ def _export_quietly(model, args, kwargs, **options):
     anything else written to stderr meanwhile, such as the model's own prints, is kept."""
     caught = io.StringIO()
     failed = None
+    export_attempt_begins()
     try:
-        with contextlib.redirect_stderr(caught):
+        with contextlib.redirect_stderr(caught), helpers_in_stack_traces():
             return torch.export.export(model, args, kwargs, strict=False, **options)
     except Exception as exc:
         failed = exc

@@ -10,7 +10,8 @@ import warnings
 import torch
 
 from . import _C
-from .call_splitting import refuse_to_split, warn_of_a_loss_split_changes, why_calls_stay_whole
+from .call_splitting import (refuse_to_split, warn_of_a_loss_split_changes, warn_of_statistics_per_share,
+                             why_calls_stay_whole)
 from .capture import capture, modes_of
 from .capture_state import CaptureState, Layout
 from .errors import CaptureError, ConveyorValueError, NotALossError, UnsupportedError
@@ -166,7 +167,9 @@ def build_capture(model, optimizer, options: Options, job: Job, args: tuple, kwa
         else:
             state = _planned(model, optimizer, graph, options, job, args, kwargs, batch, least, whole, packed,
                              holders)
-    warn_of_a_loss_split_changes(state.pipeline, state.layout.microbatches, state.layout.replicas)
+    warn_of_a_loss_split_changes(state.pipeline, state.layout.microbatches, state.layout.replicas,
+                                state.graph.document)
+    warn_of_statistics_per_share(state.graph.document, state.layout.microbatches, state.layout.replicas)
     return state
 
 

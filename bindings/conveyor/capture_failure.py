@@ -3,6 +3,7 @@ the innermost line of the user's own code it came from, and a hint naming what t
 (capture.py raises what capture_failure makes)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 
@@ -20,6 +21,37 @@ def is_user_path(path: str) -> bool:
     return not path.startswith(_TORCH_DIR) and not path.startswith("<") and path != guards.__file__
 
 
+@contextlib.contextmanager
+def helpers_in_stack_traces():
+    """While conveyor exports, each node's stack trace keeps every frame from the first
+    `forward` in, as torch.fx's own tracer does. torch.export keeps only the frames named
+    `forward`, so a node made in a helper (transformers' experts function in moe.py, a
+    model's own `self.route(h)`) was placed at the forward that calls it, and so was a
+    refusal citing that node; with every frame outside torch, the innermost is the
+    operator's own line, in any package."""
+    tracer = torch.fx.proxy.TracerBase
+    original = tracer.__dict__.get("_filter_traceback_frames")
+    if original is None:  # a torch that filters otherwise: its traces as they are
+        yield
+        return
+
+    def every_frame(self, summary):
+        forward_only = getattr(self, "_record_forward_stack_traces_only", False)
+        self._record_forward_stack_traces_only = False
+        try:
+            frames = original(self, summary)
+        finally:
+            self._record_forward_stack_traces_only = forward_only
+        # torch's own frames but the forwards (what torch keeps) name nothing of the model's
+        return type(frames).from_list([f for f in frames if f.name == "forward" or is_user_path(f.filename)])
+
+    tracer._filter_traceback_frames = every_frame
+    try:
+        yield
+    finally:
+        tracer._filter_traceback_frames = original
+
+
 def _user_frame(text: str) -> str | None:
     """The innermost source location in `text` that is not inside torch itself."""
     frames = [(p, l) for p, l in FRAME.findall(text) if is_user_path(p)]
@@ -35,6 +67,20 @@ def _user_frame(text: str) -> str | None:
     return f"{path}:{line}" + (f": {code}" if code else "")
 
 
+_SIZE_LIKE = re.compile(r"Size-like symbols: ([^)]*)\)")
+_EXPRESSION = re.compile(r"data-dependent expression (.*?) \(unhinted")
+
+
+def _branches_on_a_drawn_size(text: str) -> bool:
+    """Whether torch.export's error is a branch on sizes drawn from tensor values alone (its
+    expression's unbacked symbols all size-like: `if boxes.numel() == 0:` after a filter)."""
+    sizes, expression = _SIZE_LIKE.search(text), _EXPRESSION.search(text)
+    if sizes is None or expression is None:
+        return False
+    drawn = set(re.findall(r"\bu\d+\b", expression.group(1)))
+    return bool(drawn) and drawn <= {name.strip() for name in sizes.group(1).split(",")}
+
+
 def capture_failure(model: torch.nn.Module, exc: BaseException) -> CaptureError:
     text = f"{type(exc).__name__}: {exc}"
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -46,6 +92,11 @@ def capture_failure(model: torch.nn.Module, exc: BaseException) -> CaptureError:
                 "size or an index, so the graph would differ from input to input; compute that number outside "
                 "the model (in the data loader, or as an argument), or keep it a tensor (torch.where, indexing "
                 "with a tensor)")
+    elif _branches_on_a_drawn_size(str(exc)):
+        hint = ("the model branches on a size that tensor values decide (how many elements nonzero, masked_select "
+                "or boolean indexing keep: a detector's boxes left after filtering), so no one graph holds every "
+                "input, and no guard keeps it: keep that size fixed (a fixed number of candidates, topk instead of "
+                "a threshold, padding), or compute that part outside the model")
     elif "data-dependent" in low or "data dependent" in low or "guard on data" in low:
         hint = ("the model branches on the value of a tensor (data-dependent control flow); "
                 "conveyor needs a graph that is the same for every input: use torch.where or "

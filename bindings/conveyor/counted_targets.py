@@ -18,7 +18,8 @@ to the batch's loss exactly, as transformers' Trainer does with `num_items_in_ba
 Where that cannot be (a target made from the model's activations, a random draw, or a loss
 that would then add a sum to a mean, such as a mixture of experts' load balancing), the loss
 is left as it was, and the batch analysis reads it as neither a mean nor a sum
-(runtime/loss_reduction.cc): shares weigh their samples, and a split step warns so.
+(runtime/loss_reduction.cc): shares weigh their samples, and a split step warns so, naming
+the operator that kept it a mean (why_left_as_a_mean: the add that joins the other term).
 
 A graph document names only the count inputs (extra "counted_targets"); which loss each
 divides, its targets, ignore_index and weights are read from the graph (`counted_losses`).
@@ -50,16 +51,61 @@ def with_counted_means_summed(doc: dict) -> tuple[dict, list[int]]:
     over the samples (or the graph returns more than a scalar loss, and runs whole); else
     `doc` itself. Also the new inputs' value ids (the document's extra
     "counted_targets")."""
-    if not any(node["op"] in _COUNTING_LOSSES for node in doc["nodes"]):
+    rewritten, inputs, found = _rewritten(doc)
+    if not inputs or (found is not None and found[0] != "sum"):
         return doc, []
+    return rewritten, inputs  # (a graph returning more than a loss runs whole: the call's count is exact)
+
+
+def why_left_as_a_mean(doc: dict) -> str | None:
+    """Where `doc` holds a counting loss taken as a mean whose targets and weights could be
+    counted, but the rewrite was not made because the loss would still be no sum over the
+    samples (a mixture of experts' router loss, a mean, added to it): the operator that
+    stops it, as the batch analysis names it ("aten::add (modeling.py:12) adds a sum over the
+    samples to a mean over them"); else None."""
+    rewritten, inputs, found = _rewritten(doc)
+    if not inputs or found is None or found[0] != "other" or not found[1]:
+        return None
+    joined = _where_a_term_joins(rewritten)
+    if joined is None or found[1].startswith(joined):
+        return found[1]
+    return f"{joined} adds to it a term that is no sum over the samples ({found[1]})"
+
+
+_ADDS = {"aten::add", "aten::add_", "aten::sub", "aten::sub_"}
+
+
+def _where_a_term_joins(doc: dict) -> str | None:
+    """The add or subtract on the way from the graph's loss back to its counting losses where
+    a term made without them joins (a mixture of experts' `loss += coef * aux_loss`), named as
+    the batch analysis names operators; None where there is none."""
+    made_by = _made_by(doc)
+    from_loss: set[int] = set()
+    for node in doc["nodes"]:
+        if node["op"] in _COUNTING_LOSSES or any(v in from_loss for v in node_value_inputs(node)):
+            from_loss.update(r["value"] for r in node["returns"] if "value" in r)
+    value = doc["outputs"][0] if len(doc.get("outputs", [])) == 1 else None
+    while value is not None and value in from_loss:
+        node = made_by[value]
+        if node["op"] in _COUNTING_LOSSES:
+            return None
+        ins = [v for v in node_value_inputs(node) if v in from_loss]
+        if node["op"] in _ADDS and len(ins) == 1 and len(node_value_inputs(node)) == 2:
+            return node["op"] + (f" ({node['source']})" if node.get("source") else "")
+        value = ins[0] if len(ins) == 1 else None
+    return None
+
+
+def _rewritten(doc: dict) -> tuple[dict, list[int], tuple | None]:
+    """`doc` rewritten (a copy), its count inputs (none: nothing to count, and `doc` itself),
+    and how its loss then combines the samples (GraphIR.loss_reduction)."""
+    if not any(node["op"] in _COUNTING_LOSSES for node in doc["nodes"]):
+        return doc, [], None
     rewritten = copy.deepcopy(doc)
     inputs = _make_counted_means_sums(rewritten)
     if not inputs:
-        return doc, []
-    found = _C.GraphIR(json.dumps(rewritten)).loss_reduction()
-    if found is not None and found[0] != "sum":
-        return doc, []
-    return rewritten, inputs  # (a graph returning more than a loss runs whole: the call's count is exact)
+        return doc, [], None
+    return rewritten, inputs, _C.GraphIR(json.dumps(rewritten)).loss_reduction()
 
 
 def _make_counted_means_sums(doc: dict) -> list[int]:

@@ -14,7 +14,9 @@ one added to `.grad`).
 
 Guarded: the truth value of a result of `all()`, `any()`, `isfinite()`, `isnan()` or
 `isinf()`, tested in an `if`, `not`, `and`/`or`, `assert` or `torch._assert`: checks that
-real data passes alike on every step. Still refused, naming the line: other branches on a
+real data passes alike on every step. From torch 2.15 torch.export captures `torch._assert`
+on a tensor itself (aten._assert_async); such an assertion is made a guard too, so that it
+stops a step with the same error and is named in the same warning. Still refused, naming the line: other branches on a
 value (`if h.sum() > 0:`, whose outcome changes from batch to batch), `.item()` or `int()`
 read as a Python number, and models built on the meta device (nothing to run the example on).
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import linecache
 import os
+import re
 import sys
 import warnings
 
@@ -33,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 from .errors import CaptureError
 from .users_rng import users_rng_kept
 
-__all__ = ["GuardError", "export_under_guards"]
+__all__ = ["GuardError", "export_attempt_begins", "export_under_guards"]
 
 
 class GuardError(RuntimeError):
@@ -109,12 +112,31 @@ class _MarkingChecks(TorchFunctionMode):
         return out
 
 
+_replays: list = []  # a restart for each _taking under way: its outcomes and guards from the first again
+
+
+def export_attempt_begins() -> None:
+    """A torch.export attempt starts tracing the model from its first line: a capture tries
+    several (a symbolic batch, a narrower range, fixed sizes), and each must meet the checks
+    with the example's outcomes from the first, not with what an earlier attempt left."""
+    for restart in _replays:
+        restart()
+
+
 @contextlib.contextmanager
 def _taking(outcomes: dict, guarded: list):
     """Tensor.__bool__ on a traced tensor whose value is unknown takes the recorded outcome of
-    its site and leaves a guard in the graph (its site appended to `guarded`)."""
+    its site and leaves a guard in the graph (its site appended to `guarded`); each export
+    attempt (export_attempt_begins) takes them from the first."""
     original = torch.Tensor.__bool__
-    queues = {site: list(values) for site, values in outcomes.items()}
+    queues: dict = {}
+
+    def restart():
+        queues.clear()
+        queues.update({site: list(values) for site, values in outcomes.items()})
+        guarded.clear()
+
+    restart()
 
     def take(self):
         site = _call_site()
@@ -131,10 +153,12 @@ def _taking(outcomes: dict, guarded: list):
         return expected
 
     torch.Tensor.__bool__ = take
+    _replays.append(restart)
     try:
         with _MarkingChecks():
             yield
     finally:
+        _replays.remove(restart)
         torch.Tensor.__bool__ = original
 
 
@@ -168,9 +192,11 @@ def _outcomes_of_the_example(model: torch.nn.Module, args: tuple, kwargs: dict) 
 
 def export_under_guards(export, model: torch.nn.Module, args: tuple, kwargs: dict, *more):
     """`export(model, args, kwargs, *more)`; where it fails on a branch on a tensor's value,
-    again with each such branch taken as the example takes it, under a guard (warned of)."""
+    again with each such branch taken as the example takes it, under a guard (warned of).
+    The assertions torch captures itself (`torch._assert` on a tensor, from torch 2.15) become
+    guards as well, so that they stop a step alike and are warned of."""
     try:
-        return export(model, args, kwargs, *more)
+        result = export(model, args, kwargs, *more)
     except CaptureError as error:
         if not _branches_on_a_value(error):
             raise
@@ -180,8 +206,34 @@ def export_under_guards(export, model: torch.nn.Module, args: tuple, kwargs: dic
         guarded: list = []
         with _taking(outcomes, guarded):  # another construct in the way fails it, naming that one
             result = export(model, args, kwargs, *more)
-        sites = "; ".join(f"{_where(site)}, {bool(outcomes[site][0])} on the example" for site in guarded)
+    sites = _guards_of(result[0])
+    if sites:
         warnings.warn(f"conveyor: {type(model).__name__} checks tensor values; captured with the branch the example "
-                      f"takes, under a guard that stops a step whose batch would take the other: {sites}",
+                      f"takes, under a guard that stops a step whose batch would take the other: {'; '.join(sites)}",
                       stacklevel=4)
-        return result
+    return result
+
+
+_ASSERTS = ("_assert_async.msg",)
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def _guards_of(ep) -> list[str]:
+    """Each guard of `ep`'s graph, in graph order, as the warning names it; an assertion of
+    torch's own capture (aten._assert_async.msg) is made one first."""
+    sites, asserted = [], False
+    for node in ep.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if str(node.target).endswith(_ASSERTS) and len(node.args) >= 2 and isinstance(node.args[1], str):
+            frames = [(p, int(n)) for p, n in _FRAME.findall(node.meta.get("stack_trace") or "")
+                      if not p.startswith(_TORCH_DIR) and not p.startswith("<") and p != __file__]
+            where = (_where(frames[-1]) if frames else "an assertion") + f" ({node.args[1]})"
+            node.target, node.args, node.kwargs = torch.ops.conveyor.guard.default, (node.args[0], True, where), {}
+            sites.append(f"{where}, asserted")
+            asserted = True
+        elif node.target is torch.ops.conveyor.guard.default:
+            sites.append(f"{node.args[2]}, {node.args[1]} on the example")
+    if asserted:
+        ep.graph_module.recompile()
+    return sites

@@ -18,8 +18,16 @@ otherwise than as the offsets of such a product (capacity-limited routing drops 
 its place among the others), offsets that do not count the rows' keys, a key not provably
 within the counted range, the place a sort gives a row read as data, rows in key order
 combined with rows in another order, or rows returned still in key order.
+
+JetMoE counts otherwise: a one-hot of each token's topk experts summed over the tokens, read
+as numbers that split the rows in key order into one group per expert (split_with_sizes),
+each multiplied by its expert, joined in key order (cat) and added back to their tokens
+(index_add by order // k). Each group's rows are rows of the batch too (its size symbol is
+returned with the problems), so what would mix them is found as it is for the batch's.
 """
 from __future__ import annotations
+
+import re
 
 from .document import node_value_inputs
 
@@ -39,6 +47,10 @@ _SHAPE_ONLY = {"aten::empty_like", "aten::zeros_like", "aten::ones_like", "aten:
 # by the weights of the group whose offsets range holds i.
 _GROUPED = {"aten::_grouped_mm": (0, 2), "transformers::grouped_mm_fallback": (0, 2)}
 _SORTS = {"aten::sort", "aten::argsort"}
+_ZEROS = {"aten::zeros", "aten::zeros_like", "aten::new_zeros"}
+# Ops whose last result holds indices along a dim: (where the dim argument is, how many results).
+_PICKS = {"aten::topk": (2, 2), "aten::max": (1, 2), "aten::min": (1, 2), "aten::argmax": (1, 1),
+          "aten::argmin": (1, 1)}
 
 
 def _number(arg: dict) -> float | None:
@@ -60,27 +72,31 @@ def _counts_from_zero(node: dict | None) -> bool:
 
 
 def _flattened_from(producer: dict, v: int, shape) -> tuple | None:
-    """(rows, k) where value `v` is a [rows, k] tensor flattened (through casts), else None."""
+    """(rows, k, the tensor) where value `v` is a [rows, k] tensor flattened (through casts),
+    else None."""
     node = producer.get(v)
     while node is not None and node["op"] in _SAME_PLACES:
         node = producer.get(node["args"][0].get("value"))
     if node is None or node["op"] not in ("aten::view", "aten::reshape", "aten::flatten", "aten::_unsafe_view"):
         return None
     source = shape(node["args"][0].get("value")) if "value" in node["args"][0] else []
-    return (source[0], source[1]) if len(source) == 2 and isinstance(source[1], int) else None
+    if len(source) == 2 and isinstance(source[1], int):
+        return source[0], source[1], node["args"][0]["value"]
+    return None
 
 
-def key_order_problems(document: dict, batch_dims) -> tuple[dict[int, str], set[int]]:
+def key_order_problems(document: dict, batch_dims) -> tuple[dict[int, str], set[int], set[str]]:
     """Per node id, why the node lets rows of one call depend on each other through a sort
-    ("aten::sub (model.py:40) uses the counts of aten::histc (model.py:31) ..."); and the
-    values that count sorted keys and serve only as the offsets of grouped products over
-    the rows in that order (reductions over the batch that keep rows apart). `batch_dims(v)`
-    gives the dimensions of value v that hold the batch."""
+    ("aten::sub (model.py:40) uses the counts of aten::histc (model.py:31) ..."); the values
+    that count sorted keys and serve only as the offsets of grouped products over the rows
+    in that order, or as the sizes the rows are split by (reductions over the batch that keep
+    rows apart); and the symbolic sizes of those split groups (their rows are the batch's
+    rows too). `batch_dims(v)` gives the dimensions of value v that hold the batch."""
     walk = _KeyOrder(document, batch_dims)
     for node in document["nodes"]:
         walk.visit(node)
     walk.check_outputs()
-    return walk.problems, set(walk.counted_by)
+    return walk.problems, set(walk.counted_by) | set(walk.tallies), walk.group_symbols
 
 
 class _KeyOrder:
@@ -89,7 +105,7 @@ class _KeyOrder:
     def __init__(self, document: dict, batch_dims):
         self.values = document["values"]
         self.document = document
-        self.batch_dims = batch_dims
+        self.rows_of_the_batch = batch_dims
         self.producer = {r["value"]: node for node in document["nodes"] for r in node["returns"] if "value" in r}
         self.nodes = {node["id"]: node for node in document["nodes"]}
         self.order: dict[int, int] = {}        # value -> the sort node whose key order its rows follow
@@ -103,9 +119,26 @@ class _KeyOrder:
         self.counts: dict[int, int] = {}       # per group counts of a sort's keys, or their running sum
         self.offsets: dict[int, int] = {}      # the running sum: where each group ends
         self.counted_by: dict[int, dict] = {}  # counts -> the node that counted them
+        # Rows split into groups by the counts of their keys (JetMoE's experts): a one-hot of
+        # each row's keys, its sum over the rows, each count as a number, each group's rows.
+        self.distinct: dict[int, bool] = {}    # indices distinct within each row (topk's)
+        self.one_hot: dict[int, int] = {}      # zeros[rows, n].scatter(1, indices, 1) -> the indices
+        self.tallies: dict[int, tuple] = {}    # its sum over the rows -> (the indices, the node)
+        self.tally_items: dict[int, tuple] = {}  # a count of it, a tensor or a number -> (the tally, key)
+        self.tally_numbers: set[int] = set()   # arithmetic on those numbers (checks of the sizes)
+        self.pieces: dict[int, tuple] = {}     # a group's rows -> (the split node, its key)
+        self.split_into: dict[int, int] = {}   # a split node -> how many groups
+        self.group_symbols: set[str] = set()   # the groups' sizes ("u0")
+        self.views: set[int] = set()           # views of any of those (a write through them is one into them)
         self.problems: dict[int, str] = {}
 
     # -- helpers ------------------------------------------------------------------------------
+    def batch_dims(self, v: int) -> list[int]:
+        """The dims of v that hold the batch's rows: the batch's own, or a group's of them."""
+        groups = [d for d, size in enumerate(self.shape(v)) if isinstance(size, str)
+                  and self.group_symbols & set(re.findall(r"[A-Za-z_]\w*", size))]
+        return sorted(set(self.rows_of_the_batch(v)) | set(groups))
+
     def tensor(self, v: int) -> bool:
         return self.values[v].get("kind") == "tensor"
 
@@ -131,17 +164,35 @@ class _KeyOrder:
         the sort's keys were flattened from."""
         if by not in self.divisor:
             return self.shape(by)[:1]
-        rows, k = self.pairs.get(self.moves[by], (None, None))
+        rows, k, _ = self.pairs.get(self.moves[by], (None, None, None))
         return [rows] if k == self.divisor[by] else None
 
     # -- the walk -----------------------------------------------------------------------------
     def visit(self, node: dict) -> None:
+        self.writes(node)
         if node["op"] in _SHAPE_ONLY:
             return
         handlers = (self.cast, self.top_k, self.sort, self.divide, self.gather, self.invert, self.count,
-                    self.running_sum, self.grouped)
+                    self.running_sum, self.grouped, self.one_hot_rows, self.tally, self.tally_each, self.split,
+                    self.join, self.add_back)
         if not any(handle(node) for handle in handlers):
             self.any_other(node)
+
+    def relied_on(self, v: int) -> bool:
+        return any(v in tags for tags in (self.moves, self.permutation, self.restores, self.keys, self.counts,
+                                          self.one_hot, self.tallies, self.tally_items, self.views))
+
+    def writes(self, node: dict) -> None:
+        """What the proof relies on (a sort's keys and places, counts, a one-hot of keys) is
+        not written in place, directly or through a view of it."""
+        args = node["args"]
+        read = [args[i].get("value") for i in node.get("aliases", []) if i < len(args)]
+        if any(v is not None and self.relied_on(v) for v in read):
+            self.views.update(r["value"] for r in node["returns"] if "value" in r)
+        written = [args[i].get("value") for i in node.get("mutates", []) if i < len(args)]
+        if any(v is not None and self.relied_on(v) for v in written):
+            self.problems.setdefault(node["id"], f"{self.at(node)} writes in place into the keys, places or counts "
+                                                 "of a sort, so a row's group may depend on the other rows")
 
     def cast(self, node: dict) -> bool:
         """A reshape keeps the values (a key's range); a cast keeps each in place (every tag)."""
@@ -151,7 +202,8 @@ class _KeyOrder:
         if first in self.key_range:
             self.key_range[outs[0]] = self.key_range[first]
         tagged = [tags for tags in (self.moves, self.divisor, self.permutation, self.restores, self.keys, self.counts,
-                                    self.offsets, self.counted_by, self.order) if first in tags]
+                                    self.offsets, self.counted_by, self.distinct, self.one_hot, self.tallies,
+                                    self.tally_items, self.order) if first in tags]
         if node["op"] not in _SAME_PLACES or not any(t is not self.order for t in tagged):
             return False
         for tags in tagged:
@@ -159,13 +211,21 @@ class _KeyOrder:
         return True
 
     def top_k(self, node: dict) -> bool:
-        """topk's indices along a dim of static size n lie within [0, n - 1]."""
+        """The indices topk, max, min, argmax and argmin give along a dim of static size n lie
+        within [0, n - 1]; a concatenation of such indices within the widest of their ranges."""
         first, outs, args = _first(node), self.outputs(node), node["args"]
-        if node["op"] == "aten::topk" and first is not None and len(outs) == 2:
-            dim = args[2].get("int", -1) if len(args) > 2 else -1
+        picks = _PICKS.get(node["op"])
+        if picks is not None and first is not None and len(outs) == picks[1] and len(args) > picks[0]:
+            dim = args[picks[0]].get("int")
             dims = self.shape(first)
-            if dims and isinstance(dims[dim], int) and dim % len(dims) not in self.batch_dims(first):
-                self.key_range[outs[1]] = (0, dims[dim] - 1)
+            if dims and dim is not None and isinstance(dims[dim], int) and dim % len(dims) not in self.batch_dims(first):
+                self.key_range[outs[-1]] = (0, dims[dim] - 1)
+                if node["op"] == "aten::topk":
+                    self.distinct[outs[-1]] = True
+        if node["op"] in ("aten::cat", "aten::concat") and len(outs) == 1 and args and "list" in args[0]:
+            ranges = [self.key_range.get(a.get("value")) for a in args[0]["list"]]
+            if ranges and None not in ranges:
+                self.key_range[outs[0]] = (min(r[0] for r in ranges), max(r[1] for r in ranges))
         return False  # otherwise an operator like any other
 
     def sort(self, node: dict) -> bool:
@@ -181,6 +241,10 @@ class _KeyOrder:
             self.restores[outs[-1]] = self.permutation[first]
             return True
         rank = len(self.shape(first)) if first is not None else 0
+        if self.order.get(first) and rank and dim % rank in self.batch_dims(first):
+            self.problems[nid] = (f"{self.at(node)} sorts rows already in the order {self.sort_at(self.order[first])} "
+                                  "gave them along that order, so a row depends on the other rows of its call")
+            return True
         if self.order.get(first) or first in self.permutation or not rank or dim % rank not in self.batch_dims(first):
             return False
         for v in outs:
@@ -197,9 +261,12 @@ class _KeyOrder:
         return True
 
     def divide(self, node: dict) -> bool:
-        """order // k: for each pair in key order, the row it came from."""
+        """order // k: for each pair in key order, the row it came from (a division rounding
+        toward zero is the same: places are not negative)."""
         first, args = _first(node), node["args"]
-        if node["op"] != "aten::floor_divide" or first not in self.permutation or len(args) < 2 or "int" not in args[1]:
+        rounded = node["op"] == "aten::floor_divide" or (
+            node["op"] == "aten::div" and len(args) > 2 and args[2].get("str") in ("trunc", "floor"))
+        if not rounded or first not in self.permutation or len(args) < 2 or args[1].get("int", 0) < 1:
             return False
         out = self.outputs(node)[0]
         self.moves[out], self.divisor[out] = self.moves[first], args[1]["int"]
@@ -289,13 +356,128 @@ class _KeyOrder:
                                   "would depend on its place in the call")
         return True
 
+    def one_hot_rows(self, node: dict) -> bool:
+        """zeros[rows, n].scatter(1, indices, 1), each row's indices distinct (topk's) and within
+        [0, n - 1]: each row's keys marked once."""
+        args, outs = node["args"], self.outputs(node)
+        if node["op"] != "aten::scatter" or node.get("overload") != "value" or len(args) < 4 or len(outs) != 1:
+            return False
+        base, index = args[0].get("value"), args[2].get("value")
+        made, dims = self.producer.get(base), self.shape(base) if base is not None else []
+        known = self.key_range.get(index)
+        if (made is None or made["op"] not in _ZEROS or index not in self.distinct or len(dims) != 2
+                or not isinstance(dims[1], int) or known is None or known[0] < 0 or known[1] > dims[1] - 1
+                or args[1].get("int") not in (1, -1) or _number(args[3]) != 1):
+            return False
+        self.one_hot[outs[0]] = index
+        return True
+
+    def tally(self, node: dict) -> bool:
+        """A one-hot of the rows' keys summed over the rows: how many pairs hold each key."""
+        first, args, outs = _first(node), node["args"], self.outputs(node)
+        if node["op"] != "aten::sum" or first not in self.one_hot or len(outs) != 1 or len(args) < 2:
+            return False
+        dims = [a.get("int") for a in args[1].get("list", [])]
+        if dims not in ([0], [-2]) or (len(args) > 2 and args[2].get("bool")):
+            return False
+        self.tallies[outs[0]] = (self.one_hot[first], node)
+        return True
+
+    def tally_each(self, node: dict) -> bool:
+        """The counts taken one by one (unbind), each read as a number (item)."""
+        first, args = _first(node), node["args"]
+        if node["op"] == "aten::unbind" and first in self.tallies and len(args) > 1 and args[1].get("int") in (0, -1):
+            for key, v in enumerate(self.outputs(node)):
+                self.tally_items[v] = (first, key)
+            return True
+        if node["op"] in ("aten::item", "aten::_local_scalar_dense") and first in self.tally_items:
+            for r in node["returns"]:
+                if "value" in r:
+                    self.tally_items[r["value"]] = self.tally_items[first]
+            return True
+        return False
+
+    def split(self, node: dict) -> bool:
+        """Rows in a sort's key order split, dim 0, by the counts of every key of that sort, in
+        key order: group j holds exactly the rows whose key is j, whatever the other rows."""
+        args, nid = node["args"], node["id"]
+        if node["op"] not in ("aten::split_with_sizes", "aten::split") or len(args) < 2 or "list" not in args[1]:
+            return False
+        sizes = [a.get("value") for a in args[1]["list"]]
+        if not any(v in self.tally_items for v in sizes):
+            return False
+        rows, dim = args[0].get("value"), args[2].get("int", 0) if len(args) > 2 else 0
+        sort = self.order.get(rows)
+        tallied = [self.tally_items.get(v) for v in sizes]
+        tallies = {t[0] for t in tallied if t is not None}
+        tally = next(iter(tallies)) if len(tallies) == 1 else None
+        flattened = self.pairs.get(sort) if sort is not None else None
+        outs = self.outputs(node)
+        symbols = [self.shape(v)[0] if self.shape(v) else None for v in outs]
+        if (sort is None or rows in self.pieces or dim != 0 or None in tallied or tally is None or flattened is None
+                or flattened[2] != self.tallies[tally][0] or self.shape(tally) != [len(sizes)]
+                or [t[1] for t in tallied] != list(range(len(sizes))) or len(outs) != len(sizes)
+                or not all(isinstance(x, str) and x.isidentifier() for x in symbols)):
+            counted = self.at(self.tallies[tally][1]) if tally is not None else "a count"
+            self.problems[nid] = (f"{self.at(node)} splits rows by the counts of {counted} otherwise than rows sorted "
+                                  "by those keys, by every key's count in key order: a row's group would depend on "
+                                  "the other rows")
+            return True
+        self.group_symbols.update(symbols)
+        self.split_into[nid] = len(outs)
+        for key, v in enumerate(outs):
+            self.order[v], self.pieces[v] = sort, (nid, key)
+        return True
+
+    def join(self, node: dict) -> bool:
+        """Every group of one split, in key order, concatenated along dim 0: the rows in the
+        sort's key order again."""
+        args, outs = node["args"], self.outputs(node)
+        if node["op"] not in ("aten::cat", "aten::concat") or not args or "list" not in args[0]:
+            return False
+        parts = [a.get("value") for a in args[0]["list"]]
+        if not any(v in self.pieces for v in parts):
+            return False
+        splits = {self.pieces[v][0] if v in self.pieces else None for v in parts}
+        split = next(iter(splits))
+        dim = args[1].get("int", 0) if len(args) > 1 else 0
+        if (len(splits) != 1 or split is None or dim != 0 or len(outs) != 1
+                or [self.pieces[v][1] for v in parts] != list(range(self.split_into[split]))):
+            self.problems[node["id"]] = (f"{self.at(node)} joins groups of the rows of {self.at(self.nodes[split])} "
+                                         "otherwise than all of them in key order along dim 0")
+            return True
+        self.order[outs[0]] = self.order[parts[0]]
+        return True
+
+    def add_back(self, node: dict) -> bool:
+        """base.index_add(0, order // k, rows in that order) (or by the order itself): each row
+        of the base, in the batch's order, gets its own pairs added."""
+        args = node["args"]
+        if node["op"] not in ("aten::index_add", "aten::index_add_") or len(args) < 4:
+            return False
+        base, by, source = args[0].get("value"), args[2].get("value"), args[3].get("value")
+        return (by in self.moves and args[1].get("int") == 0 and self.order.get(source) == self.moves[by]
+                and source not in self.pieces and not self.order.get(base) and base not in self.pieces
+                and self.shape(base)[:1] == self.gathered_rows(by))
+
     def any_other(self, node: dict) -> None:
         """Counts and a sort's positions are not read as data, and rows in one order do not
         meet rows in another; results follow their inputs' order."""
         nid, at = node["id"], self.at(node)
+        for v in node_value_inputs(node):
+            if v in self.tally_items or v in self.tally_numbers:
+                if node["op"] == "conveyor::sym" and not any(self.tensor(o) for o in self.outputs(node)):
+                    self.tally_numbers.update(r["value"] for r in node["returns"] if "value" in r)
+                elif node["op"] != "aten::_assert_scalar":  # checks of the sizes alone
+                    self.problems.setdefault(nid, f"{at} uses the counts of keys as data, so a row depends on the "
+                                                  "other rows of its call")
         ins = [v for v in node_value_inputs(node) if self.tensor(v)]
         for v in ins:
-            if v in self.counts:
+            if v in self.tallies:
+                self.problems.setdefault(nid, (
+                    f"{at} uses the counts of {self.at(self.tallies[v][1])} otherwise than as the sizes the rows they "
+                    "count are split by, so a row depends on the other rows of its call"))
+            elif v in self.counts:
                 self.problems.setdefault(nid, (
                     f"{at} uses the counts of {self.at(self.counted_by[v])} otherwise than as the offsets of a "
                     "grouped product over the rows they count, so a row depends on the other rows of its call (as "
@@ -305,6 +487,19 @@ class _KeyOrder:
                 self.problems.setdefault(nid, (f"{at} reads the places {self.sort_at(sort)} gives the rows as data, "
                                                "so a row depends on the other rows of its call"))
         orders = {self.order.get(v) for v in ins if self.batch_dims(v) or v in self.order}
+        pieces = {self.pieces.get(v) for v in ins if self.batch_dims(v) or v in self.order}
+        if len(pieces) > 1 and any(pieces):
+            self.problems.setdefault(nid, f"{at} combines the rows of one group of a split by counts with other rows")
+        elif any(pieces):
+            for v in self.outputs(node):
+                if self.batch_dims(v):
+                    self.pieces[v] = next(iter(pieces))
+        def group_rows(v: int) -> bool:
+            return bool(set(self.batch_dims(v)) - set(self.rows_of_the_batch(v)))
+
+        if any(group_rows(v) for v in self.outputs(node)) and not any(group_rows(v) for v in ins):
+            self.problems.setdefault(nid, f"{at} makes rows as many as a group's from no rows of it (positions "
+                                          "within the group), so a row depends on the other rows of its call")
         if len(orders) > 1:
             sort = next(o for o in orders if o is not None)
             self.problems.setdefault(nid, f"{at} combines rows in the order {self.sort_at(sort)} gave them with rows "

@@ -7,6 +7,7 @@ models leaves the zoo's models alone. A split step weighs each share's loss by h
 combines the samples: a summed loss trains like the whole batch as an averaged one does,
 and one that is neither warns, naming the operator."""
 import copy
+import re
 import warnings
 
 import pytest
@@ -273,6 +274,73 @@ def test_rows_that_meet_are_found_naming_the_operator(how, named):
         assert found is None, found
     else:
         assert found is not None and found.startswith(named) and "test_batch_dimension.py" in found, found
+
+
+HELPER = """import torch
+
+def centre(h):
+    h = torch.tanh(h)
+    return h - h.mean(0)  # the operator's own line: 5
+"""
+
+
+class MixesInAHelper(torch.nn.Module):
+    """Rows meet in a helper function of another package, called from forward."""
+
+    def __init__(self, centre):
+        super().__init__()
+        self.centre, self.head = centre, torch.nn.Linear(16, 3)
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.head(self.centre(x)), y)
+
+
+def test_a_refusal_names_the_operators_own_line_in_a_helper_of_any_package(tmp_path, monkeypatch):
+    """torch.export keeps only the frames named forward; the refusal names the helper's line
+    (transformers' moe.py was cited at the line of forward that calls the experts)."""
+    (tmp_path / "helpers_elsewhere").mkdir()
+    (tmp_path / "helpers_elsewhere" / "__init__.py").write_text("")
+    (tmp_path / "helpers_elsewhere" / "rows.py").write_text(HELPER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from helpers_elsewhere.rows import centre
+    net = MixesInAHelper(centre)
+    model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.05), microbatches=2, replan="off",
+                            verbose=False)
+    line = r"aten::mean \(" + re.escape(f"{tmp_path}/helpers_elsewhere/rows.py:5") + r"\)"
+    with pytest.raises(ConveyorValueError, match=line), pytest.warns(UserWarning, match=line):
+        model.train_step(torch.randn(8, 16), torch.randint(0, 3, (8,)))
+
+
+class TokensBatchNormed(torch.nn.Module):
+    """BatchNorm1d over the tokens of every sample at once, as inside an expert block."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.head = torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 3)
+
+    def forward(self, x, y):
+        h = self.norm(x.reshape(-1, 16))  # statistics over every token of the call
+        return F.cross_entropy(self.head(h), y.reshape(-1))
+
+
+def test_a_split_step_with_batch_statistics_in_training_warns_naming_the_operator():
+    """Each share normalizes by its own samples' statistics (gradient accumulation's), which a
+    split step says, naming the line; a whole call and an evaluation-mode norm say nothing."""
+    x, y = torch.randn(8, 5, 16), torch.randint(0, 3, (8, 5))
+    said = r"aten::batch_norm \(.*test_batch_dimension.py:\d+\) normalizes in training mode by statistics over dim 0"
+    net = TokensBatchNormed()
+    model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.05), microbatches=2, replan="off",
+                            verbose=False)
+    with pytest.warns(UserWarning, match=said):
+        model.train_step(x, y)
+    for microbatches, mode in ((1, "train"), (2, "eval")):
+        net = getattr(TokensBatchNormed(), mode)()
+        model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.05), microbatches=microbatches,
+                                replicas=1, replan="off", verbose=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.train_step(x, y)
+        assert not [w for w in caught if "normalizes in training mode" in str(w.message)], (microbatches, mode)
 
 
 class WithLoss(torch.nn.Module):

@@ -186,15 +186,21 @@ def test_targets_and_weights_the_model_makes_from_its_buffers(how):
 
 def test_a_counted_mean_added_to_a_mean_over_the_samples_warns():
     """Cross-entropy over counted tokens plus a mean squared error over the samples is neither
-    a mean nor a sum: the shares weigh their samples, and the step warns, naming the loss."""
+    a mean nor a sum: the shares weigh their samples, and the step warns, naming the loss and
+    the line that adds the term that keeps it a mean (an MoE's `loss += coef * aux_loss`)."""
     net = _Classifier().to(torch.float64)
 
     def loss_fn(out, y):
-        return F.cross_entropy(out, y, ignore_index=4) + F.mse_loss(out, torch.zeros_like(out))
+        loss = F.cross_entropy(out, y, ignore_index=4)
+        loss += F.mse_loss(out, torch.zeros_like(out))
+        return loss
 
     model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.1), loss_fn=loss_fn, microbatches=2,
                             replan="off", verbose=False)
-    with pytest.warns(UserWarning, match="cross_entropy_loss.*averages over the targets it counts"):
+    first = loss_fn.__code__.co_firstlineno
+    with pytest.warns(UserWarning, match=rf"cross_entropy_loss \(.*test_counted_targets.py:{first + 1}\) averages "
+                                         rf"over the targets it counts.*: aten::add_? \(.*test_counted_targets.py:"
+                                         rf"{first + 2}\)"):
         model.train_step(torch.randn(8, 6, dtype=torch.float64), target=torch.randint(0, 5, (8,)))
 
 
@@ -262,7 +268,8 @@ def test_a_loss_with_a_term_of_its_own_stays_a_mean():
     net = _Classifier().to(torch.float64)
 
     def loss_fn(out, y):
-        return F.cross_entropy(out, y, ignore_index=4) + out.std()
+        loss = F.cross_entropy(out, y, ignore_index=4)
+        return loss + out.std()
 
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 5, (8,))
     graph = conveyor.capture(_LossOf(net, loss_fn), (x, y))
@@ -272,7 +279,10 @@ def test_a_loss_with_a_term_of_its_own_stays_a_mean():
         warnings.simplefilter("ignore")
         model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.1), loss_fn=loss_fn, microbatches=2,
                                 replan="off", verbose=False)
-        with pytest.warns(UserWarning, match="neither a mean nor a sum"):
+        first = loss_fn.__code__.co_firstlineno
+        with pytest.warns(UserWarning, match=rf"neither a mean nor a sum.*cross_entropy_loss \(.*:{first + 1}\).*"
+                                             rf": aten::add \(.*test_counted_targets.py:{first + 2}\) adds to it a "
+                                             rf"term that is no sum over the samples \(aten::std"):
             model.train_step(x, target=y)
 
 

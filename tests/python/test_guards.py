@@ -6,6 +6,7 @@ stops its step with an error naming the line, leaving the parameters and their g
 as they were, and the next batch trains on. A branch whose outcome changes from batch to
 batch (on a sum compared with a number) is still refused at capture."""
 import copy
+import re
 import warnings
 
 import pytest
@@ -61,6 +62,22 @@ def test_checks_of_tensor_values_are_captured_under_guards_naming_their_lines():
     assert graph.dynamic_batch
 
 
+def test_a_failed_assertion_stops_the_step_as_a_guard_naming_its_line():
+    """torch._assert on a tensor: a guard under torch 2.11, which refuses the branch, and
+    under torch 2.15, which captures the assertion itself (aten._assert_async) alike."""
+    net = Checked()
+    model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.1), microbatches=2, replan="off",
+                            verbose=False)
+    model.train_step(torch.randn(6, 4), torch.randn(6, 4))
+    x = torch.randn(6, 4)
+    x[5, 0] = 1e7
+    before = [p.clone() for p in net.parameters()]
+    with pytest.raises(conveyor.ExecutionError, match=r"GuardError: conveyor: a guard stopped the step, before any "
+                                                      r"parameter was updated: .*test_guards.py:\d+ \(`torch._assert"):
+        model.train_step(x, torch.randn(6, 4))
+    assert all(torch.equal(p, q) for p, q in zip(before, net.parameters()))
+
+
 def test_guards_off_refuses_a_check_as_any_branch_on_a_value():
     x, y = torch.randn(6, 4), torch.randn(6, 4)
     with pytest.raises(conveyor.CaptureError, match=r"test_guards.py:\d+"):
@@ -74,6 +91,54 @@ def test_guards_off_refuses_a_check_as_any_branch_on_a_value():
 def test_a_branch_on_a_sum_is_still_refused_naming_its_line():
     with pytest.raises(conveyor.CaptureError, match=r"(?s)test_guards.py:\d+: if h.sum\(\) > 0.*data-dependent"):
         conveyor.capture(BranchesOnASum(), (torch.randn(6, 4),))
+
+
+class CheckedFixedBatch(nn.Module):
+    """A check, and a reshape that ties the batch to 6: the capture tries a symbolic batch,
+    then fixed sizes, and each attempt must meet the check."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.layer(x))
+        if not torch.isfinite(h).all():
+            h = torch.nan_to_num(h)
+        return (h.reshape(6, 4) - y).pow(2).mean()
+
+
+def test_a_check_is_guarded_in_every_attempt_of_a_capture_that_retries():
+    x, y = torch.randn(6, 4), torch.randn(6, 4)
+    with pytest.warns(UserWarning) as said:
+        graph = conveyor.capture(CheckedFixedBatch(), (x, y))
+    said = [str(w.message) for w in said]
+    assert any("specializes its batch size" in text for text in said), said
+    assert any(re.search(r"under a guard .*test_guards.py:\d+ \(`if not torch.isfinite\(h\).all\(\):`\), True", text)
+               for text in said), said
+    assert not graph.dynamic_batch
+    assert sum(n["op"] == "conveyor::guard" for n in graph.document["nodes"]) == 1
+
+
+class BranchesOnAFilteredSize(nn.Module):
+    """A branch on how many values a filter keeps, as torchvision's box utilities have it."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.layer(x)
+        kept = h[h > 0]
+        if kept.numel() == 0:
+            return h.sum() * 0
+        return kept.pow(2).mean()
+
+
+def test_a_branch_on_a_size_values_decide_is_refused_naming_its_line_and_what_to_change():
+    with pytest.raises(conveyor.CaptureError, match=r"(?s)test_guards.py:\d+: if kept.numel\(\) == 0:.*a size that "
+                                                    r"tensor values decide.*keep that size fixed"):
+        conveyor.capture(BranchesOnAFilteredSize(), (torch.randn(6, 4),))
 
 
 class DetrSetLoss(nn.Module):

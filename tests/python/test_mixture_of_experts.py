@@ -1,7 +1,7 @@
 """Mixtures of experts split into microbatches and replicas and train exactly like eager
 gradient accumulation over the same shares, their load-balancing loss included (each share
 computes it, as accumulation does), in one process and across two: Mixtral, Qwen3-MoE and
-Qwen2-MoE (shared experts) in transformers' default experts implementation, which sorts the tokens by expert, counts them
+Qwen2-MoE (shared experts), and PhiMoE (keys from max()) in transformers' default experts implementation, which sorts the tokens by expert, counts them
 per expert, multiplies each group by its expert and puts the tokens back. The batch analysis
 proves such routing keeps every token to itself (conveyor/row_order.py); a model whose rows
 do depend on each other, capacity-limited routing above all, is still refused, naming the
@@ -130,6 +130,25 @@ def test_cuts_inside_moe_layers_train_like_eager_accumulation(schedule, stage_co
     bounds = [-1] + cuts + [max(nodes)]
     stages = [[n for n in nodes if low < n <= high] for low, high in zip(bounds, bounds[1:])]
     _train_and_compare(net, "mixtral", microbatches=2, replicas=2, stages=stages, schedule=schedule)
+
+
+def test_phimoe_whose_keys_come_from_max_trains_like_eager_accumulation():
+    """PhiMoE's router picks each token's experts with max() (sparsemixer), twice, and
+    concatenates them: keys within [0, experts - 1], so histc counts every one. Its routers
+    run in eval mode here: in training they draw a Gumbel sample, which conveyor's seeded
+    generators draw otherwise than eager does."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        net = transformers.PhimoeForCausalLM(transformers.PhimoeConfig(
+            **_common(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2))).to(torch.float64)
+    routers = [m for m in net.modules() if type(m).__name__ == "PhimoeTopKRouter"]
+    assert routers
+    for router in routers:
+        router.eval()
+    model = _train_and_compare(net, "mixtral", microbatches=2, replicas=2, stages=2, schedule="1f1b")
+    assert model.capture.layout.microbatches == 2 and model.capture.layout.replicas == [2, 2]
+    assert "aten::histc" in {n["op"] for n in model.capture.graph.document["nodes"]}
 
 
 def train_across_processes() -> None:
@@ -277,6 +296,92 @@ def test_routing_whose_tokens_depend_on_each_other_is_refused_naming_the_operato
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model(x, y)
+
+
+class SplitExperts(nn.Module):
+    """Tokens routed to 2 of 4 experts as JetMoE routes them: a one-hot of each token's experts
+    summed over the tokens counts the pairs per expert, the pairs sorted by expert are split
+    by those counts, each group multiplied by its expert, joined, and added back to their
+    tokens; `routing` names what it does otherwise."""
+
+    def __init__(self, routing: str = "exact"):
+        super().__init__()
+        self.routing = routing
+        self.router = nn.Linear(8, 4, bias=False)
+        self.experts = nn.Parameter(torch.randn(4, 8, 8) * 0.3)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        rows = x.reshape(-1, 8)
+        weights, experts = torch.topk(self.router(rows).softmax(-1), 2, dim=-1)
+        one_hot = torch.zeros(rows.shape[0], 4, dtype=x.dtype).scatter(1, experts, 1)
+        if self.routing == "a count cleared in place":
+            one_hot[:, 0] = 0
+        counts = one_hot.long().sum(0).tolist()
+        _, order = experts.flatten().sort(0)
+        token = order.div(2, rounding_mode="trunc")
+        groups = rows[token].split(counts, dim=0)
+        if self.routing == "groups joined out of order":
+            groups = groups[::-1]
+        out = [group @ self.experts[e] for e, group in enumerate(groups)]
+        if self.routing == "a group centred":
+            out = [o - o.mean(0) for o in out]
+        if self.routing == "capacity by place in the group":  # a pair past the first 3 of its expert is dropped
+            out = [o * (torch.arange(o.shape[0]) < 3).to(x.dtype)[:, None] for o in out]
+        if self.routing == "a group sorted":
+            out = [o.sort(0).values for o in out]
+        if self.routing == "scaled by the count":
+            out = [o / (1 + count) for o, count in zip(out, counts)]
+        out = torch.cat(out, 0) * weights.flatten()[order][:, None]
+        return F.cross_entropy(self.head(torch.zeros_like(rows).index_add(0, token, out)), y.reshape(-1))
+
+
+def test_rows_split_by_their_counts_train_exactly_and_jetmoe_too():
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        x, y = torch.randn(4, 5, 8), torch.randint(0, 3, (4, 5))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert where_samples_mix(conveyor.capture(SplitExperts(), (x, y)).document) is None
+        net = SplitExperts()
+        ref = copy.deepcopy(net)
+        model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.1), stages=2, microbatches=2, replicas=2,
+                                replan="off", verbose=False)
+        loss = model(x, y)
+        loss.backward()
+        want = sum(ref(a, b) * 0.25 for a, b in zip(x.tensor_split(4), y.tensor_split(4)))
+        want.backward()
+        assert abs(loss.item() - want.item()) <= TOLERANCE * abs(want.item())
+        for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+            err = (p.grad - q.grad).abs().max().item() / max(q.grad.abs().max().item(), 1e-30)
+            assert err <= TOLERANCE, f"{name}: relative error {err:.2e}"
+    finally:
+        torch.set_default_dtype(torch.float32)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        jetmoe = transformers.JetMoeForCausalLM(transformers.JetMoeConfig(
+            **_common(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2))).to(torch.float64)
+    model = _train_and_compare(jetmoe, "mixtral", microbatches=2, replicas=2, stages=2, schedule="1f1b")
+    assert model.capture.layout.microbatches == 2 and model.capture.layout.replicas == [2, 2]
+
+
+@pytest.mark.parametrize("routing, named", [
+    ("groups joined out of order", r"aten::cat \(.*joins groups of the rows of aten::split_with_sizes"),
+    ("a group centred", r"aten::mean \(.*leaves no batch dimension"),
+    ("capacity by place in the group", r"aten::arange \(.*uses the counts of keys as data"),
+    ("scaled by the count", r"uses the counts of keys as data"),
+    ("a group sorted", r"aten::sort \(.*sorts rows already in the order aten::sort"),
+    ("a count cleared in place", r"writes in place into the keys, places or counts of a sort"),
+])
+def test_rows_split_by_their_counts_that_meet_are_refused_naming_the_operator(routing, named):
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 5, 8), torch.randint(0, 3, (4, 5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        found = where_samples_mix(conveyor.capture(SplitExperts(routing), (x, y)).document)
+    assert found is not None and "test_mixture_of_experts.py" in found and re.search(named, found), found
 
 
 if __name__ == "__main__":
