@@ -122,20 +122,23 @@ LossReductionFound find_loss_reduction(const graph::Graph& g, const std::vector<
       }
     } else if (aggregate(first_aggregate)) {
       const Of a = first_aggregate;
+      // In place, the same arithmetic (an MoE's `loss += coef * aux_loss`).
+      std::string op = node.op;
+      if (op == "aten::add_" || op == "aten::sub_" || op == "aten::mul_" || op == "aten::div_") op.pop_back();
       const bool binary = node.args.size() >= 2;
       const Of other = binary ? kind_of(node.args[1]) : Of::kConstant;
       const bool first_is_it = !node.args.empty() && kind_of(node.args[0]) == a;
-      if (passes_on(node.op) || node.op == "aten::sum" || node.op == "aten::mean") {
+      if (passes_on(node.op) || op == "aten::sum" || op == "aten::mean") {
         result = a;  // a mean over the features of a sum over the samples is still one
-      } else if (node.op == "aten::mul" && first_is_it && other == Of::kConstant) {
+      } else if (op == "aten::mul" && first_is_it && other == Of::kConstant) {
         result = a;
-      } else if (node.op == "aten::mul" && other == Of::kBatchSize && a == Of::kMean) {
+      } else if (op == "aten::mul" && other == Of::kBatchSize && a == Of::kMean) {
         result = Of::kSum;
-      } else if (node.op == "aten::div" && first_is_it && other == Of::kConstant) {
+      } else if (op == "aten::div" && first_is_it && other == Of::kConstant) {
         result = a;
-      } else if (node.op == "aten::div" && first_is_it && other == Of::kBatchSize && a == Of::kSum) {
+      } else if (op == "aten::div" && first_is_it && other == Of::kBatchSize && a == Of::kSum) {
         result = Of::kMean;  // a sum over the batch divided by its size
-      } else if ((node.op == "aten::add" || node.op == "aten::sub") && binary) {
+      } else if ((op == "aten::add" || op == "aten::sub") && binary) {
         const Of x = kind_of(node.args[0]), y = kind_of(node.args[1]);
         if (x == y || (a == Of::kMean && (x == Of::kConstant || y == Of::kConstant))) {
           result = a;  // losses of one kind added, or a constant added to a mean

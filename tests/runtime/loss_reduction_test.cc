@@ -113,6 +113,16 @@ TEST(LossReduction, ConstantsMayScaleEitherAndBeAddedToAMeanOnly) {
   EXPECT_NE(sum.why.find("adds a term that does not grow with the batch to a sum over it"), std::string::npos) << sum.why;
 }
 
+TEST(LossReduction, InPlaceArithmeticReadsAsItsOwnOp) {
+  // An MoE's `loss += coef * aux_loss`: aten::add_ of two means is a mean, as aten::add.
+  const Graph g = with_loss([](GraphBuilder& b, ValueId y, ValueId, ValueId) {
+    ValueId loss = total(b, "aten::mean", y);
+    ValueId aux = b.op("aten::mul_", "Scalar", {v(total(b, "aten::mean", y)), Argument::of_float(0.01)}, {});
+    return b.op("aten::add_", "Tensor", {v(loss), v(aux), Argument::of_int(1)}, {});
+  });
+  EXPECT_EQ(found(g).reduction, LossReduction::kMean) << found(g).why;
+}
+
 TEST(LossReduction, ANonlinearFunctionOfTheLossIsNeitherAndNamed) {
   const LossReductionFound rms = found(with_loss([](GraphBuilder& b, ValueId y, ValueId, ValueId) {
     return b.op("aten::sqrt", "", {v(total(b, "aten::mean", y))}, {});
