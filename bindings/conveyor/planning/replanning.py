@@ -177,7 +177,9 @@ class Replanning:
     heard by every process at the next window's step boundary, where every process applies
     it at once. So a decision comes one window after what it measured, and the steps between
     wait for nothing but the small exchange of profiles; only a search slower than a window
-    of steps delays the next boundary by the rest of it."""
+    of steps delays the next boundary by the rest of it. The first window after a switch the
+    Replanner decided is heard at once: judging it needs no search, and a switch that measures
+    slower is undone a window sooner."""
 
     def __init__(self, replanner, group):
         self.replanner = replanner  # process 0 (or the only process); None elsewhere
@@ -187,6 +189,7 @@ class Replanning:
         self.bytes_per_s = 0.0  # the last move's measured speed
         self.last: dict | None = None
         self.thinking: tuple | None = None  # process 0: (thread, result box) of the evaluation under way
+        self.judging = False  # process 0: the next window judges a switch the Replanner decided
 
     def due(self) -> bool:
         return self.steps >= 1 + WINDOW and (self.steps - 1) % WINDOW == 0
@@ -204,6 +207,9 @@ class Replanning:
             decision = self._decided()
             if decision is None or not decision["switch"]:  # a switch measures anew under its plan
                 self._think(stages, step_s, waiting)
+                if self.judging:  # the first window after a switch it decided: heard at once, so a
+                    decision = self._decided()  # switch that measures slower is undone a window sooner
+            self.judging = False
         if self.group is not None:
             sent = b""
             if self.group.rank == 0:
@@ -343,6 +349,7 @@ def switch_to(state, plan, decision: dict | None, *, job, optimizer, history, re
         if r.replanner is not None:
             r.forget_thinking()
             r.replanner.switched_to(plan.handle)
+            r.judging = decision is not None and not decision["undo"]
         r.steps, r.rebuild_s = 0, rebuild_s
         if moved and transfer_s > 0:
             r.bytes_per_s = moved / transfer_s
