@@ -68,12 +68,12 @@ def main():
 
     def keys(n):
         path = os.path.join(folder, f"keys{n}.toml")
-        open(path, "w").write("".join(f"k{k} = {k}\n" for k in range(n)) + cluster_head)
+        open(path, "w").write("".join(f"k{k}=1\n" for k in range(n)) + cluster_head)  # 10^6: within 16 MiB
         return ["plan", "--graph", op_graph, "--cluster", path, "--batch", 8]
 
     def headers(n):
         path = os.path.join(folder, f"headers{n}.toml")
-        open(path, "w").write(cluster_head + "".join(f"[t{k}]\nx = 1\n" for k in range(n)))
+        open(path, "w").write(cluster_head + "".join(f"[t{k}]\nx=1\n" for k in range(n)))
         return ["plan", "--graph", op_graph, "--cluster", path, "--batch", 8]
 
     def profile_nodes(n):

@@ -9,9 +9,12 @@
 
 namespace conveyor {
 
-/// The most a text file conveyor reads may hold (a plan, a cluster, a job config, a profile,
-/// an op graph, a secret): 256 MiB. docs/formats.md states the limits.
-inline constexpr std::uint64_t kTextFileLimit = std::uint64_t{256} << 20;
+/// The most a JSON document conveyor reads may hold (a plan, a profile, an op graph): 64 MiB,
+/// which its reader holds in about 35 times that. docs/formats.md states the limits.
+inline constexpr std::uint64_t kTextFileLimit = std::uint64_t{64} << 20;
+/// The most a TOML file (a cluster file, a job config) or a secret file may hold: 16 MiB. Such
+/// a file is a few hundred bytes; its reader holds up to about 90 times its size (1.5 GB).
+inline constexpr std::uint64_t kConfigFileLimit = std::uint64_t{16} << 20;
 /// The most a graph file (weights included) or a trace may hold: 64 GiB, and only a regular
 /// file may be larger than kTextFileLimit (a device or a pipe, /dev/zero, never ends).
 inline constexpr std::uint64_t kLargeFileLimit = std::uint64_t{64} << 30;

@@ -149,7 +149,7 @@ Result<std::string> job_secret() {
                                                    "' is readable by other users; chmod 600 it (or set CONVEYOR_JOB_SECRET)");
   }
   for (int attempt = 0; attempt < 50; ++attempt) {
-    auto text = read_file(path.string(), "job secret file");
+    auto text = read_file(path.string(), "job secret file", kConfigFileLimit);
     if (!text) return text.status();
     if (text->size() == 64) return *text;
     usleep(10000);  // another process is writing it

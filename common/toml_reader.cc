@@ -1,5 +1,7 @@
 #include "common/toml_reader.h"
 
+#include "common/file.h"
+
 #include "common/printable.h"
 
 #include <cctype>
@@ -492,7 +494,13 @@ class Parser {
   int header_depth_ = 0;  ///< the parts of the last [header]: how deep its keys start
 };
 
-Node parse(std::string_view text) { return Parser(text).document(); }
+Node parse(std::string_view text) {
+  if (text.size() > kConfigFileLimit) {
+    throw TomlError(1, "the document is " + std::to_string(text.size()) + " bytes, more than the " +
+                           std::to_string(kConfigFileLimit >> 20) + " MiB a TOML file may hold (docs/formats.md)");
+  }
+  return Parser(text).document();
+}
 
 void check_keys(const Node& t, std::initializer_list<std::string_view> allowed, const char* where) {
   for (std::size_t k = 0; k < t.keys().size(); ++k) {

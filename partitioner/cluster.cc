@@ -194,7 +194,7 @@ Result<Cluster> Cluster::from_toml(std::string_view text, const std::string& sou
 }
 
 Result<Cluster> load_cluster(const std::string& path) {
-  CONVEYOR_ASSIGN_OR_RETURN(std::string text, read_file(path, "cluster file"));
+  CONVEYOR_ASSIGN_OR_RETURN(std::string text, read_file(path, "cluster file", kConfigFileLimit));
   return Cluster::from_toml(text, path);
 }
 

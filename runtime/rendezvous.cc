@@ -214,7 +214,10 @@ Result<std::string> ask(const JoinRequest& req, const nlohmann::json& request, C
                                                      " does not speak conveyor's rendezvous; check MASTER_ADDR and MASTER_PORT");
     }
     if (!nonce) {
-      last_refusal = "connected, but " + nonce.status().message();
+      last_refusal = nonce.status().message() == "timeout"
+                         ? "connected, but no word from it"
+                         : "it turned the connection away: its places for unproven connections were all taken "
+                           "(is something flooding the port?)";
       std::this_thread::sleep_for(kStopAskedEvery);
       continue;
     }

@@ -1,5 +1,7 @@
 #include "scheduler/schedule.h"
 
+#include "common/printable.h"
+
 #include <algorithm>
 #include <deque>
 #include <map>
@@ -232,7 +234,7 @@ Result<ScheduleKind> schedule_kind_from_name(std::string_view name) {
     if (schedule_kind_name(kind) == name) return kind;
   }
   return Status(ErrorCode::kInvalidArgument,
-                "unknown schedule '" + std::string(name) + "' (expected " + schedule_names_text() + ")");
+                "unknown schedule '" + printable(name, 40) + "' (expected " + schedule_names_text() + ")");
 }
 
 std::string schedule_names_text(std::string_view last) {

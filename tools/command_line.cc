@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <cstdio>
 #include <sstream>
 
@@ -46,7 +47,7 @@ Status finish_launch(Invocation& out, const Result<JobConfig>& environment_defau
   if (!environment_defaults) return environment_defaults.status();
   const JobConfig from_cli = out.job;
   if (!job_file.empty()) {
-    CONVEYOR_ASSIGN_OR_RETURN(std::string text, read_file(job_file, "job config"));
+    CONVEYOR_ASSIGN_OR_RETURN(std::string text, read_file(job_file, "job config", kConfigFileLimit));
     CONVEYOR_ASSIGN_OR_RETURN(out.job, parse_job_config(text, job_file, *environment_defaults));
     auto given = [&](const char* flag) { return launch_cmd.get_option(flag)->count() > 0; };
     if (given("--processes")) out.job.processes = from_cli.processes;
@@ -96,7 +97,7 @@ Invocation parse_command_line(const std::vector<std::string>& args) {
 
   auto* partition_cmd = app.add_subcommand("partition", "cut a graph file into random valid stages");
   partition_cmd->add_option("graph", out.path, "graph file")->required();
-  partition_cmd->add_option("--stages", out.stages, "number of stages")->check(CLI::PositiveNumber);
+  partition_cmd->add_option("--stages", out.stages, "number of stages")->check(CLI::Range(1, 1 << 20));
   partition_cmd->add_option("--seed", out.seed, "random seed");
   partition_cmd->add_flag("--keep-node-order", out.keep_order, "stages are contiguous in capture order");
 
@@ -104,7 +105,9 @@ Invocation parse_command_line(const std::vector<std::string>& args) {
   auto* plan_cmd = app.add_subcommand("plan", "plan a graph on a cluster: stages, replicas, schedule, microbatches");
   plan_cmd->add_option("--graph", plan.graph, "op-graph JSON, or a graph file (with its profile)")->required();
   plan_cmd->add_option("--cluster", plan.cluster, "cluster TOML (docs/formats.md)")->required();
-  plan_cmd->add_option("--batch", plan.batch, "samples per training step")->required()->check(CLI::PositiveNumber);
+  plan_cmd->add_option("--batch", plan.batch, "samples per training step")
+      ->required()
+      ->check(CLI::Range(1, std::numeric_limits<int>::max()));
   plan_cmd->add_option("--profile", plan.profile, "profile JSON of a graph file (default: the profile cache)");
   plan_cmd->add_option("--microbatches", plan.microbatches, "fix the microbatch count (default: choose)")
       ->check(CLI::Range(0, scheduler::kMostMicrobatches));
@@ -165,6 +168,15 @@ Invocation parse_command_line(const std::vector<std::string>& args) {
     out.done = true;
     out.exit_code = app.exit(e, shown_out, shown_err);
     out.text = shown_out.str() + shown_err.str();
+    if (out.exit_code != 0) {  // CLI11 quotes the arguments as given: terminal escapes and all
+      std::string text;
+      for (std::size_t at = 0; at < out.text.size();) {
+        const std::size_t end = std::min(out.text.find('\n', at), out.text.size());
+        text += printable(std::string_view(out.text).substr(at, end - at), 300) + "\n";
+        at = end + 1;
+      }
+      out.text = text;
+    }
     return out;
   }
   using Command = Invocation::Command;

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <new>
 #include <string>
 
 #include "common/status.h"
@@ -234,7 +235,7 @@ int trace_check_command(const std::string& path) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+static int run_command(int argc, char** argv) {
   const tools::Invocation run = tools::parse_command_line(std::vector<std::string>(argv, argv + argc));
   if (run.done) {
     std::fputs(run.text.c_str(), run.exit_code == 0 ? stdout : stderr);
@@ -264,4 +265,16 @@ int main(int argc, char** argv) {
       break;
   }
   return 0;
+}
+
+// Every reader bounds its input, so memory runs out only past those bounds (a machine with
+// little of it): said in one line, not as an abort.
+int main(int argc, char** argv) {
+  try {
+    return run_command(argc, argv);
+  } catch (const std::bad_alloc&) {
+    std::fputs("conveyor: out of memory: the input is within conveyor's limits (docs/formats.md) but this machine, "
+               "or the process's memory limit (ulimit -v), has too little for it\n", stderr);
+    return 1;
+  }
 }

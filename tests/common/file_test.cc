@@ -14,12 +14,32 @@ namespace {
 TEST(ReadFile, ANeverEndingDeviceIsRefusedAtTheTextLimit) {
   auto read = read_file("/dev/zero", "plan file");
   ASSERT_FALSE(read.is_ok());
-  EXPECT_NE(read.status().message().find("larger than the 256 MiB a plan file may hold"), std::string::npos)
+  EXPECT_NE(read.status().message().find("larger than the 64 MiB a plan file may hold"), std::string::npos)
       << read.status().message();
-  // A graph file's larger limit is only for regular files: a device still stops at 256 MiB.
+  // A graph file's larger limit is only for regular files: a device still stops at 64 MiB.
   auto graph = read_file("/dev/zero", "graph file", kLargeFileLimit);
   ASSERT_FALSE(graph.is_ok());
-  EXPECT_NE(graph.status().message().find("256 MiB"), std::string::npos) << graph.status().message();
+  EXPECT_NE(graph.status().message().find("64 MiB"), std::string::npos) << graph.status().message();
+}
+
+TEST(ReadFile, ARegularFileWhoseSizeIsOverTheLimitIsRefusedUnread) {
+  // A sparse file of 300 MiB: its size says it all (read, it took a second and 256 MiB).
+  const auto path = std::filesystem::temp_directory_path() / "conveyor_file_test_sparse.toml";
+  std::filesystem::remove(path);
+  { std::FILE* f = std::fopen(path.string().c_str(), "w"); ASSERT_NE(f, nullptr); std::fclose(f); }
+  std::filesystem::resize_file(path, std::uint64_t{300} << 20);
+  auto read = read_file(path.string(), "job config", kConfigFileLimit);
+  ASSERT_FALSE(read.is_ok());
+  EXPECT_NE(read.status().message().find("larger than the 16 MiB a job config may hold"), std::string::npos)
+      << read.status().message();
+  std::filesystem::remove(path);
+}
+
+TEST(ReadFile, APathIsQuotedPrintable) {
+  auto read = read_file("/no/such\x1b[2J\x07" "file", "plan file");
+  ASSERT_FALSE(read.is_ok());
+  EXPECT_EQ(read.status().message().find('\x1b'), std::string::npos) << read.status().message();
+  EXPECT_NE(read.status().message().find("/no/such?[2J?file"), std::string::npos) << read.status().message();
 }
 
 TEST(ReadFile, ARegularFileReadsWholeUpToItsLimit) {

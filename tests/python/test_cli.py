@@ -84,3 +84,27 @@ def test_names_read_from_files_are_printed_printable(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "\x1b" not in r.stdout and "\x07" not in r.stdout
     assert "?[31mred track" in r.stdout, r.stdout
+
+
+def test_arguments_are_quoted_printable_and_duplicate_hosts_refused(tmp_path):
+    """Found by a user trial: CLI11's errors, an unknown schedule and a path quoted terminal
+    escapes raw; --batch 0 named a 309-digit bound; a host named twice was taken."""
+    escape = "\x1b[2J\x1b]0;T\x07"
+    for args in (["launch", "--transport", escape, "--", "true"], ["launch", "--config", tmp_path / escape, "--", "true"]):
+        r = run(*args)
+        assert r.returncode != 0 and "\x1b" not in r.stderr and "\x07" not in r.stderr, r.stderr
+        assert "?[2J" in r.stderr, r.stderr
+    r = run("plan", "--graph", "g.json", "--cluster", "c.toml", "--batch", 0)
+    assert r.returncode != 0 and "not in range 1 to 2147483647" in r.stderr and len(r.stderr) < 200, r.stderr
+    r = run("launch", "--hosts", "a,b,a", "--", "true")
+    assert r.returncode != 0 and "host 'a' is named twice" in r.stderr, r.stderr
+
+
+def test_a_config_past_its_size_limit_is_refused_before_it_is_parsed(tmp_path):
+    """A 32 MiB job config (16 million list items) aborted the launcher with std::bad_alloc
+    under a 4 GB address-space limit: TOML files hold at most 16 MiB (docs/formats.md)."""
+    config = tmp_path / "big.toml"
+    config.write_text("[job]\nhosts = [" + "1," * (16 << 20) + "]\n")
+    r = subprocess.run(["bash", "-c", f"ulimit -v 4000000; exec {TOOL} launch --config {config} -- true"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "larger than the 16 MiB a job config may hold" in r.stderr, r.stderr
