@@ -10,7 +10,6 @@
 #include <algorithm>
 #include <cctype>
 #include <chrono>
-#include <set>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -224,16 +223,6 @@ Status check_job(const JobConfig& c) {
       return Status(ErrorCode::kInvalidArgument, "host '" + printable(h, 40) +
                                                      "' is not a host name or address (letters, digits, '.', '-', "
                                                      "':', '_'; at most 253)");
-    }
-  }
-  // Each machine runs one launcher, which --node-rank picks by its place in the list: a host
-  // named twice would get two launchers' ranks, or none.
-  std::set<std::string> seen;
-  for (const std::string& h : c.hosts) {
-    if (!seen.insert(h).second) {
-      return Status(ErrorCode::kInvalidArgument, "host '" + printable(h, 40) +
-                                                     "' is named twice in hosts; name each machine once "
-                                                     "(--processes sets how many processes each runs)");
     }
   }
   if (!c.master_addr.empty() && !host_name(c.master_addr)) {
