@@ -77,7 +77,7 @@ Status finish_launch(Invocation& out, const Result<JobConfig>& environment_defau
     return Status(ErrorCode::kInvalidArgument, "--node-rank " + std::to_string(out.job.node_rank) + " but " +
                                                    std::to_string(out.job.hosts.size()) + " hosts");
   }
-  return check_job(out.job);
+  return Status::ok();
 }
 
 }  // namespace
@@ -183,6 +183,13 @@ Invocation parse_command_line(const std::vector<std::string>& args) {
   if (*launch_cmd) {
     out.command = Command::kLaunch;
     if (Status st = finish_launch(out, environment_defaults, job_file, hosts, *launch_cmd); !st) return failed(st);
+    if (Status st = check_job(out.job); !st) {  // as tools::launch says it, and exits
+      Invocation refused;
+      refused.done = true;
+      refused.exit_code = 2;
+      refused.text = "conveyor launch: " + st.message() + "\n";
+      return refused;
+    }
   } else if (*plan_cmd) {
     out.command = Command::kPlan;
   } else if (*simulate_cmd) {
