@@ -46,6 +46,13 @@ Result<AddressList> resolve(const std::string& host, int port, bool passive) {
   return out;
 }
 
+// A non-blocking socket for address `a`; empty, with `why` set, when the system refuses one.
+Socket socket_for(const addrinfo& a, std::string& why) {
+  Socket s(::socket(a.ai_family, a.ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a.ai_protocol));
+  if (!s) why = std::strerror(errno);
+  return s;
+}
+
 int milliseconds_until(Clock::time_point deadline, std::chrono::milliseconds at_most) {
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
   return static_cast<int>(std::clamp(left, std::chrono::milliseconds(0), at_most).count());
@@ -69,11 +76,8 @@ Result<Socket> listen_at(const std::string& host, int port) {
   CONVEYOR_ASSIGN_OR_RETURN(auto addresses, resolve(host, port, /*passive=*/true));
   std::string why = "no address";
   for (addrinfo* a = addresses.first; a != nullptr; a = a->ai_next) {
-    Socket s(::socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol));
-    if (!s) {
-      why = std::strerror(errno);
-      continue;
-    }
+    Socket s = socket_for(*a, why);
+    if (!s) continue;
     const int one = 1;
     ::setsockopt(s.fd(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
     if (::bind(s.fd(), a->ai_addr, a->ai_addrlen) != 0 || ::listen(s.fd(), 128) != 0) {
@@ -90,11 +94,8 @@ Result<Socket> connect_to(const std::string& host, int port, std::chrono::millis
   const auto deadline = Clock::now() + within;
   std::string why = "no address";
   for (addrinfo* a = addresses.first; a != nullptr; a = a->ai_next) {
-    Socket s(::socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol));
-    if (!s) {
-      why = std::strerror(errno);
-      continue;
-    }
+    Socket s = socket_for(*a, why);
+    if (!s) continue;
     if (::connect(s.fd(), a->ai_addr, a->ai_addrlen) != 0) {
       if (errno != EINPROGRESS) {
         why = std::strerror(errno);

@@ -29,6 +29,22 @@ TORCH_GROUPED_MM = moe._can_use_grouped_mm  # transformers' own choice, before f
 BATCH, SEQ, VOCAB = 8, 6, 64
 
 
+def assert_two_stages_of_two_replicas_like_accumulation(net, x, y) -> None:
+    """One step of `net(x, y)` (its loss) on 2 stages x 2 microbatches x 2 replicas gives the
+    loss and gradients of eager accumulation over the same 4 shares."""
+    ref = copy.deepcopy(net)
+    model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.1), stages=2, microbatches=2, replicas=2,
+                            replan="off", verbose=False)
+    loss = model(x, y)
+    loss.backward()
+    want = sum(ref(a, b) * 0.25 for a, b in zip(x.tensor_split(4), y.tensor_split(4)))
+    want.backward()
+    assert abs(loss.item() - want.item()) <= TOLERANCE * abs(want.item())
+    for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+        err = (p.grad - q.grad).abs().max().item() / max(q.grad.abs().max().item(), 1e-30)
+        assert err <= TOLERANCE, f"{name}: relative error {err:.2e}"
+
+
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
@@ -258,17 +274,7 @@ def test_routing_that_keeps_tokens_apart_is_split_exactly():
         assert where_samples_mix(graph.document) is None
         torch.manual_seed(0)
         net = RoutedExperts()
-        ref = copy.deepcopy(net)
-        model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.1), stages=2, microbatches=2, replicas=2,
-                                replan="off", verbose=False)
-        loss = model(x, y)
-        loss.backward()
-        want = sum(ref(a, b) * 0.25 for a, b in zip(x.tensor_split(4), y.tensor_split(4)))
-        want.backward()
-        assert abs(loss.item() - want.item()) <= TOLERANCE * abs(want.item())
-        for (name, p), q in zip(net.named_parameters(), ref.parameters()):
-            err = (p.grad - q.grad).abs().max().item() / max(q.grad.abs().max().item(), 1e-30)
-            assert err <= TOLERANCE, f"{name}: relative error {err:.2e}"
+        assert_two_stages_of_two_replicas_like_accumulation(net, x, y)
     finally:
         torch.set_default_dtype(torch.float32)
 
@@ -345,17 +351,7 @@ def test_rows_split_by_their_counts_train_exactly_and_jetmoe_too():
             warnings.simplefilter("ignore")
             assert where_samples_mix(conveyor.capture(SplitExperts(), (x, y)).document) is None
         net = SplitExperts()
-        ref = copy.deepcopy(net)
-        model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.1), stages=2, microbatches=2, replicas=2,
-                                replan="off", verbose=False)
-        loss = model(x, y)
-        loss.backward()
-        want = sum(ref(a, b) * 0.25 for a, b in zip(x.tensor_split(4), y.tensor_split(4)))
-        want.backward()
-        assert abs(loss.item() - want.item()) <= TOLERANCE * abs(want.item())
-        for (name, p), q in zip(net.named_parameters(), ref.parameters()):
-            err = (p.grad - q.grad).abs().max().item() / max(q.grad.abs().max().item(), 1e-30)
-            assert err <= TOLERANCE, f"{name}: relative error {err:.2e}"
+        assert_two_stages_of_two_replicas_like_accumulation(net, x, y)
     finally:
         torch.set_default_dtype(torch.float32)
     torch.manual_seed(0)

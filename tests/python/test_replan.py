@@ -45,6 +45,16 @@ def start_two(args: list, timeout_s: int, rank1_env: dict | None = None, worker:
     return procs
 
 
+def finish_two(procs: list) -> None:
+    """Waits for both processes; each must succeed."""
+    try:
+        outputs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        reap(procs)
+    for p, text in zip(procs, outputs):
+        assert p.returncode == 0, text[-4000:]
+
+
 def reap(procs: list) -> None:
     """Kills what still runs and collects every process."""
     for p in procs:
@@ -109,13 +119,7 @@ def test_switching_plans_in_one_process_trains_like_eager(optimizer):
 @needs_ucx
 @pytest.mark.parametrize("optimizer", ["sgd-momentum", "adam"])
 def test_switching_plans_across_two_processes_moves_state_and_trains_like_eager(optimizer, tmp_path):
-    procs = start_two(["--optimizer", optimizer, "--out", tmp_path / "two.pt"], timeout_s=120)
-    try:
-        outputs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        reap(procs)
-    for p, text in zip(procs, outputs):
-        assert p.returncode == 0, text[-4000:]
+    finish_two(start_two(["--optimizer", optimizer, "--out", tmp_path / "two.pt"], timeout_s=120))
     result = torch.load(tmp_path / "two.pt")
     assert result["world"] == 2
     assert_like_eager(result["losses"], result["state"],
@@ -139,13 +143,7 @@ def test_back_to_a_stage_replicated_across_processes_after_a_pipeline_trains_lik
     they still count whole in the gradient buckets every process cuts (the sums across
     processes failed on buckets of other sizes), and training stays exact."""
     import switch_back_worker as w
-    procs = start_two([tmp_path / "back.pt"], timeout_s=120, worker=WORKER.with_name("switch_back_worker.py"))
-    try:
-        outputs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        reap(procs)
-    for p, text in zip(procs, outputs):
-        assert p.returncode == 0, text[-4000:]
+    finish_two(start_two([tmp_path / "back.pt"], timeout_s=120, worker=WORKER.with_name("switch_back_worker.py")))
     result = torch.load(tmp_path / "back.pt")
     assert len(result["replans"]) == 2, result["replans"]
     net, x, y = w.data()
