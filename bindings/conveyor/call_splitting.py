@@ -15,7 +15,9 @@ splitting, the graph is read for operators that combine values across that dimen
     gone, so each share computes it as gradient accumulation would).
 
 A mixture of experts counts its rows per expert, a reduction over the batch, yet keeps each
-row to itself: row_order.py proves that, or names what breaks it.
+row to itself: row_order.py proves that, or names what breaks it. A row's place in the call
+read as data (arange over the batch, a slice of it, rows paired with rows) is
+batch_positions.py's to find.
 
 BatchNorm combines samples too, by design, and keeps its per-share statistics, of which a
 split step warns (warn_of_statistics_per_share; docs/design.md, "Execution"). A recurrence
@@ -30,8 +32,9 @@ import warnings
 import torch
 
 from .errors import ConveyorValueError
-from .document import node_value_inputs
+from .document import node_value_inputs, operator_at
 from .counted_targets import why_left_as_a_mean
+from .batch_positions import position_problems
 from .row_order import key_order_problems
 
 __all__ = ["why_calls_stay_whole", "refuse_to_split", "warn_of_a_loss_split_changes", "warn_of_statistics_per_share",
@@ -95,11 +98,10 @@ def where_samples_mix(document: dict) -> str | None:
                 return False
         return True
 
-    def at(node: dict) -> str:
-        return f"{node['op']}" + (f" ({node['source']})" if node.get("source") else "")
-
-    problems, counted, groups = key_order_problems(document, batch_dims)
+    problems, counted, groups, inversions = key_order_problems(document, batch_dims)
     batch |= groups  # a group's rows, split from the batch's by counts, are rows of the batch
+    for nid, why in position_problems(document, batch, inversions).items():
+        problems.setdefault(nid, why)
     statistics, constants = _statistics_and_constants(document, batch_dims)
 
     def a_loss_of_statistics(v: int, seen: set) -> bool:
@@ -131,30 +133,30 @@ def where_samples_mix(document: dict) -> str | None:
         if op == "aten::scaled_dot_product_attention" or op.startswith("aten::_scaled_dot_product"):
             key = ins[1] if len(ins) > 1 else first
             if len(shape(key)) >= 2 and len(shape(key)) - 2 in batch_dims(key):
-                return f"{at(node)} attends along dim {len(shape(key)) - 2} of its keys, which holds the batch"
+                return f"{operator_at(node)} attends along dim {len(shape(key)) - 2} of its keys, which holds the batch"
             continue
         if op in _SOFTMAX:
             d = int_arg(node, 1, -1)
             d = d + len(shape(first)) if d is not None and d < 0 else d
             if d in dims:
-                return f"{at(node)} normalizes along dim {d}, which holds the batch"
+                return f"{operator_at(node)} normalizes along dim {d}, which holds the batch"
             continue
         if op.startswith(_CONVOLUTION) or _POOLING.match(op):
             spatial = [d for d in dims if d >= 2]
             if spatial:
-                return f"{at(node)} slides along dim {spatial[0]} of its input, which holds the batch"
+                return f"{operator_at(node)} slides along dim {spatial[0]} of its input, which holds the batch"
             continue
         if op == "aten::cumsum" or op == "aten::cumprod":
             d = int_arg(node, 1, 0)
             d = d + len(shape(first)) if d < 0 else d
             if d in dims:
-                return f"{at(node)} accumulates along dim {d}, which holds the batch"
+                return f"{operator_at(node)} accumulates along dim {d}, which holds the batch"
             continue
         if op in ("aten::roll", "aten::flip"):
             along = node["args"][2 if op == "aten::roll" else 1].get("list", [])
             moved = [a["int"] + len(shape(first)) if a["int"] < 0 else a["int"] for a in along if "int" in a]
             if dims and (not moved or set(moved) & set(dims)):
-                return f"{at(node)} moves values along dim {dims[0]}, which holds the batch"
+                return f"{operator_at(node)} moves values along dim {dims[0]}, which holds the batch"
             continue
         if not any(batch_dims(v) for v in ins):
             continue
@@ -167,7 +169,7 @@ def where_samples_mix(document: dict) -> str | None:
                 continue  # a loss that sums or averages over the batch first
             if all(a_loss_of_statistics(o, set()) for o in lost):
                 continue  # a loss term of batch statistics, per share as gradient accumulation has it
-            return (f"{at(node)} leaves no batch dimension in its result of shape {shape(lost[0])}, which the "
+            return (f"{operator_at(node)} leaves no batch dimension in its result of shape {shape(lost[0])}, which the "
                     "rows then use")
     return None
 
@@ -253,7 +255,7 @@ def warn_of_statistics_per_share(document: dict, microbatches: int, replicas: li
     if found:
         node, dim = found[0]
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-        warnings.warn(f"conveyor: {node['op']}" + (f" ({node['source']})" if node.get("source") else "") + more +
+        warnings.warn(f"conveyor: {operator_at(node)}{more}" +
                       f" normalizes in training mode by statistics over dim {dim} of its input, which holds the "
                       f"batch: each share of the {microbatches} microbatches normalizes by its own samples' mean and "
                       "variance, as gradient accumulation over the same shares would, not by the whole batch's. For "

@@ -32,7 +32,7 @@ import json
 import torch
 
 from . import _C
-from .document import node_value_inputs
+from .document import node_value_inputs, operator_at
 
 # Loss operators whose mean divides by the targets counted: argument positions of the
 # target, the class weights, the reduction (1 mean, 2 sum) and ignore_index.
@@ -91,7 +91,7 @@ def _where_a_term_joins(doc: dict) -> str | None:
             return None
         ins = [v for v in node_value_inputs(node) if v in from_loss]
         if node["op"] in _ADDS and len(ins) == 1 and len(node_value_inputs(node)) == 2:
-            return node["op"] + (f" ({node['source']})" if node.get("source") else "")
+            return operator_at(node)
         value = ins[0] if len(ins) == 1 else None
     return None
 

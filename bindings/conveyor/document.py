@@ -14,3 +14,8 @@ def node_value_inputs(node: dict) -> list[int]:
     for a in node["args"]:
         walk(a)
     return out
+
+
+def operator_at(node: dict) -> str:
+    """A node's operator and, where captured, its source line: "aten::lt (model.py:12)"."""
+    return f"{node['op']}" + (f" ({node['source']})" if node.get("source") else "")

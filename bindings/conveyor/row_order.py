@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import re
 
-from .document import node_value_inputs
+from .document import node_value_inputs, operator_at
 
 __all__ = ["key_order_problems"]
 
@@ -85,18 +85,19 @@ def _flattened_from(producer: dict, v: int, shape) -> tuple | None:
     return None
 
 
-def key_order_problems(document: dict, batch_dims) -> tuple[dict[int, str], set[int], set[str]]:
+def key_order_problems(document: dict, batch_dims) -> tuple[dict[int, str], set[int], set[str], set[int]]:
     """Per node id, why the node lets rows of one call depend on each other through a sort
     ("aten::sub (model.py:40) uses the counts of aten::histc (model.py:31) ..."); the values
     that count sorted keys and serve only as the offsets of grouped products over the rows
     in that order, or as the sizes the rows are split by (reductions over the batch that keep
-    rows apart); and the symbolic sizes of those split groups (their rows are the batch's
-    rows too). `batch_dims(v)` gives the dimensions of value v that hold the batch."""
+    rows apart); the symbolic sizes of those split groups (their rows are the batch's rows
+    too); and the index_put nodes that invert a sort's order (inverse[order] = arange(n)).
+    `batch_dims(v)` gives the dimensions of value v that hold the batch."""
     walk = _KeyOrder(document, batch_dims)
     for node in document["nodes"]:
         walk.visit(node)
     walk.check_outputs()
-    return walk.problems, set(walk.counted_by) | set(walk.tallies), walk.group_symbols
+    return walk.problems, set(walk.counted_by) | set(walk.tallies), walk.group_symbols, walk.inversions
 
 
 class _KeyOrder:
@@ -131,6 +132,7 @@ class _KeyOrder:
         self.group_symbols: set[str] = set()   # the groups' sizes ("u0")
         self.views: set[int] = set()           # views of any of those (a write through them is one into them)
         self.problems: dict[int, str] = {}
+        self.inversions: set[int] = set()      # index_put nodes writing a sort's inverse order
 
     # -- helpers ------------------------------------------------------------------------------
     def batch_dims(self, v: int) -> list[int]:
@@ -151,9 +153,7 @@ class _KeyOrder:
             out += [r["value"]] if "value" in r else list(r.get("list", []))
         return [v for v in out if self.tensor(v)]
 
-    @staticmethod
-    def at(node: dict) -> str:
-        return f"{node['op']}" + (f" ({node['source']})" if node.get("source") else "")
+    at = staticmethod(operator_at)
 
     def sort_at(self, sort: int) -> str:
         return self.at(self.nodes[sort])
@@ -302,6 +302,7 @@ class _KeyOrder:
             return False
         for v in self.outputs(node) + [first]:
             self.restores[v] = self.permutation[index[0]]
+        self.inversions.add(node["id"])
         return True
 
     def count(self, node: dict) -> bool:

@@ -226,7 +226,7 @@ class TimeMajor(torch.nn.Module):
 
 
 @pytest.mark.parametrize("mix, named", [
-    ("attention by hand", "aten::softmax"), ("convolution", "aten::conv1d"), ("cumulative sum", "aten::cumsum"),
+    ("attention by hand", "aten::matmul"), ("convolution", "aten::conv1d"), ("cumulative sum", "aten::cumsum"),
     ("mean pooling", "aten::mean"),
 ])
 def test_a_time_major_model_is_found_naming_the_operator(mix, named):
@@ -243,11 +243,22 @@ class RowsMeet(torch.nn.Module):
 
     def __init__(self, how: str):
         super().__init__()
-        self.how, self.head = how, torch.nn.Linear(16, 3)
+        self.how, self.head, self.table = how, torch.nn.Linear(16, 3), torch.nn.Embedding(64, 16)
 
     def forward(self, x, y):
         h = torch.tanh(x)
-        if self.how == "scaled by the batch's largest value":
+        rows = h.shape[0]
+        if self.how == "rows past a capacity dropped by their place":
+            h = h * (torch.arange(rows) < 6).to(h.dtype)[:, None]
+        elif self.how == "each row's place looked up in a table":
+            h = h + self.table(torch.arange(rows))
+        elif self.how == "each row mixed with a shuffled row (mixup)":
+            h = 0.5 * h + 0.5 * h[torch.randperm(rows)]
+        elif self.how == "every row scored against every other":
+            return torch.nn.functional.cross_entropy(h @ h.t(), torch.arange(rows))
+        elif self.how == "each row's own target picked by its place":  # rows apart: split
+            h = h - h[torch.arange(rows), y][:, None]
+        elif self.how == "scaled by the batch's largest value":
             h = h / h.abs().max()
         elif self.how == "scaled by the batch's norm":
             h = h / h.norm()
@@ -263,11 +274,16 @@ class RowsMeet(torch.nn.Module):
 @pytest.mark.parametrize("how, named", [
     ("scaled by the batch's largest value", "aten::max"), ("scaled by the batch's norm", "aten::linalg_vector_norm"),
     ("each row plus the one before", "aten::roll"), ("each row plus its mirror", "aten::flip"),
-    ("features rolled within a row", None),
+    ("features rolled within a row", None), ("rows past a capacity dropped by their place", "aten::lt"),
+    ("each row's place looked up in a table", "aten::embedding"),
+    ("each row mixed with a shuffled row (mixup)", "aten::index"),
+    ("every row scored against every other", "aten::matmul"), ("each row's own target picked by its place", None),
 ])
 def test_rows_that_meet_are_found_naming_the_operator(how, named):
-    """A statistic of the whole batch that the rows then use, and values moved along the
-    batch, make a share's rows depend on the others: found (a user trial found them split)."""
+    """A statistic of the whole batch that the rows then use, values moved along the batch, a
+    row's place in the call read as data, and rows paired with rows make a share's rows
+    depend on the others: found (user trials found them split). A row's place used only to
+    pick from its own row is not."""
     graph = conveyor.capture(RowsMeet(how), (torch.randn(8, 16), torch.randint(0, 3, (8,))))
     found = where_samples_mix(graph.document)
     if named is None:
