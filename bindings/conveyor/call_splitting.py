@@ -209,7 +209,8 @@ def why_calls_stay_whole(model: torch.nn.Module, graph, batch: int) -> str | Non
         return None
     why = (f"{name} combines values across dim 0 of its inputs, so dim 0 is not its batch: {mixing}. To split "
            "calls, put the batch first in every input (batch_first=True for nn.Transformer layers and "
-           "nn.MultiheadAttention)")
+           "nn.MultiheadAttention) and let each sample's result depend on that sample alone (what a row needs of "
+           "its place, pass as an input)")
     warnings.warn(f"conveyor: {why}; until then each call runs whole (one microbatch, one replica per stage)",
                   stacklevel=5)
     return why
