@@ -120,6 +120,12 @@ def evaluation_cost(args) -> None:
             mean[mode].append(result["mean_s"])
             print(f"round {r + 1} {mode:10s} mean step {result['mean_s'] * 1e3:8.2f} ms"
                   + (f"; {len(result['replans'])} switches" if mode == "replanned" else ""), flush=True)
+            if mode == "replanned":
+                for sw in result["replans"]:
+                    measured = sw["measured_gain_s"]
+                    print(f"  step {sw['step']}: {sw['old']} -> {sw['new']}; {sw['reason']}; predicted "
+                          f"{sw['predicted_gain_s'] * 1e3:.2f} ms saved per step, measured "
+                          + ("-" if measured is None else f"{measured * 1e3:.2f}"))
             if r == 0:
                 print("  " + result["plan"].strip().replace("\n", "\n  "))
                 if mode == "replanned":

@@ -59,6 +59,17 @@ bool within(const Factors& a, const Factors& b, double tolerance) {
          close(a.link, b.link);
 }
 
+// The fewest samples one replica of `plan` computes per microbatch.
+int smallest_share(const Plan& plan) {
+  const int samples = std::max(1, plan.batch / std::max(plan.microbatches, 1));
+  std::int64_t least = samples;
+  for (const StagePlan& s : plan.stages) {
+    if (s.replicas < 2) continue;
+    for (std::int64_t n : share_lengths(samples, s.shares, s.replicas)) least = std::min(least, n);
+  }
+  return static_cast<int>(std::max<std::int64_t>(1, least));
+}
+
 std::string percent(double x) {
   char b[32];
   std::snprintf(b, sizeof b, "%.1f%%", x * 100);
@@ -123,6 +134,13 @@ std::string Replanner::layout_key(const Plan& plan) {
       for (std::int64_t n : share_lengths(samples, s.shares, s.replicas)) key += std::to_string(n) + ",";
     }
   }
+  return key;
+}
+
+std::string Replanner::shape_key(const Plan& plan) {
+  std::string key = std::to_string(plan.microbatches) + "/" + std::to_string(static_cast<int>(plan.schedule)) + "/" +
+                    std::to_string(plan.chunks);
+  for (const StagePlan& s : plan.stages) key += "|" + std::to_string(s.first_device) + "x" + std::to_string(s.replicas);
   return key;
 }
 
@@ -192,7 +210,17 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
     CONVEYOR_ASSIGN_OR_RETURN(d.candidate, reprice(costs_, cluster_, options_, last_search_->best));
     d.searched = false;
   } else {
-    CONVEYOR_ASSIGN_OR_RETURN(d.candidate, make_plan(costs_, cluster_, options_));
+    // Operators were measured at one microbatch size and are priced in proportion to the
+    // samples, which small microbatches are not (each operator's fixed cost: a CPU MLP's
+    // 2 samples ran at 68% of 16's time, priced at 1/8). So a search may at most halve the
+    // samples a replica computes per microbatch from what the running plan measured: a
+    // prediction never rests far from a measurement, and the next window may go on.
+    const int floor = std::max(1, smallest_share(running_) / 2);
+    CostGraph bounded = costs_;
+    bounded.min_share = std::max(bounded.min_share, floor);
+    PlanOptions near = options_;
+    if (near.microbatches == 0) near.max_microbatches = std::max(1, std::min(near.max_microbatches, near.batch / floor));
+    CONVEYOR_ASSIGN_OR_RETURN(d.candidate, make_plan(bounded, cluster_, near));
     last_search_ = Search{running_key, applied_, d.candidate};
   }
   // The runtime's cost beyond the simulated step (dispatching actions, messages, the host)
@@ -206,7 +234,8 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   const double relative = d.gain_s / measured_step_s;
   // Each undone switch doubles the gain asked (the model was wrong once; it must be surer).
   const double asked = policy_.min_gain * (1 << std::min(undone_, 3));
-  const double needed = left_.count(key) ? 2 * asked : asked;
+  const bool left_before = left_.count(shape_key(d.candidate)) > 0;
+  const double needed = left_before ? 2 * asked : asked;
   if (key == layout_key(running_)) {
     d.reason = "the running plan is still the best on the corrected costs";
   } else if (relative <= 0) {
@@ -214,7 +243,7 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
                percent(-relative) + " more of a step";
   } else if (relative < needed) {
     d.reason = "the best other plan saves " + percent(relative) + " of a step, less than the " + percent(needed) +
-               " asked" + (left_.count(key) ? " to return to a plan left before" : "");
+               " asked" + (left_before ? " to return to a plan of a shape left before" : "");
   } else if (d.gain_s * policy_.horizon_steps < (1 + policy_.margin) * d.move.seconds()) {
     d.reason = "what it saves over " + std::to_string(policy_.horizon_steps) + " steps does not pay for moving";
   } else {
@@ -237,8 +266,8 @@ Status Replanner::switched_to(const Plan& plan) {
   // A switch this decided is judged by the next window; an undo or a forced switch is not.
   if (decided_ && decided_->first == key) undo_ = std::make_pair(running_, decided_->second);
   decided_.reset();
-  left_.insert(layout_key(running_));
-  left_.erase(key);
+  left_.insert(shape_key(running_));
+  left_.erase(shape_key(plan));
   CONVEYOR_ASSIGN_OR_RETURN(running_, reprice(costs_, cluster_, options_, plan));
   confirmations_ = 0;
   last_search_.reset();

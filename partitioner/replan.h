@@ -89,6 +89,10 @@ class Replanner {
   /// What identifies a layout: stages with their operators, devices and replicas' shares (in
   /// whole samples), microbatches, schedule and chunks (predictions aside).
   static std::string layout_key(const Plan& plan);
+  /// A layout's shape: its stages' devices and replicas, microbatches, schedule and chunks,
+  /// whatever the cuts and shares. A shape left before (a switch undone, or moved away
+  /// from) asks twice the gain to return to, whichever cut the search finds this time.
+  static std::string shape_key(const Plan& plan);
 
  private:
   CostGraph base_costs_, costs_;  // as profiled; corrected by applied_
@@ -100,7 +104,7 @@ class Replanner {
   ReplanPolicy policy_;
   int confirmations_ = 0;
   int undone_ = 0;               // switches undone so far: each doubles the gain asked (up to 8x)
-  std::set<std::string> left_;   // layouts switched away from: returning needs twice the gain
+  std::set<std::string> left_;   // shapes switched away from: returning needs twice the gain
   // The switch last decided (its layout, the step measured before it), and once taken, the
   // plan it left with that step: the next window undoes it if it measures slower.
   std::optional<std::pair<std::string, double>> decided_;

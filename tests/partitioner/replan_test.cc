@@ -175,6 +175,32 @@ TEST(Replan, MovingCountsWhatChangesDeviceWithItsOptimizerState) {
   EXPECT_EQ(move_cost(g, cluster, plan, plan, o, policy).bytes, 0);
 }
 
+TEST(Replan, ASearchAtMostHalvesTheSamplesAReplicaComputesPerMicrobatch) {
+  const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
+  const Cluster cluster = devices(4);
+  PlanOptions o = options();
+  o.batch = 64;
+  o.microbatches = 1;  // the running plan: one microbatch of 64 samples, the pipeline's bubble all of it
+  const Plan running = *make_plan(g, cluster, o);
+  o.microbatches = 0;  // the Replanner chooses; unbounded, it would take the most
+  ASSERT_GT(make_plan(g, cluster, o)->microbatches, 2);
+  Replanner r(g, cluster, running, o, ReplanPolicy{});
+  int samples = 64;
+  for (int window = 0; window < 4; ++window) {
+    Plan as_run = *reprice(g, cluster, o, r.running());
+    std::vector<StageMeasurement> m;
+    for (const auto& s : as_run.stages) m.push_back({s.forward_s, s.backward_s, 0, {}});
+    auto d = r.evaluate(m, as_run.simulate()->step_time_s);
+    ASSERT_TRUE(d.is_ok()) << d.status().to_string();
+    const int next = d->candidate.batch / d->candidate.microbatches;
+    EXPECT_GE(next, samples / 2) << "window " << window << ": " << d->reason;
+    if (next == samples) continue;
+    ASSERT_TRUE(r.switched_to(d->candidate).is_ok());  // measured there, the next search may halve again
+    samples = next;
+  }
+  EXPECT_LT(samples, 64);
+}
+
 TEST(Replan, BadMeasurementsAreRefused) {
   const CostGraph g = testing::uniform_chain(4, 1e-3, 2e-3, 100, 1e6);
   const Cluster cluster = devices(2);
