@@ -43,33 +43,43 @@ std::int64_t flattened_scale(const std::string& d0, const std::set<std::string>&
 }
 
 // A dimension "k*s" at the front, made by flattening a batch-first tensor (view, reshape,
-// flatten), possibly followed by ops that keep the shape: samples stay contiguous runs of
-// k elements, so a share is a run of k * its samples. Other products are not split.
+// flatten), possibly followed by ops whose result keeps that front dimension (elementwise
+// ops, a per-row loss with reduction="none", a reduction over the other dims): samples stay
+// contiguous runs of k elements, so a share is a run of k * its samples. Other products are
+// not split. (Ops that mix the rows along that dimension are refused before this runs:
+// call_splitting.py.)
 void find_flattened_batches(const graph::Graph& g, const std::set<std::string>& batch_symbols, BatchLayout& out) {
   const std::vector<NodeId> defined_by = g.producers();
+  auto same_front = [&](ValueId a, const std::vector<graph::Dim>& front) {
+    const auto& shape = g.values[a].shape;
+    return !shape.empty() && shape[0].symbol == front[0].symbol && shape[0].size == front[0].size;
+  };
   for (const auto& v : g.values) {
     if (out.batch_dim[v.id] >= 0 || v.shape.empty()) continue;
     const std::int64_t k = flattened_scale(v.shape[0].symbol, batch_symbols);
     if (k < 0) continue;
-    ValueId at = v.id;
-    for (int hops = 0; hops < 64 && at >= 0 && defined_by[at] >= 0; ++hops) {
+    // Back through the values whose front dimension is this one, at most 64 of them, to a
+    // flattening of a batch-first tensor. A per-row loss takes its front from its target,
+    // whose symbol export may name apart from the logits' (a sequence length each).
+    std::vector<ValueId> pending{v.id};
+    std::set<ValueId> seen{v.id};
+    while (!pending.empty() && seen.size() <= 64 && out.batch_dim[v.id] < 0) {
+      const ValueId at = pending.back();
+      pending.pop_back();
+      if (at < 0 || defined_by[at] < 0) continue;
       const graph::Node& n = g.nodes[defined_by[at]];
       const auto ins = graph::Graph::node_inputs(n);
-      if (ins.empty()) break;
-      const graph::Value& x = g.values[ins[0]];
+      if (ins.empty()) continue;
       if (n.op == "aten::view" || n.op == "aten::reshape" || n.op == "aten::_unsafe_view" || n.op == "aten::flatten") {
-        if (out.batch_dim[x.id] == 0) {
+        if (out.batch_dim[ins[0]] == 0) {
           out.batch_dim[v.id] = 0;
           out.batch_scale[v.id] = k;
         }
-        break;
+        continue;
       }
-      bool same_shape = x.shape.size() == g.values[at].shape.size();
-      for (std::size_t d = 0; same_shape && d < x.shape.size(); ++d) {
-        same_shape = x.shape[d].symbol == g.values[at].shape[d].symbol && x.shape[d].size == g.values[at].shape[d].size;
+      for (ValueId in : ins) {
+        if (same_front(in, g.values[at].shape) && seen.insert(in).second) pending.push_back(in);
       }
-      if (!same_shape) break;
-      at = x.id;
     }
   }
 }

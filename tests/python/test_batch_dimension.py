@@ -419,5 +419,29 @@ def test_a_loss_neither_summed_nor_averaged_warns_naming_the_operator():
         model.train_step(torch.randn(8, 8), torch.zeros(8, dtype=torch.long))
 
 
+class MaskedTokenMean(torch.nn.Module):
+    """A per-token loss over flattened tokens, averaged over the tokens a mask keeps."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(8, 5)
+
+    def forward(self, x, y, mask):
+        per_token = F.cross_entropy(self.head(x).reshape(-1, 5), y.reshape(-1), reduction="none")
+        return (per_token * mask.reshape(-1)).sum() / mask.sum()
+
+
+def test_a_masked_mean_over_flattened_tokens_warns_naming_its_division():
+    """The per-token loss keeps the flattened tokens' rows (its size named after the target's
+    sequence length, the logits' named apart): the warning names the division by the mask's
+    count, not cross_entropy_loss (a user trial found it named so)."""
+    net = MaskedTokenMean()
+    model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.05), microbatches=2, replan="off")
+    x, y, mask = torch.randn(4, 3, 8), torch.randint(0, 5, (4, 3)), (torch.rand(4, 3) > 0.3).float()
+    with pytest.warns(UserWarning, match=r"neither a mean nor a sum over the samples \(aten::div "
+                                         r"\(.*test_batch_dimension.py:\d+\) is not linear"):
+        model.train_step(x, y, mask)
+
+
 if __name__ == "__main__":
     train_whole_across_processes()
