@@ -13,7 +13,8 @@ namespace {
 enum class Of {
   kConstant,     // depends on no sample (parameters, constants, sizes other than the batch's)
   kSamples,      // has a batch dimension
-  kBatchSize,    // the batch size itself
+  kBatchSize,    // the batch size itself (or converted: float(B))
+  kOfSize,       // a number made from the batch size otherwise (B ** 2, B / 8): a share's differs
   kMean,         // a mean over the samples, or what follows from one linearly
   kSum,          // a sum over the samples, likewise
   kNeither,      // depends on the samples otherwise
@@ -87,11 +88,12 @@ LossReductionFound find_loss_reduction(const graph::Graph& g, const std::vector<
     const std::string where = node.op + (node.source.empty() ? "" : " (" + node.source + ")");
     Of result = Of::kConstant;
     std::string reason;
-    bool samples = false, neither = false, size = false;
+    bool samples = false, neither = false, size = false, of_size = false;
     Of first_aggregate = Of::kConstant;
     for (ValueId in : ins) {
       samples = samples || of[in] == Of::kSamples;
       size = size || of[in] == Of::kBatchSize;
+      of_size = of_size || of[in] == Of::kOfSize;
       if (of[in] == Of::kNeither && !neither) {
         neither = true;
         reason = why[in];
@@ -138,6 +140,10 @@ LossReductionFound find_loss_reduction(const graph::Graph& g, const std::vector<
         result = a;
       } else if (op == "aten::div" && first_is_it && other == Of::kBatchSize && a == Of::kSum) {
         result = Of::kMean;  // a sum over the batch divided by its size
+      } else if ((op == "aten::mul" || op == "aten::div") && other == Of::kOfSize) {
+        result = Of::kNeither;
+        reason = where + " scales the " + (a == Of::kSum ? "sum" : "mean") +
+                 " over the samples by a number made from the batch size, which differs between a share and the call";
       } else if ((op == "aten::add" || op == "aten::sub") && binary) {
         const Of x = kind_of(node.args[0]), y = kind_of(node.args[1]);
         if (x == y || (a == Of::kMean && (x == Of::kConstant || y == Of::kConstant))) {
@@ -152,8 +158,11 @@ LossReductionFound find_loss_reduction(const graph::Graph& g, const std::vector<
         result = Of::kNeither;
         reason = where + " is not linear in the " + (a == Of::kSum ? "sum" : "mean") + " over the samples";
       }
-    } else if (size) {
-      result = Of::kConstant;  // size arithmetic
+    } else if (size || of_size) {
+      // Size arithmetic: the size itself through a conversion, any other number made from it
+      // differs between a share and the call without being the share's size.
+      const bool converts = node.op == graph::kSymOpName && (node.overload == "float" || node.overload == "int");
+      result = size && converts ? Of::kBatchSize : Of::kOfSize;
     }
     for (ValueId o : graph::Graph::node_outputs(node)) {
       if (of[o] == Of::kSamples || of[o] == Of::kBatchSize) continue;

@@ -98,9 +98,10 @@ def where_samples_mix(document: dict) -> str | None:
                 return False
         return True
 
-    problems, counted, groups, inversions = key_order_problems(document, batch_dims)
+    problems, counted, groups, proven = key_order_problems(document, batch_dims)
     batch |= groups  # a group's rows, split from the batch's by counts, are rows of the batch
-    for nid, why in position_problems(document, batch, inversions).items():
+    found = position_problems(document, batch, proven, lambda v: reaches_loss_linearly(v, set()))
+    for nid, why in found.items():
         problems.setdefault(nid, why)
     statistics, constants = _statistics_and_constants(document, batch_dims)
 
@@ -207,10 +208,11 @@ def why_calls_stay_whole(model: torch.nn.Module, graph, batch: int) -> str | Non
     mixing = where_samples_mix(graph.document)
     if mixing is None:
         return None
-    why = (f"{name} combines values across dim 0 of its inputs, so dim 0 is not its batch: {mixing}. To split "
+    why = (f"{name} combines values across dim 0 of its inputs, which splitting would cut: {mixing}. To split "
            "calls, put the batch first in every input (batch_first=True for nn.Transformer layers and "
            "nn.MultiheadAttention) and let each sample's result depend on that sample alone (what a row needs of "
-           "its place, pass as an input)")
+           "its place or of the batch, pass as an input); where the samples are meant to meet (in-batch "
+           "negatives), the call runs whole")
     warnings.warn(f"conveyor: {why}; until then each call runs whole (one microbatch, one replica per stage)",
                   stacklevel=5)
     return why

@@ -91,13 +91,14 @@ def key_order_problems(document: dict, batch_dims) -> tuple[dict[int, str], set[
     that count sorted keys and serve only as the offsets of grouped products over the rows
     in that order, or as the sizes the rows are split by (reductions over the batch that keep
     rows apart); the symbolic sizes of those split groups (their rows are the batch's rows
-    too); and the index_put nodes that invert a sort's order (inverse[order] = arange(n)).
+    too); and the indexing nodes that move rows as the proof allows (rows put in a sort's
+    order, its inverse order written, rows added back to their tokens).
     `batch_dims(v)` gives the dimensions of value v that hold the batch."""
     walk = _KeyOrder(document, batch_dims)
     for node in document["nodes"]:
         walk.visit(node)
     walk.check_outputs()
-    return walk.problems, set(walk.counted_by) | set(walk.tallies), walk.group_symbols, walk.inversions
+    return walk.problems, set(walk.counted_by) | set(walk.tallies), walk.group_symbols, walk.proven
 
 
 class _KeyOrder:
@@ -132,7 +133,7 @@ class _KeyOrder:
         self.group_symbols: set[str] = set()   # the groups' sizes ("u0")
         self.views: set[int] = set()           # views of any of those (a write through them is one into them)
         self.problems: dict[int, str] = {}
-        self.inversions: set[int] = set()      # index_put nodes writing a sort's inverse order
+        self.proven: set[int] = set()          # indexing nodes that move rows as the proof allows
 
     # -- helpers ------------------------------------------------------------------------------
     def batch_dims(self, v: int) -> list[int]:
@@ -175,8 +176,11 @@ class _KeyOrder:
         handlers = (self.cast, self.top_k, self.sort, self.divide, self.gather, self.invert, self.count,
                     self.running_sum, self.grouped, self.one_hot_rows, self.tally, self.tally_each, self.split,
                     self.join, self.add_back)
-        if not any(handle(node) for handle in handlers):
+        taken = next((handle for handle in handlers if handle(node)), None)
+        if taken is None:
             self.any_other(node)
+        elif taken in (self.gather, self.invert, self.add_back):
+            self.proven.add(node["id"])
 
     def relied_on(self, v: int) -> bool:
         return any(v in tags for tags in (self.moves, self.permutation, self.restores, self.keys, self.counts,
@@ -302,7 +306,6 @@ class _KeyOrder:
             return False
         for v in self.outputs(node) + [first]:
             self.restores[v] = self.permutation[index[0]]
-        self.inversions.add(node["id"])
         return True
 
     def count(self, node: dict) -> bool:

@@ -85,7 +85,7 @@ def flat_target_lstm():
 
 
 @pytest.mark.parametrize("make, warned", [
-    (time_major_encoder, "combines values across dim 0 of its inputs, so dim 0 is not its batch: "
+    (time_major_encoder, "combines values across dim 0 of its inputs, which splitting would cut: "
                          "aten::scaled_dot_product_attention"),
     (time_major_lstm, "TimeMajorLSTM specializes its batch size"),  # export fixes an LSTM's length
     (flat_target_lstm, "specializes its batch size (target dim 0 must be 8*batch)"),
@@ -256,6 +256,10 @@ class RowsMeet(torch.nn.Module):
             h = 0.5 * h + 0.5 * h[torch.randperm(rows)]
         elif self.how == "every row scored against every other":
             return torch.nn.functional.cross_entropy(h @ h.t(), torch.arange(rows))
+        elif self.how == "each row plus the row its label names":
+            h = h + h.index_select(0, y)
+        elif self.how == "rows scaled by how many there are":
+            h = h * (rows / 8.0)
         elif self.how == "each row's own target picked by its place":  # rows apart: split
             h = h - h[torch.arange(rows), y][:, None]
         elif self.how == "scaled by the batch's largest value":
@@ -278,12 +282,13 @@ class RowsMeet(torch.nn.Module):
     ("each row's place looked up in a table", "aten::embedding"),
     ("each row mixed with a shuffled row (mixup)", "aten::index"),
     ("every row scored against every other", "aten::matmul"), ("each row's own target picked by its place", None),
+    ("each row plus the row its label names", "aten::index_select"), ("rows scaled by how many there are", "aten::mul"),
 ])
 def test_rows_that_meet_are_found_naming_the_operator(how, named):
     """A statistic of the whole batch that the rows then use, values moved along the batch, a
-    row's place in the call read as data, and rows paired with rows make a share's rows
-    depend on the others: found (user trials found them split). A row's place used only to
-    pick from its own row is not."""
+    row's place in the call or the call's size read as data, rows taken by indices, and rows
+    paired with rows make a share's rows depend on the others: found (user trials found them
+    split). A row's place used only to pick from its own row is not."""
     graph = conveyor.capture(RowsMeet(how), (torch.randn(8, 16), torch.randint(0, 3, (8,))))
     found = where_samples_mix(graph.document)
     if named is None:

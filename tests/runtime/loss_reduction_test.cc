@@ -99,6 +99,23 @@ TEST(LossReduction, ASumDividedByTheBatchSizeIsAMean) {
   EXPECT_EQ(found(g).reduction, LossReduction::kMean);
 }
 
+TEST(LossReduction, ASumOverANumberMadeFromTheBatchSizeIsNoMean) {
+  // sum / float(B) is a mean; sum / B ** 2 is not (a share's B ** 2 is no share of the call's):
+  // it read as a constant, and a split step returned 4x the loss, silently (a user trial).
+  auto over = [](const std::string& arithmetic) {
+    return with_loss([arithmetic](GraphBuilder& b, ValueId y, ValueId x, ValueId) {
+      ValueId size = b.op("aten::sym_size", "int", {v(x), Argument::of_int(0)}, {});
+      ValueId made = arithmetic == "float" ? b.op("conveyor::sym", "float", {v(size)}, {})
+                                           : b.op("conveyor::sym", "pow", {v(size), Argument::of_int(2)}, {});
+      return b.op("aten::div", "Tensor", {v(total(b, "aten::sum", y)), v(made)}, {});
+    });
+  };
+  EXPECT_EQ(found(over("float")).reduction, LossReduction::kMean);
+  const LossReductionFound squared = found(over("pow"));
+  EXPECT_EQ(squared.reduction, LossReduction::kOther);
+  EXPECT_NE(squared.why.find("by a number made from the batch size"), std::string::npos) << squared.why;
+}
+
 TEST(LossReduction, ConstantsMayScaleEitherAndBeAddedToAMeanOnly) {
   auto plus_weight_norm = [](const std::string& over_batch) {
     return with_loss([over_batch](GraphBuilder& b, ValueId y, ValueId, ValueId w) {
