@@ -43,7 +43,7 @@ std::int64_t flattened_scale(const std::string& d0, const std::set<std::string>&
 }
 
 // A dimension "k*s" at the front, made by flattening a batch-first tensor (view, reshape,
-// flatten), possibly followed by ops whose result keeps that front dimension (elementwise
+// flatten) or repeating its rows (repeat_interleave), possibly followed by ops whose result keeps that front dimension (elementwise
 // ops, a per-row loss with reduction="none", a reduction over the other dims): samples stay
 // contiguous runs of k elements, so a share is a run of k * its samples. Other products are
 // not split. (Ops that mix the rows along that dimension are refused before this runs:
@@ -70,7 +70,14 @@ void find_flattened_batches(const graph::Graph& g, const std::set<std::string>& 
       const graph::Node& n = g.nodes[defined_by[at]];
       const auto ins = graph::Graph::node_inputs(n);
       if (ins.empty()) continue;
-      if (n.op == "aten::view" || n.op == "aten::reshape" || n.op == "aten::_unsafe_view" || n.op == "aten::flatten") {
+      // Each row repeated k times in place (repeat_interleave along dim 0, or of a 1-d tensor):
+      // runs of k per sample, as a flattening makes.
+      const bool repeats_rows =
+          n.op == "aten::repeat_interleave" && n.args.size() > 2 &&
+          ((n.args[2].kind == graph::Argument::Kind::kInt && n.args[2].int_value == 0) ||
+           (n.args[2].kind == graph::Argument::Kind::kNone && g.values[ins[0]].shape.size() == 1));
+      if (n.op == "aten::view" || n.op == "aten::reshape" || n.op == "aten::_unsafe_view" || n.op == "aten::flatten" ||
+          repeats_rows) {
         if (out.batch_dim[ins[0]] == 0) {
           out.batch_dim[v.id] = 0;
           out.batch_scale[v.id] = k;

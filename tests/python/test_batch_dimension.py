@@ -424,6 +424,41 @@ def test_a_loss_neither_summed_nor_averaged_warns_naming_the_operator():
         model.train_step(torch.randn(8, 8), torch.zeros(8, dtype=torch.long))
 
 
+class RepeatedRows(torch.nn.Module):
+    """Each sample repeated 3 times in place (several draws per sample), the loss a mean."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(8, 5)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.head(torch.tanh(x.repeat_interleave(3, dim=0))), y.repeat_interleave(3))
+
+
+def test_rows_repeated_in_place_split_like_the_whole_batch_without_a_warning():
+    """repeat_interleave keeps each sample's copies together, as a flattening does: a split
+    step is the whole batch's (it warned that the loss was neither a mean nor a sum)."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        net = RepeatedRows()
+        ref = copy.deepcopy(net)
+        model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.1), microbatches=2, replan="off")
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        x, y = torch.randn(6, 8), torch.tensor([0, 1, 2, 3, 4, 0])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            got = model.train_step(x, y).item()
+        ref_opt.zero_grad()
+        want = ref(x, y)
+        want.backward()
+        ref_opt.step()
+        assert got == pytest.approx(want.item(), rel=TOLERANCE, abs=0)
+        for p, q in zip(net.parameters(), ref.parameters()):
+            assert (p - q).abs().max().item() <= TOLERANCE * max(q.abs().max().item(), 1.0)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
 class MaskedTokenMean(torch.nn.Module):
     """A per-token loss over flattened tokens, averaged over the tokens a mask keeps."""
 
