@@ -204,7 +204,8 @@ def why_calls_stay_whole(model: torch.nn.Module, graph, batch: int) -> str | Non
     if not graph.dynamic_batch:
         return (f"{name} fixes its batch size (captured for {batch} samples; capture's warning says which size "
                 "ties it): to split calls, let dim 0 of every input be the batch (batch_first=True for nn.LSTM, "
-                "nn.GRU and nn.RNN; a target not flattened) and nothing check its size")
+                "nn.GRU and nn.RNN; a target not flattened) and nothing check its size (chunk(2), topk of half "
+                "the batch)")
     mixing = where_samples_mix(graph.document)
     if mixing is None:
         return None

@@ -132,6 +132,20 @@ def _batch_relation(text: str) -> str | None:
     return None
 
 
+_GUARD = re.compile(r"satisfy the generated guard (.+?)\.(?:\s|$|Specializations)")
+_SIZE_OF_AN_INPUT = re.compile(r"L\['\w+'\](?:\[(?:'\w+'|\d+)\])*\.size\(\)\[0\]")
+
+
+def _batch_guard(text: str) -> str | None:
+    """The first check on the batch size torch.export names, with the batch called "batch":
+    "((1 + batch) // 2) != 1" (a chunk into halves), or None."""
+    found = _GUARD.search(text)
+    if found is None:
+        return None
+    guard = _SIZE_OF_AN_INPUT.sub("batch", found.group(1)).strip()
+    return guard if len(guard) <= 120 else guard[:117] + "..."
+
+
 def _export(model, args, kwargs, dynamic_batch: bool) -> tuple[ExportedProgram, bool]:
     leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
     if not leaves:
@@ -164,6 +178,8 @@ def _export(model, args, kwargs, dynamic_batch: bool) -> tuple[ExportedProgram, 
                     break
                 bounds = narrower
         why = _batch_relation(text)
+        if why is None and _batch_guard(text):
+            why = f"it checks {_batch_guard(text)}, as halving or counting the batch does"
         warnings.warn(f"conveyor: {type(model).__name__} specializes its batch size"
                       + (f" ({why})" if why else "") + f"; captured for a fixed batch of {batch}: a pipeline "
                       "runs each call whole (one microbatch, one replica per stage)")

@@ -459,6 +459,26 @@ def test_rows_repeated_in_place_split_like_the_whole_batch_without_a_warning():
         torch.set_default_dtype(torch.float32)
 
 
+class HalvesSwapped(torch.nn.Module):
+    """The batch's first half against its second: export fixes the batch size."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x, y):
+        first, second = torch.tanh(x).chunk(2)
+        return F.cross_entropy(self.head(torch.cat([second, first])), y)
+
+
+def test_a_fixed_batch_size_is_said_with_the_check_that_fixed_it():
+    """The warning names the check export found on the batch size (it named none, and the
+    refusal pointed at it: a user trial)."""
+    with pytest.warns(UserWarning, match=r"HalvesSwapped specializes its batch size \(it checks .*batch.*\)"):
+        graph = conveyor.capture(HalvesSwapped(), (torch.randn(8, 16), torch.randint(0, 3, (8,))))
+    assert not graph.dynamic_batch
+
+
 class MaskedTokenMean(torch.nn.Module):
     """A per-token loss over flattened tokens, averaged over the tokens a mask keeps."""
 
