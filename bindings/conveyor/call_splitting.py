@@ -277,9 +277,9 @@ def warn_of_a_loss_split_changes(step, microbatches: int, replicas: list, docume
     if how == "other" and (microbatches > 1 or max(replicas) > 1):
         stopped = why_left_as_a_mean(document) if "averages over the targets it counts" in why else None
         if stopped:
-            why = (f"{why.split(' averages over the targets it counts')[0]} averages over the targets it counts, "
-                   f"which each share counts alone; conveyor leaves it so, as the loss would be no sum over the "
-                   f"samples were it made one over the call's count: {stopped}")
+            why = (f"{stopped}; so {why.split(' averages over the targets it counts')[0]}, which averages over "
+                   "the targets it counts, is left a mean of each share's own count: made one over the call's "
+                   "count, the loss would still be no sum over the samples")
         warnings.warn(f"conveyor: the loss is neither a mean nor a sum over the samples ({why}): each of the "
                       f"{microbatches} microbatches' shares weighs its part of the batch, as gradient accumulation "
                       "would, which differs from the loss of the whole batch at once; compute the loss as a mean "
