@@ -116,7 +116,8 @@ def position_problems(document: dict, batch_symbols: set[str], proven: set[int],
                 problems[nid] = (f"{operator_at(node)} reads as data how many samples the call holds, and a share "
                                  "holds fewer")
                 continue
-        taken = [(d, v) for d, v in _index_uses(node, len(shape(first)))
+        uses = _index_uses(node, len(shape(first)))
+        taken = [(d, v) for d, v in uses
                  if d in batch_dims(first) and not own_rows(v, shape(first)[d])
                  and values[v].get("dtype") not in ("bool", "uint8")]
         if taken and nid not in proven:
@@ -149,8 +150,10 @@ def position_problems(document: dict, batch_symbols: set[str], proven: set[int],
                 kept = _sizes(shape(first)) == _sizes(shape(outs[0])) if outs else False
                 positions.update((o, (numbered_by, identity and kept)) for o in outs)
                 continue
-        elif identity and all(_indexes_its_own_dim(node, v, shape) for v in read):
-            continue
+        elif identity and all(d < len(shape(first)) and own_rows(v, shape(first)[d])
+                              for d, v in uses if v in read) and all(
+                node_value_inputs(node).count(v) == sum(u == v for _, u in uses) for v in read):
+            continue  # only as the index of the dimension they count: each row itself
         elif nid in proven:
             continue
         how = ("draws a permutation of the rows, and a share permutes only its own" if not identity
@@ -220,21 +223,3 @@ def _part_taken(node: dict, dims: list[int], shape) -> str | None:
     dim = args[where].get("int", 0) if len(args) > where else 0
     dim = dim + rank if dim < 0 else dim
     return f"{op.split('::')[1]} along dim {dim}" if dim in dims else None
-
-
-def _indexes_its_own_dim(node: dict, v: int, shape) -> bool:
-    """Whether positions `v` serve only as the index of the dimension they count: each row
-    refers to itself (x[arange(B), y], index_select(x, 0, arange(B)))."""
-    op, args = node["op"], node["args"]
-    base = shape(args[0].get("value")) if args else []
-    counted = {size for size in shape(v) if isinstance(size, str)}
-    if op in _INDEX_LIST and len(args) > 1:
-        along = [k for k, a in enumerate(args[1].get("list", [])) if a.get("value") == v]
-        others = [a for i, a in enumerate(args) if i != 1 and a.get("value") == v]
-        return bool(along) and not others and all(k < len(base) and counted == {base[k]} for k in along)
-    if op in _INDEX_ALONG and len(args) > 2 and args[2].get("value") == v:
-        dim = args[1].get("int", 0)
-        dim = dim + len(base) if dim < 0 else dim
-        others = [a for i, a in enumerate(args) if i != 2 and a.get("value") == v]
-        return not others and 0 <= dim < len(base) and counted == {base[dim]}
-    return False
