@@ -198,9 +198,10 @@ def test_a_counted_mean_added_to_a_mean_over_the_samples_warns():
     model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.1), loss_fn=loss_fn, microbatches=2,
                             replan="off", verbose=False)
     first = loss_fn.__code__.co_firstlineno
-    with pytest.warns(UserWarning, match=rf"cross_entropy_loss \(.*test_counted_targets.py:{first + 1}\) averages "
-                                         rf"over the targets it counts.*: aten::add_? \(.*test_counted_targets.py:"
-                                         rf"{first + 2}\)"):
+    with pytest.warns(UserWarning, match=rf"samples \(aten::add_? \(.*test_counted_targets.py:{first + 2}\) adds a "
+                                         rf"sum over the samples to a mean over them; so aten::cross_entropy_loss "
+                                         rf"\(.*test_counted_targets.py:{first + 1}\), which averages over the "
+                                         rf"targets it counts"):
         model.train_step(torch.randn(8, 6, dtype=torch.float64), target=torch.randint(0, 5, (8,)))
 
 
