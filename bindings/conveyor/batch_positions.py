@@ -28,6 +28,7 @@ import re
 from typing import Callable
 
 from .document import node_value_inputs, operator_at
+from .row_order import SHAPE_ONLY, counts_from_zero
 
 __all__ = ["position_problems"]
 
@@ -35,10 +36,6 @@ __all__ = ["position_problems"]
 _SAME = {"aten::to", "aten::_to_copy", "aten::clone", "aten::contiguous", "aten::alias", "aten::detach",
          "aten::view", "aten::reshape", "aten::_unsafe_view", "aten::flatten", "aten::squeeze", "aten::unsqueeze",
          "aten::expand", "aten::expand_as", "aten::lift_fresh_copy"}
-# Ops that read a tensor for its shape, dtype or device alone.
-_SHAPE_ONLY = {"aten::empty_like", "aten::zeros_like", "aten::ones_like", "aten::full_like", "aten::new_zeros",
-               "aten::new_ones", "aten::new_empty", "aten::new_full", "aten::new_empty_strided", "aten::sym_size",
-               "aten::sym_numel", "aten::sym_stride", "aten::_assert_tensor_metadata"}
 # Ops indexing `self` (argument 0) along the dim in argument 1 by the index in argument 2.
 _INDEX_ALONG = {"aten::index_select", "aten::gather", "aten::index_add", "aten::index_add_", "aten::index_copy",
                 "aten::index_copy_", "aten::index_fill", "aten::index_fill_", "aten::scatter", "aten::scatter_",
@@ -126,7 +123,7 @@ def position_problems(document: dict, batch_symbols: set[str], proven: set[int],
                              "and a share holds only its own rows")
             continue
         if op in ("aten::arange", "aten::randperm") and any(batch_dims(o) for o in outs):
-            identity = op == "aten::arange" and _counts_from_zero(node)
+            identity = op == "aten::arange" and counts_from_zero(node)
             positions.update((o, (node, identity)) for o in outs)
             continue
         paired = next((o for o in outs if len(batch_dims(o)) > 1), None)
@@ -141,7 +138,7 @@ def position_problems(document: dict, batch_symbols: set[str], proven: set[int],
                              "holds other rows in other places")
             continue
         read = [v for v in node_value_inputs(node) if v in positions]
-        if not read or op in _SHAPE_ONLY:
+        if not read or op in SHAPE_ONLY:
             continue
         numbered_by, identity = positions[read[0]]
         if op in _SAME or (op == "aten::slice" and _whole(node, shape)):
@@ -174,15 +171,6 @@ def _index_uses(node: dict, rank: int) -> list[tuple[int, int]]:
     dim = -1 - where[0] if where[0] < 0 else (args[where[0]].get("int", 0) if len(args) > where[0] else 0)
     dim = dim + rank if dim < 0 else dim
     return [(dim, args[where[1]]["value"])]
-
-
-def _counts_from_zero(node: dict) -> bool:
-    """Whether an arange node is arange(n), or arange(0, n) with a step of 1: 0, 1, 2, ..."""
-    if node.get("overload", "") == "":
-        return True
-    args = node["args"]
-    step = args[2].get("int") if node["overload"] == "start_step" and len(args) > 2 else 1
-    return args[0].get("int") == 0 and step == 1
 
 
 def _sizes(dims: list) -> list:

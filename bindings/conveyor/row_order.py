@@ -31,7 +31,7 @@ import re
 
 from .document import node_value_inputs, operator_at
 
-__all__ = ["key_order_problems"]
+__all__ = ["key_order_problems", "counts_from_zero", "SHAPE_ONLY"]
 
 # Ops that keep every element's value: a key's range and a tag survive them.
 _SAME_VALUES = {"aten::to", "aten::_to_copy", "aten::clone", "aten::contiguous", "aten::alias", "aten::detach",
@@ -40,7 +40,7 @@ _SAME_VALUES = {"aten::to", "aten::_to_copy", "aten::clone", "aten::contiguous",
 # Ops that keep each element in place (a cast): a permutation, a count survives them.
 _SAME_PLACES = {"aten::to", "aten::_to_copy", "aten::clone", "aten::contiguous", "aten::alias", "aten::detach"}
 # Ops that read a tensor for its shape, dtype or device alone.
-_SHAPE_ONLY = {"aten::empty_like", "aten::zeros_like", "aten::ones_like", "aten::full_like", "aten::new_zeros",
+SHAPE_ONLY = {"aten::empty_like", "aten::zeros_like", "aten::ones_like", "aten::full_like", "aten::new_zeros",
                "aten::new_ones", "aten::new_empty", "aten::new_full", "aten::new_empty_strided", "aten::sym_size",
                "aten::sym_numel", "aten::sym_stride", "aten::_assert_tensor_metadata"}
 # Grouped matrix products (rows argument, offsets argument): row i of the rows is multiplied
@@ -60,7 +60,7 @@ def _number(arg: dict) -> float | None:
     return None
 
 
-def _counts_from_zero(node: dict | None) -> bool:
+def counts_from_zero(node: dict | None) -> bool:
     """Whether `node` is arange(n), or arange(0, n) with a step of 1: 0, 1, 2, ..."""
     if node is None or node["op"] != "aten::arange":
         return False
@@ -171,7 +171,7 @@ class _KeyOrder:
     # -- the walk -----------------------------------------------------------------------------
     def visit(self, node: dict) -> None:
         self.writes(node)
-        if node["op"] in _SHAPE_ONLY:
+        if node["op"] in SHAPE_ONLY:
             return
         handlers = (self.cast, self.top_k, self.sort, self.divide, self.gather, self.invert, self.count,
                     self.running_sum, self.grouped, self.one_hot_rows, self.tally, self.tally_each, self.split,
@@ -301,7 +301,7 @@ class _KeyOrder:
         filled_with = args[2].get("value")
         accumulate = len(args) > 3 and args[3].get("bool", False)
         if (len(index) != 1 or index[0] not in self.permutation or accumulate
-                or not _counts_from_zero(self.producer.get(filled_with))
+                or not counts_from_zero(self.producer.get(filled_with))
                 or self.shape(filled_with) != self.shape(index[0])):
             return False
         for v in self.outputs(node) + [first]:
