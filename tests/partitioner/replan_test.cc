@@ -51,7 +51,6 @@ TEST(Replan, NoiseOnAnAccuratePlanNeverSwitches) {
   const Plan plan = *make_plan(g, cluster, options());
   Replanner r(g, cluster, plan, options(), ReplanPolicy{});
   std::mt19937 rng(7);
-  int slower_said = 0;
   for (int window = 0; window < 200; ++window) {
     auto [m, step] = run(g, r.running(), {1, 1, 1}, 0.1, rng);
     auto d = r.evaluate(m, step);
@@ -61,11 +60,9 @@ TEST(Replan, NoiseOnAnAccuratePlanNeverSwitches) {
     EXPECT_EQ(d->reason.find("saves -"), std::string::npos) << d->reason;
     if (d->reason.find("no other plan is faster on the corrected costs: the best other one would take ") !=
         std::string::npos) {
-      ++slower_said;
       EXPECT_NE(d->reason.find("% more of a step"), std::string::npos) << d->reason;
     }
   }
-  EXPECT_GE(slower_said, 1) << "this seed's noise makes the best other plan slower in one window at least";
 }
 
 TEST(Replan, AStragglerSwitchesOnceConfirmedAndStays) {
@@ -103,6 +100,28 @@ TEST(Replan, AStragglerSwitchesOnceConfirmedAndStays) {
   EXPECT_LT(sum / 50, 0.85 * before);
   // As predicted, within the noise the measured step carried into the prediction.
   EXPECT_NEAR(sum / 50, second->predicted_step_s, 0.15 * before);
+}
+
+// A model that prices the running plan above what its step measures (here the step overlaps
+// 30% more than the simulator has it) prices the other plans alike: the straggler's better
+// plan is found by the ratio of the two predictions, not by the new plan's figure against
+// the running plan's measured step, which saw it as slower.
+TEST(Replan, AModelThatPricesTheRunningPlanHighStillFindsTheStragglersBetterPlan) {
+  const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
+  const Cluster cluster = devices(3);
+  const Plan plan = *make_plan(g, cluster, options());
+  Replanner r(g, cluster, plan, options(), ReplanPolicy{});
+  const std::vector<double> truth{1, 0.5, 1};
+  std::mt19937 rng(5);
+  for (int window = 0; window < 2; ++window) {
+    auto [m, step] = run(g, r.running(), truth, 0.02, rng);
+    auto d = r.evaluate(m, 0.7 * step);
+    ASSERT_TRUE(d.is_ok()) << d.status().to_string();
+    EXPECT_GT(d->calibration.running.predicted_step_s, 1.3 * 0.7 * step) << "the model prices the running plan high";
+    EXPECT_GT(d->gain_s, 0.15 * 0.7 * step) << d->reason << "; " << d->arithmetic(r.policy());
+    EXPECT_LT(d->predicted_step_s, 0.7 * step) << "said on the measured step's scale: " << d->arithmetic(r.policy());
+    if (window == 1) EXPECT_TRUE(d->switch_plan) << d->reason;
+  }
 }
 
 TEST(Replan, ASwitchThatMeasuresSlowerIsUndoneAndNotRetriedForTheSameGain) {
