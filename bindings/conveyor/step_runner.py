@@ -4,6 +4,8 @@ capture that fits it, re-planning at the step boundary, a plan for larger sizes,
 pipeline that runs it, and what the step leaves behind (counters, the trace)."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .batch_feed import BatchFeed
@@ -19,6 +21,7 @@ from .microbatches import Microbatches, is_packed
 from .planning.plan_maker import plan_for_larger_sizes
 from .planning import Plan
 from .planning.replanning import switch_to
+from .planning.replanning_trace import STEPS, ReplanningTimeline, timeline_path
 from .users_rng import users_rng_kept
 
 __all__ = ["StepRunner"]
@@ -30,6 +33,7 @@ class StepRunner:
     def __init__(self, captures: CaptureSet, job: Job, optimizer, history: RunHistory, trace, batches: str = "same"):
         self.captures, self.job, self.optimizer, self.history, self.trace = captures, job, optimizer, history, trace
         self.feed = BatchFeed(job, batches)
+        self.timeline = None  # process 0, with trace= and re-planning: its timeline across steps
 
     def calls_of(self, args: tuple, kwargs: dict) -> tuple[list[list], bool] | None:
         """The flattened inputs of this call's step, and whether they are packed
@@ -67,6 +71,7 @@ class StepRunner:
     def train(self, calls: list[list], packed: bool, hold_gradients: bool):
         """One training step over `calls` (calls_of's): the loss and the pipeline that ran it."""
         state = self.captures.current
+        started = time.perf_counter()
         with users_rng_kept(self.captures.model):
             self._maybe_replan(state)
             plan_for_larger_sizes(state, calls, job=self.job, optimizer=self.optimizer, history=self.history,
@@ -82,12 +87,23 @@ class StepRunner:
         state.trained_steps += 1
         if pipeline is state.pipeline and state.replanning is not None:
             state.replanning.steps += 1
+            self._on_timeline(state.replanning, started)
         if self.trace is not None and (self.history.steps_run <= 2 or self.history.marker is not None):
             # The second step (past warm-up), or the first after a switch of plan, marked.
             markers = [(0.0, self.history.marker)] if self.history.marker is not None else []
             self.history.marker = None
             self._write_trace(pipeline, markers)
         return loss, pipeline
+
+    def _on_timeline(self, replanning, started: float) -> None:
+        """The step just run, on process 0's re-planning timeline (with trace= only): from its
+        call's start, the window's boundary included, to the end of its run."""
+        if self.trace is None or replanning.replanner is None:
+            return
+        if self.timeline is None:
+            self.timeline = ReplanningTimeline(timeline_path(self.trace), origin=started)
+        replanning.timeline = self.timeline
+        self.timeline.span(STEPS, f"step {self.history.steps_run}", started, time.perf_counter())
 
     def _write_trace(self, pipeline, markers: list) -> None:
         """The step's trace at `trace=`; across processes, each writes its own replicas' to

@@ -239,6 +239,38 @@ def assert_like_eager_mlp(net, ref, x, y, steps):
         assert (p - q).abs().max().item() <= TOLERANCE * max(q.abs().max().item(), FLOOR)
 
 
+def test_the_planner_thread_is_traced_beside_the_steps_it_runs_beside(tmp_path):
+    """With trace=, process 0's re-planning timeline holds each training step on one track and
+    each window's evaluation on the planner thread's: an evaluation starts at a window's
+    boundary, inside the step whose call reached it, and every window's decision is marked."""
+    net, x, y = token_mlp()
+    trace = tmp_path / "run.pftrace"
+    model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.01), loss_fn=torch.nn.MSELoss(),
+                            cluster=wrong_speeds_cluster(6.0), stages=1, replicas=2, microbatches=2, replan="auto",
+                            trace=trace)
+    steps = 2 + 3 * WINDOW  # windows end after steps 6, 11 and 16 (a switch starts counting again)
+    for _ in range(steps):
+        model.train_step(x, target=y)
+    events = json.loads((tmp_path / "run.replanning.json").read_text())["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    assert sorted(names.values()) == ["re-planning (the planner thread)", "training steps (the caller's thread)"]
+    steps_track = next(t for t, n in names.items() if n.startswith("training steps"))
+    planner_track = next(t for t, n in names.items() if n.startswith("re-planning"))
+    step_spans = [e for e in events if e["ph"] == "X" and e["tid"] == steps_track]
+    evaluations = [e for e in events if e["ph"] == "X" and e["tid"] == planner_track]
+    decisions = [e for e in events if e["ph"] == "i" and e["tid"] == planner_track]
+    # The file is written at each boundary: the last step's span comes after the last one.
+    assert [e["name"] for e in step_spans] == [f"step {k}" for k in range(1, steps)], step_spans
+    assert len(evaluations) >= 2, evaluations
+    assert [e["name"] for e in evaluations] == [f"evaluating window {k}" for k in range(1, len(evaluations) + 1)]
+    for evaluation in evaluations[:-1]:  # the last one's step is written at the next boundary
+        inside = [s for s in step_spans if s["ts"] <= evaluation["ts"] <= s["ts"] + s["dur"]]
+        assert len(inside) == 1, (evaluation, step_spans)
+        assert evaluation["args"]["reason"], evaluation
+    # Windows 1 and 2's decisions heard at the next boundaries (a switch's first window at once).
+    assert len(decisions) >= 2 and all(d["name"].startswith("decided: ") for d in decisions), decisions
+
+
 def test_a_replicated_stage_on_wrongly_rated_devices_gets_shares_that_match_their_speeds():
     """One stage on both devices, the second rated six times faster than it is: the plan
     gives it 55 of every 64 samples; re-planning measures it and splits about evenly."""

@@ -14,6 +14,8 @@ process that held it to each process whose new stages read it and lack it, and, 
 process has confirmed, whatever a process's new stages do not read released there. A
 process that dies during a move fails the others' waits, naming it, within the job's
 timeout; until every process has confirmed, each keeps all it held, so nothing is lost.
+With `trace=`, process 0 writes the planner's evaluations beside its steps
+(replanning_trace.py).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import torch
 
 from .. import _C
 from ..errors import ConveyorError, ExecutionError
+from .replanning_trace import PLANNER
 
 WINDOW = 5  # steps of the running pipeline between two evaluations
 PLANS = ("candidate", "running")  # a decision's plans (_C.Plan): on the wire, their documents
@@ -190,6 +193,8 @@ class Replanning:
         self.last: dict | None = None
         self.thinking: tuple | None = None  # process 0: (thread, result box) of the evaluation under way
         self.judging = False  # process 0: the next window judges a switch the Replanner decided
+        self.timeline = None  # process 0, with trace=: a ReplanningTimeline (replanning_trace.py)
+        self.windows = 0  # windows evaluated
 
     def due(self) -> bool:
         return self.steps >= 1 + WINDOW and (self.steps - 1) % WINDOW == 0
@@ -201,6 +206,7 @@ class Replanning:
         plan as the corrected inputs price it; the last of the Module's `switches` (forced
         ones included) gets its measured gain from the first window after it."""
         stages, step_s, waiting = merged_window(step.profile_report(), self.group)
+        self.windows += 1
         self._measure_switch(switches, step_s)
         decision = None
         if self.replanner is not None:
@@ -221,12 +227,20 @@ class Replanning:
         if decision is not None:
             step.set_prediction(decision["running"])
             self.last = decision
+        if self.timeline is not None:
+            if decision is not None:
+                self.timeline.instant(PLANNER, "decided: " + decision["reason"],
+                                      time.perf_counter(), arithmetic=decision["arithmetic"],
+                                      waited_for_planning_s=decision.get("waited_s", 0.0))
+            self.timeline.write()
         return decision
 
     def _think(self, stages: list, step_s: float, waiting: list) -> None:
         """Starts the evaluation of one window on a thread of its own."""
         measured = [{k: s[k] for k in FIGURES if k != "across_s"} for s in stages]
         box: dict = {}
+
+        window = self.windows
 
         def run():
             t0 = time.perf_counter()
@@ -235,7 +249,12 @@ class Replanning:
                                                           bytes_per_s=self.bytes_per_s)
             except BaseException as e:  # raised where the decision is heard, on the caller's thread
                 box["error"] = e
-            box["planning_s"] = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            box["planning_s"] = t1 - t0
+            if self.timeline is not None:
+                decided = box.get("decision")
+                self.timeline.span(PLANNER, f"evaluating window {window}", t0, t1,
+                                   reason=decided["reason"] if decided else repr(box.get("error")))
 
         thread = threading.Thread(target=run, name="conveyor-replanning", daemon=True)
         thread.start()

@@ -1,0 +1,66 @@
+"""Re-planning's timeline across steps, beside the step trace: process 0's training steps on
+one track and the planner thread's evaluations on another, so that a window's planning is
+seen running while the next steps train; each decision heard and each switch an instant
+event. The step trace (`trace=`) holds one step's actions; this one spans the run.
+
+Written as Chrome JSON trace events (ui.perfetto.dev, chrome://tracing) to
+`<trace's stem>.replanning.json` on process 0, rewritten at each window's boundary. It keeps
+the last `KEPT` events, so a long run's memory and file stay bounded."""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+__all__ = ["ReplanningTimeline", "timeline_path"]
+
+KEPT = 4000
+STEPS, PLANNER = 1, 2  # the tracks (Chrome trace "threads" of process 0)
+TRACK_NAMES = {STEPS: "training steps (the caller's thread)", PLANNER: "re-planning (the planner thread)"}
+
+
+def timeline_path(trace: str | os.PathLike) -> Path:
+    """run.pftrace -> run.replanning.json; run.json -> run.replanning.json."""
+    path = Path(trace)
+    return path.with_name(path.stem + ".replanning.json")
+
+
+class ReplanningTimeline:
+    """Spans and instants on the tracks above, in microseconds since it was made; safe to
+    add to from the planner thread."""
+
+    def __init__(self, path: str | os.PathLike, origin: float | None = None):
+        self.path = Path(path)
+        self._origin = time.perf_counter() if origin is None else origin
+        self._events: collections.deque = collections.deque(maxlen=KEPT)
+        self._lock = threading.Lock()
+
+    def _us(self, t: float) -> float:
+        return (t - self._origin) * 1e6
+
+    def span(self, track: int, name: str, start: float, end: float, **args) -> None:
+        """A slice from `start` to `end` (time.perf_counter() seconds)."""
+        event = {"ph": "X", "pid": 0, "tid": track, "name": name, "ts": self._us(start),
+                 "dur": max(0.0, (end - start) * 1e6), "args": args}
+        with self._lock:
+            self._events.append(event)
+
+    def instant(self, track: int, name: str, at: float, **args) -> None:
+        event = {"ph": "i", "s": "t", "pid": 0, "tid": track, "name": name, "ts": self._us(at), "args": args}
+        with self._lock:
+            self._events.append(event)
+
+    def write(self) -> None:
+        """The events kept so far, as one JSON document (written aside, then renamed: a reader
+        never sees half a file)."""
+        meta = [{"ph": "M", "pid": 0, "name": "process_name", "args": {"name": "conveyor process 0"}}]
+        meta += [{"ph": "M", "pid": 0, "tid": t, "name": "thread_name", "args": {"name": n}}
+                 for t, n in TRACK_NAMES.items()]
+        with self._lock:
+            events = list(self._events)
+        aside = self.path.with_name(self.path.name + ".partial")
+        aside.write_text(json.dumps({"traceEvents": meta + events, "displayTimeUnit": "ms"}))
+        os.replace(aside, self.path)
