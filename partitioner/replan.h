@@ -95,6 +95,11 @@ class Replanner {
   static std::string shape_key(const Plan& plan);
 
  private:
+  /// costs_ and cluster_ as profiled, corrected by `factors`, and the running plan priced on them.
+  Status price_with(const Factors& factors);
+  /// Where the running plan is priced above its measured step and communicates, the links
+  /// priced down until it is not (replan.cc says why); applied_ keeps the link factor used.
+  Status fit_links(double measured_step_s);
   CostGraph base_costs_, costs_;  // as profiled; corrected by applied_
   Cluster base_cluster_, cluster_;
   Factors smoothed_, applied_;

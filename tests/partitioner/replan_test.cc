@@ -124,6 +124,40 @@ TEST(Replan, AModelThatPricesTheRunningPlanHighStillFindsTheStragglersBetterPlan
   }
 }
 
+// A data-parallel stage whose gradient sum the backward hides: its step measures the compute
+// alone while the sum's span (ready to done) is all of it, and the simulator places the sum
+// after the backward. The links are priced down until the running plan's price meets its
+// step, so a pipeline, which has no sum, is not credited with time the sum never cost.
+TEST(Replan, AGradientSumTheBackwardHidesIsNotCreditedToAPlanWithoutIt) {
+  const CostGraph g = testing::uniform_chain(12, 1e-4, 2e-4, 4e7, 1e5);  // 480 MB of parameters
+  const Cluster cluster = devices(2);
+  PlanOptions o = options();
+  o.max_replicas = 2;
+  o.microbatches = 1;
+  o.ranks = 1;  // the running plan: one stage, a replica on each device
+  o.replicas = {2};
+  const Plan running = *make_plan(g, cluster, o);
+  ASSERT_EQ(running.stages.size(), 1u);
+  ASSERT_EQ(running.stages[0].replicas, 2);
+  ASSERT_GT(running.stages[0].allreduce_s, running.stages[0].forward_s + running.stages[0].backward_s);
+  o.ranks = 0;
+  o.replicas.clear();
+  o.microbatches = 0;
+  Replanner r(g, cluster, running, o, ReplanPolicy{});
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<double> jitter(0.95, 1.05);
+  for (int window = 0; window < 10; ++window) {
+    const StagePlan& p = r.running().stages[0];
+    const double compute = (p.forward_s + p.backward_s) * jitter(rng);
+    std::vector<StageMeasurement> m{{p.forward_s, p.backward_s, 0, {}, 0, p.allreduce_s}};
+    auto d = r.evaluate(m, compute * 1.05);  // the sum all but hidden behind the backward
+    ASSERT_TRUE(d.is_ok()) << d.status().to_string();
+    ASSERT_FALSE(d->switch_plan) << "window " << window << ": " << d->reason << "; " << d->arithmetic(r.policy());
+    EXPECT_NEAR(d->calibration.running.predicted_step_s, compute * 1.05, 0.05 * compute) << "priced as measured";
+    EXPECT_LT(d->calibration.factors.link, 0.5) << "the links priced down";
+  }
+}
+
 TEST(Replan, ASwitchThatMeasuresSlowerIsUndoneAndNotRetriedForTheSameGain) {
   const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
   const Cluster cluster = devices(3);
