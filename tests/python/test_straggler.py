@@ -1,5 +1,5 @@
 """Re-planning reads a straggler in a data-parallel stage for what it is: two processes each
-run a replica of the only stage, one shares its core with a CPU hog. The slow process's
+run a replica of the only stage, one shares its core with CPU hogs. The slow process's
 device gets the lower speed whichever process it is (process 0 plans; it used to read its
 own slowness as every device's), and the time the fast process waits for it inside the
 gradient sum is reported as waiting, not booked as link time."""
@@ -18,16 +18,16 @@ WORKER = Path(__file__).with_name("straggler_worker.py")
 
 pytestmark = [
     pytest.mark.skipif(bool(_C.ucx_status()), reason=f"UCX cannot start here: {_C.ucx_status()}"),
-    pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores: one per process, the hog on one"),
+    pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores: one per process, the hogs on one"),
 ]
 
 
 def two_idle_cores() -> None:
-    """The straggler is made by a hog on one core: other work on the machine's cores slows
+    """The straggler is made by hogs on one core: other work on the machine's cores slows
     the other process too, and which one is slower is then anybody's guess."""
     load = os.getloadavg()[0]
     if load > 1.5:
-        pytest.skip(f"needs two idle cores: the machine's load is {load:.1f} (the hog alone must make the straggler)")
+        pytest.skip(f"needs two idle cores: the machine's load is {load:.1f} (the hogs alone must make the straggler)")
 
 
 def first_window(straggler: int, tmp_path) -> dict:

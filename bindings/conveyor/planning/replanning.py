@@ -239,7 +239,6 @@ class Replanning:
         """Starts the evaluation of one window on a thread of its own."""
         measured = [{k: s[k] for k in FIGURES if k != "across_s"} for s in stages]
         box: dict = {}
-
         window = self.windows
 
         def run():
