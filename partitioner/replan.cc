@@ -169,16 +169,18 @@ Status Replanner::fit_links(double measured_step_s) {
   double low = 1e-3, high = 1.0;  // of the link factor: too low a price at `low`, too high at `high`
   fitted.link = applied_.link * low;
   CONVEYOR_RETURN_IF_ERROR(price_with(fitted));
-  if (running_.predicted_step_s < measured_step_s) {
-    for (int i = 0; i < 20 && high / low > 1.01; ++i) {
-      const double mid = std::sqrt(low * high);
-      fitted.link = applied_.link * mid;
-      CONVEYOR_RETURN_IF_ERROR(price_with(fitted));
-      (running_.predicted_step_s > measured_step_s ? high : low) = mid;
-    }
-    fitted.link = applied_.link * high;
+  // Links all but free still price the step above its measure: the compute's price is what
+  // is off, not the links'. They stay as measured (priced at a thousandth, every pipeline's
+  // sends would look free).
+  if (running_.predicted_step_s >= measured_step_s) return price_with(applied_);
+  for (int i = 0; i < 20 && high / low > 1.01; ++i) {
+    const double mid = std::sqrt(low * high);
+    fitted.link = applied_.link * mid;
     CONVEYOR_RETURN_IF_ERROR(price_with(fitted));
+    (running_.predicted_step_s > measured_step_s ? high : low) = mid;
   }
+  fitted.link = applied_.link * high;
+  CONVEYOR_RETURN_IF_ERROR(price_with(fitted));
   applied_ = fitted;
   return Status::ok();
 }

@@ -158,6 +158,33 @@ TEST(Replan, AGradientSumTheBackwardHidesIsNotCreditedToAPlanWithoutIt) {
   }
 }
 
+TEST(Replan, AStepMeasuredBelowItsComputesPriceLeavesTheLinksAsMeasured) {
+  // The step measures below what its compute alone is priced at (the replicas' compute
+  // overlapped): no link price could make up for it, so the links keep their measure rather
+  // than being priced down to nothing, which would make every pipeline's sends look free.
+  const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
+  const Cluster cluster = devices(2);
+  PlanOptions o = options();
+  o.max_replicas = 2;
+  o.microbatches = 1;
+  o.ranks = 1;
+  o.replicas = {2};
+  const Plan running = *make_plan(g, cluster, o);
+  ASSERT_EQ(running.stages.size(), 1u);
+  ASSERT_GT(running.stages[0].allreduce_s, 0);
+  o.ranks = 0;
+  o.replicas.clear();
+  o.microbatches = 0;
+  Replanner r(g, cluster, running, o, ReplanPolicy{});
+  for (int window = 0; window < 4; ++window) {
+    const StagePlan& p = r.running().stages[0];
+    std::vector<StageMeasurement> m{{p.forward_s, p.backward_s, 0, {}, 0, p.allreduce_s}};
+    auto d = r.evaluate(m, (p.forward_s + p.backward_s) * 0.5);
+    ASSERT_TRUE(d.is_ok()) << d.status().to_string();
+    EXPECT_GT(d->calibration.factors.link, 0.5) << "window " << window << ": the links kept their measure";
+  }
+}
+
 TEST(Replan, ASwitchThatMeasuresSlowerIsUndoneAndNotRetriedForTheSameGain) {
   const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
   const Cluster cluster = devices(3);
