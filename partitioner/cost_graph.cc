@@ -29,12 +29,21 @@ std::uint64_t fnv1a(std::string_view text) {
 
 bool finite_nonneg(double v) { return std::isfinite(v) && v >= 0; }
 
+// A document's optional top-level `key`, a fraction from 0 to 1 (0 when absent).
+double fraction_or(const json& doc, const std::string& key) {
+  if (!doc.contains(key)) return 0;
+  const double f = as_amount(doc[key], "/" + key);
+  if (f > 1) throw JsonError("/" + key, "expected a fraction from 0 to 1");
+  return f;
+}
+
 }  // namespace
 
 Status CostGraph::validate() const {
   auto bad = [&](const std::string& msg) { return Status(ErrorCode::kInvalidGraph, "cost graph '" + name + "': " + msg); };
   if (microbatch < 1) return bad("microbatch must be at least 1");
   if (min_share < 1) return bad("min_share must be at least 1");
+  if (!(fixed_fraction >= 0 && fixed_fraction <= 1)) return bad("fixed_fraction must be between 0 and 1");
   if (ops.empty()) return bad("it has no operators");
   for (std::size_t v = 0; v < values.size(); ++v) {
     const auto& val = values[v];
@@ -101,6 +110,7 @@ Result<CostGraph> CostGraph::from_json(std::string_view text) {
       g.min_share = as_int_in(doc["min_share"], "/min_share", 1);
       if (g.min_share < 1) throw JsonError("/min_share", "expected at least 1");
     }
+    g.fixed_fraction = fraction_or(doc, "fixed_fraction");
     if (doc.contains("params")) {
       const auto& ps = as_array(doc["params"], "/params");
       for (std::size_t i = 0; i < ps.size(); ++i) {
@@ -200,6 +210,7 @@ std::string CostGraph::to_json() const {
   if (!device.empty()) doc["device"] = device;
   doc["microbatch"] = microbatch;
   if (min_share > 1) doc["min_share"] = min_share;
+  if (fixed_fraction > 0) doc["fixed_fraction"] = fixed_fraction;
   json ps = json::array();
   for (const auto& p : params) ps.push_back({{"name", p.name}, {"bytes", p.bytes}});
   doc["params"] = std::move(ps);
@@ -253,6 +264,7 @@ Result<Profile> Profile::from_json(std::string_view text) {
     p.microbatch = as_int_in(field(doc, "", "microbatch"), "/microbatch", 1);
     if (p.microbatch < 1) throw JsonError("/microbatch", "expected at least 1");
     if (doc.contains("torch")) p.torch_version = as_string(doc["torch"], "/torch");
+    p.fixed_fraction = fraction_or(doc, "fixed_fraction");
     const auto& nodes = as_array(field(doc, "", "nodes"), "/nodes");
     for (std::size_t i = 0; i < nodes.size(); ++i) {
       const std::string path = "/nodes/" + std::to_string(i);
@@ -295,6 +307,7 @@ std::string Profile::to_json() const {
   doc["graph_hash"] = graph_hash;
   doc["device"] = device;
   doc["microbatch"] = microbatch;
+  if (fixed_fraction > 0) doc["fixed_fraction"] = fixed_fraction;
   if (!torch_version.empty()) doc["torch"] = torch_version;
   json nodes_j = json::array();
   for (const auto& n : nodes) {
@@ -335,6 +348,7 @@ Result<CostGraph> cost_graph_from_profile(const graph::Graph& g, const Profile& 
   CostGraph c;
   c.device = profile.device;
   c.microbatch = profile.microbatch;
+  c.fixed_fraction = profile.fixed_fraction;
   for (const auto& [symbol, role] : g.symbols) {
     if (role != "batch") continue;
     if (auto r = g.ranges.find(symbol); r != g.ranges.end()) {

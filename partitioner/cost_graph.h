@@ -57,6 +57,10 @@ struct CostGraph {
   /// (a kernel chosen by size, a branch on the batch). The planner keeps every share at least
   /// this large.
   int min_share = 1;
+  /// The part of the operators' time that does not shrink with the samples they compute on
+  /// (0..1): a replica computing a share s of `microbatch` samples takes the measured time
+  /// x (fixed_fraction + (1 - fixed_fraction) s) (docs/planner.md). 0: in proportion.
+  double fixed_fraction = 0;
   std::vector<CostOp> ops;  ///< in a topological order: an op reads only values of earlier ops
   std::vector<CostValue> values;
   std::vector<CostParam> params;
@@ -85,6 +89,7 @@ struct Profile {
   std::string graph_hash;  ///< graph_hash() of the graph it was measured on
   std::string device;
   int microbatch = 1;
+  double fixed_fraction = 0;                    ///< as CostGraph's
   std::vector<NodeProfile> nodes;               ///< indexed by node id
   std::vector<double> value_bytes;              ///< indexed by value id; 0 for non-tensors
   std::vector<int> value_saved_by;              ///< indexed by value id: the node whose saved_bytes hold it, -1 none (empty: unknown)

@@ -99,9 +99,9 @@ StagePlan stage_plan(const Units& u, const CutStates& cs, int inner, int outer, 
   sp.first_device = first;
   sp.replicas = replicas;
   sp.shares = model.shares(first, replicas);
-  sp.forward_s = ss.fwd * model.scale() / e.speed + model.options().action_overhead_s;
-  sp.backward_s = (ss.forward_again(e.recompute) + ss.bwd) * model.scale() / e.speed + model.options().action_overhead_s;
-  sp.backward_weight_s = weight_half(ss.bwd, ss.bwd_w, ss.in_bytes > 0) * model.scale() / e.speed;
+  sp.forward_s = ss.fwd * e.time_per_work + model.options().action_overhead_s;
+  sp.backward_s = (ss.forward_again(e.recompute) + ss.bwd) * e.time_per_work + model.options().action_overhead_s;
+  sp.backward_weight_s = weight_half(ss.bwd, ss.bwd_w, ss.in_bytes > 0) * e.time_per_work;
   sp.send_bytes = has_next ? ss.out_bytes * model.scale() : 0;
   sp.recv_bytes = has_prev ? ss.in_bytes * model.scale() : 0;
   sp.allreduce_s = e.allreduce;
@@ -385,7 +385,7 @@ Result<Plan> make_plan(const CostGraph& g, const Cluster& cluster, const PlanOpt
       const auto deadline = time_out == std::chrono::steady_clock::time_point::max() || now >= time_out
                                 ? time_out
                                 : now + (time_out - now) / (searches - searched);
-      Model model(cluster, options, m, mk, g.microbatch, g.min_share);
+      Model model(cluster, options, m, mk, g);
       bool exact_out_of_time = false;
       const CutStates* states = have_downsets ? &exact_states : &linear;
       // Fixed ranks: only the exact search counts stages (over block prefixes when the
@@ -474,7 +474,7 @@ Result<Plan> make_plan(const CostGraph& g, const Cluster& cluster, const PlanOpt
     hi = std::max(hi * 4, 1.0);
     for (int it = 0; it < 60; ++it) {
       const double mid = (lo + hi) / 2;
-      Model model(cluster, options, m, ScheduleKind::kOneFOneB, g.microbatch, g.min_share, mid);
+      Model model(cluster, options, m, ScheduleKind::kOneFOneB, g, mid);
       BottleneckSearch search(units, linear, model);
       if (search.feasible(kInf, nullptr)) hi = mid; else lo = mid;
       if (hi - lo < 1e-3 * hi) break;
@@ -562,7 +562,7 @@ Result<Plan> plan_candidate(const CostGraph& g, const Cluster& cluster, const Pl
     cs.sets.push_back(b);
   }
   fill_sums(units, cs);
-  Model model(cluster, options, c.microbatches, memory_kind(c.schedule), g.microbatch, g.min_share);
+  Model model(cluster, options, c.microbatches, memory_kind(c.schedule), g);
   for (int r : c.replicas) {
     if (r > model.max_replicas()) {
       return Status(ErrorCode::kInvalidArgument,

@@ -36,32 +36,36 @@ Status check_devices(const StagePlan& p, std::size_t stage, int devices) {
                                                  ", outside the cluster's " + std::to_string(devices));
 }
 
-// Per replica of `p` on `devices`, its share's time at its device's speed (share over
-// speed); empty when the plan gives no shares for it.
-std::vector<double> share_times(const StagePlan& p, const std::vector<Device>& devices) {
+// Per replica of `p` on `devices`, its share's time at its device's speed, per second of
+// the stage's work measured at the profile's microbatch (SharePricing); empty when the plan
+// gives no shares for it.
+std::vector<double> share_times(const StagePlan& p, const std::vector<Device>& devices, const SharePricing& pricing) {
   std::vector<double> out;
   if (static_cast<int>(p.shares.size()) != p.replicas || p.first_device + p.replicas > static_cast<int>(devices.size())) {
     return out;
   }
-  for (int i = 0; i < p.replicas; ++i) out.push_back(p.shares[i] / std::max(devices[p.first_device + i].speed, 1e-12));
+  const double fixed = pricing.fixed_fraction;
+  for (int i = 0; i < p.replicas; ++i) {
+    out.push_back((fixed + (1 - fixed) * pricing.scale * p.shares[i]) / std::max(devices[p.first_device + i].speed, 1e-12));
+  }
   return out;
 }
 
 // Per replica: its share's time over the slowest replica's (which the stage's time is).
-std::vector<double> replica_fractions(const StagePlan& p, const std::vector<Device>& devices) {
-  std::vector<double> out = share_times(p, devices);
+std::vector<double> replica_fractions(const StagePlan& p, const std::vector<Device>& devices,
+                                      const SharePricing& pricing) {
+  std::vector<double> out = share_times(p, devices, pricing);
   const double slowest = out.empty() ? 0 : *std::max_element(out.begin(), out.end());
   if (slowest <= 0) return std::vector<double>(static_cast<std::size_t>(p.replicas), 1.0);
   for (double& x : out) x /= slowest;
   return out;
 }
 
-// The speed a stage runs at on `devices` with the shares it runs (the plan's): one over its
-// slowest replica's share time; 0 when the plan gives no shares.
-double running_speed(const StagePlan& p, const std::vector<Device>& devices) {
-  const std::vector<double> times = share_times(p, devices);
-  const double slowest = times.empty() ? 0 : *std::max_element(times.begin(), times.end());
-  return slowest > 0 ? 1.0 / slowest : 0;
+// A stage's time per second of its work at the profile's microbatch, on `devices` with the
+// shares it runs (the plan's): its slowest replica's; 0 when the plan gives no shares.
+double running_time_per_work(const StagePlan& p, const std::vector<Device>& devices, const SharePricing& pricing) {
+  const std::vector<double> times = share_times(p, devices, pricing);
+  return times.empty() ? 0 : *std::max_element(times.begin(), times.end());
 }
 
 // What a stage's measured times are scaled by before they count towards the common factor:
@@ -82,8 +86,13 @@ double fastest_replicas_scale(const std::vector<double>& replica_compute_s, cons
 
 }  // namespace
 
+SharePricing share_pricing(const CostGraph& costs, const Plan& plan) {
+  const double samples = plan.microbatches > 0 ? static_cast<double>(plan.batch) / plan.microbatches : 0;
+  return {std::clamp(costs.fixed_fraction, 0.0, 1.0), samples > 0 ? samples / costs.microbatch : 1.0};
+}
+
 Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasurement>& measured, int devices,
-                                double action_overhead_s) {
+                                double action_overhead_s, const SharePricing& pricing) {
   const std::size_t stages = plan.stages.size();
   if (measured.size() != stages) {
     return Status(ErrorCode::kInvalidArgument, "measurements of " + std::to_string(measured.size()) +
@@ -102,7 +111,7 @@ Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasure
     // The common factor is the profile's error, which every device shows alike: read from the
     // stage's fastest replica, so that a straggler among its replicas (whose time the stage's
     // is) shows as that device's speed, not as every device's.
-    const double reference = fastest_replicas_scale(m.replica_compute_s, replica_fractions(p, plan.devices),
+    const double reference = fastest_replicas_scale(m.replica_compute_s, replica_fractions(p, plan.devices, pricing),
                                                     m.forward_s + m.backward_s + m.backward_weight_s);
     mf.push_back(m.forward_s * reference);
     mb.push_back(m.backward_s * reference);
@@ -126,7 +135,7 @@ Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasure
     const StageMeasurement& m = measured[s];
     const double predicted = pf[s] * f.forward + pb[s] * f.backward + pw[s] * f.weight;
     const double whole = m.forward_s + m.backward_s + m.backward_weight_s;
-    const std::vector<double> fraction = replica_fractions(p, plan.devices);
+    const std::vector<double> fraction = replica_fractions(p, plan.devices, pricing);
     for (int i = 0; i < p.replicas; ++i) {
       const double mine = i < static_cast<int>(m.replica_compute_s.size()) ? m.replica_compute_s[i] : whole;
       if (mine <= 0 || predicted <= 0) continue;  // not measured here
@@ -199,8 +208,8 @@ Result<Plan> reprice(const CostGraph& costs, const Cluster& cluster, const PlanO
   }
   PlanOptions o = options;
   o.batch = plan.batch > 0 ? plan.batch : options.batch;
-  const detail::Model model(cluster, o, std::max(plan.microbatches, 1), plan.schedule, costs.microbatch,
-                            costs.min_share);
+  const detail::Model model(cluster, o, std::max(plan.microbatches, 1), plan.schedule, costs);
+  const SharePricing pricing{std::clamp(costs.fixed_fraction, 0.0, 1.0), model.scale()};
   for (std::size_t s = 0; s < out.stages.size(); ++s) {
     StagePlan& p = out.stages[s];
     CONVEYOR_RETURN_IF_ERROR(check_devices(p, s, static_cast<int>(cluster.devices.size())));
@@ -215,12 +224,13 @@ Result<Plan> reprice(const CostGraph& costs, const Cluster& cluster, const PlanO
       bwd += costs.ops[id].backward_s;
       bwd_w += costs.ops[id].backward_weight_s;
     }
-    const double running = running_speed(p, cluster.devices);  // the shares it runs, on the devices as now
-    const double speed = running > 0 ? running : model.speed(p.first_device, p.replicas);
-    p.forward_s = fwd * model.scale() / speed + o.action_overhead_s;
-    p.backward_s = bwd * model.scale() / speed + o.action_overhead_s;
+    // The shares it runs, on the devices as now; without shares, as the planner prices them.
+    double per_work = running_time_per_work(p, cluster.devices, pricing);
+    if (per_work <= 0) per_work = model.time_per_work(p.first_device, p.replicas);
+    p.forward_s = fwd * per_work + o.action_overhead_s;
+    p.backward_s = bwd * per_work + o.action_overhead_s;
     p.allreduce_s = model.allreduce_time(p.param_bytes, p.first_device, p.replicas);
-    p.backward_weight_s = detail::weight_half(bwd, bwd_w, p.recv_bytes > 0) * model.scale() / speed;
+    p.backward_weight_s = detail::weight_half(bwd, bwd_w, p.recv_bytes > 0) * per_work;
   }
   CONVEYOR_ASSIGN_OR_RETURN(auto sim, out.simulate());
   out.predicted_step_s = sim.step_time_s;
@@ -231,7 +241,7 @@ Result<Plan> reprice(const CostGraph& costs, const Cluster& cluster, const PlanO
 Result<Calibration> recalibrate(const CostGraph& costs, const Cluster& cluster, const PlanOptions& options,
                                 const Plan& plan, const std::vector<StageMeasurement>& measured, double tolerance) {
   CONVEYOR_ASSIGN_OR_RETURN(Factors raw, measure_factors(plan, measured, static_cast<int>(cluster.devices.size()),
-                                                         options.action_overhead_s));
+                                                         options.action_overhead_s, share_pricing(costs, plan)));
   Calibration out{costs, cluster, plan, settle(raw, tolerance)};
   apply_factors(out.factors, out.costs, out.cluster);
   CONVEYOR_ASSIGN_OR_RETURN(out.running, reprice(out.costs, out.cluster, options, plan));

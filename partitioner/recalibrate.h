@@ -37,6 +37,16 @@ struct Factors {
   double link = 1;
 };
 
+/// How a replica's time grows with its share of a microbatch: the measured time of the
+/// profile's microbatch x (fixed_fraction + (1 - fixed_fraction) x scale x share), where
+/// scale is the plan's microbatch over the profile's (CostGraph::fixed_fraction).
+struct SharePricing {
+  double fixed_fraction = 0;
+  double scale = 1;
+};
+/// `costs`' pricing of `plan`'s microbatches.
+SharePricing share_pricing(const CostGraph& costs, const Plan& plan);
+
 /// The factors `measured` shows against `plan`'s predictions: each kind's median ratio over
 /// the stages; for each device, what its replicas measured beyond that (over the corrected
 /// prediction), as a speed multiplier; the links' median ratio over the stages' transfers and
@@ -44,9 +54,10 @@ struct Factors {
 /// measurement count other than the plan's stages, a stage on devices outside the cluster,
 /// a negative or non-finite measurement.
 /// `action_overhead_s`: what the plan's stage times include per action beyond the operators
-/// (PlanOptions::action_overhead_s), which the measured compute does not.
+/// (PlanOptions::action_overhead_s), which the measured compute does not. `pricing`: how
+/// each replica's share of the stage's time was priced.
 Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasurement>& measured, int devices,
-                                double action_overhead_s = 0);
+                                double action_overhead_s = 0, const SharePricing& pricing = {});
 
 /// `factors` with what is within the tolerance taken as noise (set to 1): a kind's factor
 /// and the links' within half of it, a device's speed within it.

@@ -192,7 +192,8 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   }
   ReplanDecision d;
   const int devices = static_cast<int>(base_cluster_.devices.size());
-  CONVEYOR_ASSIGN_OR_RETURN(Factors raw, measure_factors(running_, measured, devices, options_.action_overhead_s));
+  CONVEYOR_ASSIGN_OR_RETURN(Factors raw, measure_factors(running_, measured, devices, options_.action_overhead_s,
+                                                         share_pricing(costs_, running_)));
   // Against the profile: this window's factors on top of those its prediction already had.
   if (applied_.speed.empty()) applied_.speed.assign(devices, 1.0);
   Factors seen = zip(raw, applied_, [](double r, double a) { return r * a; });

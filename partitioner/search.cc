@@ -77,7 +77,7 @@ Solution exact_search(const CutStates& cs, const StagePairs& pairs, const Model&
         const auto [r_lo, r_hi] = model.replica_range(j, n - used);
         for (int r = r_lo; r <= r_hi; ++r) {
           const int left = n - used - r;  // devices for the stages before this one
-          const double rest_work = (cs.fwd[inner] + cs.bwd[inner]) * model.scale();
+          const double rest_work = (cs.fwd[inner] + cs.bwd[inner]) * model.work_scale();
           if (rest_work > 0 && left == 0) continue;
           const double rest = rest_work > 0 ? rest_work / model.speed(0, left) : 0;
           const StageEval e = model.eval(ss, left, r, j, used > 0);
@@ -221,15 +221,15 @@ class BranchAndBound {
           return;
         }
         const int left = n - used - r;
-        const double rest_work = (cs_.fwd[inner] + cs_.bwd[inner]) * model_.scale();
+        const double rest_work = (cs_.fwd[inner] + cs_.bwd[inner]) * model_.work_scale();
         if (rest_work > 0 && left == 0) continue;
         const double speed_left = left > 0 ? model_.total_speed(0, left) : 1;
         const StageEval e = model_.eval(ss, left, r, j, used > 0);
         if (!e.fits()) continue;
-        const double forward = ss.fwd * model_.scale() / e.speed + model_.options().action_overhead_s;
+        const double forward = ss.fwd * e.time_per_work + model_.options().action_overhead_s;
         const Fixed f{inner, outer, r, e.compute, forward, e.comm};
         stack_.push_back(f);
-        const double lb = lower_bound(rest_work / speed_left, cs_.fwd[inner] * model_.scale() / speed_left);
+        const double lb = lower_bound(rest_work / speed_left, cs_.fwd[inner] * model_.work_scale() / speed_left);
         stack_.pop_back();
         if (lb < best_.step_s) children.push_back({lb, f});
       }

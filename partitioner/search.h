@@ -114,7 +114,7 @@ class BottleneckSearch {
       const int r = model_.options().replicas[0];
       return r <= max_r && ok(r) ? r : -1;
     }
-    const double work = (ss.fwd + ss.bwd) * model_.scale();
+    const double work = (ss.fwd + ss.bwd) * model_.work_scale();  // a bound: compute >= work / speed
     // The fewest replicas whose speed meets `work / t` (speed grows with r).
     int lo = 1;
     if (std::isfinite(t)) {

@@ -51,7 +51,8 @@ struct StageEval {
   // per device, while its backward runs: working memory and what a recomputing stage holds again
   double backward_extra_bytes = 0;
   double capacity = 0;   // the smallest memory among the stage's devices
-  double speed = 0;
+  double speed = 0;          // of the shares: one over the slowest share's time (Model::speed)
+  double time_per_work = 0;  // Model::time_per_work
   double max_share = 1;
   int in_flight = 0;
   Recomputation recompute = Recomputation::kNone;  // compute includes what it runs again
@@ -61,14 +62,16 @@ struct StageEval {
 /// The cost model for one microbatch count and schedule (docs/planner.md).
 class Model {
  public:
-  Model(const Cluster& cluster, const PlanOptions& options, int microbatches, ScheduleKind kind, double profile_mb,
-        int min_share = 1, double memory_override = 0)
+  /// `costs` gives the profile's microbatch, the least share and the fixed fraction.
+  Model(const Cluster& cluster, const PlanOptions& options, int microbatches, ScheduleKind kind, const CostGraph& costs,
+        double memory_override = 0)
       : cluster_(cluster), options_(options), m_(microbatches), kind_(kind), memory_override_(memory_override) {
     n_ = static_cast<int>(cluster.devices.size());
     // Replicas split a microbatch evenly: each must keep at least `min_share` samples.
-    max_replicas_ = std::max(1, (options.batch / microbatches) / std::max(1, min_share));
+    max_replicas_ = std::max(1, (options.batch / microbatches) / std::max(1, costs.min_share));
     if (options.max_replicas > 0) max_replicas_ = std::min(max_replicas_, options.max_replicas);
-    scale_ = (static_cast<double>(options.batch) / microbatches) / profile_mb;
+    scale_ = (static_cast<double>(options.batch) / microbatches) / costs.microbatch;
+    fixed_ = std::clamp(costs.fixed_fraction, 0.0, 1.0);
     speed_prefix_.assign(static_cast<std::size_t>(n_) + 1, 0);
     std::vector<double> mem(n_), speed(n_);
     for (int d = 0; d < n_; ++d) {
@@ -86,7 +89,19 @@ class Model {
   int max_replicas() const { return max_replicas_; }
   int microbatches() const { return m_; }
   ScheduleKind kind() const { return kind_; }
+  /// A microbatch's samples over the profile's: what its bytes are scaled by.
   double scale() const { return scale_; }
+  /// Of the time measured for the profile's microbatch, the least a microbatch's computing
+  /// takes summed over replicas (each pays the fixed part at least once): the work that
+  /// bounds a search from below.
+  double work_scale() const { return fixed_ + (1 - fixed_) * scale_; }
+  /// A stage's time per microbatch on devices [first, first + r), per second of its work
+  /// measured at the profile's microbatch: its slowest replica's, each replica paying the
+  /// fixed part whole and its share of the rest, at its device's speed.
+  double time_per_work(int first, int r) const {
+    if (options_.even_shares || alike(first, r)) return (fixed_ + (1 - fixed_) * scale_ / r) / min_speed_.query(first, r);
+    return weighted(first, r).time_per_work;
+  }
   /// The speed of a stage on devices [first, first + r): with even shares r times the
   /// slowest's (every replica waits for it); else, shares weighted by speed in whole samples
   /// (common/shares.h, as the runtime splits), one over the slowest share's time.
@@ -169,8 +184,9 @@ class Model {
     StageEval e;
     e.recompute = recompute;
     e.speed = speed(first, r);
+    e.time_per_work = time_per_work(first, r);
     e.max_share = max_share(first, r);
-    e.compute = (s.fwd + s.forward_again(recompute) + s.bwd) * scale_ / e.speed + 2 * options_.action_overhead_s;
+    e.compute = (s.fwd + s.forward_again(recompute) + s.bwd) * e.time_per_work + 2 * options_.action_overhead_s;
     e.comm = has_next ? comm_time(s.out_bytes, first + r - 1, r) : 0;
     e.allreduce = allreduce_time(s.params, first, r);
     e.in_flight = in_flight(stages_after);
@@ -202,7 +218,7 @@ class Model {
  private:
   bool alike(int first, int r) const { return min_speed_.query(first, r) == max_speed_.query(first, r); }
   struct Weighted {
-    double speed = 0, max_share = 0;
+    double speed = 0, max_share = 0, time_per_work = 0;
     std::vector<double> shares;
   };
   // Devices of different speeds sharing a microbatch of the plan's size in whole samples.
@@ -219,6 +235,7 @@ class Model {
       it->second.shares.push_back(share);
       it->second.max_share = std::max(it->second.max_share, share);
       slowest = std::max(slowest, share / speeds[i]);
+      it->second.time_per_work = std::max(it->second.time_per_work, (fixed_ + (1 - fixed_) * scale_ * share) / speeds[i]);
     }
     it->second.speed = 1.0 / slowest;
     return it->second;
@@ -232,6 +249,7 @@ class Model {
   int max_replicas_ = 1;
   int n_ = 0;
   double scale_ = 1;
+  double fixed_ = 0;  // CostGraph::fixed_fraction
   std::vector<double> speed_prefix_;
   RangeTable min_memory_, max_speed_, min_speed_;
   mutable std::unordered_map<long long, Weighted> weighted_;  // by (first, r)

@@ -437,6 +437,36 @@ TEST(Planner, PrefersPipelinesWhenReplicasCannotHoldTheModel) {
   for (const auto& s : plan->stages) EXPECT_LE(s.memory_bytes, 10e9);
 }
 
+TEST(Planner, OperatorsFixedCostPlansFewerLargerMicrobatches) {
+  // Four stages' bubble shrinks with more microbatches; priced in proportion to the samples,
+  // that is free, and the plan splits the batch into as many as it may. With most of each
+  // operator's time fixed (a CPU's weights read whatever the samples), the plan keeps them
+  // large, and each microbatch's time is the fixed part and its share of the rest.
+  CostGraph g = uniform_chain(16, 1e-3, 2e-3, 1e3, 1e3);
+  g.microbatch = 16;
+  const Cluster cluster = Cluster::uniform(1, 4, 1e9, 1.0, fast_link(), fast_link());
+  PlanOptions o;
+  o.batch = 256;
+  o.max_replicas = 1;
+  auto in_proportion = make_plan(g, cluster, o);
+  ASSERT_TRUE(in_proportion.is_ok()) << in_proportion.status().to_string();
+  EXPECT_GE(in_proportion->microbatches, 32) << in_proportion->table();
+  g.fixed_fraction = 0.6;
+  auto with_fixed = make_plan(g, cluster, o);
+  ASSERT_TRUE(with_fixed.is_ok()) << with_fixed.status().to_string();
+  EXPECT_LE(with_fixed->microbatches, 16) << with_fixed->table();
+  EXPECT_LT(with_fixed->microbatches, in_proportion->microbatches);
+  const double k = static_cast<double>(o.batch) / with_fixed->microbatches / g.microbatch;
+  double forward = 0;
+  for (const auto& s : with_fixed->stages) forward += s.forward_s;
+  EXPECT_NEAR(forward, 16 * 1e-3 * (0.6 + 0.4 * k), 1e-9) << with_fixed->table();
+  auto back = CostGraph::from_json(g.to_json());
+  ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+  EXPECT_DOUBLE_EQ(back->fixed_fraction, 0.6);
+  g.fixed_fraction = 1.5;
+  EXPECT_FALSE(g.validate().is_ok());
+}
+
 TEST(Planner, EveryReplicaKeepsTheSamplesTheModelRunsAtOnce) {
   // Light layers on fast links: without a bound the plan replicates down to a sample or two.
   CostGraph g = uniform_chain(8, 1e-3, 2e-3, 1e3, 1e3);

@@ -136,6 +136,41 @@ TEST(Recalibrate, EachReplicaIsPredictedFromItsOwnShareOnItsOwnDevice) {
   EXPECT_NEAR(straggling->speed[1], 0.5, 1e-12);
 }
 
+TEST(Recalibrate, AReplicasFixedPartIsPaidWholeWhateverItsShare) {
+  // As above, with half of each operator's time fixed: device 1's 2 samples take
+  // (0.5 + 0.5 x 2/8) / 0.5 = 1.25 of the profile's time, device 0's 6 take 0.875, so the
+  // stage is device 1's. Measured so, nothing is corrected; device 1 taking twice that, it
+  // alone is slowed, by half.
+  CostGraph g = testing::uniform_chain(8, 1e-3, 2e-3, 1e6, 1e6);
+  g.microbatch = 8;
+  g.fixed_fraction = 0.5;
+  Cluster cluster = devices(2);
+  cluster.devices[1].speed = 0.5;
+  PlanOptions o = data_parallel();
+  o.even_shares = false;
+  o.ranks = 1;
+  o.batch = 8;
+  o.microbatches = 1;
+  o.replicas = {2};
+  const Plan plan = plan_of(g, cluster, o);
+  const StagePlan& p = plan.stages[0];
+  ASSERT_EQ(p.replicas, 2) << plan.table();
+  ASSERT_EQ(share_lengths(8, p.shares, 2), (std::vector<std::int64_t>{6, 2}));
+  EXPECT_NEAR(p.forward_s, 8 * 1e-3 * 1.25, 1e-12) << plan.table();
+  const double whole = p.forward_s + p.backward_s;
+  const double r0 = whole * 0.875 / 1.25, r1 = whole;
+  auto as_planned = recalibrate(g, cluster, o, plan, {{p.forward_s, p.backward_s, 0, {r0, r1}}});
+  ASSERT_TRUE(as_planned.is_ok()) << as_planned.status().to_string();
+  EXPECT_EQ(as_planned->cluster.devices[1].speed, 0.5);
+  EXPECT_NEAR(as_planned->running.predicted_step_s, plan.predicted_step_s, 1e-12);
+  auto straggling = measure_factors(plan, {{2 * p.forward_s, 2 * p.backward_s, 0, {r0, 2 * r1}}}, 2, 0,
+                                    share_pricing(g, plan));
+  ASSERT_TRUE(straggling.is_ok());
+  EXPECT_NEAR(straggling->forward, 1.0, 1e-12);
+  EXPECT_NEAR(straggling->speed[0], 1.0, 1e-12);
+  EXPECT_NEAR(straggling->speed[1], 0.5, 1e-12);
+}
+
 TEST(Recalibrate, DeviationsWithinTheToleranceChangeNothing) {
   const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
   const Cluster cluster = devices(3);
