@@ -208,8 +208,17 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
     seen.weight /= fastest;
   }
   const double a = policy_.smoothing;
+  // A device's speed that moved beyond three times the tolerance in one window changed (a
+  // process started beside it, or ended), which noise within the tolerance does not do: the
+  // estimate takes the window's figure at once instead of averaging it in over windows (a
+  // straggler appearing was switched from a window later). The confirmation still guards.
+  const Factors before = smoothed_;
   smoothed_ = measured_once_ ? zip(smoothed_, seen, [a](double old, double now) { return old + a * (now - old); })
                              : seen;
+  for (std::size_t d = 0; measured_once_ && d < smoothed_.speed.size() && d < before.speed.size(); ++d) {
+    const double old = before.speed[d];
+    if (old > 0 && std::abs(seen.speed[d] / old - 1) > 3 * policy_.tolerance) smoothed_.speed[d] = seen.speed[d];
+  }
   measured_once_ = true;
   applied_ = settle(smoothed_, policy_.tolerance);
   CONVEYOR_RETURN_IF_ERROR(price_with(applied_));

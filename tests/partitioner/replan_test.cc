@@ -102,6 +102,37 @@ TEST(Replan, AStragglerSwitchesOnceConfirmedAndStays) {
   EXPECT_NEAR(sum / 50, second->predicted_step_s, 0.15 * before);
 }
 
+TEST(Replan, AStragglerThatAppearsMidRunIsActedOnOnceConfirmed) {
+  // Ten windows at full speed, then device 1 at a third: the estimate takes the new speed at
+  // once (a change beyond noise, not averaged in over windows), and the switch comes at the
+  // second window, its confirmation. The same for the straggler going away again.
+  const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
+  const Cluster cluster = devices(3);
+  const Plan plan = *make_plan(g, cluster, options());
+  ReplanPolicy policy;
+  policy.moves_bytes = false;
+  Replanner r(g, cluster, plan, options(), policy);
+  std::mt19937 rng(17);
+  for (int window = 0; window < 10; ++window) {
+    auto [m, step] = run(g, r.running(), {1, 1, 1}, 0.05, rng);
+    ASSERT_FALSE(r.evaluate(m, step)->switch_plan);
+  }
+  for (const std::vector<double>& truth : {std::vector<double>{1, 1.0 / 3, 1}, std::vector<double>{1, 1, 1}}) {
+    int windows = 0;
+    ReplanDecision d;
+    do {
+      auto [m, step] = run(g, r.running(), truth, 0.05, rng);
+      d = *r.evaluate(m, step);
+      ++windows;
+    } while (!d.switch_plan && windows < 10);
+    ASSERT_TRUE(d.switch_plan) << d.reason;
+    EXPECT_EQ(windows, policy.confirmations) << d.reason;
+    ASSERT_TRUE(r.switched_to(d.candidate).is_ok());
+    auto [m, step] = run(g, r.running(), truth, 0.05, rng);
+    ASSERT_FALSE(r.evaluate(m, step)->undo);
+  }
+}
+
 // A model that prices the running plan above what its step measures (here the step overlaps
 // 30% more than the simulator has it) prices the other plans alike: the straggler's better
 // plan is found by the ratio of the two predictions, not by the new plan's figure against
