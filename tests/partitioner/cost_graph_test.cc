@@ -95,6 +95,20 @@ TEST(Profile, RoundTripsAndChecksItsGraph) {
                                     "microbatch": 0, "nodes": [], "value_bytes": []})");
   ASSERT_FALSE(bad.is_ok());
   EXPECT_NE(bad.status().message().find("/microbatch"), std::string::npos);
+  // The fixed fraction: kept, and a fraction or refused naming it.
+  p.fixed_fraction = 0.4;
+  back = Profile::from_json(p.to_json());
+  ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+  EXPECT_DOUBLE_EQ(back->fixed_fraction, 0.4);
+  for (const char* wrong : {"1.5", "-0.1", "\"half\""}) {
+    std::string text = p.to_json();
+    const std::string field = "\"fixed_fraction\":0.4";
+    ASSERT_NE(text.find(field), std::string::npos) << text;
+    text.replace(text.find(field), field.size(), std::string("\"fixed_fraction\":") + wrong);
+    auto refused = Profile::from_json(text);
+    ASSERT_FALSE(refused.is_ok()) << wrong;
+    EXPECT_NE(refused.status().message().find("/fixed_fraction"), std::string::npos) << refused.status().message();
+  }
 }
 
 }  // namespace
