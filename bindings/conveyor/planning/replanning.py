@@ -4,12 +4,12 @@ between steps when `replan="auto"`.
 Every `WINDOW` steps of the running pipeline (its first step, warm-up, left out) the live
 profile's per-stage times, merged across the job's processes (a gradient sum's wait for the
 slowest process told from its moving time), go to the Replanner (partitioner/replan.h) on a
-thread of process 0, beside the next window's steps. It corrects the planning inputs (the
-profile's error per kind of work, each device's speed), plans again where they moved, and
-decides whether moving to the new plan pays for itself within the horizon; every process
-hears the decision at the next window's boundary and, on a switch, the job moves at that
-step boundary: the pipeline rebuilt over the same live parameters,
-each parameter, buffer and optimizer state (momentum, Adam's moments and step) sent from a
+thread of process 0, beside the next window's steps, yielding the CPU to them. It
+corrects the planning inputs (the profile's error per kind of work, each device's speed),
+plans again where they moved, and decides whether moving to the new plan pays for itself
+within the horizon; every process hears the decision at the first window boundary after it
+is made and, on a switch, the job moves at that step boundary: the pipeline rebuilt over
+the same live parameters, each parameter, buffer and optimizer state (momentum, Adam's moments and step) sent from a
 process that held it to each process whose new stages read it and lack it, and, once every
 process has confirmed, whatever a process's new stages do not read released there. A
 process that dies during a move fails the others' waits, naming it, within the job's
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import sys
 import threading
 import time
@@ -33,6 +34,22 @@ from .replanning_trace import PLANNER
 
 WINDOW = 5  # steps of the running pipeline between two evaluations
 PLANS = ("candidate", "running")  # a decision's plans (_C.Plan): on the wire, their documents
+
+
+PLANNER_NICENESS = 10  # the planner thread's: a tenth of a core the training wants too
+
+
+def run_on_spare_time() -> None:
+    """The calling thread yields the CPU to the training (Linux: niceness 10, so beside a
+    busy training thread it gets about a tenth of the core). Planning at the training's
+    priority beside a process pinned to one core took half that core while it searched: the
+    steps at the window boundaries ran 0.7-1.0 s against 0.45 s, that process then measured
+    slower, and the plan moved work off it. Not Linux's SCHED_IDLE: beside any busy process
+    (a straggler's neighbour) that never runs, and only a privileged process may undo it."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PLANNER_NICENESS)  # this thread alone (Linux)
+    except (AttributeError, OSError):
+        pass  # elsewhere: it runs at the training's priority
 
 
 def plan_summary(document: dict) -> str:
@@ -176,13 +193,15 @@ class Replanning:
     decided (process 0 decides, every process hears it), and the log of switches.
 
     The Replanner thinks beside the training steps: a window's merged profile starts its
-    evaluation on a thread of process 0 (the planner releases the GIL), and the decision is
-    heard by every process at the next window's step boundary, where every process applies
-    it at once. So a decision comes one window after what it measured, and the steps between
-    wait for nothing but the small exchange of profiles; only a search slower than a window
-    of steps delays the next boundary by the rest of it. The first window after a switch the
-    Replanner decided is heard at once: judging it needs no search, and a switch that measures
-    slower is undone a window sooner."""
+    evaluation on a thread of process 0 (the planner releases the GIL) that yields the CPU to
+    the training (run_on_spare_time), and the decision is heard by every process
+    at the first window boundary after it is made, where every process applies it at once.
+    So a decision comes one or two windows after what it measured, and the steps wait for
+    nothing but the small exchange of profiles (an evaluation that outlasts two windows is
+    waited for at the second boundary); a window that ends while an evaluation is under way
+    is not evaluated. The first window after a switch the Replanner decided is
+    heard at once: judging it needs no search, and a switch that measures slower is undone a
+    window sooner."""
 
     def __init__(self, replanner, group):
         self.replanner = replanner  # process 0 (or the only process); None elsewhere
@@ -192,6 +211,7 @@ class Replanning:
         self.bytes_per_s = 0.0  # the last move's measured speed
         self.last: dict | None = None
         self.thinking: tuple | None = None  # process 0: (thread, result box) of the evaluation under way
+        self.passed = 0  # process 0: boundaries passed while that evaluation ran on
         self.judging = False  # process 0: the next window judges a switch the Replanner decided
         self.timeline = None  # process 0, with trace=: a ReplanningTimeline (replanning_trace.py)
         self.windows = 0  # windows evaluated
@@ -210,12 +230,17 @@ class Replanning:
         self._measure_switch(switches, step_s)
         decision = None
         if self.replanner is not None:
-            decision = self._decided()
-            if decision is None or not decision["switch"]:  # a switch measures anew under its plan
+            # An evaluation still under way is heard at a later boundary; at the second one
+            # it is waited for (the training then waits, so it has the core), so a decision
+            # is at most a window late even where the training leaves the planner no time.
+            busy = self.thinking is not None and self.thinking[0].is_alive() and self.passed < 1
+            self.passed = self.passed + 1 if busy else 0
+            decision = None if busy else self._decided()
+            if not busy and (decision is None or not decision["switch"]):  # a switch measures anew under its plan
                 self._think(stages, step_s, waiting)
                 if self.judging:  # the first window after a switch it decided: heard at once, so a
                     decision = self._decided()  # switch that measures slower is undone a window sooner
-            self.judging = False
+                self.judging = False
         if self.group is not None:
             sent = b""
             if self.group.rank == 0:
@@ -242,6 +267,7 @@ class Replanning:
         window = self.windows
 
         def run():
+            run_on_spare_time()
             t0 = time.perf_counter()
             try:
                 box["decision"] = self.replanner.evaluate(measured, step_s, rebuild_s=self.rebuild_s,
@@ -260,7 +286,8 @@ class Replanning:
         self.thinking = (thread, box, waiting, [s["across_s"] for s in stages])
 
     def _decided(self) -> dict | None:
-        """The evaluation under way, once it ends (waited for here if it is not over yet)."""
+        """The evaluation under way, once it ends (waited for here if it is not over yet:
+        judging a switch, which needs no search)."""
         if self.thinking is None:
             return None
         thread, box, waiting, across = self.thinking
