@@ -1,6 +1,7 @@
 """Re-planning against a real straggler, in one run: two processes pinned to one core each,
 a CPU-bound hog pinned to one process's core (so that process runs at about half speed), a
-deep MLP (float32) trained by conveyor.Module three ways, in alternating rounds:
+deep MLP (float32; or `--model gpt2`: transformers' GPT-2, 8 blocks of 256, 16 sequences of
+64 tokens) trained by conveyor.Module three ways, in alternating rounds:
 
 - static: the plan made for two equal devices, replan="off";
 - re-planned: the same start, replan="auto" (the partitioner measures the straggler and moves
@@ -21,7 +22,7 @@ each switch with its predicted and measured gain, the decision's arithmetic and 
 measured cost of moving (seconds per GB of optimizer state and parameters handed over).
 
     ./run bench replan [--rounds 2] [--steps 40] [--slow-process 1] [--first-plan pipelined]
-                       [--appear-at 0] [--layers 16] [--hidden 512] [--batch 64]
+                       [--appear-at 0] [--model mlp|gpt2] [--layers 16] [--hidden 512] [--batch 64]
     ./run bench replan --scenario none [--rounds 5]   (no straggler: what evaluating costs)
 
 Needs two cores and UCX; the hog and the processes are killed at the end whatever happens.
@@ -55,10 +56,19 @@ def worker(args) -> None:
     os.sched_setaffinity(0, {rank})
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    layers = [m for _ in range(args.layers) for m in (torch.nn.Linear(args.hidden, args.hidden), torch.nn.Tanh())]
-    net = torch.nn.Sequential(*layers)
+    if args.model == "gpt2":  # transformers' GPT-2, random weights: the loss is the model's own
+        import transformers
+        config = transformers.GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=4, vocab_size=1000,
+                                         n_positions=64, bos_token_id=0, eos_token_id=0)
+        net = transformers.GPT2LMHeadModel(config)
+        x = torch.randint(0, 1000, (args.batch, 64))
+        step_args, loss_fn = dict(labels=x), None
+    else:
+        layers = [m for _ in range(args.layers) for m in (torch.nn.Linear(args.hidden, args.hidden), torch.nn.Tanh())]
+        net = torch.nn.Sequential(*layers)
+        x, y = torch.randn(args.batch, args.hidden), torch.randn(args.batch, args.hidden)
+        step_args, loss_fn = dict(target=y), torch.nn.MSELoss()
     opt = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
-    x, y = torch.randn(args.batch, args.hidden), torch.randn(args.batch, args.hidden)
     cluster = None
     if args.mode == "upfront":
         # The cluster conveyor.Module describes for two processes on this machine, but for
@@ -75,7 +85,7 @@ def worker(args) -> None:
     layout = {}
     if args.scenario == "straggler":
         layout = dict(replicas=1) if args.first_plan == "pipelined" else dict(stages=1, replicas=2)
-    model = conveyor.Module(net, opt, loss_fn=torch.nn.MSELoss(), cluster=cluster, **layout,
+    model = conveyor.Module(net, opt, loss_fn=loss_fn, cluster=cluster, **layout,
                             replan="auto" if args.mode == "replanned" else "off")
     times, hogging = [], None
     try:
@@ -83,7 +93,7 @@ def worker(args) -> None:
             if step == args.appear_at and rank == args.slow_process and args.scenario == "straggler":
                 hogging = subprocess.Popen([sys.executable, HERE, "--hog", "--core", str(rank)])
             t0 = time.perf_counter()
-            model.train_step(x, target=y)
+            model.train_step(x, **step_args)
             times.append(time.perf_counter() - t0)
     finally:
         if hogging is not None:
@@ -99,7 +109,7 @@ def worker(args) -> None:
 def run_contender(mode: str, args, straggler_speed: float) -> dict:
     cmd = [sys.executable, HERE, "--worker", "--mode", mode, "--scenario", args.scenario, "--steps", args.steps,
            "--slow-process", args.slow_process, "--first-plan", args.first_plan, "--appear-at", args.appear_at,
-           "--layers", args.layers,
+           "--layers", args.layers, "--model", args.model,
            "--hidden", args.hidden, "--batch", args.batch, "--straggler-speed", f"{straggler_speed:.3f}"]
     outs = run_job(cmd, 600, mode, OMP_NUM_THREADS="1", CONVEYOR_TIMEOUT="120")
     line = next(l for l in outs[0].splitlines() if l.startswith("RESULT "))
@@ -163,9 +173,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--model", choices=["mlp", "gpt2"], default="mlp",
+                    help="gpt2: transformers' GPT-2 of --layers blocks of --hidden, --batch sequences of 64 tokens")
+    ap.add_argument("--layers", type=int, default=None, help="default: 16 (mlp), 8 (gpt2)")
+    ap.add_argument("--hidden", type=int, default=None, help="default: 512 (mlp), 256 (gpt2)")
+    ap.add_argument("--batch", type=int, default=None, help="default: 64 (mlp), 16 (gpt2)")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--hog", action="store_true")
     ap.add_argument("--core", type=int, default=1, help="the hog's core (internal)")
@@ -178,6 +190,10 @@ def main() -> None:
     ap.add_argument("--scenario", choices=["straggler", "none"], default="straggler",
                     help="none: no hog, replan=auto against off, the mean step (what evaluating costs)")
     args = ap.parse_args()
+    defaults = dict(layers=8, hidden=256, batch=16) if args.model == "gpt2" else dict(layers=16, hidden=512, batch=64)
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.hog:
         hog(args.core)
         return

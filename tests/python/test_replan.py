@@ -248,10 +248,19 @@ def test_the_planner_thread_is_traced_beside_the_steps_it_runs_beside(tmp_path):
     model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.01), loss_fn=torch.nn.MSELoss(),
                             cluster=wrong_speeds_cluster(6.0), stages=1, replicas=2, microbatches=2, replan="auto",
                             trace=trace)
-    steps = 2 + 3 * WINDOW  # windows end after steps 6, 11 and 16 (a switch starts counting again)
-    for _ in range(steps):
+    timeline = tmp_path / "run.replanning.json"
+
+    def decisions_written():
+        events = json.loads(timeline.read_text())["traceEvents"] if timeline.exists() else []
+        return sum(1 for e in events if e["ph"] == "i")
+
+    # Windows end after steps 6, 11, 16... (a switch starts counting again); a decision is
+    # heard one window after its own, or two where the planner, yielding the core, is late.
+    steps = 0
+    while steps < 2 + 8 * WINDOW and (steps < 2 + 3 * WINDOW or decisions_written() < 2):
         model.train_step(x, target=y)
-    events = json.loads((tmp_path / "run.replanning.json").read_text())["traceEvents"]
+        steps += 1
+    events = json.loads(timeline.read_text())["traceEvents"]
     names = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
     assert sorted(names.values()) == ["re-planning (the planner thread)", "training steps (the caller's thread)"]
     steps_track = next(t for t, n in names.items() if n.startswith("training steps"))
@@ -262,7 +271,8 @@ def test_the_planner_thread_is_traced_beside_the_steps_it_runs_beside(tmp_path):
     # The file is written at each boundary: the last step's span comes after the last one.
     assert [e["name"] for e in step_spans] == [f"step {k}" for k in range(1, steps)], step_spans
     assert len(evaluations) >= 2, evaluations
-    assert [e["name"] for e in evaluations] == [f"evaluating window {k}" for k in range(1, len(evaluations) + 1)]
+    windows = [int(e["name"].removeprefix("evaluating window ")) for e in evaluations]
+    assert windows == sorted(set(windows)) and windows[0] == 1, evaluations  # one a window ended beside skipped
     for evaluation in evaluations[:-1]:  # the last one's step is written at the next boundary
         inside = [s for s in step_spans if s["ts"] <= evaluation["ts"] <= s["ts"] + s["dur"]]
         assert len(inside) == 1, (evaluation, step_spans)

@@ -63,3 +63,4 @@ def test_the_slow_process_is_read_as_a_slow_device_and_the_other_as_waiting(stra
     (waits,) = window["waiting"]  # the one stage's, per process
     assert waits[fast] > 0 and waits[fast] > 2 * waits[straggler], window["report"]
     assert "waiting for the slowest process" in window["report"], window["report"]
+    assert f"(process {straggler} is the slowest)" in window["report"], window["report"]

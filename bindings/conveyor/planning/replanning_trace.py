@@ -4,10 +4,11 @@ seen running while the next steps train; each decision heard and each switch an 
 event. The step trace (`trace=`) holds one step's actions; this one spans the run.
 
 Written as Chrome JSON trace events (ui.perfetto.dev, chrome://tracing) to
-`<trace's stem>.replanning.json` on process 0, rewritten at each window's boundary. It keeps
-the last `KEPT` events, so a long run's memory and file stay bounded."""
+`<trace's stem>.replanning.json` on process 0, rewritten at each window's boundary and at
+exit. It keeps the last `KEPT` events, so a long run's memory and file stay bounded."""
 from __future__ import annotations
 
+import atexit
 import collections
 import json
 import os
@@ -37,6 +38,13 @@ class ReplanningTimeline:
         self._origin = time.perf_counter() if origin is None else origin
         self._events: collections.deque = collections.deque(maxlen=KEPT)
         self._lock = threading.Lock()
+        atexit.register(self._write_at_exit)  # the steps after the last window's boundary too
+
+    def _write_at_exit(self) -> None:
+        try:
+            self.write()
+        except OSError:
+            pass  # the folder went away meanwhile: what the boundaries wrote stays
 
     def _us(self, t: float) -> float:
         return (t - self._origin) * 1e6
