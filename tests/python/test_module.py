@@ -205,7 +205,10 @@ def test_trace_of_a_replicated_step_has_a_track_per_replica(tmp_path):
     import os
     import subprocess
     torch.manual_seed(0)
-    case = zoo.gpt2(batch=8)
+    # An MLP: every cut of it passes between 2 replicas and 1 (GPT-2's attention mask has no
+    # plain batch dimension, and the cut the planner picks, which profile noise moves, can
+    # fall between its expand and the attention that reads it; docs/planner.md, "Limits").
+    case = zoo.mlp(batch=8)
     path = tmp_path / "replicated.pftrace"
     model = conveyor.Module(case.model, stages=2, replicas=[2, 1], microbatches=2, trace=path)
     model(*case.args, **case.kwargs).backward()
