@@ -281,7 +281,9 @@ class Replanning:
                 self.timeline.span(PLANNER, f"evaluating window {window}", t0, t1,
                                    reason=decided["reason"] if decided else repr(box.get("error")))
 
-        thread = threading.Thread(target=run, name="conveyor-replanning", daemon=True)
+        # Not a daemon: the interpreter waits for an evaluation at exit rather than tearing the
+        # planner down under it (a daemon still searching at exit aborted the process).
+        thread = threading.Thread(target=run, name="conveyor-replanning", daemon=False)
         thread.start()
         self.thinking = (thread, box, waiting, [s["across_s"] for s in stages])
 
