@@ -6,6 +6,7 @@
 
 #include "common/file.h"
 #include "common/json_reader.h"
+#include "graph/batch_values.h"
 #include "graph/partition.h"
 
 namespace conveyor::partitioner {
@@ -190,6 +191,17 @@ Result<CostGraph> CostGraph::from_json(std::string_view text) {
         outputs_of.back().push_back(static_cast<int>(g.values.size()));
         g.values.push_back({static_cast<int>(i), b});
       }
+      if (o.contains("not_redistributable")) {
+        const auto& fixed = as_array(o["not_redistributable"], path + "/not_redistributable");
+        for (std::size_t k = 0; k < fixed.size(); ++k) {
+          const std::string fpath = path + "/not_redistributable/" + std::to_string(k);
+          const int out = as_id(fixed[k], fpath);
+          if (out < 0 || out >= static_cast<int>(outputs_of.back().size())) {
+            throw JsonError(fpath, "operator " + std::to_string(i) + " has no output " + std::to_string(out));
+          }
+          g.values[outputs_of.back()[out]].redistributable = false;
+        }
+      }
       g.ops.push_back(std::move(op));
     }
     CONVEYOR_RETURN_IF_ERROR(g.validate());
@@ -242,6 +254,11 @@ std::string CostGraph::to_json() const {
       for (int v : outputs_of[i]) ob.push_back(values[v].bytes);
       o["output_bytes"] = std::move(ob);
     }
+    json fixed = json::array();
+    for (std::size_t k = 0; k < outputs_of[i].size(); ++k) {
+      if (!values[outputs_of[i][k]].redistributable) fixed.push_back(k);
+    }
+    if (!fixed.empty()) o["not_redistributable"] = std::move(fixed);
     os.push_back(std::move(o));
   }
   doc["ops"] = std::move(os);
@@ -366,11 +383,13 @@ Result<CostGraph> cost_graph_from_profile(const graph::Graph& g, const Profile& 
   // Values: every tensor a node produces; graph inputs are free.
   std::vector<int> cost_value(g.values.size(), -1);
   const auto producers = g.producers();
+  const graph::BatchValues batch = graph::BatchValues::of(g);
   for (std::size_t v = 0; v < g.values.size(); ++v) {
     if (producers[v] < 0) continue;
     cost_value[v] = static_cast<int>(c.values.size());
     const int saved_by = profile.value_saved_by.empty() ? -1 : profile.value_saved_by[v];
-    c.values.push_back({producers[v], profile.value_bytes[v], saved_by});
+    c.values.push_back({producers[v], profile.value_bytes[v], saved_by,
+                        batch.redistributable(g, static_cast<graph::ValueId>(v))});
   }
   const auto groups = graph::atomic_groups(g);
   const auto group_of = graph::group_of_nodes(g, groups);

@@ -40,6 +40,10 @@ struct CostValue {
   /// The operator whose saved_bytes hold this value (it saves it for its backward), -1: none
   /// or unknown. A stage that sends the value on holds it once, not as saved and as sent.
   int saved_by = -1;
+  /// Whether the value can pass between stages whose replicas split a microbatch
+  /// differently (graph/batch_values.h): false for a value with no plain batch dimension,
+  /// which the planner then never cuts through where the two sides may split so.
+  bool redistributable = true;
 };
 
 /// A parameter (or tied set) that operators read: its bytes, for memory and allreduce.

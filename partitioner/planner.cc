@@ -191,12 +191,24 @@ void chunked_candidates(ScheduleKind kind, const CostGraph& g, const Cluster& cl
     if (pieces > k_blocks) break;
     std::vector<int> cut{0};
     double target = 0;
-    for (int k = 0; k + 1 < pieces; ++k) {
+    bool cuttable = true;
+    for (int k = 0; k + 1 < pieces && cuttable; ++k) {
       target += total * group_speed[spec.rank_of_stage(k)] / (v * speed_total);
+      const StagePlan& here = base.stages[spec.rank_of_stage(k)];
+      const StagePlan& next = base.stages[spec.rank_of_stage(k + 1)];
+      // A prefix passing a value that cannot be redistributed is no cut between groups that
+      // split a microbatch differently.
+      auto refused = [&](int b) {
+        return lin.through_fixed[b] &&
+               !model.splits_alike(here.first_device, here.replicas, next.first_device, next.replicas);
+      };
+      const int last = k_blocks - (pieces - k - 1);
       int b = cut.back() + 1;
-      while (b < k_blocks - (pieces - k - 1) && lin.fwd[b] + lin.bwd[b] < target) ++b;
+      while (b < last && (lin.fwd[b] + lin.bwd[b] < target || refused(b))) ++b;
+      cuttable = !refused(b);
       cut.push_back(b);
     }
+    if (!cuttable) continue;
     cut.push_back(k_blocks);
     Plan p = base;
     p.schedule = kind;

@@ -46,15 +46,18 @@ Solution exact_search(const CutStates& cs, const StagePairs& pairs, const Model&
   fronts[idx(c_count - 1, 0, 0)].push_back(0);
   // `rest`: a lower bound on the time of the stages still to come (their work spread over
   // every device left), which each of the sum and the slowest stage must still absorb.
-  auto insert = [&](std::vector<int>& front, const Entry& e, double rest) {
+  // `by_replicas`: the state passes a value that cannot be redistributed, so the stage
+  // before it must split as the one after it: entries of other replica counts are not compared.
+  auto insert = [&](std::vector<int>& front, const Entry& e, double rest, bool by_replicas) {
     if (model.objective(e.sum + rest, std::max(e.max_stage, rest), e.max_ar) >= bound) return;
     for (int k : front) {
       const Entry& o = arena[k];
+      if (by_replicas && o.r != e.r) continue;
       if (o.sum <= e.sum && o.max_stage <= e.max_stage && o.max_ar <= e.max_ar) return;
     }
     std::erase_if(front, [&](int k) {
       const Entry& o = arena[k];
-      return e.sum <= o.sum && e.max_stage <= o.max_stage && e.max_ar <= o.max_ar;
+      return (!by_replicas || o.r == e.r) && e.sum <= o.sum && e.max_stage <= o.max_stage && e.max_ar <= o.max_ar;
     });
     front.push_back(static_cast<int>(arena.size()));
     arena.push_back(e);
@@ -85,10 +88,11 @@ Solution exact_search(const CutStates& cs, const StagePairs& pairs, const Model&
           auto& target = fronts[idx(inner, used + r, jn)];
           for (std::size_t k = 0; k < front.size(); ++k) {
             const Entry prev = arena[front[k]];
+            if (cs.through_fixed[outer] && !model.splits_alike(left, r, n - used, prev.r)) continue;
             insert(target,
                    {prev.sum + e.compute + e.comm, std::max({prev.max_stage, e.compute, e.comm}),
                     std::max(prev.max_ar, e.allreduce), front[k], inner, r},
-                   rest);
+                   rest, cs.through_fixed[inner]);
           }
         }
       }
@@ -224,6 +228,9 @@ class BranchAndBound {
         const double rest_work = (cs_.fwd[inner] + cs_.bwd[inner]) * model_.work_scale();
         if (rest_work > 0 && left == 0) continue;
         const double speed_left = left > 0 ? model_.total_speed(0, left) : 1;
+        if (cs_.through_fixed[outer] && !stack_.empty() && !model_.splits_alike(left, r, n - used, stack_.back().r)) {
+          continue;  // a value that cannot be redistributed passes to the stage after
+        }
         const StageEval e = model_.eval(ss, left, r, j, used > 0);
         if (!e.fits()) continue;
         const double forward = ss.fwd * e.time_per_work + model_.options().action_overhead_s;

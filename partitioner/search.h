@@ -70,8 +70,21 @@ class BottleneckSearch {
         const int jn = std::min(j + 1, j_states_ - 1);
         for (int inner = outer - 1; inner >= 0; --inner) {
           const StageSums ss = stage_sums(u_, cs_, outer, inner);
-          const int r = fewest_replicas(ss, used, capped_after(j), t);
+          int r = fewest_replicas(ss, used, capped_after(j), t);
           if (r < 0) break;  // larger stages only need more
+          if (outer != k_ && cs_.through_fixed[outer]) {
+            // A value that cannot be redistributed passes to the stage after (the best one
+            // found for this state): this stage takes its replica count, if that meets T.
+            const int after = parent_[at(outer, j)].r, first_after = n - used;
+            if (!model_.splits_alike(first_after - r, r, first_after, after)) {
+              if (after < r || after > std::min(first_after, model_.max_replicas()) ||
+                  !meets(ss, used, capped_after(j), t, after) ||
+                  !model_.splits_alike(first_after - after, after, first_after, after)) {
+                continue;
+              }
+              r = after;
+            }
+          }
           if (used + r < used_[at(inner, jn)]) {
             used_[at(inner, jn)] = used + r;
             parent_[at(inner, jn)] = {outer, j, r};
@@ -100,16 +113,19 @@ class BottleneckSearch {
   }
 
  private:
+  // Whether `r` replicas on the devices ending before `n - used` meet T and memory.
+  bool meets(const StageSums& ss, int used, int stages_after, double t, int r) const {
+    const StageEval e = model_.eval(ss, model_.devices() - used - r, r, stages_after, used > 0);
+    return e.compute <= t && e.comm <= t && e.allreduce <= ar_limit_ * t && e.fits();
+  }
+
   // The fewest replicas on devices ending before `n - used` meeting T and memory; -1 if none.
   int fewest_replicas(const StageSums& ss, int used, int stages_after, double t) const {
     const int n = model_.devices();
     const int last = n - used;  // devices [last - r, last)
     const int max_r = std::min(last, model_.max_replicas());
     if (max_r < 1) return -1;
-    auto ok = [&](int r) {
-      const StageEval e = model_.eval(ss, last - r, r, stages_after, used > 0);
-      return e.compute <= t && e.comm <= t && e.allreduce <= ar_limit_ * t && e.fits();
-    };
+    auto ok = [&](int r) { return meets(ss, used, stages_after, t, r); };
     if (model_.options().replicas.size() == 1) {  // every stage's count is fixed
       const int r = model_.options().replicas[0];
       return r <= max_r && ok(r) ? r : -1;

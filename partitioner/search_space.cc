@@ -108,6 +108,7 @@ Result<Units> make_units(const CostGraph& g) {
     e.from = out.unit_of_op[g.values[v].producer];
     e.bytes = g.values[v].bytes;
     if (g.values[v].saved_by >= 0) e.saved_by = out.unit_of_op[g.values[v].saved_by];
+    e.redistributable = g.values[v].redistributable;
     for (int r : readers[v]) {
       int b = out.unit_of_op[r];
       if (b != e.from && std::find(e.to.begin(), e.to.end(), b) == e.to.end()) e.to.push_back(b);
@@ -160,6 +161,7 @@ void fill_sums(const Units& u, CutStates& cs) {
   cs.sel_freed.assign(c, 0);
   cs.saved_w.assign(c, 0);
   cs.grads_w.assign(c, 0);
+  cs.through_fixed.assign(c, false);
   for (std::size_t k = 0; k < c; ++k) {
     const Bits& b = cs.sets[k];
     for (std::size_t x = 0; x < u.units.size(); ++x) {
@@ -180,6 +182,7 @@ void fill_sums(const Units& u, CutStates& cs) {
       for (int t : e.to) {
         if (!test(b, t)) {
           cs.out_bytes[k] += e.bytes;
+          if (!e.redistributable) cs.through_fixed[k] = true;
           break;
         }
       }

@@ -34,6 +34,7 @@ struct Edge {
   double bytes = 0;
   std::vector<int> to;  // reading units other than `from`
   int saved_by = -1;    // the unit whose saved bytes hold it, -1: none
+  bool redistributable = true;  // CostValue::redistributable
 };
 
 /// A cost graph contracted into units, in a topological order.
@@ -102,6 +103,9 @@ struct CutStates {
   RangeTable block_work, block_sel_work;  // linear: max working memory over block ranges (selective: its own)
   // Sums over the units of each state:
   std::vector<double> fwd, bwd, bwd_w, saved, params, out_bytes, sel_fwd, sel_freed, saved_w, grads_w;
+  /// Per state: it passes a value that cannot be redistributed, so the stages on either side
+  /// of it must split a microbatch alike (Model::splits_alike).
+  std::vector<bool> through_fixed;
 };
 
 /// Enumerates all downsets; false when there are more than `limit`.

@@ -122,6 +122,13 @@ class Model {
     return weighted(first, r).shares;
   }
 
+  /// Whether stages on devices [first_a, first_a + r_a) and [first_b, first_b + r_b) split
+  /// a microbatch alike (as many replicas, the same shares), so that a value with no plain
+  /// batch dimension may pass between them (runtime/batch_layout.h).
+  bool splits_alike(int first_a, int r_a, int first_b, int r_b) const {
+    return r_a == r_b && (r_a == 1 || shares(first_a, r_a) == shares(first_b, r_b));
+  }
+
   /// How many stage counts the searches tell apart: exactly 0..ranks when the ranks are
   /// fixed (a plan must end at `ranks`), else up to what changes the activations in flight.
   int stage_states() const {

@@ -1,8 +1,8 @@
-// How a pipeline's values relate to its batch, worked out once from the graph and its stages
-// (torch-free): which stage produces each value, which dimension of it holds the samples,
-// which values are the batch size itself, and whether a value can be redistributed between
-// stages whose replica counts differ. The runtime slices and joins values by it; the checks
-// here are what refuses a pipeline or a step before anything runs.
+// How a pipeline's values relate to its batch and its stages, worked out once (torch-free):
+// where the batch is in each value (graph/batch_values.h), which stage produces it, how the
+// loss combines the samples, and whether every value passing between stages whose replicas
+// split a microbatch differently can be redistributed. The runtime slices and joins values
+// by it; the checks here are what refuses a pipeline or a step before anything runs.
 #pragma once
 
 #include <cstdint>
@@ -11,22 +11,15 @@
 
 #include "common/shares.h"
 #include "common/status.h"
+#include "graph/batch_values.h"
 #include "graph/ir.h"
 #include "runtime/loss_reduction.h"
 
 namespace conveyor::runtime {
 
-/// Per value and per graph input: where the batch is.
-struct BatchLayout {
-  std::vector<bool> batched_input;               ///< per graph input: split along dim 0
-  std::map<graph::ValueId, int> input_index;     ///< a graph input's value -> its place among the inputs
+/// Where the batch is in every value (graph::BatchValues), and which stage produces it.
+struct BatchLayout : graph::BatchValues {
   std::vector<int> producer;                     ///< per value: the stage defining it (-1: an input or binding)
-  std::vector<int> batch_dim;                    ///< per value: its batch dimension (-1: none)
-  /// Per value: elements per sample along batch_dim (a flattened batch "k*s"); 0 when k is
-  /// a product with other symbolic sizes (a sequence length), known per call.
-  std::vector<std::int64_t> batch_scale;
-  std::vector<bool> is_batch_size;               ///< per value: a size equal to the batch (each replica sees its share's)
-  graph::Graph::Range range;                     ///< the share sizes the graph holds for (capture's guards)
   graph::ValueId loss = -1;                      ///< the graph's one output, a scalar
   /// How the loss combines the samples (runtime/loss_reduction.h): a share's loss weighs its
   /// samples over the batch's for a mean, 1 for a sum.

@@ -14,7 +14,7 @@ from .call_splitting import (refuse_to_split, warn_of_a_loss_split_changes, warn
                              why_calls_stay_whole)
 from .capture import capture, modes_of
 from .capture_state import CaptureState, Layout
-from .errors import CaptureError, ConveyorValueError, NotALossError, UnsupportedError
+from .errors import CaptureError, ConveyorValueError, NotALossError
 from .job import Job
 from .loss_wrapper import loss_wrapper
 from .materialize import exported_on_meta, materialize, restore_placeholders
@@ -223,24 +223,13 @@ def _planned(model, optimizer, graph, options: Options, job: Job, args: tuple, k
             said["text"] = (f"profiled {prof.get('units', '?')} units, {prof.get('units_measured', '?')} measured "
                             "(the others alike)")
     with phase(options.verbose, job.rank) as said:
-        plan = maker.plan(prof, 0)
+        plan = maker.plan(prof)
         said["text"] = f"planned: {plan_line(plan)}"
-    try:
-        with phase(options.verbose, job.rank) as said:
-            made = _made_here(model, options, job, graph, plan.stage_nodes, Layout.of_plan(plan),
-                              _device_of(args, kwargs), plan)
-            pipeline = job.pipeline_of(graph, plan, holders or made)
-            said["text"] = f"built the pipeline on {job.world_size if job.group is not None else job.devices} devices"
-    except UnsupportedError:
-        # Raised alike on every process, before they talk: replica counts that differ across
-        # a cut through a value with no batch dimension. Plan again with one replica per
-        # stage, unless the replicas were fixed.
-        if fixed.replicas:
-            raise
-        plan = maker.plan(prof, 1)
+    with phase(options.verbose, job.rank) as said:
         made = _made_here(model, options, job, graph, plan.stage_nodes, Layout.of_plan(plan), _device_of(args, kwargs),
                           plan)
         pipeline = job.pipeline_of(graph, plan, holders or made)
+        said["text"] = f"built the pipeline on {job.world_size if job.group is not None else job.devices} devices"
     state = CaptureState(graph, plan.stage_nodes, Layout.of_plan(plan), batch, least, plan=plan, pipeline=pipeline,
                          planned_sizes=dict(maker.sizes))
     if options.replan == "auto":

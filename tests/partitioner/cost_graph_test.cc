@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include "../graph/test_graphs.h"
+#include "partitioner/planner.h"
 #include "random_graphs.h"
 
 namespace conveyor::partitioner {
@@ -35,6 +37,7 @@ TEST(CostGraph, ParsesOpGraphsWithSeveralOutputs) {
 TEST(CostGraph, RandomGraphsRoundTrip) {
   for (int seed = 0; seed < 20; ++seed) {
     CostGraph g = testing::random_dag(25, seed);
+    for (std::size_t v = seed % 3; v < g.values.size(); v += 4) g.values[v].redistributable = false;
     ASSERT_TRUE(g.validate().is_ok());
     auto again = CostGraph::from_json(g.to_json());
     ASSERT_TRUE(again.is_ok()) << again.status().to_string();
@@ -62,10 +65,71 @@ TEST(CostGraph, ErrorsNameThePathAndTheFix) {
   expect_error(with("conveyor.op-graph", "conveyor.graph"), "/format");
   expect_error(with("\"params\": [0]", "\"params\": [3]"), "/ops/0/params/0");
   expect_error(with("[1, 1]", "[1, 5]"), "has no output 5");
+  expect_error(with("\"inputs\": [0]", "\"inputs\": [0], \"not_redistributable\": [2]"), "/ops/1/not_redistributable/0");
+  expect_error(with("\"inputs\": [0]", "\"inputs\": [0], \"not_redistributable\": 1"), "/ops/1/not_redistributable");
   expect_error(with("\"backward_weight_s\": 0.001", "\"backward_weight_s\": 0.5"), "cannot exceed");
   expect_error(with("\"microbatch\": 2", "\"microbatch\": 2, \"min_share\": 0"), "/min_share");
   expect_error(doc.substr(0, 80), "not valid JSON");
   expect_error(with("\"forward_s\": 0.001, \"backward_s\": 0.002,", ""), "missing field 'forward_s'");
+}
+
+// x[s0,4] -> linear -> h[s0,8] -> sum over the batch -> [8] -> sum: the [8] depends on the
+// batch but has no batch dimension, so no share of it exists to hand between replicas.
+graph::Graph summed_over_batch() {
+  using graph::Argument;
+  using graph::testing::fixed;
+  using graph::testing::sym;
+  using graph::testing::v;
+  graph::testing::GraphBuilder b;
+  const graph::ValueId x = b.input("x", {sym("s0"), fixed(4)});
+  const graph::ValueId w = b.parameter("w", {fixed(8), fixed(4)});
+  const graph::ValueId h = b.op("aten::linear", "", {v(x), v(w), Argument::none()}, {sym("s0"), fixed(8)});
+  const graph::ValueId s =
+      b.op("aten::sum", "dim_IntList", {v(h), Argument::of_list({Argument::of_int(0)})}, {fixed(8)});
+  const graph::ValueId r = b.op("aten::relu", "", {v(s)}, {fixed(8)});
+  b.output(b.op("aten::sum", "", {v(r), Argument::none()}, {}));
+  graph::Graph g = b.build();
+  g.symbols["s0"] = "batch";
+  return g;
+}
+
+TEST(CostGraph, AValueWithNoPlainBatchDimensionIsNeverCutWhereReplicasSplitDifferently) {
+  const graph::Graph g = summed_over_batch();
+  Profile p;
+  p.graph_hash = graph_hash(g);
+  p.microbatch = 4;
+  p.nodes.assign(g.nodes.size(), {1e-3, 2e-3, 1e-3, 10, 20});
+  p.value_bytes.assign(g.values.size(), 64);
+  auto costs = cost_graph_from_profile(g, p);
+  ASSERT_TRUE(costs.is_ok()) << costs.status().to_string();
+  const graph::ValueId h = g.nodes[0].returns[0].value, summed = g.nodes[1].returns[0].value;
+  auto cost_value_of = [&](graph::ValueId value) {
+    for (std::size_t k = 0; k < costs->values.size(); ++k) {
+      if (costs->values[k].producer >= 0 && g.nodes[costs->values[k].producer].returns[0].value == value) return k;
+    }
+    return costs->values.size();
+  };
+  ASSERT_LT(cost_value_of(h), costs->values.size());
+  EXPECT_TRUE(costs->values[cost_value_of(h)].redistributable);
+  EXPECT_FALSE(costs->values[cost_value_of(summed)].redistributable);
+  auto again = CostGraph::from_json(costs->to_json());
+  ASSERT_TRUE(again.is_ok()) << again.status().to_string();
+  EXPECT_FALSE(again->values[cost_value_of(summed)].redistributable);
+  // Two ranks of 2 and 1 replicas: the sum over the batch and the relu of it both lack the
+  // batch dimension, so the one cut left is after the linear (the cheapest plan would give
+  // the ranks of 2 replicas more of the work).
+  PlanOptions o;
+  o.batch = 8;
+  o.microbatches = 2;
+  o.ranks = 2;
+  o.replicas = {2, 1};
+  const Cluster cluster = Cluster::uniform(1, 3, 1e9, 1.0, testing::fast_link(), testing::fast_link());
+  auto plan = make_plan(*costs, cluster, o);
+  ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
+  EXPECT_EQ(plan->stages[0].ops, (std::vector<int>{0}));
+  o.replicas = {1, 1};  // alike: any cut
+  o.max_replicas = 1;
+  EXPECT_TRUE(make_plan(*costs, Cluster::uniform(1, 2, 1e9, 1.0, testing::fast_link(), testing::fast_link()), o).is_ok());
 }
 
 TEST(Profile, RoundTripsAndChecksItsGraph) {

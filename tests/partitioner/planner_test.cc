@@ -264,6 +264,90 @@ TEST(Planner, FixedRanksAndReplicasGetTheBestPlanWithThem) {
   EXPECT_GE(compared, 100);
 }
 
+// Whether stages `a` and `b` of a plan (`replicas` each, on consecutive devices ending at
+// the cluster's last) split a microbatch of `samples` alike: as many replicas, the same
+// samples each (shares by device speed in whole samples, common/shares.h).
+bool split_alike(const Cluster& cluster, const std::vector<int>& replicas, std::int64_t samples, int a, int b) {
+  if (replicas[a] != replicas[b]) return false;
+  int first = static_cast<int>(cluster.devices.size());
+  for (int r : replicas) first -= r;
+  std::vector<std::vector<double>> speeds;
+  for (int r : replicas) {
+    speeds.emplace_back();
+    for (int k = 0; k < r; ++k) speeds.back().push_back(cluster.devices[first + k].speed);
+    first += r;
+  }
+  return share_lengths(samples, speeds[a], replicas[a]) == share_lengths(samples, speeds[b], replicas[b]);
+}
+
+// The runtime's rule (runtime/batch_layout.h): a value that cannot be redistributed passes
+// only between stages that split alike. `adjacent`: the planner's, stricter: each prefix of
+// stages that such a value leaves ends between stages that split alike.
+bool passes_fixed_values(const CostGraph& g, const Cluster& cluster, std::int64_t samples,
+                         const std::vector<std::vector<int>>& stages, const std::vector<int>& replicas, bool adjacent) {
+  std::vector<int> stage_of(g.ops.size(), -1);
+  for (std::size_t s = 0; s < stages.size(); ++s) {
+    for (int op : stages[s]) stage_of[op] = static_cast<int>(s);
+  }
+  for (std::size_t i = 0; i < g.ops.size(); ++i) {
+    for (int v : g.ops[i].inputs) {
+      const int p = g.values[v].producer;
+      if (p < 0 || g.values[v].redistributable) continue;
+      const int from = stage_of[p], to = stage_of[i];
+      if (!adjacent && from != to && !split_alike(cluster, replicas, samples, from, to)) return false;
+      for (int k = from; adjacent && k < to; ++k) {
+        if (!split_alike(cluster, replicas, samples, k, k + 1)) return false;
+      }
+    }
+  }
+  return true;
+}
+
+TEST(Planner, NeverCutsThroughAValueTheRuntimeCannotRedistribute) {
+  // Values with no plain batch dimension pass only between stages whose replicas split a
+  // microbatch alike (runtime/batch_layout.h). Every plan keeps to that, in every search
+  // mode, and the exact search's is the best of those that do (brute force).
+  std::mt19937_64 rng(91);
+  int plans = 0, restricted = 0;
+  for (int trial = 0; trial < 60; ++trial) {
+    const int devices = 2 + static_cast<int>(rng() % 3);  // 2..4
+    const int n = 4 + static_cast<int>(rng() % 7);
+    CostGraph g = random_dag(n, 7000 + trial);
+    for (auto& v : g.values) {
+      if (v.producer >= 0 && rng() % 3 == 0) v.redistributable = false;
+    }
+    Cluster cluster = Cluster::uniform(1, devices, 1e9, 1.0, {50e6, 1e-5}, {5e6, 1e-4});
+    if (trial % 2) cluster.devices.back().speed = 1.7;
+    PlanOptions o = exact_options(1 + static_cast<int>(rng() % 4), trial % 3 ? ScheduleKind::kOneFOneB
+                                                                             : ScheduleKind::kGPipe);
+    const std::int64_t samples = o.batch / o.microbatches;
+    auto allowed = [&](const Candidate& c) { return passes_fixed_values(g, cluster, samples, c.stages, c.replicas, true); };
+    const double expected = brute_force(g, cluster, o, o.microbatches, o.schedules[0], allowed);
+    const double unrestricted = brute_force(g, cluster, o, o.microbatches, o.schedules[0]);
+    if (expected > unrestricted * (1 + 1e-9)) ++restricted;
+    for (auto [mode, simulated] : {std::pair{SearchMode::kExact, false}, std::pair{SearchMode::kExact, true},
+                                   std::pair{SearchMode::kAuto, true}, std::pair{SearchMode::kBottleneck, true}}) {
+      o.search = mode;
+      o.simulated_search = simulated;
+      auto plan = make_plan(g, cluster, o);
+      ASSERT_TRUE(plan.is_ok()) << "trial " << trial << ": " << plan.status().to_string();
+      std::vector<std::vector<int>> stages;
+      std::vector<int> replicas;
+      for (const auto& st : plan->stages) {
+        stages.push_back(st.ops);
+        replicas.push_back(st.replicas);
+      }
+      EXPECT_TRUE(passes_fixed_values(g, cluster, samples, stages, replicas, false)) << "trial " << trial;
+      ++plans;
+      if (!simulated) {  // the analytic optimum of the plans allowed
+        EXPECT_NEAR(plan->objective_s, expected, 1e-9 * expected) << "trial " << trial;
+      }
+    }
+  }
+  EXPECT_GE(plans, 200);
+  EXPECT_GE(restricted, 5);  // the rule changed the best plan that often
+}
+
 TEST(Planner, FixedPartsThatCannotBeMetAreNamed) {
   CostGraph g = uniform_chain(3, 1e-3, 2e-3, 1e6, 1e5);
   Cluster cluster = Cluster::uniform(1, 4, 1e9, 1.0, fast_link(), fast_link());

@@ -114,6 +114,44 @@ def test_fixed_stages_with_replicas_train_like_eager_accumulation(schedule, micr
     assert "(measured, ms per microbatch)" in str(report), str(report)
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_gpt2_cut_between_its_layers_across_replica_counts_trains_like_eager(padded):
+    # Transformers builds GPT-2's causal mask by indexing position ids with the batch's
+    # arange; each sample's row is its own, so the mask is redistributed between 2 replicas
+    # and 1 (graph/batch_values.h). The cut passes it between the two attentions that read it.
+    torch.manual_seed(0)
+    case = zoo.gpt2(batch=8)
+    kwargs = dict(case.kwargs)
+    if padded:  # a padding mask too: the mask depends on the data
+        tokens = zoo.padded_tokens(8, 16, 96)
+        kwargs = {"input_ids": tokens["input_ids"], "attention_mask": tokens["attention_mask"],
+                  "labels": tokens["input_ids"]}
+    ref = copy.deepcopy(case.model)
+    probe = conveyor.Module(copy.deepcopy(case.model), stages=2, replicas=[1, 1], microbatches=2)
+    probe(*case.args, **kwargs)
+    nodes = probe.capture.graph.nodes
+    attentions = [i for i, n in enumerate(nodes) if n["op"] == "aten::scaled_dot_product_attention"]
+    assert len(attentions) == 2, attentions
+    cut = attentions[1] - 3
+    opt = torch.optim.SGD(case.model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    model = conveyor.Module(case.model, opt, stages=[list(range(cut)), list(range(cut, len(nodes)))],
+                            replicas=[2, 1], microbatches=2)
+    for _ in range(2):
+        loss = model.train_step(*case.args, **kwargs)
+        ref_opt.zero_grad(set_to_none=True)
+        ref_loss = 0
+        for a, k in split_batch(case.args, kwargs, 2, 8):
+            part = case.loss(ref(*a, **k)) / 2
+            part.backward()
+            ref_loss = ref_loss + part.detach()
+        ref_opt.step()
+        assert abs(loss.item() - ref_loss.item()) <= 1e-9 * abs(ref_loss.item())
+    for (n, p), (_, q) in zip(case.model.named_parameters(), ref.named_parameters()):
+        err = (p - q).abs().max().item() / max(q.abs().max().item(), 1e-6)
+        assert err <= 1e-9, f"{n} differs by {err:.2e}"
+
+
 def test_backward_scales_gradients_and_state_stays_the_models():
     torch.manual_seed(0)
     case = zoo.mlp(batch=8)
@@ -205,9 +243,7 @@ def test_trace_of_a_replicated_step_has_a_track_per_replica(tmp_path):
     import os
     import subprocess
     torch.manual_seed(0)
-    # An MLP: every cut of it passes between 2 replicas and 1 (GPT-2's attention mask has no
-    # plain batch dimension, and the cut the planner picks, which profile noise moves, can
-    # fall between its expand and the attention that reads it; docs/planner.md, "Limits").
+    # An MLP: 2 replicas then 1, a flow per share.
     case = zoo.mlp(batch=8)
     path = tmp_path / "replicated.pftrace"
     model = conveyor.Module(case.model, stages=2, replicas=[2, 1], microbatches=2, trace=path)

@@ -180,6 +180,31 @@ TEST(BatchLayout, AValueWithoutABatchDimensionCannotCrossBetweenDifferentReplica
       << weighted.status().message();
 }
 
+TEST(BatchLayout, PositionsWithinAShareCannotCrossButTheRowsTheyPickFromTheirOwnSamplesCan) {
+  // pos = arange(x.size(0)); rows = linear(x)[pos]: positions within a share mean nothing
+  // once shares are joined and split again, but the rows they pick are each sample's own
+  // (transformers' causal masks are built so).
+  GraphBuilder b;
+  ValueId x = b.input("x", {sym("s0"), fixed(4)});
+  ValueId w = b.parameter("w", {fixed(8), fixed(4)});
+  ValueId size = b.op("aten::sym_size", "int", {v(x), Argument::of_int(0)}, {});
+  ValueId pos = b.op("aten::arange", "", {v(size)}, {sym("s0")});
+  ValueId h = b.op("aten::linear", "", {v(x), v(w), Argument::none()}, {sym("s0"), fixed(8)});
+  ValueId rows = b.op("aten::index", "Tensor", {v(h), Argument::of_list({v(pos)})}, {sym("s0"), fixed(8)});
+  b.output(b.op("aten::sum", "", {v(rows), Argument::none()}, {}));
+  Graph g = b.build();
+  g.symbols["s0"] = "batch";
+  auto positions = BatchLayout::analyze(g, {{0, 1, 2}, {3, 4}}, {2, 1});
+  ASSERT_FALSE(positions.is_ok());
+  EXPECT_NE(positions.status().message().find("value " + std::to_string(pos)), std::string::npos)
+      << positions.status().message();
+  auto picked = BatchLayout::analyze(g, {{0, 1, 2, 3}, {4}}, {2, 1});
+  ASSERT_TRUE(picked.is_ok()) << picked.status().to_string();
+  EXPECT_TRUE(picked->share_positions[pos]);
+  EXPECT_FALSE(picked->share_positions[rows]);
+  EXPECT_TRUE(picked->redistributable(g, rows));
+}
+
 TEST(BatchLayout, AModelThatReturnsNoScalarLossIsRefused) {
   Graph g = graph::testing::mlp_graph();
   g.outputs = {g.nodes[2].returns[0].value};  // the logits, not the loss

@@ -32,7 +32,6 @@ class PlanMaker:
         self.batch, self.microbatches, self.most_microbatches = batch, microbatches, most_microbatches
         self.fixed, self.cluster, self.optimizer, self.group = fixed, cluster, optimizer, group
         self.threads, self.horizon_steps = threads, horizon_steps
-        self.max_replicas = 0  # the replica cap of the plan that runs (0: none; re-planning keeps it)
         self.sizes: dict[str, int] = {}  # the symbolic sizes the last profile was taken at
         self.last_profile: dict = {}  # its units, units measured (the others alike) and peak memory
 
@@ -61,15 +60,13 @@ class PlanMaker:
             for p, g in grads.items():
                 p.grad = g
 
-    def plan(self, prof: dict | None, max_replicas: int | None = None) -> Plan:
+    def plan(self, prof: dict | None) -> Plan:
         """The plan for `prof` (process 0's; every process returns the same)."""
-        if max_replicas is not None:
-            self.max_replicas = max_replicas
         made, refused = None, None
         if self.plans_here:
             try:
                 made = make_plan(self.graph, prof, self.cluster, batch=self.batch, microbatches=self.microbatches,
-                                 schedules=self.fixed.schedules, max_replicas=self.max_replicas,
+                                 schedules=self.fixed.schedules,
                                  max_microbatches=self.most_microbatches,
                                  optimizer_state=optimizer_state_per_param_byte(self.optimizer), **self.fixed.options())
             except ConveyorError as e:
@@ -100,7 +97,7 @@ class PlanMaker:
             return None
         return _C.Replanner(self.graph.ir, json.dumps(prof), cluster_text(self.cluster), running.handle,
                             batch=self.batch, microbatches=self.microbatches, schedules=self.fixed.schedules,
-                            max_replicas=self.max_replicas, max_microbatches=self.most_microbatches,
+                            max_microbatches=self.most_microbatches,
                             horizon_steps=self.horizon_steps, moves_bytes=self.group is not None,
                             optimizer_state=optimizer_state_per_param_byte(self.optimizer), **self.fixed.options())
 
