@@ -538,6 +538,7 @@ Result<Plan> plan_candidate(const CostGraph& g, const Cluster& cluster, const Pl
     return Status(ErrorCode::kInvalidArgument,
                   "a candidate is priced as a plain pipeline; interleaved and V-shaped plans come from make_plan");
   }
+  CONVEYOR_RETURN_IF_ERROR(g.validate());
   CONVEYOR_ASSIGN_OR_RETURN(Units units, make_units(g));
   if (c.stages.size() != c.replicas.size() || c.stages.empty()) {
     return Status(ErrorCode::kInvalidArgument, "a candidate needs one replica count per stage");

@@ -88,7 +88,7 @@ double fastest_replicas_scale(const std::vector<double>& replica_compute_s, cons
 
 SharePricing share_pricing(const CostGraph& costs, const Plan& plan) {
   const double samples = plan.microbatches > 0 ? static_cast<double>(plan.batch) / plan.microbatches : 0;
-  return {std::clamp(costs.fixed_fraction, 0.0, 1.0), samples > 0 ? samples / costs.microbatch : 1.0};
+  return {costs.fixed_fraction, samples > 0 ? samples / costs.microbatch : 1.0};
 }
 
 Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasurement>& measured, int devices,
@@ -195,6 +195,7 @@ void apply_factors(const Factors& factors, CostGraph& costs, Cluster& cluster) {
 }
 
 Result<Plan> reprice(const CostGraph& costs, const Cluster& cluster, const PlanOptions& options, const Plan& plan) {
+  CONVEYOR_RETURN_IF_ERROR(costs.validate());
   Plan out = plan;
   out.devices = cluster.devices;
   for (std::size_t s = 0; s < out.links.size() && s + 1 < out.stages.size(); ++s) {
@@ -209,7 +210,7 @@ Result<Plan> reprice(const CostGraph& costs, const Cluster& cluster, const PlanO
   PlanOptions o = options;
   o.batch = plan.batch > 0 ? plan.batch : options.batch;
   const detail::Model model(cluster, o, std::max(plan.microbatches, 1), plan.schedule, costs);
-  const SharePricing pricing{std::clamp(costs.fixed_fraction, 0.0, 1.0), model.scale()};
+  const SharePricing pricing{costs.fixed_fraction, model.scale()};
   for (std::size_t s = 0; s < out.stages.size(); ++s) {
     StagePlan& p = out.stages[s];
     CONVEYOR_RETURN_IF_ERROR(check_devices(p, s, static_cast<int>(cluster.devices.size())));

@@ -71,7 +71,7 @@ class Model {
     max_replicas_ = std::max(1, (options.batch / microbatches) / std::max(1, costs.min_share));
     if (options.max_replicas > 0) max_replicas_ = std::min(max_replicas_, options.max_replicas);
     scale_ = (static_cast<double>(options.batch) / microbatches) / costs.microbatch;
-    fixed_ = std::clamp(costs.fixed_fraction, 0.0, 1.0);
+    fixed_ = costs.fixed_fraction;  // within [0, 1] (CostGraph::validate)
     speed_prefix_.assign(static_cast<std::size_t>(n_) + 1, 0);
     std::vector<double> mem(n_), speed(n_);
     for (int d = 0; d < n_; ++d) {
