@@ -160,6 +160,7 @@ BatchValues BatchValues::of(const Graph& g) {
   out.batch_scale.assign(g.values.size(), 1);
   find_flattened_batches(g, out.batch_symbols, out);
   out.is_batch_size.assign(g.values.size(), false);
+  out.times_batch_size.assign(g.values.size(), false);
   for (const auto& node : g.nodes) {
     const auto ins = Graph::node_inputs(node);
     const auto outs = Graph::node_outputs(node);
@@ -173,6 +174,15 @@ BatchValues BatchValues::of(const Graph& g) {
       out.is_batch_size[outs[0]] = d >= 0 && d == out.batch_dim[ins[0]];
       out.on_batch[outs[0]] = out.is_batch_size[outs[0]];
       continue;
+    }
+    if (node.op == kSymOpName && node.overload == "mul" && outs.size() == 1) {
+      // The batch size times sizes no share changes: each share's is its own size times them.
+      int batch_factors = 0, other = 0;
+      for (ValueId in : ins) {
+        if (out.is_batch_size[in] || out.times_batch_size[in]) ++batch_factors;
+        else if (out.on_batch[in]) ++other;
+      }
+      out.times_batch_size[outs[0]] = batch_factors == 1 && other == 0;
     }
     bool depends = false, on_data = false, positions = false;
     for (ValueId in : ins) {
@@ -191,7 +201,7 @@ BatchValues BatchValues::of(const Graph& g) {
 }
 
 bool BatchValues::redistributable(const Graph& g, ValueId v) const {
-  if (!on_batch[v] || is_batch_size[v]) return true;
+  if (!on_batch[v] || is_batch_size[v] || times_batch_size[v]) return true;
   const Value& val = g.values[v];
   int batch_dims = 0;
   for (std::size_t d = 0; d < val.shape.size(); ++d) {

@@ -25,6 +25,9 @@ struct BatchValues {
   /// a product with other symbolic sizes (a sequence length), known per call.
   std::vector<std::int64_t> batch_scale;
   std::vector<bool> is_batch_size;            ///< per value: a size equal to the batch (each replica sees its share's)
+  /// Per value: a size that is the batch times a factor the same for every share (batch x
+  /// heads, batch x sequence length: conveyor::sym mul): each replica sees its share's.
+  std::vector<bool> times_batch_size;
   std::vector<bool> on_batch;                 ///< per value: depends on a batched input
   /// Per value: positions within a share (made from arange(batch) and no data), which mean
   /// nothing once shares are joined and split again.
@@ -38,7 +41,7 @@ struct BatchValues {
   /// counts or shares): it does not depend on the batch (any replica's copy serves), is the
   /// batch size (each replica sees its share's), or is a tensor with one plain batch
   /// dimension to redistribute along (not a product with other symbolic sizes, not positions
-  /// within a share).
+  /// within a share); a size the batch times a factor (times_batch_size) is recomputed per share.
   bool redistributable(const Graph& g, ValueId v) const;
 };
 

@@ -121,6 +121,12 @@ Result<std::vector<c10::IValue>> ValueStore::read(const std::vector<ValueId>& id
       out.emplace_back(layout_.share(micro_length_[mb], stage, i).length);
       continue;
     }
+    if (bl.times_batch_size[v]) {  // the producer's share times the factor, as this share's
+      const std::int64_t from = layout_.share(micro_length_[mb], bl.producer[v], 0).length;
+      const std::int64_t factor = from > 0 ? shares[0].toInt() / from : 0;
+      out.emplace_back(factor * layout_.share(micro_length_[mb], stage, i).length);
+      continue;
+    }
     if (bl.batch_dim[v] < 0) {  // the same on every replica (checked when the layout was made)
       out.push_back(ready_on_compute(shares[0], produced(0)));
       continue;

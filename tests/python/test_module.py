@@ -152,6 +152,32 @@ def test_gpt2_cut_between_its_layers_across_replica_counts_trains_like_eager(pad
         assert err <= 1e-9, f"{n} differs by {err:.2e}"
 
 
+def test_a_vit_split_across_replica_counts_is_cut_between_its_layers_and_trains_like_eager():
+    # nn.MultiheadAttention reshapes by batch x heads, a size computed once and read by every
+    # layer: each share's is its own (graph/batch_values.h), so the planner may cut between
+    # layers of stages with 2 replicas and 1 (it kept to the two ends before).
+    import torchvision
+    torch.manual_seed(0)
+    net = torchvision.models.VisionTransformer(image_size=32, patch_size=8, num_layers=4, num_heads=2, hidden_dim=32,
+                                               mlp_dim=64, num_classes=10, dropout=0.0).double()
+    ref = copy.deepcopy(net)
+    opt, ref_opt = torch.optim.SGD(net.parameters(), lr=0.05), torch.optim.SGD(ref.parameters(), lr=0.05)
+    model = conveyor.Module(net, opt, loss_fn=torch.nn.CrossEntropyLoss(), stages=2, replicas=[2, 1], microbatches=2)
+    for _ in range(2):
+        x, y = torch.randn(16, 3, 32, 32, dtype=torch.float64), torch.randint(0, 10, (16,))
+        model.train_step(x, target=y)
+        ref_opt.zero_grad(set_to_none=True)
+        for xs, ys in zip(x.chunk(4), y.chunk(4)):
+            (torch.nn.functional.cross_entropy(ref(xs), ys) / 4).backward()
+        ref_opt.step()
+    nodes = model.capture.graph.nodes
+    ops = [[nodes[i]["op"] for i in stage] for stage in model.capture.stage_nodes]
+    assert all("aten::linear" in o for o in ops) and min(len(o) for o in ops) > 30, [len(o) for o in ops]
+    for (n, p), (_, q) in zip(net.named_parameters(), ref.named_parameters()):
+        err = (p - q).abs().max().item() / max(q.abs().max().item(), 1e-6)
+        assert err <= 1e-9, f"{n} differs by {err:.2e}"
+
+
 def test_backward_scales_gradients_and_state_stays_the_models():
     torch.manual_seed(0)
     case = zoo.mlp(batch=8)
