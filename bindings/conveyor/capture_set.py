@@ -23,7 +23,7 @@ from .job import Job
 from .live_profile import as_it_stood, live_profile
 from .microbatches import Microbatches
 from .options import Options
-from .planning.replanning import carry_optimizer_state
+from .planning.plan_switch import carry_optimizer_state
 from .sizes import input_dims, range_text
 from .users_rng import users_rng_kept
 
@@ -223,6 +223,8 @@ class CaptureSet:
             except ConveyorError:  # a pipeline out of step reports nothing: no report kept
                 self.kept_profile = None
         if self.job.group is not None:
+            if state.replanning is not None:  # its windows end with its pipeline
+                state.replanning.settle()
             state.pipeline = None
             state.small_pipelines = {}
         self.current = None

@@ -20,7 +20,7 @@ from .memory import reset_device_peak
 from .microbatches import Microbatches, is_packed
 from .planning.plan_maker import plan_for_larger_sizes
 from .planning import Plan
-from .planning.replanning import switch_to
+from .planning.plan_switch import switch_to
 from .planning.replanning_trace import STEPS, ReplanningTimeline, timeline_path
 from .users_rng import users_rng_kept
 
@@ -128,10 +128,11 @@ class StepRunner:
         switch_to(self.captures.current, plan, None, job=self.job, optimizer=self.optimizer, history=self.history)
 
     def _maybe_replan(self, state: CaptureState) -> None:
-        """At a step boundary, when a window is due: the partitioner's decision, and the switch."""
-        if state.replanning is None or not state.replanning.due():
+        """At a step boundary: a re-planning window's boundary when one is due, and the decision due
+        now, with its switch."""
+        if state.replanning is None:
             return
-        decision = state.replanning.evaluate(state.pipeline, self.history.switches)
+        decision = state.replanning.at_step_boundary(state.pipeline, self.history.switches)
         if decision is not None and decision["switch"]:
             switch_to(state, Plan(decision["candidate"]), decision, job=self.job,
                       optimizer=self.optimizer, history=self.history)

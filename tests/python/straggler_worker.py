@@ -43,9 +43,10 @@ def main() -> None:
         x, y = torch.randn(64, WIDTH), torch.randn(64, WIDTH)
         model = conveyor.Module(net, opt, loss_fn=torch.nn.MSELoss(), stages=1, replicas=2, microbatches=1,
                                 replan="auto")
-        # The first window's decision is heard at the second window's end, or the third's
-        # when the planner, yielding the core to the training, has not finished by then.
-        for step in range(2 + 3 * WINDOW):
+        # The first window's decision is sent at the second window's boundary, or the third's
+        # when the planner, yielding the core to the training, has not finished by then, and
+        # applied a step later.
+        for step in range(3 + 3 * WINDOW):
             model.train_step(x, target=y)
             if step >= 2 * WINDOW and model.profile_report().replan is not None:
                 break

@@ -158,6 +158,36 @@ def test_back_to_a_stage_replicated_across_processes_after_a_pipeline_trains_lik
     assert_like_eager(result["losses"], result["state"], losses, net.state_dict())
 
 
+@needs_ucx
+def test_a_switch_the_replanner_decides_across_two_processes_is_applied_by_both_at_one_step(tmp_path):
+    """Across two processes the figures and the decision travel as messages, never in a
+    collective: the Replanner's switch (to shares that match the measured speeds) is applied
+    by both processes a step after a window's boundary; a switch forced while a decision is
+    on its way drops it on both; two more windows after it stay in step; training is exact."""
+    import auto_switch_worker as w
+    out = tmp_path / "auto"
+    finish_two(start_two([out], timeout_s=120, worker=WORKER.with_name("auto_switch_worker.py")))
+    results = [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(2)]
+    logs = [[(e["step"], e["new"], e["reason"]) for e in r["replans"]] for r in results]
+    assert logs[0] == logs[1], logs
+    decided, forced = results[0]["replans"][:2]
+    assert decided["factors"]["speed"][1] < 0.5 * decided["factors"]["speed"][0], decided  # measured, not rated
+    assert decided["old"] != decided["new"], decided
+    assert (decided["step"] - 1) % WINDOW == 1, decided  # a boundary after steps 6, 11, 16...; applied a step later
+    assert forced["reason"] == "switch_plan" and all(r["forced_while_on_its_way"] for r in results), forced
+    assert results[0]["losses"] == results[1]["losses"]
+    net, x, y = w.data()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    losses = []
+    for _ in results[0]["losses"]:
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(net(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert_like_eager(results[0]["losses"], results[0]["state"], losses, net.state_dict())
+
+
 def wrong_speeds_cluster(claimed: float = 3.0) -> str:
     """Two devices, the second said to be `claimed` times faster than it is: the plan gives it
     most of the work, and measurement shows it."""

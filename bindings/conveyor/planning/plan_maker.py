@@ -17,7 +17,7 @@ from ..memory import optimizer_state_per_param_byte
 from ..sizes import largest_sizes, sizes_of, tiled_to, warn_beyond
 from .planner import Plan, cluster_text, plan as make_plan
 from .profiler import profile
-from .replanning import switch_to
+from .plan_switch import switch_to
 
 
 class PlanMaker:

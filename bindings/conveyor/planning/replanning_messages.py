@@ -1,0 +1,106 @@
+"""Re-planning's messages between the job's processes, point to point and never collective,
+so that no step waits on another process for them (docs/design.md, "Re-planning"):
+
+- at each window's boundary, every process other than 0 sends process 0 its figures of the
+  window (`WindowFigures`): sent without waiting, read by process 0's planner thread;
+- at each window's boundary, process 0 sends every other process the decision it heard
+  there (or None), which each applies `DECIDED_AFTER` steps later, where process 0 applies
+  it too: by then the message has long arrived, since no process finishes a step without
+  process 0's part in it, and process 0 sent the decision before its part.
+
+Messages under one (peer, tag) arrive in the order they were sent (transport/transport.h);
+each carries its window's number, so one read out of turn is an error naming both.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from .. import _C
+from ..errors import ExecutionError
+
+# Tags: beside the hand-over's (runtime/model_state.cc, kHandOverTag: bits 44-46 with an entry
+# number far below bit 42) and the optimizer state's (plan_switch.py: bit 43), with bit 42.
+FIGURES_TAG = (7 << 44) | (1 << 42)
+DECISION_TAG = FIGURES_TAG | 1
+
+DECIDED_AFTER = 1  # steps from the boundary where process 0 sends a decision to the one where all apply it
+PLANS = ("candidate", "running")  # a decision's plans (_C.Plan): on the wire, their documents
+
+
+@dataclass
+class WindowFigures:
+    """One process's figures of one window: its live profile's per-stage figures (for the
+    replicas it runs) and its mean step."""
+    window: int
+    stages: list
+    step_s: float
+
+
+def _as_tensor(value) -> torch.Tensor:
+    return torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
+
+
+def _read(group, tag: int, what: str, peer: int):
+    data = group.recv(peer, tag, what)[0]
+    try:
+        return json.loads(data.numpy().tobytes())
+    except ValueError as e:
+        raise ExecutionError(f"{what}: process {peer} sent what is not JSON ({e}); the processes run different "
+                             "versions of conveyor, or a peer is not conveyor") from None
+
+
+class WindowMessages:
+    """This process's side of re-planning's messages (`group`: the job's ProcessGroup)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.sends = _C.SendsInFlight(group)
+        self.sent = 0  # windows whose figures every process other than 0 has sent
+        self.read = 0  # process 0: of those, the windows whose figures it has read
+
+    def send_figures(self, figures: WindowFigures) -> None:
+        """A process other than 0: its figures of the window at this boundary, to process 0."""
+        self.sends.send(0, FIGURES_TAG, [_as_tensor([figures.window, figures.stages, figures.step_s])],
+                        f"the figures of re-planning window {figures.window} to process 0")
+
+    def boundary(self) -> int:
+        """Counts a window's boundary (every process alike); returns the window's number, from 1."""
+        self.sent += 1
+        return self.sent
+
+    def unread(self) -> range:
+        """Process 0: the windows whose figures its peers sent and it has not read, marked read
+        (the caller reads them, in order, with read_figures)."""
+        windows = range(self.read + 1, self.sent + 1)
+        self.read = self.sent
+        return windows
+
+    def read_figures(self, peer: int, window: int) -> WindowFigures:
+        """Process 0 (any thread): `peer`'s figures of `window`, waiting for them within the
+        job's timeout."""
+        what = f"process {peer}'s figures of re-planning window {window}"
+        got = _read(self.group, FIGURES_TAG, what, peer)
+        if not (isinstance(got, list) and len(got) == 3 and got[0] == window):
+            raise ExecutionError(f"{what}: received {str(got)[:80]!r}, not window {window}'s figures; the "
+                                 "processes disagree on the windows they ran (restart the job)")
+        return WindowFigures(*got)
+
+    def send_decision(self, decision: dict | None, window: int) -> None:
+        """Process 0: the decision heard at `window`'s boundary (None: none), to every other process."""
+        body = None if decision is None else {**decision, **{k: decision[k].to_json() for k in PLANS}}
+        payload = _as_tensor([window, body])
+        for peer in range(1, self.group.world_size):
+            self.sends.send(peer, DECISION_TAG, [payload], f"re-planning window {window}'s decision to process {peer}")
+
+    def read_decision(self, window: int) -> dict | None:
+        """A process other than 0: the decision process 0 sent at `window`'s boundary."""
+        what = f"process 0's re-planning decision at window {window}"
+        got = _read(self.group, DECISION_TAG, what, 0)
+        if not (isinstance(got, list) and len(got) == 2 and got[0] == window):
+            raise ExecutionError(f"{what}: received {str(got)[:80]!r}, not that window's decision; the processes "
+                                 "disagree on the windows they ran (restart the job)")
+        body = got[1]
+        return None if body is None else {**body, **{k: _C.read_plan(body[k]) for k in PLANS}}
