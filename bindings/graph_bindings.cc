@@ -364,7 +364,7 @@ void bind_graph(py::module_& m) {
            "processes, the least relative gain, the margin over the moving cost, the confirmations and the noise "
            "tolerance.")
       .def("evaluate", [](partitioner::Replanner& r, const py::list& stages, double measured_step_s, double rebuild_s,
-                          double bytes_per_s) {
+                          double bytes_per_s, bool may_search) {
         std::vector<partitioner::StageMeasurement> measured;
         for (auto item : stages) {
           auto d = item.cast<py::dict>();
@@ -382,7 +382,7 @@ void bind_graph(py::module_& m) {
         partitioner::ReplanDecision d;
         {
           py::gil_scoped_release nogil;
-          d = unwrap(r.evaluate(measured, measured_step_s));
+          d = unwrap(r.evaluate(measured, measured_step_s, may_search));
         }
         const auto& f = d.calibration.factors;
         py::dict out;
@@ -403,14 +403,17 @@ void bind_graph(py::module_& m) {
         out["rebuild_s"] = d.move.rebuild_s;
         out["confirmations"] = d.confirmations;
         out["searched"] = d.searched;
+        out["search_deferred"] = d.search_deferred;
         out["action_overhead_s"] = d.action_overhead_s;
         out["factors"] = py::dict(py::arg("forward") = f.forward, py::arg("backward") = f.backward,
                                   py::arg("weight") = f.weight, py::arg("speed") = f.speed, py::arg("link") = f.link);
         return out;
       }, py::arg("stages"), py::arg("measured_step_s"), py::arg("rebuild_s") = 0.0, py::arg("bytes_per_s") = 0.0,
+         py::arg("may_search") = true,
          "One window of the running plan (the live profile's stages, merged across processes, and its mean step): "
          "corrects the inputs, plans again and decides; rebuild_s and bytes_per_s: what building a pipeline and "
-         "moving bytes measured (0: unknown / the cluster's links). Returns a dict: switch, reason, arithmetic, "
+         "moving bytes measured (0: unknown / the cluster's links); may_search False: only a search owed runs "
+         "(partitioner/replan.h). Returns a dict: switch, reason, arithmetic, "
          "candidate (a Plan) and candidate_table, running (a Plan: the running plan priced on the corrected inputs), "
          "the step times, the gain, the moving cost and the factors.")
       .def("switched_to", [](partitioner::Replanner& r, const PlanHandle& plan) { check(r.switched_to(plan.plan())); },

@@ -49,14 +49,22 @@ Factors zip(const Factors& x, const Factors& y, Op op) {
 }
 
 // Every correction of `a` within `tolerance` (relative) of `b`'s.
-bool within(const Factors& a, const Factors& b, double tolerance) {
-  auto close = [tolerance](double x, double y) { return std::abs(x - y) <= tolerance * std::max(std::abs(y), 1e-12); };
+bool close(double x, double y, double tolerance) { return std::abs(x - y) <= tolerance * std::max(std::abs(y), 1e-12); }
+
+// Whether every device's speed of `a` is within `tolerance` of `b`'s (relative).
+bool within_speeds(const Factors& a, const Factors& b, double tolerance) {
   if (a.speed.size() != b.speed.size()) return false;
   for (std::size_t d = 0; d < a.speed.size(); ++d) {
-    if (!close(a.speed[d], b.speed[d])) return false;
+    if (!close(a.speed[d], b.speed[d], tolerance)) return false;
   }
-  return close(a.forward, b.forward) && close(a.backward, b.backward) && close(a.weight, b.weight) &&
-         close(a.link, b.link);
+  return true;
+}
+
+// Whether every factor of `a` is within `tolerance` of `b`'s (relative).
+bool within(const Factors& a, const Factors& b, double tolerance) {
+  return within_speeds(a, b, tolerance) && close(a.forward, b.forward, tolerance) &&
+         close(a.backward, b.backward, tolerance) && close(a.weight, b.weight, tolerance) &&
+         close(a.link, b.link, tolerance);
 }
 
 // The fewest samples one replica of `plan` computes per microbatch.
@@ -185,7 +193,8 @@ Status Replanner::fit_links(double measured_step_s) {
   return Status::ok();
 }
 
-Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& measured, double measured_step_s) {
+Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& measured, double measured_step_s,
+                                          bool may_search) {
   if (!std::isfinite(measured_step_s) || measured_step_s <= 0) {
     return Status(ErrorCode::kInvalidArgument,
                   "a measured step of " + std::to_string(measured_step_s) + " s (steps take a positive, finite time)");
@@ -253,11 +262,16 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   }
   // The search again only when the inputs moved since the last one (or a switch is pending
   // its confirmation): with nothing new to learn, its best plan is priced on the inputs now.
+  // Where the caller spaces searches out, only a search owed runs: a device's speed that
+  // moved beyond the tolerance is what a straggler coming or going does, while the other
+  // factors move with the noise (the links' fitted to each window's step).
   const std::string running_key = layout_key(running_);
-  if (last_search_ && last_search_->running_key == running_key && confirmations_ == 0 &&
-      within(last_search_->factors, applied_, policy_.tolerance / 2)) {
+  const bool owed = !last_search_ || last_search_->running_key != running_key || confirmations_ > 0 ||
+                    !within_speeds(last_search_->factors, applied_, policy_.tolerance);
+  if (!owed && (!may_search || within(last_search_->factors, applied_, policy_.tolerance / 2))) {
     CONVEYOR_ASSIGN_OR_RETURN(d.candidate, reprice(costs_, cluster_, options_, last_search_->best));
     d.searched = false;
+    d.search_deferred = !within(last_search_->factors, applied_, policy_.tolerance / 2);
   } else {
     // Operators were measured at one microbatch size and are priced in proportion to the
     // samples, which small microbatches are not (each operator's fixed cost: a CPU MLP's
@@ -314,7 +328,12 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
     return d;
   }
   confirmations_ = 0;
-  if (!d.searched) d.reason += " (not searched again: the corrections moved less than the noise since the last search)";
+  if (d.search_deferred) {
+    d.reason += " (not searched again: the corrections moved, but searches are spaced out and no device's speed "
+                "moved beyond the noise)";
+  } else if (!d.searched) {
+    d.reason += " (not searched again: the corrections moved less than the noise since the last search)";
+  }
   return d;
 }
 

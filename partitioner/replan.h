@@ -59,9 +59,11 @@ struct ReplanDecision {
   MoveCost move;
   int confirmations = 0;           ///< consecutive evaluations that picked this candidate
   /// Whether the planner searched: false when the corrected inputs moved less than half the
-  /// tolerance since its last search under the same running plan, with no switch pending;
-  /// that search's best plan is then priced again instead (a search is the costly part).
+  /// tolerance since its last search under the same running plan, or the caller asked for no
+  /// search and none was owed (evaluate's `may_search`); that search's best plan is then
+  /// priced again instead (a search is the costly part).
   bool searched = true;
+  bool search_deferred = false;    ///< not searched though the inputs moved: the caller asked for none
   std::string reason;              ///< why it switches or not
   /// The decision's arithmetic on one line: gain, horizon, moving cost in bytes and seconds.
   std::string arithmetic(const ReplanPolicy& policy) const;
@@ -77,7 +79,12 @@ class Replanner {
   Replanner(CostGraph costs, Cluster cluster, Plan running, PlanOptions options, ReplanPolicy policy);
 
   /// One window of the running plan: per stage what it measured, and its mean step time.
-  Result<ReplanDecision> evaluate(const std::vector<StageMeasurement>& measured, double measured_step_s);
+  /// `may_search` false (the caller spaces searches out, their CPU time being the costly
+  /// part): the last search's best plan is priced again instead of searching, unless a
+  /// search is owed: none yet under the running plan, a switch awaiting its confirmation, or
+  /// a device whose speed moved beyond the tolerance since the last one (a straggler came or went).
+  Result<ReplanDecision> evaluate(const std::vector<StageMeasurement>& measured, double measured_step_s,
+                                  bool may_search = true);
   /// `plan` runs from now on (the decision's candidate, or one the user forced), priced on
   /// the corrected inputs. Errors: a plan that does not fit the cost graph or the cluster.
   Status switched_to(const Plan& plan);

@@ -133,6 +133,44 @@ TEST(Replan, AStragglerThatAppearsMidRunIsActedOnOnceConfirmed) {
   }
 }
 
+// A caller that spaces searches out (their CPU time is what evaluating costs the training)
+// asks for none: noise then never searches, but a straggler coming is still acted on at its
+// confirmation, and the new plan's first window searches.
+TEST(Replan, SearchesTheCallerSpacesOutStillRunWhenADevicesSpeedMoves) {
+  const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
+  const Cluster cluster = devices(3);
+  const Plan plan = *make_plan(g, cluster, options());
+  ReplanPolicy policy;
+  policy.moves_bytes = false;
+  Replanner r(g, cluster, plan, options(), policy);
+  std::mt19937 rng(17);
+  int deferred = 0;
+  for (int window = 0; window < 20; ++window) {
+    auto [m, step] = run(g, r.running(), {1, 1, 1}, 0.05, rng);
+    auto d = r.evaluate(m, step, /*may_search=*/false);
+    ASSERT_TRUE(d.is_ok()) << d.status().to_string();
+    ASSERT_FALSE(d->switch_plan) << d->reason;
+    EXPECT_EQ(d->searched, window == 0) << "window " << window << ": " << d->reason;  // the first one is owed
+    if (d->search_deferred) {
+      ++deferred;
+      EXPECT_NE(d->reason.find("searches are spaced out"), std::string::npos) << d->reason;
+    }
+  }
+  EXPECT_GT(deferred, 0) << "5% noise moves the corrections beyond half the tolerance in some window";
+  int windows = 0;
+  ReplanDecision d;
+  do {
+    auto [m, step] = run(g, r.running(), {1, 1.0 / 3, 1}, 0.05, rng);
+    d = *r.evaluate(m, step, /*may_search=*/false);
+    ++windows;
+  } while (!d.switch_plan && windows < 10);
+  ASSERT_TRUE(d.switch_plan) << d.reason;
+  EXPECT_EQ(windows, policy.confirmations) << d.reason;
+  ASSERT_TRUE(r.switched_to(d.candidate).is_ok());
+  auto [m, step] = run(g, r.running(), {1, 1.0 / 3, 1}, 0.05, rng);
+  EXPECT_TRUE(r.evaluate(m, step, /*may_search=*/false)->searched);
+}
+
 // A model that prices the running plan above what its step measures (here the step overlaps
 // 30% more than the simulator has it) prices the other plans alike: the straggler's better
 // plan is found by the ratio of the two predictions, not by the new plan's figure against

@@ -30,6 +30,13 @@ WINDOW = 5  # steps of the running pipeline between two evaluations
 
 
 PLANNER_NICENESS = 10  # the planner thread's: a tenth of a core the training wants too
+# The most of one core the planner's searches take, over the time from one search's start to
+# the next's: a search of 0.45 s of CPU (GPT-2 of 8 blocks) waits 22 s for the next. Searching
+# every window, as noise in the corrections asked, took 9% of the core of a process pinned
+# to one: its steps slowed, it measured as a slow device, and plans moved for nothing. A
+# search owed (a device's speed moved, a switch awaits its confirmation, a new plan runs)
+# runs at once (partitioner/replan.h).
+SEARCH_SHARE = 0.02
 
 
 def run_on_spare_time() -> None:
@@ -135,7 +142,10 @@ class Replanning:
         self.passed = 0  # process 0: boundaries passed while that evaluation ran on
         self.judging = False  # process 0: the next window judges a switch the Replanner decided
         self.timeline = None  # process 0, with trace=: a ReplanningTimeline (replanning_trace.py)
-        self.windows = 0  # windows evaluated
+        self.windows = 0  # windows whose boundary passed
+        self.evaluated = 0  # process 0: evaluations heard
+        self.planner_cpu_s = 0.0  # process 0: the CPU time they took, in all
+        self.next_search_at = 0.0  # process 0 (time.perf_counter): when a search not owed may run again
         # The decision on its way: applied once the pipeline has run `decided_at` steps;
         # process 0 holds it, the others read it then. (window, decided_at, decision) or None.
         self.on_its_way: tuple | None = None
@@ -230,10 +240,12 @@ class Replanning:
         box: dict = {}
         unread = self.messages.unread() if self.messages is not None else range(0)
         peers = range(1, self.group.world_size) if self.group is not None else range(0)
+        may_search = time.perf_counter() >= self.next_search_at
 
         def run():
             run_on_spare_time()
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.thread_time()
+            box["started"] = t0
             try:
                 reports, step_s = [mine.stages], mine.step_s
                 for peer in peers:
@@ -245,12 +257,12 @@ class Replanning:
                 box["read_s"] = time.perf_counter() - t0
                 measured = [{k: s[k] for k in FIGURES if k != "across_s"} for s in stages]
                 box["decision"] = self.replanner.evaluate(measured, step_s, rebuild_s=self.rebuild_s,
-                                                          bytes_per_s=self.bytes_per_s)
+                                                          bytes_per_s=self.bytes_per_s, may_search=may_search)
                 box["decision"].update(waiting=waiting, across_s=[s["across_s"] for s in stages])
             except BaseException as e:  # raised where the decision is heard, on the caller's thread
                 box["error"] = e
             t1 = time.perf_counter()
-            box["planning_s"] = t1 - t0
+            box["planning_s"], box["planning_cpu_s"] = t1 - t0, time.thread_time() - cpu0
             if self.timeline is not None:
                 decided = box.get("decision")
                 self.timeline.span(PLANNER, f"evaluating window {mine.window}", t0, t1,
@@ -274,7 +286,12 @@ class Replanning:
         if "error" in box:
             raise box["error"]
         decision = box["decision"]
-        decision.update(planning_s=box["planning_s"], read_figures_s=box["read_s"], waited_s=time.perf_counter() - t0)
+        self.evaluated += 1
+        self.planner_cpu_s += box["planning_cpu_s"]
+        if decision["searched"]:
+            self.next_search_at = box["started"] + box["planning_cpu_s"] / SEARCH_SHARE
+        decision.update(planning_s=box["planning_s"], planning_cpu_s=box["planning_cpu_s"], read_figures_s=box["read_s"],
+                        waited_s=time.perf_counter() - t0, evaluated=self.evaluated, planner_cpu_s=self.planner_cpu_s)
         return decision
 
     def forget_thinking(self) -> None:
@@ -316,4 +333,6 @@ class Replanning:
         return (f"re-planning: {d['reason']}\n  {d['arithmetic']}\n{sums}  corrections: forward x{f['forward']:.2f}, "
                 f"backward x{f['backward']:.2f}, weight gradient x{f['weight']:.2f}, transfers x{f['link']:.2f}; "
                 f"device speeds x[{speeds}]; the runtime's cost per action {d['action_overhead_s'] * 1e6:.0f} us\n"
-                f"{unmeasured}  switches so far: {len(switches)}\n")
+                f"{unmeasured}  the planner thread: {d['evaluated']} evaluations, {d['planner_cpu_s']:.3f} s of CPU in "
+                f"all (the last: {d['planning_cpu_s'] * 1e3:.1f} ms of CPU over {d['planning_s'] * 1e3:.1f} ms, "
+                f"{'a search' if d.get('searched') else 'no search'})\n  switches so far: {len(switches)}\n")
