@@ -264,10 +264,13 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   // its confirmation): with nothing new to learn, its best plan is priced on the inputs now.
   // Where the caller spaces searches out, only a search owed runs: a device's speed that
   // moved beyond the tolerance is what a straggler coming or going does, while the other
-  // factors move with the noise (the links' fitted to each window's step).
+  // factors move with the noise (the links' fitted to each window's step). The speeds are
+  // compared as estimated, before settling: a speed near the tolerance's edge, settled to 1
+  // in one window and not in the next, moved little (GPT-2 in two processes: 1.00 and 0.89
+  // in turn, a search owed every other window).
   const std::string running_key = layout_key(running_);
   const bool owed = !last_search_ || last_search_->running_key != running_key || confirmations_ > 0 ||
-                    !within_speeds(last_search_->factors, applied_, policy_.tolerance);
+                    !within_speeds(last_search_->smoothed, smoothed_, policy_.tolerance);
   if (!owed && (!may_search || within(last_search_->factors, applied_, policy_.tolerance / 2))) {
     CONVEYOR_ASSIGN_OR_RETURN(d.candidate, reprice(costs_, cluster_, options_, last_search_->best));
     d.searched = false;
@@ -284,7 +287,7 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
     PlanOptions near = options_;
     if (near.microbatches == 0) near.max_microbatches = std::max(1, std::min(near.max_microbatches, near.batch / floor));
     CONVEYOR_ASSIGN_OR_RETURN(d.candidate, make_plan(bounded, cluster_, near));
-    last_search_ = Search{running_key, applied_, d.candidate};
+    last_search_ = Search{running_key, applied_, smoothed_, d.candidate};
   }
   // The runtime's cost beyond the simulated step (dispatching actions, messages, the host)
   // grows with the actions each rank walks: per action, measured on the running plan.

@@ -121,10 +121,12 @@ class Replanner {
   // plan it left with that step: the next window undoes it if it measures slower.
   std::optional<std::pair<std::string, double>> decided_;
   std::optional<std::pair<Plan, double>> undo_;
-  // The last search: under which running layout, on which corrections, and its best plan.
+  // The last search: under which running layout, on which corrections (as applied, and the
+  // smoothed estimate before settling), and its best plan.
   struct Search {
     std::string running_key;
     Factors factors;
+    Factors smoothed;
     Plan best;
   };
   std::optional<Search> last_search_;
