@@ -16,6 +16,7 @@ import conveyor
 import zoo
 from conveyor import _C
 from conveyor.planning.replanning import WINDOW
+from conveyor.planning.replanning_messages import FIGURES, figures_problem
 
 from conftest import free_port
 from replan_worker import LAYOUTS, eager, plan_with, train
@@ -354,3 +355,21 @@ def test_a_process_that_dies_during_a_move_stops_the_other_naming_it(tmp_path):
     assert procs[0].returncode != 0, text[-3000:]
     assert "process 1" in text, text[-3000:]
     assert waited < 35, f"process 0 took {waited:.1f} s to stop"
+
+
+@pytest.mark.parametrize("got", [
+    None, [], "figures", [2, [], 0.1],  # not this window's
+    [1, [], -0.5], [1, [], float("nan")], [1, "stages", 0.1], [1, [{"forward_s": 0.1}], 0.1],
+    [1, [{**dict.fromkeys(FIGURES, 0.1), "replica_compute_s": [0.1, "x"]}], 0.1],
+    [1, [{**dict.fromkeys(FIGURES, 0.1), "replica_compute_s": [0.1], "send_s": True}], 0.1],
+])
+def test_a_peers_figures_that_are_not_a_windows_are_named_not_used(got):
+    """Process 0's planner thread refuses a peer's message that is not its figures of the
+    window it expects, saying what it got (replanning_messages.figures_problem)."""
+    problem = figures_problem(got, 1)
+    assert problem is not None and "received" in problem, got
+
+
+def test_a_peers_figures_of_the_window_pass():
+    stage = {**dict.fromkeys(FIGURES, 0.1), "replica_compute_s": [0.1, 0.2]}
+    assert figures_problem([1, [stage, stage], 0.5], 1) is None

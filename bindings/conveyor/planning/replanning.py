@@ -23,7 +23,8 @@ import threading
 import time
 import weakref
 
-from .replanning_messages import DECIDED_AFTER, WindowFigures, WindowMessages
+from ..errors import ExecutionError
+from .replanning_messages import DECIDED_AFTER, FIGURES, WindowFigures, WindowMessages
 from .replanning_trace import PLANNER
 
 WINDOW = 5  # steps of the running pipeline between two evaluations
@@ -58,7 +59,6 @@ def idle_devices(document: dict) -> list[int]:
     return [d for d in range(len(document["devices"])) if d not in used]
 
 
-FIGURES = ("forward_s", "backward_s", "backward_weight_s", "replica_compute_s", "send_s", "allreduce_s", "across_s")
 
 
 def merge_processes(reports: list) -> tuple[list, list]:
@@ -251,6 +251,10 @@ class Replanning:
                 for peer in peers:
                     for window in unread:  # the last is this window's; earlier ones went unevaluated
                         theirs = self.messages.read_figures(peer, window)
+                    if len(theirs.stages) != len(mine.stages):
+                        raise ExecutionError(f"process {peer}'s figures of re-planning window {mine.window} have "
+                                             f"{len(theirs.stages)} stages, this process's {len(mine.stages)}: the "
+                                             "processes run different plans (restart the job)")
                     reports.append(theirs.stages)
                     step_s = max(step_s, theirs.step_s)
                 stages, waiting = merge_processes(reports) if len(reports) > 1 else (reports[0], [])

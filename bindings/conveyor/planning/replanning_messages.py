@@ -14,6 +14,7 @@ each carries its window's number, so one read out of turn is an error naming bot
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,32 @@ class WindowFigures:
     window: int
     stages: list
     step_s: float
+
+
+# A window's figures per stage (the live profile's report), in seconds; replica_compute_s a list.
+FIGURES = ("forward_s", "backward_s", "backward_weight_s", "replica_compute_s", "send_s", "allreduce_s", "across_s")
+
+
+def _seconds(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+
+
+def figures_problem(got, window: int) -> str | None:
+    """What is wrong with `got` as a peer's figures of `window` (None: nothing)."""
+    if not (isinstance(got, list) and len(got) == 3 and got[0] == window):
+        return (f"received {str(got)[:80]!r}, not window {window}'s figures; the processes disagree on the windows "
+                "they ran (restart the job)")
+    _, stages, step_s = got
+
+    def stage_ok(s) -> bool:
+        return isinstance(s, dict) and all(
+            isinstance(s.get(k), list) and all(map(_seconds, s[k])) if k == "replica_compute_s" else _seconds(s.get(k))
+            for k in FIGURES)
+
+    if not (_seconds(step_s) and isinstance(stages, list) and all(map(stage_ok, stages))):
+        return (f"received {str(got)[:120]!r}, not a step time and per stage the figures {', '.join(FIGURES)} in "
+                "seconds; the processes run different versions of conveyor, or a peer is not conveyor")
+    return None
 
 
 def _as_tensor(value) -> torch.Tensor:
@@ -83,9 +110,9 @@ class WindowMessages:
         job's timeout."""
         what = f"process {peer}'s figures of re-planning window {window}"
         got = _read(self.group, FIGURES_TAG, what, peer)
-        if not (isinstance(got, list) and len(got) == 3 and got[0] == window):
-            raise ExecutionError(f"{what}: received {str(got)[:80]!r}, not window {window}'s figures; the "
-                                 "processes disagree on the windows they ran (restart the job)")
+        problem = figures_problem(got, window)
+        if problem is not None:
+            raise ExecutionError(f"{what}: {problem}")
         return WindowFigures(*got)
 
     def send_decision(self, decision: dict | None, window: int) -> None:
