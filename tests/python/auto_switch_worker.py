@@ -16,29 +16,29 @@ import torch
 import conveyor
 from conveyor.planning.replanning import WINDOW
 from replan_worker import plan_with
+from switch_back_worker import data as mlp_data
 
 LAYERS, WIDTH, BATCH = 4, 256, 512
 MOST_STEPS = 2 + 8 * WINDOW  # the switch comes at the second or third window; far more means it failed
 
 
-def wrong_speeds_cluster() -> str:
-    """Process 1's device said to be six times faster than it is."""
+def wrong_speeds_cluster(claimed: float = 3.0) -> str:
+    """Two devices, the second said to be `claimed` times faster than it is: the plan gives it
+    most of the work, and measurement shows it."""
     return ('name = "wrong-speeds"\n[[node]]\ndevices = 1\nmemory = "8 GiB"\nspeed = 1.0\n'
-            '[[node]]\ndevices = 1\nmemory = "8 GiB"\nspeed = 6.0\n'
+            f'[[node]]\ndevices = 1\nmemory = "8 GiB"\nspeed = {claimed}\n'
             '[link.intra_node]\nbandwidth = "10 GB/s"\nlatency = "5 us"\n'
             '[link.inter_node]\nbandwidth = "10 GB/s"\nlatency = "5 us"\n')
 
 
 def data():
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(*[m for _ in range(LAYERS) for m in (torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh())])
-    return net.double(), torch.randn(BATCH, WIDTH, dtype=torch.float64), torch.randn(BATCH, WIDTH, dtype=torch.float64)
+    return mlp_data(LAYERS, WIDTH, BATCH)
 
 
 def main(out: str) -> None:
     net, x, y = data()
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-    model = conveyor.Module(net, opt, loss_fn=torch.nn.MSELoss(), cluster=wrong_speeds_cluster(), stages=1,
+    model = conveyor.Module(net, opt, loss_fn=torch.nn.MSELoss(), cluster=wrong_speeds_cluster(6.0), stages=1,
                             replicas=2, microbatches=2, replan="auto")
     losses = []
     while not model.replans and len(losses) < MOST_STEPS:

@@ -16,10 +16,11 @@ from replan_worker import plan_with
 LAYERS, WIDTH, BATCH, STEPS_PER_PLAN = 6, 384, 16, 2
 
 
-def data():
+def data(layers: int = LAYERS, width: int = WIDTH, batch: int = BATCH):
+    """A Tanh MLP of `layers` square layers and a batch of inputs and targets, in float64 (seed 0)."""
     torch.manual_seed(0)
-    net = torch.nn.Sequential(*[m for _ in range(LAYERS) for m in (torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh())])
-    return net.double(), torch.randn(BATCH, WIDTH, dtype=torch.float64), torch.randn(BATCH, WIDTH, dtype=torch.float64)
+    net = torch.nn.Sequential(*[m for _ in range(layers) for m in (torch.nn.Linear(width, width), torch.nn.Tanh())])
+    return net.double(), torch.randn(batch, width, dtype=torch.float64), torch.randn(batch, width, dtype=torch.float64)
 
 
 def main(out: str) -> None:

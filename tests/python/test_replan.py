@@ -19,6 +19,7 @@ from conveyor.planning.replanning import WINDOW
 from conveyor.planning.replanning_messages import FIGURES, figures_problem
 
 from conftest import free_port
+from auto_switch_worker import wrong_speeds_cluster
 from replan_worker import LAYOUTS, eager, plan_with, train
 
 WORKER = Path(__file__).with_name("replan_worker.py")
@@ -187,15 +188,6 @@ def test_a_switch_the_replanner_decides_across_two_processes_is_applied_by_both_
         opt.step()
         losses.append(loss.item())
     assert_like_eager(results[0]["losses"], results[0]["state"], losses, net.state_dict())
-
-
-def wrong_speeds_cluster(claimed: float = 3.0) -> str:
-    """Two devices, the second said to be `claimed` times faster than it is: the plan gives it
-    most of the work, and measurement shows it."""
-    return ('name = "wrong-speeds"\n[[node]]\ndevices = 1\nmemory = "8 GiB"\nspeed = 1.0\n'
-            f'[[node]]\ndevices = 1\nmemory = "8 GiB"\nspeed = {claimed}\n'
-            '[link.intra_node]\nbandwidth = "10 GB/s"\nlatency = "5 us"\n'
-            '[link.inter_node]\nbandwidth = "10 GB/s"\nlatency = "5 us"\n')
 
 
 def mlp(layers: int, width: int) -> torch.nn.Module:

@@ -214,7 +214,9 @@ class Replanning:
         if self.on_its_way is not None and not self.decides:
             self.messages.read_decision(self.on_its_way[0])
         self.on_its_way = None
-        self.forget_thinking()
+        if self.thinking is not None:  # a switch changes what it measured
+            self.thinking[0].join()
+            self.thinking = None
         if self.decides and self.messages is not None:
             for window in self.messages.unread():
                 for peer in range(1, self.group.world_size):
@@ -297,12 +299,6 @@ class Replanning:
         decision.update(planning_s=box["planning_s"], planning_cpu_s=box["planning_cpu_s"], read_figures_s=box["read_s"],
                         waited_s=time.perf_counter() - t0, evaluated=self.evaluated, planner_cpu_s=self.planner_cpu_s)
         return decision
-
-    def forget_thinking(self) -> None:
-        """Drops the evaluation under way (a switch changes what it measured)."""
-        if self.thinking is not None:
-            self.thinking[0].join()
-            self.thinking = None
 
     def _measure_switch(self, switches: list, step_s: float) -> None:
         """The last switch's measured gain, from the first window after it."""
