@@ -142,7 +142,7 @@ class Replanning:
         self.passed = 0  # process 0: boundaries passed while that evaluation ran on
         self.judging = False  # process 0: the next window judges a switch the Replanner decided
         self.timeline = None  # process 0, with trace=: a ReplanningTimeline (replanning_trace.py)
-        self.windows = 0  # windows whose boundary passed
+        self.windows = 0  # windows whose boundary passed (every process alike): the last one's number
         self.evaluated = 0  # process 0: evaluations heard
         self.planner_cpu_s = 0.0  # process 0: the CPU time they took, in all
         self.next_search_at = 0.0  # process 0 (time.perf_counter): when a search not owed may run again
@@ -167,7 +167,7 @@ class Replanning:
         """A window's boundary: its figures to process 0's planner, and the decision heard
         there (process 0) on its way to every process."""
         self.windows += 1
-        window = self.messages.boundary() if self.messages is not None else self.windows
+        window = self.windows
         figures = window_figures(step.profile_report(), window)
         self._measure_switch(switches, figures.step_s)
         if not self.decides:
@@ -218,7 +218,7 @@ class Replanning:
             self.thinking[0].join()
             self.thinking = None
         if self.decides and self.messages is not None:
-            for window in self.messages.unread():
+            for window in self.messages.unread(self.windows):
                 for peer in range(1, self.group.world_size):
                     self.messages.read_figures(peer, window)
 
@@ -240,7 +240,7 @@ class Replanning:
         """Starts the evaluation of one window on a thread of its own, which first reads the
         other processes' figures of it (and of any window before it left unread)."""
         box: dict = {}
-        unread = self.messages.unread() if self.messages is not None else range(0)
+        unread = self.messages.unread(mine.window) if self.messages is not None else range(0)
         peers = range(1, self.group.world_size) if self.group is not None else range(0)
         may_search = time.perf_counter() >= self.next_search_at
 

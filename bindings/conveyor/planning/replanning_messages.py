@@ -85,24 +85,19 @@ class WindowMessages:
     def __init__(self, group):
         self.group = group
         self.sends = _C.SendsInFlight(group)
-        self.sent = 0  # windows whose figures every process other than 0 has sent
-        self.read = 0  # process 0: of those, the windows whose figures it has read
+        self.read = 0  # process 0: the last window whose figures it has read
 
     def send_figures(self, figures: WindowFigures) -> None:
         """A process other than 0: its figures of the window at this boundary, to process 0."""
         self.sends.send(0, FIGURES_TAG, [_as_tensor([figures.window, figures.stages, figures.step_s])],
                         f"the figures of re-planning window {figures.window} to process 0")
 
-    def boundary(self) -> int:
-        """Counts a window's boundary (every process alike); returns the window's number, from 1."""
-        self.sent += 1
-        return self.sent
-
-    def unread(self) -> range:
-        """Process 0: the windows whose figures its peers sent and it has not read, marked read
-        (the caller reads them, in order, with read_figures)."""
-        windows = range(self.read + 1, self.sent + 1)
-        self.read = self.sent
+    def unread(self, last: int) -> range:
+        """Process 0: the windows up to `last` (the latest boundary's; windows count from 1)
+        whose figures it has not read, marked read (the caller reads them, in order, with
+        read_figures)."""
+        windows = range(self.read + 1, last + 1)
+        self.read = last
         return windows
 
     def read_figures(self, peer: int, window: int) -> WindowFigures:
