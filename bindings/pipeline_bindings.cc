@@ -241,7 +241,8 @@ void bind_pipeline(py::module_& m) {
       .def("spans", [](const runtime::PipelineStep& step) {
         py::list out;
         for (const auto& s : step.last_step().spans) {
-          static const char* streams[] = {"compute", "send", "collective", "across processes"};
+          static const char* streams[] = {"compute", "send", "collective", "across processes",
+                                          "waiting for processes"};
           py::dict d;
           d["rank"] = s.rank;
           d["replica"] = s.replica;
@@ -288,6 +289,7 @@ void bind_pipeline(py::module_& m) {
             d[py::str(std::string("predicted_") + name)] = measured_predicted.second;
           }
           d["across_s"] = s.across_s;
+          d["waiting_s"] = s.waiting_s;
           d["compute_ratio"] = s.compute_ratio();
           d["replica_compute_s"] = s.replica_compute_s;
           stages.append(d);

@@ -38,10 +38,16 @@ struct StageProfile {
   double forward_s = 0, backward_s = 0, backward_weight_s = 0;  ///< measured, mean per microbatch
   double send_s = 0;                                            ///< measured, mean per transfer
   double allreduce_s = 0;                                       ///< measured, per step
-  /// The part of allreduce_s summed across processes, as this process measured it: the time
-  /// it waited for the stage's slowest process to contribute is in it (re-planning tells the
-  /// two apart from every process's figure: bindings/conveyor/planning/replanning.py).
+  /// The part of allreduce_s summed across processes, as this process measured it. Where
+  /// the group tells them apart (transport::allreduce_timed) the time it waited for the
+  /// stage's slowest process to contribute is not in it but in waiting_s; otherwise it is
+  /// (re-planning tells the two apart from every process's figure:
+  /// bindings/conveyor/planning/replanning.py).
   double across_s = 0;
+  /// Per step, the time during which some of this process's sums across processes waited
+  /// for the stage's last process to contribute (buckets wait at once: not their sum): that
+  /// process's compute, not the link's time.
+  double waiting_s = 0;
   double predicted_forward_s = 0, predicted_backward_s = 0, predicted_backward_weight_s = 0;
   double predicted_send_s = 0, predicted_allreduce_s = 0;
   /// Per replica, its own compute (F + B + W) per microbatch (0: it runs in another process).

@@ -57,6 +57,7 @@ struct GradientReducer::Across {
   struct Timed {
     int stage, bucket;
     std::chrono::steady_clock::time_point start, end;
+    double waited_s;  // of it, waiting for the stage's last process to contribute (-1: not told)
   };
   std::vector<Timed> times;  // this step's sums, as they completed (for the trace and the live profile)
 };
@@ -270,10 +271,11 @@ void GradientReducer::issue_across(int stage) {
       std::lock_guard<std::mutex> lock(across_->mu);
       ++across_->pending;
     }
-    groups_.across[stage]->allreduce(buckets[index].across, [state = across_, stage, index,
-                                                             start = std::chrono::steady_clock::now()](Status s) {
+    groups_.across[stage]->allreduce_timed(buckets[index].across, [state = across_, stage, index,
+                                                                   start = std::chrono::steady_clock::now()](
+                                                                      Status s, double waited_s) {
       std::lock_guard<std::mutex> lock(state->mu);
-      state->times.push_back({stage, index, start, std::chrono::steady_clock::now()});
+      state->times.push_back({stage, index, start, std::chrono::steady_clock::now(), waited_s});
       if (!s.is_ok() && state->error.is_ok()) state->error = std::move(s);
       --state->pending;
       state->cv.notify_all();
@@ -432,12 +434,16 @@ void GradientReducer::add_spans(std::vector<Span>& spans, std::chrono::steady_cl
       }
     }
   }
-  // The sums across processes, on the track of this process's first replica of the stage.
+  // The sums across processes, on the track of this process's first replica of the stage:
+  // the wait for the last process to contribute first, where the group tells it apart.
   std::lock_guard<std::mutex> across_lock(across_->mu);
   for (const auto& t : across_->times) {
-    spans.push_back({layout_.rank_of(t.stage), Span::Stream::kAcrossProcesses,
-                     Action{ActionKind::kAllReduce, -1, -1, t.stage}, host(t.start), host(t.end),
-                     placement_.local_replicas[t.stage].front()});
+    const Action sum{ActionKind::kAllReduce, -1, -1, t.stage};
+    const int rank = layout_.rank_of(t.stage), replica = placement_.local_replicas[t.stage].front();
+    const double from = host(t.start), to = host(t.end);
+    const double moving_from = std::min(to, from + std::max(0.0, t.waited_s));
+    if (moving_from > from) spans.push_back({rank, Span::Stream::kWaitingForProcesses, sum, from, moving_from, replica});
+    spans.push_back({rank, Span::Stream::kAcrossProcesses, sum, moving_from, to, replica});
   }
 }
 

@@ -23,6 +23,7 @@ std::vector<StageProfile> summarize(const std::vector<Span>& spans, const schedu
   // (stage, kind, microbatch) -> slowest replica; kind 0 F, 1 B/Bi, 2 W.
   std::map<std::tuple<int, int, int>, double> slowest;
   std::map<std::pair<int, int>, double> replica_compute;  // (stage, replica) -> its F + B + W
+  std::vector<std::vector<std::pair<double, double>>> waits(out.size());  // per stage: its sums' waits
   std::vector<double> send_sum(out.size(), 0);
   std::vector<int> sends(out.size(), 0);
   for (const Span& s : spans) {
@@ -41,6 +42,10 @@ std::vector<StageProfile> summarize(const std::vector<Span>& spans, const schedu
         ++sends[stage];
         break;
       case ActionKind::kAllReduce:  // buckets reduced during backward, then the rest, then across processes: their sum
+        if (s.stream == Span::Stream::kWaitingForProcesses) {  // not the sum's: the slowest process's compute
+          waits[stage].emplace_back(s.start_s, s.end_s);
+          break;
+        }
         if (s.replica == 0 || s.stream == Span::Stream::kAcrossProcesses) out[stage].allreduce_s += d;
         if (s.stream == Span::Stream::kAcrossProcesses) out[stage].across_s += d;
         break;
@@ -58,6 +63,13 @@ std::vector<StageProfile> summarize(const std::vector<Span>& spans, const schedu
     field += d / spec.microbatches;
   }
   for (int s = 0; s < stages; ++s) {
+    // Buckets wait for the same late process at once: the time some sum waited, not their sum.
+    std::sort(waits[s].begin(), waits[s].end());
+    double covered_to = -1;
+    for (const auto& [from, to] : waits[s]) {
+      out[s].waiting_s += std::max(0.0, to - std::max(from, covered_to));
+      covered_to = std::max(covered_to, to);
+    }
     out[s].stage = s;
     out[s].rank = spec.rank_of_stage(s);
     out[s].replicas = out[s].rank < static_cast<int>(replicas.size()) ? replicas[out[s].rank] : 1;
@@ -118,6 +130,7 @@ caf::behavior partitioner_actor(caf::event_based_actor* self, scheduler::Schedul
             t.send_s += m.stages[s].send_s * w;
             t.allreduce_s += m.stages[s].allreduce_s * w;
             t.across_s += m.stages[s].across_s * w;
+            t.waiting_s += m.stages[s].waiting_s * w;
             for (std::size_t i = 0; i < t.replica_compute_s.size() && i < m.stages[s].replica_compute_s.size(); ++i) {
               t.replica_compute_s[i] += m.stages[s].replica_compute_s[i] * w;
             }
@@ -179,6 +192,12 @@ std::string ProfileReport::table() const {
                   pair(s.send_s, s.predicted_send_s).c_str(), pair(s.allreduce_s, s.predicted_allreduce_s).c_str(),
                   ratio);
     out += line;
+  }
+  for (const auto& s : stages) {
+    if (s.waiting_s <= 0) continue;
+    out += "stage " + std::to_string(s.stage) + "'s gradient sum across processes: " + ms(s.across_s) +
+           " ms per step moving bytes, and " + ms(s.waiting_s) +
+           " ms waiting for the last process to contribute (its compute, not the link)\n";
   }
   out += "step: " + ms(measured_step_s) + " ms measured";
   if (with_prediction) {

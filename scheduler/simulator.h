@@ -54,8 +54,10 @@ struct LinkCost {
 /// (the replica and the across-processes stream only occur in measured steps).
 struct Span {
   /// kAcrossProcesses: the part of a stage's gradient sum that crosses processes (a
-  /// bucket's sum with the stage's replicas in other processes), one span per bucket.
-  enum class Stream : std::uint8_t { kCompute, kSend, kCollective, kAcrossProcesses };
+  /// bucket's sum with the stage's replicas in other processes), one span per bucket;
+  /// kWaitingForProcesses: before it, the time that sum waited for the stage's last process
+  /// to contribute (where the group tells waiting from moving: transport::allreduce_timed).
+  enum class Stream : std::uint8_t { kCompute, kSend, kCollective, kAcrossProcesses, kWaitingForProcesses };
   int rank = 0;
   Stream stream = Stream::kCompute;
   Action action{ActionKind::kForward};

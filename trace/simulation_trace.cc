@@ -24,9 +24,15 @@ namespace {
 
 constexpr const char* kAcrossProcessesTrack = "across processes";
 
-// A slice's name: its action's, and a gradient sum across processes says so.
+bool across_processes(const Span& span) {
+  return span.stream == Span::Stream::kAcrossProcesses || span.stream == Span::Stream::kWaitingForProcesses;
+}
+
+// A slice's name: its action's, and a gradient sum across processes says so, and what of it
+// waited for the last process.
 std::string slice_name(const Span& span, bool with_stage) {
   std::string name = scheduler::action_text(span.action, with_stage);
+  if (span.stream == Span::Stream::kWaitingForProcesses) return name + " waiting for the last process";
   return span.stream == Span::Stream::kAcrossProcesses ? name + " across processes" : name;
 }
 
@@ -92,7 +98,7 @@ void add_simulation(PerfettoTrace& trace, const scheduler::Schedule& schedule,
     std::uint64_t track = tracks[{r, i}].compute;
     if (span.stream == Span::Stream::kSend) track = send_track(r, i, a.peer);
     if (span.stream == Span::Stream::kCollective) track = tracks[{r, i}].collective;
-    if (span.stream == Span::Stream::kAcrossProcesses) {
+    if (across_processes(span)) {
       std::uint64_t& across = tracks[{r, i}].across;
       if (across == 0) across = trace.add_track(kAcrossProcessesTrack, tracks[{r, i}].group);
       track = across;
@@ -144,7 +150,7 @@ std::string chrome_trace_json(const scheduler::Schedule& schedule, const schedul
     int tid = 0;
     if (span.stream == Span::Stream::kSend) tid = 2 + a.peer;
     if (span.stream == Span::Stream::kCollective) tid = 1;
-    if (span.stream == Span::Stream::kAcrossProcesses) {
+    if (across_processes(span)) {
       tid = 2 + ranks;
       if (across_named.insert(pid(r, i)).second) {
         events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", pid(r, i)}, {"tid", tid},

@@ -20,7 +20,7 @@ std::string span_record(const std::vector<Span>& spans, std::int64_t wall_start_
 
 namespace {
 
-constexpr int kStreams = static_cast<int>(Span::Stream::kAcrossProcesses) + 1;
+constexpr int kStreams = static_cast<int>(Span::Stream::kWaitingForProcesses) + 1;
 constexpr int kKinds = static_cast<int>(ActionKind::kOptimizerStep) + 1;
 
 // One row of a record: [rank, replica, stream, kind, microbatch, stage, peer, start, end].

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <functional>
 #include <mutex>
 #include <set>
@@ -38,15 +39,23 @@ struct GroupState {
 struct Operation : std::enable_shared_from_this<Operation> {
   std::shared_ptr<GroupState> group;
   CollectiveCall call;
-  at::Tensor header;  // kData and the call encoded: the first tensor of every message of the call
+  // The first tensor of every message of the call: kData, the sender's first phase in
+  // nanoseconds (-1 in the first phase itself), then the call encoded.
+  at::Tensor header;
   std::uint64_t number = 0;
-  Done done;
+  TimedDone done;
   std::mutex mu;
   bool finished = false;
+  // An allreduce's first phase, from the call until every other member's part is in: the
+  // last member to call waits for nobody there, so its first phase is the time spent moving,
+  // and each member's beyond it the time it waited (seconds; -1: not known yet).
+  std::chrono::steady_clock::time_point called = std::chrono::steady_clock::now();
+  double first_phase_s = -1;
+  std::vector<double> first_phase_of;  // per member, as its second-phase messages say (under mu)
 
   int n() const { return static_cast<int>(group->members.size()); }
   Tag tag(int phase) const {
-    return kCollectiveTagBit | group->group_bits | (Tag(phase) << 31) | (number & 0x7fffffffULL);
+    return kCollectiveTagBit | group->group_bits | (Tag(phase) << 31) | (number & 0x7fffffffULL);  // group: bits 32-46
   }
 
   void finish(Status s) {
@@ -60,7 +69,37 @@ struct Operation : std::enable_shared_from_this<Operation> {
       if (!s && group->error.is_ok()) group->error = s;
       group->pending.erase(shared_from_this());
     }
-    done(std::move(s));
+    done(std::move(s), waited_s());
+  }
+
+  // This member's first phase is over: its later messages say how long it took.
+  void first_phase_done() {
+    first_phase_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - called).count();
+    at::Tensor with_figure = header.clone();
+    with_figure.data_ptr<std::int64_t>()[1] = static_cast<std::int64_t>(first_phase_s * 1e9);
+    header = with_figure;
+  }
+
+  // What member j's message says of its first phase (a figure out of range is not known).
+  void heard_first_phase(int j, std::int64_t ns) {
+    if (ns < 0 || ns > std::int64_t{1'000'000} * 1'000'000'000) return;
+    std::lock_guard<std::mutex> lock(mu);
+    first_phase_of.resize(static_cast<std::size_t>(n()), -1.0);
+    first_phase_of[j] = static_cast<double>(ns) * 1e-9;
+  }
+
+  // How long this member waited for the last one to call: its first phase beyond the least
+  // of all members' (-1 while some member's is not known).
+  double waited_s() {
+    if (first_phase_s < 0) return -1;
+    std::lock_guard<std::mutex> lock(mu);
+    double least = first_phase_s;
+    for (int j = 0; j < n(); ++j) {
+      if (j == group->me) continue;
+      if (j >= static_cast<int>(first_phase_of.size()) || first_phase_of[j] < 0) return -1;
+      least = std::min(least, first_phase_of[j]);
+    }
+    return first_phase_s - least;
   }
 
   // Fails the call, telling every other member (in the first phase, where they all check calls).
@@ -109,6 +148,7 @@ struct Operation : std::enable_shared_from_this<Operation> {
         lock.unlock();
         return bad.code() == ErrorCode::kInvalidArgument ? self->fail(bad) : self->finish(bad);
       }
+      self->heard_first_phase(j, (*got)[0].data_ptr<std::int64_t>()[1]);
       gather->payloads[j] = (*got)[1];
       if (--gather->left > 0) return;
       lock.unlock();
@@ -137,8 +177,8 @@ struct Operation : std::enable_shared_from_this<Operation> {
     if (head[0] == kAbort && m[1].defined() && m[1].scalar_type() == at::kByte) {
       return Status(ErrorCode::kExecution, text_of(m[1]) + " (reported by member " + std::to_string(j) + ")");
     }
-    if (head[0] != kData) return Status(ErrorCode::kCorrupt, "a malformed collective message from member " + std::to_string(j));
-    auto theirs = CollectiveCall::decode(std::vector<std::int64_t>(head + 1, head + m[0].numel()));
+    if (head[0] != kData || m[0].numel() < 2) return Status(ErrorCode::kCorrupt, "a malformed collective message from member " + std::to_string(j));
+    auto theirs = CollectiveCall::decode(std::vector<std::int64_t>(head + 2, head + m[0].numel()));
     if (!theirs.is_ok()) return theirs.status();
     // Named in member order, as every member names them.
     const int me = group->me;
@@ -193,8 +233,13 @@ class Member final : public EndpointGroup {
   int size() const override { return static_cast<int>(g_->members.size()); }
 
   void allreduce(at::Tensor t, Done done) override {
+    allreduce_timed(std::move(t), [done = std::move(done)](Status s, double) { done(std::move(s)); });
+  }
+
+  // Small tensors take one exchange, which cannot tell waiting from moving (waited_s -1).
+  void allreduce_timed(at::Tensor t, TimedDone done) override {
     t = without_python(t);
-    auto op = start({CollectiveKind::kAllReduce, 0, t, {}}, std::move(done));
+    auto op = start_timed({CollectiveKind::kAllReduce, 0, t, {}}, std::move(done));
     if (!op) return;
     const int n = size(), me = rank();
     at::Tensor flat = t.contiguous().view(-1);
@@ -227,6 +272,7 @@ class Member final : public EndpointGroup {
       op->finish(Status::ok());
     };
     op->receive(op->others(), 0, [op, flat, me, n, one_more](std::vector<at::Tensor>& parts) {
+      op->first_phase_done();
       const auto [offset, length] = part_of(flat.numel(), n, me);
       at::Tensor mine = flat.narrow(0, offset, length);
       sum_into_own_part(parts, mine, me);
@@ -328,10 +374,13 @@ class Member final : public EndpointGroup {
  private:
   // A new operation, or none (`done` called) when the group failed or the call is invalid here.
   std::shared_ptr<Operation> start(CollectiveCall call, Done done) {
+    return start_timed(std::move(call), [done = std::move(done)](Status s, double) { done(std::move(s)); });
+  }
+  std::shared_ptr<Operation> start_timed(CollectiveCall call, TimedDone done) {
     auto op = std::make_shared<Operation>();
     op->group = g_;
     op->call = std::move(call);
-    std::vector<std::int64_t> head{kData};
+    std::vector<std::int64_t> head{kData, -1};
     const auto code = op->call.encode();
     head.insert(head.end(), code.begin(), code.end());
     op->header = at::tensor(head);

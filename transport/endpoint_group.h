@@ -9,12 +9,17 @@
 //                               reduce_scatter, then allgather of the reduced parts, so each
 //                               member sends and receives 2 (n - 1) / n of the tensor, the
 //                               bandwidth bound of a ring, in one round instead of n - 1.
+//                               Each member's second-phase messages say how long its
+//                               first phase took (the call until the others' parts were
+//                               in): the last member to call took the least, and each
+//                               member's beyond that is its wait (allreduce_timed).
 //
 // Every sum adds the members' contributions in member order, so the results are bitwise
 // those of the inproc group and the same on every member. Every message carries the
-// sender's call (CollectiveCall::encode); a member that receives a call unlike its own fails
-// the operation with an error naming both calls and tells every other member, so nobody
-// waits for a partner that is doing something else.
+// sender's first phase (nanoseconds; -1 until it is over) and its call
+// (CollectiveCall::encode); a member that receives a call unlike its own fails the
+// operation with an error naming both calls and tells every other member, so nobody waits
+// for a partner that is doing something else.
 #pragma once
 
 #include <memory>
@@ -26,6 +31,9 @@ namespace conveyor::transport {
 
 /// Tags at and above this bit belong to collectives; point-to-point users stay below it.
 constexpr Tag kCollectiveTagBit = Tag{1} << 47;
+/// The group id (make_endpoint_group) a collective's tag carries: 0 is the job's group of
+/// every process, which alone still calls collectives after a process left (its last exchange).
+constexpr int collective_group_of(Tag tag) { return static_cast<int>((tag >> 32) & 0x7fff); }
 
 /// A Collective over any Endpoint: each operation a fixed exchange of tagged messages.
 class EndpointGroup : public Collective {

@@ -28,6 +28,10 @@ void Endpoint::send_copied(int peer, Tag tag, std::vector<at::Tensor> tensors, D
   send(peer, tag, std::move(tensors), std::move(done));
 }
 
+void Collective::allreduce_timed(at::Tensor tensor, TimedDone done) {
+  allreduce(std::move(tensor), [done = std::move(done)](Status s) { done(std::move(s), -1.0); });
+}
+
 Status check_peer(int rank, int world, int peer) {
   if (peer >= 0 && peer < world && peer != rank) return Status::ok();
   return Status(ErrorCode::kInvalidArgument, "member " + std::to_string(rank) + " addressed member " +

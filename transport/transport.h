@@ -27,6 +27,9 @@ namespace conveyor::transport {
 /// Names a message between two members: the runtime packs (kind, microbatch, stage) into it.
 using Tag = std::uint64_t;
 using Done = std::function<void(Status)>;
+/// `waited_s`: of the time from a member's call of a collective to its completion, the part
+/// spent waiting for the last member to call, in seconds (negative: the backend cannot tell).
+using TimedDone = std::function<void(Status, double waited_s)>;
 using Received = std::function<void(Result<std::vector<at::Tensor>>)>;
 
 /// Tagged point-to-point messages of tensors between members of a world.
@@ -78,6 +81,10 @@ class Collective {
   virtual int size() const = 0;
   /// `tensor` becomes the sum over the members, on every member.
   virtual void allreduce(at::Tensor tensor, Done done) = 0;
+  /// allreduce(), and `done` learns how long this member waited for the last member to call,
+  /// told apart from the time spent moving and summing (a member whose peer computes slower
+  /// waits). By default the backend cannot tell: negative.
+  virtual void allreduce_timed(at::Tensor tensor, TimedDone done);
   /// `root`'s tensor becomes the sum; the others' are only read.
   virtual void reduce(at::Tensor tensor, int root, Done done) = 0;
   /// Every member's tensor becomes `root`'s.

@@ -50,7 +50,7 @@ class UcxEndpoint : public Endpoint {
   /// When this member goes, what it sent is flushed to its peers first (a few seconds at
   /// most) instead of its connections being dropped at once.
   virtual void close_gracefully() = 0;
-  /// This member sends nothing more but collectives (tags with kCollectiveTagBit: the last
+  /// This member sends nothing more but the job group's collectives (group id 0: the last
   /// exchange of a job's processes): tells every peer, in order after what it sent before.
   /// There a receive from this member under any other tag that finds no message fails
   /// (after a grace) instead of waiting out its timeout: a process whose script ended,

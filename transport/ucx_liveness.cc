@@ -23,7 +23,7 @@ std::string UcxPeerLiveness::lost(int peer, const std::string& how) const {
   return name(peer) + " was lost" + (how.empty() ? "" : " " + how);
 }
 
-std::string UcxPeerLiveness::why_nothing_comes(int from, bool collective) const {
+std::string UcxPeerLiveness::why_nothing_comes(int from, bool last_exchange) const {
   // Every round asks this of every receive still waiting: no lock taken nor clock read
   // unless a peer said something.
   if (!heard_any_.load(std::memory_order_acquire)) return {};
@@ -36,7 +36,7 @@ std::string UcxPeerLiveness::why_nothing_comes(int from, bool collective) const 
   if (!closed && !leaving) return {};
   const auto now = std::chrono::steady_clock::now();
   if (closed && now - *closed >= kGrace) return lost(from, "(it closed its endpoint)");
-  if (leaving && now - *leaving >= kGrace && !collective) {
+  if (leaving && now - *leaving >= kGrace && !last_exchange) {
     return name(from) + " sent nothing for this before it left the job (its work ended, " +
            "by returning or exiting): every " + noun_ + " must make the same calls in the same order";
   }

@@ -37,9 +37,9 @@ class UcxPeerLiveness {
   /// said in its goodbye why it gave the job up, "process 2 gave up the job: " and why.
   std::string lost(int peer, const std::string& how = "") const;
   /// Any thread: why a receive from `from` that is still pending will never be met (its
-  /// sender closed, or left and the receive is not for a `collective`'s message), once the
+  /// sender closed, or left and the receive is not for the job's `last_exchange`), once the
   /// grace after the sender's word has passed; or "". Cheap while no peer said anything.
-  std::string why_nothing_comes(int from, bool collective) const;
+  std::string why_nothing_comes(int from, bool last_exchange) const;
   /// Any thread (the progress thread, receiving it): `peer` said `word` now; a goodbye may
   /// say `why` it gave the job up.
   void heard(int peer, Word word, std::string why = "");

@@ -70,9 +70,12 @@ void UcxMember::finish_receive(Receives::iterator receive, Result<std::vector<at
 }
 
 std::string UcxMember::why_nothing_comes(ucp_tag_t tag) const {
-  // A collective's message (and the member's own words) still come from a peer that left.
+  // The job group's collectives (its last exchange) and the member's own words still come
+  // from a peer that left; a subgroup's (a stage's gradient sum) do not: a process whose
+  // training ended early is named at once by one still summing with it.
   const Tag caller_tag = tag >> kRankBits;
-  return peers_.why_nothing_comes(sender_of(tag), caller_tag >= kLeavingTag || (caller_tag & kCollectiveTagBit) != 0);
+  const bool last_exchange = (caller_tag & kCollectiveTagBit) != 0 && collective_group_of(caller_tag) == 0;
+  return peers_.why_nothing_comes(sender_of(tag), caller_tag >= kLeavingTag || last_exchange);
 }
 
 bool UcxMember::answer_pings(bool before_sleep) {

@@ -63,6 +63,8 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", required=True)
     ap.add_argument("--die-at-step", type=int, default=-1, help="this process kills itself during that step")
+    ap.add_argument("--end-after", type=int, default=-1,
+                    help="this process's script ends after that many steps, while the others go on")
     ap.add_argument("--signal", default="KILL", choices=["KILL", "STOP", "INT"],
                     help="what --die-at-step sends: SIGKILL, SIGSTOP (a hung process) or SIGINT (Ctrl-C)")
     ap.add_argument("--signal-delay", type=float, default=0.0, help="seconds after half the step that it comes")
@@ -118,6 +120,8 @@ def main():
     losses = []
     step_s = 0.0
     for k in range(args.steps):
+        if k == args.end_after:
+            return
         if k == args.die_at_step:
             # Dies in the middle of the step: a thread signals the process half a step in.
             import threading

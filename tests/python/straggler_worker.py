@@ -1,9 +1,12 @@
 """One process of a two-process job whose only stage has a replica in each (data parallel
 across the processes), one process slowed by a CPU hog on its core: trains until re-planning
 has evaluated its first window and prints, from process 0, what that window concluded (the
-corrections, and the waiting told from moving) as `WINDOW {json}`. For test_straggler.py.
+corrections, and the waiting told from moving) as `WINDOW {json}`. With REPLAN=off it trains
+a few steps without re-planning instead and prints, from each process, its own live profile's
+gradient sum across processes, moving told from waiting by the group itself, as
+`PROFILE {json}`. For test_straggler.py.
 
-    RANK=r WORLD_SIZE=2 ... STRAGGLER=1 python straggler_worker.py
+    RANK=r WORLD_SIZE=2 ... STRAGGLER=1 [REPLAN=off] python straggler_worker.py
 
 Each process is pinned to core RANK (of the cores it may use) with one thread, as a user
 pins one process per device; the straggler's hogs are pinned to the same core and killed at the
@@ -27,6 +30,7 @@ HOG = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nprint(flush=
 
 def main() -> None:
     rank, straggler = int(os.environ["RANK"]), int(os.environ["STRAGGLER"])
+    replan = os.environ.get("REPLAN", "auto")
     cores = sorted(os.sched_getaffinity(0))
     core = cores[rank % len(cores)]
     os.sched_setaffinity(0, {core})
@@ -42,7 +46,15 @@ def main() -> None:
         opt = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
         x, y = torch.randn(64, WIDTH), torch.randn(64, WIDTH)
         model = conveyor.Module(net, opt, loss_fn=torch.nn.MSELoss(), stages=1, replicas=2, microbatches=1,
-                                replan="auto")
+                                replan=replan)
+        if replan == "off":
+            for _ in range(2 * WINDOW):
+                model.train_step(x, target=y)
+            report = model.profile_report()
+            (stage,) = report.stages
+            print("PROFILE " + json.dumps({"across_s": stage["across_s"], "waiting_s": stage["waiting_s"],
+                                           "report": str(report)}), flush=True)
+            return
         # The first window's decision is sent at the second window's boundary, or the third's
         # when the planner, yielding the core to the training, has not finished by then, and
         # applied a step later.

@@ -219,6 +219,7 @@ def check_spans_across_processes(label, world, args, spans, profiles, trace_pref
     ranks = stages // chunks
     where = multiproc_worker.placement(counts * ranks if len(counts) == 1 else counts, world, "replicas")
     across = {}  # stage -> {rank: spans}
+    waits = {}  # rank -> spans of its sums' waits for the last process (on the same track)
     for rank in range(world):
         assert rank in spans and rank in profiles, f"{label}: process {rank} printed no spans or profile"
         step_end = max(s[4] for s in spans[rank])
@@ -229,6 +230,8 @@ def check_spans_across_processes(label, world, args, spans, profiles, trace_pref
             if stream == "across processes":
                 across.setdefault(stage, {}).setdefault(rank, 0)
                 across[stage][rank] += 1
+            if stream == "waiting for processes":
+                waits[rank] = waits.get(rank, 0) + 1
     assert across, f"{label}: no gradient sum across processes was measured"
     for stage, per_rank in across.items():
         runs_it = {p for p in where[stage % ranks]}
@@ -240,7 +243,7 @@ def check_spans_across_processes(label, world, args, spans, profiles, trace_pref
         r = subprocess.run([str(tool), "trace", "check", f"{trace_prefix}.rank{rank}.pftrace"], capture_output=True,
                            text=True, timeout=60)
         assert r.returncode == 0, r.stdout + r.stderr
-        want = sum(per_rank.get(rank, 0) for per_rank in across.values())
+        want = sum(per_rank.get(rank, 0) for per_rank in across.values()) + waits.get(rank, 0)
         if want:
             track = [line for line in r.stdout.splitlines() if line.strip().startswith("on 'across processes'")]
             assert len(track) == 1 and track[0].endswith(f" {want} slices"), r.stdout
@@ -352,6 +355,27 @@ def test_a_process_that_dies_mid_step_stops_every_other_naming_it(placement, tmp
             assert procs[rank].returncode != 0, text[-2000:]
             assert "process 1 was lost" in text, text[-3000:]
             assert waited < 10, f"process {rank} took {waited:.1f} s to stop"
+
+
+@needs_ucx
+def test_a_process_whose_script_ends_early_is_named_at_once_by_one_summing_gradients_with_it(tmp_path):
+    """Process 1's loop runs 2 steps, process 0's 4, with the only stage's replicas in both
+    (data parallel): process 1 leaves the job as its script ends, and process 0, in step 3's
+    gradient sum with it, fails within seconds naming it, not at the (60 s) timeout."""
+    port = free_port()
+    args = ["--case", "mlp", "--stages", "1", "--replicas", "2", "--placement", "replicas", "--steps", "4",
+            "--timeout", "60"]
+    with Job() as job:
+        procs = [job.start([*args, "--out", str(tmp_path / "x.pt")] + (["--end-after", "2"] if r == 1 else []),
+                           env_for(r, 2, port)) for r in range(2)]
+        assert procs[1].wait(timeout=120) == 0, procs[1].communicate()[0][-3000:]
+        ended = time.monotonic()
+        text, _ = procs[0].communicate(timeout=50)
+        waited = time.monotonic() - ended
+    assert procs[0].returncode != 0, text[-3000:]
+    assert "summing the gradients of replicas in other processes: process 1 sent nothing for this before it left " \
+           "the job" in text, text[-3000:]
+    assert waited < 10, f"process 0 took {waited:.1f} s to stop"
 
 
 @needs_ucx

@@ -30,13 +30,14 @@ def two_idle_cores() -> None:
         pytest.skip(f"needs two idle cores: the machine's load is {load:.1f} (the hogs alone must make the straggler)")
 
 
-def first_window(straggler: int, tmp_path) -> dict:
+def run_pair(straggler: int, tmp_path, replan: str = "auto") -> list:
+    """Both processes' output."""
     port = free_port()
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    UCX_NET_DEVICES="lo", OMP_NUM_THREADS="1", STRAGGLER=str(straggler), CONVEYOR_TIMEOUT="120",
-                   CONVEYOR_CACHE_DIR=str(tmp_path / "cache"))
+                   CONVEYOR_CACHE_DIR=str(tmp_path / "cache"), REPLAN=replan)
         procs.append(subprocess.Popen([sys.executable, str(WORKER)], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     outs = []
@@ -48,8 +49,16 @@ def first_window(straggler: int, tmp_path) -> dict:
                 p.kill()
                 p.communicate()
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
-    line = next(l for l in outs[0].splitlines() if l.startswith("WINDOW "))
-    return json.loads(line[len("WINDOW "):])
+    return outs
+
+
+def printed(out: str, key: str) -> dict:
+    line = next(l for l in out.splitlines() if l.startswith(key + " "))
+    return json.loads(line[len(key) + 1:])
+
+
+def first_window(straggler: int, tmp_path) -> dict:
+    return printed(run_pair(straggler, tmp_path)[0], "WINDOW")
 
 
 @pytest.mark.parametrize("straggler", [0, 1], ids=["process 0 slow", "process 1 slow"])
@@ -64,3 +73,16 @@ def test_the_slow_process_is_read_as_a_slow_device_and_the_other_as_waiting(stra
     assert waits[fast] > 0 and waits[fast] > 2 * waits[straggler], window["report"]
     assert "waiting for the slowest process" in window["report"], window["report"]
     assert f"(process {straggler} is the slowest)" in window["report"], window["report"]
+
+
+@pytest.mark.parametrize("straggler", [0, 1], ids=["process 0 slow", "process 1 slow"])
+def test_without_replanning_each_process_tells_its_wait_for_the_slow_one_from_moving_bytes(straggler, tmp_path):
+    """replan="off": no figures go between processes, so the gradient sum itself tells each
+    process how long it waited for the last to contribute (transport's allreduce_timed), and
+    its profile_report shows that wait apart from the time moving bytes."""
+    two_idle_cores()
+    profiles = [printed(out, "PROFILE") for out in run_pair(straggler, tmp_path, replan="off")]
+    fast, slow = profiles[1 - straggler], profiles[straggler]
+    assert fast["waiting_s"] > 2 * fast["across_s"], fast["report"]
+    assert fast["waiting_s"] > 2 * slow["waiting_s"], (fast["report"], slow["report"])
+    assert "waiting for the last process to contribute" in fast["report"], fast["report"]

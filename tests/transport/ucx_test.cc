@@ -57,9 +57,9 @@ TEST(Ucx, ALostPeerFailsTheReceiveWaitingOnIt) {
   EXPECT_NE(got.status().message().find("member 1 was lost"), std::string::npos) << got.status().message();
 }
 
-// A member that leaves (its script ended) sends nothing more but collectives: what it sent
-// before stays receivable, a receive of anything else fails at once naming it, a
-// collective's message still arrives.
+// A member that leaves (its script ended) sends nothing more but the job group's
+// collectives: what it sent before stays receivable, a receive of anything else fails at
+// once naming it, a collective's message of the job group still arrives.
 TEST(Ucx, AMemberThatLeftDeliversWhatItSentAndCollectivesAndFailsOtherReceives) {
   auto world = make_ucx_world_in_process(2);
   if (!world.is_ok()) GTEST_SKIP() << "UCX cannot run here: " << world.status().to_string();
@@ -87,6 +87,12 @@ TEST(Ucx, AMemberThatLeftDeliversWhatItSentAndCollectivesAndFailsOtherReceives) 
   EXPECT_TRUE(at::equal((*last)[0], at::full({1}, 4.0)));
   auto after = receive(stays, 1, 10);
   EXPECT_FALSE(after.is_ok());
+  // A subgroup's collective (a stage's gradient sum) is not the job's last exchange: a member
+  // that left calls none, and the one waiting for it hears so at once.
+  auto subgroup = receive(stays, 1, kCollectiveTagBit | (Tag{5} << 32) | 7);
+  ASSERT_FALSE(subgroup.is_ok());
+  EXPECT_NE(subgroup.status().message().find("member 1 sent nothing for this before it left the job"), std::string::npos)
+      << subgroup.status().message();
 }
 
 // Pings and goodbyes are probed under each peer's exact tag (ucx_receive.cc, answer_pings):
@@ -185,6 +191,49 @@ TEST(Ucx, AReceiveAskedForAfterItsMessageCameInCompletesPromptly) {
     ASSERT_EQ(arrived.get_future().wait_for(std::chrono::seconds(5)), std::future_status::ready);
     EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(300))
         << "the receive waited for the sleeping progress thread's timeout";
+  }
+}
+
+// A member that calls an allreduce early waits there for the last one: the group tells that
+// wait apart from the time the sum took (allreduce_timed), so a late member's compute is not
+// booked as the link's. A sum of one exchange (small) cannot tell, and says so (negative).
+TEST(Ucx, AnAllreduceTellsTheEarlyMembersWaitForTheLastFromMovingAndSumming) {
+  auto world = make_ucx_world_in_process(2);
+  if (!world.is_ok()) GTEST_SKIP() << "UCX cannot run here: " << world.status().to_string();
+  std::vector<std::shared_ptr<EndpointGroup>> group;
+  for (int i = 0; i < 2; ++i) {
+    auto member = make_endpoint_group((*world)[i], {0, 1}, /*group_id=*/5);
+    ASSERT_TRUE(member.is_ok()) << member.status().to_string();
+    group.push_back(*member);
+  }
+  constexpr auto kLate = std::chrono::milliseconds(400);
+  for (const std::int64_t elements : {std::int64_t{1} << 20, std::int64_t{16}}) {  // two phases; one exchange
+    std::vector<at::Tensor> t{at::full({elements}, 1.0), at::full({elements}, 2.0)};
+    std::vector<std::promise<std::pair<Status, double>>> done(2);
+    auto call = [&](int i) {
+      group[i]->allreduce_timed(t[i], [&done, i](Status s, double waited_s) { done[i].set_value({s, waited_s}); });
+    };
+    call(0);
+    std::this_thread::sleep_for(kLate);
+    call(1);
+    std::vector<std::pair<Status, double>> got;
+    for (auto& d : done) {
+      auto f = d.get_future();
+      ASSERT_EQ(f.wait_for(std::chrono::seconds(30)), std::future_status::ready);
+      got.push_back(f.get());
+    }
+    for (int i = 0; i < 2; ++i) {
+      ASSERT_TRUE(got[i].first.is_ok()) << got[i].first.to_string();
+      EXPECT_TRUE(at::equal(t[i], at::full({elements}, 3.0)));
+    }
+    if (elements == 16) {
+      EXPECT_LT(got[0].second, 0);
+      EXPECT_LT(got[1].second, 0);
+      continue;
+    }
+    // Member 0 waited for member 1 most of the time member 1 came later; member 1, for nobody.
+    EXPECT_EQ(got[1].second, 0.0);
+    EXPECT_GT(got[0].second, std::chrono::duration<double>(kLate).count() / 2) << got[0].second;
   }
 }
 

@@ -41,7 +41,8 @@ class WindowFigures:
 
 
 # A window's figures per stage (the live profile's report), in seconds; replica_compute_s a list.
-FIGURES = ("forward_s", "backward_s", "backward_weight_s", "replica_compute_s", "send_s", "allreduce_s", "across_s")
+FIGURES = ("forward_s", "backward_s", "backward_weight_s", "replica_compute_s", "send_s", "allreduce_s", "across_s",
+           "waiting_s")
 
 
 def _seconds(x) -> bool:
