@@ -44,9 +44,10 @@ struct StageProfile {
   /// (re-planning tells the two apart from every process's figure:
   /// bindings/conveyor/planning/replanning.py).
   double across_s = 0;
-  /// Per step, the time during which some of this process's sums across processes waited
-  /// for the stage's last process to contribute (buckets wait at once: not their sum): that
-  /// process's compute, not the link's time.
+  /// Per step, the time after the stage's compute here ended during which some of this
+  /// process's sums across processes still waited for the stage's last process to
+  /// contribute (buckets wait at once: not their sum): that process's compute, not the
+  /// link's time, and what it costs this process's step.
   double waiting_s = 0;
   double predicted_forward_s = 0, predicted_backward_s = 0, predicted_backward_weight_s = 0;
   double predicted_send_s = 0, predicted_allreduce_s = 0;

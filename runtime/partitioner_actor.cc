@@ -1,6 +1,7 @@
 // The PartitionerActor's live-profile side: measured steps in, a comparison with the plan out.
 #include <algorithm>
 #include <cstdio>
+#include <limits>
 #include <map>
 
 #include "runtime/actor_messages.h"
@@ -24,6 +25,15 @@ std::vector<StageProfile> summarize(const std::vector<Span>& spans, const schedu
   std::map<std::tuple<int, int, int>, double> slowest;
   std::map<std::pair<int, int>, double> replica_compute;  // (stage, replica) -> its F + B + W
   std::vector<std::vector<std::pair<double, double>>> waits(out.size());  // per stage: its sums' waits
+  // Per stage, the first replica this process runs: its sums within the process count (each
+  // local replica's track holds the same ones).
+  std::vector<int> first_replica(out.size(), std::numeric_limits<int>::max());
+  std::vector<double> computed_until(out.size(), 0);  // per stage: when its last compute here ended
+  for (const Span& s : spans) {
+    if (s.action.stage < 0 || s.action.stage >= stages) continue;
+    if (s.stream == Span::Stream::kCollective) first_replica[s.action.stage] = std::min(first_replica[s.action.stage], s.replica);
+    if (s.action.is_compute()) computed_until[s.action.stage] = std::max(computed_until[s.action.stage], s.end_s);
+  }
   std::vector<double> send_sum(out.size(), 0);
   std::vector<int> sends(out.size(), 0);
   for (const Span& s : spans) {
@@ -46,7 +56,7 @@ std::vector<StageProfile> summarize(const std::vector<Span>& spans, const schedu
           waits[stage].emplace_back(s.start_s, s.end_s);
           break;
         }
-        if (s.replica == 0 || s.stream == Span::Stream::kAcrossProcesses) out[stage].allreduce_s += d;
+        if (s.replica == first_replica[stage] || s.stream == Span::Stream::kAcrossProcesses) out[stage].allreduce_s += d;
         if (s.stream == Span::Stream::kAcrossProcesses) out[stage].across_s += d;
         break;
       default: break;
@@ -63,9 +73,11 @@ std::vector<StageProfile> summarize(const std::vector<Span>& spans, const schedu
     field += d / spec.microbatches;
   }
   for (int s = 0; s < stages; ++s) {
-    // Buckets wait for the same late process at once: the time some sum waited, not their sum.
+    // Buckets wait for the same late process at once: the time some sum waited, not their
+    // sum; and only once the stage's compute here is over (a bucket waiting beside the
+    // backward that is still making the next costs the step nothing).
     std::sort(waits[s].begin(), waits[s].end());
-    double covered_to = -1;
+    double covered_to = computed_until[s];
     for (const auto& [from, to] : waits[s]) {
       out[s].waiting_s += std::max(0.0, to - std::max(from, covered_to));
       covered_to = std::max(covered_to, to);
@@ -194,10 +206,10 @@ std::string ProfileReport::table() const {
     out += line;
   }
   for (const auto& s : stages) {
-    if (s.waiting_s <= 0) continue;
+    if (s.across_s <= 0 && s.waiting_s <= 0) continue;
     out += "stage " + std::to_string(s.stage) + "'s gradient sum across processes: " + ms(s.across_s) +
-           " ms per step moving bytes, and " + ms(s.waiting_s) +
-           " ms waiting for the last process to contribute (its compute, not the link)\n";
+           " ms per step moving bytes (of allreduce/step), and " + ms(s.waiting_s) +
+           " ms waiting for the last process to contribute (its compute, not the link's time)\n";
   }
   out += "step: " + ms(measured_step_s) + " ms measured";
   if (with_prediction) {

@@ -39,19 +39,20 @@ struct GroupState {
 struct Operation : std::enable_shared_from_this<Operation> {
   std::shared_ptr<GroupState> group;
   CollectiveCall call;
-  // The first tensor of every message of the call: kData, the sender's first phase in
-  // nanoseconds (-1 in the first phase itself), then the call encoded.
+  // The first tensor of every message of the call: kData, when the sender called (its
+  // system clock, nanoseconds since the Unix epoch), then the call encoded.
   at::Tensor header;
   std::uint64_t number = 0;
   TimedDone done;
   std::mutex mu;
   bool finished = false;
-  // An allreduce's first phase, from the call until every other member's part is in: the
-  // last member to call waits for nobody there, so its first phase is the time spent moving,
-  // and each member's beyond it the time it waited (seconds; -1: not known yet).
+  // When each member called: this member's wait for the others is from its own call to the
+  // last member's, at most until their parts were all in (-1: not known).
   std::chrono::steady_clock::time_point called = std::chrono::steady_clock::now();
-  double first_phase_s = -1;
-  std::vector<double> first_phase_of;  // per member, as its second-phase messages say (under mu)
+  std::int64_t called_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                               std::chrono::system_clock::now().time_since_epoch()).count();
+  std::vector<std::int64_t> called_ns_of;  // per member, as its messages say (under mu)
+  double waited = -1;
 
   int n() const { return static_cast<int>(group->members.size()); }
   Tag tag(int phase) const {
@@ -69,37 +70,28 @@ struct Operation : std::enable_shared_from_this<Operation> {
       if (!s && group->error.is_ok()) group->error = s;
       group->pending.erase(shared_from_this());
     }
-    done(std::move(s), waited_s());
+    done(std::move(s), waited);
   }
 
-  // This member's first phase is over: its later messages say how long it took.
-  void first_phase_done() {
-    first_phase_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - called).count();
-    at::Tensor with_figure = header.clone();
-    with_figure.data_ptr<std::int64_t>()[1] = static_cast<std::int64_t>(first_phase_s * 1e9);
-    header = with_figure;
-  }
-
-  // What member j's message says of its first phase (a figure out of range is not known).
-  void heard_first_phase(int j, std::int64_t ns) {
-    if (ns < 0 || ns > std::int64_t{1'000'000} * 1'000'000'000) return;
+  // When member j says it called.
+  void heard_call(int j, std::int64_t ns) {
     std::lock_guard<std::mutex> lock(mu);
-    first_phase_of.resize(static_cast<std::size_t>(n()), -1.0);
-    first_phase_of[j] = static_cast<double>(ns) * 1e-9;
+    called_ns_of.resize(static_cast<std::size_t>(n()), -1);
+    called_ns_of[j] = ns;
   }
 
-  // How long this member waited for the last one to call: its first phase beyond the least
-  // of all members' (-1 while some member's is not known).
-  double waited_s() {
-    if (first_phase_s < 0) return -1;
+  // Every other member's part is in: this member waited from its call to the last member's,
+  // at most until now (a peer's clock that runs ahead cannot make it wait longer than it did).
+  void parts_in() {
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - called).count();
     std::lock_guard<std::mutex> lock(mu);
-    double least = first_phase_s;
+    std::int64_t last = called_ns;
     for (int j = 0; j < n(); ++j) {
       if (j == group->me) continue;
-      if (j >= static_cast<int>(first_phase_of.size()) || first_phase_of[j] < 0) return -1;
-      least = std::min(least, first_phase_of[j]);
+      if (j >= static_cast<int>(called_ns_of.size()) || called_ns_of[j] < 0) return;
+      last = std::max(last, called_ns_of[j]);
     }
-    return first_phase_s - least;
+    waited = std::min(elapsed, static_cast<double>(last - called_ns) * 1e-9);
   }
 
   // Fails the call, telling every other member (in the first phase, where they all check calls).
@@ -148,7 +140,7 @@ struct Operation : std::enable_shared_from_this<Operation> {
         lock.unlock();
         return bad.code() == ErrorCode::kInvalidArgument ? self->fail(bad) : self->finish(bad);
       }
-      self->heard_first_phase(j, (*got)[0].data_ptr<std::int64_t>()[1]);
+      self->heard_call(j, (*got)[0].data_ptr<std::int64_t>()[1]);
       gather->payloads[j] = (*got)[1];
       if (--gather->left > 0) return;
       lock.unlock();
@@ -236,7 +228,6 @@ class Member final : public EndpointGroup {
     allreduce_timed(std::move(t), [done = std::move(done)](Status s, double) { done(std::move(s)); });
   }
 
-  // Small tensors take one exchange, which cannot tell waiting from moving (waited_s -1).
   void allreduce_timed(at::Tensor t, TimedDone done) override {
     t = without_python(t);
     auto op = start_timed({CollectiveKind::kAllReduce, 0, t, {}}, std::move(done));
@@ -246,6 +237,7 @@ class Member final : public EndpointGroup {
     if (flat.numel() * static_cast<std::int64_t>(flat.element_size()) <= kWholeTensorAllreduceBytes || flat.numel() < n) {
       for (int j : op->others()) op->send(j, 0, flat);
       op->receive(op->others(), 0, [op, t, flat, me](std::vector<at::Tensor>& parts) {
+        op->parts_in();
         t.copy_(sum_in_member_order(parts, flat, me).view(t.sizes()));
         op->finish(Status::ok());
         return Status::ok();
@@ -272,7 +264,7 @@ class Member final : public EndpointGroup {
       op->finish(Status::ok());
     };
     op->receive(op->others(), 0, [op, flat, me, n, one_more](std::vector<at::Tensor>& parts) {
-      op->first_phase_done();
+      op->parts_in();
       const auto [offset, length] = part_of(flat.numel(), n, me);
       at::Tensor mine = flat.narrow(0, offset, length);
       sum_into_own_part(parts, mine, me);
@@ -380,7 +372,7 @@ class Member final : public EndpointGroup {
     auto op = std::make_shared<Operation>();
     op->group = g_;
     op->call = std::move(call);
-    std::vector<std::int64_t> head{kData, -1};
+    std::vector<std::int64_t> head{kData, op->called_ns};
     const auto code = op->call.encode();
     head.insert(head.end(), code.begin(), code.end());
     op->header = at::tensor(head);

@@ -9,17 +9,14 @@
 //                               reduce_scatter, then allgather of the reduced parts, so each
 //                               member sends and receives 2 (n - 1) / n of the tensor, the
 //                               bandwidth bound of a ring, in one round instead of n - 1.
-//                               Each member's second-phase messages say how long its
-//                               first phase took (the call until the others' parts were
-//                               in): the last member to call took the least, and each
-//                               member's beyond that is its wait (allreduce_timed).
 //
 // Every sum adds the members' contributions in member order, so the results are bitwise
-// those of the inproc group and the same on every member. Every message carries the
-// sender's first phase (nanoseconds; -1 until it is over) and its call
-// (CollectiveCall::encode); a member that receives a call unlike its own fails the
-// operation with an error naming both calls and tells every other member, so nobody waits
-// for a partner that is doing something else.
+// those of the inproc group and the same on every member. Every message carries when the
+// sender called (its system clock) and its call (CollectiveCall::encode). From the calls'
+// times an allreduce tells each member how long it waited for the last member to call
+// (allreduce_timed), apart from the time spent moving and summing. A member that receives
+// a call unlike its own fails the operation with an error naming both calls and tells
+// every other member, so nobody waits for a partner that is doing something else.
 #pragma once
 
 #include <memory>

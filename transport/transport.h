@@ -29,6 +29,8 @@ using Tag = std::uint64_t;
 using Done = std::function<void(Status)>;
 /// `waited_s`: of the time from a member's call of a collective to its completion, the part
 /// spent waiting for the last member to call, in seconds (negative: the backend cannot tell).
+/// Between hosts it is as exact as their clocks agree (NTP: well under a millisecond), and
+/// never more than the member waited for the others' parts.
 using TimedDone = std::function<void(Status, double waited_s)>;
 using Received = std::function<void(Result<std::vector<at::Tensor>>)>;
 
