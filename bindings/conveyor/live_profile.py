@@ -18,7 +18,11 @@ __all__ = ["LiveProfile", "live_profile"]
 class LiveProfile:
     """A live profile (Module.profile_report): `steps`, `measured_step_s`, `predicted_step_s`
     (0 without a plan) and `stages`, a dict per stage of measured and predicted seconds and
-    its `compute_ratio` (measured over predicted F + B + W; above 1: slower than planned);
+    its `compute_ratio` (measured over predicted F + B + W; above 1: slower than planned).
+    Of a stage's gradient sums per step, `allreduce_s` is the time summing within this
+    process and moving bytes across processes, `across_s` the part moving across processes,
+    and `waiting_s`, not in either, the time after the stage's compute here ended that they
+    still waited for the stage's last process to contribute (that process's compute);
     `memory`, a dict per device of this process with its predicted and measured peak bytes
     (bindings/conveyor/memory.py);
     `replan`: the re-planning partitioner's last decision (None before the first window, or
