@@ -56,7 +56,7 @@ struct Operation : std::enable_shared_from_this<Operation> {
 
   int n() const { return static_cast<int>(group->members.size()); }
   Tag tag(int phase) const {
-    return kCollectiveTagBit | group->group_bits | (Tag(phase) << 31) | (number & 0x7fffffffULL);  // group: bits 32-46
+    return kCollectiveTagBit | group->group_bits | (Tag(phase) << 31) | (number & 0x7fffffffULL);
   }
 
   void finish(Status s) {
@@ -419,7 +419,7 @@ Result<std::shared_ptr<EndpointGroup>> make_endpoint_group(std::shared_ptr<Endpo
   }
   state->endpoint = std::move(endpoint);
   state->members = std::move(members);
-  state->group_bits = Tag(group_id) << 32;
+  state->group_bits = collective_group_bits(group_id);
   return std::shared_ptr<EndpointGroup>(std::make_shared<Member>(std::move(state)));
 }
 

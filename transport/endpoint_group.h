@@ -28,8 +28,10 @@ namespace conveyor::transport {
 
 /// Tags at and above this bit belong to collectives; point-to-point users stay below it.
 constexpr Tag kCollectiveTagBit = Tag{1} << 47;
-/// The group id (make_endpoint_group) a collective's tag carries: 0 is the job's group of
-/// every process, which alone still calls collectives after a process left (its last exchange).
+/// The bits of a collective's tag that carry its group's id (make_endpoint_group), and back:
+/// 0 is the job's group of every process, which alone still calls collectives after a
+/// process left (its last exchange).
+constexpr Tag collective_group_bits(int group_id) { return Tag(group_id) << 32; }
 constexpr int collective_group_of(Tag tag) { return static_cast<int>((tag >> 32) & 0x7fff); }
 
 /// A Collective over any Endpoint: each operation a fixed exchange of tagged messages.

@@ -89,7 +89,7 @@ TEST(Ucx, AMemberThatLeftDeliversWhatItSentAndCollectivesAndFailsOtherReceives) 
   EXPECT_FALSE(after.is_ok());
   // A subgroup's collective (a stage's gradient sum) is not the job's last exchange: a member
   // that left calls none, and the one waiting for it hears so at once.
-  auto subgroup = receive(stays, 1, kCollectiveTagBit | (Tag{5} << 32) | 7);
+  auto subgroup = receive(stays, 1, kCollectiveTagBit | collective_group_bits(5) | 7);
   ASSERT_FALSE(subgroup.is_ok());
   EXPECT_NE(subgroup.status().message().find("member 1 sent nothing for this before it left the job"), std::string::npos)
       << subgroup.status().message();

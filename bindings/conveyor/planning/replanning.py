@@ -66,7 +66,7 @@ def merge_processes(reports: list) -> tuple[list, list]:
     the process that ran it measured it (the larger figure), each replica's compute from the
     process that runs it; and a gradient sum across processes told apart into moving and
     waiting. The group tells most of the wait apart itself (waiting_s: transport's
-    allreduce_timed); what it cannot (small sums, NCCL) stays in the process's across_s,
+    allreduce_timed); what it cannot (NCCL) stays in the process's across_s,
     which runs from when its own part was ready to when the sum completed. The last process
     to contribute waits for nobody, so the least across_s is the time spent moving bytes,
     and each process's beyond it, with its waiting_s, the time it waited for the slowest's
@@ -85,7 +85,7 @@ def merge_processes(reports: list) -> tuple[list, list]:
         moving = min(measured) if measured else 0.0
         within = max(r[k]["allreduce_s"] - r[k]["across_s"] for r in reports)  # summed in one process: no wait
         stage["allreduce_s"], stage["across_s"] = within + moving, moving
-        waiting.append([(a - moving if a > 0 else 0.0) + r[k].get("waiting_s", 0.0) for a, r in zip(across, reports)])
+        waiting.append([(a - moving if a > 0 else 0.0) + r[k]["waiting_s"] for a, r in zip(across, reports)])
     return merged, waiting
 
 
