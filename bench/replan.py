@@ -22,7 +22,7 @@ each switch with its predicted and measured gain, the decision's arithmetic and 
 measured cost of moving (seconds per GB of optimizer state and parameters handed over).
 
     ./run bench replan [--rounds 2] [--steps 40] [--slow-process 1] [--first-plan pipelined]
-                       [--appear-at 0] [--model mlp|gpt2] [--layers 16] [--hidden 512] [--batch 64]
+                       [--appear-at 0] [--vanish-at 0] [--model mlp|gpt2] [--layers 16] [--hidden 512] [--batch 64]
     ./run bench replan --scenario none [--rounds 5]   (no straggler: what evaluating costs)
 
 Needs two cores and UCX; the hog and the processes are killed at the end whatever happens.
@@ -88,10 +88,15 @@ def worker(args) -> None:
     model = conveyor.Module(net, opt, loss_fn=loss_fn, cluster=cluster, **layout,
                             replan="auto" if args.mode == "replanned" else "off")
     times, hogging = [], None
+    hog_here = rank == args.slow_process and args.scenario == "straggler" and (args.appear_at or args.vanish_at)
     try:
         for step in range(args.steps):
-            if step == args.appear_at and rank == args.slow_process and args.scenario == "straggler":
+            if hog_here and step == args.appear_at:
                 hogging = subprocess.Popen([sys.executable, HERE, "--hog", "--core", str(rank)])
+            if hogging is not None and step == args.vanish_at:
+                hogging.kill()
+                hogging.wait()
+                hogging = None
             t0 = time.perf_counter()
             model.train_step(x, **step_args)
             times.append(time.perf_counter() - t0)
@@ -101,14 +106,17 @@ def worker(args) -> None:
             hogging.wait()
     if rank == 0:
         steady = statistics.median(times[-args.steps // 4:])
-        mean = statistics.fmean(times[max(WARM_UP, args.appear_at):])  # every evaluation window and move included
-        print("RESULT " + json.dumps({"steady_s": steady, "mean_s": mean, "replans": model.replans, "plan": model.plan.table,
+        mean = statistics.fmean(times[max(WARM_UP, args.appear_at):args.vanish_at or None])  # every window and move
+        after = statistics.fmean(times[args.vanish_at:]) if args.vanish_at else None  # the straggler gone
+        print("RESULT " + json.dumps({"steady_s": steady, "mean_s": mean, "after_s": after, "replans": model.replans,
+                                      "plan": model.plan.table,
                                       "report": str(model.profile_report())}), flush=True)
 
 
 def run_contender(mode: str, args, straggler_speed: float) -> dict:
     cmd = [sys.executable, HERE, "--worker", "--mode", mode, "--scenario", args.scenario, "--steps", args.steps,
            "--slow-process", args.slow_process, "--first-plan", args.first_plan, "--appear-at", args.appear_at,
+           "--vanish-at", args.vanish_at,
            "--layers", args.layers, "--model", args.model,
            "--hidden", args.hidden, "--batch", args.batch, "--straggler-speed", f"{straggler_speed:.3f}"]
     outs = run_job(cmd, 600, mode, OMP_NUM_THREADS="1", CONVEYOR_TIMEOUT="120")
@@ -185,6 +193,7 @@ def main() -> None:
                     help="the process whose core the hog shares (0: the one that profiles and plans)")
     ap.add_argument("--first-plan", choices=["pipelined", "data-parallel"], default="pipelined")
     ap.add_argument("--appear-at", type=int, default=0, help="the step before which the hog starts")
+    ap.add_argument("--vanish-at", type=int, default=0, help="the step before which the hog stops (0: never)")
     ap.add_argument("--mode", default="static")
     ap.add_argument("--straggler-speed", type=float, default=0.5)
     ap.add_argument("--scenario", choices=["straggler", "none"], default="straggler",
@@ -205,26 +214,33 @@ def main() -> None:
     if args.scenario == "none":
         evaluation_cost(args)
         return
+    if args.vanish_at and not args.appear_at + WARM_UP < args.vanish_at < args.steps:
+        sys.exit(f"--vanish-at {args.vanish_at} must come after --appear-at's step and warm-up, before --steps")
     slow = args.slow_process
     speed = straggler_share(slow)
     print(f"straggler: process {slow} shares its core with a hog"
-          + (f" from step {args.appear_at}" if args.appear_at else "") + f", running at {speed:.2f} of its speed; "
+          + (f" from step {args.appear_at}" if args.appear_at else "")
+          + (f" until step {args.vanish_at}" if args.vanish_at else "") + f", running at {speed:.2f} of its speed; "
           f"first plan {args.first_plan}")
     modes = ["static", "replanned", "upfront"]
     mean = {m: [] for m in modes}
+    after = {m: [] for m in modes}
     steady = {m: [] for m in modes}
     replans = []
-    h = subprocess.Popen([sys.executable, HERE, "--hog", "--core", str(slow)]) if not args.appear_at else None
+    whole_run = not (args.appear_at or args.vanish_at)  # else each slow worker runs its hog
+    h = subprocess.Popen([sys.executable, HERE, "--hog", "--core", str(slow)]) if whole_run else None
     try:
         for r in range(args.rounds):
             for mode in modes:  # alternating: static, replanned, up front, static, ...
                 result = run_contender(mode, args, speed)
                 mean[mode].append(result["mean_s"])
+                after[mode].append(result["after_s"])
                 steady[mode].append(result["steady_s"])
                 if mode == "replanned":
                     replans.append(result["replans"])
-                print(f"round {r + 1} {mode:10s} mean step {result['mean_s'] * 1e3:8.2f} ms, last quarter's median "
-                      f"{result['steady_s'] * 1e3:8.2f} ms", flush=True)
+                print(f"round {r + 1} {mode:10s} mean step {result['mean_s'] * 1e3:8.2f} ms"
+                      + (f", after the straggler left {result['after_s'] * 1e3:8.2f} ms" if args.vanish_at else "")
+                      + f", last quarter's median {result['steady_s'] * 1e3:8.2f} ms", flush=True)
                 if r == 0:
                     print("  " + result["plan"].strip().replace("\n", "\n  "))
                     print("  " + result["report"].strip().replace("\n", "\n  "))
@@ -236,7 +252,7 @@ def main() -> None:
     def med(m):
         return statistics.median(mean[m])
 
-    since = f"from step {max(WARM_UP, args.appear_at)}"
+    since = f"from step {max(WARM_UP, args.appear_at)}" + (f" to {args.vanish_at}" if args.vanish_at else "")
     print(f"\nmean step {since} (throughput), median over {args.rounds} rounds (min - max); last quarter's median:")
     for m in modes:
         print(f"  {m:10s} {med(m) * 1e3:8.2f} ms ({min(mean[m]) * 1e3:.2f} - {max(mean[m]) * 1e3:.2f}); "
@@ -244,6 +260,14 @@ def main() -> None:
     print(f"re-planned vs static: {med('static') / med('replanned'):.2f}x the throughput (aim: at least 1.3x)")
     print(f"re-planned vs up front: {med('replanned') / med('upfront'):.2f}x the up-front plan's mean step "
           "(aim: within 1.15)")
+    if args.vanish_at:
+        print(f"\nafter the straggler left (steps {args.vanish_at} to {args.steps}), mean step, median over rounds "
+              "(min - max); the plan made for equal devices (static) is now the right one:")
+        for m in modes:
+            print(f"  {m:10s} {statistics.median(after[m]) * 1e3:8.2f} ms ({min(after[m]) * 1e3:.2f} - "
+                  f"{max(after[m]) * 1e3:.2f})")
+        print(f"re-planned vs static after it left: {statistics.median(after['replanned']) / statistics.median(after['static']):.2f}x "
+              "the static plan's mean step (the plan comes back: switch back below)")
     for r, switches in enumerate(replans):
         for s in switches:
             gb = s["move_bytes"] / 1e9

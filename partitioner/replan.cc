@@ -52,12 +52,15 @@ Factors zip(const Factors& x, const Factors& y, Op op) {
 bool close(double x, double y, double tolerance) { return std::abs(x - y) <= tolerance * std::max(std::abs(y), 1e-12); }
 
 // Whether every device's speed of `a` is within `tolerance` of `b`'s (relative).
-bool within_speeds(const Factors& a, const Factors& b, double tolerance) {
-  if (a.speed.size() != b.speed.size()) return false;
-  for (std::size_t d = 0; d < a.speed.size(); ++d) {
-    if (!close(a.speed[d], b.speed[d], tolerance)) return false;
+bool within_speeds(const std::vector<double>& a, const std::vector<double>& b, double tolerance) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t d = 0; d < a.size(); ++d) {
+    if (!close(a[d], b[d], tolerance)) return false;
   }
   return true;
+}
+bool within_speeds(const Factors& a, const Factors& b, double tolerance) {
+  return within_speeds(a.speed, b.speed, tolerance);
 }
 
 // Whether every factor of `a` is within `tolerance` of `b`'s (relative).
@@ -110,11 +113,12 @@ MoveCost move_cost(const CostGraph& costs, const Cluster& cluster, const Plan& f
 std::string ReplanDecision::arithmetic(const ReplanPolicy& policy) const {
   char b[512];
   std::snprintf(b, sizeof b,
-                "measured step %s, predicted %s with the new plan: %s saved per step (%s), %s over the next %d "
+                "measured step %s, predicted %s with the new plan: %s saved per step (%s; %s asked), %s over the next %d "
                 "steps; moving %s (%.0f bytes of parameters and optimizer state: %s, rebuilding: %s); %d of %d "
                 "confirmations",
                 human_seconds(measured_step_s).c_str(), human_seconds(predicted_step_s).c_str(),
                 human_seconds(gain_s).c_str(), percent(measured_step_s > 0 ? gain_s / measured_step_s : 0).c_str(),
+                percent(gain_asked).c_str(),
                 human_seconds(gain_s * policy.horizon_steps).c_str(), policy.horizon_steps,
                 human_seconds(move.seconds()).c_str(), move.bytes, human_seconds(move.transfer_s).c_str(),
                 human_seconds(move.rebuild_s).c_str(), confirmations, policy.confirmations);
@@ -308,8 +312,10 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   const double relative = d.gain_s / measured_step_s;
   // Each undone switch doubles the gain asked (the model was wrong once; it must be surer).
   const double asked = policy_.min_gain * (1 << std::min(undone_, 3));
-  const bool left_before = left_.count(shape_key(d.candidate)) > 0;
+  const auto left = left_.find(shape_key(d.candidate));
+  const bool left_before = left != left_.end() && within_speeds(smoothed_.speed, left->second, policy_.tolerance);
   const double needed = left_before ? 2 * asked : asked;
+  d.gain_asked = needed;
   if (key == layout_key(running_)) {
     d.reason = "the running plan is still the best on the corrected costs";
   } else if (relative <= 0) {
@@ -317,7 +323,7 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
                percent(-relative) + " more of a step";
   } else if (relative < needed) {
     d.reason = "the best other plan saves " + percent(relative) + " of a step, less than the " + percent(needed) +
-               " asked" + (left_before ? " to return to a plan of a shape left before" : "");
+               " asked" + (left_before ? " to return to a plan of a shape left before on devices as fast" : "");
   } else if (d.gain_s * policy_.horizon_steps < (1 + policy_.margin) * d.move.seconds()) {
     d.reason = "what it saves over " + std::to_string(policy_.horizon_steps) + " steps does not pay for moving";
   } else {
@@ -345,7 +351,7 @@ Status Replanner::switched_to(const Plan& plan) {
   // A switch this decided is judged by the next window; an undo or a forced switch is not.
   if (decided_ && decided_->first == key) undo_ = std::make_pair(running_, decided_->second);
   decided_.reset();
-  left_.insert(shape_key(running_));
+  left_[shape_key(running_)] = smoothed_.speed;
   left_.erase(shape_key(plan));
   CONVEYOR_ASSIGN_OR_RETURN(running_, reprice(costs_, cluster_, options_, plan));
   confirmations_ = 0;

@@ -5,6 +5,7 @@
 // measurements (hysteresis: noise never makes plans flip back and forth). Torch-free.
 #pragma once
 
+#include <map>
 #include <optional>
 #include <set>
 #include <string>
@@ -58,6 +59,10 @@ struct ReplanDecision {
   double gain_s = 0;               ///< per step: measured less predicted
   MoveCost move;
   int confirmations = 0;           ///< consecutive evaluations that picked this candidate
+  /// The least saving asked of the candidate, relative to the measured step: the policy's
+  /// min_gain, doubled by each undone switch (up to 8x) and again to return to a shape left
+  /// under the devices' present speeds.
+  double gain_asked = 0;
   /// Whether the planner searched: false when the corrected inputs moved less than half the
   /// tolerance since its last search under the same running plan, or the caller asked for no
   /// search and none was owed (evaluate's `may_search`); that search's best plan is then
@@ -98,7 +103,10 @@ class Replanner {
   static std::string layout_key(const Plan& plan);
   /// A layout's shape: its stages' devices and replicas, microbatches, schedule and chunks,
   /// whatever the cuts and shares. A shape left before (a switch undone, or moved away
-  /// from) asks twice the gain to return to, whichever cut the search finds this time.
+  /// from) asks twice the gain to return to, whichever cut the search finds this time, while
+  /// every device's speed is still within the tolerance of what it was when it was left:
+  /// returning then would be the model changing its mind on the same devices. A straggler
+  /// that came or went since changed what the shape was left for, and the usual gain is asked.
   static std::string shape_key(const Plan& plan);
 
  private:
@@ -116,7 +124,9 @@ class Replanner {
   ReplanPolicy policy_;
   int confirmations_ = 0;
   int undone_ = 0;               // switches undone so far: each doubles the gain asked (up to 8x)
-  std::set<std::string> left_;   // shapes switched away from: returning needs twice the gain
+  // Shapes switched away from, with the devices' speeds (as estimated) when they were: a
+  // return under speeds within the tolerance of those needs twice the gain.
+  std::map<std::string, std::vector<double>> left_;
   // The switch last decided (its layout, the step measured before it), and once taken, the
   // plan it left with that step: the next window undoes it if it measures slower.
   std::optional<std::pair<std::string, double>> decided_;

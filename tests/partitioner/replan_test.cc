@@ -40,7 +40,15 @@ std::pair<std::vector<StageMeasurement>, double> run(const CostGraph& g, const P
   for (auto& s : as_run.stages) {
     s.forward_s *= jitter(rng);
     s.backward_s *= jitter(rng);
-    out.push_back({s.forward_s, s.backward_s, 0, {}});
+    // A replicated stage's time is its slowest replica's; each replica's (even shares) is
+    // that scaled by how much faster its device runs.
+    std::vector<double> replicas;
+    if (s.replicas > 1) {
+      const auto first = speed.begin() + s.first_device;
+      const double slowest = *std::min_element(first, first + s.replicas);
+      for (int i = 0; i < s.replicas; ++i) replicas.push_back((s.forward_s + s.backward_s) * slowest / first[i]);
+    }
+    out.push_back({s.forward_s, s.backward_s, 0, replicas});
   }
   return {out, as_run.simulate()->step_time_s * jitter(rng)};
 }
@@ -131,6 +139,51 @@ TEST(Replan, AStragglerThatAppearsMidRunIsActedOnOnceConfirmed) {
     auto [m, step] = run(g, r.running(), truth, 0.05, rng);
     ASSERT_FALSE(r.evaluate(m, step)->undo);
   }
+}
+
+// A straggler changes the layout's shape: two equal devices run one stage replicated (a
+// replica each, even shares), and with one of them at half speed two pipelined stages cut
+// unevenly run faster. Once it goes, returning to the replicated stage asks the usual gain:
+// the devices' speeds moved since that shape was left. A return on devices as fast as when
+// the shape was left (the model changing its mind) asks twice that.
+TEST(Replan, AShapeLeftForAStragglerIsReturnedToForTheUsualGainOnceItGoes) {
+  const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e5, 1e6);
+  const Cluster cluster = devices(2);
+  PlanOptions o = options();
+  o.max_replicas = 2;
+  const Plan plan = *make_plan(g, cluster, o);
+  ASSERT_EQ(plan.stages.size(), 1u) << plan.table();
+  ReplanPolicy policy;
+  policy.moves_bytes = false;
+  Replanner r(g, cluster, plan, o, policy);
+  std::mt19937 rng(11);
+  auto until_switch = [&](Replanner& replanner, const std::vector<double>& truth) {
+    ReplanDecision d;
+    for (int window = 0; window < 10 && !d.switch_plan; ++window) {
+      auto [m, step] = run(g, replanner.running(), truth, 0.02, rng);
+      d = *replanner.evaluate(m, step);
+    }
+    return d;
+  };
+  const ReplanDecision away = until_switch(r, {1, 0.5});
+  ASSERT_TRUE(away.switch_plan) << away.reason;
+  ASSERT_NE(Replanner::shape_key(away.candidate), Replanner::shape_key(plan)) << away.candidate.table();
+  EXPECT_DOUBLE_EQ(away.gain_asked, policy.min_gain);
+  ASSERT_TRUE(r.switched_to(away.candidate).is_ok());
+  const ReplanDecision back = until_switch(r, {1, 1});
+  ASSERT_TRUE(back.switch_plan) << back.reason;
+  EXPECT_EQ(Replanner::shape_key(back.candidate), Replanner::shape_key(plan)) << back.candidate.table();
+  EXPECT_DOUBLE_EQ(back.gain_asked, policy.min_gain) << back.arithmetic(r.policy());
+
+  // Forced onto that shape while both devices run at full speed: going back asks twice the gain.
+  Replanner same(g, cluster, plan, o, policy);
+  auto [m, step] = run(g, plan, {1, 1}, 0, rng);
+  ASSERT_TRUE(same.evaluate(m, step).is_ok());
+  ASSERT_TRUE(same.switched_to(away.candidate).is_ok());
+  std::tie(m, step) = run(g, same.running(), {1, 1}, 0, rng);
+  const ReplanDecision flip = *same.evaluate(m, step);
+  EXPECT_EQ(Replanner::shape_key(flip.candidate), Replanner::shape_key(plan)) << flip.reason;
+  EXPECT_DOUBLE_EQ(flip.gain_asked, 2 * policy.min_gain) << flip.arithmetic(same.policy());
 }
 
 // A caller that spaces searches out (their CPU time is what evaluating costs the training)
