@@ -1,5 +1,5 @@
 """Re-planning against a real straggler, in one run: two processes pinned to one core each,
-a CPU-bound hog pinned to one process's core (so that process runs at about half speed), a
+CPU-bound hogs pinned to one process's core (one: that process runs at about half speed), a
 deep MLP (float32; or `--model gpt2`: transformers' GPT-2, 8 blocks of 256, 16 sequences of
 64 tokens) trained by conveyor.Module three ways, in alternating rounds:
 
@@ -12,7 +12,10 @@ deep MLP (float32; or `--model gpt2`: transformers' GPT-2, 8 blocks of 256, 16 s
 The straggler's setting: `--slow-process` 0 (the process that profiles and plans) or 1;
 `--first-plan` pipelined (two stages, one replica each) or data-parallel (one stage, a
 replica per process); `--appear-at N`: the hog starts before step N rather than before the
-first (a straggler appearing mid-run).
+first (a straggler appearing mid-run); `--vanish-at N`: the hog stops before step N (a
+straggler going away: the plan should come back once the gain pays for the move); `--hogs N`:
+N hogs beside it (about 1/(N+1) of its speed: 9 make a straggler the plan leaves idle, seen
+to go away only by its probe).
 
 Prints each contender's mean step over the steady state (after the warm-up steps, or from
 the hog's appearance on: every evaluation window and move included), over rounds (median
@@ -22,7 +25,7 @@ each switch with its predicted and measured gain, the decision's arithmetic and 
 measured cost of moving (seconds per GB of optimizer state and parameters handed over).
 
     ./run bench replan [--rounds 2] [--steps 40] [--slow-process 1] [--first-plan pipelined]
-                       [--appear-at 0] [--vanish-at 0] [--model mlp|gpt2] [--layers 16] [--hidden 512] [--batch 64]
+                       [--appear-at 0] [--vanish-at 0] [--hogs 1] [--model mlp|gpt2] [--layers 16] [--hidden 512] [--batch 64]
     ./run bench replan --scenario none [--rounds 5]   (no straggler: what evaluating costs)
 
 Needs two cores and UCX; the hog and the processes are killed at the end whatever happens.
@@ -39,6 +42,17 @@ from job import run_job
 
 HERE = os.path.abspath(__file__)
 WARM_UP = 3  # steps left out of the mean: capture, profiling and planning run in the first
+
+
+def hogs(n: int, core: int) -> list:
+    """`n` hog processes on `core` (kill_all stops them)."""
+    return [subprocess.Popen([sys.executable, HERE, "--hog", "--core", str(core)]) for _ in range(n)]
+
+
+def kill_all(procs: list) -> None:
+    for p in procs:
+        p.kill()
+        p.wait()
 
 
 def hog(core: int) -> None:
@@ -87,23 +101,20 @@ def worker(args) -> None:
         layout = dict(replicas=1) if args.first_plan == "pipelined" else dict(stages=1, replicas=2)
     model = conveyor.Module(net, opt, loss_fn=loss_fn, cluster=cluster, **layout,
                             replan="auto" if args.mode == "replanned" else "off")
-    times, hogging = [], None
+    times, hogging = [], []
     hog_here = rank == args.slow_process and args.scenario == "straggler" and (args.appear_at or args.vanish_at)
     try:
         for step in range(args.steps):
             if hog_here and step == args.appear_at:
-                hogging = subprocess.Popen([sys.executable, HERE, "--hog", "--core", str(rank)])
-            if hogging is not None and step == args.vanish_at:
-                hogging.kill()
-                hogging.wait()
-                hogging = None
+                hogging = hogs(args.hogs, rank)
+            if hogging and step == args.vanish_at:
+                kill_all(hogging)
+                hogging = []
             t0 = time.perf_counter()
             model.train_step(x, **step_args)
             times.append(time.perf_counter() - t0)
     finally:
-        if hogging is not None:
-            hogging.kill()
-            hogging.wait()
+        kill_all(hogging)
     if rank == 0:
         steady = statistics.median(times[-args.steps // 4:])
         mean = statistics.fmean(times[max(WARM_UP, args.appear_at):args.vanish_at or None])  # every window and move
@@ -116,7 +127,7 @@ def worker(args) -> None:
 def run_contender(mode: str, args, straggler_speed: float) -> dict:
     cmd = [sys.executable, HERE, "--worker", "--mode", mode, "--scenario", args.scenario, "--steps", args.steps,
            "--slow-process", args.slow_process, "--first-plan", args.first_plan, "--appear-at", args.appear_at,
-           "--vanish-at", args.vanish_at,
+           "--vanish-at", args.vanish_at, "--hogs", args.hogs,
            "--layers", args.layers, "--model", args.model,
            "--hidden", args.hidden, "--batch", args.batch, "--straggler-speed", f"{straggler_speed:.3f}"]
     outs = run_job(cmd, 600, mode, OMP_NUM_THREADS="1", CONVEYOR_TIMEOUT="120")
@@ -124,8 +135,8 @@ def run_contender(mode: str, args, straggler_speed: float) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
-def straggler_share(core: int) -> float:
-    """The share of `core` a busy process gets beside the hog: a timed loop alone, then beside it."""
+def straggler_share(core: int, n: int) -> float:
+    """The share of `core` a busy process gets beside `n` hogs: a timed loop alone, then beside them."""
     def loop_s(n=3_000_000):
         t0 = time.perf_counter()
         x = 0
@@ -135,13 +146,12 @@ def straggler_share(core: int) -> float:
     os.sched_setaffinity(0, {core})
     try:
         alone = min(loop_s() for _ in range(3))
-        h = subprocess.Popen([sys.executable, HERE, "--hog", "--core", str(core)])
+        h = hogs(n, core)
         time.sleep(0.5)
         try:
             shared = min(loop_s() for _ in range(3))
         finally:
-            h.kill()
-            h.wait()
+            kill_all(h)
     finally:
         os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
     return alone / shared
@@ -194,6 +204,7 @@ def main() -> None:
     ap.add_argument("--first-plan", choices=["pipelined", "data-parallel"], default="pipelined")
     ap.add_argument("--appear-at", type=int, default=0, help="the step before which the hog starts")
     ap.add_argument("--vanish-at", type=int, default=0, help="the step before which the hog stops (0: never)")
+    ap.add_argument("--hogs", type=int, default=1, help="hog processes beside the straggler")
     ap.add_argument("--mode", default="static")
     ap.add_argument("--straggler-speed", type=float, default=0.5)
     ap.add_argument("--scenario", choices=["straggler", "none"], default="straggler",
@@ -217,8 +228,8 @@ def main() -> None:
     if args.vanish_at and not args.appear_at + WARM_UP < args.vanish_at < args.steps:
         sys.exit(f"--vanish-at {args.vanish_at} must come after --appear-at's step and warm-up, before --steps")
     slow = args.slow_process
-    speed = straggler_share(slow)
-    print(f"straggler: process {slow} shares its core with a hog"
+    speed = straggler_share(slow, args.hogs)
+    print(f"straggler: process {slow} shares its core with {args.hogs} hog{'s' if args.hogs > 1 else ''}"
           + (f" from step {args.appear_at}" if args.appear_at else "")
           + (f" until step {args.vanish_at}" if args.vanish_at else "") + f", running at {speed:.2f} of its speed; "
           f"first plan {args.first_plan}")
@@ -228,7 +239,7 @@ def main() -> None:
     steady = {m: [] for m in modes}
     replans = []
     whole_run = not (args.appear_at or args.vanish_at)  # else each slow worker runs its hog
-    h = subprocess.Popen([sys.executable, HERE, "--hog", "--core", str(slow)]) if whole_run else None
+    h = hogs(args.hogs, slow) if whole_run else []
     try:
         for r in range(args.rounds):
             for mode in modes:  # alternating: static, replanned, up front, static, ...
@@ -245,9 +256,7 @@ def main() -> None:
                     print("  " + result["plan"].strip().replace("\n", "\n  "))
                     print("  " + result["report"].strip().replace("\n", "\n  "))
     finally:
-        if h is not None:
-            h.kill()
-            h.wait()
+        kill_all(h)
 
     def med(m):
         return statistics.median(mean[m])

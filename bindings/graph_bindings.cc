@@ -1,6 +1,7 @@
 // conveyor._C: the graph IR, the graph file format, the executor and planning.
 #include "bindings/bindings.h"
 
+#include <chrono>
 #include <optional>
 
 #include "common/printable.h"
@@ -364,7 +365,7 @@ void bind_graph(py::module_& m) {
            "processes, the least relative gain, the margin over the moving cost, the confirmations and the noise "
            "tolerance.")
       .def("evaluate", [](partitioner::Replanner& r, const py::list& stages, double measured_step_s, double rebuild_s,
-                          double bytes_per_s, bool may_search) {
+                          double bytes_per_s, bool may_search, const std::vector<double>& idle_speed) {
         std::vector<partitioner::StageMeasurement> measured;
         for (auto item : stages) {
           auto d = item.cast<py::dict>();
@@ -382,7 +383,7 @@ void bind_graph(py::module_& m) {
         partitioner::ReplanDecision d;
         {
           py::gil_scoped_release nogil;
-          d = unwrap(r.evaluate(measured, measured_step_s, may_search));
+          d = unwrap(r.evaluate(measured, measured_step_s, may_search, idle_speed));
         }
         const auto& f = d.calibration.factors;
         py::dict out;
@@ -409,15 +410,41 @@ void bind_graph(py::module_& m) {
                                   py::arg("weight") = f.weight, py::arg("speed") = f.speed, py::arg("link") = f.link);
         return out;
       }, py::arg("stages"), py::arg("measured_step_s"), py::arg("rebuild_s") = 0.0, py::arg("bytes_per_s") = 0.0,
-         py::arg("may_search") = true,
+         py::arg("may_search") = true, py::arg("idle_speed") = std::vector<double>{},
          "One window of the running plan (the live profile's stages, merged across processes, and its mean step): "
          "corrects the inputs, plans again and decides; rebuild_s and bytes_per_s: what building a pipeline and "
-         "moving bytes measured (0: unknown / the cluster's links); may_search False: only a search owed runs "
-         "(partitioner/replan.h). Returns a dict: switch, reason, arithmetic, "
+         "moving bytes measured (0: unknown / the cluster's links); may_search False: only a search owed runs; "
+         "idle_speed: per device the running plan leaves idle, its probe's speed over its speed when it went idle "
+         "(0: not probed) (partitioner/replan.h). Returns a dict: switch, reason, arithmetic, "
          "candidate (a Plan) and candidate_table, running (a Plan: the running plan priced on the corrected inputs), "
          "the step times, the gain, the moving cost and the factors.")
       .def("switched_to", [](partitioner::Replanner& r, const PlanHandle& plan) { check(r.switched_to(plan.plan())); },
            py::arg("plan"), "The Plan that runs from now on.");
+  m.def("matrix_product_rate", [](const std::string& device, double seconds, std::int64_t side) {
+          if (!(seconds > 0 && seconds <= 10) || side < 1) {
+            throw py::value_error("matrix_product_rate: seconds must be in (0, 10] and side positive");
+          }
+          py::gil_scoped_release nogil;  // timed without the interpreter: another thread holding it is not the device
+          at::Tensor a = at::ones({side, side}, at::TensorOptions().device(c10::Device(device)));
+          at::Tensor b = at::empty_like(a);
+          a.sum().item<float>();  // the device's queue drained: only the products are timed
+          using clock = std::chrono::steady_clock;
+          const auto t0 = clock::now();
+          std::int64_t done = 0, chunk = 1;
+          double elapsed = 0;
+          while (elapsed < seconds) {  // chunks waited for (a GPU's queue), growing until each takes 1 ms
+            const auto c0 = clock::now();
+            for (std::int64_t i = 0; i < chunk; ++i) at::mm_out(b, a, a);
+            b.sum().item<float>();
+            done += chunk;
+            if (std::chrono::duration<double>(clock::now() - c0).count() < 1e-3) chunk *= 2;
+            elapsed = std::chrono::duration<double>(clock::now() - t0).count();
+          }
+          return static_cast<double>(done) / elapsed;
+        },
+        py::arg("device"), py::arg("seconds"), py::arg("side"),
+        "Products of two side x side float matrices per second on `device` (\"cpu\", \"cuda:0\"), run for "
+        "`seconds` of wall time without holding the interpreter: re-planning's probe of a device no stage runs on.");
 }
 
 }  // namespace conveyor::bindings

@@ -132,7 +132,27 @@ Replanner::Replanner(CostGraph costs, Cluster cluster, Plan running, PlanOptions
       cluster_(std::move(cluster)),
       running_(std::move(running)),
       options_(std::move(options)),
-      policy_(policy) {}
+      policy_(policy) {
+  note_idle_devices();
+}
+
+bool Replanner::idle(const Plan& plan, int device) {
+  return std::none_of(plan.stages.begin(), plan.stages.end(), [device](const StagePlan& s) {
+    return s.first_device <= device && device < s.first_device + s.replicas;
+  });
+}
+
+void Replanner::note_idle_devices() {
+  const std::size_t devices = base_cluster_.devices.size();
+  idle_from_.resize(devices, 0.0);
+  for (std::size_t d = 0; d < devices; ++d) {
+    if (!idle(running_, static_cast<int>(d))) {
+      idle_from_[d] = 0;
+    } else if (idle_from_[d] == 0) {  // went idle now: its speed as last estimated (1: never corrected)
+      idle_from_[d] = d < smoothed_.speed.size() ? smoothed_.speed[d] : 1.0;
+    }
+  }
+}
 
 std::string Replanner::layout_key(const Plan& plan) {
   std::string key = std::to_string(plan.microbatches) + "/" + std::to_string(static_cast<int>(plan.schedule)) + "/" +
@@ -198,7 +218,7 @@ Status Replanner::fit_links(double measured_step_s) {
 }
 
 Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& measured, double measured_step_s,
-                                          bool may_search) {
+                                          bool may_search, const std::vector<double>& idle_speed) {
   if (!std::isfinite(measured_step_s) || measured_step_s <= 0) {
     return Status(ErrorCode::kInvalidArgument,
                   "a measured step of " + std::to_string(measured_step_s) + " s (steps take a positive, finite time)");
@@ -210,6 +230,25 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   // Against the profile: this window's factors on top of those its prediction already had.
   if (applied_.speed.empty()) applied_.speed.assign(devices, 1.0);
   Factors seen = zip(raw, applied_, [](double r, double a) { return r * a; });
+  // A device no stage runs on: its speed when it went idle, times what its probe says since,
+  // but running no faster than the fastest device that runs a stage, unless it already did:
+  // a probe's reference, timed beside a straggler's neighbours, is noisy (nine hogs: a
+  // recovery of 10x read 6.7-11.7x), and a device taken back is measured by its stages from
+  // the next window on. (The factors scale the cluster's speeds: `rated` compares devices.)
+  auto rated = [&](std::size_t d, double factor) { return base_cluster_.devices[d].speed * factor; };
+  double fastest_running = 0;
+  for (std::size_t d = 0; d < seen.speed.size(); ++d) {
+    if (!idle(running_, static_cast<int>(d))) fastest_running = std::max(fastest_running, rated(d, seen.speed[d]));
+  }
+  for (std::size_t d = 0; d < idle_speed.size() && d < idle_from_.size(); ++d) {
+    if (!std::isfinite(idle_speed[d]) || idle_speed[d] < 0) {
+      return Status(ErrorCode::kInvalidArgument, "device " + std::to_string(d) + "'s probe measured a speed change of " +
+                                                     std::to_string(idle_speed[d]) + " (a positive, finite ratio, or 0: not probed)");
+    }
+    if (idle_from_[d] <= 0 || idle_speed[d] <= 0) continue;
+    const double bound = std::max(fastest_running, rated(d, idle_from_[d])) / rated(d, 1.0);
+    seen.speed[d] = std::min(idle_from_[d] * idle_speed[d], bound);
+  }
   // Kinds and speeds are known up to a common scale (a stage's time is cost x kind / speed):
   // the fastest device keeps its speed, the scale goes to the kinds, so that estimates made
   // under different plans agree.
@@ -354,6 +393,7 @@ Status Replanner::switched_to(const Plan& plan) {
   left_[shape_key(running_)] = smoothed_.speed;
   left_.erase(shape_key(plan));
   CONVEYOR_ASSIGN_OR_RETURN(running_, reprice(costs_, cluster_, options_, plan));
+  note_idle_devices();
   confirmations_ = 0;
   last_search_.reset();
   return Status::ok();

@@ -88,11 +88,17 @@ class Replanner {
   /// part): the last search's best plan is priced again instead of searching, unless a
   /// search is owed: none yet under the running plan, a switch awaiting its confirmation, or
   /// a device whose speed moved beyond the tolerance since the last one (a straggler came or went).
+  /// `idle_speed`, per device: for a device the running plan leaves idle (no stage measures
+  /// it), how many times faster a probe of it runs than when it went idle (0: not probed). Its
+  /// speed is then the one it had when it went idle times that, so a straggler the plan left
+  /// out is seen to go away.
   Result<ReplanDecision> evaluate(const std::vector<StageMeasurement>& measured, double measured_step_s,
-                                  bool may_search = true);
+                                  bool may_search = true, const std::vector<double>& idle_speed = {});
   /// `plan` runs from now on (the decision's candidate, or one the user forced), priced on
   /// the corrected inputs. Errors: a plan that does not fit the cost graph or the cluster.
   Status switched_to(const Plan& plan);
+  /// Whether no stage of `plan` runs on `device`.
+  static bool idle(const Plan& plan, int device);
 
   const Plan& running() const { return running_; }
   const ReplanPolicy& policy() const { return policy_; }
@@ -127,6 +133,10 @@ class Replanner {
   // Shapes switched away from, with the devices' speeds (as estimated) when they were: a
   // return under speeds within the tolerance of those needs twice the gain.
   std::map<std::string, std::vector<double>> left_;
+  // Per device the running plan leaves idle, its speed (as estimated) when it went idle: what
+  // its probes are relative to. 0 for a device a stage runs on.
+  std::vector<double> idle_from_;
+  void note_idle_devices();
   // The switch last decided (its layout, the step measured before it), and once taken, the
   // plan it left with that step: the next window undoes it if it measures slower.
   std::optional<std::pair<std::string, double>> decided_;

@@ -234,5 +234,5 @@ def _planned(model, optimizer, graph, options: Options, job: Job, args: tuple, k
                          planned_sizes=dict(maker.sizes))
     if options.replan == "auto":
         state.plan_maker = maker
-        state.replanning = Replanning(maker.replanner(prof, plan), job.group)
+        state.replanning = Replanning(maker.replanner(prof, plan), job.group, _device_of(args, kwargs))
     return state

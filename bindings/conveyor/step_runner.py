@@ -132,7 +132,7 @@ class StepRunner:
         now, with its switch."""
         if state.replanning is None:
             return
-        decision = state.replanning.at_step_boundary(state.pipeline, self.history.switches)
+        decision = state.replanning.at_step_boundary(state.pipeline, self.history.switches, state.plan)
         if decision is not None and decision["switch"]:
             switch_to(state, Plan(decision["candidate"]), decision, job=self.job,
                       optimizer=self.optimizer, history=self.history)

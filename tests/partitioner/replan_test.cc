@@ -186,6 +186,55 @@ TEST(Replan, AShapeLeftForAStragglerIsReturnedToForTheUsualGainOnceItGoes) {
   EXPECT_DOUBLE_EQ(flip.gain_asked, 2 * policy.min_gain) << flip.arithmetic(same.policy());
 }
 
+// A straggler at a tenth of the speed: the best plan leaves its device idle (one stage on
+// another). Idle, it is never measured by a stage, so without a probe its slow speed stands
+// after it recovers; with its probe running ten times faster than when it went idle, the
+// plan comes back to all three devices.
+TEST(Replan, AStragglerThePlanLeftIdleIsSeenToGoByItsProbe) {
+  const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
+  const Cluster cluster = devices(3);
+  const Plan plan = *make_plan(g, cluster, options());
+  ASSERT_EQ(plan.stages.size(), 3u);
+  ReplanPolicy policy;
+  policy.moves_bytes = false;
+  for (const bool probed : {false, true}) {
+    Replanner r(g, cluster, plan, options(), policy);
+    std::mt19937 rng(19);
+    ReplanDecision d;
+    for (int window = 0; window < 10 && !d.switch_plan; ++window) {
+      auto [m, step] = run(g, r.running(), {1, 0.1, 1}, 0.02, rng);
+      d = *r.evaluate(m, step);
+    }
+    ASSERT_TRUE(d.switch_plan) << d.reason;
+    ASSERT_TRUE(Replanner::idle(d.candidate, 1)) << d.candidate.table();
+    ASSERT_TRUE(r.switched_to(d.candidate).is_ok());
+    d = ReplanDecision{};
+    int windows = 0;
+    for (; windows < 10 && !d.switch_plan; ++windows) {
+      auto [m, step] = run(g, r.running(), {1, 1, 1}, 0.02, rng);
+      std::vector<double> probe(3, 0.0);  // the idle devices': device 1 ten times faster, the other as before
+      for (int dev = 0; dev < 3; ++dev) probe[dev] = Replanner::idle(r.running(), dev) ? (dev == 1 ? 10.0 : 1.0) : 0.0;
+      d = *r.evaluate(m, step, true, probed ? probe : std::vector<double>{});
+    }
+    if (!probed) {
+      EXPECT_FALSE(d.switch_plan) << d.reason;
+      EXPECT_LT(d.calibration.factors.speed[1], 0.2) << "never measured, device 1 keeps its straggler's speed";
+      continue;
+    }
+    ASSERT_TRUE(d.switch_plan) << d.reason;
+    EXPECT_EQ(windows, policy.confirmations) << d.reason;
+    EXPECT_FALSE(Replanner::idle(d.candidate, 1)) << d.candidate.table();
+    EXPECT_GT(d.calibration.factors.speed[1], 0.8) << d.arithmetic(r.policy());
+  }
+  // A probe that measured nonsense is refused, naming the device.
+  Replanner r(g, cluster, plan, options(), policy);
+  std::mt19937 rng(1);
+  auto [m, step] = run(g, plan, {1, 1, 1}, 0, rng);
+  auto bad = r.evaluate(m, step, true, {0, -1, 0});
+  ASSERT_FALSE(bad.is_ok());
+  EXPECT_NE(bad.status().to_string().find("device 1's probe"), std::string::npos) << bad.status().to_string();
+}
+
 // A caller that spaces searches out (their CPU time is what evaluating costs the training)
 // asks for none: noise then never searches, but a straggler coming is still acted on at its
 // confirmation, and the new plan's first window searches.

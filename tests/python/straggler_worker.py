@@ -4,9 +4,12 @@ has evaluated its first window and prints, from process 0, what that window conc
 corrections, and the waiting told from moving) as `WINDOW {json}`. With REPLAN=off it trains
 a few steps without re-planning instead and prints, from each process, its own live profile's
 gradient sum across processes, moving told from waiting by the group itself, as
-`PROFILE {json}`. For test_straggler.py.
+`PROFILE {json}`. With LEAVES=1 (the straggler process 0, behind nine hogs, and rated that
+slow in the cluster) it trains the model pipelined, its stages free; two windows after a plan
+leaves the straggler's device idle, process 0 stops its hogs; both train a fixed number of
+steps, and process 0 prints the switches as `LEFT {json}`. For test_straggler.py.
 
-    RANK=r WORLD_SIZE=2 ... STRAGGLER=1 [REPLAN=off] python straggler_worker.py
+    RANK=r WORLD_SIZE=2 ... STRAGGLER=1 [REPLAN=off | LEAVES=1] python straggler_worker.py
 
 Each process is pinned to core RANK (of the cores it may use) with one thread, as a user
 pins one process per device; the straggler's hogs are pinned to the same core and killed at the
@@ -21,10 +24,14 @@ import sys
 import torch
 
 import conveyor
-from conveyor.planning.replanning import WINDOW
+from conveyor.planning.replanning import WINDOW, idle_devices
 
 WIDTH = 768  # steps of about 0.1 s here: a window spans many of the scheduler's time slices
 HOGS = 3
+HOGS_LEAVING = 9  # about a tenth of its core: the plan leaves the straggler's device idle
+LEAVING_STEPS = 60  # both processes: a re-plan leaving the straggler idle (by step 17, if the first
+# plan does not), the hogs stopped two windows later, the probe's next window, its confirmation
+# and the decision's way back
 HOG = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nprint(flush=True)\nwhile True:\n    pass\n"
 
 
@@ -35,9 +42,11 @@ def main() -> None:
     core = cores[rank % len(cores)]
     os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)
+    leaves = os.environ.get("LEAVES") == "1"
     hogs = []
     if rank == straggler:
-        hogs = [subprocess.Popen([sys.executable, "-c", HOG, str(core)], stdout=subprocess.PIPE) for _ in range(HOGS)]
+        hogs = [subprocess.Popen([sys.executable, "-c", HOG, str(core)], stdout=subprocess.PIPE)
+                for _ in range(HOGS_LEAVING if leaves else HOGS)]
         for hog in hogs:
             hog.stdout.readline()  # on its core, spinning
     try:
@@ -45,6 +54,9 @@ def main() -> None:
         net = torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh())])
         opt = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
         x, y = torch.randn(64, WIDTH), torch.randn(64, WIDTH)
+        if leaves:
+            leave_idle(net, opt, x, y, rank, hogs)
+            return
         model = conveyor.Module(net, opt, loss_fn=torch.nn.MSELoss(), stages=1, replicas=2, microbatches=1,
                                 replan=replan)
         if replan == "off":
@@ -73,6 +85,33 @@ def main() -> None:
             hog.kill()
             hog.wait()
 
+
+def leave_idle(net, opt, x, y, rank: int, hogs: list) -> None:
+    """LEAVES=1: process 0, behind its hogs, rated as slow as they make it, so that the plan
+    leaves its device idle (the first, or the first re-plan); its hogs stop once two windows'
+    probes measured it idle, and the plan takes it back."""
+    cluster = ('name = "straggler"\n' + "".join(f'[[node]]\ndevices = 1\nmemory = "8 GiB"\nspeed = {v}\n'
+                                                for v in (1 / (HOGS_LEAVING + 1), 1.0)) +
+               '[link.intra_node]\nbandwidth = "10 GB/s"\nlatency = "5 us"\n'
+               '[link.inter_node]\nbandwidth = "10 GB/s"\nlatency = "5 us"\n')
+    model = conveyor.Module(net, opt, loss_fn=torch.nn.MSELoss(), replicas=1, cluster=cluster, replan="auto")
+    idle_since = stopped_at = None
+    for step in range(LEAVING_STEPS):
+        model.train_step(x, target=y)
+        if idle_since is None and 0 in idle_devices(model.plan.document):
+            idle_since = step
+        if hogs and idle_since is not None and step >= idle_since + 2 * WINDOW + 1:
+            for hog in hogs:
+                hog.kill()
+                hog.wait()
+            hogs.clear()
+            stopped_at = step
+    if rank == 0:
+        print("LEFT " + json.dumps({"switches": [{k: s[k] for k in ("step", "old", "new", "arithmetic")}
+                                                  for s in model.replans],
+                                    "idle_since": idle_since, "stopped_at": stopped_at,
+                                    "idle": idle_devices(model.plan.document), "report": str(model.profile_report())}),
+              flush=True)
 
 if __name__ == "__main__":
     main()

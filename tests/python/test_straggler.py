@@ -13,6 +13,7 @@ import pytest
 
 from conftest import free_port
 from conveyor import _C
+from conveyor.planning.replanning import WINDOW
 
 WORKER = Path(__file__).with_name("straggler_worker.py")
 
@@ -30,14 +31,14 @@ def two_idle_cores() -> None:
         pytest.skip(f"needs two idle cores: the machine's load is {load:.1f} (the hogs alone must make the straggler)")
 
 
-def run_pair(straggler: int, tmp_path, replan: str = "auto") -> list:
+def run_pair(straggler: int, tmp_path, replan: str = "auto", leaves: bool = False) -> list:
     """Both processes' output."""
     port = free_port()
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    UCX_NET_DEVICES="lo", OMP_NUM_THREADS="1", STRAGGLER=str(straggler), CONVEYOR_TIMEOUT="120",
-                   CONVEYOR_CACHE_DIR=str(tmp_path / "cache"), REPLAN=replan)
+                   CONVEYOR_CACHE_DIR=str(tmp_path / "cache"), REPLAN=replan, LEAVES="1" if leaves else "0")
         procs.append(subprocess.Popen([sys.executable, str(WORKER)], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     outs = []
@@ -86,3 +87,16 @@ def test_without_replanning_each_process_tells_its_wait_for_the_slow_one_from_mo
     assert fast["waiting_s"] > 2 * fast["across_s"], fast["report"]
     assert fast["waiting_s"] > 2 * slow["waiting_s"], (fast["report"], slow["report"])
     assert "waiting for the last process to contribute" in fast["report"], fast["report"]
+
+
+def test_a_straggler_the_plan_left_idle_is_seen_to_go_by_its_probe_and_the_plan_comes_back(tmp_path):
+    """Process 0 behind nine hogs, and rated that slow: a plan runs every stage on process 1,
+    leaving device 0 idle, where no stage measures it. Its process probes it each window
+    (idle_probe.py); once the hogs stop, the probe runs several times faster, and the plan
+    takes device 0 back."""
+    two_idle_cores()
+    left = printed(run_pair(0, tmp_path, leaves=True)[0], "LEFT")
+    assert left["stopped_at"] is not None, left  # a plan left device 0 idle, and the hogs stopped
+    back = [s for s in left["switches"] if s["step"] > left["stopped_at"]]
+    assert back, (left["switches"], left["report"])
+    assert left["idle"] == [], (left["switches"], left["report"])

@@ -24,6 +24,7 @@ import time
 import weakref
 
 from ..errors import ExecutionError
+from .idle_probe import IdleProbe
 from .replanning_messages import DECIDED_AFTER, FIGURES, WindowFigures, WindowMessages
 from .replanning_trace import PLANNER
 
@@ -104,9 +105,11 @@ def _settle_at_exit() -> None:
             pass
 
 
-def window_figures(report: dict, window: int) -> WindowFigures:
-    """This process's figures of a window, from its live profile's report."""
-    return WindowFigures(window, [{k: s[k] for k in FIGURES} for s in report["stages"]], report["measured_step_s"])
+def window_figures(report: dict, window: int, idle_speed: float = 0.0) -> WindowFigures:
+    """This process's figures of a window, from its live profile's report (`idle_speed`: its
+    idle device's probe, IdleProbe.speed_change)."""
+    return WindowFigures(window, [{k: s[k] for k in FIGURES} for s in report["stages"]], report["measured_step_s"],
+                         idle_speed)
 
 
 class Replanning:
@@ -126,9 +129,12 @@ class Replanning:
     once (process 0 waits for its peers' figures of it): judging needs no search, and a
     switch that measures slower is undone a window sooner."""
 
-    def __init__(self, replanner, group):
+    def __init__(self, replanner, group, device=None):
         self.replanner = replanner  # process 0 (or the only process); None elsewhere
         self.group = group
+        # Across processes (device d is process d): this process's device, probed while the
+        # running plan leaves it idle. One process's devices share its host, so are not probed.
+        self.probe = IdleProbe(device) if group is not None and device is not None else None
         self.decides = group is None or group.rank == 0  # process 0 decides; the others hear it
         self.messages = WindowMessages(group) if group is not None else None
         if group is not None:
@@ -154,22 +160,26 @@ class Replanning:
     def due(self) -> bool:
         return self.steps >= 1 + WINDOW and (self.steps - 1) % WINDOW == 0
 
-    def at_step_boundary(self, step, switches: list) -> dict | None:
+    def at_step_boundary(self, step, switches: list, running=None) -> dict | None:
         """Before a step of pipeline `step`: a window's boundary when one is due, and the
         decision to apply now, if any (every process alike). The last of the Module's
-        `switches` (forced ones included) gets its measured gain from the first window after it."""
+        `switches` (forced ones included) gets its measured gain from the first window after it.
+        `running`: the Plan that runs (whether it leaves this process's device idle)."""
         if self.due():
-            self._boundary(step, switches)
+            self._boundary(step, switches, running)
         if self.on_its_way is None or self.steps < self.on_its_way[1]:
             return None
         return self._hear(step)
 
-    def _boundary(self, step, switches: list) -> None:
+    def _boundary(self, step, switches: list, running) -> None:
         """A window's boundary: its figures to process 0's planner, and the decision heard
         there (process 0) on its way to every process."""
         self.windows += 1
         window = self.windows
-        figures = window_figures(step.profile_report(), window)
+        idle_speed = 0.0
+        if self.probe is not None and running is not None:
+            idle_speed = self.probe.speed_change(self.group.rank in idle_devices(running.document))
+        figures = window_figures(step.profile_report(), window, idle_speed)
         self._measure_switch(switches, figures.step_s)
         if not self.decides:
             self.messages.send_figures(figures)
@@ -250,7 +260,7 @@ class Replanning:
             t0, cpu0 = time.perf_counter(), time.thread_time()
             box["started"] = t0
             try:
-                reports, step_s = [mine.stages], mine.step_s
+                reports, step_s, idle_speed = [mine.stages], mine.step_s, [mine.idle_speed]
                 for peer in peers:
                     for window in unread:  # the last is this window's; earlier ones went unevaluated
                         theirs = self.messages.read_figures(peer, window)
@@ -260,12 +270,15 @@ class Replanning:
                                              "processes run different plans (restart the job)")
                     reports.append(theirs.stages)
                     step_s = max(step_s, theirs.step_s)
+                    idle_speed.append(theirs.idle_speed)
                 stages, waiting = merge_processes(reports) if len(reports) > 1 else (reports[0], [])
                 box["read_s"] = time.perf_counter() - t0
                 measured = [{k: s[k] for k in FIGURES if k != "across_s"} for s in stages]
+                probed = idle_speed if self.probe is not None else []  # device d is process d
                 box["decision"] = self.replanner.evaluate(measured, step_s, rebuild_s=self.rebuild_s,
-                                                          bytes_per_s=self.bytes_per_s, may_search=may_search)
-                box["decision"].update(waiting=waiting, across_s=[s["across_s"] for s in stages])
+                                                          bytes_per_s=self.bytes_per_s, may_search=may_search,
+                                                          idle_speed=probed)
+                box["decision"].update(waiting=waiting, across_s=[s["across_s"] for s in stages], idle_speed=probed)
             except BaseException as e:  # raised where the decision is heard, on the caller's thread
                 box["error"] = e
             t1 = time.perf_counter()
@@ -323,9 +336,14 @@ class Replanning:
         f = d["factors"]
         speeds = ", ".join(f"{s:.2f}" for s in f["speed"])
         idle = idle_devices(json.loads(d["running"].to_json()))
-        unmeasured = (f"  device{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle))} idle under the running "
-                      "plan: never measured, so how it compares with the devices that run is the cluster's "
-                      "speeds, uncorrected\n") if idle else ""
+        probed = d.get("idle_speed") or []
+        unprobed = [i for i in idle if i >= len(probed) or probed[i] <= 0]
+        unmeasured = "".join(
+            f"  device {i} idle under the running plan: its process probes it, {probed[i]:.2f}x as fast as when it "
+            "went idle\n" for i in idle if i not in unprobed)
+        unmeasured += (f"  device{'s' if len(unprobed) > 1 else ''} {', '.join(map(str, unprobed))} idle under the "
+                       "running plan: never measured, so how it compares with the devices that run is the cluster's "
+                       "speeds, uncorrected\n") if unprobed else ""
         sums = "".join(
             f"  stage {k}'s gradient sum across processes: {moving * 1e3:.2f} ms per step moving bytes; waiting "
             f"for the slowest process: " + ", ".join(f"process {p} {w * 1e3:.2f} ms" for p, w in enumerate(waits)) +
