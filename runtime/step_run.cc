@@ -24,7 +24,7 @@ namespace conveyor::runtime {
 
 using scheduler::ActionKind;
 using scheduler::ActionList;
-using scheduler::action_text;
+using scheduler::action_words;
 using scheduler::partner_replicas;
 using scheduler::validate_schedule;
 
@@ -177,9 +177,9 @@ struct StepRun::State {
       if (st->failed) co_return;
       {
         std::lock_guard<std::mutex> lock(st->mu);
-        st->waiting[w] = action_text(a, with_stage);
+        st->waiting[w] = action_words(a, with_stage);
       }
-      const auto where = [&] { return who + " at " + action_text(a, with_stage); };
+      const auto where = [&] { return who + " at " + action_words(a, with_stage); };
       switch (a.kind) {
         case ActionKind::kForward:
         case ActionKind::kBackward:

@@ -277,6 +277,28 @@ std::string action_text(const Action& a, bool with_stage) {
   return "?";
 }
 
+std::string action_words(const Action& a, bool with_stage) {
+  const std::string mb = "microbatch " + std::to_string(a.microbatch);
+  const std::string of = with_stage ? " of stage " + std::to_string(a.stage) : "";
+  const std::string peer = "rank " + std::to_string(a.peer);
+  std::string words;
+  switch (a.kind) {
+    case ActionKind::kForward: words = "the forward of " + mb + of; break;
+    case ActionKind::kBackward: words = "the backward of " + mb + of; break;
+    case ActionKind::kBackwardInput: words = "the input gradient of " + mb + of; break;
+    case ActionKind::kBackwardWeight: words = "the weight gradient of " + mb + of; break;
+    case ActionKind::kSendActivation: words = "sending " + mb + "'s activations" + of + " to " + peer; break;
+    case ActionKind::kRecvActivation: words = "receiving " + mb + "'s activations" + of + " from " + peer; break;
+    case ActionKind::kSendGradient: words = "sending " + mb + "'s gradients" + of + " to " + peer; break;
+    case ActionKind::kRecvGradient: words = "receiving " + mb + "'s gradients" + of + " from " + peer; break;
+    case ActionKind::kAllReduce:
+      words = "summing stage " + std::to_string(a.stage) + "'s gradients over its replicas";
+      break;
+    case ActionKind::kOptimizerStep: words = "the optimizer step"; break;
+  }
+  return words + " (" + action_text(a, with_stage) + ")";
+}
+
 std::string Schedule::to_text() const {
   const bool with_stage = spec.chunks > 1;
   std::string out;

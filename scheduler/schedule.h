@@ -134,7 +134,11 @@ Result<Schedule> make_schedule(const ScheduleSpec& spec);
 /// receive, and the lists cannot deadlock (each receive's send is reached).
 Status validate_schedule(const Schedule& schedule);
 
+/// An action in the schedule's notation: `F3`, `recvA0<1`, `sendG2@s1>0` (docs/design.md).
 std::string action_text(const Action& a, bool with_stage = false);
+/// An action in words, for errors a user reads: "receiving microbatch 0's activations from
+/// rank 1 (recvA0<1)", "the forward of microbatch 3 of stage 2 (F3@s2)".
+std::string action_words(const Action& a, bool with_stage = false);
 
 /// The replicas of `other_rank` that replica `replica` of `rank` exchanges microbatch data
 /// with: the one of the same index when both ranks split a microbatch alike, every one

@@ -379,7 +379,8 @@ TEST(Coordinator, AFailingHookStopsEveryRankAndNamesItself) {
   };
   auto result = run_once(*schedule, hooks);
   ASSERT_FALSE(result.is_ok());
-  EXPECT_NE(result.status().message().find("rank 2 at B3"), std::string::npos) << result.status().message();
+  EXPECT_NE(result.status().message().find("rank 2 at the backward of microbatch 3 (B3)"), std::string::npos)
+      << result.status().message();
   EXPECT_NE(result.status().message().find("out of memory in the test"), std::string::npos);
 }
 
@@ -408,7 +409,8 @@ TEST(Coordinator, AHookThatNeverReturnsTimesOutNamingWhereRanksWaitAndFailsLater
   ASSERT_FALSE(result.is_ok());
   EXPECT_EQ(result.status().code(), ErrorCode::kExecution);
   EXPECT_NE(result.status().message().find("did not finish within 300 ms"), std::string::npos);
-  EXPECT_NE(result.status().message().find("rank 1 at F1"), std::string::npos) << result.status().message();
+  EXPECT_NE(result.status().message().find("rank 1 at the forward of microbatch 1 (F1)"), std::string::npos)
+      << result.status().message();
   // Rank 1's replica is still inside its hook: the next step says so at once, not after a timeout.
   const auto start = std::chrono::steady_clock::now();
   auto again = (*coordinator)->run_step(std::chrono::seconds(30));

@@ -21,6 +21,7 @@ namespace {
 using scheduler::ActionKind;
 using scheduler::ActionList;
 using scheduler::action_text;
+using scheduler::action_words;
 using scheduler::make_schedule;
 using scheduler::ScheduleKind;
 using scheduler::ScheduleSpec;
@@ -244,7 +245,8 @@ TEST(StepRun, AFailureMidListEndsTheStepWithItsStatus) {
   ASSERT_FALSE(result.is_ok());
   EXPECT_EQ(result.status().code(), ErrorCode::kExecution);
   EXPECT_NE(result.status().message().find("out of memory in the test"), std::string::npos);
-  EXPECT_NE(result.status().message().find("rank 0 at B1"), std::string::npos) << result.status().message();
+  EXPECT_NE(result.status().message().find("rank 0 at the backward of microbatch 1 (B1)"), std::string::npos)
+      << result.status().message();
   // What ran is the list up to the failing backward, which the log does not hold.
   ActionList before;
   for (const Action& a : computes_of(schedule.ranks[0])) {
@@ -277,7 +279,8 @@ TEST(StepRun, AFailingRankWakesTheOthersAndTheStepReportsIt) {
   auto result = run_on_threads(**step);  // returns: every thread joined
   ASSERT_FALSE(result.is_ok());
   EXPECT_EQ(result.status().code(), ErrorCode::kExecution);
-  EXPECT_NE(result.status().message().find("rank 1 at F2"), std::string::npos) << result.status().message();
+  EXPECT_NE(result.status().message().find("rank 1 at the forward of microbatch 2 (F2)"), std::string::npos)
+      << result.status().message();
   EXPECT_NE(result.status().message().find("a NaN in the test"), std::string::npos);
   for (int r = 0; r < 3; ++r) EXPECT_TRUE(is_prefix(log.computed[{r, 0}], computes_of(schedule.ranks[r]))) << r;
   EXPECT_FALSE(log.has(log.computed, 1, 0, ActionKind::kForward, 2));
@@ -298,7 +301,9 @@ TEST(StepRun, AFailingTransferNamesItsSend) {
   ASSERT_TRUE(step.is_ok());
   auto result = run_on_threads(**step);
   ASSERT_FALSE(result.is_ok());
-  EXPECT_NE(result.status().message().find("rank 1 at sendG"), std::string::npos) << result.status().message();
+  EXPECT_NE(result.status().message().find("rank 1 at sending microbatch 0's gradients to rank 0 (sendG0>0)"),
+            std::string::npos)
+      << result.status().message();
   EXPECT_NE(result.status().message().find("the link went down"), std::string::npos);
   EXPECT_FALSE(log.has(log.computed, 0, 0, ActionKind::kBackward, 0));  // its gradient never came
 }
@@ -386,7 +391,9 @@ TEST(StepRun, AFailedReceiveFromAnotherProcessFailsTheStep) {
   (*step)->run_replica(0);
   auto result = (*step)->wait(kGenerous);
   ASSERT_FALSE(result.is_ok());
-  EXPECT_NE(result.status().message().find("rank 0 at recvG0<1"), std::string::npos) << result.status().message();
+  EXPECT_NE(result.status().message().find("rank 0 at receiving microbatch 0's gradients from rank 1 (recvG0<1)"),
+            std::string::npos)
+      << result.status().message();
   EXPECT_NE(result.status().message().find("process 1 was lost"), std::string::npos);
 }
 
@@ -421,7 +428,7 @@ TEST(StepRun, AStepThatDoesNotFinishInTimeNamesWhereEachReplicaWaits) {
   ASSERT_FALSE(result.is_ok());
   EXPECT_EQ(result.status().code(), ErrorCode::kExecution);
   EXPECT_NE(result.status().message().find("did not finish within 50 ms"), std::string::npos);
-  EXPECT_NE(result.status().message().find("rank 0 at " + action_text(at) + ";"), std::string::npos)
+  EXPECT_NE(result.status().message().find("rank 0 at " + action_words(at) + ";"), std::string::npos)
       << result.status().message();
   EXPECT_TRUE((*step)->stuck().empty());
 }
