@@ -129,7 +129,7 @@ def resolve_options(model, optimizer, *, stages, replicas, microbatches, schedul
     plan = plan if plan is not None else launched.get("plan")
     trace = trace if trace is not None else launched.get("trace")
     transport = transport if transport is not None else launched.get("transport", "ucx")
-    replan = replan or launched.get("replan", "auto")
+    replan = replan if replan is not None else launched.get("replan", "auto")  # replan=False is refused, not "auto"
     replan_horizon = replan_horizon if replan_horizon is not None else launched.get("replan_horizon", 100)
     check_module_arguments(model, optimizer, stages=stages, replicas=replicas, microbatches=microbatches,
                            schedule=schedule, devices=devices, cluster=cluster, trace=trace, loss_fn=loss_fn,

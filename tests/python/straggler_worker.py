@@ -107,8 +107,8 @@ def leave_idle(net, opt, x, y, rank: int, hogs: list) -> None:
             hogs.clear()
             stopped_at = step
     if rank == 0:
-        print("LEFT " + json.dumps({"switches": [{k: s[k] for k in ("step", "old", "new", "arithmetic")}
-                                                  for s in model.replans],
+        told = ("step", "old", "new", "arithmetic", "measured_step_s")
+        print("LEFT " + json.dumps({"switches": [{k: s[k] for k in told} for s in model.replans],
                                     "idle_since": idle_since, "stopped_at": stopped_at,
                                     "idle": idle_devices(model.plan.document), "report": str(model.profile_report())}),
               flush=True)

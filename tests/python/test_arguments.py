@@ -43,6 +43,7 @@ def sgd(model):
     (dict(recompute="yes"), "recompute='yes'"),
     (dict(transport="tcp"), "transport='tcp'"),
     (dict(replan="sometimes"), "replan='sometimes'"),
+    (dict(replan=False), "replan=False"), (dict(replan=""), "replan=''"), (dict(replan=0), "replan=0"),
     (dict(replan_horizon=0), "replan_horizon=0"),
 ])
 def test_bad_arguments_are_refused_in_the_constructor(case, arguments, message):

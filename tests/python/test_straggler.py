@@ -100,3 +100,5 @@ def test_a_straggler_the_plan_left_idle_is_seen_to_go_by_its_probe_and_the_plan_
     back = [s for s in left["switches"] if s["step"] > left["stopped_at"]]
     assert back, (left["switches"], left["report"])
     assert left["idle"] == [], (left["switches"], left["report"])
+    # A switch after which process 0 runs no stage is measured by its steps' wall time, not as 0.
+    assert all(s["measured_step_s"] is None or s["measured_step_s"] > 0 for s in left["switches"]), left["switches"]

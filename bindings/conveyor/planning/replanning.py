@@ -142,6 +142,7 @@ class Replanning:
             atexit.register(_settle_at_exit)  # once, and after the group's close: run before it
             _ACROSS_PROCESSES.add(self)
         self.steps = 0          # steps run by the current pipeline
+        self.walls: list = []   # the wall time of each of this window's steps, as the caller saw it
         self.rebuild_s = 0.0    # what building the current pipeline took
         self.bytes_per_s = 0.0  # the last move's measured speed
         self.last: dict | None = None
@@ -156,6 +157,12 @@ class Replanning:
         # The decision on its way: applied once the pipeline has run `decided_at` steps;
         # process 0 holds it, the others read it then. (window, decided_at, decision) or None.
         self.on_its_way: tuple | None = None
+
+    def ran_step(self, wall_s: float) -> None:
+        """A step of the running pipeline ended, `wall_s` after its call began."""
+        self.steps += 1
+        if self.steps > 1:  # the first, warm-up, measures nothing
+            self.walls.append(wall_s)
 
     def due(self) -> bool:
         return self.steps >= 1 + WINDOW and (self.steps - 1) % WINDOW == 0
@@ -180,7 +187,10 @@ class Replanning:
         if self.probe is not None and running is not None:
             idle_speed = self.probe.speed_change(self.group.rank in idle_devices(running.document))
         figures = window_figures(step.profile_report(), window, idle_speed)
-        self._measure_switch(switches, figures.step_s)
+        # A process that runs no stage measures no step: the switch's gain is then read from
+        # the steps' wall time here, which the processes that run them set.
+        walls, self.walls = self.walls, []
+        self._measure_switch(switches, figures.step_s if figures.step_s > 0 or not walls else sum(walls) / len(walls))
         if not self.decides:
             self.messages.send_figures(figures)
             self.on_its_way = (window, self.steps + DECIDED_AFTER, None)
@@ -239,7 +249,7 @@ class Replanning:
         if self.replanner is not None:
             self.replanner.switched_to(plan.handle)
             self.judging = decision is not None and not decision["undo"]
-        self.steps, self.rebuild_s = 0, entry["rebuild_s"]
+        self.steps, self.rebuild_s, self.walls = 0, entry["rebuild_s"], []
         if entry["move_bytes"] and entry["transfer_s"] > 0:
             self.bytes_per_s = entry["move_bytes"] / entry["transfer_s"]
         self.say(f"step {entry['step']}: {entry['old']} -> {entry['new']}; {entry['arithmetic'] or entry['reason']}; "
