@@ -25,7 +25,8 @@ each switch with its predicted and measured gain, the decision's arithmetic and 
 measured cost of moving (seconds per GB of optimizer state and parameters handed over).
 
     ./run bench replan [--rounds 2] [--steps 40] [--slow-process 1] [--first-plan pipelined]
-                       [--appear-at 0] [--vanish-at 0] [--hogs 1] [--model mlp|gpt2] [--layers 16] [--hidden 512] [--batch 64]
+                       [--appear-at 0] [--vanish-at 0] [--hogs 1]
+                       [--model mlp|gpt2] [--layers 16] [--hidden 512] [--batch 64]
     ./run bench replan --scenario none [--rounds 5]   (no straggler: what evaluating costs)
 
 Needs two cores and UCX; the hog and the processes are killed at the end whatever happens.
@@ -275,8 +276,9 @@ def main() -> None:
         for m in modes:
             print(f"  {m:10s} {statistics.median(after[m]) * 1e3:8.2f} ms ({min(after[m]) * 1e3:.2f} - "
                   f"{max(after[m]) * 1e3:.2f})")
-        print(f"re-planned vs static after it left: {statistics.median(after['replanned']) / statistics.median(after['static']):.2f}x "
-              "the static plan's mean step (the plan comes back: switch back below)")
+        ratio = statistics.median(after["replanned"]) / statistics.median(after["static"])
+        print(f"re-planned vs static after it left: {ratio:.2f}x the static plan's mean step (the plan comes back: "
+              "switch back below)")
     for r, switches in enumerate(replans):
         for s in switches:
             gb = s["move_bytes"] / 1e9

@@ -113,8 +113,8 @@ MoveCost move_cost(const CostGraph& costs, const Cluster& cluster, const Plan& f
 std::string ReplanDecision::arithmetic(const ReplanPolicy& policy) const {
   char b[512];
   std::snprintf(b, sizeof b,
-                "measured step %s, predicted %s with the new plan: %s saved per step (%s; %s asked), %s over the next %d "
-                "steps; moving %s (%.0f bytes of parameters and optimizer state: %s, rebuilding: %s); %d of %d "
+                "measured step %s, predicted %s with the new plan: %s saved per step (%s; %s asked), %s over the "
+                "next %d steps; moving %s (%.0f bytes of parameters and optimizer state: %s, rebuilding: %s); %d of %d "
                 "confirmations",
                 human_seconds(measured_step_s).c_str(), human_seconds(predicted_step_s).c_str(),
                 human_seconds(gain_s).c_str(), percent(measured_step_s > 0 ? gain_s / measured_step_s : 0).c_str(),
@@ -242,8 +242,10 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   }
   for (std::size_t d = 0; d < idle_speed.size() && d < idle_from_.size(); ++d) {
     if (!std::isfinite(idle_speed[d]) || idle_speed[d] < 0) {
-      return Status(ErrorCode::kInvalidArgument, "device " + std::to_string(d) + "'s probe measured a speed change of " +
-                                                     std::to_string(idle_speed[d]) + " (a positive, finite ratio, or 0: not probed)");
+      return Status(ErrorCode::kInvalidArgument, "device " + std::to_string(d) +
+                                                     "'s probe measured a speed change of " +
+                                                     std::to_string(idle_speed[d]) +
+                                                     " (a positive, finite ratio, or 0: not probed)");
     }
     if (idle_from_[d] <= 0 || idle_speed[d] <= 0) continue;
     const double bound = std::max(fastest_running, rated(d, idle_from_[d])) / rated(d, 1.0);

@@ -22,13 +22,17 @@ LAYERS, WIDTH, BATCH = 4, 256, 512
 MOST_STEPS = 2 + 8 * WINDOW  # the switch comes at the second or third window; far more means it failed
 
 
+def two_node_cluster(speeds: tuple, name: str) -> str:
+    """A cluster of two one-device nodes rated `speeds`, joined by 10 GB/s links."""
+    return (f'name = "{name}"\n' + "".join(f'[[node]]\ndevices = 1\nmemory = "8 GiB"\nspeed = {v}\n' for v in speeds) +
+            '[link.intra_node]\nbandwidth = "10 GB/s"\nlatency = "5 us"\n'
+            '[link.inter_node]\nbandwidth = "10 GB/s"\nlatency = "5 us"\n')
+
+
 def wrong_speeds_cluster(claimed: float = 3.0) -> str:
     """Two devices, the second said to be `claimed` times faster than it is: the plan gives it
     most of the work, and measurement shows it."""
-    return ('name = "wrong-speeds"\n[[node]]\ndevices = 1\nmemory = "8 GiB"\nspeed = 1.0\n'
-            f'[[node]]\ndevices = 1\nmemory = "8 GiB"\nspeed = {claimed}\n'
-            '[link.intra_node]\nbandwidth = "10 GB/s"\nlatency = "5 us"\n'
-            '[link.inter_node]\nbandwidth = "10 GB/s"\nlatency = "5 us"\n')
+    return two_node_cluster((1.0, claimed), "wrong-speeds")
 
 
 def data():

@@ -24,6 +24,7 @@ import sys
 import torch
 
 import conveyor
+from auto_switch_worker import two_node_cluster
 from conveyor.planning.replanning import WINDOW, idle_devices
 
 WIDTH = 768  # steps of about 0.1 s here: a window spans many of the scheduler's time slices
@@ -90,10 +91,7 @@ def leave_idle(net, opt, x, y, rank: int, hogs: list) -> None:
     """LEAVES=1: process 0, behind its hogs, rated as slow as they make it, so that the plan
     leaves its device idle (the first, or the first re-plan); its hogs stop once two windows'
     probes measured it idle, and the plan takes it back."""
-    cluster = ('name = "straggler"\n' + "".join(f'[[node]]\ndevices = 1\nmemory = "8 GiB"\nspeed = {v}\n'
-                                                for v in (1 / (HOGS_LEAVING + 1), 1.0)) +
-               '[link.intra_node]\nbandwidth = "10 GB/s"\nlatency = "5 us"\n'
-               '[link.inter_node]\nbandwidth = "10 GB/s"\nlatency = "5 us"\n')
+    cluster = two_node_cluster((1 / (HOGS_LEAVING + 1), 1.0), "straggler")
     model = conveyor.Module(net, opt, loss_fn=torch.nn.MSELoss(), replicas=1, cluster=cluster, replan="auto")
     idle_since = stopped_at = None
     for step in range(LEAVING_STEPS):
