@@ -109,7 +109,8 @@ def test_a_bad_microbatch_is_refused_naming_it():
     # Beyond the 128 positions the model has: no guard of the capture bounds it, so its
     # forward fails (F1: microbatch 1's), and the step with it, before the optimizer runs.
     long = zoo.padded_tokens(2, 200, 96, generator=g)
-    with pytest.raises(conveyor.ExecutionError, match=r"at F1: .*aten::embedding.*index out of range"):
+    forward_fails = r"at the forward of microbatch 1 \(F1\): .*aten::embedding.*index out of range"
+    with pytest.raises(conveyor.ExecutionError, match=forward_fails):
         model.train_step(conveyor.Microbatches([good, long]))
     with pytest.raises(conveyor.ConveyorValueError, match=r"microbatch 0 is a list"):
         conveyor.Microbatches([[good["input_ids"]]])
