@@ -10,8 +10,9 @@ deep MLP (float32; or `--model gpt2`: transformers' GPT-2, 8 blocks of 256, 16 s
   the speed the straggler has (measured in this run: the hog's share of the core).
 
 The straggler's setting: `--slow-process` 0 (the process that profiles and plans) or 1;
-`--first-plan` pipelined (two stages, one replica each) or data-parallel (one stage, a
-replica per process); `--appear-at N`: the hog starts before step N rather than before the
+`--first-plan` pipelined (two stages, one replica each; the default with a straggler),
+data-parallel (one stage, a replica per process) or free (what conveyor plans; the default
+without); `--appear-at N`: the hog starts before step N rather than before the
 first (a straggler appearing mid-run); `--vanish-at N`: the hog stops before step N (a
 straggler going away: the plan should come back once the gain pays for the move); `--hogs N`:
 N hogs beside it (about 1/(N+1) of its speed: 9 make a straggler the plan leaves idle, seen
@@ -27,7 +28,7 @@ measured cost of moving (seconds per GB of optimizer state and parameters handed
     ./run bench replan [--rounds 2] [--steps 40] [--slow-process 1] [--first-plan pipelined]
                        [--appear-at 0] [--vanish-at 0] [--hogs 1]
                        [--model mlp|gpt2] [--layers 16] [--hidden 512] [--batch 64]
-    ./run bench replan --scenario none [--rounds 5]   (no straggler: what evaluating costs)
+    ./run bench replan --scenario none [--rounds 5] [--first-plan pipelined]   (no straggler: what evaluating costs)
 
 Needs two cores and UCX; the hog and the processes are killed at the end whatever happens.
 """
@@ -94,12 +95,10 @@ def worker(args) -> None:
                    + "".join(f'[[node]]\ndevices = 1\nmemory = "8 GiB"\nspeed = {v}\n' for v in speeds) +
                    '[link.intra_node]\nbandwidth = "10 GB/s"\nlatency = "5 us"\n'
                    '[link.inter_node]\nbandwidth = "10 GB/s"\nlatency = "5 us"\n')
-    # With a straggler: the first plan asked, whose fixed parts a re-plan keeps (pipelined:
-    # one replica per stage, the cuts free; data-parallel: one stage, a replica per process,
-    # the shares free). Without: whatever conveyor plans (data parallel, here).
-    layout = {}
-    if args.scenario == "straggler":
-        layout = dict(replicas=1) if args.first_plan == "pipelined" else dict(stages=1, replicas=2)
+    # The first plan asked, whose fixed parts a re-plan keeps (pipelined: one replica per
+    # stage, the cuts free; data-parallel: one stage, a replica per process, the shares free);
+    # "free": whatever conveyor plans (data parallel, here).
+    layout = {"pipelined": dict(replicas=1), "data-parallel": dict(stages=1, replicas=2), "free": {}}[args.first_plan]
     model = conveyor.Module(net, opt, loss_fn=loss_fn, cluster=cluster, **layout,
                             replan="auto" if args.mode == "replanned" else "off")
     times, hogging = [], []
@@ -202,7 +201,8 @@ def main() -> None:
     ap.add_argument("--core", type=int, default=1, help="the hog's core (internal)")
     ap.add_argument("--slow-process", type=int, choices=[0, 1], default=1,
                     help="the process whose core the hog shares (0: the one that profiles and plans)")
-    ap.add_argument("--first-plan", choices=["pipelined", "data-parallel"], default="pipelined")
+    ap.add_argument("--first-plan", choices=["pipelined", "data-parallel", "free"], default=None,
+                    help="default: pipelined with a straggler, free without")
     ap.add_argument("--appear-at", type=int, default=0, help="the step before which the hog starts")
     ap.add_argument("--vanish-at", type=int, default=0, help="the step before which the hog stops (0: never)")
     ap.add_argument("--hogs", type=int, default=1, help="hog processes beside the straggler")
@@ -223,6 +223,8 @@ def main() -> None:
         return
     if (os.cpu_count() or 1) < 2:
         sys.exit("bench/replan needs two cores (one per process)")
+    if args.first_plan is None:
+        args.first_plan = "pipelined" if args.scenario == "straggler" else "free"
     if args.scenario == "none":
         evaluation_cost(args)
         return

@@ -365,7 +365,7 @@ void bind_graph(py::module_& m) {
            "processes, the least relative gain, the margin over the moving cost, the confirmations and the noise "
            "tolerance.")
       .def("evaluate", [](partitioner::Replanner& r, const py::list& stages, double measured_step_s, double rebuild_s,
-                          double bytes_per_s, bool may_search, const std::vector<double>& idle_speed) {
+                          double bytes_per_s, bool may_search, const std::vector<double>& probe_rate) {
         std::vector<partitioner::StageMeasurement> measured;
         for (auto item : stages) {
           auto d = item.cast<py::dict>();
@@ -383,9 +383,10 @@ void bind_graph(py::module_& m) {
         partitioner::ReplanDecision d;
         {
           py::gil_scoped_release nogil;
-          d = unwrap(r.evaluate(measured, measured_step_s, may_search, idle_speed));
+          d = unwrap(r.evaluate(measured, measured_step_s, may_search, probe_rate));
         }
         const auto& f = d.calibration.factors;
+        const std::vector<double> stage_pricing = r.stage_pricing(d.calibration.running);
         py::dict out;
         out["switch"] = d.switch_plan;
         out["undo"] = d.undo;
@@ -407,15 +408,16 @@ void bind_graph(py::module_& m) {
         out["search_deferred"] = d.search_deferred;
         out["action_overhead_s"] = d.action_overhead_s;
         out["factors"] = py::dict(py::arg("forward") = f.forward, py::arg("backward") = f.backward,
-                                  py::arg("weight") = f.weight, py::arg("speed") = f.speed, py::arg("link") = f.link);
+                                  py::arg("weight") = f.weight, py::arg("speed") = f.speed, py::arg("link") = f.link,
+                                  py::arg("stage_pricing") = stage_pricing);
         return out;
       }, py::arg("stages"), py::arg("measured_step_s"), py::arg("rebuild_s") = 0.0, py::arg("bytes_per_s") = 0.0,
-         py::arg("may_search") = true, py::arg("idle_speed") = std::vector<double>{},
+         py::arg("may_search") = true, py::arg("probe_rate") = std::vector<double>{},
          "One window of the running plan (the live profile's stages, merged across processes, and its mean step): "
          "corrects the inputs, plans again and decides; rebuild_s and bytes_per_s: what building a pipeline and "
          "moving bytes measured (0: unknown / the cluster's links); may_search False: only a search owed runs; "
-         "idle_speed: per device the running plan leaves idle, its probe's speed over its speed when it went idle "
-         "(0: not probed) (partitioner/replan.h). Returns a dict: switch, reason, arithmetic, "
+         "probe_rate: per device, its probe's matrix products per second at the window's end (0: not probed; every "
+         "device probed: a census) (partitioner/replan.h). Returns a dict: switch, reason, arithmetic, "
          "candidate (a Plan) and candidate_table, running (a Plan: the running plan priced on the corrected inputs), "
          "the step times, the gain, the moving cost and the factors.")
       .def("switched_to", [](partitioner::Replanner& r, const PlanHandle& plan) { check(r.switched_to(plan.plan())); },

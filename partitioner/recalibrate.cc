@@ -71,17 +71,49 @@ double running_time_per_work(const StagePlan& p, const std::vector<Device>& devi
 // What a stage's measured times are scaled by before they count towards the common factor:
 // its least slowed replica's compute over its predicted share (`fraction` of the stage's
 // time), against the stage's measured compute `whole`, which is its slowest replica's.
-// 1 when no two replicas were measured; never above 1.
-double fastest_replicas_scale(const std::vector<double>& replica_compute_s, const std::vector<double>& fraction,
-                              double whole) {
+// 1 when no two replicas were measured; never above 1. `replica`: the one it is (-1: none).
+struct Reference {
+  double scale = 1;
+  int replica = -1;
+};
+Reference fastest_replica(const std::vector<double>& replica_compute_s, const std::vector<double>& fraction,
+                          double whole) {
   double least = 0;
-  int measured = 0;
+  int measured = 0, fastest = -1;
   for (std::size_t i = 0; i < replica_compute_s.size() && i < fraction.size(); ++i) {
     if (replica_compute_s[i] <= 0 || fraction[i] <= 0) continue;
     const double per_stage = replica_compute_s[i] / fraction[i];
-    least = measured++ ? std::min(least, per_stage) : per_stage;
+    if (!measured++ || per_stage < least) least = per_stage, fastest = static_cast<int>(i);
   }
-  return measured >= 2 && whole > 0 ? std::min(1.0, least / whole) : 1.0;
+  if (measured < 2 || whole <= 0) return {};
+  return {std::min(1.0, least / whole), fastest};
+}
+
+// Per device, `probed` over the fastest probed device that runs a stage of `plan`, where
+// every device that runs one was probed; empty otherwise (no device is told apart then).
+std::vector<double> probed_speeds(const Plan& plan, const std::vector<double>& probed, int devices) {
+  if (static_cast<int>(probed.size()) < devices) return {};
+  double fastest = 0;
+  for (const StagePlan& p : plan.stages) {
+    for (int d = p.first_device; d < p.first_device + p.replicas && d < devices; ++d) {
+      if (!(probed[d] > 0) || !std::isfinite(probed[d])) return {};
+      fastest = std::max(fastest, probed[d]);
+    }
+  }
+  if (fastest <= 0) return {};
+  std::vector<double> out(probed.begin(), probed.begin() + devices);
+  for (double& x : out) x /= fastest;
+  return out;
+}
+
+// The speed of the device whose replica a stage's reference time is (`reference`), by the
+// probes: that replica's device, or without one the stage's slowest (its time is the slowest
+// replica's).
+double reference_speed(const StagePlan& p, const Reference& reference, const std::vector<double>& speed) {
+  if (reference.replica >= 0) return speed[p.first_device + reference.replica];
+  double slowest = speed[p.first_device];
+  for (int d = p.first_device; d < p.first_device + p.replicas; ++d) slowest = std::min(slowest, speed[d]);
+  return slowest;
 }
 
 }  // namespace
@@ -92,7 +124,8 @@ SharePricing share_pricing(const CostGraph& costs, const Plan& plan) {
 }
 
 Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasurement>& measured, int devices,
-                                double action_overhead_s, const SharePricing& pricing) {
+                                double action_overhead_s, const SharePricing& pricing,
+                                const std::vector<double>& probed, double probe_noise) {
   const std::size_t stages = plan.stages.size();
   if (measured.size() != stages) {
     return Status(ErrorCode::kInvalidArgument, "measurements of " + std::to_string(measured.size()) +
@@ -101,18 +134,21 @@ Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasure
   // Split: backward_s measured the input half, which the plan predicts as the whole backward
   // less its weight half; whole: both halves move together.
   const bool split = std::any_of(measured.begin(), measured.end(), [](const auto& m) { return m.backward_weight_s > 0; });
+  for (std::size_t s = 0; s < stages; ++s) CONVEYOR_RETURN_IF_ERROR(check_devices(plan.stages[s], s, devices));
+  const std::vector<double> speed_probed = probed_speeds(plan, probed, devices);
   std::vector<double> mf, mb, mw, pf, pb, pw;
   for (std::size_t s = 0; s < stages; ++s) {
     const StageMeasurement& m = measured[s];
     for (double x : {m.forward_s, m.backward_s, m.backward_weight_s}) CONVEYOR_RETURN_IF_ERROR(check_time(x, s));
     for (double x : m.replica_compute_s) CONVEYOR_RETURN_IF_ERROR(check_time(x, s));
     const StagePlan& p = plan.stages[s];
-    CONVEYOR_RETURN_IF_ERROR(check_devices(p, s, devices));
     // The common factor is the profile's error, which every device shows alike: read from the
     // stage's fastest replica, so that a straggler among its replicas (whose time the stage's
-    // is) shows as that device's speed, not as every device's.
-    const double reference = fastest_replicas_scale(m.replica_compute_s, replica_fractions(p, plan.devices, pricing),
-                                                    m.forward_s + m.backward_s + m.backward_weight_s);
+    // is) shows as that device's speed, not as every device's. Where probes tell that
+    // replica's device's speed, its times are brought to the fastest device's.
+    const Reference ref = fastest_replica(m.replica_compute_s, replica_fractions(p, plan.devices, pricing),
+                                          m.forward_s + m.backward_s + m.backward_weight_s);
+    const double reference = ref.scale * (speed_probed.empty() ? 1.0 : reference_speed(p, ref, speed_probed));
     mf.push_back(m.forward_s * reference);
     mb.push_back(m.backward_s * reference);
     mw.push_back(m.backward_weight_s * reference);
@@ -127,13 +163,29 @@ Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasure
   f.forward = common_ratio(mf, pf);
   f.backward = common_ratio(mb, pb);
   f.weight = split ? common_ratio(mw, pw) : f.backward;
+  // With the devices' speeds probed, what a stage measured at the fastest device's speed
+  // beyond the kinds is its operators' own error: each of them carries it.
+  std::vector<double> own(stages, 1.0);
+  if (!speed_probed.empty()) {
+    for (std::size_t s = 0; s < stages; ++s) {
+      const double predicted = pf[s] * f.forward + pb[s] * f.backward + pw[s] * f.weight;
+      const double at_full_speed = mf[s] + mb[s] + mw[s];
+      if (predicted <= 0 || at_full_speed <= 0 || std::abs(at_full_speed / predicted - 1) <= probe_noise) continue;
+      own[s] = at_full_speed / predicted;
+      for (int id : plan.stages[s].ops) {
+        if (id < 0) continue;
+        if (id >= static_cast<int>(f.op.size())) f.op.resize(id + 1, 1.0);
+        f.op[id] = own[s];
+      }
+    }
+  }
   // Per device: what its replicas measured over what the common-corrected model predicts
   // for its own share (the stage's time is its slowest replica's).
   std::vector<double> device_measured(devices, 0), device_predicted(devices, 0);
   for (std::size_t s = 0; s < stages; ++s) {
     const StagePlan& p = plan.stages[s];
     const StageMeasurement& m = measured[s];
-    const double predicted = pf[s] * f.forward + pb[s] * f.backward + pw[s] * f.weight;
+    const double predicted = (pf[s] * f.forward + pb[s] * f.backward + pw[s] * f.weight) * own[s];
     const double whole = m.forward_s + m.backward_s + m.backward_weight_s;
     const std::vector<double> fraction = replica_fractions(p, plan.devices, pricing);
     for (int i = 0; i < p.replicas; ++i) {
@@ -172,17 +224,24 @@ Factors settle(const Factors& factors, double tolerance) {
   for (double* k : {&out.forward, &out.backward, &out.weight, &out.link}) {
     if (within(*k, tolerance / 2)) *k = 1;
   }
-  for (double& s : out.speed) {
-    if (within(s, tolerance)) s = 1;
+  for (double& x : out.speed) {
+    if (within(x, tolerance)) x = 1;
+  }
+  // An operator's own error rests on one census's probes, whose noise is the devices' (a
+  // probe of this machine's shared cores spreads 15-20%), and it stands for the whole plan.
+  for (double& x : out.op) {
+    if (within(x, 2 * tolerance)) x = 1;
   }
   return out;
 }
 
 void apply_factors(const Factors& factors, CostGraph& costs, Cluster& cluster) {
-  for (CostOp& op : costs.ops) {
-    const double weight_s = op.backward_weight_s * factors.weight;
-    op.forward_s *= factors.forward;
-    op.backward_s = (op.backward_s - op.backward_weight_s) * factors.backward + weight_s;
+  for (std::size_t i = 0; i < costs.ops.size(); ++i) {
+    CostOp& op = costs.ops[i];
+    const double own = factors.op_factor(static_cast<int>(i));
+    const double weight_s = op.backward_weight_s * factors.weight * own;
+    op.forward_s *= factors.forward * own;
+    op.backward_s = (op.backward_s - op.backward_weight_s) * factors.backward * own + weight_s;
     op.backward_weight_s = weight_s;
   }
   for (std::size_t d = 0; d < cluster.devices.size() && d < factors.speed.size(); ++d) {

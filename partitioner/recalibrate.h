@@ -35,6 +35,10 @@ struct Factors {
   /// Measured over predicted time of a transfer between stages (latency and bytes over
   /// bandwidth): the links' multiplier (their latency times it, their bandwidth over it).
   double link = 1;
+  /// Per operator (by id), its own pricing error beyond the kind's: known only where probes
+  /// told its device's speed apart from it (measure_factors' `probed`); empty or short: 1.
+  std::vector<double> op;
+  double op_factor(int id) const { return id >= 0 && id < static_cast<int>(op.size()) ? op[id] : 1.0; }
 };
 
 /// How a replica's time grows with its share of a microbatch: the measured time of the
@@ -56,15 +60,28 @@ SharePricing share_pricing(const CostGraph& costs, const Plan& plan);
 /// `action_overhead_s`: what the plan's stage times include per action beyond the operators
 /// (PlanOptions::action_overhead_s), which the measured compute does not. `pricing`: how
 /// each replica's share of the stage's time was priced.
+///
+/// A stage's times alone cannot tell its operators' pricing error from its devices' speed:
+/// every device of a pipeline runs its own operators, so a stage the profile priced low reads
+/// as a slow device (ResNet-18 in two processes, no straggler: device 0 at 0.61). `probed`,
+/// per device, how fast a probe of it ran at the window's end (docs/planner.md, "Telling a
+/// device from its operators"; 0: not probed), over its rated speed: where every device that
+/// runs a stage was probed, the devices' speeds are the probes' (relative to each other,
+/// the replicas of a stage compared as before), and what a stage measured beyond its devices'
+/// speed and the kinds is its operators' own error (`op`). An error within `probe_noise` of
+/// none is the probes' noise: that stage's devices are then read from its times, as without
+/// probes.
 Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasurement>& measured, int devices,
-                                double action_overhead_s = 0, const SharePricing& pricing = {});
+                                double action_overhead_s = 0, const SharePricing& pricing = {},
+                                const std::vector<double>& probed = {}, double probe_noise = 0);
 
 /// `factors` with what is within the tolerance taken as noise (set to 1): a kind's factor
-/// and the links' within half of it, a device's speed within it.
+/// and the links' within half of it, a device's speed within it, an operator's own within
+/// twice it (it rests on the probes' noise, and stands until the next plan).
 Factors settle(const Factors& factors, double tolerance);
 
-/// `costs` with every operator scaled per kind, and `cluster` with every device's speed and
-/// both links scaled.
+/// `costs` with every operator scaled per kind and by its own factor, and `cluster` with
+/// every device's speed and both links scaled.
 void apply_factors(const Factors& factors, CostGraph& costs, Cluster& cluster);
 
 /// `plan`'s layout (stages, devices, microbatches, schedule) priced on `costs` and `cluster`

@@ -45,7 +45,18 @@ Factors zip(const Factors& x, const Factors& y, Op op) {
   out.weight = op(x.weight, y.weight);
   out.link = op(x.link, y.link);
   for (std::size_t d = 0; d < out.speed.size() && d < y.speed.size(); ++d) out.speed[d] = op(x.speed[d], y.speed[d]);
+  out.op.resize(std::max(x.op.size(), y.op.size()), 1.0);
+  for (std::size_t i = 0; i < out.op.size(); ++i) {
+    out.op[i] = op(x.op_factor(static_cast<int>(i)), y.op_factor(static_cast<int>(i)));
+  }
   return out;
+}
+
+double median(std::vector<double> x) {
+  if (x.empty()) return 0;
+  std::sort(x.begin(), x.end());
+  const std::size_t n = x.size();
+  return n % 2 ? x[n / 2] : (x[n / 2 - 1] + x[n / 2]) / 2;
 }
 
 // Every correction of `a` within `tolerance` (relative) of `b`'s.
@@ -145,13 +156,64 @@ bool Replanner::idle(const Plan& plan, int device) {
 void Replanner::note_idle_devices() {
   const std::size_t devices = base_cluster_.devices.size();
   idle_from_.resize(devices, 0.0);
+  idle_rate_.resize(devices, 0.0);
   for (std::size_t d = 0; d < devices; ++d) {
     if (!idle(running_, static_cast<int>(d))) {
-      idle_from_[d] = 0;
+      idle_from_[d] = idle_rate_[d] = 0;
     } else if (idle_from_[d] == 0) {  // went idle now: its speed as last estimated (1: never corrected)
       idle_from_[d] = d < smoothed_.speed.size() ? smoothed_.speed[d] : 1.0;
     }
   }
+}
+
+// A device no stage runs on. At a census: the speed its probe shows against the devices that
+// run (their speeds as this window measured them, per unit of their probes). Later: its speed
+// at its reference probe times what its probe says since, but running no faster than the
+// fastest device that runs a stage, unless it already did: a probe's reference, timed beside a
+// straggler's neighbours, is noisy (nine hogs: a recovery of 10x read 6.7-11.7x), and a device
+// taken back is measured by its stages from the next window on. (The factors scale the
+// cluster's speeds: `rated` compares devices.)
+Status Replanner::idle_speeds(Factors& seen, const std::vector<double>& probe_rate, bool census) {
+  auto rated = [&](std::size_t d, double factor) { return base_cluster_.devices[d].speed * factor; };
+  double fastest_running = 0;
+  std::vector<double> per_probe;  // a running device's speed factor per unit of its probe's rate
+  for (std::size_t d = 0; d < seen.speed.size(); ++d) {
+    if (idle(running_, static_cast<int>(d))) continue;
+    fastest_running = std::max(fastest_running, rated(d, seen.speed[d]));
+    if (census) per_probe.push_back(seen.speed[d] * base_cluster_.devices[d].speed / probe_rate[d]);
+  }
+  for (std::size_t d = 0; d < probe_rate.size() && d < idle_from_.size(); ++d) {
+    if (!std::isfinite(probe_rate[d]) || probe_rate[d] < 0) {
+      return Status(ErrorCode::kInvalidArgument, "device " + std::to_string(d) + "'s probe ran at " +
+                                                     std::to_string(probe_rate[d]) +
+                                                     " products per second (a positive, finite rate, or 0: not probed)");
+    }
+    if (idle_from_[d] <= 0 || probe_rate[d] <= 0) continue;
+    if (census && !per_probe.empty()) {
+      idle_from_[d] = median(per_probe) * probe_rate[d] / base_cluster_.devices[d].speed;
+      idle_rate_[d] = probe_rate[d];
+    } else if (idle_rate_[d] <= 0) {  // its first probe: the reference, at its speed when it went idle
+      idle_rate_[d] = probe_rate[d];
+    }
+    const double bound = std::max(fastest_running, rated(d, idle_from_[d])) / rated(d, 1.0);
+    seen.speed[d] = std::min(idle_from_[d] * probe_rate[d] / idle_rate_[d], bound);
+  }
+  return Status::ok();
+}
+
+std::vector<double> Replanner::stage_pricing(const Plan& plan) const {
+  std::vector<double> out;
+  for (const StagePlan& stage : plan.stages) {
+    double profiled = 0, corrected = 0;
+    for (int id : stage.ops) {
+      if (id < 0 || id >= static_cast<int>(base_costs_.ops.size())) continue;
+      const double t = base_costs_.ops[id].forward_s + base_costs_.ops[id].backward_s;
+      profiled += t;
+      corrected += t * applied_.op_factor(id);
+    }
+    out.push_back(profiled > 0 ? corrected / profiled : 1.0);
+  }
+  return out;
 }
 
 std::string Replanner::layout_key(const Plan& plan) {
@@ -218,39 +280,26 @@ Status Replanner::fit_links(double measured_step_s) {
 }
 
 Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& measured, double measured_step_s,
-                                          bool may_search, const std::vector<double>& idle_speed) {
+                                          bool may_search, const std::vector<double>& probe_rate) {
   if (!std::isfinite(measured_step_s) || measured_step_s <= 0) {
     return Status(ErrorCode::kInvalidArgument,
                   "a measured step of " + std::to_string(measured_step_s) + " s (steps take a positive, finite time)");
   }
   ReplanDecision d;
   const int devices = static_cast<int>(base_cluster_.devices.size());
+  // A census: every device probed. Its rates, per unit of each device's rated speed, tell the
+  // devices' speeds apart from their operators' pricing (recalibrate.h).
+  const bool census = static_cast<int>(probe_rate.size()) == devices &&
+                      std::all_of(probe_rate.begin(), probe_rate.end(), [](double r) { return r > 0 && std::isfinite(r); });
+  std::vector<double> per_rated;
+  for (int d = 0; census && d < devices; ++d) per_rated.push_back(probe_rate[d] / base_cluster_.devices[d].speed);
   CONVEYOR_ASSIGN_OR_RETURN(Factors raw, measure_factors(running_, measured, devices, options_.action_overhead_s,
-                                                         share_pricing(costs_, running_)));
+                                                         share_pricing(costs_, running_), per_rated,
+                                                         2 * policy_.tolerance));
   // Against the profile: this window's factors on top of those its prediction already had.
   if (applied_.speed.empty()) applied_.speed.assign(devices, 1.0);
   Factors seen = zip(raw, applied_, [](double r, double a) { return r * a; });
-  // A device no stage runs on: its speed when it went idle, times what its probe says since,
-  // but running no faster than the fastest device that runs a stage, unless it already did:
-  // a probe's reference, timed beside a straggler's neighbours, is noisy (nine hogs: a
-  // recovery of 10x read 6.7-11.7x), and a device taken back is measured by its stages from
-  // the next window on. (The factors scale the cluster's speeds: `rated` compares devices.)
-  auto rated = [&](std::size_t d, double factor) { return base_cluster_.devices[d].speed * factor; };
-  double fastest_running = 0;
-  for (std::size_t d = 0; d < seen.speed.size(); ++d) {
-    if (!idle(running_, static_cast<int>(d))) fastest_running = std::max(fastest_running, rated(d, seen.speed[d]));
-  }
-  for (std::size_t d = 0; d < idle_speed.size() && d < idle_from_.size(); ++d) {
-    if (!std::isfinite(idle_speed[d]) || idle_speed[d] < 0) {
-      return Status(ErrorCode::kInvalidArgument, "device " + std::to_string(d) +
-                                                     "'s probe measured a speed change of " +
-                                                     std::to_string(idle_speed[d]) +
-                                                     " (a positive, finite ratio, or 0: not probed)");
-    }
-    if (idle_from_[d] <= 0 || idle_speed[d] <= 0) continue;
-    const double bound = std::max(fastest_running, rated(d, idle_from_[d])) / rated(d, 1.0);
-    seen.speed[d] = std::min(idle_from_[d] * idle_speed[d], bound);
-  }
+  CONVEYOR_RETURN_IF_ERROR(idle_speeds(seen, probe_rate, census));
   // Kinds and speeds are known up to a common scale (a stage's time is cost x kind / speed):
   // the fastest device keeps its speed, the scale goes to the kinds, so that estimates made
   // under different plans agree.
@@ -273,6 +322,12 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
     const double old = before.speed[d];
     if (old > 0 && std::abs(seen.speed[d] / old - 1) > 3 * policy_.tolerance) smoothed_.speed[d] = seen.speed[d];
   }
+  // The operators' own errors do not change while training: a census's figure is taken at
+  // once, and kept until the next census (the first window of the next plan) refines it;
+  // the devices' speeds it told them from are taken with it (averaged with speeds read
+  // under the last plan's pricing, a stage would be priced off by their difference).
+  smoothed_.op = census ? seen.op : before.op;
+  if (census) smoothed_.speed = seen.speed;
   measured_once_ = true;
   applied_ = settle(smoothed_, policy_.tolerance);
   CONVEYOR_RETURN_IF_ERROR(price_with(applied_));

@@ -88,17 +88,24 @@ class Replanner {
   /// part): the last search's best plan is priced again instead of searching, unless a
   /// search is owed: none yet under the running plan, a switch awaiting its confirmation, or
   /// a device whose speed moved beyond the tolerance since the last one (a straggler came or went).
-  /// `idle_speed`, per device: for a device the running plan leaves idle (no stage measures
-  /// it), how many times faster a probe of it runs than when it went idle (0: not probed). Its
-  /// speed is then the one it had when it went idle times that, so a straggler the plan left
-  /// out is seen to go away.
+  /// `probe_rate`, per device: how fast a probe of it ran at the window's end (matrix
+  /// products per second; 0: not probed). Where every device was probed (a census: the first
+  /// window of each running plan), the probes tell each device's speed apart from its
+  /// operators' pricing (measure_factors), and a device the plan leaves idle gets the speed
+  /// its probe shows against the running devices'. Later windows probe only idle devices: such
+  /// a device's speed is then the one it had at the census times its probe's change since,
+  /// so a straggler the plan left out is seen to go away.
   Result<ReplanDecision> evaluate(const std::vector<StageMeasurement>& measured, double measured_step_s,
-                                  bool may_search = true, const std::vector<double>& idle_speed = {});
+                                  bool may_search = true, const std::vector<double>& probe_rate = {});
   /// `plan` runs from now on (the decision's candidate, or one the user forced), priced on
   /// the corrected inputs. Errors: a plan that does not fit the cost graph or the cluster.
   Status switched_to(const Plan& plan);
   /// Whether no stage of `plan` runs on `device`.
   static bool idle(const Plan& plan, int device);
+
+  /// Per stage of `plan`, its operators' own pricing error as corrected (Factors::op): their
+  /// profiled time with it over without (1: none known).
+  std::vector<double> stage_pricing(const Plan& plan) const;
 
   const Plan& running() const { return running_; }
   const ReplanPolicy& policy() const { return policy_; }
@@ -133,10 +140,13 @@ class Replanner {
   // Shapes switched away from, with the devices' speeds (as estimated) when they were: a
   // return under speeds within the tolerance of those needs twice the gain.
   std::map<std::string, std::vector<double>> left_;
-  // Per device the running plan leaves idle, its speed (as estimated) when it went idle: what
-  // its probes are relative to. 0 for a device a stage runs on.
-  std::vector<double> idle_from_;
+  // Per device the running plan leaves idle, its speed (as estimated) at its reference probe
+  // (the census, or the first probe after it went idle) and that probe's rate: what its later
+  // probes are relative to. 0 for a device a stage runs on (and a rate not yet probed).
+  std::vector<double> idle_from_, idle_rate_;
   void note_idle_devices();
+  /// `seen`'s speeds of the devices the running plan leaves idle, from their probes.
+  Status idle_speeds(Factors& seen, const std::vector<double>& probe_rate, bool census);
   // The switch last decided (its layout, the step measured before it), and once taken, the
   // plan it left with that step: the next window undoes it if it measures slower.
   std::optional<std::pair<std::string, double>> decided_;

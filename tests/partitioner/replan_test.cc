@@ -186,10 +186,21 @@ TEST(Replan, AShapeLeftForAStragglerIsReturnedToForTheUsualGainOnceItGoes) {
   EXPECT_DOUBLE_EQ(flip.gain_asked, 2 * policy.min_gain) << flip.arithmetic(same.policy());
 }
 
+// What each device's probe runs at, in products per second, on devices of speed `truth`:
+// every device at a census (the first window of a running plan), else only those `plan`
+// leaves idle; 0 elsewhere.
+std::vector<double> probes(const Plan& plan, const std::vector<double>& truth, bool census) {
+  std::vector<double> out(truth.size(), 0.0);
+  for (std::size_t d = 0; d < truth.size(); ++d) {
+    if (census || Replanner::idle(plan, static_cast<int>(d))) out[d] = 1000 * truth[d];
+  }
+  return out;
+}
+
 // A straggler at a tenth of the speed: the best plan leaves its device idle (one stage on
 // another). Idle, it is never measured by a stage, so without a probe its slow speed stands
-// after it recovers; with its probe running ten times faster than when it went idle, the
-// plan comes back to all three devices.
+// after it recovers; with its probe running ten times faster than at the census, the plan
+// comes back to all three devices.
 TEST(Replan, AStragglerThePlanLeftIdleIsSeenToGoByItsProbe) {
   const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
   const Cluster cluster = devices(3);
@@ -201,9 +212,10 @@ TEST(Replan, AStragglerThePlanLeftIdleIsSeenToGoByItsProbe) {
     Replanner r(g, cluster, plan, options(), policy);
     std::mt19937 rng(19);
     ReplanDecision d;
+    const std::vector<double> slow{1, 0.1, 1}, recovered{1, 1, 1};
     for (int window = 0; window < 10 && !d.switch_plan; ++window) {
-      auto [m, step] = run(g, r.running(), {1, 0.1, 1}, 0.02, rng);
-      d = *r.evaluate(m, step);
+      auto [m, step] = run(g, r.running(), slow, 0.02, rng);
+      d = *r.evaluate(m, step, true, probed ? probes(r.running(), slow, window == 0) : std::vector<double>{});
     }
     ASSERT_TRUE(d.switch_plan) << d.reason;
     ASSERT_TRUE(Replanner::idle(d.candidate, 1)) << d.candidate.table();
@@ -211,10 +223,13 @@ TEST(Replan, AStragglerThePlanLeftIdleIsSeenToGoByItsProbe) {
     d = ReplanDecision{};
     int windows = 0;
     for (; windows < 10 && !d.switch_plan; ++windows) {
-      auto [m, step] = run(g, r.running(), {1, 1, 1}, 0.02, rng);
-      std::vector<double> probe(3, 0.0);  // the idle devices': device 1 ten times faster, the other as before
-      for (int dev = 0; dev < 3; ++dev) probe[dev] = Replanner::idle(r.running(), dev) ? (dev == 1 ? 10.0 : 1.0) : 0.0;
-      d = *r.evaluate(m, step, true, probed ? probe : std::vector<double>{});
+      // The new plan's census finds device 1 still slow; it recovers from the next window on.
+      const std::vector<double>& truth = windows == 0 ? slow : recovered;
+      auto [m, step] = run(g, r.running(), truth, 0.02, rng);
+      d = *r.evaluate(m, step, true, probed ? probes(r.running(), truth, windows == 0) : std::vector<double>{});
+      if (probed && windows == 0) {
+        EXPECT_LT(d.calibration.factors.speed[1], 0.2) << "the census: still slow";
+      }
     }
     if (!probed) {
       EXPECT_FALSE(d.switch_plan) << d.reason;
@@ -222,7 +237,7 @@ TEST(Replan, AStragglerThePlanLeftIdleIsSeenToGoByItsProbe) {
       continue;
     }
     ASSERT_TRUE(d.switch_plan) << d.reason;
-    EXPECT_EQ(windows, policy.confirmations) << d.reason;
+    EXPECT_EQ(windows, 1 + policy.confirmations) << d.reason;
     EXPECT_FALSE(Replanner::idle(d.candidate, 1)) << d.candidate.table();
     EXPECT_GT(d.calibration.factors.speed[1], 0.8) << d.arithmetic(r.policy());
   }
@@ -233,6 +248,59 @@ TEST(Replan, AStragglerThePlanLeftIdleIsSeenToGoByItsProbe) {
   auto bad = r.evaluate(m, step, true, {0, -1, 0});
   ASSERT_FALSE(bad.is_ok());
   EXPECT_NE(bad.status().to_string().find("device 1's probe"), std::string::npos) << bad.status().to_string();
+}
+
+// Operators the profile priced at a third of their cost, all in the first stage, on devices
+// all as fast: the stage's times alone read as a slow device (the ResNet-18 of two processes
+// read device 0 at 0.61 with no straggler, a GPT-NeoX at 0.1, left idle for good). With the
+// census's probes, every device keeps its speed and the stage's operators carry the error:
+// the plan moves operators off that stage, onto all three devices, and stays there. A real
+// straggler is still read as one: its probe runs as slowly as its stage.
+TEST(Replan, ProbesTellAStagesMispricedOperatorsFromASlowDevice) {
+  const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
+  const Cluster cluster = devices(3);
+  const Plan plan = *make_plan(g, cluster, options());
+  ASSERT_EQ(plan.stages.size(), 3u);
+  CostGraph truth = g;  // what the operators cost, the first stage's three times the profile's
+  for (int id : plan.stages[0].ops) {
+    for (double* t : {&truth.ops[id].forward_s, &truth.ops[id].backward_s, &truth.ops[id].backward_weight_s}) *t *= 3;
+  }
+  const std::vector<double> even{1, 1, 1};
+  for (const bool probed : {false, true}) {
+    Replanner r(g, cluster, plan, options(), ReplanPolicy{});
+    std::mt19937 rng(23);
+    auto [m, step] = run(truth, r.running(), even, 0.02, rng);
+    auto d = *r.evaluate(m, step, true, probed ? probes(plan, even, true) : std::vector<double>{});
+    if (!probed) {  // the confusion the probes resolve
+      EXPECT_LT(d.calibration.factors.speed[0], 0.6) << d.arithmetic(r.policy());
+      continue;
+    }
+    for (int dev = 0; dev < 3; ++dev) EXPECT_NEAR(d.calibration.factors.speed[dev], 1.0, 0.1) << "device " << dev;
+    const std::vector<double> pricing = r.stage_pricing(plan);
+    EXPECT_NEAR(pricing[0] / pricing[1], 3.0, 0.3) << "stage 0's operators carry the error";
+    for (int window = 1; window < 10 && !d.switch_plan; ++window) {
+      auto [m2, step2] = run(truth, r.running(), even, 0.02, rng);
+      d = *r.evaluate(m2, step2, true, std::vector<double>(3, 0.0));
+    }
+    ASSERT_TRUE(d.switch_plan) << d.reason;
+    ASSERT_EQ(d.candidate.stages.size(), 3u) << d.candidate.table();
+    EXPECT_LT(d.candidate.stages[0].ops.size(), plan.stages[0].ops.size()) << d.candidate.table();
+    ASSERT_TRUE(r.switched_to(d.candidate).is_ok());
+    for (int window = 0; window < 40; ++window) {  // the new plan measures as priced: it stays
+      auto [m2, step2] = run(truth, r.running(), even, 0.05, rng);
+      d = *r.evaluate(m2, step2, true, probes(r.running(), even, window == 0));
+      ASSERT_FALSE(d.switch_plan) << "window " << window << ": " << d.reason << "; " << d.arithmetic(r.policy());
+      for (int dev = 0; dev < 3; ++dev) ASSERT_NEAR(d.calibration.factors.speed[dev], 1.0, 0.15) << window;
+    }
+  }
+  // A straggler and no pricing error: its probe runs as slowly as its stage, and it is read so.
+  Replanner r(g, cluster, plan, options(), ReplanPolicy{});
+  std::mt19937 rng(29);
+  const std::vector<double> slow{0.4, 1, 1};
+  auto [m, step] = run(g, r.running(), slow, 0.02, rng);
+  auto d = *r.evaluate(m, step, true, probes(plan, slow, true));
+  EXPECT_NEAR(d.calibration.factors.speed[0], 0.4, 0.05) << d.arithmetic(r.policy());
+  for (double x : r.stage_pricing(plan)) EXPECT_NEAR(x, 1.0, 0.1);
 }
 
 // A caller that spaces searches out (their CPU time is what evaluating costs the training)
@@ -291,7 +359,9 @@ TEST(Replan, AModelThatPricesTheRunningPlanHighStillFindsTheStragglersBetterPlan
     EXPECT_GT(d->calibration.running.predicted_step_s, 1.3 * 0.7 * step) << "the model prices the running plan high";
     EXPECT_GT(d->gain_s, 0.15 * 0.7 * step) << d->reason << "; " << d->arithmetic(r.policy());
     EXPECT_LT(d->predicted_step_s, 0.7 * step) << "said on the measured step's scale: " << d->arithmetic(r.policy());
-    if (window == 1) EXPECT_TRUE(d->switch_plan) << d->reason;
+    if (window == 1) {
+      EXPECT_TRUE(d->switch_plan) << d->reason;
+    }
   }
 }
 

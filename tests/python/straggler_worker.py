@@ -7,7 +7,10 @@ gradient sum across processes, moving told from waiting by the group itself, as
 `PROFILE {json}`. With LEAVES=1 (the straggler process 0, behind nine hogs, and rated that
 slow in the cluster) it trains the model pipelined, its stages free; two windows after a plan
 leaves the straggler's device idle, process 0 stops its hogs; both train a fixed number of
-steps, and process 0 prints the switches as `LEFT {json}`. For test_straggler.py.
+steps, and process 0 prints the switches as `LEFT {json}`. With STRAGGLER=-1 (none) it trains
+GPT-NeoX pipelined over the two processes, one of whose stages the profile prices far low,
+for five windows, and process 0 prints each window's corrections and the switches as
+`EVEN {json}`. For test_straggler.py.
 
     RANK=r WORLD_SIZE=2 ... STRAGGLER=1 [REPLAN=off | LEAVES=1] python straggler_worker.py
 
@@ -57,6 +60,9 @@ def main() -> None:
         x, y = torch.randn(64, WIDTH), torch.randn(64, WIDTH)
         if leaves:
             leave_idle(net, opt, x, y, rank, hogs)
+            return
+        if straggler < 0:
+            even_devices(rank)
             return
         model = conveyor.Module(net, opt, loss_fn=torch.nn.MSELoss(), stages=1, replicas=2, microbatches=1,
                                 replan=replan)
@@ -110,6 +116,35 @@ def leave_idle(net, opt, x, y, rank: int, hogs: list) -> None:
                                     "idle_since": idle_since, "stopped_at": stopped_at,
                                     "idle": idle_devices(model.plan.document), "report": str(model.profile_report())}),
               flush=True)
+
+def even_devices(rank: int) -> None:
+    """STRAGGLER=-1: no straggler, transformers' GPT-NeoX pipelined over the two processes,
+    its vocabulary of 50k making the LM head's weight gradient a cost per microbatch that the
+    profile prices per sample (so 4-5x low at the plan's small microbatches). Process 0
+    prints every evaluated window's corrections and probes, and the switches."""
+    import transformers
+    torch.manual_seed(0)
+    config = transformers.GPTNeoXConfig(num_hidden_layers=4, hidden_size=256, num_attention_heads=4,
+                                        intermediate_size=1024, max_position_embeddings=128)
+    net = transformers.GPTNeoXForCausalLM(config)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-4)
+    x = torch.randint(0, config.vocab_size, (8, 64))
+    model = conveyor.Module(net, opt, replicas=1, microbatches=4, schedule="zb-v", replan="auto")
+    windows, last, idle_at = [], None, []
+    for step in range(1 + 5 * WINDOW):
+        model.train_step(x, labels=x)
+        if idle_devices(model.plan.document):
+            idle_at.append(step)
+        decision = model.profile_report().replan
+        if rank == 0 and decision is not None and decision is not last:
+            last = decision
+            windows.append({"factors": decision["factors"], "probe_rate": decision["probe_rate"]})
+    if rank == 0:
+        print("EVEN " + json.dumps({"windows": windows, "stages": len(model.plan.document["stages"]),
+                                    "idle_at": idle_at, "report": str(model.profile_report()),
+                                    "switches": [{k: s[k] for k in ("step", "old", "new")} for s in model.replans]}),
+              flush=True)
+
 
 if __name__ == "__main__":
     main()

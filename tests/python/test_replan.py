@@ -16,7 +16,7 @@ import torch
 import conveyor
 import zoo
 from conveyor import _C
-from conveyor.planning.idle_probe import IdleProbe
+from conveyor.planning.device_probe import DeviceProbe
 from conveyor.planning.replanning import WINDOW
 from conveyor.planning.replanning_messages import FIGURES, figures_problem
 
@@ -353,11 +353,11 @@ def test_a_process_that_dies_during_a_move_stops_the_other_naming_it(tmp_path):
 
 @pytest.mark.parametrize("got", [
     None, [], "figures", [2, [], 0.1, 0.0],  # not this window's
-    [1, [], 0.1],  # an older conveyor's: no idle device's speed
+    [1, [], 0.1],  # an older conveyor's: no probe's rate
     [1, [], -0.5, 0.0], [1, [], float("nan"), 0.0], [1, "stages", 0.1, 0.0], [1, [{"forward_s": 0.1}], 0.1, 0.0],
     [1, [{**dict.fromkeys(FIGURES, 0.1), "replica_compute_s": [0.1, "x"]}], 0.1, 0.0],
     [1, [{**dict.fromkeys(FIGURES, 0.1), "replica_compute_s": [0.1], "send_s": True}], 0.1, 0.0],
-    [1, [], 0.1, -1.0], [1, [], 0.1, float("inf")], [1, [], 0.1, "fast"],  # an idle device's speed ratio
+    [1, [], 0.1, -1.0], [1, [], 0.1, float("inf")], [1, [], 0.1, "fast"],  # a probe's rate
 ])
 def test_a_peers_figures_that_are_not_a_windows_are_named_not_used(got):
     """Process 0's planner thread refuses a peer's message that is not its figures of the
@@ -369,19 +369,14 @@ def test_a_peers_figures_that_are_not_a_windows_are_named_not_used(got):
 def test_a_peers_figures_of_the_window_pass():
     stage = {**dict.fromkeys(FIGURES, 0.1), "replica_compute_s": [0.1, 0.2]}
     assert figures_problem([1, [stage, stage], 0.5, 0.0], 1) is None
-    assert figures_problem([1, [], 0.5, 2.5], 1) is None  # a process whose device is idle, probed
+    assert figures_problem([1, [], 0.5, 25000.0], 1) is None  # a process whose device was probed
 
 
-def test_an_idle_devices_probe_is_relative_to_its_first_and_starts_over_when_a_stage_runs_there():
-    """IdleProbe (re-planning's measure of a device no stage runs on): 0 while a stage runs
-    on it, 1 at its first probe after it went idle, then a positive ratio to that first."""
-    probe = IdleProbe(torch.device("cpu"))
-    assert probe.speed_change(False) == 0.0
-    assert probe.speed_change(True) == 1.0
-    later = probe.speed_change(True)
-    assert math.isfinite(later) and later > 0, later
-    assert probe.speed_change(False) == 0.0
-    assert probe.speed_change(True) == 1.0  # idle again: a new reference
+def test_a_devices_probe_says_how_many_matrix_products_it_runs_per_second():
+    """DeviceProbe (re-planning's measure of a device apart from the model's operators): a
+    positive rate, of the order a CPU core runs products of 128 x 128 at (tens of thousands)."""
+    rate = DeviceProbe(torch.device("cpu")).rate()
+    assert math.isfinite(rate) and 100 < rate < 1e8, rate
     with pytest.raises(ValueError, match="positive"):
         _C.matrix_product_rate("cpu", 0.01, 0)
     with pytest.raises(ValueError, match="seconds"):

@@ -92,7 +92,7 @@ def test_without_replanning_each_process_tells_its_wait_for_the_slow_one_from_mo
 def test_a_straggler_the_plan_left_idle_is_seen_to_go_by_its_probe_and_the_plan_comes_back(tmp_path):
     """Process 0 behind nine hogs, and rated that slow: a plan runs every stage on process 1,
     leaving device 0 idle, where no stage measures it. Its process probes it each window
-    (idle_probe.py); once the hogs stop, the probe runs several times faster, and the plan
+    (device_probe.py); once the hogs stop, the probe runs several times faster, and the plan
     takes device 0 back."""
     two_idle_cores()
     left = printed(run_pair(0, tmp_path, leaves=True)[0], "LEFT")
@@ -102,3 +102,25 @@ def test_a_straggler_the_plan_left_idle_is_seen_to_go_by_its_probe_and_the_plan_
     assert left["idle"] == [], (left["switches"], left["report"])
     # A switch after which process 0 runs no stage is measured by its steps' wall time, not as 0.
     assert all(s["measured_step_s"] is None or s["measured_step_s"] > 0 for s in left["switches"]), left["switches"]
+
+
+def test_a_stage_the_profile_prices_far_low_is_told_from_a_slow_device_by_the_probes(tmp_path):
+    """GPT-NeoX pipelined over two processes, no straggler: its 50k vocabulary makes the LM
+    head's weight gradient a cost per microbatch that the profile prices per sample, 4-5x low
+    at the plan's microbatches. Every process probes its device at the first window, and the
+    census tells the devices' speeds (as the probes have them) from their operators' pricing,
+    which carries the error (docs/planner.md, "Telling a device from its operators"); no
+    plan leaves a device idle."""
+    two_idle_cores()
+    even = printed(run_pair(-1, tmp_path)[0], "EVEN")
+    assert even["stages"] > 1 and even["windows"], even["report"]  # pipelined: each device runs its own operators
+    census, *later = even["windows"]
+    rates = census["probe_rate"]
+    assert len(rates) == 2 and min(rates) > 0, census  # every process probed at the first window
+    assert all(r == 0 for w in later for r in w["probe_rate"]), later  # later, only idle devices are probed
+    speeds = census["factors"]["speed"]
+    relative = (speeds[0] / speeds[1]) / (rates[0] / rates[1])
+    assert 0.8 < relative < 1.25, (speeds, rates)  # the devices' speeds as the probes have them (within noise)
+    assert max(census["factors"]["stage_pricing"]) > 2, even["report"]  # the LM head's stage: its operators'
+    assert "the operators' own pricing per stage" in even["report"], even["report"]
+    assert even["idle_at"] == [], (even["switches"], even["report"])

@@ -24,7 +24,7 @@ import time
 import weakref
 
 from ..errors import ExecutionError
-from .idle_probe import IdleProbe
+from .device_probe import DeviceProbe
 from .replanning_messages import DECIDED_AFTER, FIGURES, WindowFigures, WindowMessages
 from .replanning_trace import PLANNER
 
@@ -105,11 +105,11 @@ def _settle_at_exit() -> None:
             pass
 
 
-def window_figures(report: dict, window: int, idle_speed: float = 0.0) -> WindowFigures:
-    """This process's figures of a window, from its live profile's report (`idle_speed`: its
-    idle device's probe, IdleProbe.speed_change)."""
+def window_figures(report: dict, window: int, probe_rate: float = 0.0) -> WindowFigures:
+    """This process's figures of a window, from its live profile's report (`probe_rate`: its
+    device's probe, DeviceProbe.rate; 0: not probed)."""
     return WindowFigures(window, [{k: s[k] for k in FIGURES} for s in report["stages"]], report["measured_step_s"],
-                         idle_speed)
+                         probe_rate)
 
 
 class Replanning:
@@ -132,9 +132,10 @@ class Replanning:
     def __init__(self, replanner, group, device=None):
         self.replanner = replanner  # process 0 (or the only process); None elsewhere
         self.group = group
-        # Across processes (device d is process d): this process's device, probed while the
-        # running plan leaves it idle. One process's devices share its host, so are not probed.
-        self.probe = IdleProbe(device) if group is not None and device is not None else None
+        # Across processes (device d is process d): this process's device, probed at each
+        # running plan's first window and while the plan leaves it idle (device_probe.py).
+        # One process's devices share its host, so are not probed.
+        self.probe = DeviceProbe(device) if group is not None and device is not None else None
         self.decides = group is None or group.rank == 0  # process 0 decides; the others hear it
         self.messages = WindowMessages(group) if group is not None else None
         if group is not None:
@@ -183,10 +184,12 @@ class Replanning:
         there (process 0) on its way to every process."""
         self.windows += 1
         window = self.windows
-        idle_speed = 0.0
-        if self.probe is not None and running is not None:
-            idle_speed = self.probe.speed_change(self.group.rank in idle_devices(running.document))
-        figures = window_figures(step.profile_report(), window, idle_speed)
+        probe_rate = 0.0
+        census = self.steps == 1 + WINDOW  # the running plan's first window: every process probes
+        if self.probe is not None and running is not None and (
+                census or self.group.rank in idle_devices(running.document)):
+            probe_rate = self.probe.rate(census)
+        figures = window_figures(step.profile_report(), window, probe_rate)
         # A process that runs no stage measures no step: the switch's gain is then read from
         # the steps' wall time here, which the processes that run them set.
         walls, self.walls = self.walls, []
@@ -270,7 +273,7 @@ class Replanning:
             t0, cpu0 = time.perf_counter(), time.thread_time()
             box["started"] = t0
             try:
-                reports, step_s, idle_speed = [mine.stages], mine.step_s, [mine.idle_speed]
+                reports, step_s, probe_rate = [mine.stages], mine.step_s, [mine.probe_rate]
                 for peer in peers:
                     for window in unread:  # the last is this window's; earlier ones went unevaluated
                         theirs = self.messages.read_figures(peer, window)
@@ -280,15 +283,15 @@ class Replanning:
                                              "processes run different plans (restart the job)")
                     reports.append(theirs.stages)
                     step_s = max(step_s, theirs.step_s)
-                    idle_speed.append(theirs.idle_speed)
+                    probe_rate.append(theirs.probe_rate)
                 stages, waiting = merge_processes(reports) if len(reports) > 1 else (reports[0], [])
                 box["read_s"] = time.perf_counter() - t0
                 measured = [{k: s[k] for k in FIGURES if k != "across_s"} for s in stages]
-                probed = idle_speed if self.probe is not None else []  # device d is process d
+                probed = probe_rate if self.probe is not None else []  # device d is process d
                 box["decision"] = self.replanner.evaluate(measured, step_s, rebuild_s=self.rebuild_s,
                                                           bytes_per_s=self.bytes_per_s, may_search=may_search,
-                                                          idle_speed=probed)
-                box["decision"].update(waiting=waiting, across_s=[s["across_s"] for s in stages], idle_speed=probed)
+                                                          probe_rate=probed)
+                box["decision"].update(waiting=waiting, across_s=[s["across_s"] for s in stages], probe_rate=probed)
             except BaseException as e:  # raised where the decision is heard, on the caller's thread
                 box["error"] = e
             t1 = time.perf_counter()
@@ -345,15 +348,23 @@ class Replanning:
         d = self.last
         f = d["factors"]
         speeds = ", ".join(f"{s:.2f}" for s in f["speed"])
-        idle = idle_devices(json.loads(d["running"].to_json()))
-        probed = d.get("idle_speed") or []
+        running = json.loads(d["running"].to_json())
+        idle = idle_devices(running)
+        probed = d.get("probe_rate") or []
         unprobed = [i for i in idle if i >= len(probed) or probed[i] <= 0]
         unmeasured = "".join(
-            f"  device {i} idle under the running plan: its process probes it, {probed[i]:.2f}x as fast as when it "
-            "went idle\n" for i in idle if i not in unprobed)
+            f"  device {i} idle under the running plan: its process probes it each window ({probed[i]:.0f} matrix "
+            f"products/s), speed x{f['speed'][i]:.2f} against the devices that run\n" for i in idle if i not in unprobed)
         unmeasured += (f"  device{'s' if len(unprobed) > 1 else ''} {', '.join(map(str, unprobed))} idle under the "
                        "running plan: never measured, so how it compares with the devices that run is the cluster's "
                        "speeds, uncorrected\n") if unprobed else ""
+        pricing = f.get("stage_pricing") or []
+        if self.probe is None and len(running["stages"]) > 1:
+            unmeasured += ("  devices and operators not told apart (one process: no probes), so a stage the profile "
+                           "priced wrongly reads as its device's speed\n")
+        elif any(abs(x - 1) > 1e-9 for x in pricing):
+            unmeasured += ("  the operators' own pricing per stage, told from the devices' speeds by probes: x["
+                           + ", ".join(f"{x:.2f}" for x in pricing) + "]\n")
         sums = "".join(
             f"  stage {k}'s gradient sum across processes: {moving * 1e3:.2f} ms per step moving bytes; waiting "
             f"for the slowest process: " + ", ".join(f"process {p} {w * 1e3:.2f} ms" for p, w in enumerate(waits)) +

@@ -34,13 +34,13 @@ PLANS = ("candidate", "running")  # a decision's plans (_C.Plan): on the wire, t
 @dataclass
 class WindowFigures:
     """One process's figures of one window: its live profile's per-stage figures (for the
-    replicas it runs), its mean step, and while the running plan leaves its device idle how
-    many times faster that device's probe ran than when it went idle (idle_probe.py; 0: it
-    runs a stage)."""
+    replicas it runs), its mean step, and the matrix products per second its device's probe
+    ran at the window's end (device_probe.py: the running plan's first window, or its device
+    idle; 0: not probed)."""
     window: int
     stages: list
     step_s: float
-    idle_speed: float = 0.0
+    probe_rate: float = 0.0
 
 
 # A window's figures per stage (the live profile's report), in seconds; replica_compute_s a list.
@@ -57,16 +57,16 @@ def figures_problem(got, window: int) -> str | None:
     if not (isinstance(got, list) and len(got) == 4 and got[0] == window):
         return (f"received {str(got)[:80]!r}, not window {window}'s figures; the processes disagree on the windows "
                 "they ran (restart the job)")
-    _, stages, step_s, idle_speed = got
+    _, stages, step_s, probe_rate = got
 
     def stage_ok(s) -> bool:
         return isinstance(s, dict) and all(
             isinstance(s.get(k), list) and all(map(_seconds, s[k])) if k == "replica_compute_s" else _seconds(s.get(k))
             for k in FIGURES)
 
-    if not (_seconds(step_s) and _seconds(idle_speed) and isinstance(stages, list) and all(map(stage_ok, stages))):
+    if not (_seconds(step_s) and _seconds(probe_rate) and isinstance(stages, list) and all(map(stage_ok, stages))):
         return (f"received {str(got)[:120]!r}, not a step time, per stage the figures {', '.join(FIGURES)} in "
-                "seconds and an idle device's speed ratio; the processes run different versions of conveyor, or a "
+                "seconds and a probe's rate; the processes run different versions of conveyor, or a "
                 "peer is not conveyor")
     return None
 
@@ -95,7 +95,7 @@ class WindowMessages:
     def send_figures(self, figures: WindowFigures) -> None:
         """A process other than 0: its figures of the window at this boundary, to process 0."""
         self.sends.send(0, FIGURES_TAG, [_as_tensor([figures.window, figures.stages, figures.step_s,
-                                                     figures.idle_speed])],
+                                                     figures.probe_rate])],
                         f"the figures of re-planning window {figures.window} to process 0")
 
     def unread(self, last: int) -> range:

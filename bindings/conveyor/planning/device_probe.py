@@ -1,0 +1,49 @@
+"""Probing a device's speed apart from the model (docs/planner.md, "Telling a device from
+its operators"): how fast the device runs matrix products for a while, on the device the
+model runs on, in C++ without the interpreter lock (which another thread may hold).
+
+The live profile measures a device only through the stages it runs, and a stage's times
+cannot tell a slow device from operators the profile priced low. So at the end of each
+running plan's first window every process probes its device (a census: the devices compared
+with each other, apart from their operators), and at the end of every later window a process
+whose device the plan leaves idle probes it again (a straggler the plan left out is seen to
+go away). The Replanner turns the rates into speeds (partitioner/replan.h). A census costs
+each process 0.15 s per plan; an idle process has no stage to run (docs/planner.md has the
+figures).
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import _C
+
+# A probe's length in wall time: many of the scheduler's time slices, so that a core shared
+# with other processes shows as the share it gets (a probe of fixed work, 3 ms at full speed,
+# ran whole in the burst a waking process gets beside nine hogs: it read them as absent),
+# and a small part of a window's steps.
+PROBE_S = 0.05
+
+
+def side_for(device: torch.device) -> int:
+    """The matrices' side: a product that runs at the device's speed (a CPU core's, a GPU's)."""
+    return 2048 if device.type == "cuda" else 128
+
+
+# A census's probes, of which the median counts: its figure stands for the whole plan, and
+# one probe on this machine's shared cores dipped to half its rate now and then (back-to-back
+# probes of an idle core spread 15-37%).
+CENSUS_PROBES = 3
+
+
+class DeviceProbe:
+    """The probes of one process's device (`device`: where its stages' tensors live)."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+
+    def rate(self, census: bool = False) -> float:
+        """Matrix products per second on the device, over PROBE_S of wall time (a census:
+        the median of CENSUS_PROBES such probes)."""
+        rates = sorted(_C.matrix_product_rate(str(self.device), PROBE_S, side_for(self.device))
+                       for _ in range(CENSUS_PROBES if census else 1))
+        return rates[len(rates) // 2]
