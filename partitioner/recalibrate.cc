@@ -137,6 +137,7 @@ Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasure
   for (std::size_t s = 0; s < stages; ++s) CONVEYOR_RETURN_IF_ERROR(check_devices(plan.stages[s], s, devices));
   const std::vector<double> speed_probed = probed_speeds(plan, probed, devices);
   std::vector<double> mf, mb, mw, pf, pb, pw;
+  std::vector<bool> nominal;  // the stage's reference device as fast as the fastest, or not probed
   for (std::size_t s = 0; s < stages; ++s) {
     const StageMeasurement& m = measured[s];
     for (double x : {m.forward_s, m.backward_s, m.backward_weight_s}) CONVEYOR_RETURN_IF_ERROR(check_time(x, s));
@@ -144,14 +145,18 @@ Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasure
     const StagePlan& p = plan.stages[s];
     // The common factor is the profile's error, which every device shows alike: read from the
     // stage's fastest replica, so that a straggler among its replicas (whose time the stage's
-    // is) shows as that device's speed, not as every device's. Where probes tell that
-    // replica's device's speed, its times are brought to the fastest device's.
+    // is) shows as that device's speed, not as every device's.
     const Reference ref = fastest_replica(m.replica_compute_s, replica_fractions(p, plan.devices, pricing),
                                           m.forward_s + m.backward_s + m.backward_weight_s);
-    const double reference = ref.scale * (speed_probed.empty() ? 1.0 : reference_speed(p, ref, speed_probed));
-    mf.push_back(m.forward_s * reference);
-    mb.push_back(m.backward_s * reference);
-    mw.push_back(m.backward_weight_s * reference);
+    // Where probes say that replica's device is slower than the fastest beyond their noise,
+    // the stage's times hold the device's slowness, and the kinds are read without it. How
+    // much slower is not the probe's to say: beside a busy process a probe ran at 0.25 of a
+    // core where the pipeline's stage, sleeping between its actions and woken ahead of the
+    // hog, got 0.55; the stage's times say it.
+    nominal.push_back(speed_probed.empty() || reference_speed(p, ref, speed_probed) >= 1 - probe_noise);
+    mf.push_back(m.forward_s * ref.scale);
+    mb.push_back(m.backward_s * ref.scale);
+    mw.push_back(m.backward_weight_s * ref.scale);
     pf.push_back(std::max(0.0, p.forward_s - action_overhead_s));
     // A first stage's split backward is all W: its input half is the action's overhead alone,
     // less which only rounding is left (a ratio over that would be astronomical).
@@ -159,19 +164,24 @@ Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasure
     pb.push_back(input_half > 1e-9 ? input_half : 0.0);
     pw.push_back(split ? p.backward_weight_s : 0);
   }
+  auto on_nominal = [&nominal](std::vector<double> x) {
+    for (std::size_t s = 0; s < x.size(); ++s) x[s] = nominal[s] ? x[s] : 0.0;  // common_ratio skips 0
+    return x;
+  };
   Factors f;
-  f.forward = common_ratio(mf, pf);
-  f.backward = common_ratio(mb, pb);
-  f.weight = split ? common_ratio(mw, pw) : f.backward;
-  // With the devices' speeds probed, what a stage measured at the fastest device's speed
-  // beyond the kinds is its operators' own error: each of them carries it.
+  f.forward = common_ratio(on_nominal(mf), pf);
+  f.backward = common_ratio(on_nominal(mb), pb);
+  f.weight = split ? common_ratio(on_nominal(mw), pw) : f.backward;
+  // With the devices probed, what a stage on a device as fast as the fastest measured beyond
+  // the kinds is its operators' own error: each of them carries it.
   std::vector<double> own(stages, 1.0);
   if (!speed_probed.empty()) {
     for (std::size_t s = 0; s < stages; ++s) {
+      if (!nominal[s]) continue;
       const double predicted = pf[s] * f.forward + pb[s] * f.backward + pw[s] * f.weight;
-      const double at_full_speed = mf[s] + mb[s] + mw[s];
-      if (predicted <= 0 || at_full_speed <= 0 || std::abs(at_full_speed / predicted - 1) <= probe_noise) continue;
-      own[s] = at_full_speed / predicted;
+      const double ran = mf[s] + mb[s] + mw[s];
+      if (predicted <= 0 || ran <= 0 || std::abs(ran / predicted - 1) <= probe_noise) continue;
+      own[s] = ran / predicted;
       for (int id : plan.stages[s].ops) {
         if (id < 0) continue;
         if (id >= static_cast<int>(f.op.size())) f.op.resize(id + 1, 1.0);

@@ -63,14 +63,14 @@ SharePricing share_pricing(const CostGraph& costs, const Plan& plan);
 ///
 /// A stage's times alone cannot tell its operators' pricing error from its devices' speed:
 /// every device of a pipeline runs its own operators, so a stage the profile priced low reads
-/// as a slow device (ResNet-18 in two processes, no straggler: device 0 at 0.61). `probed`,
-/// per device, how fast a probe of it ran at the window's end (docs/planner.md, "Telling a
-/// device from its operators"; 0: not probed), over its rated speed: where every device that
-/// runs a stage was probed, the devices' speeds are the probes' (relative to each other,
-/// the replicas of a stage compared as before), and what a stage measured beyond its devices'
-/// speed and the kinds is its operators' own error (`op`). An error within `probe_noise` of
-/// none is the probes' noise: that stage's devices are then read from its times, as without
-/// probes.
+/// as a slow device. `probed`, per device, how fast a probe of it ran at the window's end
+/// (docs/planner.md, "Telling a device from its operators"; 0: not probed), over its rated
+/// speed. Where every device that runs a stage was probed: the kinds are read from the stages
+/// whose reference replica's device probed as fast as the fastest (within `probe_noise`),
+/// and what such a stage measured beyond them (beyond `probe_noise`) is its operators' own
+/// error (`op`), not its devices'; a stage on a device that probed slower holds that
+/// device's slowness, which its times measure (a probe is not the model's work: how much
+/// slower is the stage's to say).
 Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasurement>& measured, int devices,
                                 double action_overhead_s = 0, const SharePricing& pricing = {},
                                 const std::vector<double>& probed = {}, double probe_noise = 0);

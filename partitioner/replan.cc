@@ -52,13 +52,6 @@ Factors zip(const Factors& x, const Factors& y, Op op) {
   return out;
 }
 
-double median(std::vector<double> x) {
-  if (x.empty()) return 0;
-  std::sort(x.begin(), x.end());
-  const std::size_t n = x.size();
-  return n % 2 ? x[n / 2] : (x[n / 2 - 1] + x[n / 2]) / 2;
-}
-
 // Every correction of `a` within `tolerance` (relative) of `b`'s.
 bool close(double x, double y, double tolerance) { return std::abs(x - y) <= tolerance * std::max(std::abs(y), 1e-12); }
 
@@ -166,8 +159,9 @@ void Replanner::note_idle_devices() {
   }
 }
 
-// A device no stage runs on. At a census: the speed its probe shows against the devices that
-// run (their speeds as this window measured them, per unit of their probes). Later: its speed
+// A device no stage runs on. At a census: the speed its probe shows against the device that
+// runs with the fastest probe (its speed as this window measured it, per unit of its probe:
+// a slower device's probe need not scale as its stages do). Later: its speed
 // at its reference probe times what its probe says since, but running no faster than the
 // fastest device that runs a stage, unless it already did: a probe's reference, timed beside a
 // straggler's neighbours, is noisy (nine hogs: a recovery of 10x read 6.7-11.7x), and a device
@@ -175,12 +169,12 @@ void Replanner::note_idle_devices() {
 // cluster's speeds: `rated` compares devices.)
 Status Replanner::idle_speeds(Factors& seen, const std::vector<double>& probe_rate, bool census) {
   auto rated = [&](std::size_t d, double factor) { return base_cluster_.devices[d].speed * factor; };
-  double fastest_running = 0;
-  std::vector<double> per_probe;  // a running device's speed factor per unit of its probe's rate
+  double fastest_running = 0, per_probe = 0, fastest_probe = 0;  // per_probe: a speed factor per unit of rate
   for (std::size_t d = 0; d < seen.speed.size(); ++d) {
     if (idle(running_, static_cast<int>(d))) continue;
     fastest_running = std::max(fastest_running, rated(d, seen.speed[d]));
-    if (census) per_probe.push_back(seen.speed[d] * base_cluster_.devices[d].speed / probe_rate[d]);
+    const double per_rated = census ? probe_rate[d] / base_cluster_.devices[d].speed : 0;
+    if (per_rated > fastest_probe) fastest_probe = per_rated, per_probe = seen.speed[d] / per_rated;
   }
   for (std::size_t d = 0; d < probe_rate.size() && d < idle_from_.size(); ++d) {
     if (!std::isfinite(probe_rate[d]) || probe_rate[d] < 0) {
@@ -189,8 +183,8 @@ Status Replanner::idle_speeds(Factors& seen, const std::vector<double>& probe_ra
                                                      " products per second (a positive, finite rate, or 0: not probed)");
     }
     if (idle_from_[d] <= 0 || probe_rate[d] <= 0) continue;
-    if (census && !per_probe.empty()) {
-      idle_from_[d] = median(per_probe) * probe_rate[d] / base_cluster_.devices[d].speed;
+    if (census && per_probe > 0) {
+      idle_from_[d] = per_probe * probe_rate[d] / base_cluster_.devices[d].speed;
       idle_rate_[d] = probe_rate[d];
     } else if (idle_rate_[d] <= 0) {  // its first probe: the reference, at its speed when it went idle
       idle_rate_[d] = probe_rate[d];

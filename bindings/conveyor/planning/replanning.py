@@ -222,6 +222,12 @@ class Replanning:
         if decision is not None:
             step.set_prediction(decision["running"])
             self.last = decision
+            rates = decision.get("probe_rate") or []
+            if self.decides and len(rates) > 1 and min(rates) > 0:  # a census (device_probe.py)
+                f = decision["factors"]
+                self.say("every device probed at the running plan's first window: speeds x["
+                         + ", ".join(f"{x:.2f}" for x in f["speed"]) + "]; the operators' own pricing per stage x["
+                         + ", ".join(f"{x:.2f}" for x in f["stage_pricing"]) + "]")
         if self.timeline is not None:
             if decision is not None:
                 self.timeline.instant(PLANNER, "decided: " + decision["reason"],
