@@ -1,4 +1,5 @@
 // Plan documents (docs/formats.md) and the table `conveyor plan` prints.
+#include <algorithm>
 #include <cstdio>
 #include <optional>
 #include <set>
@@ -6,6 +7,7 @@
 
 #include "common/file.h"
 #include "common/json_reader.h"
+#include "common/shares.h"
 #include "partitioner/planner.h"
 
 namespace conveyor::partitioner {
@@ -231,6 +233,17 @@ std::string Plan::table() const {
                   human_bytes(st.send_bytes).c_str(), st.replicas > 1 ? human_seconds(st.allreduce_s).c_str() : "-",
                   st.recompute == Recomputation::kNone ? "-" : std::string(recomputation_name(st.recompute)).c_str());
     out += line;
+  }
+  // Replicas that share a microbatch unevenly (by their devices' speeds): how many samples each.
+  const std::int64_t samples = std::max(1, batch / std::max(microbatches, 1));
+  for (std::size_t s = 0; s < stages.size(); ++s) {
+    const StagePlan& st = stages[s];
+    if (st.replicas < 2 || static_cast<int>(st.shares.size()) != st.replicas) continue;
+    const std::vector<std::int64_t> n = share_lengths(samples, st.shares, st.replicas);
+    if (std::all_of(n.begin(), n.end(), [&](std::int64_t x) { return x == n[0]; })) continue;
+    std::string split;
+    for (std::int64_t x : n) split += (split.empty() ? "" : "/") + std::to_string(x);
+    out += "stage " + std::to_string(s) + "'s replicas share each microbatch " + split + " samples\n";
   }
   int used = 0;
   for (const auto& st : stages) used += st.replicas;

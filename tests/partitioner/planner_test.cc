@@ -466,6 +466,9 @@ TEST(Planner, EvenSharesPriceAReplicatedStageAtItsSlowestDevice) {
     EXPECT_DOUBLE_EQ(st.shares[1], 2.0 / 8);
     EXPECT_EQ(share_lengths(8, st.shares, 2), (std::vector<std::int64_t>{6, 2}));
   }
+  EXPECT_NE(weighted->table().find("stage 0's replicas share each microbatch 6/2 samples"), std::string::npos)
+      << weighted->table();
+  EXPECT_EQ(plan->table().find("share each microbatch"), std::string::npos) << "even shares go unsaid";
 }
 
 }  // namespace
