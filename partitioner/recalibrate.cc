@@ -172,12 +172,31 @@ Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasure
   f.forward = common_ratio(on_nominal(mf), pf);
   f.backward = common_ratio(on_nominal(mb), pb);
   f.weight = split ? common_ratio(on_nominal(mw), pw) : f.backward;
+  // A stage far smaller than the plan's average, as predicted and as measured, measures the
+  // runtime's cost per action and the schedule's bookkeeping more than its operators or its
+  // device (GPT-NeoX under zb-v: a stage of one operator of 19 us read at 4.66x, one whose
+  // weight gradient ran with another at 0.01x, and the plan that believed them left device
+  // 0 idle; an MLP's stage of one operator read its device as slow again and again): it
+  // tells nothing of either.
+  constexpr double kSmallStage = 0.25, kMostOwnError = 4;
+  double mean_predicted = 0, mean_measured = 0;
+  for (std::size_t s = 0; s < stages; ++s) {
+    mean_predicted += (pf[s] + pb[s] + pw[s]) / stages;
+    mean_measured += (measured[s].forward_s + measured[s].backward_s + measured[s].backward_weight_s) / stages;
+  }
+  std::vector<bool> small(stages);
+  for (std::size_t s = 0; s < stages; ++s) {
+    const StageMeasurement& m = measured[s];
+    small[s] = pf[s] + pb[s] + pw[s] < kSmallStage * mean_predicted &&
+               m.forward_s + m.backward_s + m.backward_weight_s < kSmallStage * mean_measured;
+  }
   // With the devices probed, what a stage on a device as fast as the fastest measured beyond
-  // the kinds is its operators' own error: each of them carries it.
+  // the kinds is its operators' own error: each of them carries it (none taken to be off by
+  // more than kMostOwnError either way).
   std::vector<double> own(stages, 1.0);
   if (!speed_probed.empty()) {
     for (std::size_t s = 0; s < stages; ++s) {
-      if (!nominal[s]) continue;
+      if (!nominal[s] || small[s]) continue;
       const double predicted = pf[s] * f.forward + pb[s] * f.backward + pw[s] * f.weight;
       const double ran = mf[s] + mb[s] + mw[s];
       if (predicted <= 0 || ran <= 0 || std::abs(ran / predicted - 1) <= probe_noise) continue;
@@ -185,7 +204,7 @@ Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasure
       for (int id : plan.stages[s].ops) {
         if (id < 0) continue;
         if (id >= static_cast<int>(f.op.size())) f.op.resize(id + 1, 1.0);
-        f.op[id] = own[s];
+        f.op[id] = std::clamp(own[s], 1 / kMostOwnError, kMostOwnError);
       }
     }
   }
@@ -193,6 +212,7 @@ Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasure
   // for its own share (the stage's time is its slowest replica's).
   std::vector<double> device_measured(devices, 0), device_predicted(devices, 0);
   for (std::size_t s = 0; s < stages; ++s) {
+    if (small[s]) continue;  // a device with no other stage keeps its speed (factor 1)
     const StagePlan& p = plan.stages[s];
     const StageMeasurement& m = measured[s];
     const double predicted = (pf[s] * f.forward + pb[s] * f.backward + pw[s] * f.weight) * own[s];

@@ -211,6 +211,8 @@ std::string ProfileReport::table() const {
            " ms per step moving bytes (of allreduce/step), and " + ms(s.waiting_s) +
            " ms waiting for the last process to contribute (its compute, not the link's time)\n";
   }
+  // A process that runs no stage of the plan (a device the plan leaves idle) times no step.
+  if (measured_step_s <= 0 && steps > 0) return out + "step: not measured here (this process runs no stage of the plan)\n";
   out += "step: " + ms(measured_step_s) + " ms measured";
   if (with_prediction) {
     char r[64];

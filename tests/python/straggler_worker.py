@@ -8,7 +8,7 @@ gradient sum across processes, moving told from waiting by the group itself, as
 slow in the cluster) it trains the model pipelined, its stages free; two windows after a plan
 leaves the straggler's device idle, process 0 stops its hogs; both train a fixed number of
 steps, and process 0 prints the switches as `LEFT {json}`. With STRAGGLER=-1 (none) it trains
-GPT-NeoX pipelined over the two processes, one of whose stages the profile prices far low,
+GPT-NeoX pipelined over the two processes, whose stages the profile prices unevenly,
 for five windows, and process 0 prints each window's corrections and the switches as
 `EVEN {json}`. For test_straggler.py.
 
@@ -118,9 +118,8 @@ def leave_idle(net, opt, x, y, rank: int, hogs: list) -> None:
               flush=True)
 
 def even_devices(rank: int) -> None:
-    """STRAGGLER=-1: no straggler, transformers' GPT-NeoX pipelined over the two processes,
-    its vocabulary of 50k making the LM head's weight gradient a cost per microbatch that the
-    profile prices per sample (so 4-5x low at the plan's small microbatches). Process 0
+    """STRAGGLER=-1: no straggler, transformers' GPT-NeoX (its 50k vocabulary) pipelined
+    under zb-v over the two processes, its stages priced unevenly by the profile. Process 0
     prints every evaluated window's corrections and probes, and the switches."""
     import transformers
     torch.manual_seed(0)

@@ -104,13 +104,13 @@ def test_a_straggler_the_plan_left_idle_is_seen_to_go_by_its_probe_and_the_plan_
     assert all(s["measured_step_s"] is None or s["measured_step_s"] > 0 for s in left["switches"]), left["switches"]
 
 
-def test_a_stage_the_profile_prices_far_low_is_told_from_a_slow_device_by_the_probes(tmp_path):
-    """GPT-NeoX pipelined over two processes, no straggler: its 50k vocabulary makes the LM
-    head's weight gradient a cost per microbatch that the profile prices per sample, 4-5x low
-    at the plan's microbatches. Every process probes its device at the first window, and the
-    census tells the devices' speeds (as the probes have them) from their operators' pricing,
-    which carries the error (docs/planner.md, "Telling a device from its operators"); no
-    plan leaves a device idle."""
+def test_with_no_straggler_the_census_reads_no_pipelined_device_as_slow_and_leaves_none_idle(tmp_path):
+    """GPT-NeoX (its 50k vocabulary) under zb-v over two processes, no straggler: its stages
+    are priced unevenly by the profile, which alone would read as a slow device (device 0 at
+    0.61-0.74 here before the probes; a trial's NeoX left device 0 idle for good). Every
+    process probes its device at the first window; devices that probe alike are read alike,
+    each stage's residual going to its operators, within bounds; no plan leaves a device idle
+    (docs/planner.md, "Telling a device from its operators")."""
     two_idle_cores()
     even = printed(run_pair(-1, tmp_path)[0], "EVEN")
     assert even["stages"] > 1 and even["windows"], even["report"]  # pipelined: each device runs its own operators
@@ -118,9 +118,8 @@ def test_a_stage_the_profile_prices_far_low_is_told_from_a_slow_device_by_the_pr
     rates = census["probe_rate"]
     assert len(rates) == 2 and min(rates) > 0, census  # every process probed at the first window
     assert all(r == 0 for w in later for r in w["probe_rate"]), later  # later, only idle devices are probed
-    speeds = census["factors"]["speed"]
-    relative = (speeds[0] / speeds[1]) / (rates[0] / rates[1])
-    assert 0.8 < relative < 1.25, (speeds, rates)  # the devices' speeds as the probes have them (within noise)
-    assert max(census["factors"]["stage_pricing"]) > 2, even["report"]  # the LM head's stage: its operators'
-    assert "the operators' own pricing per stage" in even["report"], even["report"]
+    if min(rates) >= 0.8 * max(rates):  # alike by the probes (the machine's own noise may say otherwise)
+        assert min(census["factors"]["speed"]) >= 0.65, even["report"]
+    for w in even["windows"]:
+        assert all(0.25 <= x <= 4 for x in w["factors"]["stage_pricing"]), even["report"]
     assert even["idle_at"] == [], (even["switches"], even["report"])
