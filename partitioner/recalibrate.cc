@@ -147,7 +147,7 @@ Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasure
     // stage's fastest replica, so that a straggler among its replicas (whose time the stage's
     // is) shows as that device's speed, not as every device's.
     const Reference ref = fastest_replica(m.replica_compute_s, replica_fractions(p, plan.devices, pricing),
-                                          m.forward_s + m.backward_s + m.backward_weight_s);
+                                          m.compute_s());
     // Where probes say that replica's device is slower than the fastest beyond their noise,
     // the stage's times hold the device's slowness, and the kinds are read without it. How
     // much slower is not the probe's to say: beside a busy process a probe ran at 0.25 of a
@@ -182,13 +182,11 @@ Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasure
   double mean_predicted = 0, mean_measured = 0;
   for (std::size_t s = 0; s < stages; ++s) {
     mean_predicted += (pf[s] + pb[s] + pw[s]) / stages;
-    mean_measured += (measured[s].forward_s + measured[s].backward_s + measured[s].backward_weight_s) / stages;
+    mean_measured += measured[s].compute_s() / stages;
   }
   std::vector<bool> small(stages);
   for (std::size_t s = 0; s < stages; ++s) {
-    const StageMeasurement& m = measured[s];
-    small[s] = pf[s] + pb[s] + pw[s] < kSmallStage * mean_predicted &&
-               m.forward_s + m.backward_s + m.backward_weight_s < kSmallStage * mean_measured;
+    small[s] = pf[s] + pb[s] + pw[s] < kSmallStage * mean_predicted && measured[s].compute_s() < kSmallStage * mean_measured;
   }
   // With the devices probed, what a stage on a device as fast as the fastest measured beyond
   // the kinds is its operators' own error: each of them carries it (none taken to be off by
@@ -216,7 +214,7 @@ Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasure
     const StagePlan& p = plan.stages[s];
     const StageMeasurement& m = measured[s];
     const double predicted = (pf[s] * f.forward + pb[s] * f.backward + pw[s] * f.weight) * own[s];
-    const double whole = m.forward_s + m.backward_s + m.backward_weight_s;
+    const double whole = m.compute_s();
     const std::vector<double> fraction = replica_fractions(p, plan.devices, pricing);
     for (int i = 0; i < p.replicas; ++i) {
       const double mine = i < static_cast<int>(m.replica_compute_s.size()) ? m.replica_compute_s[i] : whole;

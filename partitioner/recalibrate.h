@@ -24,6 +24,8 @@ struct StageMeasurement {
   double send_s = 0;
   /// Its replicas' gradient sum per step (0: one replica, or not measured here).
   double allreduce_s = 0;
+  /// Its compute per microbatch: forward, backward and weight gradient.
+  double compute_s() const { return forward_s + backward_s + backward_weight_s; }
 };
 
 /// How far the planning inputs are from what ran: measured over predicted per kind of work,

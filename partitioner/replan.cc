@@ -167,14 +167,15 @@ void Replanner::note_idle_devices() {
 // straggler's neighbours, is noisy (nine hogs: a recovery of 10x read 6.7-11.7x), and a device
 // taken back is measured by its stages from the next window on. (The factors scale the
 // cluster's speeds: `rated` compares devices.)
-Status Replanner::idle_speeds(Factors& seen, const std::vector<double>& probe_rate, bool census) {
+Status Replanner::idle_speeds(Factors& seen, const std::vector<double>& probe_rate,
+                              const std::vector<double>& per_rated) {
+  const bool census = !per_rated.empty();
   auto rated = [&](std::size_t d, double factor) { return base_cluster_.devices[d].speed * factor; };
   double fastest_running = 0, per_probe = 0, fastest_probe = 0;  // per_probe: a speed factor per unit of rate
   for (std::size_t d = 0; d < seen.speed.size(); ++d) {
     if (idle(running_, static_cast<int>(d))) continue;
     fastest_running = std::max(fastest_running, rated(d, seen.speed[d]));
-    const double per_rated = census ? probe_rate[d] / base_cluster_.devices[d].speed : 0;
-    if (per_rated > fastest_probe) fastest_probe = per_rated, per_probe = seen.speed[d] / per_rated;
+    if (census && per_rated[d] > fastest_probe) fastest_probe = per_rated[d], per_probe = seen.speed[d] / per_rated[d];
   }
   for (std::size_t d = 0; d < probe_rate.size() && d < idle_from_.size(); ++d) {
     if (!std::isfinite(probe_rate[d]) || probe_rate[d] < 0) {
@@ -184,7 +185,7 @@ Status Replanner::idle_speeds(Factors& seen, const std::vector<double>& probe_ra
     }
     if (idle_from_[d] <= 0 || probe_rate[d] <= 0) continue;
     if (census && per_probe > 0) {
-      idle_from_[d] = per_probe * probe_rate[d] / base_cluster_.devices[d].speed;
+      idle_from_[d] = per_probe * per_rated[d];
       idle_rate_[d] = probe_rate[d];
     } else if (idle_rate_[d] <= 0) {  // its first probe: the reference, at its speed when it went idle
       idle_rate_[d] = probe_rate[d];
@@ -293,7 +294,7 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   // Against the profile: this window's factors on top of those its prediction already had.
   if (applied_.speed.empty()) applied_.speed.assign(devices, 1.0);
   Factors seen = zip(raw, applied_, [](double r, double a) { return r * a; });
-  CONVEYOR_RETURN_IF_ERROR(idle_speeds(seen, probe_rate, census));
+  CONVEYOR_RETURN_IF_ERROR(idle_speeds(seen, probe_rate, per_rated));
   // Kinds and speeds are known up to a common scale (a stage's time is cost x kind / speed):
   // the fastest device keeps its speed, the scale goes to the kinds, so that estimates made
   // under different plans agree.

@@ -145,8 +145,9 @@ class Replanner {
   // probes are relative to. 0 for a device a stage runs on (and a rate not yet probed).
   std::vector<double> idle_from_, idle_rate_;
   void note_idle_devices();
-  /// `seen`'s speeds of the devices the running plan leaves idle, from their probes.
-  Status idle_speeds(Factors& seen, const std::vector<double>& probe_rate, bool census);
+  /// `seen`'s speeds of the devices the running plan leaves idle, from their probes
+  /// (`per_rated`: at a census, every device's rate per unit of its rated speed; else empty).
+  Status idle_speeds(Factors& seen, const std::vector<double>& probe_rate, const std::vector<double>& per_rated);
   // The switch last decided (its layout, the step measured before it), and once taken, the
   // plan it left with that step: the next window undoes it if it measures slower.
   std::optional<std::pair<std::string, double>> decided_;
