@@ -136,25 +136,28 @@ def run_contender(mode: str, args, straggler_speed: float) -> dict:
 
 
 def straggler_share(core: int, n: int) -> float:
-    """The share of `core` a busy process gets beside `n` hogs: a timed loop alone, then beside them."""
-    def loop_s(n=3_000_000):
-        t0 = time.perf_counter()
+    """The share of `core` a busy process gets beside `n` hogs: its CPU time over the wall
+    time of a busy loop there, after a second of it unmeasured. (Timing short loops beside
+    them read 0.75-0.97: a process that has just slept is let run ahead of the hogs for a
+    while, and the first loops ran at nearly full speed; a training process that computes
+    without a pause gets about 1/(n+1).)"""
+    def busy_share(seconds: float) -> float:
+        c0, t0 = time.process_time(), time.perf_counter()
         x = 0
-        for _ in range(n):
-            x += 1
-        return time.perf_counter() - t0
+        while time.perf_counter() - t0 < seconds:
+            for _ in range(10_000):
+                x += 1
+        return (time.process_time() - c0) / (time.perf_counter() - t0)
     os.sched_setaffinity(0, {core})
     try:
-        alone = min(loop_s() for _ in range(3))
         h = hogs(n, core)
-        time.sleep(0.5)
         try:
-            shared = min(loop_s() for _ in range(3))
+            busy_share(1.0)
+            return busy_share(2.0)
         finally:
             kill_all(h)
     finally:
         os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
-    return alone / shared
 
 
 def evaluation_cost(args) -> None:

@@ -275,9 +275,13 @@ void apply_factors(const Factors& factors, CostGraph& costs, Cluster& cluster) {
   for (std::size_t d = 0; d < cluster.devices.size() && d < factors.speed.size(); ++d) {
     cluster.devices[d].speed *= factors.speed[d];
   }
+  scale_links(cluster, factors.link);
+}
+
+void scale_links(Cluster& cluster, double factor) {
   for (Link* l : {&cluster.intra_node, &cluster.inter_node}) {
-    l->latency_s *= factors.link;
-    l->bandwidth_bytes_per_s /= factors.link;
+    l->latency_s *= factor;
+    l->bandwidth_bytes_per_s /= factor;
   }
 }
 

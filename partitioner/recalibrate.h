@@ -85,6 +85,8 @@ Factors settle(const Factors& factors, double tolerance);
 /// `costs` with every operator scaled per kind and by its own factor, and `cluster` with
 /// every device's speed and both links scaled.
 void apply_factors(const Factors& factors, CostGraph& costs, Cluster& cluster);
+/// The cluster's links `factor` times slower: their latency times it, their bandwidth over it.
+void scale_links(Cluster& cluster, double factor);
 
 /// `plan`'s layout (stages, devices, microbatches, schedule) priced on `costs` and `cluster`
 /// as the planner prices it: its stage times, its devices and its simulated step. Errors: an

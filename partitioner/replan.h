@@ -78,7 +78,7 @@ struct ReplanDecision {
 /// move to another. The profile's inputs stay as they were; every window's factors (against
 /// the corrected prediction, so they compose) update a smoothed estimate, and what of it is
 /// beyond the noise corrects those inputs. A switch it decided that then measures slower than
-/// the step before it (beyond the tolerance) is undone at the next window.
+/// the step before it by more than half the tolerance is undone at the next window.
 class Replanner {
  public:
   Replanner(CostGraph costs, Cluster cluster, Plan running, PlanOptions options, ReplanPolicy policy);
@@ -131,6 +131,7 @@ class Replanner {
   CostGraph base_costs_, costs_;  // as profiled; corrected by applied_
   Cluster base_cluster_, cluster_;
   Factors smoothed_, applied_;
+  Cluster moving_links_;  // the profiled cluster with its links as their sends measured (not fitted): moves are priced on it
   bool measured_once_ = false;
   Plan running_;                   // priced on the corrected inputs
   PlanOptions options_;

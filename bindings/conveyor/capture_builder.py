@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 import warnings
 
 import torch
@@ -228,11 +229,13 @@ def _planned(model, optimizer, graph, options: Options, job: Job, args: tuple, k
     with phase(options.verbose, job.rank) as said:
         made = _made_here(model, options, job, graph, plan.stage_nodes, Layout.of_plan(plan), _device_of(args, kwargs),
                           plan)
+        built_at = time.perf_counter()
         pipeline = job.pipeline_of(graph, plan, holders or made)
+        build_s = time.perf_counter() - built_at
         said["text"] = f"built the pipeline on {job.world_size if job.group is not None else job.devices} devices"
     state = CaptureState(graph, plan.stage_nodes, Layout.of_plan(plan), batch, least, plan=plan, pipeline=pipeline,
                          planned_sizes=dict(maker.sizes))
     if options.replan == "auto":
         state.plan_maker = maker
-        state.replanning = Replanning(maker.replanner(prof, plan), job.group, _device_of(args, kwargs))
+        state.replanning = Replanning(maker.replanner(prof, plan), job.group, _device_of(args, kwargs), build_s)
     return state

@@ -399,6 +399,46 @@ TEST(Replan, AGradientSumTheBackwardHidesIsNotCreditedToAPlanWithoutIt) {
   }
 }
 
+// A move is priced on the links as their sends measured them, not as fitted to the step:
+// sends the schedule hides behind compute price the links down (fit_links), but a move's
+// bytes are hidden behind nothing (priced on fitted links, 348 MB of a GPT-NeoX were to move
+// in 24 ms, and took 1.64 s).
+TEST(Replan, AMoveIsPricedOnTheLinksAsMeasuredNotAsFitted) {
+  const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e8, 4e7);  // 100 MB of parameters per operator
+  const Cluster cluster = devices(3);
+  PlanOptions o = options();
+  const Plan plan = *make_plan(g, cluster, o);
+  ReplanPolicy policy;
+  policy.horizon_steps = 1000000;  // a move pays whatever it costs: the decision is not the point here
+  Replanner r(g, cluster, plan, o, policy);
+  std::mt19937 rng(3);
+  int moves_priced = 0;
+  // The truth: device 1 at half speed, and the sends half hidden behind compute (each send
+  // measured as the profile prices it, the step below what they are priced to add).
+  Cluster free_links = cluster;
+  scale_links(free_links, 1e-6);
+  for (int window = 0; window < 3; ++window) {
+    auto [m, step] = run(g, r.running(), {1, 0.5, 1}, 0, rng);
+    const Plan& running = r.running();
+    for (std::size_t s = 0; s + 1 < m.size(); ++s) m[s].send_s = running.stages[s].send_bytes / 10e9 + 5e-6;
+    Cluster truth = cluster, hidden = free_links;
+    truth.devices[1].speed = hidden.devices[1].speed = 0.5;
+    const double free = reprice(g, hidden, o, running)->predicted_step_s;
+    const double priced = reprice(g, truth, o, running)->predicted_step_s;
+    ASSERT_GT(priced, 1.1 * free) << "the sends are priced in the step";
+    step = (free + priced) / 2;  // the sends half hidden
+    auto d = r.evaluate(m, step);
+    ASSERT_TRUE(d.is_ok()) << d.status().to_string();
+    if (d->calibration.factors.link < 0.9 && d->move.bytes > 0) {  // the links fitted down to the step
+      ++moves_priced;
+      const MoveCost measured = move_cost(g, cluster, running, d->candidate, o, policy);
+      EXPECT_NEAR(d->move.transfer_s, measured.transfer_s, 0.01 * measured.transfer_s)
+          << "window " << window << ": priced on the links as measured";
+    }
+  }
+  EXPECT_GT(moves_priced, 0) << "a move priced while the links were fitted down";
+}
+
 TEST(Replan, AStepMeasuredBelowItsComputesPriceLeavesTheLinksAsMeasured) {
   // The step measures below what its compute alone is priced at (the replicas' compute
   // overlapped): no link price could make up for it, so the links keep their measure rather
@@ -441,9 +481,10 @@ TEST(Replan, ASwitchThatMeasuresSlowerIsUndoneAndNotRetriedForTheSameGain) {
   const double before = d.measured_step_s;
   const std::string old_key = Replanner::layout_key(plan);
   ASSERT_TRUE(r.switched_to(d.candidate).is_ok());
-  // The new plan runs slower than the old one did (the model was wrong about it): undone.
+  // The new plan runs slower than the old one did (the model was wrong about it): undone,
+  // though by less than the tolerance (it was taken for a saving of at least the gain asked).
   auto [m, step] = run(g, r.running(), {1, 0.5, 1}, 0, rng);
-  auto undo = r.evaluate(m, before * 1.3);
+  auto undo = r.evaluate(m, before * 1.08);
   ASSERT_TRUE(undo.is_ok());
   EXPECT_TRUE(undo->switch_plan && undo->undo) << undo->reason;
   EXPECT_EQ(Replanner::layout_key(undo->candidate), old_key);
