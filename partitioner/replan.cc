@@ -365,16 +365,18 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
       return d;
     }
   }
-  // The search again only when the inputs moved since the last one (or a switch is pending
-  // its confirmation): with nothing new to learn, its best plan is priced on the inputs now.
-  // Where the caller spaces searches out, only a search owed runs: a device's speed that
-  // moved beyond the tolerance is what a straggler coming or going does, while the other
-  // factors move with the noise (the links' fitted to each window's step). The speeds are
-  // compared as estimated, before settling: a speed near the tolerance's edge, settled to 1
-  // in one window and not in the next, moved little (GPT-2 in two processes: 1.00 and 0.89
-  // in turn, a search owed every other window).
+  // The search again only when the inputs moved since the last one: with nothing new to
+  // learn, its best plan is priced on the inputs now. Where the caller spaces searches out,
+  // only a search owed runs: a device's speed that moved beyond the tolerance is what a
+  // straggler coming or going does, while the other factors move with the noise (the links'
+  // fitted to each window's step). The speeds are compared as estimated, before settling: a
+  // speed near the tolerance's edge, settled to 1 in one window and not in the next, moved
+  // little (GPT-2 in two processes: 1.00 and 0.89 in turn, a search owed every other
+  // window). A confirmation needs none: the plan found still paying on this window's inputs
+  // confirms it (searching again, on a slow process 0 whose planner got a tenth of the core,
+  // took 3 s and a window, and the switch came at step 27 rather than 17).
   const std::string running_key = layout_key(running_);
-  const bool owed = !last_search_ || last_search_->running_key != running_key || confirmations_ > 0 ||
+  const bool owed = !last_search_ || last_search_->running_key != running_key ||
                     !within_speeds(last_search_->smoothed, smoothed_, policy_.tolerance);
   if (!owed && (!may_search || within(last_search_->factors, applied_, policy_.tolerance / 2))) {
     CONVEYOR_ASSIGN_OR_RETURN(d.candidate, reprice(costs_, cluster_, options_, last_search_->best));

@@ -86,8 +86,9 @@ class Replanner {
   /// One window of the running plan: per stage what it measured, and its mean step time.
   /// `may_search` false (the caller spaces searches out, their CPU time being the costly
   /// part): the last search's best plan is priced again instead of searching, unless a
-  /// search is owed: none yet under the running plan, a switch awaiting its confirmation, or
-  /// a device whose speed moved beyond the tolerance since the last one (a straggler came or went).
+  /// search is owed: none yet under the running plan, or a device whose speed moved beyond
+  /// the tolerance since the last one (a straggler came or went). A switch awaiting its
+  /// confirmation is confirmed by the last search's plan still paying.
   /// `probe_rate`, per device: how fast a probe of it ran at the window's end (matrix
   /// products per second; 0: not probed). Where every device was probed (a census: the first
   /// window of each running plan), the probes tell each device's speed apart from its

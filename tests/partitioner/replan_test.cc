@@ -304,8 +304,9 @@ TEST(Replan, ProbesTellAStagesMispricedOperatorsFromASlowDevice) {
 }
 
 // A caller that spaces searches out (their CPU time is what evaluating costs the training)
-// asks for none: noise then never searches, but a straggler coming is still acted on at its
-// confirmation, and the new plan's first window searches.
+// asks for none: noise then never searches, but a straggler coming is still searched for
+// and acted on at its confirmation (which needs no search), and the new plan's first window
+// searches.
 TEST(Replan, SearchesTheCallerSpacesOutStillRunWhenADevicesSpeedMoves) {
   const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
   const Cluster cluster = devices(3);
@@ -336,6 +337,7 @@ TEST(Replan, SearchesTheCallerSpacesOutStillRunWhenADevicesSpeedMoves) {
   } while (!d.switch_plan && windows < 10);
   ASSERT_TRUE(d.switch_plan) << d.reason;
   EXPECT_EQ(windows, policy.confirmations) << d.reason;
+  EXPECT_FALSE(d.searched) << "confirmed by the plan the last search found still paying";
   ASSERT_TRUE(r.switched_to(d.candidate).is_ok());
   auto [m, step] = run(g, r.running(), {1, 1.0 / 3, 1}, 0.05, rng);
   EXPECT_TRUE(r.evaluate(m, step, /*may_search=*/false)->searched);

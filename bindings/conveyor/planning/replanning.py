@@ -36,8 +36,7 @@ PLANNER_NICENESS = 10  # the planner thread's: a tenth of a core the training wa
 # the next's: a search of 0.45 s of CPU (GPT-2 of 8 blocks) waits 22 s for the next. Searching
 # every window, as noise in the corrections asked, took 9% of the core of a process pinned
 # to one: its steps slowed, it measured as a slow device, and plans moved for nothing. A
-# search owed (a device's speed moved, a switch awaits its confirmation, a new plan runs)
-# runs at once (partitioner/replan.h).
+# search owed (a device's speed moved, a new plan runs) runs at once (partitioner/replan.h).
 SEARCH_SHARE = 0.02
 
 
