@@ -364,6 +364,16 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
                  " against " + human_seconds(before) + "): back to that plan";
       return d;
     }
+    // Kept. The caller waits for this judgement (process 0's training stops for it), so the
+    // new plan's first search waits for the next window, which nobody waits for: searching
+    // here, on a slow process 0 whose planner thread got a tenth of the core, stopped GPT-2's
+    // training for 4.9 s.
+    d.candidate = running_;
+    d.predicted_step_s = measured_step_s;
+    d.searched = false;
+    d.reason = "the last switch measured " + human_seconds(measured_step_s) + " against " + human_seconds(before) +
+               " before it: kept (the new plan is searched from the next window)";
+    return d;
   }
   // The search again only when the inputs moved since the last one: with nothing new to
   // learn, its best plan is priced on the inputs now. Where the caller spaces searches out,

@@ -125,8 +125,8 @@ class Replanning:
     process for re-planning (an evaluation that outlasts two windows is waited for at the
     second boundary, by process 0 alone); a window that ends while an evaluation is under
     way is not evaluated. The first window after a switch the Replanner decided is judged at
-    once (process 0 waits for its peers' figures of it): judging needs no search, and a
-    switch that measures slower is undone a window sooner."""
+    once (process 0 waits for its peers' figures of it): judging searches nothing
+    (partitioner/replan.cc), and a switch that measures slower is undone a window sooner."""
 
     def __init__(self, replanner, group, device=None, build_s: float = 0.0):
         self.replanner = replanner  # process 0 (or the only process); None elsewhere
