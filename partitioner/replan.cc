@@ -137,7 +137,6 @@ Replanner::Replanner(CostGraph costs, Cluster cluster, Plan running, PlanOptions
       running_(std::move(running)),
       options_(std::move(options)),
       policy_(policy) {
-  moving_links_ = base_cluster_;
   note_idle_devices();
 }
 
@@ -232,6 +231,12 @@ std::string Replanner::shape_key(const Plan& plan) {
                     std::to_string(plan.chunks);
   for (const StagePlan& s : plan.stages) key += "|" + std::to_string(s.first_device) + "x" + std::to_string(s.replicas);
   return key;
+}
+
+Cluster Replanner::links_as_measured() const {
+  Cluster out = base_cluster_;
+  scale_links(out, measured_link_);
+  return out;
 }
 
 Status Replanner::price_with(const Factors& factors) {
@@ -330,8 +335,7 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   // The links as their sends measured them, for pricing a move (fit_links may price them down
   // to a thousandth to account for a sum the backward hid; a move's bytes are not hidden:
   // priced on fitted links, 348 MB of a GPT-NeoX were to move in 24 ms, and took 1.64 s).
-  moving_links_ = base_cluster_;
-  scale_links(moving_links_, applied_.link);
+  measured_link_ = applied_.link;
   CONVEYOR_RETURN_IF_ERROR(fit_links(measured_step_s));
   // What the step spends beyond the corrected simulation, per action a rank walks: the
   // runtime's own cost per action (smoothed like the factors, never below 0).
@@ -358,7 +362,7 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
       CONVEYOR_ASSIGN_OR_RETURN(d.candidate, reprice(costs_, cluster_, options_, previous));
       d.predicted_step_s = before;
       d.gain_s = measured_step_s - before;
-      d.move = move_cost(costs_, moving_links_, running_, d.candidate, options_, policy_);
+      d.move = move_cost(costs_, links_as_measured(), running_, d.candidate, options_, policy_);
       d.switch_plan = d.undo = true;
       d.reason = "the last switch measured slower than the plan before it (" + human_seconds(measured_step_s) +
                  " against " + human_seconds(before) + "): back to that plan";
@@ -420,7 +424,7 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   d.predicted_step_s = modelled_running > 0 ? measured_step_s * modelled_candidate / modelled_running
                                             : modelled_candidate;
   d.gain_s = measured_step_s - d.predicted_step_s;
-  d.move = move_cost(costs_, moving_links_, running_, d.candidate, options_, policy_);
+  d.move = move_cost(costs_, links_as_measured(), running_, d.candidate, options_, policy_);
   const std::string key = layout_key(d.candidate);
   const double relative = d.gain_s / measured_step_s;
   // Each undone switch doubles the gain asked (the model was wrong once; it must be surer).

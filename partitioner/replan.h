@@ -132,7 +132,10 @@ class Replanner {
   CostGraph base_costs_, costs_;  // as profiled; corrected by applied_
   Cluster base_cluster_, cluster_;
   Factors smoothed_, applied_;
-  Cluster moving_links_;  // the profiled cluster with its links as their sends measured (not fitted): moves are priced on it
+  double measured_link_ = 1;  // the links' factor as their sends measured it, before fit_links
+  /// The profiled cluster with its links as their sends measured them (not as fitted): what
+  /// a move is priced on.
+  Cluster links_as_measured() const;
   bool measured_once_ = false;
   Plan running_;                   // priced on the corrected inputs
   PlanOptions options_;
