@@ -120,6 +120,7 @@ def worker(args) -> None:
         mean = statistics.fmean(times[max(WARM_UP, args.appear_at):args.vanish_at or None])  # every window and move
         after = statistics.fmean(times[args.vanish_at:]) if args.vanish_at else None  # the straggler gone
         print("RESULT " + json.dumps({"steady_s": steady, "mean_s": mean, "after_s": after, "replans": model.replans,
+                                      "times_s": times,
                                       "plan": model.plan.table,
                                       "report": str(model.profile_report())}), flush=True)
 
@@ -258,6 +259,7 @@ def main() -> None:
                 print(f"round {r + 1} {mode:10s} mean step {result['mean_s'] * 1e3:8.2f} ms"
                       + (f", after the straggler left {result['after_s'] * 1e3:8.2f} ms" if args.vanish_at else "")
                       + f", last quarter's median {result['steady_s'] * 1e3:8.2f} ms", flush=True)
+                print("  each step (ms): " + " ".join(f"{t * 1e3:.0f}" for t in result["times_s"]), flush=True)
                 if r == 0:
                     print("  " + result["plan"].strip().replace("\n", "\n  "))
                     print("  " + result["report"].strip().replace("\n", "\n  "))

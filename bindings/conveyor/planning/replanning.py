@@ -39,6 +39,10 @@ PLANNER_NICENESS = 10  # the planner thread's: a tenth of a core the training wa
 # search owed (a device's speed moved, a new plan runs) runs at once (partitioner/replan.h).
 SEARCH_SHARE = 0.02
 
+# The longest process 0 waits at a boundary, in steps of the window it closes, for the
+# evaluation that confirms a switch (no search: a few ms of CPU, at a tenth of a core).
+CONFIRMING_WAIT = 0.5
+
 
 def run_on_spare_time() -> None:
     """The calling thread yields the CPU to the training (Linux: niceness 10, so beside a
@@ -124,9 +128,11 @@ class Replanning:
     decision comes one or two windows after what it measured, and no step waits on another
     process for re-planning (an evaluation that outlasts two windows is waited for at the
     second boundary, by process 0 alone); a window that ends while an evaluation is under
-    way is not evaluated. The first window after a switch the Replanner decided is judged at
-    once (process 0 waits for its peers' figures of it): judging searches nothing
-    (partitioner/replan.cc), and a switch that measures slower is undone a window sooner."""
+    way is not evaluated. Two windows are heard at once (process 0 waits for its peers'
+    figures of them), since neither searches (partitioner/replan.cc): the first window after
+    a switch the Replanner decided, which judges it (one that measures slower is undone a
+    window sooner), and the window after one that found a switch, which confirms it (within
+    half a step, else it is heard at the next boundary)."""
 
     def __init__(self, replanner, group, device=None, build_s: float = 0.0):
         self.replanner = replanner  # process 0 (or the only process); None elsewhere
@@ -210,6 +216,12 @@ class Replanning:
             self._think(figures)
             if self.judging:  # the first window after a switch it decided: heard at once, so a
                 decision = self._decided()  # switch that measures slower is undone a window sooner
+            elif decision is not None and decision["confirmations"] > 0:
+                # This window confirms the switch just heard, or not: the plan found is priced
+                # again on it, with no search unless a device's speed moved, so it is heard
+                # here if it ends within CONFIRMING_WAIT of a step (else at the next boundary,
+                # as any evaluation). Heard a window later, every switch came 5 steps later.
+                decision = self._decided(within_s=CONFIRMING_WAIT * figures.step_s) or decision
             self.judging = False
         if self.messages is not None:
             self.messages.send_decision(decision, window)
@@ -315,14 +327,16 @@ class Replanning:
         thread.start()
         self.thinking = (thread, box)
 
-    def _decided(self) -> dict | None:
-        """The evaluation under way, once it ends (waited for here if it is not over yet:
-        judging a switch, which needs no search)."""
+    def _decided(self, within_s: float | None = None) -> dict | None:
+        """The evaluation under way, once it ends: waited for here if it is not over yet
+        (judging a switch, which needs no search), or at most `within_s` (None if it runs on)."""
         if self.thinking is None:
             return None
         thread, box = self.thinking
         t0 = time.perf_counter()
-        thread.join()
+        thread.join(within_s)
+        if thread.is_alive():
+            return None
         self.thinking = None
         if "error" in box:
             raise box["error"]
