@@ -26,11 +26,14 @@ class LiveProfile:
     `memory`, a dict per device of this process with its predicted and measured peak bytes
     (bindings/conveyor/memory.py);
     `replan`: the re-planning partitioner's last decision (None before the first window, or
-    without re-planning). After a window the prediction is the running plan priced on the
+    without re-planning); `replan_cost`: what re-planning took of the steps, a move left out
+    (Replanning.cost: the training thread's time at window boundaries, the planner thread's
+    CPU, and the steps' wall time; None without re-planning). After a window the prediction is the running plan priced on the
     corrected inputs, and the steps counted are those since."""
 
     def __init__(self, report: dict):
         self.replan = report.get("replan")
+        self.replan_cost = report.get("replan_cost")
         self.steps = report["steps"]
         self.measured_step_s = report["measured_step_s"]
         self.predicted_step_s = report["predicted_step_s"]
@@ -53,6 +56,7 @@ def live_profile(state, optimizer, switches: list) -> LiveProfile:
     if state.replanning is not None:
         report["table"] += state.replanning.report(switches)
         report["replan"] = state.replanning.last
+        report["replan_cost"] = state.replanning.cost()
     return LiveProfile(report)
 
 

@@ -329,6 +329,11 @@ def test_a_replicated_stage_on_wrongly_rated_devices_gets_shares_that_match_thei
     # The switch's measured gain is reported (a time, so its sign is not asserted: on this
     # shared machine a step's noise exceeds the fraction of a millisecond it saves here).
     assert first["measured_gain_s"] is None or isinstance(first["measured_gain_s"], float), first
+    # What re-planning took of the steps: every step but each pipeline's first (warm-up).
+    cost = report.replan_cost
+    assert cost["steps"] == steps - 1 - len(model.replans), (cost, model.replans)
+    assert 0 < cost["boundary_s"] < cost["steps_wall_s"] and cost["planner_cpu_s"] > 0, cost
+    assert "re-planning's own cost" in str(report), str(report)
     assert_like_eager_mlp(net, ref, x, y, steps)
 
 

@@ -33,11 +33,13 @@ WINDOW = 5  # steps of the running pipeline between two evaluations
 
 PLANNER_NICENESS = 10  # the planner thread's: a tenth of a core the training wants too
 # The most of one core the planner's searches take, over the time from one search's start to
-# the next's: a search of 0.45 s of CPU (GPT-2 of 8 blocks) waits 22 s for the next. Searching
+# the next's: a search of 0.45 s of CPU (GPT-2 of 8 blocks) waits 45 s for the next. Searching
 # every window, as noise in the corrections asked, took 9% of the core of a process pinned
-# to one: its steps slowed, it measured as a slow device, and plans moved for nothing. A
-# search owed (a device's speed moved, a new plan runs) runs at once (partitioner/replan.h).
-SEARCH_SHARE = 0.02
+# to one: its steps slowed, it measured as a slow device, and plans moved for nothing. At 2%
+# the searches alone took the whole of what re-planning may cost a training that gains
+# nothing. A search owed (a device's speed moved, a new plan runs) runs at once
+# (partitioner/replan.h).
+SEARCH_SHARE = 0.01
 
 # The longest process 0 waits at a boundary, in steps of the window it closes, for the
 # evaluation that confirms a switch (no search: a few ms of CPU, at a tenth of a core).
@@ -166,12 +168,29 @@ class Replanning:
         # The decision on its way: applied once the pipeline has run `decided_at` steps;
         # process 0 holds it, the others read it then. (window, decided_at, decision) or None.
         self.on_its_way: tuple | None = None
+        # What re-planning costs the training when it moves nothing, over every step so far:
+        # the training thread's time at step boundaries (figures, probes, messages, waits for
+        # a judgement or a confirmation) and the steps' wall time it is part of.
+        self.boundary_s = 0.0
+        self.steps_wall_s = 0.0
+        self.steps_counted = 0
 
     def ran_step(self, wall_s: float) -> None:
         """A step of the running pipeline ended, `wall_s` after its call began."""
         self.steps += 1
         if self.steps > 1:  # the first, warm-up, measures nothing
             self.walls.append(wall_s)
+            self.steps_wall_s += wall_s
+            self.steps_counted += 1
+
+    def cost(self) -> dict:
+        """What re-planning took of the steps so far (each pipeline's first, warm-up, and a
+        switch's move left out):
+        `boundary_s`, the training thread's time at window boundaries; `planner_cpu_s`, the
+        planner thread's CPU (process 0), which at worst came out of the training's core;
+        `steps_wall_s`, the wall time of the `steps` they are part of."""
+        return dict(boundary_s=self.boundary_s, planner_cpu_s=self.planner_cpu_s, steps_wall_s=self.steps_wall_s,
+                    steps=self.steps_counted)
 
     def due(self) -> bool:
         return self.steps >= 1 + WINDOW and (self.steps - 1) % WINDOW == 0
@@ -181,11 +200,15 @@ class Replanning:
         decision to apply now, if any (every process alike). The last of the Module's
         `switches` (forced ones included) gets its measured gain from the first window after it.
         `running`: the Plan that runs (whether it leaves this process's device idle)."""
-        if self.due():
-            self._boundary(step, switches, running)
-        if self.on_its_way is None or self.steps < self.on_its_way[1]:
-            return None
-        return self._hear(step)
+        t0 = time.perf_counter()
+        try:
+            if self.due():
+                self._boundary(step, switches, running)
+            if self.on_its_way is None or self.steps < self.on_its_way[1]:
+                return None
+            return self._hear(step)
+        finally:
+            self.boundary_s += time.perf_counter() - t0
 
     def _boundary(self, step, switches: list, running) -> None:
         """A window's boundary: its figures to process 0's planner, and the decision heard
@@ -397,4 +420,14 @@ class Replanning:
                 f"device speeds x[{speeds}]; the runtime's cost per action {d['action_overhead_s'] * 1e6:.0f} us\n"
                 f"{unmeasured}  the planner thread: {d['evaluated']} evaluations, {d['planner_cpu_s']:.3f} s of CPU in "
                 f"all (the last: {d['planning_cpu_s'] * 1e3:.1f} ms of CPU over {d['planning_s'] * 1e3:.1f} ms, "
-                f"{'a search' if d.get('searched') else 'no search'})\n  switches so far: {len(switches)}\n")
+                f"{'a search' if d.get('searched') else 'no search'})\n{self.cost_line()}"
+                f"  switches so far: {len(switches)}\n")
+
+    def cost_line(self) -> str:
+        """What re-planning took of the steps so far, as a line of profile_report()."""
+        c = self.cost()
+        of = (lambda s: f"{100 * s / c['steps_wall_s']:.2f}%") if c["steps_wall_s"] > 0 else (lambda s: "-")
+        planner = (f"; the planner thread {c['planner_cpu_s']:.3f} s of CPU ({of(c['planner_cpu_s'])})"
+                   if self.decides else "")
+        return (f"  re-planning's own cost: {c['boundary_s'] * 1e3:.1f} ms of the training thread at window boundaries"
+                f" over {c['steps']} steps ({of(c['boundary_s'])} of their {c['steps_wall_s']:.2f} s){planner}\n")
