@@ -8,8 +8,9 @@ as messages (replanning_messages.py), and the thread merges them with process 0'
 gradient sum's wait for the slowest process told from its moving time). It corrects the
 planning inputs (the profile's error per kind of work, each device's speed), plans again
 where they moved, and decides whether moving to the new plan pays for itself within the
-horizon. Process 0 sends the decision at the first window boundary after it is made, and
-every process applies it a step later, together; a switch moves the job there (plan_switch.py).
+horizon. Process 0 sends the decision at the first window boundary after it is made (a
+window that confirms a switch, which needs no search: at its own boundary), and every
+process applies it a step later, together; a switch moves the job there (plan_switch.py).
 With `trace=`, process 0 writes the planner's evaluations beside its steps
 (replanning_trace.py).
 """
