@@ -115,6 +115,10 @@ MoveCost move_cost(const CostGraph& costs, const Cluster& cluster, const Plan& f
 }
 
 std::string ReplanDecision::arithmetic(const ReplanPolicy& policy) const {
+  if (!undo && Replanner::layout_key(candidate) == Replanner::layout_key(calibration.running)) {
+    return "measured step " + human_seconds(measured_step_s) + ", predicted " +
+           human_seconds(calibration.running.predicted_step_s) + " on the corrected inputs: the running plan stays (no other plan found faster)";
+  }
   char b[512];
   std::snprintf(b, sizeof b,
                 "measured step %s, predicted %s with the new plan: %s saved per step (%s; %s), %s over the "
