@@ -437,14 +437,6 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   const bool left_before = left != left_.end() && within_speeds(smoothed_.speed, left->second, policy_.tolerance);
   const double needed = left_before ? 2 * asked : asked;
   d.gain_asked = needed;
-  const bool pays = d.gain_s * policy_.horizon_steps >= (1 + policy_.margin) * d.move.seconds();
-  // A window between two that find a move that pays, which finds one still saving more than
-  // half the gain asked, keeps the confirmations so far without adding one. The search a
-  // window starts runs beside process 0's training and slows its next window by about a
-  // tenth, and the speeds read from that window swing with it: a straggler appearing in a
-  // Llama's data-parallel stage read 22%, 7.9%, 21.7% and 9.9% in turn, and was switched
-  // from 37 steps after it appeared instead of 12.
-  bool keeps = false;
   if (key == layout_key(running_)) {
     d.reason = "the running plan is still the best on the corrected costs";
   } else if (relative <= 0) {
@@ -453,12 +445,7 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   } else if (relative < needed) {
     d.reason = "the best other plan saves " + percent(relative) + " of a step, less than the " + percent(needed) +
                " asked" + (left_before ? " to return to a plan of a shape left before on devices as fast" : "");
-    keeps = confirmations_ > 0 && relative >= needed / 2 && pays;
-    if (keeps) {
-      d.confirmations = confirmations_;
-      d.reason += "; more than half of it, so the confirmation so far stands";
-    }
-  } else if (!pays) {
+  } else if (d.gain_s * policy_.horizon_steps < (1 + policy_.margin) * d.move.seconds()) {
     d.reason = "what it saves over " + std::to_string(policy_.horizon_steps) + " steps does not pay for moving";
   } else {
     // Consecutive windows that each find a move that pays (the best plan may differ between
@@ -470,7 +457,7 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
     if (d.switch_plan) decided_ = {key, measured_step_s};
     return d;
   }
-  if (!keeps) confirmations_ = 0;
+  confirmations_ = 0;
   if (d.search_deferred) {
     d.reason += " (not searched again: the corrections moved, but searches are spaced out and no device's speed "
                 "moved beyond the noise)";

@@ -21,9 +21,7 @@ struct ReplanPolicy {
   int horizon_steps = 100;      ///< the steps over which a switch must pay for itself
   double min_gain = 0.1;        ///< the least predicted saving, relative to the measured step
   double margin = 0.5;          ///< the horizon's saving must exceed the moving cost times (1 + margin)
-  /// Consecutive evaluations that must find a move that pays; one between them whose best
-  /// plan still saves more than half the gain asked (and pays) neither adds nor breaks the count.
-  int confirmations = 2;
+  int confirmations = 2;        ///< consecutive evaluations that must find a move that pays
   double tolerance = 0.1;       ///< deviations from the prediction below this are noise (settle)
   /// Each window's factors move the running estimate this far (an exponential average):
   /// one noisy window cannot swing it, and estimates never ratchet away from the profile.
