@@ -121,10 +121,10 @@ def worker(args) -> None:
         mean = statistics.fmean(times[start:end])  # every window and move
         steady = statistics.fmean(times[(start + end) // 2:end])
         after = statistics.fmean(times[args.vanish_at:]) if args.vanish_at else None  # the straggler gone
+        report = model.profile_report()
         print("RESULT " + json.dumps({"steady_s": steady, "mean_s": mean, "after_s": after, "replans": model.replans,
-                                      "times_s": times, "replan_cost": model.profile_report().replan_cost,
-                                      "plan": model.plan.table,
-                                      "report": str(model.profile_report())}), flush=True)
+                                      "times_s": times, "replan_cost": report.replan_cost, "plan": model.plan.table,
+                                      "report": str(report)}), flush=True)
 
 
 def run_contender(mode: str, args, straggler_speed: float) -> dict:

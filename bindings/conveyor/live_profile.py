@@ -28,8 +28,8 @@ class LiveProfile:
     `replan`: the re-planning partitioner's last decision (None before the first window, or
     without re-planning); `replan_cost`: what re-planning took of the steps, a move left out
     (Replanning.cost: the training thread's time at window boundaries, the planner thread's
-    CPU, and the steps' wall time; None without re-planning). After a window the prediction is the running plan priced on the
-    corrected inputs, and the steps counted are those since."""
+    CPU, and the steps' wall time; None without re-planning). After a window the prediction
+    is the running plan priced on the corrected inputs, and the steps counted are those since."""
 
     def __init__(self, report: dict):
         self.replan = report.get("replan")
