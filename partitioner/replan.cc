@@ -368,6 +368,7 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
       d.gain_s = measured_step_s - before;
       d.move = move_cost(costs_, links_as_measured(), running_, d.candidate, options_, policy_);
       d.switch_plan = d.undo = true;
+      d.searched = false;
       d.reason = "the last switch measured slower than the plan before it (" + human_seconds(measured_step_s) +
                  " against " + human_seconds(before) + "): back to that plan";
       return d;

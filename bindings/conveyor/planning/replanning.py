@@ -25,6 +25,7 @@ import time
 import weakref
 
 from ..errors import ExecutionError
+from .core_sharing import CoreSharing, thread_cpu_s
 from .device_probe import DeviceProbe
 from .replanning_messages import DECIDED_AFTER, FIGURES, WindowFigures, WindowMessages
 from .replanning_trace import PLANNER
@@ -111,11 +112,19 @@ def _settle_at_exit() -> None:
             pass
 
 
-def window_figures(report: dict, window: int, probe_rate: float = 0.0) -> WindowFigures:
+COMPUTE = ("forward_s", "backward_s", "backward_weight_s", "replica_compute_s")  # a window's figures of compute
+
+
+def window_figures(report: dict, window: int, probe_rate: float = 0.0, compute_scale: float = 1.0) -> WindowFigures:
     """This process's figures of a window, from its live profile's report (`probe_rate`: its
-    device's probe, DeviceProbe.rate; 0: not probed)."""
-    return WindowFigures(window, [{k: s[k] for k in FIGURES} for s in report["stages"]], report["measured_step_s"],
-                         probe_rate)
+    device's probe, DeviceProbe.rate; 0: not probed), its compute times `compute_scale`
+    times what they measured (core_sharing.py: without what the planner took of them)."""
+    def scaled(k, x):
+        if k not in COMPUTE or compute_scale == 1.0:
+            return x
+        return [v * compute_scale for v in x] if isinstance(x, list) else x * compute_scale
+    return WindowFigures(window, [{k: scaled(k, s[k]) for k in FIGURES} for s in report["stages"]],
+                         report["measured_step_s"], probe_rate)
 
 
 class Replanning:
@@ -145,6 +154,11 @@ class Replanning:
         # One process's devices share its host, so are not probed.
         self.probe = DeviceProbe(device) if group is not None and device is not None else None
         self.decides = group is None or group.rank == 0  # process 0 decides; the others hear it
+        # Process 0: what its planner thread takes of the training's threads, per window; read
+        # out of the compute where that runs on the CPU (core_sharing.py).
+        self.sharing = CoreSharing() if replanner is not None else None
+        self.on_cpu = getattr(device, "type", "cpu") == "cpu"
+        self.planners: set = set()  # the planner threads' native ids
         self.messages = WindowMessages(group) if group is not None else None
         if group is not None:
             atexit.unregister(_settle_at_exit)
@@ -179,6 +193,8 @@ class Replanning:
     def ran_step(self, wall_s: float) -> None:
         """A step of the running pipeline ended, `wall_s` after its call began."""
         self.steps += 1
+        if self.steps == 1 and self.sharing is not None:  # the first window starts
+            self.sharing.mark(self._planner_cpu_so_far(), self.planners)
         if self.steps > 1:  # the first, warm-up, measures nothing
             self.walls.append(wall_s)
             self.steps_wall_s += wall_s
@@ -189,9 +205,11 @@ class Replanning:
         switch's move left out):
         `boundary_s`, the training thread's time at window boundaries; `planner_cpu_s`, the
         planner thread's CPU (process 0), which at worst came out of the training's core;
+        `planner_took_s`, what of that CPU the training's threads waited for (core_sharing.py);
         `steps_wall_s`, the wall time of the `steps` they are part of."""
-        return dict(boundary_s=self.boundary_s, planner_cpu_s=self.planner_cpu_s, steps_wall_s=self.steps_wall_s,
-                    steps=self.steps_counted)
+        return dict(boundary_s=self.boundary_s, planner_cpu_s=self.planner_cpu_s,
+                    planner_took_s=self.sharing.taken_s if self.sharing is not None else 0.0,
+                    steps_wall_s=self.steps_wall_s, steps=self.steps_counted)
 
     def due(self) -> bool:
         return self.steps >= 1 + WINDOW and (self.steps - 1) % WINDOW == 0
@@ -216,12 +234,13 @@ class Replanning:
         there (process 0) on its way to every process."""
         self.windows += 1
         window = self.windows
+        taken = self.sharing.share_taken(self._planner_cpu_so_far(), self.planners) if self.sharing else 0.0
         probe_rate = 0.0
         census = self.steps == 1 + WINDOW  # the running plan's first window: every process probes
         if self.probe is not None and running is not None and (
                 census or self.group.rank in idle_devices(running.document)):
             probe_rate = self.probe.rate(census)
-        figures = window_figures(step.profile_report(), window, probe_rate)
+        figures = window_figures(step.profile_report(), window, probe_rate, 1.0 - taken if self.on_cpu else 1.0)
         # A process that runs no stage measures no step: the switch's gain is then read from
         # the steps' wall time here, which the processes that run them set.
         walls, self.walls = self.walls, []
@@ -314,6 +333,8 @@ class Replanning:
 
         def run():
             run_on_spare_time()
+            box["thread"] = threading.get_native_id()
+            self.planners.add(box["thread"])
             t0, cpu0 = time.perf_counter(), time.thread_time()
             box["started"] = t0
             try:
@@ -350,6 +371,15 @@ class Replanning:
         thread = threading.Thread(target=run, name="conveyor-replanning", daemon=False)
         thread.start()
         self.thinking = (thread, box)
+
+    def _planner_cpu_so_far(self) -> float:
+        """Process 0: the planner thread's CPU time over every evaluation so far, the one
+        under way included."""
+        if self.thinking is None:
+            return self.planner_cpu_s
+        box = self.thinking[1]
+        live = thread_cpu_s(box["thread"]) if "thread" in box else None
+        return self.planner_cpu_s + box.get("planning_cpu_s", live or 0.0)
 
     def _decided(self, within_s: float | None = None) -> dict | None:
         """The evaluation under way, once it ends: waited for here if it is not over yet
@@ -428,7 +458,9 @@ class Replanning:
         """What re-planning took of the steps so far, as a line of profile_report()."""
         c = self.cost()
         of = (lambda s: f"{100 * s / c['steps_wall_s']:.2f}%") if c["steps_wall_s"] > 0 else (lambda s: "-")
-        planner = (f"; the planner thread {c['planner_cpu_s']:.3f} s of CPU ({of(c['planner_cpu_s'])})"
+        planner = (f"; the planner thread {c['planner_cpu_s']:.3f} s of CPU ({of(c['planner_cpu_s'])}), of which the "
+                   f"training's threads waited for {c['planner_took_s']:.3f} s ({of(c['planner_took_s'])}"
+                   f"{', left out of the compute they measured' if self.on_cpu else ''})"
                    if self.decides else "")
         return (f"  re-planning's own cost: {c['boundary_s'] * 1e3:.1f} ms of the training thread at window boundaries"
                 f" over {c['steps']} steps ({of(c['boundary_s'])} of their {c['steps_wall_s']:.2f} s){planner}\n")

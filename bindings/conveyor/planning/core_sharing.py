@@ -1,0 +1,80 @@
+"""What the planner thread took from the training where they share a core (docs/design.md,
+"Re-planning"), so that a window's compute is read without it.
+
+Process 0's planner searches beside the training at a lower priority (replanning.py,
+run_on_spare_time), yet where both share one core (a process pinned to one, as beside a
+straggler) a search still takes about a tenth of it, and that window's compute on process 0
+runs slower by what the search took. Read as process 0's device being slower, it made a
+straggler elsewhere read faster (the kinds are read from the fastest replica): a user's
+Llama read its straggler at x0.62, x0.83 and x0.51 in three windows, the windows that
+confirm a switch disagreed, and the switch came 37 steps after the straggler did.
+
+Linux tells how long each thread waited for a CPU while it could run (its schedstat's run
+delay). Over a window, the planner took from the training at most its own CPU time and at
+most the other threads' waits (beside a busy neighbour they also wait for it, but never
+longer than they waited); that time over the other threads' runnable time (CPU and waits)
+is the share of their compute's wall time it took. Elsewhere nothing is read, and nothing
+corrected.
+"""
+from __future__ import annotations
+
+import os
+
+TASKS = "/proc/self/task"
+MOST_TAKEN = 0.5  # the largest share a window's compute is corrected by (the planner runs at a tenth)
+
+
+def threads_run_s(leave_out: set) -> tuple[float, float]:
+    """This process's threads but `leave_out` (native ids): their CPU time and their waits
+    for a CPU while runnable, in seconds (0, 0 where Linux does not say)."""
+    cpu = wait = 0
+    try:
+        tasks = os.listdir(TASKS)
+    except OSError:
+        return 0.0, 0.0
+    for tid in tasks:
+        if not tid.isdigit() or int(tid) in leave_out:
+            continue
+        try:
+            with open(f"{TASKS}/{tid}/schedstat") as f:
+                ran, waited = f.read().split()[:2]
+            cpu, wait = cpu + int(ran), wait + int(waited)
+        except (OSError, ValueError):
+            continue  # the thread ended since the listing
+    return cpu / 1e9, wait / 1e9
+
+
+def thread_cpu_s(native_id: int) -> float | None:
+    """A thread of this process's CPU time so far (None: ended, or not Linux)."""
+    try:
+        with open(f"{TASKS}/{native_id}/schedstat") as f:
+            return int(f.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class CoreSharing:
+    """From one mark to the next (a window's boundaries), what the planner thread took of
+    this process's other threads: `planner_cpu_s` is the planner's CPU time so far (every
+    evaluation's, the one under way included), `planners` its threads' native ids."""
+
+    def __init__(self):
+        self.marked: tuple | None = None  # (planner CPU, others' CPU, others' waits) at the last mark
+        self.taken_s = 0.0  # over every window so far: what the planner took of the others
+
+    def mark(self, planner_cpu_s: float, planners: set) -> None:
+        self.marked = (planner_cpu_s, *threads_run_s(planners))
+
+    def share_taken(self, planner_cpu_s: float, planners: set) -> float:
+        """Since the last mark: the share of the other threads' runnable time the planner
+        took (0 before any mark); marks anew."""
+        if self.marked is None:
+            self.mark(planner_cpu_s, planners)
+            return 0.0
+        planner0, cpu0, wait0 = self.marked
+        self.mark(planner_cpu_s, planners)
+        _, cpu, wait = self.marked
+        ran, waited = max(0.0, cpu - cpu0), max(0.0, wait - wait0)
+        taken = max(0.0, min(planner_cpu_s - planner0, waited))
+        self.taken_s += taken
+        return min(MOST_TAKEN, taken / (ran + waited)) if ran + waited > 0 else 0.0

@@ -1,0 +1,83 @@
+"""What the planner thread takes of the training where they share a core, read out of a
+window's compute (conveyor/planning/core_sharing.py)."""
+import os
+import sys
+import threading
+import time
+
+import pytest
+
+from conveyor.planning.core_sharing import CoreSharing, thread_cpu_s, threads_run_s
+from conveyor.planning.replanning import run_on_spare_time, window_figures
+from conveyor.planning.replanning_messages import FIGURES
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux tells threads' run-queue waits")
+
+
+def busy(seconds: float) -> None:
+    end = time.thread_time() + seconds  # CPU time: the same work however the core is shared
+    x = 0
+    while time.thread_time() < end:
+        x += 1
+
+
+def planner_beside(training_busy: bool) -> tuple:
+    """A planner-like thread (niceness 10) busy for 0.3 s of CPU beside this thread, both on
+    one core; this thread busy too, or sleeping. Returns (share taken, taken_s, planner CPU)."""
+    core = min(os.sched_getaffinity(0))
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {core})
+    sharing, planners, done = CoreSharing(), set(), {}
+    try:
+        def planner():
+            run_on_spare_time()
+            planners.add(threading.get_native_id())
+            busy(0.3)
+            done["cpu"] = thread_cpu_s(threading.get_native_id())
+
+        sharing.mark(0.0, planners)
+        t = threading.Thread(target=planner)
+        t.start()
+        while t.is_alive():
+            if training_busy:
+                busy(0.05)
+            else:
+                time.sleep(0.05)
+        t.join()
+        return sharing.share_taken(done["cpu"], planners), sharing.taken_s, done["cpu"]
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def test_a_planner_sharing_the_trainings_core_is_read_as_a_share_of_its_compute():
+    share, taken_s, planner_cpu = planner_beside(training_busy=True)
+    assert 0 < taken_s <= planner_cpu, (taken_s, planner_cpu)
+    assert 0 < share <= 0.5, share
+
+
+def test_a_planner_beside_a_training_that_waits_takes_nothing_from_it():
+    busy_share, busy_taken, _ = planner_beside(training_busy=True)
+    idle_share, idle_taken, _ = planner_beside(training_busy=False)
+    assert idle_taken < busy_taken / 2, (idle_taken, busy_taken)
+
+
+def test_the_threads_of_this_process_are_read():
+    busy(0.05)
+    cpu, _ = threads_run_s(set())
+    assert cpu > 0.05
+    assert thread_cpu_s(threading.get_native_id()) > 0.05
+    assert thread_cpu_s(2 ** 30) is None  # no such thread
+
+
+def test_a_window_s_compute_is_scaled_and_nothing_else():
+    stage = {k: 0.1 for k in FIGURES}
+    stage["replica_compute_s"] = [0.2, 0.0]
+    report = {"stages": [stage], "measured_step_s": 0.5}
+    f = window_figures(report, 3, 0.0, compute_scale=0.9)
+    s = f.stages[0]
+    for k in ("forward_s", "backward_s", "backward_weight_s"):
+        assert s[k] == pytest.approx(0.09)
+    assert s["replica_compute_s"] == pytest.approx([0.18, 0.0])
+    for k in ("send_s", "allreduce_s", "across_s", "waiting_s"):
+        assert s[k] == 0.1
+    assert f.step_s == 0.5 and f.window == 3
