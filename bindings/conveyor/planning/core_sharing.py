@@ -56,7 +56,8 @@ def thread_cpu_s(native_id: int) -> float | None:
 class CoreSharing:
     """From one mark to the next (a window's boundaries), what the planner thread took of
     this process's other threads: `planner_cpu_s` is the planner's CPU time so far (every
-    evaluation's, the one under way included), `planners` its threads' native ids."""
+    evaluation's, the one under way included), `planners` the native ids of its threads
+    still running."""
 
     def __init__(self):
         self.marked: tuple | None = None  # (planner CPU, others' CPU, others' waits) at the last mark

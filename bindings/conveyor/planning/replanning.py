@@ -158,7 +158,6 @@ class Replanning:
         # out of the compute where that runs on the CPU (core_sharing.py).
         self.sharing = CoreSharing() if replanner is not None else None
         self.on_cpu = getattr(device, "type", "cpu") == "cpu"
-        self.planners: set = set()  # the planner threads' native ids
         self.messages = WindowMessages(group) if group is not None else None
         if group is not None:
             atexit.unregister(_settle_at_exit)
@@ -194,7 +193,7 @@ class Replanning:
         """A step of the running pipeline ended, `wall_s` after its call began."""
         self.steps += 1
         if self.steps == 1 and self.sharing is not None:  # the first window starts
-            self.sharing.mark(self._planner_cpu_so_far(), self.planners)
+            self.sharing.mark(self._planner_cpu_so_far(), self._planner_thread())
         if self.steps > 1:  # the first, warm-up, measures nothing
             self.walls.append(wall_s)
             self.steps_wall_s += wall_s
@@ -234,7 +233,7 @@ class Replanning:
         there (process 0) on its way to every process."""
         self.windows += 1
         window = self.windows
-        taken = self.sharing.share_taken(self._planner_cpu_so_far(), self.planners) if self.sharing else 0.0
+        taken = self.sharing.share_taken(self._planner_cpu_so_far(), self._planner_thread()) if self.sharing else 0.0
         probe_rate = 0.0
         census = self.steps == 1 + WINDOW  # the running plan's first window: every process probes
         if self.probe is not None and running is not None and (
@@ -334,7 +333,6 @@ class Replanning:
         def run():
             run_on_spare_time()
             box["thread"] = threading.get_native_id()
-            self.planners.add(box["thread"])
             t0, cpu0 = time.perf_counter(), time.thread_time()
             box["started"] = t0
             try:
@@ -371,6 +369,11 @@ class Replanning:
         thread = threading.Thread(target=run, name="conveyor-replanning", daemon=False)
         thread.start()
         self.thinking = (thread, box)
+
+    def _planner_thread(self) -> set:
+        """Process 0: the native id of the planner thread under way, if any (one that ended is
+        no longer among the process's threads)."""
+        return {self.thinking[1]["thread"]} if self.thinking is not None and "thread" in self.thinking[1] else set()
 
     def _planner_cpu_so_far(self) -> float:
         """Process 0: the planner thread's CPU time over every evaluation so far, the one
