@@ -8,8 +8,13 @@ gradients and optimizer state of its stages) and the ratio of the two; the first
 how many it measured (the others are alike: measured once) and its peak memory; the losses.
 The baseline is the model's whole training state, which one process would have to hold.
 
+`--profile-only --device cuda`: one process profiles a model whose parameters alone exceed the
+GPU's memory, unit by unit on it (the first thing a job does, on process 0, before any stage
+is made), and prints the profile's peak device memory against the parameters' bytes.
+
     ./run bench big_model                      # 1.02B parameters on 4 processes (16.3 GB of training state)
     ./run bench big_model --layers 2 --hidden 256 --processes 2 --limit-mb 0.6   # small
+    python3 bench/big_model.py --profile-only --device cuda --layers 52 --hidden 8192   # 42B: 156 GiB of parameters
 `--limit-mb F`: each process's data segment (RLIMIT_DATA) may grow by at most F times the
 whole model's training state beyond what it held once torch was imported.
 """
@@ -82,6 +87,45 @@ def worker(args) -> None:
         json.dump(out, f)
 
 
+def profile_only(args) -> None:
+    """A meta-built model captured and profiled on `args.device` in this one process: what
+    process 0 does first, here for a model larger than the device. Nothing is trained."""
+    import torch
+    import transformers
+    import conveyor
+    from conveyor.materialize import adopt_meta_model, exported_on_meta, restore_placeholders
+
+    device = torch.device(args.device)
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(config(args))
+    params = sum(p.numel() for p in model.parameters())
+    gib = 1 << 30
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    print(f"GPT-2 built on the meta device: {params / 1e9:.2f}B parameters ({args.layers} layers, width "
+          f"{args.hidden}), {params * 4 / gib:.1f} GiB in float32"
+          + (f" on a device of {total / gib:.1f} GiB ({torch.cuda.get_device_name(device)})" if total else ""),
+          flush=True)
+    x = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
+    t0 = time.perf_counter()
+    shapes = adopt_meta_model(model, None)
+    on_meta = x.to("meta")
+    with exported_on_meta(model, shapes=shapes) as own:  # as conveyor.Module captures a meta-built model
+        graph = conveyor.capture(model, (on_meta,), dict(labels=on_meta), meta_runs_on=device)
+    graph.rebind({name: own.get(id(t), t) for name, t in graph.tensors.items()})
+    restore_placeholders(graph.tensors.values(), shapes)
+    captured = time.perf_counter() - t0
+    prof = conveyor.profile(graph, (x,), dict(labels=x), cache=False)
+    took = time.perf_counter() - t0 - captured
+    peak = prof["peak_device_bytes"] if device.type == "cuda" else prof["peak_rss_bytes"]
+    nodes = prof["nodes"]
+    print(f"captured in {captured:.1f} s; profiled in {took:.1f} s: {prof['units']} units, {prof['units_measured']} "
+          f"measured (the rest alike); forward {sum(n['forward_s'] for n in nodes) * 1e3:.1f} ms and backward "
+          f"{sum(n['backward_s'] for n in nodes) * 1e3:.1f} ms for a microbatch of {args.batch} x {args.seq}")
+    print(f"the profile's peak {'device' if device.type == 'cuda' else 'resident'} memory {peak / gib:.2f} GiB against "
+          f"the parameters' {params * 4 / gib:.1f} GiB: {peak / (params * 4):.3f}"
+          + (f"; {peak / total:.3f} of the device" if total else ""))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=19)
@@ -96,7 +140,12 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="build the model eagerly instead (small models: to compare)")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile-only", action="store_true", help="profile alone, in this process (above)")
+    ap.add_argument("--device", default="cpu", help="with --profile-only: where to profile (cuda)")
     args = ap.parse_args()
+    if args.profile_only:
+        profile_only(args)
+        return
     if args.worker:
         worker(args)
         return

@@ -52,7 +52,7 @@ class PlanMaker:
         torch.set_num_threads(self.threads)
         try:
             doc = profile(self.graph, (), flat_inputs=flat)
-            self.last_profile = {k: doc.get(k) for k in ("units", "units_measured", "peak_rss_bytes")}
+            self.last_profile = {k: doc.get(k) for k in ("units", "units_measured", "peak_rss_bytes", "peak_device_bytes")}
             _return_freed_memory()  # what profiling freed, to the system before the stages are made
             return doc
         finally:

@@ -228,6 +228,7 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
                     stage.backward(act, grads)
         del warm, act, grads
         timed: dict[str, dict] = {}  # a unit's measured figures by what it computes on (_unit_signature)
+        device_peak = 0  # on a GPU: the most this process held there at once (each unit resets torch's peak)
         repeated = 0
         fixed = _FixedPart(microbatch)
         for unit, stage in order:
@@ -249,6 +250,7 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
                     return t
 
                 if device.type == "cuda":
+                    device_peak = max(device_peak, torch.cuda.max_memory_allocated(device))
                     torch.cuda.reset_peak_memory_stats(device)
                     base = torch.cuda.memory_allocated(device)
                 # On the CPU the meter charges what the unit allocates from here on, and credits
@@ -324,6 +326,8 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
                 fixed.measure(signature, stage, stage_inputs, differentiable, device, warmup, repeats,
                               nodes[first]["forward_s"] + nodes[first]["backward_s"])
         _count_saved_once(measured, reads_param, nodes, selective, saved_by)
+        if device.type == "cuda":
+            device_peak = max(device_peak, torch.cuda.max_memory_allocated(device))
         selective.finish(nodes, values)
     finally:
         for n, t in bound.items():
@@ -339,6 +343,7 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
         "microbatch": int(microbatch), "torch": torch.__version__, "nodes": nodes,
         "value_bytes": [float(b) for b in value_bytes], "value_saved_by": saved_by,
         "units": len(order), "units_measured": len(order) - repeated, "peak_rss_bytes": _peak_rss_bytes(),
+        "peak_device_bytes": device_peak if device.type == "cuda" else None,
         "fixed_fraction": fixed.fraction(),
     }
     if cache:
