@@ -30,6 +30,8 @@ measured cost of moving (seconds per GB of optimizer state and parameters handed
                        [--appear-at 0] [--vanish-at 0] [--hogs 1]
                        [--model mlp|gpt2] [--layers 16] [--hidden 512] [--batch 64]
     ./run bench replan --scenario none [--rounds 5] [--first-plan pipelined]   (no straggler: what evaluating costs)
+    ./run bench replan --device cuda --model gpt2 --steps 150   (both processes on one GPU: the hog slows the
+                                                                 straggler's host, which launches its kernels)
 
 Needs two cores and UCX; the hog and the processes are killed at the end whatever happens.
 """
@@ -78,13 +80,15 @@ def worker(args) -> None:
         config = transformers.GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=4, vocab_size=1000,
                                          n_positions=64, bos_token_id=0, eos_token_id=0)
         net = transformers.GPT2LMHeadModel(config)
-        x = torch.randint(0, 1000, (args.batch, 64))
+        x = torch.randint(0, 1000, (args.batch, 64), device=args.device)
         step_args, loss_fn = dict(labels=x), None
     else:
         layers = [m for _ in range(args.layers) for m in (torch.nn.Linear(args.hidden, args.hidden), torch.nn.Tanh())]
         net = torch.nn.Sequential(*layers)
-        x, y = torch.randn(args.batch, args.hidden), torch.randn(args.batch, args.hidden)
+        x, y = torch.randn(args.batch, args.hidden, device=args.device), torch.randn(args.batch, args.hidden,
+                                                                                   device=args.device)
         step_args, loss_fn = dict(target=y), torch.nn.MSELoss()
+    net.to(args.device)
     opt = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
     cluster = None
     if args.mode == "upfront":
@@ -113,6 +117,8 @@ def worker(args) -> None:
                 hogging = []
             t0 = time.perf_counter()
             model.train_step(x, **step_args)
+            if args.device == "cuda":
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
     finally:
         kill_all(hogging)
@@ -131,7 +137,7 @@ def run_contender(mode: str, args, straggler_speed: float) -> dict:
     cmd = [sys.executable, HERE, "--worker", "--mode", mode, "--scenario", args.scenario, "--steps", args.steps,
            "--slow-process", args.slow_process, "--first-plan", args.first_plan, "--appear-at", args.appear_at,
            "--vanish-at", args.vanish_at, "--hogs", args.hogs,
-           "--layers", args.layers, "--model", args.model,
+           "--layers", args.layers, "--model", args.model, "--device", args.device,
            "--hidden", args.hidden, "--batch", args.batch, "--straggler-speed", f"{straggler_speed:.3f}"]
     outs = run_job(cmd, 600, mode, OMP_NUM_THREADS="1", CONVEYOR_TIMEOUT="120")
     line = next(l for l in outs[0].splitlines() if l.startswith("RESULT "))
@@ -212,6 +218,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="default: 16 (mlp), 8 (gpt2)")
     ap.add_argument("--hidden", type=int, default=None, help="default: 512 (mlp), 256 (gpt2)")
     ap.add_argument("--batch", type=int, default=None, help="default: 64 (mlp), 16 (gpt2)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: both processes train on the one GPU (over UCX), the hog slowing the straggler's host, "
+                         "which launches its kernels")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--hog", action="store_true")
     ap.add_argument("--core", type=int, default=1, help="the hog's core (internal)")
@@ -239,6 +248,10 @@ def main() -> None:
         return
     if (os.cpu_count() or 1) < 2:
         sys.exit("bench/replan needs two cores (one per process)")
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            sys.exit("bench/replan: --device cuda needs a CUDA GPU, and this machine has none visible")
     if args.first_plan is None:
         args.first_plan = "pipelined" if args.scenario == "straggler" else "free"
     if args.scenario == "none":
