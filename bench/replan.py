@@ -30,8 +30,9 @@ measured cost of moving (seconds per GB of optimizer state and parameters handed
                        [--appear-at 0] [--vanish-at 0] [--hogs 1]
                        [--model mlp|gpt2] [--layers 16] [--hidden 512] [--batch 64]
     ./run bench replan --scenario none [--rounds 5] [--first-plan pipelined]   (no straggler: what evaluating costs)
-    ./run bench replan --device cuda --model gpt2 --steps 150   (both processes on one GPU: the hog slows the
-                                                                 straggler's host, which launches its kernels)
+    ./run bench replan --device cuda --model gpt2 --steps 400   (both processes on one GPU: the hog slows the
+                                                                 straggler's host, which launches its kernels;
+                                                                 windows of 2 s at 35 ms steps: 400 steps for a switch)
 
 Needs two cores and UCX; the hog and the processes are killed at the end whatever happens.
 """

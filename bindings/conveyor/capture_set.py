@@ -241,7 +241,7 @@ class CaptureSet:
         state.pipeline = self.job.pipeline_of(state.graph, state.plan, holders=holders)
         carry_optimizer_state(state.pipeline, state.graph.tensors, self.optimizer, group, holders)
         if state.replanning is not None:  # its windows count the new pipeline's steps, which its live profile holds
-            state.replanning.steps, state.replanning.walls = 0, []
+            state.replanning.restart_windows()
 
     def checkpoint_tensors(self) -> CheckpointTensors:
         """The model's tensors, with the process that owns each under the running plan and

@@ -13,6 +13,10 @@ warnings.filterwarnings("ignore", category=UserWarning)
 warnings.filterwarnings("ignore", category=FutureWarning)
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Re-planning's windows of WINDOW steps whatever the steps' time (the default sizes them to
+# 2 s of steps): the tests of what re-planning decides count windows in steps, and the
+# processes they start inherit this. test_replan.py's window test sets its own.
+os.environ.setdefault("CONVEYOR_REPLAN_WINDOW_S", "0")
 
 
 def max_relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -141,7 +141,9 @@ def test_declared_sizes_must_name_a_symbolic_size_within_its_range():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")
 def test_cuda_memory_is_the_allocators_peak_against_the_plans():
     """On CUDA with one device in the process the measured peak is the caching allocator's
-    (reset before every step): printed against the prediction for the next GPU session."""
+    (reset before every step): the stages' tensors and the step's own against the plan's
+    prediction, what else the process held (cuBLAS workspaces, the batch) told apart. On an
+    H200 (2026-11-30) the whole peak was 135 MiB against a prediction of 4.8 MiB."""
     torch.manual_seed(0)
     case = zoo.gpt2(batch=16)
     case.model.cuda()
@@ -154,4 +156,6 @@ def test_cuda_memory_is_the_allocators_peak_against_the_plans():
     rows = model.profile_report().memory
     print(model.profile_report())
     assert len(rows) == 1 and rows[0]["measured_bytes"] and rows[0]["predicted_bytes"], rows
-    assert 0.5 <= rows[0]["measured_bytes"] / rows[0]["predicted_bytes"] <= 1.5, rows
+    row = rows[0]
+    assert row["measured_bytes"] == pytest.approx(row["held_bytes"] + row["other_bytes"] + row["step_peak_bytes"])
+    assert 0.5 <= (row["held_bytes"] + row["step_peak_bytes"]) / row["predicted_bytes"] <= 1.5, rows

@@ -17,7 +17,7 @@ import conveyor
 import zoo
 from conveyor import _C
 from conveyor.planning.device_probe import DeviceProbe
-from conveyor.planning.replanning import WINDOW
+from conveyor.planning.replanning import WINDOW, window_seconds, window_steps
 from conveyor.planning.replanning_messages import FIGURES, figures_problem
 
 from conftest import free_port
@@ -35,13 +35,15 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
 
 
-def start_two(args: list, timeout_s: int, rank1_env: dict | None = None, worker: Path = WORKER) -> list:
-    """The worker as processes 0 and 1 of a job on loopback (torchrun-style environment)."""
+def start_two(args: list, timeout_s: int, rank1_env: dict | None = None, worker: Path = WORKER,
+              both_env: dict | None = None) -> list:
+    """The worker as processes 0 and 1 of a job on loopback (torchrun-style environment);
+    `both_env` for both, `rank1_env` for process 1 alone."""
     port = free_port()
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   UCX_NET_DEVICES="lo", OMP_NUM_THREADS="1", CONVEYOR_TIMEOUT=str(timeout_s))
+                   UCX_NET_DEVICES="lo", OMP_NUM_THREADS="1", CONVEYOR_TIMEOUT=str(timeout_s), **(both_env or {}))
         if rank == 1 and rank1_env:
             env.update(rank1_env)
         procs.append(subprocess.Popen([sys.executable, worker, *map(str, args)], env=env, stdout=subprocess.PIPE,
@@ -190,6 +192,39 @@ def test_a_switch_the_replanner_decides_across_two_processes_is_applied_by_both_
         opt.step()
         losses.append(loss.item())
     assert_like_eager(results[0]["losses"], results[0]["state"], losses, net.state_dict())
+
+
+@needs_ucx
+def test_windows_sized_in_time_end_at_the_same_step_in_every_process(tmp_path):
+    """Steps of a few milliseconds with windows of at least 1 s: after the running plan's
+    first window (WINDOW steps, its census), process 0 sizes each window from its steps'
+    time and sends the length with its decision, and both processes end every window at the
+    same step."""
+    out = tmp_path / "windows"
+    steps = 3000  # at most: the worker stops once three windows have ended
+    finish_two(start_two([out, steps], timeout_s=120, worker=WORKER.with_name("window_worker.py"),
+                         both_env={"CONVEYOR_REPLAN_WINDOW_S": "1"}))
+    results = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
+    assert results[0]["window_s"] == results[1]["window_s"] == 1.0
+    assert results[0]["windows"] == results[1]["windows"], results
+    assert results[0]["losses"] == results[1]["losses"]
+    # The steps before which a window ended (its boundary comes before the next step).
+    ends = [k for k, (a, b) in enumerate(zip([0] + results[0]["windows"], results[0]["windows"])) if b > a]
+    assert ends[0] == 1 + WINDOW, ends  # the first window: WINDOW steps after the warm-up step
+    # Steps here take milliseconds (tens under load): the later windows are sized to a second of them.
+    assert len(ends) == 3 and min(ends[1] - ends[0], ends[2] - ends[1]) > 2 * WINDOW, ends
+
+
+def test_a_window_is_enough_steps_for_its_seconds_and_at_least_window_steps(monkeypatch):
+    assert window_steps(0.035, 2.0) == 58  # 35 ms steps: 2 s of them
+    assert window_steps(0.6, 2.0) == WINDOW  # slow steps: never fewer than WINDOW
+    assert window_steps(0.0, 2.0) == window_steps(0.01, 0.0) == WINDOW  # unmeasured, or windows of WINDOW steps
+    monkeypatch.setenv("CONVEYOR_REPLAN_WINDOW_S", "0.5")
+    assert window_seconds() == 0.5
+    for bad in ("-1", "soon", "inf", "nan"):
+        monkeypatch.setenv("CONVEYOR_REPLAN_WINDOW_S", bad)
+        with pytest.raises(conveyor.ConveyorValueError, match="CONVEYOR_REPLAN_WINDOW_S"):
+            window_seconds()
 
 
 def mlp(layers: int, width: int) -> torch.nn.Module:

@@ -1,7 +1,8 @@
 """Re-planning while training (docs/design.md, "Re-planning"): what conveyor.Module does
 between steps when `replan="auto"`.
 
-Every `WINDOW` steps of the running pipeline (its first step, warm-up, left out) the live
+At the end of each window of the running pipeline's steps (its first step, warm-up, left
+out; `WINDOW` steps, later ones at least `window_s` of them: window_steps) the live
 profile's per-stage times go to the Replanner (partitioner/replan.h) on a thread of process
 0, beside the next window's steps, yielding the CPU to them: the other processes send theirs
 as messages (replanning_messages.py), and the thread merges them with process 0's (a
@@ -18,19 +19,52 @@ from __future__ import annotations
 
 import atexit
 import json
+import math
 import os
 import sys
 import threading
 import time
 import weakref
 
-from ..errors import ExecutionError
+from .. import environment
+from ..errors import ConveyorValueError, ExecutionError
 from .core_sharing import CoreSharing, thread_cpu_s
 from .device_probe import DeviceProbe
 from .replanning_messages import DECIDED_AFTER, FIGURES, WindowFigures, WindowMessages
 from .replanning_trace import PLANNER
 
-WINDOW = 5  # steps of the running pipeline between two evaluations
+WINDOW = 5  # steps of a running plan's first window (its census), and the fewest of any window
+
+# The least wall time of a window after a running plan's first, so that what a boundary costs
+# (its figures, messages, and an evaluation the training waits for) is a small part of it.
+# Five steps of 35 ms (GPT-2 of 8 blocks on an H200) made windows of 0.18 s, each boundary
+# cost about 48 ms, and re-planning took 23% of the steps. CONVEYOR_REPLAN_WINDOW_S sets it
+# (0: every window WINDOW steps).
+WINDOW_S = 2.0
+
+
+def window_seconds() -> float:
+    """The least wall time of a window: CONVEYOR_REPLAN_WINDOW_S, else WINDOW_S."""
+    text = environment.variable("CONVEYOR_REPLAN_WINDOW_S")
+    if text is None:
+        return WINDOW_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < math.inf:
+        raise ConveyorValueError(f"CONVEYOR_REPLAN_WINDOW_S={text!r}: give the least seconds of steps between two "
+                                 f"re-planning evaluations, a number of 0 or more (default {WINDOW_S}; 0: every "
+                                 f"{WINDOW} steps)")
+    return value
+
+
+def window_steps(step_s: float, window_s: float) -> int:
+    """The steps of a window after a running plan's first, at `step_s` a step: enough for
+    `window_s` of them, and at least WINDOW."""
+    if step_s <= 0 or window_s <= 0:
+        return WINDOW
+    return max(WINDOW, math.ceil(window_s / step_s))
 
 
 PLANNER_NICENESS = 10  # the planner thread's: a tenth of a core the training wants too
@@ -163,7 +197,13 @@ class Replanning:
             atexit.unregister(_settle_at_exit)
             atexit.register(_settle_at_exit)  # once, and after the group's close: run before it
             _ACROSS_PROCESSES.add(self)
+        self.window_s = window_seconds()
         self.steps = 0          # steps run by the current pipeline
+        # The step after which the next window ends: its first after WINDOW; each later one
+        # as process 0 sized it from its steps' time, and sent with its decision (every
+        # process ends each window at the same step).
+        self.next_boundary = 1 + WINDOW
+        self.boundary_step = 0  # the step after which the last window ended
         self.walls: list = []   # the wall time of each of this window's steps, as the caller saw it
         # What building the current pipeline took (the first: as the Module built it), the
         # part of a move's price that is not bytes (a first move priced without it was
@@ -189,6 +229,12 @@ class Replanning:
         self.steps_wall_s = 0.0
         self.steps_counted = 0
 
+    def restart_windows(self) -> None:
+        """A new pipeline runs (a switch, or a capture's pipeline built again): its windows
+        count its steps, from a first window of WINDOW steps."""
+        self.steps, self.walls = 0, []
+        self.next_boundary, self.boundary_step = 1 + WINDOW, 0
+
     def ran_step(self, wall_s: float) -> None:
         """A step of the running pipeline ended, `wall_s` after its call began."""
         self.steps += 1
@@ -211,7 +257,7 @@ class Replanning:
                     steps_wall_s=self.steps_wall_s, steps=self.steps_counted)
 
     def due(self) -> bool:
-        return self.steps >= 1 + WINDOW and (self.steps - 1) % WINDOW == 0
+        return self.steps >= self.next_boundary
 
     def at_step_boundary(self, step, switches: list, running=None) -> dict | None:
         """Before a step of pipeline `step`: a window's boundary when one is due, and the
@@ -233,6 +279,8 @@ class Replanning:
         there (process 0) on its way to every process."""
         self.windows += 1
         window = self.windows
+        self.boundary_step = self.steps
+        self.next_boundary = self.steps + WINDOW  # a peer's until process 0's length is heard (_hear)
         taken = self.sharing.share_taken(self._planner_cpu_so_far(), self._planner_thread()) if self.sharing else 0.0
         probe_rate = 0.0
         census = self.steps == 1 + WINDOW  # the running plan's first window: every process probes
@@ -244,6 +292,9 @@ class Replanning:
         # the steps' wall time here, which the processes that run them set.
         walls, self.walls = self.walls, []
         self._measure_switch(switches, figures.step_s if figures.step_s > 0 or not walls else sum(walls) / len(walls))
+        if self.decides:  # the next window's length, from the steps as the caller saw them
+            self.next_boundary = self.steps + window_steps(sum(walls) / len(walls) if walls else figures.step_s,
+                                                           self.window_s)
         if not self.decides:
             self.messages.send_figures(figures)
             self.on_its_way = (window, self.steps + DECIDED_AFTER, None)
@@ -266,7 +317,7 @@ class Replanning:
                 decision = self._decided(within_s=CONFIRMING_WAIT * figures.step_s) or decision
             self.judging = False
         if self.messages is not None:
-            self.messages.send_decision(decision, window)
+            self.messages.send_decision(decision, window, self.next_boundary - self.steps)
         self.on_its_way = (window, self.steps + (DECIDED_AFTER if self.messages is not None else 0), decision)
 
     def _hear(self, step) -> dict | None:
@@ -274,7 +325,8 @@ class Replanning:
         window, _, decision = self.on_its_way
         self.on_its_way = None
         if not self.decides:
-            decision = self.messages.read_decision(window)
+            decision, length = self.messages.read_decision(window)
+            self.next_boundary = self.boundary_step + length
         if decision is not None:
             step.set_prediction(decision["running"])
             self.last = decision
@@ -314,7 +366,8 @@ class Replanning:
         if self.replanner is not None:
             self.replanner.switched_to(plan.handle)
             self.judging = decision is not None and not decision["undo"]
-        self.steps, self.rebuild_s, self.walls = 0, entry["rebuild_s"], []
+        self.restart_windows()
+        self.rebuild_s = entry["rebuild_s"]
         if entry["move_bytes"] and entry["transfer_s"] > 0:
             self.bytes_per_s = entry["move_bytes"] / entry["transfer_s"]
         self.say(f"step {entry['step']}: {entry['old']} -> {entry['new']}; {entry['arithmetic'] or entry['reason']}; "
@@ -423,7 +476,8 @@ class Replanning:
     def report(self, switches: list) -> str:
         """What the partitioner concluded last, for Module.profile_report()."""
         if self.last is None:
-            return f"re-planning: no window evaluated yet (every {WINDOW} steps after the first)\n"
+            return (f"re-planning: no window evaluated yet (the first ends {WINDOW} steps after the first step; later "
+                    f"ones after at least {WINDOW} steps and {self.window_s:g} s)\n")
         d = self.last
         f = d["factors"]
         speeds = ", ".join(f"{s:.2f}" for s in f["speed"])
