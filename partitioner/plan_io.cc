@@ -250,7 +250,7 @@ std::string Plan::table() const {
   if (chunks > 1) used /= chunks;
   std::snprintf(line, sizeof line,
                 "schedule %s%s, %d microbatches of %.4g samples (batch %d), %d of %zu devices\n"
-                "predicted step %s (%.1f samples/s), bubble %.1f%%, analytic bound %s\n"
+                "predicted step %s (%.1f samples/s), bubble %.1f%%, the search's analytic estimate %s\n"
                 "search: %s, %.3f s\n",
                 std::string(scheduler::schedule_kind_name(schedule)).c_str(),
                 chunks > 1 ? (" x" + std::to_string(chunks) + " chunks").c_str() : "", microbatches,
