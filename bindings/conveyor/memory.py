@@ -59,6 +59,19 @@ def stage_tensors(graph, nodes: list) -> list[str]:
     return sorted(out)
 
 
+def _predicted_for_replica(document: dict, stages: list, replica: int) -> float:
+    """The plan's peak for one replica of a rank's stages. The plan gives each rank the peak
+    of its stages' largest share of a microbatch; a replica with a smaller share holds the
+    same weights, gradients and optimizer state, and its share of the rest (activations,
+    outputs, working memory: they grow with its samples)."""
+    docs = [document["stages"][s] for s in stages]
+    peak = max(float(d["memory_bytes"]) for d in docs)
+    static = sum(float(d.get("static_bytes", 0.0)) for d in docs)
+    fraction = max((d["shares"][replica] / max(d["shares"]) if len(d.get("shares") or []) > replica else 1.0)
+                   for d in docs)
+    return static + max(0.0, peak - static) * fraction
+
+
 def memory_rows(state, optimizer) -> list[dict]:
     """One row per device of this process that ran a capture's (a CaptureState's) last step:
     (rank, replica), predicted and measured bytes (None where unknown)."""
@@ -80,7 +93,7 @@ def memory_rows(state, optimizer) -> list[dict]:
                     held += sum(_nbytes(v) for v in kept.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
         predicted, other = None, 0.0
         if plan is not None:
-            predicted = max(float(plan.document["stages"][s]["memory_bytes"]) for s in stages)
+            predicted = _predicted_for_replica(plan.document, stages, replica)
         measured = None
         if cuda and len(peaks) == 1:
             measured = float(torch.cuda.max_memory_allocated())

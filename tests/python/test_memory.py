@@ -75,6 +75,21 @@ def test_measured_memory_per_device_meets_the_prediction(name, optimizer, fixed)
         assert 0.85 <= ratio <= 1.15, f"{name} {fixed}: rank {r['rank']} measured / predicted {ratio:.3f}"
 
 
+def test_replicas_of_uneven_shares_are_each_predicted_their_shares_memory():
+    """One stage, two replicas on devices rated 1 and 3: they share each microbatch of 4
+    samples 1/3. Each holds the same weights; its activations grow with its samples, and
+    each replica's prediction follows (it was the larger share's for both: 0.40 for the
+    smaller)."""
+    from auto_switch_worker import two_node_cluster
+    model = trained("gpt2", cluster=two_node_cluster((1.0, 3.0), "uneven"), stages=1, replicas=2, microbatches=4)
+    assert model.plan.document["stages"][0]["shares"] == [0.25, 0.75], model.plan.table
+    rows = {r["replica"]: r for r in model.profile_report().memory}
+    print(model.profile_report())
+    assert rows[0]["predicted_bytes"] < 0.6 * rows[1]["predicted_bytes"], rows
+    for r in rows.values():
+        assert 0.8 <= r["measured_bytes"] / r["predicted_bytes"] <= 1.2, rows
+
+
 def llama_steps(lengths, replan="off", **kwargs):
     """A Llama trained on padded batches of 16 rows of each length in turn, SGD, 2 stages of
     1F1B; returns the Module and its memory rows after the last step."""
