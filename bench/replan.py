@@ -26,7 +26,7 @@ more; re-planned against up front: within 15%);
 each switch with its predicted and measured gain, the decision's arithmetic and the
 measured cost of moving (seconds per GB of optimizer state and parameters handed over).
 
-    ./run bench replan [--rounds 2] [--steps 40] [--slow-process 1] [--first-plan pipelined]
+    ./run bench replan [--rounds 2] [--steps 400] [--slow-process 1] [--first-plan pipelined]
                        [--appear-at 0] [--vanish-at 0] [--hogs 1]
                        [--model mlp|gpt2] [--layers 16] [--hidden 512] [--batch 64]
     ./run bench replan --scenario none [--rounds 5] [--first-plan pipelined]   (no straggler: what evaluating costs)
@@ -213,7 +213,9 @@ def evaluation_cost(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=None,
+                    help="default: 40 (gpt2, steps of 0.5-0.8 s), 400 (mlp, steps of 30-50 ms): re-planning's "
+                         "windows after the first are at least 2 s of steps, and a switch takes three")
     ap.add_argument("--model", choices=["mlp", "gpt2"], default="mlp",
                     help="gpt2: transformers' GPT-2 of --layers blocks of --hidden, --batch sequences of 64 tokens")
     ap.add_argument("--layers", type=int, default=None, help="default: 16 (mlp), 8 (gpt2)")
@@ -237,7 +239,8 @@ def main() -> None:
     ap.add_argument("--scenario", choices=["straggler", "none"], default="straggler",
                     help="none: no hog, replan=auto against off, the mean step (what evaluating costs)")
     args = ap.parse_args()
-    defaults = dict(layers=8, hidden=256, batch=16) if args.model == "gpt2" else dict(layers=16, hidden=512, batch=64)
+    defaults = dict(layers=8, hidden=256, batch=16, steps=40) if args.model == "gpt2" else \
+        dict(layers=16, hidden=512, batch=64, steps=400)
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
