@@ -364,6 +364,9 @@ def test_a_replicated_stage_on_wrongly_rated_devices_gets_shares_that_match_thei
     # The switch's measured gain is reported (a time, so its sign is not asserted: on this
     # shared machine a step's noise exceeds the fraction of a millisecond it saves here).
     assert first["measured_gain_s"] is None or isinstance(first["measured_gain_s"], float), first
+    if first["measured_gain_s"] is not None:  # and the step as the caller timed it, beside it
+        assert first["wall_before_s"] > 0 and first["wall_step_s"] > 0, first
+        assert first["wall_gain_s"] == pytest.approx(first["wall_before_s"] - first["wall_step_s"]), first
     # What re-planning took of the steps: every step but each pipeline's first (warm-up).
     cost = report.replan_cost
     assert cost["steps"] == steps - 1 - len(model.replans), (cost, model.replans)

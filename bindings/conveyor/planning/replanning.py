@@ -205,6 +205,7 @@ class Replanning:
         self.next_boundary = 1 + WINDOW
         self.boundary_step = 0  # the step after which the last window ended
         self.walls: list = []   # the wall time of each of this window's steps, as the caller saw it
+        self.last_wall_s = 0.0  # the last window's mean step as the caller saw it (optimizer step included)
         # What building the current pipeline took (the first: as the Module built it), the
         # part of a move's price that is not bytes (a first move priced without it was
         # predicted at 3.3 ms and took 115 ms, 16 of them rebuilding).
@@ -291,10 +292,11 @@ class Replanning:
         # A process that runs no stage measures no step: the switch's gain is then read from
         # the steps' wall time here, which the processes that run them set.
         walls, self.walls = self.walls, []
-        self._measure_switch(switches, figures.step_s if figures.step_s > 0 or not walls else sum(walls) / len(walls))
+        wall_s = sum(walls) / len(walls) if walls else 0.0
+        self._measure_switch(switches, figures.step_s if figures.step_s > 0 or not walls else wall_s, wall_s)
+        self.last_wall_s = wall_s
         if self.decides:  # the next window's length, from the steps as the caller saw them
-            self.next_boundary = self.steps + window_steps(sum(walls) / len(walls) if walls else figures.step_s,
-                                                           self.window_s)
+            self.next_boundary = self.steps + window_steps(wall_s or figures.step_s, self.window_s)
         if not self.decides:
             self.messages.send_figures(figures)
             self.on_its_way = (window, self.steps + DECIDED_AFTER, None)
@@ -368,6 +370,7 @@ class Replanning:
             self.judging = decision is not None and not decision["undo"]
         self.restart_windows()
         self.rebuild_s = entry["rebuild_s"]
+        entry["wall_before_s"] = self.last_wall_s  # the caller's step before it, beside the pipeline's own
         if entry["move_bytes"] and entry["transfer_s"] > 0:
             self.bytes_per_s = entry["move_bytes"] / entry["transfer_s"]
         self.say(f"step {entry['step']}: {entry['old']} -> {entry['new']}; {entry['arithmetic'] or entry['reason']}; "
@@ -459,15 +462,22 @@ class Replanning:
                         waited_s=time.perf_counter() - t0, evaluated=self.evaluated, planner_cpu_s=self.planner_cpu_s)
         return decision
 
-    def _measure_switch(self, switches: list, step_s: float) -> None:
-        """The last switch's measured gain, from the first window after it."""
+    def _measure_switch(self, switches: list, step_s: float, wall_s: float) -> None:
+        """The last switch's measured gain, from the first window after it: in the pipeline's
+        own step (what the plans predict), and in the step as the caller timed it (`wall_s`:
+        the optimizer's step and the step's host time too, which no plan prices yet)."""
         if switches and switches[-1]["measured_gain_s"] is None:
             last = switches[-1]
             last["measured_step_s"] = step_s
             last["measured_gain_s"] = last["step_before_s"] - step_s
+            before = last.get("wall_before_s") or 0.0
+            last["wall_step_s"] = wall_s or None
+            last["wall_gain_s"] = before - wall_s if before > 0 and wall_s > 0 else None
+            wall = (f"; the step as the caller timed it {before * 1e3:.2f} -> {wall_s * 1e3:.2f} ms"
+                    if last["wall_gain_s"] is not None else "")
             self.say(f"step {last['step']}: the switch measured {last['measured_gain_s'] * 1e3:.2f} ms saved per step "
                      f"({last['step_before_s'] * 1e3:.2f} -> {step_s * 1e3:.2f} ms; predicted "
-                     f"{last['predicted_gain_s'] * 1e3:.2f} ms)")
+                     f"{last['predicted_gain_s'] * 1e3:.2f} ms{wall})")
 
     def say(self, text: str) -> None:
         if self.group is None or self.group.rank == 0:
