@@ -203,7 +203,6 @@ class Replanning:
         # as process 0 sized it from its steps' time, and sent with its decision (every
         # process ends each window at the same step).
         self.next_boundary = 1 + WINDOW
-        self.boundary_step = 0  # the step after which the last window ended
         self.walls: list = []   # the wall time of each of this window's steps, as the caller saw it
         self.last_wall_s = 0.0  # the last window's mean step as the caller saw it (optimizer step included)
         # What building the current pipeline took (the first: as the Module built it), the
@@ -233,8 +232,7 @@ class Replanning:
     def restart_windows(self) -> None:
         """A new pipeline runs (a switch, or a capture's pipeline built again): its windows
         count its steps, from a first window of WINDOW steps."""
-        self.steps, self.walls = 0, []
-        self.next_boundary, self.boundary_step = 1 + WINDOW, 0
+        self.steps, self.walls, self.next_boundary = 0, [], 1 + WINDOW
 
     def ran_step(self, wall_s: float) -> None:
         """A step of the running pipeline ended, `wall_s` after its call began."""
@@ -280,8 +278,6 @@ class Replanning:
         there (process 0) on its way to every process."""
         self.windows += 1
         window = self.windows
-        self.boundary_step = self.steps
-        self.next_boundary = self.steps + WINDOW  # a peer's until process 0's length is heard (_hear)
         taken = self.sharing.share_taken(self._planner_cpu_so_far(), self._planner_thread()) if self.sharing else 0.0
         probe_rate = 0.0
         census = self.steps == 1 + WINDOW  # the running plan's first window: every process probes
@@ -295,12 +291,12 @@ class Replanning:
         wall_s = sum(walls) / len(walls) if walls else 0.0
         self._measure_switch(switches, figures.step_s if figures.step_s > 0 or not walls else wall_s, wall_s)
         self.last_wall_s = wall_s
-        if self.decides:  # the next window's length, from the steps as the caller saw them
-            self.next_boundary = self.steps + window_steps(wall_s or figures.step_s, self.window_s)
         if not self.decides:
+            self.next_boundary = self.steps + WINDOW  # until process 0's is heard (_hear), a step from now
             self.messages.send_figures(figures)
             self.on_its_way = (window, self.steps + DECIDED_AFTER, None)
             return
+        self.next_boundary = self.steps + window_steps(wall_s or figures.step_s, self.window_s)
         # An evaluation still under way is heard at a later boundary; at the second one it
         # is waited for (the training then waits, so it has the core), so a decision is at
         # most a window late even where the training leaves the planner no time.
@@ -319,7 +315,7 @@ class Replanning:
                 decision = self._decided(within_s=CONFIRMING_WAIT * figures.step_s) or decision
             self.judging = False
         if self.messages is not None:
-            self.messages.send_decision(decision, window, self.next_boundary - self.steps)
+            self.messages.send_decision(decision, window, self.next_boundary)
         self.on_its_way = (window, self.steps + (DECIDED_AFTER if self.messages is not None else 0), decision)
 
     def _hear(self, step) -> dict | None:
@@ -327,8 +323,7 @@ class Replanning:
         window, _, decision = self.on_its_way
         self.on_its_way = None
         if not self.decides:
-            decision, length = self.messages.read_decision(window)
-            self.next_boundary = self.boundary_step + length
+            decision, self.next_boundary = self.messages.read_decision(window, self.steps)
         if decision is not None:
             step.set_prediction(decision["running"])
             self.last = decision
@@ -352,7 +347,7 @@ class Replanning:
         waited for and dropped, and every figure the peers sent read, so that nothing of
         this pipeline's windows is left to be read as a later one's."""
         if self.on_its_way is not None and not self.decides:
-            self.messages.read_decision(self.on_its_way[0])
+            self.messages.read_decision(self.on_its_way[0], self.steps)
         self.on_its_way = None
         if self.thinking is not None:  # a switch changes what it measured
             self.thinking[0].join()

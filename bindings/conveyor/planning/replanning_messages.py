@@ -116,21 +116,21 @@ class WindowMessages:
             raise ExecutionError(f"{what}: {problem}")
         return WindowFigures(*got)
 
-    def send_decision(self, decision: dict | None, window: int, next_window: int) -> None:
-        """Process 0: the decision heard at `window`'s boundary (None: none), and the steps
-        of the window after it, to every other process."""
+    def send_decision(self, decision: dict | None, window: int, next_boundary: int) -> None:
+        """Process 0: the decision heard at `window`'s boundary (None: none), and the step
+        after which the next window ends, to every other process."""
         body = None if decision is None else {**decision, **{k: decision[k].to_json() for k in PLANS}}
-        payload = _as_tensor([window, body, next_window])
+        payload = _as_tensor([window, body, next_boundary])
         for peer in range(1, self.group.world_size):
             self.sends.send(peer, DECISION_TAG, [payload], f"re-planning window {window}'s decision to process {peer}")
 
-    def read_decision(self, window: int) -> tuple[dict | None, int]:
-        """A process other than 0: the decision process 0 sent at `window`'s boundary, and
-        the steps of the window after it."""
+    def read_decision(self, window: int, steps: int) -> tuple[dict | None, int]:
+        """A process other than 0, `steps` into its pipeline: the decision process 0 sent at
+        `window`'s boundary, and the step after which the next window ends (later than now)."""
         what = f"process 0's re-planning decision at window {window}"
         got = _read(self.group, DECISION_TAG, what, 0)
         if not (isinstance(got, list) and len(got) == 3 and got[0] == window and isinstance(got[2], int)
-                and got[2] > DECIDED_AFTER):
+                and got[2] > steps):
             raise ExecutionError(f"{what}: received {str(got)[:80]!r}, not that window's decision; the processes "
                                  "disagree on the windows they ran (restart the job)")
         body = got[1]
