@@ -365,7 +365,8 @@ void bind_graph(py::module_& m) {
            "processes, the least relative gain, the margin over the moving cost, the confirmations and the noise "
            "tolerance.")
       .def("evaluate", [](partitioner::Replanner& r, const py::list& stages, double measured_step_s, double rebuild_s,
-                          double bytes_per_s, bool may_search, const std::vector<double>& probe_rate) {
+                          double bytes_per_s, bool may_search, const std::vector<double>& probe_rate,
+                          const std::vector<double>& optimizer_s, double host_s) {
         std::vector<partitioner::StageMeasurement> measured;
         for (auto item : stages) {
           auto d = item.cast<py::dict>();
@@ -383,7 +384,8 @@ void bind_graph(py::module_& m) {
         partitioner::ReplanDecision d;
         {
           py::gil_scoped_release nogil;
-          d = unwrap(r.evaluate(measured, measured_step_s, may_search, probe_rate));
+          d = unwrap(r.evaluate(measured, measured_step_s, may_search, probe_rate,
+                                partitioner::BeyondPipeline{optimizer_s, host_s}));
         }
         const auto& f = d.calibration.factors;
         const std::vector<double> stage_pricing = r.stage_pricing(d.calibration.running);
@@ -407,14 +409,19 @@ void bind_graph(py::module_& m) {
         out["searched"] = d.searched;
         out["search_deferred"] = d.search_deferred;
         out["action_overhead_s"] = d.action_overhead_s;
+        out["optimizer_s_per_param_byte"] = d.optimizer_s_per_param_byte;
+        out["host_s"] = d.host_s;
         out["factors"] = py::dict(py::arg("forward") = f.forward, py::arg("backward") = f.backward,
                                   py::arg("weight") = f.weight, py::arg("speed") = f.speed, py::arg("link") = f.link,
                                   py::arg("stage_pricing") = stage_pricing);
         return out;
       }, py::arg("stages"), py::arg("measured_step_s"), py::arg("rebuild_s") = 0.0, py::arg("bytes_per_s") = 0.0,
          py::arg("may_search") = true, py::arg("probe_rate") = std::vector<double>{},
-         "One window of the running plan (the live profile's stages, merged across processes, and its mean step): "
-         "corrects the inputs, plans again and decides; rebuild_s and bytes_per_s: what building a pipeline and "
+         py::arg("optimizer_s") = std::vector<double>{}, py::arg("host_s") = 0.0,
+         "One window of the running plan (the live profile's stages, merged across processes, and its mean step "
+         "with the optimizer's: what plans price): corrects the inputs, plans again and decides; optimizer_s: per "
+         "device its process's optimizer step per step (empty: not measured); host_s: per step what no plan "
+         "changes, added to the measured and predicted steps alike (partitioner/replan.h, BeyondPipeline); rebuild_s and bytes_per_s: what building a pipeline and "
          "moving bytes measured (0: unknown / the cluster's links); may_search False: only a search owed runs; "
          "probe_rate: per device, its probe's matrix products per second at the window's end (0: not probed; every "
          "device probed: a census) (partitioner/replan.h). Returns a dict: switch, reason, arithmetic, "

@@ -62,6 +62,7 @@ std::string Plan::to_json() const {
                   {"send_bytes", s.send_bytes},
                   {"recv_bytes", s.recv_bytes},
                   {"allreduce_s", s.allreduce_s},
+                  {"optimizer_s", s.optimizer_s},
                   {"param_bytes", s.param_bytes},
                   {"static_bytes", s.static_bytes},
                   {"weight_grad_bytes", s.weight_grad_bytes},
@@ -154,6 +155,7 @@ Result<Plan> Plan::from_json(std::string_view text) {
       if (j.contains("weight_grad_bytes")) {
         s.weight_grad_bytes = as_amount(j["weight_grad_bytes"], path + "/weight_grad_bytes");
       }
+      if (j.contains("optimizer_s")) s.optimizer_s = as_amount(j["optimizer_s"], path + "/optimizer_s");
       if (j.contains("captured_bytes")) s.captured_bytes = as_amount(j["captured_bytes"], path + "/captured_bytes");
       if (j.contains("backward_extra_bytes")) {
         s.backward_extra_bytes = as_amount(j["backward_extra_bytes"], path + "/backward_extra_bytes");

@@ -27,6 +27,7 @@ std::vector<scheduler::StageCost> Plan::stage_costs() const {
     c.activation_bytes = st.send_bytes / std::min(st.replicas, next);
     c.gradient_bytes = st.recv_bytes / std::min(st.replicas, prev);
     c.allreduce_s = st.allreduce_s;
+    c.optimizer_s = st.optimizer_s;
     c.static_bytes = st.static_bytes;
     c.weight_grad_bytes = st.weight_grad_bytes;
     c.saved_bytes = st.saved_bytes;

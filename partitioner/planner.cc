@@ -105,6 +105,7 @@ StagePlan stage_plan(const Units& u, const CutStates& cs, int inner, int outer, 
   sp.send_bytes = has_next ? ss.out_bytes * model.scale() : 0;
   sp.recv_bytes = has_prev ? ss.in_bytes * model.scale() : 0;
   sp.allreduce_s = e.allreduce;
+  sp.optimizer_s = e.optimizer;
   sp.param_bytes = ss.params;
   // static_bytes: count_parameters_once, over every stage of the plan.
   const double held_once = e.recompute == Recomputation::kNone ? sent_and_saved(u, cs, outer, inner) : 0;

@@ -51,6 +51,11 @@ struct PlanOptions {
   /// host), added to each stage's forward and backward per microbatch: with it the planner
   /// weighs more microbatches (a smaller bubble) against more actions. Re-planning measures it.
   double action_overhead_s = 0;
+  /// The optimizer's step, in seconds per byte of the parameters it updates on a device of
+  /// speed 1: every replica of a stage updates the stage's parameters whole after the step's
+  /// gradient sum, so a stage's tail is its sum and then this over its slowest replica
+  /// (its shares do not shrink it). Re-planning measures it (0: not priced).
+  double optimizer_s_per_param_byte = 0;
   /// Activation recomputation (common/recomputation.h): selective (the cheap operators'
   /// forward again; their activations are not kept) or full (a stage keeps only its inputs
   /// and runs its whole forward again: a forward more of time, one microbatch's activations
@@ -88,6 +93,7 @@ struct StagePlan {
   double send_bytes = 0;           ///< activations to the next stage (whole microbatch)
   double recv_bytes = 0;           ///< activations from the previous stage (whole microbatch)
   double allreduce_s = 0;          ///< per step, gradient reduction across replicas
+  double optimizer_s = 0;          ///< per step, the optimizer's update on its slowest replica
   double param_bytes = 0;
   double static_bytes = 0;         ///< per device: parameters, gradients, optimizer state
   /// Of its rank's static_bytes, the parameters' gradients this stage makes first (the rank's

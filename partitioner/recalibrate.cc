@@ -322,12 +322,50 @@ Result<Plan> reprice(const CostGraph& costs, const Cluster& cluster, const PlanO
     p.forward_s = fwd * per_work + o.action_overhead_s;
     p.backward_s = bwd * per_work + o.action_overhead_s;
     p.allreduce_s = model.allreduce_time(p.param_bytes, p.first_device, p.replicas);
+    p.optimizer_s = model.optimizer_time(p.param_bytes, p.first_device, p.replicas);
     p.backward_weight_s = detail::weight_half(bwd, bwd_w, p.recv_bytes > 0) * per_work;
   }
   CONVEYOR_ASSIGN_OR_RETURN(auto sim, out.simulate());
   out.predicted_step_s = sim.step_time_s;
   out.bubble_fraction = sim.bubble_fraction;
   return out;
+}
+
+Result<double> optimizer_cost(const CostGraph& costs, const Cluster& cluster, const Plan& plan,
+                              const std::vector<double>& optimizer_s) {
+  const std::size_t devices = cluster.devices.size();
+  if (optimizer_s.size() > devices) {
+    return Status(ErrorCode::kInvalidArgument, "optimizer steps measured on " + std::to_string(optimizer_s.size()) +
+                                                   " devices, more than the cluster's " + std::to_string(devices));
+  }
+  std::vector<std::vector<char>> reads(optimizer_s.size(), std::vector<char>(costs.params.size(), 0));
+  for (std::size_t s = 0; s < plan.stages.size(); ++s) {
+    const StagePlan& p = plan.stages[s];
+    CONVEYOR_RETURN_IF_ERROR(check_devices(p, s, static_cast<int>(devices)));
+    for (int d = p.first_device; d < p.first_device + p.replicas && d < static_cast<int>(reads.size()); ++d) {
+      for (int op : p.ops) {
+        if (op < 0 || op >= static_cast<int>(costs.ops.size())) continue;
+        for (int param : costs.ops[op].params) {
+          if (param >= 0 && param < static_cast<int>(costs.params.size())) reads[d][param] = 1;
+        }
+      }
+    }
+  }
+  std::vector<double> per_byte;
+  for (std::size_t d = 0; d < optimizer_s.size(); ++d) {
+    const double t = optimizer_s[d];
+    if (!std::isfinite(t) || t < 0) {
+      return Status(ErrorCode::kInvalidArgument, "device " + std::to_string(d) + "'s optimizer step measured " +
+                                                     std::to_string(t) + " s (times are finite and not negative)");
+    }
+    double bytes = 0;
+    for (std::size_t param = 0; param < costs.params.size(); ++param) bytes += reads[d][param] * costs.params[param].bytes;
+    if (t > 0 && bytes > 0) per_byte.push_back(t * cluster.devices[d].speed / bytes);
+  }
+  if (per_byte.empty()) return 0.0;
+  std::sort(per_byte.begin(), per_byte.end());
+  const std::size_t n = per_byte.size();
+  return n % 2 ? per_byte[n / 2] : (per_byte[n / 2 - 1] + per_byte[n / 2]) / 2;
 }
 
 Result<Calibration> recalibrate(const CostGraph& costs, const Cluster& cluster, const PlanOptions& options,

@@ -93,6 +93,15 @@ void scale_links(Cluster& cluster, double factor);
 /// operator outside the cost graph, a device outside the cluster.
 Result<Plan> reprice(const CostGraph& costs, const Cluster& cluster, const PlanOptions& options, const Plan& plan);
 
+/// The optimizer's step, in seconds per parameter byte at speed 1 (PlanOptions::
+/// optimizer_s_per_param_byte), as `optimizer_s` measured it under `plan`: per device, its
+/// process's optimizer step per training step (0: not measured), over the bytes of the
+/// parameters its stages read (each once), times the device's speed in `cluster`; the median
+/// over the devices measured, 0 if none. Errors: a time that is negative or not finite, more
+/// devices than the cluster's.
+Result<double> optimizer_cost(const CostGraph& costs, const Cluster& cluster, const Plan& plan,
+                              const std::vector<double>& optimizer_s);
+
 /// The corrected inputs, and the factors that made them.
 struct Calibration {
   CostGraph costs;   ///< every operator scaled per kind by the common factor

@@ -115,16 +115,18 @@ MoveCost move_cost(const CostGraph& costs, const Cluster& cluster, const Plan& f
 }
 
 std::string ReplanDecision::arithmetic(const ReplanPolicy& policy) const {
+  const std::string host = host_s > 0 ? " (" + human_seconds(host_s) + " of it outside the plan's pipeline and optimizer step)" : "";
   if (!undo && Replanner::layout_key(candidate) == Replanner::layout_key(calibration.running)) {
-    return "measured step " + human_seconds(measured_step_s) + ", predicted " +
-           human_seconds(calibration.running.predicted_step_s) + " on the corrected inputs: the running plan stays (no other plan found faster)";
+    return "measured step " + human_seconds(measured_step_s) + host + ", predicted " +
+           human_seconds(calibration.running.predicted_step_s + host_s) +
+           " on the corrected inputs: the running plan stays (no other plan found faster)";
   }
-  char b[512];
+  char b[640];
   std::snprintf(b, sizeof b,
-                "measured step %s, predicted %s with the new plan: %s saved per step (%s; %s), %s over the "
+                "measured step %s%s, predicted %s with the new plan: %s saved per step (%s; %s), %s over the "
                 "next %d steps; moving %s (%.0f bytes of parameters and optimizer state: %s, rebuilding: %s); %d of %d "
                 "confirmations",
-                human_seconds(measured_step_s).c_str(), human_seconds(predicted_step_s).c_str(),
+                human_seconds(measured_step_s).c_str(), host.c_str(), human_seconds(predicted_step_s).c_str(),
                 human_seconds(gain_s).c_str(), percent(measured_step_s > 0 ? gain_s / measured_step_s : 0).c_str(),
                 undo ? "no gain asked of an undo" : (percent(gain_asked) + " asked").c_str(),
                 human_seconds(gain_s * policy.horizon_steps).c_str(), policy.horizon_steps,
@@ -285,11 +287,17 @@ Status Replanner::fit_links(double measured_step_s) {
 }
 
 Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& measured, double measured_step_s,
-                                          bool may_search, const std::vector<double>& probe_rate) {
+                                          bool may_search, const std::vector<double>& probe_rate,
+                                          const BeyondPipeline& beyond) {
   if (!std::isfinite(measured_step_s) || measured_step_s <= 0) {
     return Status(ErrorCode::kInvalidArgument,
                   "a measured step of " + std::to_string(measured_step_s) + " s (steps take a positive, finite time)");
   }
+  if (!std::isfinite(beyond.host_s) || beyond.host_s < 0) {
+    return Status(ErrorCode::kInvalidArgument, "a step's host time of " + std::to_string(beyond.host_s) +
+                                                   " s (a finite time, not negative)");
+  }
+  const double host_s = beyond.host_s;
   ReplanDecision d;
   const int devices = static_cast<int>(base_cluster_.devices.size());
   // A census: every device probed. Its rates, per unit of each device's rated speed, tell the
@@ -336,6 +344,16 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   measured_once_ = true;
   applied_ = settle(smoothed_, policy_.tolerance);
   CONVEYOR_RETURN_IF_ERROR(price_with(applied_));
+  // The optimizer's step per parameter byte, on the devices' corrected speeds (smoothed like
+  // the factors): priced per stage from here on, so that a plan that leaves a slow device
+  // updating the whole model is not taken for one that shares its work (a user's BERT under
+  // uneven shares: the slowed process still ran AdamW over every parameter).
+  CONVEYOR_ASSIGN_OR_RETURN(const double per_byte, optimizer_cost(costs_, cluster_, running_, beyond.optimizer_s));
+  if (per_byte > 0) {
+    double& k = options_.optimizer_s_per_param_byte;
+    k = k > 0 ? k + policy_.smoothing * (per_byte - k) : per_byte;
+    CONVEYOR_RETURN_IF_ERROR(price_with(applied_));
+  }
   // The links as their sends measured them, for pricing a move (fit_links may price them down
   // to a thousandth to account for a sum the backward hid; a move's bytes are not hidden:
   // priced on fitted links, 348 MB of a GPT-NeoX were to move in 24 ms, and took 1.64 s).
@@ -349,7 +367,9 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   CONVEYOR_ASSIGN_OR_RETURN(running_, reprice(costs_, cluster_, options_, running_));
   d.calibration = Calibration{costs_, cluster_, running_, applied_};
   d.action_overhead_s = options_.action_overhead_s;
-  d.measured_step_s = measured_step_s;
+  d.optimizer_s_per_param_byte = options_.optimizer_s_per_param_byte;
+  d.measured_step_s = measured_step_s + host_s;
+  d.host_s = host_s;
   // The first window after a switch this decided: slower than the step before it by more
   // than half the tolerance, and the switch is undone (returning to it needs twice the gain).
   // It was taken for a saving of at least the gain asked, so it then missed its prediction by
@@ -361,15 +381,15 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
     Plan previous = std::move(undo_->first);
     const double before = undo_->second;
     undo_.reset();
-    if (measured_step_s > before * (1 + policy_.tolerance / 2)) {
+    if (d.measured_step_s > before * (1 + policy_.tolerance / 2)) {
       ++undone_;
       CONVEYOR_ASSIGN_OR_RETURN(d.candidate, reprice(costs_, cluster_, options_, previous));
       d.predicted_step_s = before;
-      d.gain_s = measured_step_s - before;
+      d.gain_s = d.measured_step_s - before;
       d.move = move_cost(costs_, links_as_measured(), running_, d.candidate, options_, policy_);
       d.switch_plan = d.undo = true;
       d.searched = false;
-      d.reason = "the last switch measured slower than the plan before it (" + human_seconds(measured_step_s) +
+      d.reason = "the last switch measured slower than the plan before it (" + human_seconds(d.measured_step_s) +
                  " against " + human_seconds(before) + "): back to that plan";
       return d;
     }
@@ -378,9 +398,9 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
     // here, on a slow process 0 whose planner thread got a tenth of the core, stopped GPT-2's
     // training for 4.9 s.
     d.candidate = running_;
-    d.predicted_step_s = measured_step_s;
+    d.predicted_step_s = d.measured_step_s;
     d.searched = false;
-    d.reason = "the last switch measured " + human_seconds(measured_step_s) + " against " + human_seconds(before) +
+    d.reason = "the last switch measured " + human_seconds(d.measured_step_s) + " against " + human_seconds(before) +
                " before it: kept (the new plan is searched from the next window)";
     return d;
   }
@@ -426,12 +446,13 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   // plan as slower (a straggler's uneven shares priced 27% slower, measured 19% faster).
   const double modelled_running = running_.predicted_step_s + per_action * actions_per_rank(running_);
   const double modelled_candidate = d.candidate.predicted_step_s + per_action * actions_per_rank(d.candidate);
-  d.predicted_step_s = modelled_running > 0 ? measured_step_s * modelled_candidate / modelled_running
-                                            : modelled_candidate;
-  d.gain_s = measured_step_s - d.predicted_step_s;
+  // The host's time per step is the same under either plan: the gain is asked of the whole step.
+  d.predicted_step_s = host_s + (modelled_running > 0 ? measured_step_s * modelled_candidate / modelled_running
+                                                      : modelled_candidate);
+  d.gain_s = d.measured_step_s - d.predicted_step_s;
   d.move = move_cost(costs_, links_as_measured(), running_, d.candidate, options_, policy_);
   const std::string key = layout_key(d.candidate);
-  const double relative = d.gain_s / measured_step_s;
+  const double relative = d.gain_s / d.measured_step_s;
   // Each undone switch doubles the gain asked (the model was wrong once; it must be surer).
   const double asked = policy_.min_gain * (1 << std::min(undone_, 3));
   const auto left = left_.find(shape_key(d.candidate));
@@ -455,7 +476,7 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
     d.switch_plan = confirmations_ >= policy_.confirmations;
     d.reason = d.switch_plan ? "switching: the saving over the horizon pays for moving"
                              : "a better plan, waiting for it to be confirmed";
-    if (d.switch_plan) decided_ = {key, measured_step_s};
+    if (d.switch_plan) decided_ = {key, d.measured_step_s};
     return d;
   }
   confirmations_ = 0;

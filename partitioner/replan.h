@@ -47,6 +47,19 @@ struct MoveCost {
 MoveCost move_cost(const CostGraph& costs, const Cluster& cluster, const Plan& from, const Plan& to,
                    const PlanOptions& options, const ReplanPolicy& policy);
 
+/// What a window's step spent beyond what its live profile measured of the pipeline.
+struct BeyondPipeline {
+  /// Per device, its process's optimizer step per training step (0, or none: not measured).
+  /// The plans price it per stage, after its gradient sum (optimizer_cost, PlanOptions::
+  /// optimizer_s_per_param_byte), and the measured step evaluate is given includes it.
+  std::vector<double> optimizer_s;
+  /// Per step, what no plan changes: the caller's loop, its data, its logging (and, in one
+  /// process, the optimizer's step, which updates the whole model under any plan). Added
+  /// to the measured and the predicted step alike: a switch is asked its gain of the step as
+  /// the caller sees it, and judged on it.
+  double host_s = 0;
+};
+
 /// One evaluation: the corrected model's view and what it decided.
 struct ReplanDecision {
   bool switch_plan = false;
@@ -54,8 +67,11 @@ struct ReplanDecision {
   Calibration calibration;         ///< the corrected inputs; its `running` is the new reference
   double action_overhead_s = 0;    ///< the runtime's measured cost per action, planned with
   Plan candidate;                  ///< the best plan on the corrected inputs
-  double measured_step_s = 0;      ///< the running plan's mean step over the window
-  double predicted_step_s = 0;     ///< the candidate's, in the running plan's measured terms
+  /// The running plan's mean step over the window, as the caller sees it (host_s included).
+  double measured_step_s = 0;
+  double predicted_step_s = 0;     ///< the candidate's, in the same terms
+  double optimizer_s_per_param_byte = 0;  ///< the optimizer's step, as measured (PlanOptions')
+  double host_s = 0;               ///< of measured_step_s, what no plan changes (BeyondPipeline)
   double gain_s = 0;               ///< per step: measured less predicted
   MoveCost move;
   int confirmations = 0;           ///< consecutive evaluations that picked this candidate
@@ -83,7 +99,9 @@ class Replanner {
  public:
   Replanner(CostGraph costs, Cluster cluster, Plan running, PlanOptions options, ReplanPolicy policy);
 
-  /// One window of the running plan: per stage what it measured, and its mean step time.
+  /// One window of the running plan: per stage what it measured, and its mean step time
+  /// (the pipeline's, with `beyond`'s optimizer step: what the plans price; an undo and the
+  /// gain asked are judged on it with `beyond`'s host time).
   /// `may_search` false (the caller spaces searches out, their CPU time being the costly
   /// part): the last search's best plan is priced again instead of searching, unless a
   /// search is owed: none yet under the running plan, or a device whose speed moved beyond
@@ -97,7 +115,8 @@ class Replanner {
   /// a device's speed is then the one it had at the census times its probe's change since,
   /// so a straggler the plan left out is seen to go away.
   Result<ReplanDecision> evaluate(const std::vector<StageMeasurement>& measured, double measured_step_s,
-                                  bool may_search = true, const std::vector<double>& probe_rate = {});
+                                  bool may_search = true, const std::vector<double>& probe_rate = {},
+                                  const BeyondPipeline& beyond = {});
   /// `plan` runs from now on (the decision's candidate, or one the user forced), priced on
   /// the corrected inputs. Errors: a plan that does not fit the cost graph or the cluster.
   Status switched_to(const Plan& plan);

@@ -91,7 +91,7 @@ Solution exact_search(const CutStates& cs, const StagePairs& pairs, const Model&
             if (cs.through_fixed[outer] && !model.splits_alike(left, r, n - used, prev.r)) continue;
             insert(target,
                    {prev.sum + e.compute + e.comm, std::max({prev.max_stage, e.compute, e.comm}),
-                    std::max(prev.max_ar, e.allreduce), front[k], inner, r},
+                    std::max(prev.max_ar, e.tail()), front[k], inner, r},
                    rest, cs.through_fixed[inner]);
           }
         }
@@ -124,7 +124,7 @@ Solution bottleneck_search(const Units& u, const CutStates& cs, const Model& mod
   Solution overall;
   for (double ar_factor : {kInf, 4.0 * model.microbatches(), 1.0 * model.microbatches(), 0.25 * model.microbatches()}) {
     BottleneckSearch search(u, cs, model);
-    search.limit_allreduce(ar_factor);
+    search.limit_tail(ar_factor);
     Solution sol;
     if (!search.feasible(kInf, &sol)) continue;
     std::vector<StageEval> evals;
@@ -133,7 +133,7 @@ Solution bottleneck_search(const Units& u, const CutStates& cs, const Model& mod
     for (const auto& e : evals) hi = std::max({hi, e.compute, e.comm});
     if (std::isfinite(ar_factor)) {  // with a limit, start where it holds
       double worst_ar = 0;
-      for (const auto& e : evals) worst_ar = std::max(worst_ar, e.allreduce);
+      for (const auto& e : evals) worst_ar = std::max(worst_ar, e.tail());
       hi = std::max(hi, worst_ar / ar_factor);
       if (!search.feasible(hi, &sol)) continue;
     }

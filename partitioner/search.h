@@ -13,10 +13,11 @@
 
 namespace conveyor::partitioner::detail {
 
-/// The objective sum + (m-1) max + max-allreduce is monotone in each of (sum, max stage,
-/// max allreduce), so keeping every non-dominated triple per state is exact.
+/// The objective sum + (m-1) max + max-tail is monotone in each of (sum, max stage, max tail:
+/// a stage's gradient sum and optimizer step), so keeping every non-dominated triple per
+/// state is exact.
 
-/// A non-dominated (sum, slowest stage, largest allreduce) of the exact search, with its parent.
+/// A non-dominated (sum, slowest stage, largest tail) of the exact search, with its parent.
 struct Entry {
   double sum, max_stage, max_ar;
   int prev;   // entry of the state before this stage was added (-1: start)
@@ -116,7 +117,7 @@ class BottleneckSearch {
   // Whether `r` replicas on the devices ending before `n - used` meet T and memory.
   bool meets(const StageSums& ss, int used, int stages_after, double t, int r) const {
     const StageEval e = model_.eval(ss, model_.devices() - used - r, r, stages_after, used > 0);
-    return e.compute <= t && e.comm <= t && e.allreduce <= ar_limit_ * t && e.fits();
+    return e.compute <= t && e.comm <= t && e.tail() <= ar_limit_ * t && e.fits();
   }
 
   // The fewest replicas on devices ending before `n - used` meeting T and memory; -1 if none.
@@ -161,8 +162,9 @@ class BottleneckSearch {
   }
 
  public:
-  /// Each stage's allreduce must stay under `factor` times T (infinity: no limit).
-  void limit_allreduce(double factor) { ar_limit_ = factor; }
+  /// Each stage's tail (its gradient sum and optimizer step) must stay under `factor` times T
+  /// (infinity: no limit).
+  void limit_tail(double factor) { ar_limit_ = factor; }
 
  private:
   double ar_limit_ = kInf;
@@ -177,8 +179,8 @@ class BottleneckSearch {
   std::vector<Parent> parent_;
 };
 
-/// Bisection on T for a given allreduce limit (a multiple of T); the plan with the smallest
-/// objective over a few limits wins, since the allreduce tail is not part of T.
+/// Bisection on T for a given limit on the tails (a multiple of T); the plan with the smallest
+/// objective over a few limits wins, since the tail is not part of T.
 Solution bottleneck_search(const Units& u, const CutStates& cs, const Model& model);
 
 /// The simulator's judgement over the exact search's space (docs/planner.md, "A search

@@ -53,7 +53,7 @@ Result<double> score(const Units& u, const CutStates& cs, const Model& model, co
     }
     sum += e.compute + e.comm;
     max_stage = std::max({max_stage, e.compute, e.comm});
-    max_ar = std::max(max_ar, e.allreduce);
+    max_ar = std::max(max_ar, e.tail());
     if (evals) evals->push_back(e);
     first += sol.replicas[s];
   }

@@ -46,6 +46,7 @@ struct StageEval {
   double compute = 0;    // (F + B) per microbatch
   double comm = 0;       // activation and gradient across the cut after the stage
   double allreduce = 0;
+  double optimizer = 0;  // the optimizer's update of its parameters, on its slowest replica
   double need = 0;       // bytes per device: static + activations in flight + transient
   double static_bytes = 0;     // per device: weights, gradients, optimizer state
   // per device, while its backward runs: working memory and what a recomputing stage holds again
@@ -57,6 +58,8 @@ struct StageEval {
   int in_flight = 0;
   Recomputation recompute = Recomputation::kNone;  // compute includes what it runs again
   bool fits() const { return need <= capacity; }
+  /// What the stage adds after its last backward: its gradient sum, then the optimizer's step.
+  double tail() const { return allreduce + optimizer; }
 };
 
 /// The cost model for one microbatch count and schedule (docs/planner.md).
@@ -166,6 +169,12 @@ class Model {
     return ring * (l.bandwidth_bytes_per_s > 0 ? param_bytes / l.bandwidth_bytes_per_s : 0) + 2.0 * (r - 1) * l.latency_s;
   }
 
+  /// The optimizer's step over `param_bytes` on each of devices [first, first + r): each
+  /// updates them whole, so the slowest device's time.
+  double optimizer_time(double param_bytes, int first, int r) const {
+    return options_.optimizer_s_per_param_byte * param_bytes / min_speed_.query(first, r);
+  }
+
   /// The stage as it runs: as the options fix its recomputation for every stage, or, where
   /// they leave it to the planner, keeping its activations, else recomputing them the
   /// cheapest way first (selective, then full) where it would not fit otherwise (every search
@@ -196,6 +205,7 @@ class Model {
     e.compute = (s.fwd + s.forward_again(recompute) + s.bwd) * e.time_per_work + 2 * options_.action_overhead_s;
     e.comm = has_next ? comm_time(s.out_bytes, first + r - 1, r) : 0;
     e.allreduce = allreduce_time(s.params, first, r);
+    e.optimizer = optimizer_time(s.params, first, r);
     e.in_flight = in_flight(stages_after);
     e.static_bytes = s.params * (2 + options_.optimizer_bytes_per_param_byte);
     // Kept per microbatch in flight: its activations (recomputing: its inputs) and its
@@ -218,8 +228,9 @@ class Model {
     return e;
   }
 
-  double objective(double sum, double max_stage, double max_allreduce) const {
-    return sum + (m_ - 1) * max_stage + max_allreduce;
+  /// `max_tail`: the largest of the stages' tails (StageEval::tail).
+  double objective(double sum, double max_stage, double max_tail) const {
+    return sum + (m_ - 1) * max_stage + max_tail;
   }
 
  private:

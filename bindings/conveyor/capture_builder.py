@@ -237,5 +237,6 @@ def _planned(model, optimizer, graph, options: Options, job: Job, args: tuple, k
                          planned_sizes=dict(maker.sizes))
     if options.replan == "auto":
         state.plan_maker = maker
-        state.replanning = Replanning(maker.replanner(prof, plan), job.group, _device_of(args, kwargs), build_s)
+        state.replanning = Replanning(maker.replanner(prof, plan), job.group, _device_of(args, kwargs), build_s,
+                                      optimizer)
     return state

@@ -146,9 +146,8 @@ class Module(torch.nn.Module):
         """One entry per switch of plan: step, old and new (plan summaries), reason, the
         decision's arithmetic, predicted_gain_s per step, move_s and move_bytes (measured),
         step_before_s, and once the next window is measured measured_step_s and
-        measured_gain_s (the pipeline's own step, as plans predict it), and wall_before_s,
-        wall_step_s and wall_gain_s (the step as train_step's caller timed it: the optimizer's
-        step and host time too)."""
+        measured_gain_s: the step as the caller sees it, from one training call's start to the
+        next (the optimizer's step and the caller's loop in it)."""
         return self._history.switches
 
     def _built(self, what: str = "the pipeline is built on the first call") -> CaptureState:

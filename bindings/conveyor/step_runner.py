@@ -73,7 +73,7 @@ class StepRunner:
         state = self.captures.current
         started = time.perf_counter()
         with users_rng_kept(self.captures.model):
-            self._maybe_replan(state)
+            self._maybe_replan(state, started)
             plan_for_larger_sizes(state, calls, job=self.job, optimizer=self.optimizer, history=self.history,
                                   gather_whole_model=self.captures.gather_for_profiling)
         pipeline = self._pipeline_for(state, calls, packed)
@@ -86,7 +86,7 @@ class StepRunner:
         self.history.steps_run += 1
         state.trained_steps += 1
         if pipeline is state.pipeline and state.replanning is not None:
-            state.replanning.ran_step(time.perf_counter() - started)
+            state.replanning.ran_step()
             self._on_timeline(state.replanning, started)
         if self.trace is not None and (self.history.steps_run <= 2 or self.history.marker is not None):
             # The second step (past warm-up), or the first after a switch of plan, marked.
@@ -127,12 +127,12 @@ class StepRunner:
         """The capture in use runs `plan` from the next step on (collective across processes)."""
         switch_to(self.captures.current, plan, None, job=self.job, optimizer=self.optimizer, history=self.history)
 
-    def _maybe_replan(self, state: CaptureState) -> None:
-        """At a step boundary: a re-planning window's boundary when one is due, and the decision due
-        now, with its switch."""
+    def _maybe_replan(self, state: CaptureState, started: float) -> None:
+        """At a step boundary (the call began at `started`): a re-planning window's boundary when
+        one is due, and the decision due now, with its switch."""
         if state.replanning is None:
             return
-        decision = state.replanning.at_step_boundary(state.pipeline, self.history.switches, state.plan)
+        decision = state.replanning.at_step_boundary(state.pipeline, self.history.switches, state.plan, started)
         if decision is not None and decision["switch"]:
             switch_to(state, Plan(decision["candidate"]), decision, job=self.job,
                       optimizer=self.optimizer, history=self.history)

@@ -32,6 +32,7 @@ from .core_sharing import CoreSharing, thread_cpu_s
 from .device_probe import DeviceProbe
 from .replanning_messages import DECIDED_AFTER, FIGURES, WindowFigures, WindowMessages
 from .replanning_trace import PLANNER
+from .step_clock import StepClock
 
 WINDOW = 5  # steps of a running plan's first window (its census), and the fewest of any window
 
@@ -149,16 +150,35 @@ def _settle_at_exit() -> None:
 COMPUTE = ("forward_s", "backward_s", "backward_weight_s", "replica_compute_s")  # a window's figures of compute
 
 
-def window_figures(report: dict, window: int, probe_rate: float = 0.0, compute_scale: float = 1.0) -> WindowFigures:
+def window_figures(report: dict, window: int, probe_rate: float = 0.0, compute_scale: float = 1.0,
+                   wall_s: float = 0.0, optimizer_s: float = 0.0) -> WindowFigures:
     """This process's figures of a window, from its live profile's report (`probe_rate`: its
     device's probe, DeviceProbe.rate; 0: not probed), its compute times `compute_scale`
-    times what they measured (core_sharing.py: without what the planner took of them)."""
+    times what they measured (core_sharing.py: without what the planner took of them), and
+    its mean step as its caller saw it (`wall_s`) with the optimizer's part of it (step_clock.py)."""
     def scaled(k, x):
         if k not in COMPUTE or compute_scale == 1.0:
             return x
         return [v * compute_scale for v in x] if isinstance(x, list) else x * compute_scale
     return WindowFigures(window, [{k: scaled(k, s[k]) for k in FIGURES} for s in report["stages"]],
-                         report["measured_step_s"], probe_rate)
+                         report["measured_step_s"], probe_rate, wall_s, optimizer_s)
+
+
+def step_terms(figures: list, per_device: bool) -> tuple[float, list, float]:
+    """Every process's figures of a window (process 0's first) as the Replanner takes them:
+    the step the plans price (the pipeline's, and with `per_device` its optimizer's after it,
+    on the process that ends last), per device its process's optimizer step (`per_device`:
+    device d is process d; else none), and what no plan changes per step (the least over the
+    processes that run a stage of their step beyond those: the caller's loop and data; where
+    the optimizer is not per device, one process's updates the whole model under any plan,
+    and it is counted here)."""
+    running = [f for f in figures if f.step_s > 0]
+    if not running:
+        return max(f.step_s for f in figures), [], 0.0
+    optimizer = (lambda f: f.optimizer_s) if per_device else (lambda f: 0.0)
+    priced = max(f.step_s + optimizer(f) for f in running)
+    beyond = [f.wall_s - f.step_s - optimizer(f) for f in running if f.wall_s > 0]
+    return priced, [f.optimizer_s for f in figures] if per_device else [], max(0.0, min(beyond, default=0.0))
 
 
 class Replanning:
@@ -180,7 +200,7 @@ class Replanning:
     window sooner), and the window after one that found a switch, which confirms it (within
     half a step, else it is heard at the next boundary)."""
 
-    def __init__(self, replanner, group, device=None, build_s: float = 0.0):
+    def __init__(self, replanner, group, device=None, build_s: float = 0.0, optimizer=None):
         self.replanner = replanner  # process 0 (or the only process); None elsewhere
         self.group = group
         # Across processes (device d is process d): this process's device, probed at each
@@ -203,8 +223,12 @@ class Replanning:
         # as process 0 sized it from its steps' time, and sent with its decision (every
         # process ends each window at the same step).
         self.next_boundary = 1 + WINDOW
-        self.walls: list = []   # the wall time of each of this window's steps, as the caller saw it
-        self.last_wall_s = 0.0  # the last window's mean step as the caller saw it (optimizer step included)
+        # The step as the caller saw it (from one call's start to the next) and the optimizer's
+        # part of it: per step of this window, and the last window's mean.
+        self.clock = StepClock(optimizer)
+        self.walls: list = []
+        self.optimizer_times: list = []
+        self.last_wall_s = 0.0
         # What building the current pipeline took (the first: as the Module built it), the
         # part of a move's price that is not bytes (a first move priced without it was
         # predicted at 3.3 ms and took 115 ms, 16 of them rebuilding).
@@ -232,15 +256,24 @@ class Replanning:
     def restart_windows(self) -> None:
         """A new pipeline runs (a switch, or a capture's pipeline built again): its windows
         count its steps, from a first window of WINDOW steps."""
-        self.steps, self.walls, self.next_boundary = 0, [], 1 + WINDOW
+        self.steps, self.walls, self.optimizer_times, self.next_boundary = 0, [], [], 1 + WINDOW
+        self.clock.forget()
 
-    def ran_step(self, wall_s: float) -> None:
-        """A step of the running pipeline ended, `wall_s` after its call began."""
+    def ran_step(self) -> None:
+        """A step of the running pipeline ran (measured from its call's start to the next's)."""
         self.steps += 1
         if self.steps == 1 and self.sharing is not None:  # the first window starts
             self.sharing.mark(self._planner_cpu_so_far(), self._planner_thread())
         if self.steps > 1:  # the first, warm-up, measures nothing
+            self.clock.measure_this_step()
+
+    def _call_began(self, started: float) -> None:
+        """A training call began at `started`: the last step's wall time closes."""
+        closed = self.clock.began(started)
+        if closed is not None:
+            wall_s, optimizer_s = closed
             self.walls.append(wall_s)
+            self.optimizer_times.append(optimizer_s)
             self.steps_wall_s += wall_s
             self.steps_counted += 1
 
@@ -258,12 +291,14 @@ class Replanning:
     def due(self) -> bool:
         return self.steps >= self.next_boundary
 
-    def at_step_boundary(self, step, switches: list, running=None) -> dict | None:
+    def at_step_boundary(self, step, switches: list, running=None, started: float | None = None) -> dict | None:
         """Before a step of pipeline `step`: a window's boundary when one is due, and the
         decision to apply now, if any (every process alike). The last of the Module's
         `switches` (forced ones included) gets its measured gain from the first window after it.
-        `running`: the Plan that runs (whether it leaves this process's device idle)."""
+        `running`: the Plan that runs (whether it leaves this process's device idle);
+        `started`: when the training call began (time.perf_counter; None: now)."""
         t0 = time.perf_counter()
+        self._call_began(t0 if started is None else started)
         try:
             if self.due():
                 self._boundary(step, switches, running)
@@ -284,13 +319,13 @@ class Replanning:
         if self.probe is not None and running is not None and (
                 census or self.group.rank in idle_devices(running.document)):
             probe_rate = self.probe.rate(census)
-        figures = window_figures(step.profile_report(), window, probe_rate, 1.0 - taken if self.on_cpu else 1.0)
-        # A process that runs no stage measures no step: the switch's gain is then read from
-        # the steps' wall time here, which the processes that run them set.
-        walls, self.walls = self.walls, []
+        walls, optimizers, self.walls, self.optimizer_times = self.walls, self.optimizer_times, [], []
         wall_s = sum(walls) / len(walls) if walls else 0.0
-        self._measure_switch(switches, figures.step_s if figures.step_s > 0 or not walls else wall_s, wall_s)
-        self.last_wall_s = wall_s
+        optimizer_s = sum(optimizers) / len(optimizers) if optimizers else 0.0
+        figures = window_figures(step.profile_report(), window, probe_rate, 1.0 - taken if self.on_cpu else 1.0,
+                                 wall_s, optimizer_s)
+        self._measure_switch(switches, wall_s or figures.step_s)
+        self.last_wall_s = wall_s or figures.step_s
         if not self.decides:
             self.next_boundary = self.steps + WINDOW  # until process 0's is heard (_hear), a step from now
             self.messages.send_figures(figures)
@@ -365,7 +400,7 @@ class Replanning:
             self.judging = decision is not None and not decision["undo"]
         self.restart_windows()
         self.rebuild_s = entry["rebuild_s"]
-        entry["wall_before_s"] = self.last_wall_s  # the caller's step before it, beside the pipeline's own
+        entry["step_before_s"] = self.last_wall_s or entry["step_before_s"]  # as the first window after it is measured
         if entry["move_bytes"] and entry["transfer_s"] > 0:
             self.bytes_per_s = entry["move_bytes"] / entry["transfer_s"]
         self.say(f"step {entry['step']}: {entry['old']} -> {entry['new']}; {entry['arithmetic'] or entry['reason']}; "
@@ -387,7 +422,7 @@ class Replanning:
             t0, cpu0 = time.perf_counter(), time.thread_time()
             box["started"] = t0
             try:
-                reports, step_s, probe_rate = [mine.stages], mine.step_s, [mine.probe_rate]
+                reports, every, probe_rate = [mine.stages], [mine], [mine.probe_rate]
                 for peer in peers:
                     for window in unread:  # the last is this window's; earlier ones went unevaluated
                         theirs = self.messages.read_figures(peer, window)
@@ -396,15 +431,16 @@ class Replanning:
                                              f"{len(theirs.stages)} stages, this process's {len(mine.stages)}: the "
                                              "processes run different plans (restart the job)")
                     reports.append(theirs.stages)
-                    step_s = max(step_s, theirs.step_s)
+                    every.append(theirs)
                     probe_rate.append(theirs.probe_rate)
                 stages, waiting = merge_processes(reports) if len(reports) > 1 else (reports[0], [])
                 box["read_s"] = time.perf_counter() - t0
                 measured = [{k: s[k] for k in FIGURES if k != "across_s"} for s in stages]
                 probed = probe_rate if self.probe is not None else []  # device d is process d
+                step_s, optimizer_s, host_s = step_terms(every, per_device=self.probe is not None)
                 box["decision"] = self.replanner.evaluate(measured, step_s, rebuild_s=self.rebuild_s,
                                                           bytes_per_s=self.bytes_per_s, may_search=may_search,
-                                                          probe_rate=probed)
+                                                          probe_rate=probed, optimizer_s=optimizer_s, host_s=host_s)
                 box["decision"].update(waiting=waiting, across_s=[s["across_s"] for s in stages], probe_rate=probed)
             except BaseException as e:  # raised where the decision is heard, on the caller's thread
                 box["error"] = e
@@ -457,22 +493,16 @@ class Replanning:
                         waited_s=time.perf_counter() - t0, evaluated=self.evaluated, planner_cpu_s=self.planner_cpu_s)
         return decision
 
-    def _measure_switch(self, switches: list, step_s: float, wall_s: float) -> None:
-        """The last switch's measured gain, from the first window after it: in the pipeline's
-        own step (what the plans predict), and in the step as the caller timed it (`wall_s`:
-        the optimizer's step and the step's host time too, which no plan prices yet)."""
+    def _measure_switch(self, switches: list, step_s: float) -> None:
+        """The last switch's measured gain, from the first window after it: in the step as the
+        caller saw it (`step_s`), against the window's before it."""
         if switches and switches[-1]["measured_gain_s"] is None:
             last = switches[-1]
             last["measured_step_s"] = step_s
             last["measured_gain_s"] = last["step_before_s"] - step_s
-            before = last.get("wall_before_s") or 0.0
-            last["wall_step_s"] = wall_s or None
-            last["wall_gain_s"] = before - wall_s if before > 0 and wall_s > 0 else None
-            wall = (f"; the step as the caller timed it {before * 1e3:.2f} -> {wall_s * 1e3:.2f} ms"
-                    if last["wall_gain_s"] is not None else "")
             self.say(f"step {last['step']}: the switch measured {last['measured_gain_s'] * 1e3:.2f} ms saved per step "
                      f"({last['step_before_s'] * 1e3:.2f} -> {step_s * 1e3:.2f} ms; predicted "
-                     f"{last['predicted_gain_s'] * 1e3:.2f} ms{wall})")
+                     f"{last['predicted_gain_s'] * 1e3:.2f} ms)")
 
     def say(self, text: str) -> None:
         if self.group is None or self.group.rank == 0:
@@ -497,6 +527,10 @@ class Replanning:
                        "running plan: never measured, so how it compares with the devices that run is the cluster's "
                        "speeds, uncorrected\n") if unprobed else ""
         pricing = f.get("stage_pricing") or []
+        per_byte = d.get("optimizer_s_per_param_byte", 0.0)
+        optimizer = (f"the optimizer's step {per_byte * 1e12:.1f} ms per GB of parameters a device updates"
+                     if per_byte > 0 else "the optimizer's step counted with the host's time, the same under any plan "
+                     "(one process, or not timed)")
         if self.probe is None and len(running["stages"]) > 1:
             unmeasured += ("  devices and operators not told apart (one process: no probes), so a stage the profile "
                            "priced wrongly reads as its device's speed\n")
@@ -510,7 +544,8 @@ class Replanning:
             for k, (moving, waits) in enumerate(zip(d.get("across_s", []), d.get("waiting", []))) if moving > 0)
         return (f"re-planning: {d['reason']}\n  {d['arithmetic']}\n{sums}  corrections: forward x{f['forward']:.2f}, "
                 f"backward x{f['backward']:.2f}, weight gradient x{f['weight']:.2f}, transfers x{f['link']:.2f}; "
-                f"device speeds x[{speeds}]; the runtime's cost per action {d['action_overhead_s'] * 1e6:.0f} us\n"
+                f"device speeds x[{speeds}]; the runtime's cost per action {d['action_overhead_s'] * 1e6:.0f} us; "
+                f"{optimizer}\n"
                 f"{unmeasured}  the planner thread: {d['evaluated']} evaluations, {d['planner_cpu_s']:.3f} s of CPU in "
                 f"all (the last: {d['planning_cpu_s'] * 1e3:.1f} ms of CPU over {d['planning_s'] * 1e3:.1f} ms, "
                 f"{'a search' if d.get('searched') else 'no search'})\n{self.cost_line()}"

@@ -34,13 +34,16 @@ PLANS = ("candidate", "running")  # a decision's plans (_C.Plan): on the wire, t
 @dataclass
 class WindowFigures:
     """One process's figures of one window: its live profile's per-stage figures (for the
-    replicas it runs), its mean step, and the matrix products per second its device's probe
-    ran at the window's end (device_probe.py: the running plan's first window, or its device
-    idle; 0: not probed)."""
+    replicas it runs), its mean step (the pipeline's own), the matrix products per second its
+    device's probe ran at the window's end (device_probe.py: the running plan's first window,
+    or its device idle; 0: not probed), and its mean step as its caller saw it with the
+    optimizer's part of it (step_clock.py; 0: not measured)."""
     window: int
     stages: list
     step_s: float
     probe_rate: float = 0.0
+    wall_s: float = 0.0
+    optimizer_s: float = 0.0
 
 
 # A window's figures per stage (the live profile's report), in seconds; replica_compute_s a list.
@@ -54,20 +57,21 @@ def _seconds(x) -> bool:
 
 def figures_problem(got, window: int) -> str | None:
     """What is wrong with `got` as a peer's figures of `window` (None: nothing)."""
-    if not (isinstance(got, list) and len(got) == 4 and got[0] == window):
+    if not (isinstance(got, list) and len(got) == 6 and got[0] == window):
         return (f"received {str(got)[:80]!r}, not window {window}'s figures; the processes disagree on the windows "
                 "they ran (restart the job)")
-    _, stages, step_s, probe_rate = got
+    _, stages, step_s, probe_rate, wall_s, optimizer_s = got
 
     def stage_ok(s) -> bool:
         return isinstance(s, dict) and all(
             isinstance(s.get(k), list) and all(map(_seconds, s[k])) if k == "replica_compute_s" else _seconds(s.get(k))
             for k in FIGURES)
 
-    if not (_seconds(step_s) and _seconds(probe_rate) and isinstance(stages, list) and all(map(stage_ok, stages))):
+    if not (all(map(_seconds, (step_s, probe_rate, wall_s, optimizer_s))) and isinstance(stages, list)
+            and all(map(stage_ok, stages))):
         return (f"received {str(got)[:120]!r}, not a step time, per stage the figures {', '.join(FIGURES)} in "
-                "seconds and a probe's rate; the processes run different versions of conveyor, or a "
-                "peer is not conveyor")
+                "seconds, a probe's rate, and the step as the caller saw it with its optimizer's part; the "
+                "processes run different versions of conveyor, or a peer is not conveyor")
     return None
 
 
@@ -95,7 +99,7 @@ class WindowMessages:
     def send_figures(self, figures: WindowFigures) -> None:
         """A process other than 0: its figures of the window at this boundary, to process 0."""
         self.sends.send(0, FIGURES_TAG, [_as_tensor([figures.window, figures.stages, figures.step_s,
-                                                     figures.probe_rate])],
+                                                     figures.probe_rate, figures.wall_s, figures.optimizer_s])],
                         f"the figures of re-planning window {figures.window} to process 0")
 
     def unread(self, last: int) -> range:
