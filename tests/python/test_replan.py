@@ -17,8 +17,9 @@ import conveyor
 import zoo
 from conveyor import _C
 from conveyor.planning.device_probe import DeviceProbe
-from conveyor.planning.replanning import WINDOW, window_seconds, window_steps
-from conveyor.planning.replanning_messages import FIGURES, figures_problem
+from conveyor.planning.replanning import WINDOW, step_terms, window_seconds, window_steps
+from conveyor.planning.replanning_messages import FIGURES, WindowFigures, figures_problem
+from conveyor.planning.step_clock import StepClock
 
 from conftest import free_port
 from auto_switch_worker import wrong_speeds_cluster
@@ -427,6 +428,52 @@ def test_a_peers_figures_of_the_window_pass():
     assert figures_problem(_figures(1, [stage, stage], 0.5, 0.0), 1) is None
     assert figures_problem(_figures(1, [], 0.5, 25000.0), 1) is None  # a process whose device was probed
     assert figures_problem(_figures(1, [stage, stage], 0.5, 0.0, wall_s=0.6, optimizer_s=0.05), 1) is None
+
+
+def test_the_step_as_the_caller_sees_it_runs_from_one_calls_start_to_the_next_with_its_optimizer_step():
+    """StepClock: a step measured from its call's start to the next call's, and the time the
+    Module's optimizer's steps took within it (its hooks); a step not marked, or forgotten (a
+    new pipeline's first), is not measured."""
+    w = torch.nn.Parameter(torch.randn(512, 512))
+    opt = torch.optim.Adam([w])
+    clock = StepClock(opt)
+    assert clock.began(10.0) is None  # nothing open yet
+    clock.measure_this_step()
+    w.grad = torch.randn_like(w)
+    t0 = time.perf_counter()
+    opt.step()
+    stepped = time.perf_counter() - t0
+    wall, optimizer = clock.began(10.5)
+    assert wall == pytest.approx(0.5)
+    assert 0 < optimizer <= stepped, (optimizer, stepped)
+    assert clock.began(11.0) is None  # the call at 10.5 was not marked as a step
+    clock.measure_this_step()
+    clock.forget()
+    assert clock.began(12.0) is None
+    unhooked = StepClock(None)
+    unhooked.measure_this_step()
+    unhooked.began(1.0)
+    unhooked.measure_this_step()
+    assert unhooked.began(1.25) == (0.25, 0.0)
+    del clock  # its hooks go with it
+    opt.step()
+
+
+def test_a_windows_step_is_priced_with_the_optimizer_on_the_process_that_ends_last():
+    """step_terms: across processes (device d is process d), the step the plans price is the
+    pipeline's with each process's optimizer after it, the largest; what no plan changes is
+    the least beyond that over the processes that run a stage; in one process the optimizer
+    is part of the latter (it updates the whole model under any plan)."""
+    def figures(step_s, wall_s, optimizer_s):
+        return WindowFigures(1, [], step_s, 0.0, wall_s, optimizer_s)
+    priced, optimizer, host = step_terms([figures(0.020, 0.030, 0.003), figures(0.018, 0.030, 0.006),
+                                          figures(0.0, 0.030, 0.0)], per_device=True)  # process 2 runs nothing
+    assert priced == pytest.approx(0.024) and optimizer == [0.003, 0.006, 0.0]
+    assert host == pytest.approx(0.006)
+    priced, optimizer, host = step_terms([figures(0.020, 0.030, 0.003)], per_device=False)
+    assert priced == pytest.approx(0.020) and optimizer == [] and host == pytest.approx(0.010)
+    assert step_terms([figures(0.020, 0.0, 0.0)], per_device=False) == (0.020, [], 0.0)  # the wall not measured
+    assert step_terms([figures(0.020, 0.015, 0.0)], per_device=False)[2] == 0.0  # never negative
 
 
 def test_a_devices_probe_says_how_many_matrix_products_it_runs_per_second():
