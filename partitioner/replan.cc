@@ -202,6 +202,32 @@ Status Replanner::idle_speeds(Factors& seen, const std::vector<double>& probe_ra
   return Status::ok();
 }
 
+void Replanner::update_ceilings(const std::vector<double>& probe_rate, const std::vector<double>& per_rated) {
+  const std::size_t devices = base_cluster_.devices.size();
+  ceiling_.resize(devices, 0.0);
+  ceiling_rate_.resize(devices, 0.0);
+  const double noise = 2 * policy_.tolerance;  // a probe's, as measure_factors takes it
+  if (!per_rated.empty()) {  // a census: every ceiling set anew
+    double fastest = 0;
+    for (std::size_t d = 0; d < devices; ++d) {
+      if (!idle(running_, static_cast<int>(d))) fastest = std::max(fastest, per_rated[d]);
+    }
+    for (std::size_t d = 0; d < devices; ++d) {
+      const double ratio = fastest > 0 ? per_rated[d] / fastest : 1.0;
+      const bool slow = !idle(running_, static_cast<int>(d)) && ratio < 1 - noise;
+      ceiling_[d] = slow ? ratio : 0.0;
+      ceiling_rate_[d] = slow ? probe_rate[d] : 0.0;
+    }
+    return;
+  }
+  for (std::size_t d = 0; d < devices && d < probe_rate.size(); ++d) {
+    if (ceiling_[d] <= 0 || probe_rate[d] <= 0 || ceiling_rate_[d] <= 0) continue;
+    ceiling_[d] *= probe_rate[d] / ceiling_rate_[d];
+    ceiling_rate_[d] = probe_rate[d];
+    if (ceiling_[d] >= 1 - noise) ceiling_[d] = ceiling_rate_[d] = 0;  // its straggler went
+  }
+}
+
 std::vector<double> Replanner::stage_pricing(const Plan& plan) const {
   std::vector<double> out;
   for (const StagePlan& stage : plan.stages) {
@@ -313,6 +339,17 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   if (applied_.speed.empty()) applied_.speed.assign(devices, 1.0);
   Factors seen = zip(raw, applied_, [](double r, double a) { return r * a; });
   CONVEYOR_RETURN_IF_ERROR(idle_speeds(seen, probe_rate, per_rated));
+  // No device runs faster than its ceiling lets it, against the fastest device without one.
+  update_ceilings(probe_rate, per_rated);
+  d.speed_ceiling = ceiling_;
+  double unbounded = 0;
+  for (int dev = 0; dev < devices; ++dev) {
+    if (ceiling_[dev] <= 0) unbounded = std::max(unbounded, seen.speed[dev]);
+  }
+  for (int dev = 0; dev < devices; ++dev) {
+    if (ceiling_[dev] <= 0) continue;
+    if (unbounded > 0) seen.speed[dev] = std::min(seen.speed[dev], ceiling_[dev] * unbounded);
+  }
   // Kinds and speeds are known up to a common scale (a stage's time is cost x kind / speed):
   // the fastest device keeps its speed, the scale goes to the kinds, so that estimates made
   // under different plans agree.

@@ -85,6 +85,10 @@ struct ReplanDecision {
   /// priced again instead (a search is the costly part).
   bool searched = true;
   bool search_deferred = false;    ///< not searched though the inputs moved: the caller asked for none
+  /// Per device, the most its speed is taken to be (as a factor, the fastest device's 1), as
+  /// its probes set it (Replanner::ceiling_; 0: none): its process probes it again now and
+  /// then, so that the ceiling lifts when its straggler goes.
+  std::vector<double> speed_ceiling;
   std::string reason;              ///< why it switches or not
   /// The decision's arithmetic on one line: gain, horizon, moving cost in bytes and seconds.
   std::string arithmetic(const ReplanPolicy& policy) const;
@@ -169,6 +173,16 @@ class Replanner {
   // probes are relative to. 0 for a device a stage runs on (and a rate not yet probed).
   std::vector<double> idle_from_, idle_rate_;
   void note_idle_devices();
+  /// Per device, the most its speed (as a factor, the fastest device's 1) is taken to be: on
+  /// a core it shares, a process woken from waiting runs ahead of its neighbour, so a light
+  /// stage there measures full speed and a heavier one gets only the core's share (a BERT's
+  /// hogged process 0, given a quarter of the model, read 1.8x device 1's speed; given more,
+  /// it ran 10 ms a step slower, and the plan flip-flopped). A census that probes a running
+  /// device slower than the fastest beyond the noise sets its ceiling at the probe's ratio
+  /// (its share of the device under a full load); a later probe of it scales that, and lifts
+  /// it once it runs as fast as the fastest. 0: none.
+  std::vector<double> ceiling_, ceiling_rate_;
+  void update_ceilings(const std::vector<double>& probe_rate, const std::vector<double>& per_rated);
   /// `seen`'s speeds of the devices the running plan leaves idle, from their probes
   /// (`per_rated`: at a census, every device's rate per unit of its rated speed; else empty).
   Status idle_speeds(Factors& seen, const std::vector<double>& probe_rate, const std::vector<double>& per_rated);

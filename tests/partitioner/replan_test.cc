@@ -693,6 +693,35 @@ TEST(Replan, TheGainIsAskedOfTheStepAsTheCallerSeesIt) {
   EXPECT_FALSE(bare.evaluate(m, step, true, {}, BeyondPipeline{{0, 0, 0, 0}, 0}).is_ok());
 }
 
+// On a core it shares with a busy neighbour, a process woken from waiting runs ahead of it: a
+// light stage there measures full speed, a heavier one only the core's share (a BERT's hogged
+// process 0 read 1.8x the free device's speed under a quarter of the model, and the plan
+// moved work back onto it, 10 ms a step slower, again and again). Its census probe, a full
+// load, sets a ceiling on its speed, which a later probe lifts once the neighbour is gone.
+TEST(Replan, ADeviceThatProbesSlowIsNoFasterThanItsProbeWhateverALightStageMeasures) {
+  const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
+  const Cluster cluster = devices(2);
+  const Plan plan = *make_plan(g, cluster, options());
+  ASSERT_EQ(plan.stages.size(), 2u);
+  Replanner r(g, cluster, plan, options(), ReplanPolicy{});
+  std::mt19937 rng(17);
+  auto [m, step] = run(g, r.running(), {1, 1}, 0.0, rng);  // both stages at full speed
+  auto census = r.evaluate(m, step, true, {500, 1000});     // device 0's probe at half device 1's
+  ASSERT_TRUE(census.is_ok()) << census.status().to_string();
+  EXPECT_NEAR(census->speed_ceiling.at(0), 0.5, 1e-9);
+  EXPECT_EQ(census->speed_ceiling.at(1), 0);
+  EXPECT_LE(census->calibration.factors.speed[0], 0.5 + 1e-9) << "no faster than its probe";
+  EXPECT_EQ(census->calibration.factors.speed[1], 1);
+  auto later = r.evaluate(m, step);  // no probe: the ceiling stands
+  ASSERT_TRUE(later.is_ok());
+  EXPECT_LE(later->calibration.factors.speed[0], 0.5 + 1e-9);
+  // Device 0 probed again as fast as device 1 was at the census: its neighbour went.
+  auto gone = r.evaluate(m, step, true, {1000, 0});
+  ASSERT_TRUE(gone.is_ok());
+  EXPECT_EQ(gone->speed_ceiling.at(0), 0);
+  EXPECT_GT(gone->calibration.factors.speed[0], 0.9) << "its stages measure it at full speed";
+}
+
 TEST(Replan, BadMeasurementsAreRefused) {
   const CostGraph g = testing::uniform_chain(4, 1e-3, 2e-3, 100, 1e6);
   const Cluster cluster = devices(2);

@@ -68,6 +68,12 @@ def window_steps(step_s: float, window_s: float) -> int:
     return max(WINDOW, math.ceil(window_s / step_s))
 
 
+# Windows between probes of a device whose census probe set a ceiling on its speed (it runs
+# stages, so a light one measures full speed on a core it shares: partitioner/replan.h): one
+# probe of 50 ms every fifth window of at least 2 s, so that the ceiling lifts once its
+# straggler goes, at 0.5% of that process's time.
+REPROBE_EVERY = 5
+
 PLANNER_NICENESS = 10  # the planner thread's: a tenth of a core the training wants too
 # The most of one core the planner's searches take, over the time from one search's start to
 # the next's: a search of 0.45 s of CPU (GPT-2 of 8 blocks) waits 45 s for the next. Searching
@@ -316,8 +322,11 @@ class Replanning:
         taken = self.sharing.share_taken(self._planner_cpu_so_far(), self._planner_thread()) if self.sharing else 0.0
         probe_rate = 0.0
         census = self.steps == 1 + WINDOW  # the running plan's first window: every process probes
+        ceiling = self.last.get("speed_ceiling", []) if self.last is not None else []
+        again = self.group is not None and window % REPROBE_EVERY == 0 and \
+            self.group.rank < len(ceiling) and ceiling[self.group.rank] > 0
         if self.probe is not None and running is not None and (
-                census or self.group.rank in idle_devices(running.document)):
+                census or again or self.group.rank in idle_devices(running.document)):
             probe_rate = self.probe.rate(census)
         walls, optimizers, self.walls, self.optimizer_times = self.walls, self.optimizer_times, [], []
         wall_s = sum(walls) / len(walls) if walls else 0.0
@@ -526,6 +535,10 @@ class Replanning:
         unmeasured += (f"  device{'s' if len(unprobed) > 1 else ''} {', '.join(map(str, unprobed))} idle under the "
                        "running plan: never measured, so how it compares with the devices that run is the cluster's "
                        "speeds, uncorrected\n") if unprobed else ""
+        ceilings = "".join(
+            f"  device {i} probed slower than the fastest: its speed taken as x{c:.2f} at most, whatever a light stage "
+            f"there measures (on a core it shares, a process woken from waiting runs ahead of its neighbour); probed "
+            f"again every {REPROBE_EVERY} windows\n" for i, c in enumerate(d.get("speed_ceiling", [])) if c > 0)
         pricing = f.get("stage_pricing") or []
         per_byte = d.get("optimizer_s_per_param_byte", 0.0)
         optimizer = (f"the optimizer's step {per_byte * 1e12:.1f} ms per GB of parameters a device updates"
@@ -542,7 +555,7 @@ class Replanning:
             f"for the slowest process: " + ", ".join(f"process {p} {w * 1e3:.2f} ms" for p, w in enumerate(waits)) +
             (f" (process {waits.index(min(waits))} is the slowest)" if len(waits) > 1 and max(waits) > 0 else "") + "\n"
             for k, (moving, waits) in enumerate(zip(d.get("across_s", []), d.get("waiting", []))) if moving > 0)
-        return (f"re-planning: {d['reason']}\n  {d['arithmetic']}\n{sums}  corrections: forward x{f['forward']:.2f}, "
+        return (f"re-planning: {d['reason']}\n  {d['arithmetic']}\n{sums}{ceilings}  corrections: forward x{f['forward']:.2f}, "
                 f"backward x{f['backward']:.2f}, weight gradient x{f['weight']:.2f}, transfers x{f['link']:.2f}; "
                 f"device speeds x[{speeds}]; the runtime's cost per action {d['action_overhead_s'] * 1e6:.0f} us; "
                 f"{optimizer}\n"
