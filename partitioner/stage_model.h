@@ -38,7 +38,7 @@ struct StageSums {
 /// The work of a stage's split backward done at W, of its operators' backward `bwd` and their
 /// weight-gradient part `bwd_w`: a stage that reads nothing from another (the first) has no
 /// input gradient to compute, so all of it (measured on GPT-2: 0.1 ms for the input half, the
-/// whole 21 ms at W), in time as in memory (planner.cc's stage_plan).
+/// whole 21 ms at W), in time as in memory (plan_rows.cc's stage_plan).
 inline double weight_half(double bwd, double bwd_w, bool reads_another) { return reads_another ? bwd_w : bwd; }
 
 /// A stage on a range of devices: its times and its memory.
