@@ -1,0 +1,55 @@
+// What the re-planning tests run: small clusters, the planner's options they plan with,
+// and what a plan's layout measures on devices of given true speeds.
+#pragma once
+
+#include <algorithm>
+#include <random>
+#include <utility>
+#include <vector>
+
+#include "partitioner/replan.h"
+
+namespace conveyor::partitioner::testing {
+
+using scheduler::ScheduleKind;
+
+inline Cluster devices(int n) { return Cluster::uniform(1, n, 16e9, 1.0, {10e9, 5e-6}, {10e9, 5e-6}); }
+
+inline PlanOptions options() {
+  PlanOptions o;
+  o.batch = 16;
+  o.microbatches = 4;
+  o.max_replicas = 1;
+  o.schedules = {ScheduleKind::kOneFOneB};
+  o.even_shares = true;
+  return o;
+}
+
+// What `plan`'s layout measures when the operators cost what `g` says and the devices run at
+// `speed` (the truth, whatever the Replanner believes), each kind off by a uniform factor
+// within `noise`; the step as the simulator has it, off by the same noise.
+inline std::pair<std::vector<StageMeasurement>, double> run(const CostGraph& g, const Plan& plan,
+                                                     const std::vector<double>& speed, double noise,
+                                                     std::mt19937& rng) {
+  std::uniform_real_distribution<double> jitter(1 - noise, 1 + noise);
+  Cluster truth = devices(static_cast<int>(speed.size()));
+  for (std::size_t d = 0; d < speed.size(); ++d) truth.devices[d].speed = speed[d];
+  Plan as_run = *reprice(g, truth, options(), plan);
+  std::vector<StageMeasurement> out;
+  for (auto& s : as_run.stages) {
+    s.forward_s *= jitter(rng);
+    s.backward_s *= jitter(rng);
+    // A replicated stage's time is its slowest replica's; each replica's (even shares) is
+    // that scaled by how much faster its device runs.
+    std::vector<double> replicas;
+    if (s.replicas > 1) {
+      const auto first = speed.begin() + s.first_device;
+      const double slowest = *std::min_element(first, first + s.replicas);
+      for (int i = 0; i < s.replicas; ++i) replicas.push_back((s.forward_s + s.backward_s) * slowest / first[i]);
+    }
+    out.push_back({s.forward_s, s.backward_s, 0, replicas});
+  }
+  return {out, as_run.simulate()->step_time_s * jitter(rng)};
+}
+
+}  // namespace conveyor::partitioner::testing

@@ -1,0 +1,165 @@
+// Re-planning prices what a step spends beyond the pipeline's own operators: the optimizer's
+// step on each replica that applies it, the host's time that no plan changes (the gain is
+// asked of the whole step), and a device that probes slow is priced no faster than its probe.
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "partitioner/replan.h"
+#include "random_graphs.h"
+#include "replan_scenarios.h"
+
+namespace conveyor::partitioner {
+namespace {
+
+using scheduler::ScheduleKind;
+using testing::devices;
+using testing::options;
+using testing::run;
+
+// Two devices, the second at half speed, and a model whose optimizer step outweighs its
+// compute: every replica updates its stage's parameters whole, so shares that spare the slow
+// device its samples leave it the whole model's update (a user's BERT under AdamW), and a
+// pipeline that gives it fewer parameters pays.
+Cluster slow_second() {
+  Cluster c = Cluster::uniform(1, 2, 16e9, 1.0, {1e12, 5e-6}, {1e12, 5e-6});  // the gradient sum all but free
+  c.devices[1].speed = 0.5;
+  return c;
+}
+PlanOptions free_layout() {
+  PlanOptions o = options();
+  o.max_replicas = 2;
+  o.microbatches = 0;
+  o.even_shares = false;
+  o.schedules = {ScheduleKind::kGPipe, ScheduleKind::kOneFOneB};
+  return o;
+}
+
+TEST(Replan, ThePlannerPricesTheOptimizersStepOnEachReplicaThatAppliesIt) {
+  const CostGraph g = testing::uniform_chain(12, 1e-4, 2e-4, 4e6, 1e4);  // 48 MB of parameters
+  const Cluster cluster = slow_second();
+  PlanOptions o = free_layout();
+  const Plan unpriced = *make_plan(g, cluster, o);
+  ASSERT_EQ(unpriced.stages.size(), 1u) << unpriced.table();  // data parallel, shares by speed
+  EXPECT_EQ(unpriced.stages[0].optimizer_s, 0);
+  o.optimizer_s_per_param_byte = 1e-9;  // 48 ms for the whole model at speed 1
+  const Plan priced = *make_plan(g, cluster, o);
+  ASSERT_EQ(priced.stages.size(), 2u) << priced.table();
+  double slow_bytes = 0, fast_bytes = 0;
+  for (const StagePlan& s : priced.stages) {
+    EXPECT_NEAR(s.optimizer_s, 1e-9 * s.param_bytes / cluster.devices[s.first_device].speed, 1e-12);
+    (s.first_device == 1 ? slow_bytes : fast_bytes) += s.param_bytes;
+  }
+  EXPECT_LT(slow_bytes, fast_bytes) << "the slow device updates fewer parameters";
+  // The data-parallel plan priced so: its tail is the whole model's update on the slow replica.
+  const Plan dp = *reprice(g, cluster, o, unpriced);
+  EXPECT_NEAR(dp.stages[0].optimizer_s, 1e-9 * 48e6 / 0.5, 1e-9);
+  EXPECT_GT(dp.predicted_step_s, dp.stages[0].allreduce_s + dp.stages[0].optimizer_s);
+  EXPECT_LT(priced.predicted_step_s, dp.predicted_step_s);
+}
+
+TEST(Replan, TheOptimizersStepIsMeasuredPerDeviceAndShapesTheDecision) {
+  const CostGraph g = testing::uniform_chain(12, 1e-4, 2e-4, 4e6, 1e4);
+  Cluster cluster = slow_second();
+  cluster.devices[1].speed = 1;  // rated alike: device 1's slowness is measured
+  PlanOptions o = free_layout();
+  o.ranks = 1;
+  o.replicas = {2};
+  const Plan running = *make_plan(g, cluster, o);  // data parallel, even shares
+  ASSERT_EQ(running.stages.size(), 1u);
+  o.ranks = 0;
+  o.replicas.clear();
+  Replanner r(g, cluster, running, o, ReplanPolicy{});
+  const std::vector<double> truth{1, 0.5};
+  const double k = 1e-9, whole = 48e6;
+  std::mt19937 rng(13);
+  bool switched = false;
+  for (int window = 0; window < 2 && !switched; ++window) {
+    auto [m, step] = run(g, r.running(), truth, 0.02, rng);
+    const std::vector<double> optimizer{k * whole / truth[0], k * whole / truth[1]};
+    // The pipeline's step and the optimizer's after it, on the process that ends last.
+    auto d = r.evaluate(m, step + optimizer[1], true, {}, BeyondPipeline{optimizer, 0});
+    ASSERT_TRUE(d.is_ok()) << d.status().to_string();
+    EXPECT_NEAR(d->optimizer_s_per_param_byte, k, 0.1 * k) << "measured on the devices' corrected speeds";
+    EXPECT_NEAR(d->calibration.running.stages[0].optimizer_s, k * whole / 0.5, 0.15 * k * whole / 0.5);
+    switched = d->switch_plan;
+    if (switched) {
+      ASSERT_EQ(d->candidate.stages.size(), 2u) << d->candidate.table();
+      EXPECT_EQ(d->candidate.stages[1].first_device, 1);
+      EXPECT_LT(d->candidate.stages[1].param_bytes, d->candidate.stages[0].param_bytes)
+          << "the slow device updates fewer parameters: " << d->candidate.table();
+    }
+  }
+  EXPECT_TRUE(switched) << "uneven shares leave the slow device the whole model's update";
+  // Unpriced, the same windows take the shares that spare device 1 its samples and not its update.
+  Replanner blind(g, cluster, running, o, ReplanPolicy{});
+  for (int window = 0; window < 2; ++window) {
+    auto [m, step] = run(g, blind.running(), truth, 0.02, rng);
+    auto d = blind.evaluate(m, step + k * whole / 0.5);
+    ASSERT_TRUE(d.is_ok());
+    EXPECT_EQ(d->optimizer_s_per_param_byte, 0);
+    ASSERT_EQ(d->candidate.stages.size(), 1u) << d->candidate.table();
+    EXPECT_LT(d->candidate.stages[0].shares[1], 0.4) << "shares by speed";
+  }
+}
+
+// The host's time per step (the caller's loop, its data) is the same under any plan: a
+// saving of 15% of the pipeline's step is 7.5% of a step twice as long, under the 10% asked;
+// and a switch is judged on the whole step too.
+TEST(Replan, TheGainIsAskedOfTheStepAsTheCallerSeesIt) {
+  const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
+  const Cluster cluster = devices(3);
+  const std::vector<double> truth{1, 0.5, 1};
+  std::mt19937 rng(3);
+  Replanner bare(g, cluster, *make_plan(g, cluster, options()), options(), ReplanPolicy{});
+  auto [m, step] = run(g, bare.running(), truth, 0.0, rng);
+  auto d = bare.evaluate(m, step);
+  ASSERT_TRUE(d.is_ok());
+  const double relative = d->gain_s / step;
+  ASSERT_GT(relative, 0.1) << d->arithmetic(bare.policy());
+  Replanner hosted(g, cluster, *make_plan(g, cluster, options()), options(), ReplanPolicy{});
+  const double host = step * (relative / 0.05 - 1);  // the same saving is 5% of the whole step
+  for (int window = 0; window < 3; ++window) {
+    auto h = hosted.evaluate(m, step, true, {}, BeyondPipeline{{}, host});
+    ASSERT_TRUE(h.is_ok());
+    EXPECT_FALSE(h->switch_plan) << h->reason;
+    EXPECT_NEAR(h->measured_step_s, step + host, 1e-12);
+    EXPECT_NEAR(h->gain_s, d->gain_s, 0.02 * d->gain_s) << "the same saving, of a longer step";
+    EXPECT_NE(h->arithmetic(hosted.policy()).find("outside the plan's pipeline and optimizer step"), std::string::npos);
+  }
+  EXPECT_FALSE(bare.evaluate(m, step, true, {}, BeyondPipeline{{}, -1}).is_ok());
+  EXPECT_FALSE(bare.evaluate(m, step, true, {}, BeyondPipeline{{0, -1e-3}, 0}).is_ok());
+  EXPECT_FALSE(bare.evaluate(m, step, true, {}, BeyondPipeline{{0, 0, 0, 0}, 0}).is_ok());
+}
+
+// On a core it shares with a busy neighbour, a process woken from waiting runs ahead of it: a
+// light stage there measures full speed, a heavier one only the core's share (a BERT's hogged
+// process 0 read 1.8x the free device's speed under a quarter of the model, and the plan
+// moved work back onto it, 10 ms a step slower, again and again). Its census probe, a full
+// load, sets a ceiling on its speed, which a later probe lifts once the neighbour is gone.
+TEST(Replan, ADeviceThatProbesSlowIsNoFasterThanItsProbeWhateverALightStageMeasures) {
+  const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
+  const Cluster cluster = devices(2);
+  const Plan plan = *make_plan(g, cluster, options());
+  ASSERT_EQ(plan.stages.size(), 2u);
+  Replanner r(g, cluster, plan, options(), ReplanPolicy{});
+  std::mt19937 rng(17);
+  auto [m, step] = run(g, r.running(), {1, 1}, 0.0, rng);  // both stages at full speed
+  auto census = r.evaluate(m, step, true, {500, 1000});     // device 0's probe at half device 1's
+  ASSERT_TRUE(census.is_ok()) << census.status().to_string();
+  EXPECT_NEAR(census->speed_ceiling.at(0), 0.5, 1e-9);
+  EXPECT_EQ(census->speed_ceiling.at(1), 0);
+  EXPECT_LE(census->calibration.factors.speed[0], 0.5 + 1e-9) << "no faster than its probe";
+  EXPECT_EQ(census->calibration.factors.speed[1], 1);
+  auto later = r.evaluate(m, step);  // no probe: the ceiling stands
+  ASSERT_TRUE(later.is_ok());
+  EXPECT_LE(later->calibration.factors.speed[0], 0.5 + 1e-9);
+  // Device 0 probed again as fast as device 1 was at the census: its neighbour went.
+  auto gone = r.evaluate(m, step, true, {1000, 0});
+  ASSERT_TRUE(gone.is_ok());
+  EXPECT_EQ(gone->speed_ceiling.at(0), 0);
+  EXPECT_GT(gone->calibration.factors.speed[0], 0.9) << "its stages measure it at full speed";
+}
+
+}  // namespace
+}  // namespace conveyor::partitioner
