@@ -1,13 +1,14 @@
 """What the planner thread takes of the training where they share a core, read out of a
 window's compute (conveyor/planning/core_sharing.py)."""
 import os
+import subprocess
 import sys
 import threading
 import time
 
 import pytest
 
-from conveyor.planning.core_sharing import CoreSharing, thread_cpu_s, threads_run_s
+from conveyor.planning.core_sharing import CoreSharing, thread_cpu_s, threads_run_s, wait_while_given
 from conveyor.planning.replanning import run_on_spare_time, window_figures
 from conveyor.planning.replanning_messages import FIGURES
 
@@ -81,3 +82,50 @@ def test_a_window_s_compute_is_scaled_and_nothing_else():
     for k in ("send_s", "allreduce_s", "across_s", "waiting_s"):
         assert s[k] == 0.1
     assert f.step_s == 0.5 and f.window == 3
+
+
+def planner_thread(cpu_s: float, niceness: bool) -> tuple:
+    """A planner-like thread busy for `cpu_s` of CPU (at niceness 10 if `niceness`), started;
+    returns it and its Linux thread id, once known."""
+    ids = []
+
+    def planner():
+        if niceness:
+            run_on_spare_time()
+        ids.append(threading.get_native_id())
+        busy(cpu_s)
+
+    t = threading.Thread(target=planner)
+    t.start()
+    while not ids:
+        time.sleep(0.001)
+    return t, ids[0]
+
+
+def test_a_wait_for_a_planner_that_a_busy_neighbour_starves_is_given_up_while_it_runs():
+    # Process 0's core shared with a straggler's neighbour at the training's priority: the
+    # niceness-10 planner gets about a tenth of what the training's wait gives up.
+    core = min(os.sched_getaffinity(0))
+    before = os.sched_getaffinity(0)
+    neighbour = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{core}}})\n"
+                                  "while True: pass"])
+    os.sched_setaffinity(0, {core})
+    try:
+        time.sleep(0.2)  # the neighbour pinned and busy
+        planner, native_id = planner_thread(1.0, niceness=True)
+        wait_while_given(planner, native_id)
+        assert planner.is_alive()  # 1 s of CPU at a tenth of the core: seconds from its end
+        planner.join()
+    finally:
+        neighbour.kill()
+        neighbour.wait()
+        os.sched_setaffinity(0, before)
+
+
+def test_a_wait_that_gives_the_planner_the_core_lasts_until_its_evaluation_ends():
+    load = os.getloadavg()[0]
+    if load > 1.0:
+        pytest.skip(f"needs a core nothing else wants: the machine's load is {load:.1f}")
+    planner, native_id = planner_thread(0.2, niceness=False)
+    wait_while_given(planner, native_id)
+    assert not planner.is_alive()

@@ -28,7 +28,7 @@ import weakref
 
 from .. import environment
 from ..errors import ConveyorValueError, ExecutionError
-from .core_sharing import CoreSharing, thread_cpu_s
+from .core_sharing import CoreSharing, thread_cpu_s, wait_while_given
 from .device_probe import DeviceProbe
 from .replanning_messages import DECIDED_AFTER, FIGURES, WindowFigures, WindowMessages
 from .replanning_trace import PLANNER
@@ -87,7 +87,6 @@ SEARCH_SHARE = 0.01
 # The longest process 0 waits at a boundary, in steps of the window it closes, for the
 # evaluation that confirms a switch (no search: a few ms of CPU, at a tenth of a core).
 CONFIRMING_WAIT = 0.5
-
 
 def run_on_spare_time() -> None:
     """The calling thread yields the CPU to the training (Linux: niceness 10, so beside a
@@ -199,7 +198,8 @@ class Replanning:
     the decision, and every process applies it `DECIDED_AFTER` steps later, together. So a
     decision comes one or two windows after what it measured, and no step waits on another
     process for re-planning (an evaluation that outlasts two windows is waited for at the
-    second boundary, by process 0 alone); a window that ends while an evaluation is under
+    second boundary, by process 0 alone, while the wait gives it the core:
+    core_sharing.wait_while_given); a window that ends while an evaluation is under
     way is not evaluated. Two windows are heard at once (process 0 waits for its peers'
     figures of them), since neither searches (partitioner/replan.cc): the first window after
     a switch the Replanner decided, which judges it (one that measures slower is undone a
@@ -342,11 +342,13 @@ class Replanning:
             return
         self.next_boundary = self.steps + window_steps(wall_s or figures.step_s, self.window_s)
         # An evaluation still under way is heard at a later boundary; at the second one it
-        # is waited for (the training then waits, so it has the core), so a decision is at
-        # most a window late even where the training leaves the planner no time.
-        busy = self.thinking is not None and self.thinking[0].is_alive() and self.passed < 1
+        # is waited for while the wait gives the planner the core (nothing else wants it), so
+        # a decision is at most a window late even where the training leaves the planner no
+        # time, and no step stalls for a planner that a busy neighbour starves.
+        under_way = self.thinking is not None and self.thinking[0].is_alive()
+        decision = None if under_way and self.passed < 1 else self._decided(while_given=under_way)
+        busy = self.thinking is not None  # still under way: heard at a later boundary
         self.passed = self.passed + 1 if busy else 0
-        decision = None if busy else self._decided()
         if not busy and (decision is None or not decision["switch"]):  # a switch measures anew under its plan
             self._think(figures)
             if self.judging:  # the first window after a switch it decided: heard at once, so a
@@ -480,14 +482,19 @@ class Replanning:
         live = thread_cpu_s(box["thread"]) if "thread" in box else None
         return self.planner_cpu_s + box.get("planning_cpu_s", live or 0.0)
 
-    def _decided(self, within_s: float | None = None) -> dict | None:
+    def _decided(self, within_s: float | None = None, while_given: bool = False) -> dict | None:
         """The evaluation under way, once it ends: waited for here if it is not over yet
-        (judging a switch, which needs no search), or at most `within_s` (None if it runs on)."""
+        (judging a switch, which needs no search), or at most `within_s`, or while the
+        planner gets the core the wait gives up (`while_given`: wait_while_given); None if
+        it runs on."""
         if self.thinking is None:
             return None
         thread, box = self.thinking
         t0 = time.perf_counter()
-        thread.join(within_s)
+        if while_given:
+            wait_while_given(thread, box.get("thread"))
+        else:
+            thread.join(within_s)
         if thread.is_alive():
             return None
         self.thinking = None
