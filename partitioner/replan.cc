@@ -124,8 +124,8 @@ std::string ReplanDecision::arithmetic(const ReplanPolicy& policy) const {
   char b[640];
   std::snprintf(b, sizeof b,
                 "measured step %s%s, predicted %s with the new plan: %s saved per step (%s; %s), %s over the "
-                "next %d steps; moving %s (%.0f bytes of parameters and optimizer state: %s, rebuilding: %s); %d of %d "
-                "confirmations",
+                "next %d steps; moving priced at %s (%.0f bytes of parameters and optimizer state: %s, rebuilding: "
+                "%s); %d of %d confirmations",
                 human_seconds(measured_step_s).c_str(), host.c_str(), human_seconds(predicted_step_s).c_str(),
                 human_seconds(gain_s).c_str(), percent(measured_step_s > 0 ? gain_s / measured_step_s : 0).c_str(),
                 undo ? "no gain asked of an undo" : (percent(gain_asked) + " asked").c_str(),
