@@ -101,10 +101,13 @@ def wait_while_given(thread: threading.Thread, native_id) -> None:
     """Waits for `thread` (Linux thread id `native_id`, None if not known yet) in slices of
     WAIT_SLICE_S while it gets at least LEAST_GIVEN of each slice's wall time as CPU (where
     Linux does not say, to its end)."""
+    def cpu() -> float | None:
+        return thread_cpu_s(native_id) if native_id is not None else None
+
+    before, t0 = cpu(), time.perf_counter()
     while thread.is_alive():
-        cpu0, t0 = thread_cpu_s(native_id) if native_id is not None else None, time.perf_counter()
         thread.join(WAIT_SLICE_S)
-        cpu1 = thread_cpu_s(native_id) if native_id is not None else None
-        if thread.is_alive() and cpu0 is not None and cpu1 is not None and \
-                cpu1 - cpu0 < LEAST_GIVEN * (time.perf_counter() - t0):
+        now, t1 = cpu(), time.perf_counter()
+        if thread.is_alive() and before is not None and now is not None and now - before < LEAST_GIVEN * (t1 - t0):
             return
+        before, t0 = now, t1
