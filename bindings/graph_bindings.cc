@@ -401,6 +401,7 @@ void bind_graph(py::module_& m) {
         out["measured_step_s"] = d.measured_step_s;
         out["predicted_step_s"] = d.predicted_step_s;
         out["gain_s"] = d.gain_s;
+        out["gain_asked"] = d.gain_asked;
         out["move_bytes"] = d.move.bytes;
         out["move_s"] = d.move.seconds();
         out["transfer_s"] = d.move.transfer_s;
