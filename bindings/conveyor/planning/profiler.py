@@ -50,6 +50,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _clock(device: torch.device):
+    """What a unit's time is read on. On a CPU profiled with one intra-op thread: the thread's
+    own CPU time, which a busy neighbour on its core does not stretch (on wall time, beside one
+    hog, GPT-2's units under 2 ms read their full speed, woken ahead of it, and those over 2 ms
+    1.8-1.95x: a skew no common correction undoes, and the two plans re-planning mispredicted
+    by 27-60% were priced on a profile of process 0 beside its hog; the device's share is
+    measured live, as its speed). Else wall time: a GPU's, synchronized, or several threads
+    working at once."""
+    return time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
+
+
 def _nbytes(v) -> int:
     return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
 
@@ -145,10 +156,10 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
     # Keyed by every input's sizes (a sequence length changes the profile as a batch does);
     # "m9": how memory and time are measured (working memory, metered on the CPU; a value two units save counted
     # once, and which unit it counts for; what selective recomputation frees; a first pass over the units
-    # unmeasured; m10: units alike measured once; m11: the fixed fraction), so
-    # that older entries are measured again.
+    # unmeasured; m10: units alike measured once; m11: the fixed fraction; m12: a one-thread CPU's
+    # units on the thread's CPU time), so that older entries are measured again.
     sizes = hashlib.sha256(repr([tuple(t.shape) for t in tensors]).encode()).hexdigest()[:12]
-    path = profile_cache_dir() / f"{ghash}-{key}-mb{microbatch}-{sizes}-m11.json"
+    path = profile_cache_dir() / f"{ghash}-{key}-mb{microbatch}-{sizes}-m12.json"
     if cache and path.exists():
         try:
             doc = json.loads(path.read_text())
@@ -301,16 +312,17 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
                 else:  # the meter is off: the incoming gradients and the parameters' gradients
                     work = sum(_nbytes(o) for o in outputs) + sum(grad_bytes[n] for n in unit)
                 fwd, bwd = [], []
+                clock = _clock(device)
                 for rep in range(warmup + repeats):
                     _sync(device)
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     a = stage.forward(stage_inputs)
                     _sync(device)
-                    t1 = time.perf_counter()
+                    t1 = clock()
                     if differentiable:
                         stage.backward(a, [None if g is None else g for g in grads])
                         _sync(device)
-                    t2 = time.perf_counter()
+                    t2 = clock()
                     if rep >= warmup:
                         fwd.append(t1 - t0)
                         bwd.append(t2 - t1)
@@ -385,10 +397,11 @@ class _FixedPart:
         if not cut:
             return
         times = []
+        clock = _clock(device)
         try:
             for rep in range(warmup + repeats):
                 _sync(device)
-                t0 = time.perf_counter()
+                t0 = clock()
                 a = stage.forward(sliced)
                 if differentiable:
                     grads = [torch.ones_like(o) if isinstance(o, torch.Tensor) and o.requires_grad else None
@@ -397,7 +410,7 @@ class _FixedPart:
                         stage.backward(a, grads)
                 _sync(device)
                 if rep >= warmup:
-                    times.append(time.perf_counter() - t0)
+                    times.append(clock() - t0)
         except (RuntimeError, ValueError, IndexError):
             return  # a size fixed in the graph: this unit tells nothing of the fixed part
         small_s = statistics.median(times)
