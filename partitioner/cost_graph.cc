@@ -65,7 +65,8 @@ Status CostGraph::validate() const {
     const auto& op = ops[i];
     const std::string who = "operator " + std::to_string(i) + (op.name.empty() ? "" : " ('" + op.name + "')");
     for (double c : {op.forward_s, op.backward_s, op.backward_weight_s, op.saved_bytes, op.work_bytes,
-                     op.selective_forward_s, op.selective_freed_bytes, op.selective_work_bytes}) {
+                     op.selective_forward_s, op.selective_freed_bytes, op.selective_work_bytes,
+                     op.selective_kept_bytes}) {
       if (!finite_nonneg(c)) return bad(who + " has a negative or non-finite cost");
     }
     if (op.backward_weight_s > op.backward_s) {
@@ -141,6 +142,7 @@ Result<CostGraph> CostGraph::from_json(std::string_view text) {
       op.selective_forward_s = amount_or(o, path, "selective_forward_s", 0);
       op.selective_freed_bytes = amount_or(o, path, "selective_freed_bytes", 0);
       op.selective_work_bytes = amount_or(o, path, "selective_work_bytes", 0);
+      op.selective_kept_bytes = amount_or(o, path, "selective_kept_bytes", 0);
       if (op.selective_freed_bytes > op.saved_bytes) {
         throw JsonError(path + "/selective_freed_bytes", "selective recomputation cannot free more than saved_bytes");
       }
@@ -236,6 +238,7 @@ std::string CostGraph::to_json() const {
     if (op.selective_forward_s > 0) o["selective_forward_s"] = op.selective_forward_s;
     if (op.selective_freed_bytes > 0) o["selective_freed_bytes"] = op.selective_freed_bytes;
     if (op.selective_work_bytes > 0) o["selective_work_bytes"] = op.selective_work_bytes;
+    if (op.selective_kept_bytes > 0) o["selective_kept_bytes"] = op.selective_kept_bytes;
     if (op.group >= 0) o["group"] = op.group;
     if (!op.params.empty()) o["params"] = op.params;
     json ins = json::array();
@@ -294,6 +297,7 @@ Result<Profile> Profile::from_json(std::string_view text) {
       n.selective_forward_s = amount_or(nodes[i], path, "selective_forward_s", 0);
       n.selective_freed_bytes = amount_or(nodes[i], path, "selective_freed_bytes", 0);
       n.selective_work_bytes = amount_or(nodes[i], path, "selective_work_bytes", 0);
+      n.selective_kept_bytes = amount_or(nodes[i], path, "selective_kept_bytes", 0);
       if (n.backward_weight_s > n.backward_s) {
         throw JsonError(path + "/backward_weight_s", "the weight-gradient part cannot exceed backward_s");
       }
@@ -335,7 +339,8 @@ std::string Profile::to_json() const {
                        {"work_bytes", n.work_bytes},
                        {"selective_forward_s", n.selective_forward_s},
                        {"selective_freed_bytes", n.selective_freed_bytes},
-                       {"selective_work_bytes", n.selective_work_bytes}});
+                       {"selective_work_bytes", n.selective_work_bytes},
+                       {"selective_kept_bytes", n.selective_kept_bytes}});
   }
   doc["nodes"] = std::move(nodes_j);
   doc["value_bytes"] = value_bytes;
@@ -406,6 +411,7 @@ Result<CostGraph> cost_graph_from_profile(const graph::Graph& g, const Profile& 
     op.selective_forward_s = np.selective_forward_s;
     op.selective_freed_bytes = std::min(np.selective_freed_bytes, np.saved_bytes);
     op.selective_work_bytes = np.selective_work_bytes;
+    op.selective_kept_bytes = np.selective_kept_bytes;
     op.group = group_of[i];
     std::set<int> ins, ps;
     for (graph::ValueId v : graph::Graph::node_inputs(node)) {

@@ -24,9 +24,11 @@ struct CostOp {
   double work_bytes = 0;         ///< transient memory while the operator runs
   /// Selective recomputation (common/recomputation.h): the forward time it pays again, the
   /// part of saved_bytes it does not keep, and the transient memory while the operator's run
-  /// is recomputed for its backward (what the run freed, its outputs again, and their
-  /// gradients held meanwhile) (all 0: it changes nothing for this operator).
-  double selective_forward_s = 0, selective_freed_bytes = 0, selective_work_bytes = 0;
+  /// is recomputed for its backward (every value the run makes again and their gradients)
+  /// (all 0: it changes nothing for this operator); and what it
+  /// keeps beyond saved_bytes (a run's inputs that nothing saved, where they outweigh what
+  /// the run frees: a loss kept as its logits rather than its log-probabilities).
+  double selective_forward_s = 0, selective_freed_bytes = 0, selective_work_bytes = 0, selective_kept_bytes = 0;
   std::vector<int> inputs;       ///< values read (CostGraph::values)
   std::vector<int> params;       ///< parameters read (CostGraph::params)
   int group = -1;                ///< operators sharing a group >= 0 are never put in different stages
@@ -86,7 +88,8 @@ Result<CostGraph> load_cost_graph(const std::string& path);
 struct NodeProfile {
   double forward_s = 0, backward_s = 0, backward_weight_s = 0;
   double saved_bytes = 0, work_bytes = 0;
-  double selective_forward_s = 0, selective_freed_bytes = 0, selective_work_bytes = 0;  ///< as CostOp's
+  double selective_forward_s = 0, selective_freed_bytes = 0, selective_work_bytes = 0,  ///< as CostOp's
+         selective_kept_bytes = 0;
 };
 /// Measured costs of a captured graph's nodes at one microbatch size.
 struct Profile {

@@ -1,6 +1,7 @@
 #include "partitioner/search_space.h"
 
 #include <algorithm>
+#include <limits>
 #include <numeric>
 #include <queue>
 #include <unordered_map>
@@ -83,7 +84,7 @@ Result<Units> make_units(const CostGraph& g) {
     unit.bwd_w += op.backward_weight_s;
     unit.saved += op.saved_bytes;
     unit.sel_fwd += op.selective_forward_s;
-    unit.sel_freed += op.selective_freed_bytes;
+    unit.sel_freed += op.selective_freed_bytes - op.selective_kept_bytes;
     if (!op.params.empty()) unit.saved_w += op.saved_bytes;
     unit.work = std::max(unit.work, op.work_bytes);
     unit.sel_work = std::max(unit.sel_work, op.selective_work_bytes);
@@ -226,19 +227,29 @@ CutStates linear_states(const Units& u, int max_blocks) {
     cs.sets.push_back(b);
   }
   fill_sums(u, cs);
-  std::vector<double> work, sel_work;
-  for (const auto& block : cs.blocks) {
+  // Selective recomputation's transient at its place in the backward: a unit's (or its run's)
+  // working memory plus what the microbatch keeps up to it, from the model's start; a stage
+  // takes the most over its units less what it keeps in all (CutStates::block_sel_live).
+  std::vector<double> work, sel_work, sel_live;
+  for (std::size_t b = 0; b < cs.blocks.size(); ++b) {
     double w = 0;
     double sw = 0;
-    for (int x : block) {
-      w = std::max(w, u.units[x].work);
-      sw = std::max(sw, u.units[x].sel_work);
+    double kept = cs.saved[b] - cs.sel_freed[b];
+    double live = -std::numeric_limits<double>::infinity();
+    for (int x : cs.blocks[b]) {
+      const Unit& unit = u.units[x];
+      w = std::max(w, unit.work);
+      sw = std::max(sw, unit.sel_work);
+      kept += unit.saved - unit.sel_freed;
+      live = std::max(live, std::max(unit.work, unit.sel_work) + kept);
     }
     work.push_back(w);
     sel_work.push_back(sw);
+    sel_live.push_back(live);
   }
   cs.block_work.build(work, false);
   cs.block_sel_work.build(sel_work, false);
+  cs.block_sel_live.build(sel_live, false);
   return cs;
 }
 

@@ -23,7 +23,9 @@ inline constexpr double kInf = std::numeric_limits<double>::infinity();
 struct Unit {
   std::vector<int> ops;
   double fwd = 0, bwd = 0, bwd_w = 0, saved = 0, work = 0, params = 0;
-  double sel_fwd = 0, sel_freed = 0, sel_work = 0;  // selective recomputation: forward again, freed, transient
+  // Selective recomputation: forward again; freed, less what it keeps beyond saved (below 0
+  // where it keeps more than it frees); transient.
+  double sel_fwd = 0, sel_freed = 0, sel_work = 0;
   double saved_w = 0;  // saved by operators that read parameters, and the gradients of their outputs: kept to W
   double grads_w = 0;  // of saved_w, those gradients: a split backward's Bi makes them while still holding all
 };
@@ -101,6 +103,9 @@ struct CutStates {
   std::vector<Bits> sets;               // ascending by size; [0] empty, back() everything
   std::vector<std::vector<int>> blocks;  // linear: the units of each block
   RangeTable block_work, block_sel_work;  // linear: max working memory over block ranges (selective: its own)
+  // Linear: over block ranges, the most of a unit's selective transient plus what a
+  // microbatch recomputing selectively keeps from the first unit to it.
+  RangeTable block_sel_live;
   // Sums over the units of each state:
   std::vector<double> fwd, bwd, bwd_w, saved, params, out_bytes, sel_fwd, sel_freed, saved_w, grads_w;
   /// Per state: it passes a value that cannot be redistributed, so the stages on either side

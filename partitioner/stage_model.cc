@@ -21,18 +21,25 @@ StageSums stage_sums(const Units& u, const CutStates& cs, int outer, int inner) 
   if (cs.linear && !cs.blocks.empty()) {
     s.work = cs.block_work.query(inner, outer - inner);
     s.sel_work = cs.block_sel_work.query(inner, outer - inner);
+    s.sel_live_work = std::max(0.0, cs.block_sel_live.query(inner, outer - inner) -
+                                        (cs.saved[outer] - cs.sel_freed[outer]));
   } else {
     const Bits& a = cs.sets[outer];
     const Bits& b = cs.sets[inner];
+    double kept = 0, live = 0;  // selective: as CutStates::block_sel_live, over this stage alone
     for (std::size_t w = 0; w < a.size(); ++w) {
       std::uint64_t diff = a[w] & ~b[w];
       while (diff) {
         int bit = __builtin_ctzll(diff);
         diff &= diff - 1;
-        s.work = std::max(s.work, u.units[static_cast<int>(w) * 64 + bit].work);
-        s.sel_work = std::max(s.sel_work, u.units[static_cast<int>(w) * 64 + bit].sel_work);
+        const Unit& unit = u.units[static_cast<int>(w) * 64 + bit];
+        s.work = std::max(s.work, unit.work);
+        s.sel_work = std::max(s.sel_work, unit.sel_work);
+        kept += unit.saved - unit.sel_freed;  // units in a topological order: the forward's
+        live = std::max(live, std::max(unit.work, unit.sel_work) + kept);
       }
     }
+    s.sel_live_work = std::max(0.0, live - kept);
   }
   return s;
 }

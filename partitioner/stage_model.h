@@ -20,8 +20,11 @@ namespace conveyor::partitioner::detail {
 struct StageSums {
   double fwd = 0, bwd = 0, bwd_w = 0, saved = 0, params = 0, work = 0;
   double in_bytes = 0, out_bytes = 0;  // cut bytes before and after the stage, at profile size
-  double sel_fwd = 0, sel_freed = 0;   // selective recomputation: forward again, saved bytes freed
+  double sel_fwd = 0, sel_freed = 0;   // selective recomputation: forward again, bytes freed (net: Unit)
   double sel_work = 0;                 // selective recomputation: the largest run's transient
+  // Selective recomputation's largest transient less what the microbatch in its backward has
+  // freed by then (the saved bytes of the units after it): at most max(work, sel_work).
+  double sel_live_work = 0;
   double saved_w = 0;                  // what a split backward keeps from Bi to W (Unit::saved_w)
   double grads_w = 0;                  // of that, the gradients Bi captures (Unit::grads_w)
 
@@ -212,10 +215,9 @@ class Model {
     // outputs, which stay until its backward; working memory: the largest unit's backward.
     // Values between stages are the same tensors on both sides in a process, and a
     // message's buffer becomes the received value, so no transfer buffer is added.
-    // Recomputing selectively, a run's backward holds its activations and outputs again with
-    // the outputs' gradients.
-    const double transient = (recompute == Recomputation::kSelective ? std::max(s.work, s.sel_work) : s.work) *
-                             scale_ * e.max_share;
+    // Recomputing selectively, a run's backward holds every value it makes again with their
+    // gradients, less what the microbatch has freed by then (StageSums::sel_live_work).
+    const double transient = (recompute == Recomputation::kSelective ? s.sel_live_work : s.work) * scale_ * e.max_share;
     const double each = s.kept(recompute) + s.out_bytes;
     // The microbatch in its backward holds again what its forward dropped: all of it when
     // the whole forward runs again; recomputing selectively, one run's at a time, which the

@@ -56,10 +56,14 @@ class SelectiveAccounting:
             return
         self.units[unit[0]] = (inside, on_values)
 
-    def finish(self, nodes: list[dict], values: dict[int, Any]) -> None:
+    def finish(self, nodes: list[dict], values: dict[int, Any], measured_work: dict[int, float]) -> None:
         """Writes each recomputed unit's figures into its first node's profile entry. A run
         keeps the values it reads from before it; those nothing saved otherwise (a residual
-        sum's operands) are a cost against what its units free."""
+        sum's operands) are a cost against what its units free. `measured_work`: a run's
+        working memory as its recomputation and backward measured it (by its first node),
+        which replaces the estimate here (its outputs and their gradients, and what it freed):
+        the estimate missed every value the run makes again without saving it (a score
+        matrix before its softmax, a loss's log-probabilities)."""
         counted: set[int] = set()
         freed: dict[int, float] = {}
         for first, (inside, on_values) in self.units.items():
@@ -71,6 +75,7 @@ class SelectiveAccounting:
                 counted.add(ptr)
                 freed[first] += b
         kept: set[int] = set()
+        kept_more: dict[int, float] = {}
         work: dict[int, float] = {}
         for run_nodes, inputs in self.runs:
             # Its backward makes its outputs again and holds their gradients meanwhile, beside
@@ -97,11 +102,19 @@ class SelectiveAccounting:
                     take = min(cost, freed[n])
                     freed[n] -= take
                     cost -= take
+            if cost > 0:  # it keeps more than it frees (a loss's logits for its log-probabilities)
+                kept_more[run_nodes[0]] = kept_more.get(run_nodes[0], 0.0) + cost
         for run_nodes, _ in self.runs:  # and, while it runs again, what it had freed
             work[run_nodes[0]] += sum(freed.get(n, 0.0) for n in run_nodes)
         for first, amount in freed.items():
             nodes[first]["selective_forward_s"] = nodes[first]["forward_s"]
             nodes[first]["selective_freed_bytes"] = float(min(amount, nodes[first]["saved_bytes"]))
-        for first, amount in work.items():
-            nodes[first]["selective_work_bytes"] = amount
+        # On every node of the run: a stage holding any part of it (a cut may split it) may
+        # run all of it again at once, and holds it while its backward reaches the run's end.
+        for run_nodes, _ in self.runs:
+            amount = measured_work.get(run_nodes[0], work[run_nodes[0]])
+            for n in run_nodes:
+                nodes[n]["selective_work_bytes"] = amount
+        for first, amount in kept_more.items():
+            nodes[first]["selective_kept_bytes"] = float(amount)
 

@@ -148,6 +148,33 @@ TEST(Plans, SelectiveRecomputationWhereItFitsFullWhereOnlyThatFits) {
   EXPECT_GE(full, 1);
 }
 
+// A run of cheap operators is recomputed when the backward reaches it, after the operators
+// after it have freed what they kept: its transient counts beside what the microbatch keeps
+// up to it, not all it keeps. And what a run keeps beyond what its operators saved (its
+// inputs, where nothing else saves them) is kept by every microbatch in flight.
+TEST(Plans, ASelectiveRunsTransientCountsBesideWhatTheMicrobatchStillKeepsThere) {
+  const double saved = 1e8, transient = 2e9;
+  auto need = [&](int heavy, double heavy_transient, double kept_beyond) {
+    CostGraph g = uniform_chain(8, 1e-3, 2e-3, 1e6, saved);
+    for (CostOp& op : g.ops) op.selective_freed_bytes = 0.5 * op.saved_bytes;
+    g.ops[heavy].selective_work_bytes = heavy_transient;
+    g.ops[3].selective_kept_bytes = kept_beyond;
+    PlanOptions o = two_ranks_of_four_microbatches();
+    o.ranks = 1;
+    o.recompute = Recomputation::kSelective;
+    auto plan = make_plan(g, Cluster::uniform(1, 1, 1e12, 1.0, fast_link(), fast_link()), o);
+    EXPECT_TRUE(plan.is_ok()) << plan.status().to_string();
+    return plan.is_ok() ? plan->stages.at(0).memory_bytes : 0.0;
+  };
+  const double last = need(7, transient, 0);
+  const double per_byte = (need(7, 2 * transient, 0) - last) / transient;  // the plan's bytes per profiled byte
+  ASSERT_GT(per_byte, 0);
+  // Placed first, the seven operators after it have freed their half of what they saved.
+  EXPECT_NEAR(last - need(0, transient, 0), 7 * 0.5 * saved * per_byte, 1e-6 * last);
+  // Kept beyond the saved bytes: as much more for each microbatch in flight (at least one).
+  EXPECT_GE(need(7, transient, 3e8) - last, 3e8 * per_byte * (1 - 1e-9));
+}
+
 TEST(Planner, PlanDocumentRoundTripsAndSimulatesToItsPrediction) {
   CostGraph g = random_dag(30, 5);
   Cluster cluster = Cluster::uniform(2, 2, 1e9, 1.0, {50e6, 1e-5}, {5e6, 1e-4});

@@ -109,6 +109,39 @@ def _made_if_stand_in(t):
     return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
 
 
+def _selective_run_work(executor, runs, values: dict, device: torch.device) -> dict[int, float]:
+    """Per run of cheap operators (by its first node): what its backward holds at once beyond
+    what its forward left, measured by running it as selective recomputation does (kept
+    inputs; in the backward, the run again with every value it makes and their gradients).
+    Runs whose inputs the profile has no value for, or on a CPU whose meter is off, are left
+    to SelectiveAccounting's estimate."""
+    work: dict[int, float] = {}
+    if device.type != "cuda" and not _C.HostMemoryMeter.active():
+        return work
+    for run_nodes, _ in runs:
+        stage = executor.stage(list(run_nodes))
+        if not all(v in values for v in stage.inputs):
+            continue
+        meter = _C.HostMemoryMeter() if device.type != "cuda" else None
+        with meter if meter is not None else contextlib.nullcontext():
+            act = stage.forward_selective([_made_if_stand_in(values[v]) for v in stage.inputs], None)
+            grads = [torch.ones_like(o) if isinstance(o, torch.Tensor) and o.requires_grad else None
+                     for o in act.outputs]
+            if all(g is None for g in grads):
+                continue
+            if meter is not None:
+                held = meter.live
+                meter.reset_peak()
+            else:
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                held = torch.cuda.memory_allocated(device)
+            stage.backward(act, grads)
+            peak = meter.peak if meter is not None else torch.cuda.max_memory_allocated(device)
+        work[run_nodes[0]] = float(max(peak - held, 0))
+    return work
+
+
 def _unit_signature(graph: Graph, unit: list[int], values: dict) -> str:
     """What a unit computes on: its operators, their constants, and the shape, dtype and
     gradient need of every value they read (a parameter counts as any value). Units alike
@@ -157,9 +190,10 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
     # "m9": how memory and time are measured (working memory, metered on the CPU; a value two units save counted
     # once, and which unit it counts for; what selective recomputation frees; a first pass over the units
     # unmeasured; m10: units alike measured once; m11: the fixed fraction; m12: a one-thread CPU's
-    # units on the thread's CPU time), so that older entries are measured again.
+    # units on the thread's CPU time; m13: a selective run's working memory measured; m14: on each of its nodes), so that older entries are
+    # measured again.
     sizes = hashlib.sha256(repr([tuple(t.shape) for t in tensors]).encode()).hexdigest()[:12]
-    path = profile_cache_dir() / f"{ghash}-{key}-mb{microbatch}-{sizes}-m12.json"
+    path = profile_cache_dir() / f"{ghash}-{key}-mb{microbatch}-{sizes}-m14.json"
     if cache and path.exists():
         try:
             doc = json.loads(path.read_text())
@@ -194,7 +228,8 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
     for v, t in values.items():
         value_bytes[v] = _nbytes(t)
     nodes = [dict(forward_s=0.0, backward_s=0.0, backward_weight_s=0.0, saved_bytes=0.0, work_bytes=0.0,
-                  selective_forward_s=0.0, selective_freed_bytes=0.0, selective_work_bytes=0.0)
+                  selective_forward_s=0.0, selective_freed_bytes=0.0, selective_work_bytes=0.0,
+                  selective_kept_bytes=0.0)
              for _ in range(graph.num_nodes)]
     selective = SelectiveAccounting(graph, doc_in)
     measured: list = []  # per unit: (nodes, bytes saved on storages made inside it, {value storage: bytes}, every storage saved)
@@ -340,7 +375,7 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
         _count_saved_once(measured, reads_param, nodes, selective, saved_by)
         if device.type == "cuda":
             device_peak = max(device_peak, torch.cuda.max_memory_allocated(device))
-        selective.finish(nodes, values)
+        selective.finish(nodes, values, _selective_run_work(executor, selective.runs, values, device))
     finally:
         for n, t in bound.items():
             if n in saved_grads:
