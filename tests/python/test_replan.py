@@ -269,31 +269,33 @@ def test_a_plan_made_for_wrong_device_speeds_is_replaced_when_auto_and_kept_when
         return
     assert report.replan is not None and "re-planning:" in str(report), str(report)
     assert_like_eager_mlp(net, ref, x, y, steps)
-    # The partitioner saw device 1 run slower than the cluster claimed.
-    if not model.replans:
-        # Once on CI (load 1.7; none of 91 runs here), device 0's one-operator stage ran about
-        # twice as slow against device 1's sixteen as the profile priced them, which one process
-        # cannot tell from its device's speed (no probes): device 1 read x0.47 of device 0, the
-        # best other plan saved 8.1% of a step, and the policy declined it. Declined only so.
-        last = report.replan
-        assert 0 < last["gain_s"] < last["gain_asked"] * last["measured_step_s"], str(report)
-        assert last["factors"]["speed"][1] < 0.75 * last["factors"]["speed"][0], str(report)
-        return
+    # The partitioner saw device 1 run about as fast as device 0, not five times faster: one
+    # process's devices are one device shared, which its census says, so a stage the profile
+    # priced low is not taken for a slow device (once on CI, before the census, device 0's
+    # one-operator stage ran twice as slow against the profile as device 1's sixteen, and
+    # device 1 read x0.47 of device 0 where the truth is x0.2: the switch then saved 8.1% of a
+    # step, below the 10% asked, and was declined). The windows after the census read 0.15-0.2
+    # here: their stage times move with the machine's load, the operators' pricing does not.
+    assert model.replans, str(report)
     first = model.replans[0]
     assert first["predicted_gain_s"] > 0 and first["old"] != first["new"], first
-    assert first["factors"]["speed"][1] < 0.75 * first["factors"]["speed"][0], first
+    speed = first["factors"]["speed"]
+    assert 0.1 * speed[0] < speed[1] < 0.3 * speed[0], first
 
 
 def test_the_report_names_devices_the_running_plan_leaves_idle():
-    """One stage, one replica on a cluster of two: the other device is never measured, so
-    re-planning cannot tell how it compares, and the report says so."""
+    """One stage, one replica on a cluster of two that rates the running device three times
+    faster than the idle one: one process's devices are one device shared, so the idle one is
+    as fast as the one that runs (its speed corrected to the same), and the report says so."""
     net, x, y = wide_mlp()
     model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.01), loss_fn=torch.nn.MSELoss(),
                             cluster=wrong_speeds_cluster(), stages=1, replicas=1, microbatches=4, replan="auto")
     for _ in range(2 + 2 * WINDOW):  # the first window's decision is heard at the second window's end
         model.train_step(x, target=y)
     report = str(model.profile_report())
-    assert "device 0 idle under the running plan: never measured" in report, report
+    assert "device 0 idle under the running plan: as fast as the devices that run" in report, report
+    speed = model.profile_report().replan["factors"]["speed"]
+    assert speed[1] == pytest.approx(speed[0] / 3.0, rel=0.05), report
 
 
 def assert_like_eager_mlp(net, ref, x, y, steps):

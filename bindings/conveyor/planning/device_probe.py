@@ -9,7 +9,8 @@ with each other, apart from their operators), and at the end of every later wind
 whose device the plan leaves idle probes it again (a straggler the plan left out is seen to
 go away). The Replanner turns the rates into speeds (partitioner/replan.h). A census costs
 each process 0.15 s per plan; an idle process has no stage to run (docs/planner.md has the
-figures).
+figures). One process's devices are one device shared, so its census probes nothing: every
+device gets the same rate (replanning.py).
 """
 from __future__ import annotations
 

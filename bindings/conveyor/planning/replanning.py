@@ -158,9 +158,10 @@ COMPUTE = ("forward_s", "backward_s", "backward_weight_s", "replica_compute_s") 
 def window_figures(report: dict, window: int, probe_rate: float = 0.0, compute_scale: float = 1.0,
                    wall_s: float = 0.0, optimizer_s: float = 0.0) -> WindowFigures:
     """This process's figures of a window, from its live profile's report (`probe_rate`: its
-    device's probe, DeviceProbe.rate; 0: not probed), its compute times `compute_scale`
-    times what they measured (core_sharing.py: without what the planner took of them), and
-    its mean step as its caller saw it (`wall_s`) with the optimizer's part of it (step_clock.py)."""
+    device's probe, DeviceProbe.rate; one process: 1 at its census; 0: not probed), its
+    compute times `compute_scale` times what they measured (core_sharing.py: without what the
+    planner took of them), and its mean step as its caller saw it (`wall_s`) with the
+    optimizer's part of it (step_clock.py)."""
     def scaled(k, x):
         if k not in COMPUTE or compute_scale == 1.0:
             return x
@@ -211,8 +212,11 @@ class Replanning:
         self.group = group
         # Across processes (device d is process d): this process's device, probed at each
         # running plan's first window and while the plan leaves it idle (device_probe.py).
-        # One process's devices share its host, so are not probed.
+        # One process's devices are one device shared (its CPU, or its GPU's streams): each
+        # runs as fast as the others, which a census says at each running plan's first window
+        # with no probe (else a stage's pricing error read as its device's speed).
         self.probe = DeviceProbe(device) if group is not None and device is not None else None
+        self.devices = 0  # one process: the running plan's devices, at its census
         self.decides = group is None or group.rank == 0  # process 0 decides; the others hear it
         # Process 0: what its planner thread takes of the training's threads, per window; read
         # out of the compute where that runs on the CPU (core_sharing.py).
@@ -328,6 +332,8 @@ class Replanning:
         if self.probe is not None and running is not None and (
                 census or again or self.group.rank in idle_devices(running.document)):
             probe_rate = self.probe.rate(census)
+        elif self.group is None and running is not None and census:
+            probe_rate, self.devices = 1.0, len(running.document["devices"])
         walls, optimizers, self.walls, self.optimizer_times = self.walls, self.optimizer_times, [], []
         wall_s = sum(walls) / len(walls) if walls else 0.0
         optimizer_s = sum(optimizers) / len(optimizers) if optimizers else 0.0
@@ -376,7 +382,8 @@ class Replanning:
             rates = decision.get("probe_rate") or []
             if self.decides and len(rates) > 1 and min(rates) > 0:  # a census (device_probe.py)
                 f = decision["factors"]
-                self.say("every device probed at the running plan's first window: speeds x["
+                self.say(("every device probed" if self.probe is not None else "every device taken as fast as the "
+                          "others (one process: one device shared)") + " at the running plan's first window: speeds x["
                          + ", ".join(f"{x:.2f}" for x in f["speed"]) + "]; the operators' own pricing per stage x["
                          + ", ".join(f"{x:.2f}" for x in f["stage_pricing"]) + "]")
         if self.timeline is not None:
@@ -447,7 +454,8 @@ class Replanning:
                 stages, waiting = merge_processes(reports) if len(reports) > 1 else (reports[0], [])
                 box["read_s"] = time.perf_counter() - t0
                 measured = [{k: s[k] for k in FIGURES if k != "across_s"} for s in stages]
-                probed = probe_rate if self.probe is not None else []  # device d is process d
+                # Device d is process d; one process's devices are one (its census: alike).
+                probed = probe_rate if self.probe is not None else [1.0] * self.devices if mine.probe_rate else []
                 step_s, optimizer_s, host_s = step_terms(every, per_device=self.probe is not None)
                 box["decision"] = self.replanner.evaluate(measured, step_s, rebuild_s=self.rebuild_s,
                                                           bytes_per_s=self.bytes_per_s, may_search=may_search,
@@ -535,10 +543,14 @@ class Replanning:
         running = json.loads(d["running"].to_json())
         idle = idle_devices(running)
         probed = d.get("probe_rate") or []
-        unprobed = [i for i in idle if i >= len(probed) or probed[i] <= 0]
+        one_device = self.probe is None and self.devices > 0  # one process's census (it has no other probes)
+        unprobed = [] if one_device else [i for i in idle if i >= len(probed) or probed[i] <= 0]
         unmeasured = "".join(
-            f"  device {i} idle under the running plan: its process probes it each window ({probed[i]:.0f} matrix "
-            f"products/s), speed x{f['speed'][i]:.2f} against the devices that run\n" for i in idle if i not in unprobed)
+            (f"  device {i} idle under the running plan: as fast as the devices that run (one process: one device "
+             f"shared), speed x{f['speed'][i]:.2f}\n" if one_device else
+             f"  device {i} idle under the running plan: its process probes it each window ({probed[i]:.0f} matrix "
+             f"products/s), speed x{f['speed'][i]:.2f} against the devices that run\n")
+            for i in idle if i not in unprobed)
         unmeasured += (f"  device{'s' if len(unprobed) > 1 else ''} {', '.join(map(str, unprobed))} idle under the "
                        "running plan: never measured, so how it compares with the devices that run is the cluster's "
                        "speeds, uncorrected\n") if unprobed else ""
@@ -551,11 +563,8 @@ class Replanning:
         optimizer = (f"the optimizer's step {per_byte * 1e12:.1f} ms per GB of parameters a device updates"
                      if per_byte > 0 else "the optimizer's step counted with the host's time, the same under any plan "
                      "(one process, or not timed)")
-        if self.probe is None and len(running["stages"]) > 1:
-            unmeasured += ("  devices and operators not told apart (one process: no probes), so a stage the profile "
-                           "priced wrongly reads as its device's speed\n")
-        elif any(abs(x - 1) > 1e-9 for x in pricing):
-            unmeasured += ("  the operators' own pricing per stage, told from the devices' speeds by probes: x["
+        if any(abs(x - 1) > 1e-9 for x in pricing):
+            unmeasured += ("  the operators' own pricing per stage, told from the devices' speeds by the census: x["
                            + ", ".join(f"{x:.2f}" for x in pricing) + "]\n")
         sums = "".join(
             f"  stage {k}'s gradient sum across processes: {moving * 1e3:.2f} ms per step moving bytes; waiting "
