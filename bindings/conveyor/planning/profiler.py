@@ -109,16 +109,23 @@ def _made_if_stand_in(t):
     return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
 
 
-def _selective_run_work(executor, runs, values: dict, device: torch.device) -> dict[int, float]:
+def _selective_run_work(graph: Graph, runs, values: dict, device: torch.device) -> dict[int, float]:
     """Per run of cheap operators (by its first node): what its backward holds at once beyond
     what its forward left, measured by running it as selective recomputation does (kept
-    inputs; in the backward, the run again with every value it makes and their gradients).
-    Runs whose inputs the profile has no value for, or on a CPU whose meter is off, are left
-    to SelectiveAccounting's estimate."""
+    inputs; in the backward, the run again with every value it makes and their gradients),
+    once per kind of run (each transformer block's attention alike). Runs whose inputs the
+    profile has no value for, or on a CPU whose meter is off, are left to
+    SelectiveAccounting's estimate."""
     work: dict[int, float] = {}
     if device.type != "cuda" and not _C.HostMemoryMeter.active():
         return work
+    alike: dict[str, float] = {}
+    executor = graph.executor
     for run_nodes, _ in runs:
+        signature = _unit_signature(graph, list(run_nodes), values)
+        if signature in alike:
+            work[run_nodes[0]] = alike[signature]
+            continue
         stage = executor.stage(list(run_nodes))
         if not all(v in values for v in stage.inputs):
             continue
@@ -138,7 +145,7 @@ def _selective_run_work(executor, runs, values: dict, device: torch.device) -> d
                 held = torch.cuda.memory_allocated(device)
             stage.backward(act, grads)
             peak = meter.peak if meter is not None else torch.cuda.max_memory_allocated(device)
-        work[run_nodes[0]] = float(max(peak - held, 0))
+        work[run_nodes[0]] = alike[signature] = float(max(peak - held, 0))
     return work
 
 
@@ -375,7 +382,7 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
         _count_saved_once(measured, reads_param, nodes, selective, saved_by)
         if device.type == "cuda":
             device_peak = max(device_peak, torch.cuda.max_memory_allocated(device))
-        selective.finish(nodes, values, _selective_run_work(executor, selective.runs, values, device))
+        selective.finish(nodes, values, _selective_run_work(graph, selective.runs, values, device))
     finally:
         for n, t in bound.items():
             if n in saved_grads:
