@@ -382,8 +382,8 @@ class Replanning:
             rates = decision.get("probe_rate") or []
             if self.decides and len(rates) > 1 and min(rates) > 0:  # a census (device_probe.py)
                 f = decision["factors"]
-                self.say(("every device probed" if self.probe is not None else "every device taken as fast as the "
-                          "others (one process: one device shared)") + " at the running plan's first window: speeds x["
+                self.say(("every device probed" if self.probe is not None else "every device given one probe rate "
+                          "(one process: one device shared)") + " at the running plan's first window: speeds x["
                          + ", ".join(f"{x:.2f}" for x in f["speed"]) + "]; the operators' own pricing per stage x["
                          + ", ".join(f"{x:.2f}" for x in f["stage_pricing"]) + "]")
         if self.timeline is not None:
