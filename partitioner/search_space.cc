@@ -230,25 +230,21 @@ CutStates linear_states(const Units& u, int max_blocks) {
   // Selective recomputation's transient at its place in the backward: a unit's (or its run's)
   // working memory plus what the microbatch keeps up to it, from the model's start; a stage
   // takes the most over its units less what it keeps in all (CutStates::block_sel_live).
-  std::vector<double> work, sel_work, sel_live;
+  std::vector<double> work, sel_live;
   for (std::size_t b = 0; b < cs.blocks.size(); ++b) {
     double w = 0;
-    double sw = 0;
     double kept = cs.saved[b] - cs.sel_freed[b];
     double live = -std::numeric_limits<double>::infinity();
     for (int x : cs.blocks[b]) {
       const Unit& unit = u.units[x];
       w = std::max(w, unit.work);
-      sw = std::max(sw, unit.sel_work);
       kept += unit.saved - unit.sel_freed;
       live = std::max(live, std::max(unit.work, unit.sel_work) + kept);
     }
     work.push_back(w);
-    sel_work.push_back(sw);
     sel_live.push_back(live);
   }
   cs.block_work.build(work, false);
-  cs.block_sel_work.build(sel_work, false);
   cs.block_sel_live.build(sel_live, false);
   return cs;
 }

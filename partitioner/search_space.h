@@ -102,7 +102,7 @@ struct CutStates {
   bool linear = false;
   std::vector<Bits> sets;               // ascending by size; [0] empty, back() everything
   std::vector<std::vector<int>> blocks;  // linear: the units of each block
-  RangeTable block_work, block_sel_work;  // linear: max working memory over block ranges (selective: its own)
+  RangeTable block_work;  // linear: max working memory over block ranges
   // Linear: over block ranges, the most of a unit's selective transient plus what a
   // microbatch recomputing selectively keeps from the first unit to it.
   RangeTable block_sel_live;

@@ -20,7 +20,6 @@ StageSums stage_sums(const Units& u, const CutStates& cs, int outer, int inner) 
   s.out_bytes = cs.out_bytes[outer];
   if (cs.linear && !cs.blocks.empty()) {
     s.work = cs.block_work.query(inner, outer - inner);
-    s.sel_work = cs.block_sel_work.query(inner, outer - inner);
     s.sel_live_work = std::max(0.0, cs.block_sel_live.query(inner, outer - inner) -
                                         (cs.saved[outer] - cs.sel_freed[outer]));
   } else {
@@ -34,7 +33,6 @@ StageSums stage_sums(const Units& u, const CutStates& cs, int outer, int inner) 
         diff &= diff - 1;
         const Unit& unit = u.units[static_cast<int>(w) * 64 + bit];
         s.work = std::max(s.work, unit.work);
-        s.sel_work = std::max(s.sel_work, unit.sel_work);
         kept += unit.saved - unit.sel_freed;  // units in a topological order: the forward's
         live = std::max(live, std::max(unit.work, unit.sel_work) + kept);
       }

@@ -21,9 +21,9 @@ struct StageSums {
   double fwd = 0, bwd = 0, bwd_w = 0, saved = 0, params = 0, work = 0;
   double in_bytes = 0, out_bytes = 0;  // cut bytes before and after the stage, at profile size
   double sel_fwd = 0, sel_freed = 0;   // selective recomputation: forward again, bytes freed (net: Unit)
-  double sel_work = 0;                 // selective recomputation: the largest run's transient
-  // Selective recomputation's largest transient less what the microbatch in its backward has
-  // freed by then (the saved bytes of the units after it): at most max(work, sel_work).
+  // Selective recomputation's largest transient (a unit's, or its run's: Unit::sel_work)
+  // less what the microbatch in its backward has freed by then (the saved bytes of the units
+  // after it).
   double sel_live_work = 0;
   double saved_w = 0;                  // what a split backward keeps from Bi to W (Unit::saved_w)
   double grads_w = 0;                  // of that, the gradients Bi captures (Unit::grads_w)
@@ -221,7 +221,7 @@ class Model {
     const double each = s.kept(recompute) + s.out_bytes;
     // The microbatch in its backward holds again what its forward dropped: all of it when
     // the whole forward runs again; recomputing selectively, one run's at a time, which the
-    // run's transient (sel_work) holds.
+    // run's transient (sel_live_work) holds.
     const double again = recompute == Recomputation::kFull ? s.saved : 0;
     const double kept = e.in_flight * each + again;
     e.need = e.static_bytes + kept * scale_ * e.max_share + transient;

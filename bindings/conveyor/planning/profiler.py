@@ -197,8 +197,8 @@ def profile(graph: Graph, args: tuple, kwargs: dict | None = None, *, repeats: i
     # "m9": how memory and time are measured (working memory, metered on the CPU; a value two units save counted
     # once, and which unit it counts for; what selective recomputation frees; a first pass over the units
     # unmeasured; m10: units alike measured once; m11: the fixed fraction; m12: a one-thread CPU's
-    # units on the thread's CPU time; m13: a selective run's working memory measured; m14: on each of its nodes), so that older entries are
-    # measured again.
+    # units on the thread's CPU time; m14: a selective run's working memory measured, on each of its nodes), so
+    # that older entries are measured again.
     sizes = hashlib.sha256(repr([tuple(t.shape) for t in tensors]).encode()).hexdigest()[:12]
     path = profile_cache_dir() / f"{ghash}-{key}-mb{microbatch}-{sizes}-m14.json"
     if cache and path.exists():
