@@ -8,9 +8,9 @@ every parameter (and, with one replica, every buffer) within a relative 1e-9 of 
 Every configuration of that product runs on at least one model of the zoo, and every model
 runs each schedule with each stage count and each replica count (`covering`).
 """
-import itertools
 import copy
 import dataclasses
+import itertools
 import json
 
 import pytest
@@ -131,14 +131,18 @@ def configs(batch, batchnorm):
 BATCHNORM = {"cnn_batchnorm", "resnet18", "unet3d"}  # checked against the model when it runs
 
 
+def allowed_configs(name: str) -> list:
+    """The configurations of the product that `name`'s batch allows."""
+    return configs(BATCH.get(name, 16), name in BATCHNORM)
+
+
 def covering(name: str) -> list:
     """The configurations `name` runs: a share of the product, so that the product runs
     whole across the zoo (each configuration given to one of the models that allow it, in
     turn), and each model then takes, in its own rotated order, what it still lacks of every
-    schedule with each stage count and each replica count, and of every microbatch count.
-    A quarter of the 651 configurations of the whole product on every model (which took
-    8 minutes of CI's 2 cores) covers what the product's rows share."""
-    allowed = {n: configs(BATCH.get(n, 16), n in BATCHNORM) for n in CASES}
+    schedule with each stage count and each replica count, and of every microbatch count:
+    about a quarter of the 651 runs of the whole product on every model."""
+    allowed = {n: allowed_configs(n) for n in CASES}
     every = list(dict.fromkeys(c for n in CASES for c in allowed[n]))
     owner = {}
     for i, c in enumerate(every):
@@ -161,9 +165,9 @@ def covering(name: str) -> list:
 
 def test_the_zoo_together_runs_every_configuration_of_the_product():
     ran = {c for n in CASES for c in covering(n)}
-    assert ran == {c for n in CASES for c in configs(BATCH.get(n, 16), n in BATCHNORM)}
+    assert ran == {c for n in CASES for c in allowed_configs(n)}
     for n in CASES:
-        schedules = {c[0] for c in configs(BATCH.get(n, 16), n in BATCHNORM)}
+        schedules = {c[0] for c in allowed_configs(n)}
         assert {c[0] for c in covering(n)} == schedules, n
 
 
