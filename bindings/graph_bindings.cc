@@ -409,6 +409,7 @@ void bind_graph(py::module_& m) {
         out["confirmations"] = d.confirmations;
         out["searched"] = d.searched;
         out["search_deferred"] = d.search_deferred;
+        out["shape_only"] = d.shape_only;
         out["action_overhead_s"] = d.action_overhead_s;
         out["optimizer_s_per_param_byte"] = d.optimizer_s_per_param_byte;
         out["host_s"] = d.host_s;

@@ -85,6 +85,18 @@ int smallest_share(const Plan& plan) {
   return static_cast<int>(std::max<std::int64_t>(1, least));
 }
 
+// `options` with the running plan's shape fixed (Replanner::shape_key: its ranks and their
+// replicas, microbatches, schedule and chunks), its cuts and shares left to the search.
+PlanOptions same_shape(PlanOptions options, const Plan& running) {
+  options.ranks = running.ranks();
+  options.replicas.clear();
+  for (int r = 0; r < running.ranks(); ++r) options.replicas.push_back(running.stages[r].replicas);
+  options.microbatches = running.microbatches;
+  options.schedules = {running.schedule};
+  options.chunks = running.chunks > 1 ? running.chunks : 0;
+  return options;
+}
+
 std::string percent(double x) {
   char b[32];
   std::snprintf(b, sizeof b, "%.1f%%", x * 100);
@@ -448,13 +460,44 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   // fitted to each window's step). The speeds are compared as estimated, before settling: a
   // speed near the tolerance's edge, settled to 1 in one window and not in the next, moved
   // little (GPT-2 in two processes: 1.00 and 0.89 in turn, a search owed every other
-  // window). A confirmation needs none: the plan found still paying on this window's inputs
-  // confirms it (searching again, on a slow process 0 whose planner got a tenth of the core,
-  // took 3 s and a window, and the switch came at step 27 rather than 17).
+  // window). A confirmation needs none, whatever moved: the plan found still paying on this
+  // window's inputs confirms it; confirmed, the new plan's own search follows, and not, this
+  // window's inputs are searched at the next (searching again, on a slow process 0 whose
+  // planner got a tenth of the core, took 3 s and a window, and the switch came at step 27
+  // rather than 17; a straggler's speed that moved 12% between the two windows made it search,
+  // and the confirmation was heard two windows later). A search of the running shape alone
+  // (below) is followed by the whole one.
   const std::string running_key = layout_key(running_);
-  const bool owed = !last_search_ || last_search_->running_key != running_key ||
-                    !within_speeds(last_search_->smoothed, smoothed_, policy_.tolerance);
-  if (!owed && (!may_search || within(last_search_->factors, applied_, policy_.tolerance / 2))) {
+  const bool speeds_moved = last_search_ && last_search_->running_key == running_key &&
+                            !within_speeds(last_search_->smoothed, smoothed_, policy_.tolerance);
+  const bool confirming = confirmations_ > 0 && last_search_ && last_search_->running_key == running_key;
+  const bool owed = !last_search_ || last_search_->running_key != running_key || speeds_moved ||
+                    last_search_->shape_only;
+  // The runtime's cost beyond the simulated step (dispatching actions, messages, the host)
+  // grows with the actions each rank walks: per action, measured on the running plan.
+  const double per_action =
+      std::max(0.0, measured_step_s - running_.predicted_step_s) / actions_per_rank(running_);
+  // Both plans priced by the same model, the measured step scaled by their ratio: a model
+  // that prices the running plan above what it measures (a link correction learnt under a
+  // straggler's stretched transfers) prices the other plans as high, so comparing its
+  // figure for another plan with the running plan's measured step would see every other
+  // plan as slower (a straggler's uneven shares priced 27% slower, measured 19% faster).
+  // The host's time per step is the same under either plan: the gain is asked of the whole step.
+  const double modelled_running = running_.predicted_step_s + per_action * actions_per_rank(running_);
+  auto predicted = [&](const Plan& plan) {
+    const double modelled = plan.predicted_step_s + per_action * actions_per_rank(plan);
+    return host_s + (modelled_running > 0 ? measured_step_s * modelled / modelled_running : modelled);
+  };
+  // Each undone switch doubles the gain asked (the model was wrong once; it must be surer),
+  // and a return to a shape left on devices as fast doubles it again.
+  const double asked = policy_.min_gain * (1 << std::min(undone_, 3));
+  auto left_before = [&](const Plan& plan) {
+    const auto left = left_.find(shape_key(plan));
+    return left != left_.end() && within_speeds(smoothed_.speed, left->second, policy_.tolerance);
+  };
+  auto needed = [&](const Plan& plan) { return left_before(plan) ? 2 * asked : asked; };
+
+  if (confirming || (!owed && (!may_search || within(last_search_->factors, applied_, policy_.tolerance / 2)))) {
     CONVEYOR_ASSIGN_OR_RETURN(d.candidate, reprice(costs_, cluster_, options_, last_search_->best));
     d.searched = false;
     d.search_deferred = !within(last_search_->factors, applied_, policy_.tolerance / 2);
@@ -469,41 +512,30 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
     bounded.min_share = std::max(bounded.min_share, floor);
     PlanOptions near = options_;
     if (near.microbatches == 0) near.max_microbatches = std::max(1, std::min(near.max_microbatches, near.batch / floor));
-    CONVEYOR_ASSIGN_OR_RETURN(d.candidate, make_plan(bounded, cluster_, near));
-    last_search_ = Search{running_key, applied_, smoothed_, d.candidate};
+    // A device's speed that moved under the running plan (a straggler came or went) asks
+    // what the running shape does with its cuts and shares free: a search a fraction of the
+    // whole one's, which follows at the next window, or once a plan of this one's runs.
+    // Searched whole at once on a straggler's process 0, whose planner gets a tenth of its
+    // core, the window that saw the straggler was heard two windows later (4.9 s), and the
+    // windows it overlapped went unevaluated.
+    d.shape_only = speeds_moved;
+    CONVEYOR_ASSIGN_OR_RETURN(d.candidate, make_plan(bounded, cluster_, d.shape_only ? same_shape(near, running_) : near));
+    last_search_ = Search{running_key, applied_, smoothed_, d.candidate, d.shape_only};
   }
-  // The runtime's cost beyond the simulated step (dispatching actions, messages, the host)
-  // grows with the actions each rank walks: per action, measured on the running plan.
-  const double per_action =
-      std::max(0.0, measured_step_s - running_.predicted_step_s) / actions_per_rank(running_);
-  // Both plans priced by the same model, the measured step scaled by their ratio: a model
-  // that prices the running plan above what it measures (a link correction learnt under a
-  // straggler's stretched transfers) prices the other plans as high, so comparing its
-  // figure for another plan with the running plan's measured step would see every other
-  // plan as slower (a straggler's uneven shares priced 27% slower, measured 19% faster).
-  const double modelled_running = running_.predicted_step_s + per_action * actions_per_rank(running_);
-  const double modelled_candidate = d.candidate.predicted_step_s + per_action * actions_per_rank(d.candidate);
-  // The host's time per step is the same under either plan: the gain is asked of the whole step.
-  d.predicted_step_s = host_s + (modelled_running > 0 ? measured_step_s * modelled_candidate / modelled_running
-                                                      : modelled_candidate);
+  d.predicted_step_s = predicted(d.candidate);
   d.gain_s = d.measured_step_s - d.predicted_step_s;
   d.move = move_cost(costs_, links_as_measured(), running_, d.candidate, options_, policy_);
   const std::string key = layout_key(d.candidate);
   const double relative = d.gain_s / d.measured_step_s;
-  // Each undone switch doubles the gain asked (the model was wrong once; it must be surer).
-  const double asked = policy_.min_gain * (1 << std::min(undone_, 3));
-  const auto left = left_.find(shape_key(d.candidate));
-  const bool left_before = left != left_.end() && within_speeds(smoothed_.speed, left->second, policy_.tolerance);
-  const double needed = left_before ? 2 * asked : asked;
-  d.gain_asked = needed;
+  d.gain_asked = needed(d.candidate);
   if (key == layout_key(running_)) {
     d.reason = "the running plan is still the best on the corrected costs";
   } else if (relative <= 0) {
     d.reason = "no other plan is faster on the corrected costs: the best other one would take " +
                percent(-relative) + " more of a step";
-  } else if (relative < needed) {
-    d.reason = "the best other plan saves " + percent(relative) + " of a step, less than the " + percent(needed) +
-               " asked" + (left_before ? " to return to a plan of a shape left before on devices as fast" : "");
+  } else if (relative < d.gain_asked) {
+    d.reason = "the best other plan saves " + percent(relative) + " of a step, less than the " +
+               percent(d.gain_asked) + " asked" + (left_before(d.candidate) ? " to return to a plan of a shape left before on devices as fast" : "");
   } else if (d.gain_s * policy_.horizon_steps < (1 + policy_.margin) * d.move.seconds()) {
     d.reason = "what it saves over " + std::to_string(policy_.horizon_steps) + " steps does not pay for moving";
   } else {
@@ -513,11 +545,14 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
     d.switch_plan = confirmations_ >= policy_.confirmations;
     d.reason = d.switch_plan ? "switching: the saving over the horizon pays for moving"
                              : "a better plan, waiting for it to be confirmed";
+    if (d.shape_only) d.reason += " (a device's speed moved: the running shape searched alone)";
     if (d.switch_plan) decided_ = {key, d.measured_step_s};
     return d;
   }
   confirmations_ = 0;
-  if (d.search_deferred) {
+  if (d.shape_only) {
+    d.reason += " (a device's speed moved: the running shape searched alone, the whole space at the next window)";
+  } else if (d.search_deferred) {
     d.reason += " (not searched again: the corrections moved, but searches are spaced out and no device's speed "
                 "moved beyond the noise)";
   } else if (!d.searched) {

@@ -85,6 +85,10 @@ struct ReplanDecision {
   /// priced again instead (a search is the costly part).
   bool searched = true;
   bool search_deferred = false;    ///< not searched though the inputs moved: the caller asked for none
+  /// The search kept the running plan's shape (shape_key) and searched its cuts and shares
+  /// alone: a device's speed moved, and a plan of that shape paid (the whole search follows
+  /// once it runs, or at the next window if it is not confirmed).
+  bool shape_only = false;
   /// Per device, the most its speed is taken to be (as a factor, the fastest device's 1), as
   /// its probes set it (Replanner::ceiling_; 0: none): its process probes it again now and
   /// then, so that the ceiling lifts when its straggler goes.
@@ -197,6 +201,7 @@ class Replanner {
     Factors factors;
     Factors smoothed;
     Plan best;
+    bool shape_only = false;  ///< the running shape alone searched (a device's speed moved)
   };
   std::optional<Search> last_search_;
 };

@@ -104,17 +104,63 @@ TEST(Replan, AStragglerThatAppearsMidRunIsActedOnOnceConfirmed) {
   for (const std::vector<double>& truth : {std::vector<double>{1, 1.0 / 3, 1}, std::vector<double>{1, 1, 1}}) {
     int windows = 0;
     ReplanDecision d;
+    bool first_shape_only = false;
     do {
       auto [m, step] = run(g, r.running(), truth, 0.05, rng);
       d = *r.evaluate(m, step);
-      ++windows;
+      if (++windows == 1) first_shape_only = d.shape_only;
     } while (!d.switch_plan && windows < 10);
     ASSERT_TRUE(d.switch_plan) << d.reason;
     EXPECT_EQ(windows, policy.confirmations) << d.reason;
+    // The window that saw the speed move searched the running shape alone (a fraction of the
+    // whole search), and its plan, confirmed, is taken.
+    EXPECT_TRUE(first_shape_only);
+    EXPECT_EQ(Replanner::shape_key(d.candidate), Replanner::shape_key(r.running())) << d.candidate.table();
     ASSERT_TRUE(r.switched_to(d.candidate).is_ok());
     auto [m, step] = run(g, r.running(), truth, 0.05, rng);
     ASSERT_FALSE(r.evaluate(m, step)->undo);
+    // Under the new plan, the next window searches the whole space again.
+    std::tie(m, step) = run(g, r.running(), truth, 0.05, rng);
+    const ReplanDecision next = *r.evaluate(m, step);
+    EXPECT_TRUE(next.searched && !next.shape_only) << next.reason;
   }
+}
+
+// The window that sees a device's speed move searches the running shape alone (a fraction of
+// the whole search); when no plan of that shape pays (here: replicas that must split evenly,
+// a straggler among them), the next window searches the whole space, and the window after it
+// confirms that plan, of another shape, without a search.
+TEST(Replan, ASpeedThatMovedSearchesTheRunningShapeFirstAndTheWholeSpaceAtTheNextWindow) {
+  const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e5, 1e6);
+  const Cluster cluster = devices(2);
+  PlanOptions o = options();
+  o.max_replicas = 2;
+  o.even_shares = true;
+  const Plan plan = *make_plan(g, cluster, o);
+  ASSERT_EQ(plan.stages.size(), 1u) << plan.table();
+  ReplanPolicy policy;
+  policy.moves_bytes = false;
+  Replanner r(g, cluster, plan, o, policy);
+  std::mt19937 rng(5);
+  for (int window = 0; window < 3; ++window) {
+    auto [m, step] = run(g, r.running(), {1, 1}, 0.05, rng);
+    ASSERT_FALSE(r.evaluate(m, step)->switch_plan);
+  }
+  const std::vector<double> truth{1, 0.25};
+  auto [m, step] = run(g, r.running(), truth, 0.05, rng);
+  const ReplanDecision seen = *r.evaluate(m, step);
+  EXPECT_TRUE(seen.searched && seen.shape_only) << seen.reason;
+  EXPECT_EQ(seen.confirmations, 0) << seen.reason << "; " << seen.arithmetic(policy);
+  EXPECT_NE(seen.reason.find("the whole space at the next window"), std::string::npos) << seen.reason;
+  std::tie(m, step) = run(g, r.running(), truth, 0.05, rng);
+  const ReplanDecision whole = *r.evaluate(m, step, /*may_search=*/false);  // owed: searched though spaced out
+  EXPECT_TRUE(whole.searched && !whole.shape_only) << whole.reason;
+  EXPECT_EQ(whole.confirmations, 1) << whole.reason << "; " << whole.arithmetic(policy);
+  EXPECT_NE(Replanner::shape_key(whole.candidate), Replanner::shape_key(r.running())) << whole.candidate.table();
+  std::tie(m, step) = run(g, r.running(), truth, 0.05, rng);
+  const ReplanDecision confirmed = *r.evaluate(m, step);
+  EXPECT_TRUE(confirmed.switch_plan) << confirmed.reason;
+  EXPECT_FALSE(confirmed.searched) << confirmed.reason;
 }
 
 // A straggler changes the layout's shape: two equal devices run one stage replicated (a
