@@ -517,14 +517,21 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
     // whole one's, which follows at the next window, or once a plan of this one's runs.
     // Searched whole at once on a straggler's process 0, whose planner gets a tenth of its
     // core, the window that saw the straggler was heard two windows later (4.9 s), and the
-    // windows it overlapped went unevaluated.
-    d.shape_only = speeds_moved;
+    // windows it overlapped went unevaluated. So does the first search of a new plan that
+    // kept the shape of the one before (its cuts or shares moved: a straggler's speed read
+    // under one split of its time-shared core was faster than the next split ran, and the
+    // better split, searched whole, came 20 steps after the switch); after a new shape, the
+    // whole space is searched first, for a shape that fits the devices better still.
+    d.shape_only = speeds_moved || kept_shape_;
+    kept_shape_ = false;
     CONVEYOR_ASSIGN_OR_RETURN(d.candidate, make_plan(bounded, cluster_, d.shape_only ? same_shape(near, running_) : near));
     last_search_ = Search{running_key, applied_, smoothed_, d.candidate, d.shape_only};
   }
   d.predicted_step_s = predicted(d.candidate);
   d.gain_s = d.measured_step_s - d.predicted_step_s;
   d.move = move_cost(costs_, links_as_measured(), running_, d.candidate, options_, policy_);
+  const std::string shape_search = std::string(speeds_moved ? "a device's speed moved" : "a new plan's first search") +
+                                   ": the running shape searched alone";
   const std::string key = layout_key(d.candidate);
   const double relative = d.gain_s / d.measured_step_s;
   d.gain_asked = needed(d.candidate);
@@ -545,13 +552,13 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
     d.switch_plan = confirmations_ >= policy_.confirmations;
     d.reason = d.switch_plan ? "switching: the saving over the horizon pays for moving"
                              : "a better plan, waiting for it to be confirmed";
-    if (d.shape_only) d.reason += " (a device's speed moved: the running shape searched alone)";
+    if (d.shape_only) d.reason += " (" + shape_search + ")";
     if (d.switch_plan) decided_ = {key, d.measured_step_s};
     return d;
   }
   confirmations_ = 0;
   if (d.shape_only) {
-    d.reason += " (a device's speed moved: the running shape searched alone, the whole space at the next window)";
+    d.reason += " (" + shape_search + ", the whole space at the next window)";
   } else if (d.search_deferred) {
     d.reason += " (not searched again: the corrections moved, but searches are spaced out and no device's speed "
                 "moved beyond the noise)";
@@ -566,6 +573,7 @@ Status Replanner::switched_to(const Plan& plan) {
   // A switch this decided is judged by the next window; an undo or a forced switch is not.
   if (decided_ && decided_->first == key) undo_ = std::make_pair(running_, decided_->second);
   decided_.reset();
+  kept_shape_ = shape_key(plan) == shape_key(running_);
   left_[shape_key(running_)] = smoothed_.speed;
   left_.erase(shape_key(plan));
   CONVEYOR_ASSIGN_OR_RETURN(running_, reprice(costs_, cluster_, options_, plan));

@@ -204,6 +204,7 @@ class Replanner {
     bool shape_only = false;  ///< the running shape alone searched (a device's speed moved)
   };
   std::optional<Search> last_search_;
+  bool kept_shape_ = false;  // the running plan kept the shape of the one before, and is not searched yet
 };
 
 }  // namespace conveyor::partitioner

@@ -119,10 +119,14 @@ TEST(Replan, AStragglerThatAppearsMidRunIsActedOnOnceConfirmed) {
     ASSERT_TRUE(r.switched_to(d.candidate).is_ok());
     auto [m, step] = run(g, r.running(), truth, 0.05, rng);
     ASSERT_FALSE(r.evaluate(m, step)->undo);
-    // Under the new plan, the next window searches the whole space again.
+    // Under the new plan, of the same shape, the next window searches that shape again (its
+    // cuts may move further on what it measures), and the window after it the whole space.
     std::tie(m, step) = run(g, r.running(), truth, 0.05, rng);
     const ReplanDecision next = *r.evaluate(m, step);
-    EXPECT_TRUE(next.searched && !next.shape_only) << next.reason;
+    EXPECT_TRUE(next.searched && next.shape_only) << next.reason;
+    std::tie(m, step) = run(g, r.running(), truth, 0.05, rng);
+    const ReplanDecision whole = *r.evaluate(m, step);
+    EXPECT_TRUE(whole.searched && !whole.shape_only) << whole.reason;
   }
 }
 
