@@ -25,6 +25,15 @@ inline PlanOptions options() {
   return o;
 }
 
+// The data-parallel layout a straggler among equal devices moves from: one stage with a
+// replica on each of the cluster's devices, planned under `o` otherwise.
+inline Plan one_stage_on_each_device(const CostGraph& g, const Cluster& cluster, PlanOptions o) {
+  o.ranks = 1;
+  o.replicas = {static_cast<int>(cluster.devices.size())};
+  o.max_replicas = std::max(o.max_replicas, o.replicas[0]);
+  return *make_plan(g, cluster, o);
+}
+
 // What `plan`'s layout measures when the operators cost what `g` says and the devices run at
 // `speed` (the truth, whatever the Replanner believes), each kind off by a uniform factor
 // within `noise`; the step as the simulator has it, off by the same noise.

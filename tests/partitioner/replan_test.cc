@@ -140,8 +140,7 @@ TEST(Replan, ASpeedThatMovedSearchesTheRunningShapeFirstAndTheWholeSpaceAtTheNex
   PlanOptions o = options();
   o.max_replicas = 2;
   o.even_shares = true;
-  const Plan plan = *make_plan(g, cluster, o);
-  ASSERT_EQ(plan.stages.size(), 1u) << plan.table();
+  const Plan plan = testing::one_stage_on_each_device(g, cluster, o);
   ReplanPolicy policy;
   policy.moves_bytes = false;
   Replanner r(g, cluster, plan, o, policy);
@@ -177,8 +176,7 @@ TEST(Replan, AShapeLeftForAStragglerIsReturnedToForTheUsualGainOnceItGoes) {
   const Cluster cluster = devices(2);
   PlanOptions o = options();
   o.max_replicas = 2;
-  const Plan plan = *make_plan(g, cluster, o);
-  ASSERT_EQ(plan.stages.size(), 1u) << plan.table();
+  const Plan plan = testing::one_stage_on_each_device(g, cluster, o);
   ReplanPolicy policy;
   policy.moves_bytes = false;
   Replanner r(g, cluster, plan, o, policy);
@@ -405,14 +403,8 @@ TEST(Replan, AGradientSumTheBackwardHidesIsNotCreditedToAPlanWithoutIt) {
   PlanOptions o = options();
   o.max_replicas = 2;
   o.microbatches = 1;
-  o.ranks = 1;  // the running plan: one stage, a replica on each device
-  o.replicas = {2};
-  const Plan running = *make_plan(g, cluster, o);
-  ASSERT_EQ(running.stages.size(), 1u);
-  ASSERT_EQ(running.stages[0].replicas, 2);
+  const Plan running = testing::one_stage_on_each_device(g, cluster, o);
   ASSERT_GT(running.stages[0].allreduce_s, running.stages[0].forward_s + running.stages[0].backward_s);
-  o.ranks = 0;
-  o.replicas.clear();
   o.microbatches = 0;
   Replanner r(g, cluster, running, o, ReplanPolicy{});
   std::mt19937 rng(11);
@@ -478,13 +470,8 @@ TEST(Replan, AStepMeasuredBelowItsComputesPriceLeavesTheLinksAsMeasured) {
   PlanOptions o = options();
   o.max_replicas = 2;
   o.microbatches = 1;
-  o.ranks = 1;
-  o.replicas = {2};
-  const Plan running = *make_plan(g, cluster, o);
-  ASSERT_EQ(running.stages.size(), 1u);
+  const Plan running = testing::one_stage_on_each_device(g, cluster, o);
   ASSERT_GT(running.stages[0].allreduce_s, 0);
-  o.ranks = 0;
-  o.replicas.clear();
   o.microbatches = 0;
   Replanner r(g, cluster, running, o, ReplanPolicy{});
   for (int window = 0; window < 4; ++window) {
