@@ -15,6 +15,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -93,21 +95,36 @@ std::string text(const toml::Node& t, std::string_view key, const std::string& f
   return *v;
 }
 
-// A free TCP port on the loopback interface (the kernel's pick; released at once).
-int free_port() {
+// Whether nothing holds TCP port `port` on the loopback interface now (a port in TIME_WAIT
+// counts as held).
+bool port_free(int port) {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return 29500;
+  if (fd < 0) return false;
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof a;
-  int port = 29500;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
-    port = ntohs(a.sin_port);
-  }
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  const bool free = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
   close(fd);
-  return port;
+  return free;
+}
+
+// A port free on the loopback interface for process 0 to listen on, taken below the kernel's
+// ephemeral range (/proc/sys/net/ipv4/ip_local_port_range). Process 0 listens seconds after
+// this pick, after its imports and capture; a port from that range (the kernel's pick for a
+// bind to port 0) could meanwhile be handed to any outgoing connection, and 1 launch in 12 of
+// two ResNet processes failed so ("Address already in use"). A port below it goes only to
+// whoever binds it by number.
+int free_port() {
+  int ephemeral_from = 32768;
+  if (std::ifstream range("/proc/sys/net/ipv4/ip_local_port_range"); !(range >> ephemeral_from)) ephemeral_from = 32768;
+  const int low = ephemeral_from > 12000 ? 10000 : 1024;
+  std::mt19937 rng(std::random_device{}());
+  std::uniform_int_distribution<int> pick(low, std::max(low, ephemeral_from - 1));
+  for (int attempt = 0; attempt < 200; ++attempt) {
+    if (const int port = pick(rng); port_free(port)) return port;
+  }
+  return 29500;
 }
 
 bool loopback(const std::string& host) { return host == "127.0.0.1" || host == "localhost" || host == "::1"; }

@@ -43,15 +43,20 @@ def rel_err():
     return max_relative_error
 
 
+def ephemeral_range_start() -> int:
+    """The first port of the kernel's ephemeral range, which outgoing connections draw from."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
     """A TCP port free on loopback now (for a test job's rendezvous), below the kernel's
     ephemeral range: a port from that range (bind to 0) was taken again, by a connection of
     another process, in the seconds before the job's process 0 listened on it."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            ephemeral_from = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        ephemeral_from = 32768
+    ephemeral_from = ephemeral_range_start()
     low = 10000 if ephemeral_from > 12000 else 1024
     for port in random.Random().sample(range(low, max(low + 1, ephemeral_from)), 200):
         with socket.socket() as s:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import free_port
+from conftest import ephemeral_range_start, free_port
 from conveyor import _C
 
 BUILD = os.environ.get("CONVEYOR_BUILD_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "build"))
@@ -235,10 +235,12 @@ def test_ctrl_c_at_a_terminal_stops_every_process_saying_where_it_was():
 
 @pytest.mark.parametrize("flags, expected", [([], "42 1f1b nccl"), (["--transport", "ucx", "--timeout", "7"], "7 1f1b ucx")])
 def test_every_process_gets_the_environment_of_its_rank(flags, expected, tmp_path):
-    """The job config's settings reach every process; flags given override them."""
-    script = ("import os\nkeys = ['RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR', 'CONVEYOR_TIMEOUT',"
+    """The job config's settings reach every process; flags given override them. The port
+    the launcher picks is below the kernel's ephemeral range, which outgoing connections
+    draw from while process 0 starts."""
+    script = (f"import os\nEPHEMERAL = {ephemeral_range_start()}\nkeys = ['RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR', 'CONVEYOR_TIMEOUT',"
               " 'CONVEYOR_SCHEDULE', 'CONVEYOR_TRANSPORT', 'CONVEYOR_REPLAN', 'CONVEYOR_REPLAN_HORIZON']\nopen(os.path.join(os.environ['OUT'], os.environ['RANK']), 'w').write("
-              "' '.join(os.environ[k] for k in keys) + ' ' + str(int(os.environ['MASTER_PORT']) > 0))\n")
+              "' '.join(os.environ[k] for k in keys) + ' ' + str(0 < int(os.environ['MASTER_PORT']) < EPHEMERAL))\n")
     config = tmp_path / "job.toml"
     config.write_text('[job]\nprocesses = 2\ntimeout = 42\nschedule = "1f1b"\ntransport = "nccl"\nreplan = "off"\n'
                       'replan_horizon = 250\n')
