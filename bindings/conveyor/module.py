@@ -144,8 +144,10 @@ class Module(torch.nn.Module):
     @property
     def replans(self) -> list[dict]:
         """One entry per switch of plan: step, old and new (plan summaries), reason, the
-        decision's arithmetic, predicted_gain_s per step, move_s and move_bytes (measured),
-        step_before_s, and once the next window is measured measured_step_s and
+        decision's arithmetic, predicted_gain_s per step, priced_move_bytes (all processes
+        together, as the decision priced them), move_s, received_bytes (the parameters,
+        buffers and optimizer state this process received) and received_tensor_bytes (of
+        them, parameters and buffers), step_before_s, and once the next window is measured measured_step_s and
         measured_gain_s: the step as the caller sees it, from one training call's start to the
         next (the optimizer's step and the caller's loop in it)."""
         return self._history.switches

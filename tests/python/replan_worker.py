@@ -95,7 +95,7 @@ def train(case_name: str, optimizer_name: str, batch: int, steps_per_plan: int) 
             if model.world_size > 1:  # what this process lacked of what it now reads, whole until the next step
                 after, me, tensors = model.capture.pipeline.readers(), model.rank, model.capture.graph.tensors
                 lacked = sum(tensors[n].nbytes for n, r in after.items() if me in r and me not in before.get(n, []))
-                moves.append((lacked, model.replans[-1]["tensor_bytes"]))
+                moves.append((lacked, model.replans[-1]["received_tensor_bytes"]))
         losses += [model.train_step(*case.args, **case.kwargs).item() for _ in range(steps_per_plan)]
         if k and LAYOUTS[k - 1][3]:  # the runtime splits by the plan's shares: 3 samples and 1 of 4
             assert model.capture.pipeline.share_lengths(1, 4) == [3, 1], model.capture.pipeline.share_lengths(1, 4)

@@ -145,7 +145,8 @@ def switch_to(state, plan, decision: dict | None, *, job, optimizer, history, re
                  reason=decision["reason"] if decision else reason, arithmetic=decision["arithmetic"] if decision else "",
                  predicted_gain_s=decision["gain_s"] if decision else 0.0,
                  step_before_s=decision["measured_step_s"] if decision else 0.0, move_s=moved_at - t0,
-                 move_bytes=moved, tensor_bytes=pipeline.handed_over_bytes() if group is not None else 0,
+                 received_bytes=moved, received_tensor_bytes=pipeline.handed_over_bytes() if group is not None else 0,
+                 priced_move_bytes=decision["move_bytes"] if decision else None,
                  transfer_s=transfer_s, rebuild_s=rebuild_s, measured_step_s=None,
                  measured_gain_s=None if decision else 0.0, factors=decision["factors"] if decision else None)
     history.marker = f"replan: {entry['old']} -> {entry['new']}"

@@ -419,10 +419,10 @@ class Replanning:
         self.restart_windows()
         self.rebuild_s = entry["rebuild_s"]
         entry["step_before_s"] = self.last_wall_s or entry["step_before_s"]  # as the first window after it is measured
-        if entry["move_bytes"] and entry["transfer_s"] > 0:
-            self.bytes_per_s = entry["move_bytes"] / entry["transfer_s"]
+        if entry["received_bytes"] and entry["transfer_s"] > 0:
+            self.bytes_per_s = entry["received_bytes"] / entry["transfer_s"]
         self.say(f"step {entry['step']}: {entry['old']} -> {entry['new']}; {entry['arithmetic'] or entry['reason']}; "
-                 f"moved in {entry['move_s'] * 1e3:.1f} ms ({entry['move_bytes']} bytes of parameters, buffers and "
+                 f"moved in {entry['move_s'] * 1e3:.1f} ms ({entry['received_bytes']} bytes of parameters, buffers and "
                  f"optimizer state received here in {entry['transfer_s'] * 1e3:.1f} ms, rebuilding "
                  f"{entry['rebuild_s'] * 1e3:.1f} ms)")
 
