@@ -259,10 +259,13 @@ def warn_of_statistics_per_share(document: dict, microbatches: int, replicas: li
     if found:
         node, dim = found[0]
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        split = ([f"{microbatches} microbatches"] if microbatches > 1 else []) + \
+                ([f"{max(replicas)} replicas of a stage"] if max(replicas) > 1 else [])
         warnings.warn(f"conveyor: {operator_at(node)}{more}" +
                       f" normalizes in training mode by statistics over dim {dim} of its input, which holds the "
-                      f"batch: each share of the {microbatches} microbatches normalizes by its own samples' mean and "
-                      "variance, as gradient accumulation over the same shares would, not by the whole batch's. For "
+                      f"batch: each share the step splits it into ({' and '.join(split)}) normalizes by its own "
+                      "samples' mean and variance, as gradient accumulation over the same shares would, not by the "
+                      "whole batch's. For "
                       "the whole batch's statistics run each call whole (microbatches=1, replicas=1), or normalize "
                       "per sample (LayerNorm, GroupNorm)", stacklevel=5)
 

@@ -352,8 +352,9 @@ def test_a_split_step_with_batch_statistics_in_training_warns_naming_the_operato
     net = TokensBatchNormed()
     model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.05), microbatches=2, replan="off",
                             verbose=False)
-    with pytest.warns(UserWarning, match=said):
+    with pytest.warns(UserWarning, match=said) as caught:
         model.train_step(x, y)
+    assert any("each share the step splits it into (2 microbatches)" in str(w.message) for w in caught)
     for microbatches, mode in ((1, "train"), (2, "eval")):
         net = getattr(TokensBatchNormed(), mode)()
         model = conveyor.Module(net, torch.optim.SGD(net.parameters(), lr=0.05), microbatches=microbatches,
