@@ -326,8 +326,8 @@ def main() -> None:
             gb = s["received_bytes"] / 1e9
             per_gb = f"{s['transfer_s'] / gb:.2f} s/GB" if gb > 0 else "no bytes"
             print(f"round {r + 1} switch at step {s['step']}: {s['old']} -> {s['new']}\n  {s['arithmetic']}\n"
-                  f"  measured: moved in {s['move_s'] * 1e3:.1f} ms ({s['received_bytes']} bytes of parameters, buffers "
-                  f"and optimizer state received by process 0 in {s['transfer_s'] * 1e3:.1f} ms, {per_gb}, "
+                  f"  measured: moved in {s['move_s'] * 1e3:.1f} ms ({s['received_bytes']} bytes of parameters, "
+                  f"buffers and optimizer state received by process 0 in {s['transfer_s'] * 1e3:.1f} ms, {per_gb}, "
                   f"rebuilding {s['rebuild_s'] * 1e3:.1f} ms); measured gain "
                   + (f"{s['measured_gain_s'] * 1e3:.2f} ms/step" if s["measured_gain_s"] is not None else "not measured"))
         if not switches:

@@ -275,7 +275,8 @@ Result<std::unique_ptr<Rendezvous>> rendezvous(const JoinRequest& req) {
     if (!listener) {
       return Status(ErrorCode::kExecution, "process 0 cannot listen for the other processes at " + where + ": " +
                                                listener.status().message() +
-                                               " (is the port in use? set MASTER_PORT, or `conveyor launch --master-port`, to a free one)");
+                                               " (is the port in use? set MASTER_PORT, or `conveyor launch "
+                                               "--master-port`, to a free one)");
     }
     impl->server = std::make_unique<Server>(std::move(*listener),
                                             protocol::JoinBook(req.world, req.version, req.job, req.secret));

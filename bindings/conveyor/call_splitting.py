@@ -265,9 +265,8 @@ def warn_of_statistics_per_share(document: dict, microbatches: int, replicas: li
                       f" normalizes in training mode by statistics over dim {dim} of its input, which holds the "
                       f"batch: each share the step splits it into ({' and '.join(split)}) normalizes by its own "
                       "samples' mean and variance, as gradient accumulation over the same shares would, not by the "
-                      "whole batch's. For "
-                      "the whole batch's statistics run each call whole (microbatches=1, replicas=1), or normalize "
-                      "per sample (LayerNorm, GroupNorm)", stacklevel=5)
+                      "whole batch's. For the whole batch's statistics run each call whole (microbatches=1, "
+                      "replicas=1), or normalize per sample (LayerNorm, GroupNorm)", stacklevel=5)
 
 
 def warn_of_a_loss_split_changes(step, microbatches: int, replicas: list, document: dict) -> None:

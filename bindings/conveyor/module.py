@@ -147,8 +147,8 @@ class Module(torch.nn.Module):
         decision's arithmetic, predicted_gain_s per step, priced_move_bytes (all processes
         together, as the decision priced them), move_s, received_bytes (the parameters,
         buffers and optimizer state this process received) and received_tensor_bytes (of
-        them, parameters and buffers), step_before_s, and once the next window is measured measured_step_s and
-        measured_gain_s: the step as the caller sees it, from one training call's start to the
+        them, parameters and buffers), step_before_s, and once the next window is measured
+        measured_step_s and measured_gain_s: the step as the caller sees it, from one training call's start to the
         next (the optimizer's step and the caller's loop in it)."""
         return self._history.switches
 

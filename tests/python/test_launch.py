@@ -238,7 +238,8 @@ def test_every_process_gets_the_environment_of_its_rank(flags, expected, tmp_pat
     """The job config's settings reach every process; flags given override them. The port
     the launcher picks is below the kernel's ephemeral range, which outgoing connections
     draw from while process 0 starts."""
-    script = (f"import os\nEPHEMERAL = {ephemeral_range_start()}\nkeys = ['RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR', 'CONVEYOR_TIMEOUT',"
+    script = (f"import os\nEPHEMERAL = {ephemeral_range_start()}\n"
+              "keys = ['RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR', 'CONVEYOR_TIMEOUT',"
               " 'CONVEYOR_SCHEDULE', 'CONVEYOR_TRANSPORT', 'CONVEYOR_REPLAN', 'CONVEYOR_REPLAN_HORIZON']\nopen(os.path.join(os.environ['OUT'], os.environ['RANK']), 'w').write("
               "' '.join(os.environ[k] for k in keys) + ' ' + str(0 < int(os.environ['MASTER_PORT']) < EPHEMERAL))\n")
     config = tmp_path / "job.toml"
