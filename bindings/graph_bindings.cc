@@ -414,6 +414,7 @@ void bind_graph(py::module_& m) {
         out["optimizer_s_per_param_byte"] = d.optimizer_s_per_param_byte;
         out["host_s"] = d.host_s;
         out["speed_ceiling"] = d.speed_ceiling;
+        out["census_owed"] = d.census_owed;
         out["factors"] = py::dict(py::arg("forward") = f.forward, py::arg("backward") = f.backward,
                                   py::arg("weight") = f.weight, py::arg("speed") = f.speed, py::arg("link") = f.link,
                                   py::arg("stage_pricing") = stage_pricing);

@@ -89,23 +89,6 @@ Reference fastest_replica(const std::vector<double>& replica_compute_s, const st
   return {std::min(1.0, least / whole), fastest};
 }
 
-// Per device, `probed` over the fastest probed device that runs a stage of `plan`, where
-// every device that runs one was probed; empty otherwise (no device is told apart then).
-std::vector<double> probed_speeds(const Plan& plan, const std::vector<double>& probed, int devices) {
-  if (static_cast<int>(probed.size()) < devices) return {};
-  double fastest = 0;
-  for (const StagePlan& p : plan.stages) {
-    for (int d = p.first_device; d < p.first_device + p.replicas && d < devices; ++d) {
-      if (!(probed[d] > 0) || !std::isfinite(probed[d])) return {};
-      fastest = std::max(fastest, probed[d]);
-    }
-  }
-  if (fastest <= 0) return {};
-  std::vector<double> out(probed.begin(), probed.begin() + devices);
-  for (double& x : out) x /= fastest;
-  return out;
-}
-
 // The speed of the device whose replica a stage's reference time is (`reference`), by the
 // probes: that replica's device, or without one the stage's slowest (its time is the slowest
 // replica's).
@@ -121,6 +104,21 @@ double reference_speed(const StagePlan& p, const Reference& reference, const std
 SharePricing share_pricing(const CostGraph& costs, const Plan& plan) {
   const double samples = plan.microbatches > 0 ? static_cast<double>(plan.batch) / plan.microbatches : 0;
   return {costs.fixed_fraction, samples > 0 ? samples / costs.microbatch : 1.0};
+}
+
+std::vector<double> probed_speeds(const Plan& plan, const std::vector<double>& probed, int devices) {
+  if (static_cast<int>(probed.size()) < devices) return {};
+  double fastest = 0;
+  for (const StagePlan& p : plan.stages) {
+    for (int d = p.first_device; d < p.first_device + p.replicas && d < devices; ++d) {
+      if (!(probed[d] > 0) || !std::isfinite(probed[d])) return {};
+      fastest = std::max(fastest, probed[d]);
+    }
+  }
+  if (fastest <= 0) return {};
+  std::vector<double> out(probed.begin(), probed.begin() + devices);
+  for (double& x : out) x /= fastest;
+  return out;
 }
 
 Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasurement>& measured, int devices,

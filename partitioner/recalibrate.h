@@ -53,6 +53,11 @@ struct SharePricing {
 /// `costs`' pricing of `plan`'s microbatches.
 SharePricing share_pricing(const CostGraph& costs, const Plan& plan);
 
+/// Per device, its probe's rate (`probed`) over the fastest of those of the devices that run
+/// a stage of `plan`, where every such device was probed; empty otherwise (no device is told
+/// apart then).
+std::vector<double> probed_speeds(const Plan& plan, const std::vector<double>& probed, int devices);
+
 /// The factors `measured` shows against `plan`'s predictions: each kind's median ratio over
 /// the stages; for each device, what its replicas measured beyond that (over the corrected
 /// prediction), as a speed multiplier; the links' median ratio over the stages' transfers and

@@ -93,6 +93,12 @@ struct ReplanDecision {
   /// its probes set it (Replanner::ceiling_; 0: none): its process probes it again now and
   /// then, so that the ceiling lifts when its straggler goes.
   std::vector<double> speed_ceiling;
+  /// A ceiling lifted at this window (its device's straggler went), or a device under one
+  /// measured much faster than at the last window (it may have): that device's stages
+  /// measured its slowness and their operators' pricing error as one, so the next window's
+  /// probes of every device are owed as a census, which tells them apart (and sets the
+  /// ceilings anew).
+  bool census_owed = false;
   std::string reason;              ///< why it switches or not
   /// The decision's arithmetic on one line: gain, horizon, moving cost in bytes and seconds.
   std::string arithmetic(const ReplanPolicy& policy) const;
@@ -168,7 +174,9 @@ class Replanner {
   PlanOptions options_;
   ReplanPolicy policy_;
   int confirmations_ = 0;
-  int undone_ = 0;               // switches undone so far: each doubles the gain asked (up to 8x)
+  // Switches undone so far that were decided on the devices' speeds as they are at the undo:
+  // each doubles the gain asked (up to 8x).
+  int undone_ = 0;
   // Shapes switched away from, with the devices' speeds (as estimated) when they were: a
   // return under speeds within the tolerance of those needs twice the gain.
   std::map<std::string, std::vector<double>> left_;
@@ -186,14 +194,39 @@ class Replanner {
   /// (its share of the device under a full load); a later probe of it scales that, and lifts
   /// it once it runs as fast as the fastest. 0: none.
   std::vector<double> ceiling_, ceiling_rate_;
-  void update_ceilings(const std::vector<double>& probe_rate, const std::vector<double>& per_rated);
+  /// Whether a later probe lifted a ceiling (a census sets them anew, and lifts none).
+  bool update_ceilings(const std::vector<double>& probe_rate, const std::vector<double>& per_rated);
+  /// `seen`'s speeds held to their ceilings, against the fastest device without one; whether
+  /// a capped device's stages measured it faster than at the last window by more than three
+  /// times the tolerance (its straggler may have gone: a census is owed).
+  bool cap_at_ceilings(Factors& seen);
+  // Per device with a ceiling, its speed as its stages measured it at the last window under
+  // the running plan, over the fastest device without one (0: none).
+  std::vector<double> uncapped_;
+  /// At a census: every running device its probe shows as fast as the fastest is priced at the
+  /// fastest such device's speed before its stages are measured (`per_rated`: every device's
+  /// rate per unit of its rated speed). A speed estimated before (under a straggler since gone,
+  /// whose stages' times held their operators' error too) would else stand, and what the
+  /// stages measure against it be taken for their operators' error.
+  Status price_probed_alike(const std::vector<double>& per_rated);
   /// `seen`'s speeds of the devices the running plan leaves idle, from their probes
   /// (`per_rated`: at a census, every device's rate per unit of its rated speed; else empty).
   Status idle_speeds(Factors& seen, const std::vector<double>& probe_rate, const std::vector<double>& per_rated);
-  // The switch last decided (its layout, the step measured before it), and once taken, the
-  // plan it left with that step: the next window undoes it if it measures slower.
-  std::optional<std::pair<std::string, double>> decided_;
-  std::optional<std::pair<Plan, double>> undo_;
+  // The switch last decided (its layout, the step measured before it, the devices' speeds it
+  // was decided on), and once taken, the plan it left with those: the next window undoes it
+  // if it measures slower.
+  struct Decided {
+    std::string key;
+    double step_s = 0;
+    std::vector<double> speeds;
+  };
+  std::optional<Decided> decided_;
+  struct Undo {
+    Plan previous;
+    double step_s = 0;
+    std::vector<double> speeds;
+  };
+  std::optional<Undo> undo_;
   // The last search: under which running layout, on which corrections (as applied, and the
   // smoothed estimate before settling), and its best plan.
   struct Search {

@@ -1,9 +1,11 @@
 // Re-planning prices what a step spends beyond the pipeline's own operators: the optimizer's
 // step on each replica that applies it, the host's time that no plan changes (the gain is
-// asked of the whole step), and a device that probes slow is priced no faster than its probe.
+// asked of the whole step), and a device that probes slow is priced no faster than its probe
+// and, once it probes as fast as the fastest again, as fast as it.
 #include <gtest/gtest.h>
 
 #include <random>
+#include <tuple>
 
 #include "partitioner/replan.h"
 #include "random_graphs.h"
@@ -159,6 +161,50 @@ TEST(Replan, ADeviceThatProbesSlowIsNoFasterThanItsProbeWhateverALightStageMeasu
   ASSERT_TRUE(gone.is_ok());
   EXPECT_EQ(gone->speed_ceiling.at(0), 0);
   EXPECT_GT(gone->calibration.factors.speed[0], 0.9) << "its stages measure it at full speed";
+}
+
+// A straggler's census reads its stage's operators' pricing error as its device's slowness
+// (how much slower is its stage's to say), and that reading outlived the straggler: a
+// ResNet-18 in two processes, its busy neighbour gone, read the device never slowed at x0.61
+// at the next plan's census. A census prices every device its probes show as fast as the
+// fastest at the fastest's speed before its stages measure them, so that what they measure
+// beyond it is their operators'. A ceiling lifted (its straggler went), or a capped device
+// that measures much faster than at the last window (it may have), owes a census at once.
+TEST(Replan, ACensusAfterAStragglerWentReadsItsDeviceAsFastAsTheFastest) {
+  const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
+  const Cluster cluster = devices(3);
+  const Plan plan = *make_plan(g, cluster, options());
+  ASSERT_EQ(plan.stages.size(), 3u);
+  CostGraph truth = g;  // what the operators cost: the last stage's 1.5 times the profile's
+  for (int id : plan.stages[2].ops) {
+    for (double* t : {&truth.ops[id].forward_s, &truth.ops[id].backward_s, &truth.ops[id].backward_weight_s}) *t *= 1.5;
+  }
+  ReplanPolicy policy;
+  policy.min_gain = 10;  // no switch: the plan's own censuses are what is read
+  Replanner r(g, cluster, plan, options(), policy);
+  std::mt19937 rng(31);
+  auto [m, step] = run(truth, r.running(), {1, 1, 0.5}, 0.02, rng);  // a busy neighbour on device 2
+  ReplanDecision d = *r.evaluate(m, step, true, {1000, 1000, 500});
+  EXPECT_NEAR(d.speed_ceiling.at(2), 0.5, 1e-9);
+  EXPECT_LT(d.calibration.factors.speed[2], 0.4) << "its stage's error read with its slowness";
+  EXPECT_FALSE(d.census_owed);
+  std::tie(m, step) = run(truth, r.running(), {1, 1, 0.5}, 0.02, rng);  // still there
+  d = *r.evaluate(m, step);
+  EXPECT_FALSE(d.census_owed) << "a capped device that measures as before owes none";
+  std::tie(m, step) = run(truth, r.running(), {1, 1, 1}, 0.02, rng);  // the neighbour went
+  d = *r.evaluate(m, step);
+  EXPECT_TRUE(d.census_owed) << "its stage measures it twice as fast: it may have gone";
+  EXPECT_LE(d.calibration.factors.speed[2], 0.5 + 1e-9) << "held to its ceiling until a probe says";
+  std::tie(m, step) = run(truth, r.running(), {1, 1, 1}, 0.02, rng);
+  d = *r.evaluate(m, step, true, {0, 0, 1000});
+  EXPECT_EQ(d.speed_ceiling.at(2), 0) << "its probe lifts the ceiling";
+  EXPECT_TRUE(d.census_owed) << "its stage's times still hold its operators' error";
+  std::tie(m, step) = run(truth, r.running(), {1, 1, 1}, 0.02, rng);
+  d = *r.evaluate(m, step, true, {1000, 1000, 1000});
+  for (int dev = 0; dev < 3; ++dev) EXPECT_NEAR(d.calibration.factors.speed[dev], 1.0, 0.1) << "device " << dev;
+  const std::vector<double> pricing = r.stage_pricing(plan);
+  EXPECT_NEAR(pricing[2] / pricing[0], 1.5, 0.15) << "the last stage's operators carry the error";
+  EXPECT_FALSE(d.census_owed);
 }
 
 }  // namespace

@@ -267,6 +267,7 @@ class Replanning:
         """A new pipeline runs (a switch, or a capture's pipeline built again): its windows
         count its steps, from a first window of WINDOW steps."""
         self.steps, self.walls, self.optimizer_times, self.next_boundary = 0, [], [], 1 + WINDOW
+        self.census_owed = False  # the first window's is the census
         self.clock.forget()
 
     def ran_step(self) -> None:
@@ -325,7 +326,8 @@ class Replanning:
         window = self.windows
         taken = self.sharing.share_taken(self._planner_cpu_so_far(), self._planner_thread()) if self.sharing else 0.0
         probe_rate = 0.0
-        census = self.steps == 1 + WINDOW  # the running plan's first window: every process probes
+        # The running plan's first window, or one after a straggler went: every process probes.
+        census, self.census_owed = self.steps == 1 + WINDOW or self.census_owed, False
         ceiling = self.last.get("speed_ceiling", []) if self.last is not None else []
         again = self.group is not None and window % REPROBE_EVERY == 0 and \
             self.group.rank < len(ceiling) and ceiling[self.group.rank] > 0
@@ -379,11 +381,13 @@ class Replanning:
         if decision is not None:
             step.set_prediction(decision["running"])
             self.last = decision
+            self.census_owed = self.census_owed or decision.get("census_owed", False)  # every process alike
             rates = decision.get("probe_rate") or []
             if self.decides and len(rates) > 1 and min(rates) > 0:  # a census (device_probe.py)
                 f = decision["factors"]
                 self.say(("every device probed" if self.probe is not None else "every device given one probe rate "
-                          "(one process: one device shared)") + " at the running plan's first window: speeds x["
+                          "(one process: one device shared)") + " (a census: the running plan's first window, or "
+                          "the one after a straggler went): speeds x["
                          + ", ".join(f"{x:.2f}" for x in f["speed"]) + "]; the operators' own pricing per stage x["
                          + ", ".join(f"{x:.2f}" for x in f["stage_pricing"]) + "]")
         if self.timeline is not None:
