@@ -3,6 +3,7 @@ import random
 import socket
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -50,6 +51,30 @@ def ephemeral_range_start() -> int:
             return int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         return 32768
+
+
+def busy_cores(most: float, wait_s: float = 60.0) -> float:
+    """How many of the machine's cores other work keeps busy (from /proc/stat over a second),
+    waiting up to `wait_s` for it to fall to `most`. The load average lags a minute: a test
+    that ran processes of its own just before read as load for the next, which then skipped."""
+    def jiffies() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            cpu = [int(x) for x in f.readline().split()[1:]]
+        idle = cpu[3] + (cpu[4] if len(cpu) > 4 else 0)  # idle and waiting for I/O
+        return sum(cpu) - idle, sum(cpu)
+
+    cores = os.cpu_count() or 1
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            busy0, total0 = jiffies()
+            time.sleep(1.0)
+            busy1, total1 = jiffies()
+        except (OSError, ValueError, IndexError):
+            return os.getloadavg()[0]
+        busy = cores * (busy1 - busy0) / max(1, total1 - total0)
+        if busy <= most or time.monotonic() > deadline:
+            return busy
 
 
 def free_port() -> int:

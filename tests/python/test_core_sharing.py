@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from conftest import busy_cores
 from conveyor.planning.core_sharing import CoreSharing, thread_cpu_s, threads_run_s, wait_while_given
 from conveyor.planning.replanning import run_on_spare_time, window_figures
 from conveyor.planning.replanning_messages import FIGURES
@@ -123,9 +124,9 @@ def test_a_wait_for_a_planner_that_a_busy_neighbour_starves_is_given_up_while_it
 
 
 def test_a_wait_that_gives_the_planner_the_core_lasts_until_its_evaluation_ends():
-    load = os.getloadavg()[0]
-    if load > 1.0:
-        pytest.skip(f"needs a core nothing else wants: the machine's load is {load:.1f}")
+    busy = busy_cores(most=1.0)
+    if busy > 1.0:
+        pytest.skip(f"needs a core nothing else wants: other work keeps {busy:.1f} of the machine's cores busy")
     planner, native_id = planner_thread(0.2, niceness=False)
     wait_while_given(planner, native_id)
     assert not planner.is_alive()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port
+from conftest import busy_cores, free_port
 from conveyor import _C
 from conveyor.planning.replanning import WINDOW
 
@@ -26,9 +26,10 @@ pytestmark = [
 def two_idle_cores() -> None:
     """The straggler is made by hogs on one core: other work on the machine's cores slows
     the other process too, and which one is slower is then anybody's guess."""
-    load = os.getloadavg()[0]
-    if load > 1.5:
-        pytest.skip(f"needs two idle cores: the machine's load is {load:.1f} (the hogs alone must make the straggler)")
+    busy = busy_cores(most=0.5)
+    if busy > 0.5:
+        pytest.skip(f"needs two idle cores: other work keeps {busy:.1f} of the machine's cores busy (the hogs alone "
+                    "must make the straggler)")
 
 
 def run_pair(straggler: int, tmp_path, replan: str = "auto", leaves: bool = False) -> list:
