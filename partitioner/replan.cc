@@ -278,7 +278,10 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   CONVEYOR_RETURN_IF_ERROR(idle_speeds(seen, probe_rate, per_rated));
   // No device runs faster than its ceiling lets it, against the fastest device without one.
   const bool lifted = update_ceilings(probe_rate, per_rated);
-  d.census_owed = cap_at_ceilings(seen) || lifted;
+  // Owed once: a census is heard a window after the decision that owes it, and the window
+  // between would owe another (a BERT's took two censuses in a row).
+  d.census_owed = (cap_at_ceilings(seen) || lifted) && !census_asked_;
+  census_asked_ = (census_asked_ && !census) || d.census_owed;
   d.speed_ceiling = ceiling_;
   // Kinds and speeds are known up to a common scale (a stage's time is cost x kind / speed):
   // the fastest device keeps its speed, the scale goes to the kinds, so that estimates made
@@ -504,6 +507,7 @@ Status Replanner::switched_to(const Plan& plan) {
   CONVEYOR_ASSIGN_OR_RETURN(running_, reprice(costs_, cluster_, options_, plan));
   note_idle_devices();
   uncapped_.clear();
+  census_asked_ = false;  // its first window is a census
   confirmations_ = 0;
   last_search_.reset();
   return Status::ok();

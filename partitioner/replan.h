@@ -94,7 +94,7 @@ struct ReplanDecision {
   /// then, so that the ceiling lifts when its straggler goes.
   std::vector<double> speed_ceiling;
   /// A ceiling lifted at this window (its device's straggler went), or a device under one
-  /// measured much faster than at the last window (it may have): that device's stages
+  /// measured much faster than when it was set (it may have): that device's stages
   /// measured its slowness and their operators' pricing error as one, so the next window's
   /// probes of every device are owed as a census, which tells them apart (and sets the
   /// ceilings anew).
@@ -197,12 +197,13 @@ class Replanner {
   /// Whether a later probe lifted a ceiling (a census sets them anew, and lifts none).
   bool update_ceilings(const std::vector<double>& probe_rate, const std::vector<double>& per_rated);
   /// `seen`'s speeds held to their ceilings, against the fastest device without one; whether
-  /// a capped device's stages measured it faster than at the last window by more than three
-  /// times the tolerance (its straggler may have gone: a census is owed).
+  /// a capped device's stages measured it faster than in its first window under its ceiling
+  /// by more than three times the tolerance (its straggler may have gone: a census is owed).
   bool cap_at_ceilings(Factors& seen);
-  // Per device with a ceiling, its speed as its stages measured it at the last window under
-  // the running plan, over the fastest device without one (0: none).
+  // Per device with a ceiling, its speed as its stages measured it in its first window under
+  // the ceiling and the running plan, over the fastest device without one (0: none).
   std::vector<double> uncapped_;
+  bool census_asked_ = false;  // a decision owed a census that has not been evaluated yet
   /// At a census: every running device its probe shows as fast as the fastest is priced at the
   /// fastest such device's speed before its stages are measured (`per_rated`: every device's
   /// rate per unit of its rated speed). A speed estimated before (under a straggler since gone,

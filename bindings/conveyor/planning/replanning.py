@@ -228,16 +228,10 @@ class Replanning:
             atexit.register(_settle_at_exit)  # once, and after the group's close: run before it
             _ACROSS_PROCESSES.add(self)
         self.window_s = window_seconds()
-        self.steps = 0          # steps run by the current pipeline
-        # The step after which the next window ends: its first after WINDOW; each later one
-        # as process 0 sized it from its steps' time, and sent with its decision (every
-        # process ends each window at the same step).
-        self.next_boundary = 1 + WINDOW
         # The step as the caller saw it (from one call's start to the next) and the optimizer's
-        # part of it: per step of this window, and the last window's mean.
+        # part of it: per step of this window (walls, optimizer_times), and the last window's mean.
         self.clock = StepClock(optimizer)
-        self.walls: list = []
-        self.optimizer_times: list = []
+        self.restart_windows()
         self.last_wall_s = 0.0
         # What building the current pipeline took (the first: as the Module built it), the
         # part of a move's price that is not bytes (a first move priced without it was
@@ -266,6 +260,9 @@ class Replanning:
     def restart_windows(self) -> None:
         """A new pipeline runs (a switch, or a capture's pipeline built again): its windows
         count its steps, from a first window of WINDOW steps."""
+        # steps: run by this pipeline; next_boundary: the step after which the next window ends,
+        # its first after WINDOW, each later one as process 0 sized it from its steps' time and
+        # sent with its decision (every process ends each window at the same step).
         self.steps, self.walls, self.optimizer_times, self.next_boundary = 0, [], [], 1 + WINDOW
         self.census_owed = False  # the first window's is the census
         self.clock.forget()
@@ -326,8 +323,12 @@ class Replanning:
         window = self.windows
         taken = self.sharing.share_taken(self._planner_cpu_so_far(), self._planner_thread()) if self.sharing else 0.0
         probe_rate = 0.0
-        # The running plan's first window, or one after a straggler went: every process probes.
-        census, self.census_owed = self.steps == 1 + WINDOW or self.census_owed, False
+        # The running plan's first window, or one owed (a straggler may have gone): every process probes.
+        owed = self.census_owed and self.steps != 1 + WINDOW
+        census, self.census_owed = self.steps == 1 + WINDOW or owed, False
+        if owed and self.decides:
+            self.say("a census owed (a device held to a speed ceiling measured faster, or its probe lifted the "
+                     "ceiling: its straggler may have gone): every process probes its device at this window")
         ceiling = self.last.get("speed_ceiling", []) if self.last is not None else []
         again = self.group is not None and window % REPROBE_EVERY == 0 and \
             self.group.rank < len(ceiling) and ceiling[self.group.rank] > 0
@@ -386,8 +387,7 @@ class Replanning:
             if self.decides and len(rates) > 1 and min(rates) > 0:  # a census (device_probe.py)
                 f = decision["factors"]
                 self.say(("every device probed" if self.probe is not None else "every device given one probe rate "
-                          "(one process: one device shared)") + " (a census: the running plan's first window, or "
-                          "the one after a straggler went): speeds x["
+                          "(one process: one device shared)") + " (a census): speeds x["
                          + ", ".join(f"{x:.2f}" for x in f["speed"]) + "]; the operators' own pricing per stage x["
                          + ", ".join(f"{x:.2f}" for x in f["stage_pricing"]) + "]")
         if self.timeline is not None:
