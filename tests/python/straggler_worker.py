@@ -141,7 +141,7 @@ def even_devices(rank: int) -> None:
         if rank == 0 and decision is not None and decision is not last:
             last = decision
             windows.append({"factors": decision["factors"], "probe_rate": decision["probe_rate"],
-                            "census_owed": decision["census_owed"], "switches": len(model.replans)})
+                            "census_owed": decision["census_owed"]})
     if rank == 0:
         print("EVEN " + json.dumps({"windows": windows, "stages": len(model.plan.document["stages"]),
                                     "idle_at": idle_at, "report": str(model.profile_report()),
