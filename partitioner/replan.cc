@@ -349,13 +349,13 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   const bool judging = undo_.has_value();
   if (judging) {
     Plan previous = std::move(undo_->previous);
-    const double before = undo_->step_s;
+    const double before = undo_->decided.step_s;
     // Decided on speeds that have since moved (a straggler went while the switch was being
     // confirmed), it measured what the devices do now, not how the model prices operators:
     // it asks no more of later switches. Counted, a ResNet-18's switch decided as its
     // straggler left was undone, and the even shares it then needed (16.9% faster) fell
     // short of the 20% asked: 1.2x the step for the rest of the run.
-    const bool same_devices = within_speeds(smoothed_.speed, undo_->speeds, policy_.tolerance);
+    const bool same_devices = within_speeds(smoothed_.speed, undo_->decided.speeds, policy_.tolerance);
     undo_.reset();
     if (d.measured_step_s > before * (1 + policy_.tolerance / 2)) {
       undone_ += same_devices ? 1 : 0;
@@ -499,7 +499,7 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
 Status Replanner::switched_to(const Plan& plan) {
   const std::string key = layout_key(plan);
   // A switch this decided is judged by the next window; an undo or a forced switch is not.
-  if (decided_ && decided_->key == key) undo_ = Undo{running_, decided_->step_s, decided_->speeds};
+  if (decided_ && decided_->key == key) undo_ = Undo{running_, *decided_};
   decided_.reset();
   kept_shape_ = shape_key(plan) == shape_key(running_);
   left_[shape_key(running_)] = smoothed_.speed;

@@ -224,8 +224,7 @@ class Replanner {
   std::optional<Decided> decided_;
   struct Undo {
     Plan previous;
-    double step_s = 0;
-    std::vector<double> speeds;
+    Decided decided;
   };
   std::optional<Undo> undo_;
   // The last search: under which running layout, on which corrections (as applied, and the
