@@ -417,7 +417,8 @@ void bind_graph(py::module_& m) {
         out["census_owed"] = d.census_owed;
         out["factors"] = py::dict(py::arg("forward") = f.forward, py::arg("backward") = f.backward,
                                   py::arg("weight") = f.weight, py::arg("speed") = f.speed, py::arg("link") = f.link,
-                                  py::arg("stage_pricing") = stage_pricing);
+                                  py::arg("stage_pricing") = stage_pricing,
+                                  py::arg("unpriced") = r.unpriced());
         return out;
       }, py::arg("stages"), py::arg("measured_step_s"), py::arg("rebuild_s") = 0.0, py::arg("bytes_per_s") = 0.0,
          py::arg("may_search") = true, py::arg("probe_rate") = std::vector<double>{},

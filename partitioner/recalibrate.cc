@@ -176,7 +176,7 @@ Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasure
   // weight gradient ran with another at 0.01x, and the plan that believed them left device
   // 0 idle; an MLP's stage of one operator read its device as slow again and again): it
   // tells nothing of either.
-  constexpr double kSmallStage = 0.25, kMostOwnError = 4;
+  constexpr double kSmallStage = 0.25;
   double mean_predicted = 0, mean_measured = 0;
   for (std::size_t s = 0; s < stages; ++s) {
     mean_predicted += (pf[s] + pb[s] + pw[s]) / stages;
@@ -187,20 +187,20 @@ Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasure
     small[s] = pf[s] + pb[s] + pw[s] < kSmallStage * mean_predicted && measured[s].compute_s() < kSmallStage * mean_measured;
   }
   // With the devices probed, what a stage on a device as fast as the fastest measured beyond
-  // the kinds is its operators' own error: each of them carries it (none taken to be off by
-  // more than kMostOwnError either way).
+  // the kinds is its operators' own error: each of them carries it (the caller bounds what it
+  // prices: Replanner::kMostOwnError).
   std::vector<double> own(stages, 1.0);
   if (!speed_probed.empty()) {
     for (std::size_t s = 0; s < stages; ++s) {
       if (!nominal[s] || small[s]) continue;
       const double predicted = pf[s] * f.forward + pb[s] * f.backward + pw[s] * f.weight;
       const double ran = mf[s] + mb[s] + mw[s];
-      if (predicted <= 0 || ran <= 0 || std::abs(ran / predicted - 1) <= probe_noise) continue;
+      if (predicted <= 0 || ran <= 0) continue;
       own[s] = ran / predicted;
       for (int id : plan.stages[s].ops) {
         if (id < 0) continue;
         if (id >= static_cast<int>(f.op.size())) f.op.resize(id + 1, 1.0);
-        f.op[id] = std::clamp(own[s], 1 / kMostOwnError, kMostOwnError);
+        f.op[id] = own[s];
       }
     }
   }

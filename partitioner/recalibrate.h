@@ -38,7 +38,8 @@ struct Factors {
   /// bandwidth): the links' multiplier (their latency times it, their bandwidth over it).
   double link = 1;
   /// Per operator (by id), its own pricing error beyond the kind's: known only where probes
-  /// told its device's speed apart from it (measure_factors' `probed`); empty or short: 1.
+  /// told its device's speed apart from it (measure_factors' `probed`: its stage's whole
+  /// error, unbounded); empty or short: 1.
   std::vector<double> op;
   double op_factor(int id) const { return id >= 0 && id < static_cast<int>(op.size()) ? op[id] : 1.0; }
 };
@@ -74,10 +75,11 @@ std::vector<double> probed_speeds(const Plan& plan, const std::vector<double>& p
 /// (docs/planner.md, "Telling a device from its operators"; 0: not probed), over its rated
 /// speed. Where every device that runs a stage was probed: the kinds are read from the stages
 /// whose reference replica's device probed as fast as the fastest (within `probe_noise`),
-/// and what such a stage measured beyond them (beyond `probe_noise`) is its operators' own
-/// error (`op`), not its devices'; a stage on a device that probed slower holds that
-/// device's slowness, which its times measure (a probe is not the model's work: how much
-/// slower is the stage's to say).
+/// and what such a stage measured beyond them is its operators' own error (`op`), not its
+/// devices' (devices that probe alike run alike: a stage's error within the noise, read as
+/// its device's speed, put one of a ResNet-18's two devices at x0.74-0.83); a stage on a
+/// device that probed slower holds that device's slowness, which its times measure (a probe
+/// is not the model's work: how much slower is the stage's to say).
 Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasurement>& measured, int devices,
                                 double action_overhead_s = 0, const SharePricing& pricing = {},
                                 const std::vector<double>& probed = {}, double probe_noise = 0);

@@ -270,11 +270,15 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   for (int d = 0; census && d < devices; ++d) per_rated.push_back(probe_rate[d] / base_cluster_.devices[d].speed);
   if (applied_.speed.empty()) applied_.speed.assign(devices, 1.0);
   if (census) CONVEYOR_RETURN_IF_ERROR(price_probed_alike(per_rated));
-  CONVEYOR_ASSIGN_OR_RETURN(Factors raw, measure_factors(running_, measured, devices, options_.action_overhead_s,
+  CONVEYOR_ASSIGN_OR_RETURN(Factors raw, measure_factors(running_, census ? measured : as_priced(measured), devices,
+                                                         options_.action_overhead_s,
                                                          share_pricing(costs_, running_), per_rated,
                                                          2 * policy_.tolerance));
   // Against the profile: this window's factors on top of those its prediction already had.
   Factors seen = zip(raw, applied_, [](double r, double a) { return r * a; });
+  const std::vector<double> own_measured = seen.op;
+  // No operator priced beyond kMostOwnError either way, over every census together.
+  for (double& x : seen.op) x = std::clamp(x, 1 / kMostOwnError, kMostOwnError);
   CONVEYOR_RETURN_IF_ERROR(idle_speeds(seen, probe_rate, per_rated));
   // No device runs faster than its ceiling lets it, against the fastest device without one.
   const bool lifted = update_ceilings(probe_rate, per_rated);
@@ -313,6 +317,7 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   if (census) smoothed_.speed = seen.speed;
   measured_once_ = true;
   applied_ = settle(smoothed_, policy_.tolerance);
+  if (census) note_unpriced(own_measured);
   CONVEYOR_RETURN_IF_ERROR(price_with(applied_));
   // The optimizer's step per parameter byte, on the devices' corrected speeds (smoothed like
   // the factors): priced per stage from here on, so that a plan that leaves a slow device
@@ -507,6 +512,7 @@ Status Replanner::switched_to(const Plan& plan) {
   CONVEYOR_ASSIGN_OR_RETURN(running_, reprice(costs_, cluster_, options_, plan));
   note_idle_devices();
   uncapped_.clear();
+  unpriced_.clear();
   census_asked_ = false;  // its first window is a census
   confirmations_ = 0;
   last_search_.reset();

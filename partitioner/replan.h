@@ -140,6 +140,9 @@ class Replanner {
   /// Per stage of `plan`, its operators' own pricing error as corrected (Factors::op): their
   /// profiled time with it over without (1: none known).
   std::vector<double> stage_pricing(const Plan& plan) const;
+  /// Per stage of the running plan, what its last census measured of its operators' own error
+  /// beyond what they are priced at (empty: none measured).
+  const std::vector<double>& unpriced() const { return unpriced_; }
 
   const Plan& running() const { return running_; }
   const ReplanPolicy& policy() const { return policy_; }
@@ -210,6 +213,21 @@ class Replanner {
   /// whose stages' times held their operators' error too) would else stand, and what the
   /// stages measure against it be taken for their operators' error.
   Status price_probed_alike(const std::vector<double>& per_rated);
+  /// The most an operator's own error is priced at, either way (its stage's measure at a
+  /// census: a stage of one 19 us operator read 4.66x, one whose weight gradient ran with
+  /// another 0.01x, and the plan that believed them left a device idle).
+  static constexpr double kMostOwnError = 4;
+  /// Per stage of the running plan, its operators' own error as its census measured it over
+  /// what they are priced at (beyond kMostOwnError, or within the noise that settle leaves
+  /// unpriced; empty: all 1). The windows until the next census take it out of the stage's
+  /// times, which would else read it as its devices' speed (GPT-NeoX's stage of its 50k-word
+  /// head, 8x its profile, read its device, never slowed, at x0.3-0.5, and a plan left it
+  /// idle; a ResNet-18's stage 15% over its price read its device at x0.85).
+  std::vector<double> unpriced_;
+  /// unpriced_ from the census's own errors (`measured`, per operator) against applied_'s.
+  void note_unpriced(const std::vector<double>& measured);
+  /// `measured` with unpriced_ taken out of each stage's compute.
+  std::vector<StageMeasurement> as_priced(std::vector<StageMeasurement> measured) const;
   /// `seen`'s speeds of the devices the running plan leaves idle, from their probes
   /// (`per_rated`: at a census, every device's rate per unit of its rated speed; else empty).
   Status idle_speeds(Factors& seen, const std::vector<double>& probe_rate, const std::vector<double>& per_rated);

@@ -1,7 +1,7 @@
 // What the devices' probes tell the Replanner (docs/planner.md, "Telling a device from its
 // operators", "A device left idle"): the speeds of devices the running plan leaves idle, the
 // ceilings on slow devices' speeds and when a census is owed, and at a census, which devices
-// run alike. Torch-free.
+// run alike, and what the operators' own errors it measured their prices leave out. Torch-free.
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -141,6 +141,32 @@ Status Replanner::price_probed_alike(const std::vector<double>& per_rated) {
     moved = true;
   }
   return moved ? price_with(applied_) : Status::ok();
+}
+
+void Replanner::note_unpriced(const std::vector<double>& measured) {
+  unpriced_.clear();
+  for (const StagePlan& stage : running_.stages) {
+    double priced = 0, ran = 0;
+    for (int id : stage.ops) {
+      if (id < 0 || id >= static_cast<int>(base_costs_.ops.size())) continue;
+      const double t = base_costs_.ops[id].forward_s + base_costs_.ops[id].backward_s;
+      priced += t * applied_.op_factor(id);
+      ran += t * (id < static_cast<int>(measured.size()) ? measured[id] : 1.0);
+    }
+    unpriced_.push_back(priced > 0 && ran > 0 ? ran / priced : 1.0);
+  }
+}
+
+std::vector<StageMeasurement> Replanner::as_priced(std::vector<StageMeasurement> measured) const {
+  if (unpriced_.size() != measured.size()) return measured;  // measure_factors names the mismatch
+  for (std::size_t s = 0; s < measured.size(); ++s) {
+    const double k = unpriced_[s];
+    if (!(k > 0) || !std::isfinite(k) || k == 1) continue;
+    StageMeasurement& m = measured[s];
+    for (double* t : {&m.forward_s, &m.backward_s, &m.backward_weight_s}) *t /= k;
+    for (double& t : m.replica_compute_s) t /= k;
+  }
+  return measured;
 }
 
 }  // namespace conveyor::partitioner

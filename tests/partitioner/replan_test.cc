@@ -177,10 +177,11 @@ std::vector<double> probes(const Plan& plan, const std::vector<double>& truth, b
   return out;
 }
 
-// A straggler at a tenth of the speed: the best plan leaves its device idle (one stage on
-// another). Idle, it is never measured by a stage, so without a probe its slow speed stands
-// after it recovers; with its probe running ten times faster than at the census, the plan
-// comes back to all three devices.
+// A straggler at a twentieth of the speed: the best plan leaves its device idle (one stage on
+// another; at a tenth, a plan that gives it one operator is priced within 0.2% of that, and
+// the noise picks). Idle, it is never measured by a stage, so without a probe its slow speed
+// stands after it recovers; with its probe running twenty times faster than at the census,
+// the plan comes back to all three devices.
 TEST(Replan, AStragglerThePlanLeftIdleIsSeenToGoByItsProbe) {
   const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
   const Cluster cluster = devices(3);
@@ -192,7 +193,7 @@ TEST(Replan, AStragglerThePlanLeftIdleIsSeenToGoByItsProbe) {
     Replanner r(g, cluster, plan, options(), policy);
     std::mt19937 rng(19);
     ReplanDecision d;
-    const std::vector<double> slow{1, 0.1, 1}, recovered{1, 1, 1};
+    const std::vector<double> slow{1, 0.05, 1}, recovered{1, 1, 1};
     for (int window = 0; window < 10 && !d.switch_plan; ++window) {
       auto [m, step] = run(g, r.running(), slow, 0.02, rng);
       d = *r.evaluate(m, step, true, probed ? probes(r.running(), slow, window == 0) : std::vector<double>{});

@@ -389,7 +389,10 @@ class Replanning:
                 self.say(("every device probed" if self.probe is not None else "every device given one probe rate "
                           "(one process: one device shared)") + " (a census): speeds x["
                          + ", ".join(f"{x:.2f}" for x in f["speed"]) + "]; the operators' own pricing per stage x["
-                         + ", ".join(f"{x:.2f}" for x in f["stage_pricing"]) + "]")
+                         + ", ".join(f"{x:.2f}" for x in f["stage_pricing"]) + "]" + (
+                             "; measured beyond that price (later windows take it out of its stage's times): x["
+                             + ", ".join(f"{x:.2f}" for x in f["unpriced"]) + "]"
+                             if any(abs(x - 1) > 0.005 for x in f.get("unpriced", [])) else ""))
         if self.timeline is not None:
             if decision is not None:
                 self.timeline.instant(PLANNER, "decided: " + decision["reason"],
