@@ -54,7 +54,9 @@ def live_profile(state, optimizer, switches: list) -> LiveProfile:
     report["memory"] = memory_rows(state, optimizer)
     report["table"] += memory_table(report["memory"])
     if state.replanning is not None:
-        report["table"] += state.replanning.report(switches)
+        first, _, rest = report["table"].partition("\n")
+        report["table"] = (first + f"\n(re-planning starts the count again at each window's end: {state.trained_steps} "
+                           "steps trained in all)\n" + rest + state.replanning.report(switches))
         report["replan"] = state.replanning.last
         report["replan_cost"] = state.replanning.cost()
     return LiveProfile(report)
