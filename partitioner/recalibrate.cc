@@ -101,6 +101,22 @@ double reference_speed(const StagePlan& p, const Reference& reference, const std
 
 }  // namespace
 
+std::vector<double> weight_input_shares(const CostGraph& costs, const Plan& plan) {
+  std::vector<double> out;
+  for (const StagePlan& p : plan.stages) {
+    double whole = 0, weight = 0;
+    for (int id : p.ops) {
+      if (id < 0 || id >= static_cast<int>(costs.ops.size())) continue;
+      whole += costs.ops[id].backward_s;
+      weight += costs.ops[id].backward_weight_s;
+    }
+    // As reprice prices it (detail::weight_half): a stage that reads another's output leaves
+    // the input halves to its backward action.
+    out.push_back(p.recv_bytes > 0 || whole <= 0 ? 0.0 : std::max(0.0, whole - weight) / whole);
+  }
+  return out;
+}
+
 SharePricing share_pricing(const CostGraph& costs, const Plan& plan) {
   const double samples = plan.microbatches > 0 ? static_cast<double>(plan.batch) / plan.microbatches : 0;
   return {costs.fixed_fraction, samples > 0 ? samples / costs.microbatch : 1.0};
@@ -123,7 +139,8 @@ std::vector<double> probed_speeds(const Plan& plan, const std::vector<double>& p
 
 Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasurement>& measured, int devices,
                                 double action_overhead_s, const SharePricing& pricing,
-                                const std::vector<double>& probed, double probe_noise) {
+                                const std::vector<double>& probed, double probe_noise,
+                                const std::vector<double>& weight_input_share) {
   const std::size_t stages = plan.stages.size();
   if (measured.size() != stages) {
     return Status(ErrorCode::kInvalidArgument, "measurements of " + std::to_string(measured.size()) +
@@ -134,7 +151,7 @@ Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasure
   const bool split = std::any_of(measured.begin(), measured.end(), [](const auto& m) { return m.backward_weight_s > 0; });
   for (std::size_t s = 0; s < stages; ++s) CONVEYOR_RETURN_IF_ERROR(check_devices(plan.stages[s], s, devices));
   const std::vector<double> speed_probed = probed_speeds(plan, probed, devices);
-  std::vector<double> mf, mb, mw, pf, pb, pw;
+  std::vector<double> mf, mb, mw, pf, pb, pw, pwb;  // pwb: input halves run in the weight-gradient action
   std::vector<bool> nominal;  // the stage's reference device as fast as the fastest, or not probed
   for (std::size_t s = 0; s < stages; ++s) {
     const StageMeasurement& m = measured[s];
@@ -160,16 +177,48 @@ Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasure
     // less which only rounding is left (a ratio over that would be astronomical).
     const double input_half = (split ? p.backward_s - p.backward_weight_s : p.backward_s) - action_overhead_s;
     pb.push_back(input_half > 1e-9 ? input_half : 0.0);
-    pw.push_back(split ? p.backward_weight_s : 0);
+    // A stage that reads no other's output computes its operators' input halves in its
+    // weight-gradient action: that part is the backward kind's work.
+    const double in_weight = split && s < weight_input_share.size() ? std::clamp(weight_input_share[s], 0.0, 1.0) : 0.0;
+    pw.push_back(split ? p.backward_weight_s * (1 - in_weight) : 0);
+    pwb.push_back(split ? p.backward_weight_s * in_weight : 0);
   }
   auto on_nominal = [&nominal](std::vector<double> x) {
     for (std::size_t s = 0; s < x.size(); ++s) x[s] = nominal[s] ? x[s] : 0.0;  // common_ratio skips 0
     return x;
   };
+  // Per kind, its median ratio over the nominal stages, each stage's times over its
+  // operators' own error.
   Factors f;
-  f.forward = common_ratio(on_nominal(mf), pf);
-  f.backward = common_ratio(on_nominal(mb), pb);
-  f.weight = split ? common_ratio(on_nominal(mw), pw) : f.backward;
+  std::vector<double> own(stages, 1.0);
+  auto read_kinds = [&] {
+    auto mine = [&](const std::vector<double>& m) {
+      std::vector<double> x = on_nominal(m);
+      for (std::size_t s = 0; s < stages; ++s) x[s] /= own[s];
+      return x;
+    };
+    f.forward = common_ratio(mine(mf), pf);
+    const std::vector<double> b = mine(mb);
+    const bool backward_read = std::any_of(pb.begin(), pb.end(), [](double x) { return x > 0; }) &&
+                               std::any_of(b.begin(), b.end(), [](double x) { return x > 0; });
+    f.backward = common_ratio(b, pb);
+    if (!split) {
+      f.weight = f.backward;
+      return;
+    }
+    // The weight gradients' part of each weight-gradient action: the input halves it ran
+    // priced at the backward kind (unread, the whole action is read as weight gradients).
+    std::vector<double> w = mine(mw), pw_read = pw;
+    for (std::size_t s = 0; s < stages; ++s) {
+      if (!backward_read) pw_read[s] += pwb[s];
+      else if (w[s] > 0) w[s] = std::max(0.0, w[s] - pwb[s] * f.backward);
+    }
+    f.weight = common_ratio(w, pw_read);
+    if (!backward_read) f.backward = f.weight;
+  };
+  // A stage's compute as the kinds price it.
+  auto priced = [&](std::size_t s) { return pf[s] * f.forward + (pb[s] + pwb[s]) * f.backward + pw[s] * f.weight; };
+  read_kinds();
   // A stage far smaller than the plan's average, as predicted and as measured, measures the
   // runtime's cost per action and the schedule's bookkeeping more than its operators or its
   // device (GPT-NeoX under zb-v: a stage of one operator of 19 us read at 4.66x, one whose
@@ -188,20 +237,40 @@ Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasure
   }
   // With the devices probed, what a stage on a device as fast as the fastest measured beyond
   // the kinds is its operators' own error: each of them carries it (the caller bounds what it
-  // prices: Replanner::kMostOwnError).
-  std::vector<double> own(stages, 1.0);
-  if (!speed_probed.empty()) {
-    for (std::size_t s = 0; s < stages; ++s) {
-      if (!nominal[s] || small[s]) continue;
-      const double predicted = pf[s] * f.forward + pb[s] * f.backward + pw[s] * f.weight;
-      const double ran = mf[s] + mb[s] + mw[s];
-      if (predicted <= 0 || ran <= 0) continue;
-      own[s] = ran / predicted;
-      for (int id : plan.stages[s].ops) {
-        if (id < 0) continue;
-        if (id >= static_cast<int>(f.op.size())) f.op.resize(id + 1, 1.0);
-        f.op[id] = own[s];
-      }
+  // prices: Replanner::kMostOwnError). The kinds and these errors are read together until
+  // they agree: the kinds from the stages' times without their errors, each error against
+  // those kinds, their median 1 (what is common is the kinds'). Read once, the errors are
+  // told against kinds other than those the windows after the census read (from the times
+  // without the errors) wherever stages mix the kinds differently, and the difference is
+  // read as the devices' speeds (modelled on random stages, up to 8% off).
+  std::vector<std::size_t> told;
+  for (std::size_t s = 0; s < stages && !speed_probed.empty(); ++s) {
+    if (nominal[s] && !small[s] && mf[s] + mb[s] + mw[s] > 0) told.push_back(s);
+  }
+  for (int round = 0; round < 100 && !told.empty(); ++round) {
+    std::vector<double> next = own, errors;
+    for (std::size_t s : told) {
+      const double predicted = priced(s);
+      if (predicted > 0) next[s] = (mf[s] + mb[s] + mw[s]) / predicted;
+      errors.push_back(next[s]);
+    }
+    std::sort(errors.begin(), errors.end());
+    const std::size_t n = errors.size();
+    const double median = n % 2 ? errors[n / 2] : (errors[n / 2 - 1] + errors[n / 2]) / 2;
+    double moved = 0;
+    for (std::size_t s : told) {
+      next[s] /= median;
+      moved = std::max(moved, std::abs(next[s] / own[s] - 1));
+    }
+    own = next;
+    read_kinds();
+    if (moved < 1e-9) break;
+  }
+  for (std::size_t s : told) {
+    for (int id : plan.stages[s].ops) {
+      if (id < 0) continue;
+      if (id >= static_cast<int>(f.op.size())) f.op.resize(id + 1, 1.0);
+      f.op[id] = own[s];
     }
   }
   // Per device: what its replicas measured over what the common-corrected model predicts
@@ -211,7 +280,7 @@ Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasure
     if (small[s]) continue;  // a device with no other stage keeps its speed (factor 1)
     const StagePlan& p = plan.stages[s];
     const StageMeasurement& m = measured[s];
-    const double predicted = (pf[s] * f.forward + pb[s] * f.backward + pw[s] * f.weight) * own[s];
+    const double predicted = priced(s) * own[s];
     const double whole = m.compute_s();
     const std::vector<double> fraction = replica_fractions(p, plan.devices, pricing);
     for (int i = 0; i < p.replicas; ++i) {
@@ -369,7 +438,8 @@ Result<double> optimizer_cost(const CostGraph& costs, const Cluster& cluster, co
 Result<Calibration> recalibrate(const CostGraph& costs, const Cluster& cluster, const PlanOptions& options,
                                 const Plan& plan, const std::vector<StageMeasurement>& measured, double tolerance) {
   CONVEYOR_ASSIGN_OR_RETURN(Factors raw, measure_factors(plan, measured, static_cast<int>(cluster.devices.size()),
-                                                         options.action_overhead_s, share_pricing(costs, plan)));
+                                                         options.action_overhead_s, share_pricing(costs, plan), {}, 0,
+                                                         weight_input_shares(costs, plan)));
   Calibration out{costs, cluster, plan, settle(raw, tolerance)};
   apply_factors(out.factors, out.costs, out.cluster);
   CONVEYOR_ASSIGN_OR_RETURN(out.running, reprice(out.costs, out.cluster, options, plan));

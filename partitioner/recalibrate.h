@@ -80,9 +80,20 @@ std::vector<double> probed_speeds(const Plan& plan, const std::vector<double>& p
 /// its device's speed, put one of a ResNet-18's two devices at x0.74-0.83); a stage on a
 /// device that probed slower holds that device's slowness, which its times measure (a probe
 /// is not the model's work: how much slower is the stage's to say).
+///
+/// `weight_input_share`, per stage: the part of its predicted weight-gradient time that is
+/// its operators' input halves (weight_input_shares; empty: none), which the backward kind
+/// prices: read as weight gradients, a ResNet-18's first stage was priced lower window after
+/// window, and its device, never slowed, read x0.71.
 Result<Factors> measure_factors(const Plan& plan, const std::vector<StageMeasurement>& measured, int devices,
                                 double action_overhead_s = 0, const SharePricing& pricing = {},
-                                const std::vector<double>& probed = {}, double probe_noise = 0);
+                                const std::vector<double>& probed = {}, double probe_noise = 0,
+                                const std::vector<double>& weight_input_share = {});
+
+/// Per stage of `plan` (its operators priced on `costs`), the part of its weight-gradient
+/// action's time that is its operators' input halves: under a split backward, a stage that
+/// reads no other stage's output runs its whole backward there.
+std::vector<double> weight_input_shares(const CostGraph& costs, const Plan& plan);
 
 /// `factors` with what is within the tolerance taken as noise (set to 1): a kind's factor
 /// and the links' within half of it, a device's speed within it, an operator's own within

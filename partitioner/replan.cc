@@ -273,7 +273,7 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   CONVEYOR_ASSIGN_OR_RETURN(Factors raw, measure_factors(running_, census ? measured : as_priced(measured), devices,
                                                          options_.action_overhead_s,
                                                          share_pricing(costs_, running_), per_rated,
-                                                         2 * policy_.tolerance));
+                                                         2 * policy_.tolerance, weight_input_shares(costs_, running_)));
   // Against the profile: this window's factors on top of those its prediction already had.
   Factors seen = zip(raw, applied_, [](double r, double a) { return r * a; });
   const std::vector<double> own_measured = seen.op;

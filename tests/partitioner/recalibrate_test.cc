@@ -187,11 +187,18 @@ TEST(Recalibrate, ASplitBackwardCorrectsItsHalvesApart) {
   const Cluster cluster = devices(2);
   const Plan plan = plan_of(g, cluster);
   std::vector<StageMeasurement> m = measured_at(plan, {1.0, 1.0}, /*split=*/true);
-  for (auto& s : m) s.backward_weight_s *= 4;  // the weight gradients ran 4 times slower, the rest as planned
+  // The weight gradients ran 4 times slower, the rest as planned: the first stage, which
+  // reads no other's output, also runs its operators' input halves in that action.
+  const std::vector<double> input_share = weight_input_shares(g, plan);
+  ASSERT_EQ(input_share.size(), 2u);
+  EXPECT_NEAR(input_share[0], 0.5, 1e-12);
+  EXPECT_EQ(input_share[1], 0.0);
+  for (std::size_t s = 0; s < m.size(); ++s) m[s].backward_weight_s *= input_share[s] + 4 * (1 - input_share[s]);
   auto c = recalibrate(g, cluster, pipeline_1f1b(), plan, m);
   ASSERT_TRUE(c.is_ok()) << c.status().to_string();
   EXPECT_NEAR(c->factors.weight, 4.0, 1e-12);
   EXPECT_EQ(c->factors.backward, 1.0);
+  for (const Device& d : c->cluster.devices) EXPECT_NEAR(d.speed, 1.0, 1e-12);
   for (const CostOp& op : c->costs.ops) {
     EXPECT_NEAR(op.backward_weight_s, 4e-3, 1e-12);
     EXPECT_NEAR(op.backward_s, 1e-3 + 4e-3, 1e-12);  // the input half unchanged

@@ -2,7 +2,8 @@
 // step on each replica that applies it, the host's time that no plan changes (the gain is
 // asked of the whole step), and a device that probes slow is priced no faster than its probe
 // and, once it probes as fast as the fastest again, as fast as it; an operator's own error
-// beyond what a census prices is not read as its device's speed later.
+// beyond what a census prices is not read as its device's speed later, nor the input halves
+// a first stage runs in its weight-gradient action as weight gradients.
 #include <gtest/gtest.h>
 
 #include <random>
@@ -277,6 +278,44 @@ TEST(Replan, StagesOffWithinTheNoiseOnDevicesThatProbeAlikeReadNoDeviceAsSlow) {
     for (int dev = 0; dev < 2; ++dev) {
       EXPECT_NEAR(d.calibration.factors.speed[dev], 1.0, 0.05) << "window " << window << ", device " << dev;
     }
+    ASSERT_FALSE(d.switch_plan) << "window " << window << ": " << d.reason;
+  }
+}
+
+// Two stages under a split backward (zb-h1), each kind of work priced off by the profile
+// (forward 0.55, the input halves 0.2, the weight gradients 0.7 of it, as a ResNet-18's
+// were), no straggler: the first stage, which reads no other's output, runs its operators'
+// input halves in its weight-gradient action, and its device is read as fast as the other
+// window after window (read as weight gradients, that action was priced lower each window
+// and the ResNet-18's device 0, never slowed, read x0.71 after ten).
+TEST(Replan, AFirstStagesWeightGradientActionIsPricedWithTheInputHalvesItRuns) {
+  const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
+  const Cluster cluster = devices(2);
+  PlanOptions o = options();
+  o.schedules = {ScheduleKind::kZeroBubbleH1};
+  const Plan plan = *make_plan(g, cluster, o);
+  ASSERT_EQ(plan.stages.size(), 2u);
+  CostGraph truth = g;
+  Cluster unused = cluster;
+  Factors profile_error;
+  profile_error.forward = 0.55, profile_error.backward = 0.2, profile_error.weight = 0.7;
+  apply_factors(profile_error, truth, unused);
+  Replanner r(g, cluster, plan, o, ReplanPolicy{});
+  std::mt19937 rng(43);
+  std::uniform_real_distribution<double> jitter(0.98, 1.02);
+  for (int window = 0; window < 10; ++window) {
+    const Plan as_run = *reprice(truth, cluster, o, r.running());
+    std::vector<StageMeasurement> m;
+    for (const StagePlan& p : as_run.stages) {
+      m.push_back({p.forward_s * jitter(rng), (p.backward_s - p.backward_weight_s) * jitter(rng),
+                   p.backward_weight_s * jitter(rng), {}});
+    }
+    const ReplanDecision d = *r.evaluate(m, as_run.simulate()->step_time_s, true,
+                                         window == 0 ? std::vector<double>{1000, 1000} : std::vector<double>{});
+    for (int dev = 0; dev < 2; ++dev) {
+      EXPECT_NEAR(d.calibration.factors.speed[dev], 1.0, 0.05) << "window " << window << ", device " << dev;
+    }
+    EXPECT_NEAR(d.calibration.factors.weight / d.calibration.factors.forward, 0.7 / 0.55, 0.1) << "window " << window;
     ASSERT_FALSE(d.switch_plan) << "window " << window << ": " << d.reason;
   }
 }
