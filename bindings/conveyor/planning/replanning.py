@@ -76,13 +76,14 @@ REPROBE_EVERY = 5
 
 PLANNER_NICENESS = 10  # the planner thread's: a tenth of a core the training wants too
 # The most of one core the planner's searches take, over the time from one search's start to
-# the next's: a search of 0.45 s of CPU (GPT-2 of 8 blocks) waits 45 s for the next. Searching
-# every window, as noise in the corrections asked, took 9% of the core of a process pinned
-# to one: its steps slowed, it measured as a slow device, and plans moved for nothing. At 2%
-# the searches alone took the whole of what re-planning may cost a training that gains
-# nothing. A search owed (a device's speed moved, a new plan runs) runs at once
-# (partitioner/replan.h).
-SEARCH_SHARE = 0.01
+# the next's: a search of 0.45 s of CPU (GPT-2 of 8 blocks) waits 2.5 min for the next.
+# Searching every window, as noise in the corrections asked, took 9% of the core of a process
+# pinned to one: its steps slowed, it measured as a slow device, and plans moved for nothing.
+# A search's CPU lengthens a pipeline's step by about three times as much (a ResNet-18 in two
+# processes: 11 ms of CPU, a step 30 ms longer, both processes waiting), so at 1% the searches
+# took 1.5% of the steps, most of what re-planning may cost a training that gains nothing.
+# A search owed (a device's speed moved, a new plan runs) runs at once (partitioner/replan.h).
+SEARCH_SHARE = 0.003
 
 # The longest process 0 waits at a boundary, in steps of the window it closes, for the
 # evaluation that confirms a switch (no search: a few ms of CPU, at a tenth of a core).
