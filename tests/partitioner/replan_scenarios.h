@@ -34,6 +34,14 @@ inline Plan one_stage_on_each_device(const CostGraph& g, const Cluster& cluster,
   return *make_plan(g, cluster, o);
 }
 
+// `g` with the operators of `stage` costing `factor` times what it says (a stage the profile
+// priced off).
+inline void scale_stage(CostGraph& g, const StagePlan& stage, double factor) {
+  for (int id : stage.ops) {
+    for (double* t : {&g.ops[id].forward_s, &g.ops[id].backward_s, &g.ops[id].backward_weight_s}) *t *= factor;
+  }
+}
+
 // What `plan`'s layout measures when the operators cost what `g` says and the devices run at
 // `speed` (the truth, whatever the Replanner believes), each kind off by a uniform factor
 // within `noise`; the step as the simulator has it, off by the same noise.

@@ -6,6 +6,7 @@
 // a first stage runs in its weight-gradient action as weight gradients.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <random>
 #include <tuple>
 
@@ -178,9 +179,7 @@ TEST(Replan, ACensusAfterAStragglerWentReadsItsDeviceAsFastAsTheFastest) {
   const Plan plan = *make_plan(g, cluster, options());
   ASSERT_EQ(plan.stages.size(), 3u);
   CostGraph truth = g;  // what the operators cost: the last stage's 1.5 times the profile's
-  for (int id : plan.stages[2].ops) {
-    for (double* t : {&truth.ops[id].forward_s, &truth.ops[id].backward_s, &truth.ops[id].backward_weight_s}) *t *= 1.5;
-  }
+  testing::scale_stage(truth, plan.stages[2], 1.5);
   ReplanPolicy policy;
   policy.min_gain = 10;  // no switch: the plan's own censuses are what is read
   Replanner r(g, cluster, plan, options(), policy);
@@ -218,6 +217,29 @@ TEST(Replan, ACensusAfterAStragglerWentReadsItsDeviceAsFastAsTheFastest) {
   EXPECT_FALSE(d.census_owed);
 }
 
+// `windows` windows of the plan over `n` devices of equal speed, the operators of its stage s
+// costing `factor[s]` times the profile's, every device probed at the windows in `censuses`;
+// no switch (the running plan's windows are what is read). After each, `check(window, d, r)`.
+template <class Check>
+void windows_priced_off(int n, const std::vector<double>& factor, const std::vector<int>& censuses, int windows,
+                        Check check) {
+  const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
+  const Plan plan = *make_plan(g, devices(n), options());
+  ASSERT_EQ(plan.stages.size(), factor.size());
+  CostGraph truth = g;
+  for (std::size_t s = 0; s < factor.size(); ++s) testing::scale_stage(truth, plan.stages[s], factor[s]);
+  ReplanPolicy policy;
+  policy.min_gain = 10;
+  Replanner r(g, devices(n), plan, options(), policy);
+  std::mt19937 rng(37);
+  for (int window = 0; window < windows; ++window) {
+    const bool census = std::find(censuses.begin(), censuses.end(), window) != censuses.end();
+    auto [m, step] = run(truth, r.running(), std::vector<double>(n, 1.0), 0.02, rng);
+    const ReplanDecision d = *r.evaluate(m, step, true, std::vector<double>(census ? n : 0, 1000.0));
+    check(window, d, r);
+  }
+}
+
 // A stage whose operators cost more than a census takes an operator's own error to be (the
 // bound: 4x either way), here 8x the profile's: the census prices them at the bound, and the
 // later windows, which probe nothing, take what is beyond it out of the stage's times rather
@@ -225,31 +247,14 @@ TEST(Replan, ACensusAfterAStragglerWentReadsItsDeviceAsFastAsTheFastest) {
 // never slowed, at x0.3-0.5, and about one run in ten switched to a plan that left it idle).
 // A second census under the same plan keeps the bound on what the two together price.
 TEST(Replan, AnOperatorsErrorBeyondTheBoundIsNotReadAsItsDevicesSpeedLater) {
-  const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
-  const Cluster cluster = devices(3);
-  const Plan plan = *make_plan(g, cluster, options());
-  ASSERT_EQ(plan.stages.size(), 3u);
-  CostGraph truth = g;
-  for (int id : plan.stages[2].ops) {
-    for (double* t : {&truth.ops[id].forward_s, &truth.ops[id].backward_s, &truth.ops[id].backward_weight_s}) *t *= 8;
-  }
-  ReplanPolicy policy;
-  policy.min_gain = 10;  // no switch: the running plan's windows are what is read
-  Replanner r(g, cluster, plan, options(), policy);
-  std::mt19937 rng(37);
-  const std::vector<double> even{1, 1, 1};
-  for (int window = 0; window < 12; ++window) {
-    const bool census = window == 0 || window == 6;
-    auto [m, step] = run(truth, r.running(), even, 0.02, rng);
-    const ReplanDecision d = *r.evaluate(m, step, true, census ? std::vector<double>{1000, 1000, 1000}
-                                                               : std::vector<double>{});
+  windows_priced_off(3, {1, 1, 8}, {0, 6}, 12, [](int window, const ReplanDecision& d, const Replanner& r) {
     for (int dev = 0; dev < 3; ++dev) {
       EXPECT_NEAR(d.calibration.factors.speed[dev], 1.0, 0.15) << "window " << window << ", device " << dev;
     }
-    const std::vector<double> pricing = r.stage_pricing(plan);
+    const std::vector<double> pricing = r.stage_pricing(r.running());
     EXPECT_LE(pricing[2], 4 + 1e-9) << "window " << window << ": bounded";
     EXPECT_GE(pricing[2], 3.5) << "window " << window;
-  }
+  });
 }
 
 // Two pipelined stages the profile priced off in opposite directions, each within the probes'
@@ -257,29 +262,11 @@ TEST(Replan, AnOperatorsErrorBeyondTheBoundIsNotReadAsItsDevicesSpeedLater) {
 // alike and the errors as their operators', and so do the windows after it (taken as the
 // devices' speeds, a ResNet-18's two devices read x0.74-0.83 with no straggler).
 TEST(Replan, StagesOffWithinTheNoiseOnDevicesThatProbeAlikeReadNoDeviceAsSlow) {
-  const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
-  const Cluster cluster = devices(2);
-  const Plan plan = *make_plan(g, cluster, options());
-  ASSERT_EQ(plan.stages.size(), 2u);
-  CostGraph truth = g;
-  for (int s = 0; s < 2; ++s) {
-    for (int id : plan.stages[s].ops) {
-      for (double* t : {&truth.ops[id].forward_s, &truth.ops[id].backward_s, &truth.ops[id].backward_weight_s}) {
-        *t *= s == 0 ? 0.85 : 1.15;
-      }
-    }
-  }
-  Replanner r(g, cluster, plan, options(), ReplanPolicy{});
-  std::mt19937 rng(41);
-  for (int window = 0; window < 10; ++window) {
-    auto [m, step] = run(truth, r.running(), {1, 1}, 0.02, rng);
-    const ReplanDecision d = *r.evaluate(m, step, true, window == 0 ? std::vector<double>{1000, 1000}
-                                                                    : std::vector<double>{});
+  windows_priced_off(2, {0.85, 1.15}, {0}, 10, [](int window, const ReplanDecision& d, const Replanner&) {
     for (int dev = 0; dev < 2; ++dev) {
       EXPECT_NEAR(d.calibration.factors.speed[dev], 1.0, 0.05) << "window " << window << ", device " << dev;
     }
-    ASSERT_FALSE(d.switch_plan) << "window " << window << ": " << d.reason;
-  }
+  });
 }
 
 // Two stages under a split backward (zb-h1), each kind of work priced off by the profile

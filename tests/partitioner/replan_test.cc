@@ -243,9 +243,7 @@ TEST(Replan, ProbesTellAStagesMispricedOperatorsFromASlowDevice) {
   const Plan plan = *make_plan(g, cluster, options());
   ASSERT_EQ(plan.stages.size(), 3u);
   CostGraph truth = g;  // what the operators cost, the first stage's three times the profile's
-  for (int id : plan.stages[0].ops) {
-    for (double* t : {&truth.ops[id].forward_s, &truth.ops[id].backward_s, &truth.ops[id].backward_weight_s}) *t *= 3;
-  }
+  testing::scale_stage(truth, plan.stages[0], 3);
   const std::vector<double> even{1, 1, 1};
   for (const bool probed : {false, true}) {
     Replanner r(g, cluster, plan, options(), ReplanPolicy{});
