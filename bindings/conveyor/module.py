@@ -234,7 +234,13 @@ class Module(torch.nn.Module):
             # The forwards alone, through the same stages and processes.
             return self._returned(self._steps.evaluate(calls[0]), output_type)
         loss, pipeline = self._steps.train(calls, packed, hold_gradients=True)
-        params = [p for p in self.module.parameters() if p.requires_grad]
+        # Only the parameters held here: a released one (0 elements, another process's) in the
+        # loss's graph keeps its gradient accumulator, with that empty shape, alive as long as
+        # the caller's loss is, and a switch that brings the parameter here then failed its
+        # next step's backward ("got [272, 192] but expected shape compatible with [0]").
+        params = [p for p in self.module.parameters() if p.requires_grad and p.numel()]
+        if not params:  # this process holds none: the loss still asks for a backward
+            params = [torch.zeros(0, requires_grad=True)]
         # Inputs that require a gradient get the step's, through autograd (a module before
         # this one trains; x.grad fills).
         wanting = [] if packed else [(t, g) for t, g in zip(calls[0], pipeline.take_input_gradients())

@@ -61,9 +61,30 @@ def cuts(graph) -> list:
     return [b, c, graph.random_partition(4, seed=2, keep_node_order=True)]
 
 
+def two_stage_cut(graph, cut: int) -> list:
+    """Two stages in node order, the second from the first valid cut at or after node `cut`."""
+    nodes = sorted(n for stage in graph.random_partition(1, seed=0, keep_node_order=True) for n in stage)
+    while True:
+        parts = [[n for n in nodes if n < cut], [n for n in nodes if n >= cut]]
+        try:
+            graph._ir.check_partition(parts)
+            return parts
+        except Exception:
+            cut += 1
+
+
+def swap_cuts(graph) -> list:
+    """Two plans of two stages: the first cut at a quarter of the nodes, the second at three
+    quarters. Across two processes, process 0 then takes over the middle half, which it
+    released under the first."""
+    n = sum(len(stage) for stage in graph.random_partition(1, seed=0, keep_node_order=True))
+    return [two_stage_cut(graph, n // 4), two_stage_cut(graph, 3 * n // 4)]
+
+
 # The plans the run goes through after conveyor's own: (replicas per stage, schedule,
 # microbatches, uneven shares by stage); their stages are cuts()'s.
 LAYOUTS = [([1, 1], "1f1b", 2, None), ([1, 2, 1], "1f1b", 2, {1: [0.75, 0.25]}), ([1, 1, 1, 1], "zb-h1", 4, None)]
+SWAP_LAYOUTS = [([1, 1], "1f1b", 2, None), ([1, 1], "1f1b", 2, None)]  # swap_cuts()'s
 
 
 class DieWhenSaved:
@@ -74,30 +95,44 @@ class DieWhenSaved:
         os._exit(3)
 
 
-def train(case_name: str, optimizer_name: str, batch: int, steps_per_plan: int) -> tuple[list, dict, object, list]:
+def train(case_name: str, optimizer_name: str, batch: int, steps_per_plan: int,
+          loop: str = "train_step", swap: bool = False) -> tuple[list, dict, object, list]:
     """Returns (losses, the gathered state, the Module, and per step the pieces its loss ran
-    on: microbatches times the last stage's replicas)."""
+    on: microbatches times the last stage's replicas). `loop`: "train_step", or "readme": the
+    README's loop (call, backward, optimizer step, zero_grad), its last loss alive through
+    each switch and the next call, as a user's loop variable is. `swap`: swap_cuts()'s plans
+    rather than LAYOUTS."""
     torch.manual_seed(0)
     case = zoo.CASES[case_name](batch=batch)
     optimizer = optimizer_for(optimizer_name, case.model.parameters())
     model = conveyor.Module(case.model, optimizer, loss_fn=case.loss, replan="off", devices=2)
     losses, microbatches = [], []
     moves = []  # per switch across processes: (bytes of tensors this process lacked, bytes it received)
-    for k in range(len(LAYOUTS) + 1):
+    layouts, stages_of = (SWAP_LAYOUTS, swap_cuts) if swap else (LAYOUTS, cuts)
+    for k in range(len(layouts) + 1):
         if k:
             if os.environ.get("REPLAN_WORKER_DIE_IN_MOVE"):
                 for p in case.model.parameters():
                     if p.numel():
                         optimizer.state[p]["die"] = DieWhenSaved()
-            replicas, schedule, m, shares = LAYOUTS[k - 1]
+            replicas, schedule, m, shares = layouts[k - 1]
             before = model.capture.pipeline.readers()
-            model.switch_plan(plan_with(model, cuts(model.capture.graph)[k - 1], replicas, schedule, m, shares=shares))
+            model.switch_plan(plan_with(model, stages_of(model.capture.graph)[k - 1], replicas, schedule, m,
+                                        shares=shares))
             if model.world_size > 1:  # what this process lacked of what it now reads, whole until the next step
                 after, me, tensors = model.capture.pipeline.readers(), model.rank, model.capture.graph.tensors
                 lacked = sum(tensors[n].nbytes for n, r in after.items() if me in r and me not in before.get(n, []))
                 moves.append((lacked, model.replans[-1]["received_tensor_bytes"]))
-        losses += [model.train_step(*case.args, **case.kwargs).item() for _ in range(steps_per_plan)]
-        if k and LAYOUTS[k - 1][3]:  # the runtime splits by the plan's shares: 3 samples and 1 of 4
+        for _ in range(steps_per_plan):
+            if loop == "readme":
+                loss = model(*case.args, **case.kwargs)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            else:
+                loss = model.train_step(*case.args, **case.kwargs)
+            losses.append(loss.item())
+        if k and layouts[k - 1][3]:  # the runtime splits by the plan's shares: 3 samples and 1 of 4
             assert model.capture.pipeline.share_lengths(1, 4) == [3, 1], model.capture.pipeline.share_lengths(1, 4)
         # The loss runs on each share of the last stage's replicas: the pieces eager must match.
         microbatches += [model.microbatches * model.capture.layout[4][-1]] * steps_per_plan
@@ -136,9 +171,12 @@ def main():
     ap.add_argument("--optimizer", default="adam")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps-per-plan", type=int, default=2)
+    ap.add_argument("--loop", choices=["train_step", "readme"], default="train_step")
+    ap.add_argument("--swap", action="store_true", help="swap_cuts()'s plans rather than LAYOUTS")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    losses, state, model, microbatches = train(args.case, args.optimizer, args.batch, args.steps_per_plan)
+    losses, state, model, microbatches = train(args.case, args.optimizer, args.batch, args.steps_per_plan, args.loop,
+                                               args.swap)
     moves = [json.loads(model.job.group.broadcast_bytes(p, json.dumps(model.moves).encode() if p == model.rank else b""))
              for p in range(model.world_size)]  # per process, per switch
     if model.rank == 0:

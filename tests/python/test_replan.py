@@ -145,6 +145,25 @@ def test_switching_plans_across_two_processes_moves_state_and_trains_like_eager(
 
 
 @needs_ucx
+def test_a_switch_that_brings_back_a_released_parameter_trains_like_eager_under_the_readme_loop(tmp_path):
+    """The README's loop (call, backward, optimizer step, zero_grad), its last loss alive
+    through each switch and the next call, as a user's loop variable is; two stages cut at a
+    quarter, then at three quarters: process 0 takes over parameters it released under the
+    first. Before, the loss's graph kept each released parameter's gradient accumulator, with
+    its empty shape, and the first step after such a switch failed its backward (an MLP here,
+    and a user's ViT: "AddmmBackward0 returned an invalid gradient ... got [272, 192] but
+    expected shape compatible with [0]")."""
+    out = tmp_path / "swap.pt"
+    finish_two(start_two(["--case", "mlp", "--optimizer", "adam", "--loop", "readme", "--swap", "--out", out],
+                         timeout_s=120))
+    result = torch.load(out)
+    assert_like_eager(result["losses"], result["state"],
+                      *eager("mlp", "adam", batch=8, microbatches=result["microbatches"]))
+    assert len(result["replans"]) == 2, result["replans"]
+    assert result["moves"][0][1][1] > 0, result["moves"]  # process 0 received what it had released
+
+
+@needs_ucx
 def test_back_to_a_stage_replicated_across_processes_after_a_pipeline_trains_like_eager(tmp_path):
     """Coming back from two stages, each process had released the other stage's parameters:
     they still count whole in the gradient buckets every process cuts (the sums across

@@ -543,8 +543,8 @@ class Replanning:
     def report(self, switches: list) -> str:
         """What the partitioner concluded last, for Module.profile_report()."""
         if self.last is None:
-            return (f"re-planning: no window evaluated yet (the first ends {WINDOW} steps after the first step; later "
-                    f"ones after at least {WINDOW} steps and {self.window_s:g} s)\n")
+            return (f"re-planning: no evaluation heard yet (the first window ends {WINDOW} steps after the first step, "
+                    f"its evaluation heard at the next window's end, of at least {WINDOW} steps and {self.window_s:g} s)\n")
         d = self.last
         f = d["factors"]
         speeds = ", ".join(f"{s:.2f}" for s in f["speed"])
