@@ -10,7 +10,8 @@ import pytest
 
 from conftest import busy_cores
 from conveyor.planning.core_sharing import CoreSharing, thread_cpu_s, threads_run_s, wait_while_given
-from conveyor.planning.replanning import run_on_spare_time, window_figures
+from conveyor.planning.replanning import run_on_spare_time
+from conveyor.planning.window_figures import window_figures
 from conveyor.planning.replanning_messages import FIGURES
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux tells threads' run-queue waits")

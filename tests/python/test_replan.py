@@ -17,7 +17,8 @@ import conveyor
 import zoo
 from conveyor import _C
 from conveyor.planning.device_probe import DeviceProbe
-from conveyor.planning.replanning import WINDOW, step_terms, window_seconds, window_steps
+from conveyor.planning.replanning import WINDOW, window_seconds, window_steps
+from conveyor.planning.window_figures import step_terms
 from conveyor.planning.replanning_messages import FIGURES, WindowFigures, figures_problem
 from conveyor.planning.step_clock import StepClock
 
