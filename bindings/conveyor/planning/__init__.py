@@ -4,7 +4,8 @@
 - planner.py: planning it on a cluster (`Plan`, `plan`, plan documents, the parts a Module fixes);
 - plan_maker.py: a Module's plans on a call (profile, plan, plans for larger sizes);
 - replanning.py: re-planning from the live profile (its messages: replanning_messages.py,
-  its timeline: replanning_trace.py, its probe of a device apart from the model: device_probe.py);
+  a window's figures: window_figures.py, its timeline: replanning_trace.py, its probe of a
+  device apart from the model: device_probe.py);
 - plan_switch.py: moving a running capture to another plan.
 """
 from .planner import FixedParts, Plan, cluster_text, plan, read_plan
