@@ -164,17 +164,21 @@ bool Replanner::idle(const Plan& plan, int device) {
   });
 }
 
+double Replanner::weighted_time(const StagePlan& stage, const std::function<double(int)>& weight) const {
+  double sum = 0;
+  for (int id : stage.ops) {
+    if (id < 0 || id >= static_cast<int>(base_costs_.ops.size())) continue;
+    sum += (base_costs_.ops[id].forward_s + base_costs_.ops[id].backward_s) * weight(id);
+  }
+  return sum;
+}
+
 std::vector<double> Replanner::stage_pricing(const Plan& plan) const {
   std::vector<double> out;
   for (const StagePlan& stage : plan.stages) {
-    double profiled = 0, corrected = 0;
-    for (int id : stage.ops) {
-      if (id < 0 || id >= static_cast<int>(base_costs_.ops.size())) continue;
-      const double t = base_costs_.ops[id].forward_s + base_costs_.ops[id].backward_s;
-      profiled += t;
-      corrected += t * applied_.op_factor(id);
-    }
-    out.push_back(profiled > 0 ? corrected / profiled : 1.0);
+    const double profiled = weighted_time(stage, [](int) { return 1.0; });
+    out.push_back(profiled > 0 ? weighted_time(stage, [this](int id) { return applied_.op_factor(id); }) / profiled
+                               : 1.0);
   }
   return out;
 }
@@ -290,9 +294,13 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   // Kinds and speeds are known up to a common scale (a stage's time is cost x kind / speed):
   // the fastest device keeps its speed, the scale goes to the kinds, so that estimates made
   // under different plans agree.
+  // An idle device's speed at its reference probe (idle_speeds) takes the same scale: kept in
+  // an earlier one, it set each window's scale anew, and the running devices read slower
+  // each window than the last (x0.77 to x0.02 in eight windows).
   const double fastest = *std::max_element(seen.speed.begin(), seen.speed.end());
   if (fastest > 0) {
     for (double& x : seen.speed) x /= fastest;
+    for (double& x : idle_from_) x /= fastest;
     seen.forward /= fastest;
     seen.backward /= fastest;
     seen.weight /= fastest;
@@ -454,8 +462,11 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
     // kept the shape of the one before (its cuts or shares moved: a straggler's speed read
     // under one split of its time-shared core was faster than the next split ran, and the
     // better split, searched whole, came 20 steps after the switch); after a new shape, the
-    // whole space is searched first, for a shape that fits the devices better still.
-    d.shape_only = speeds_moved || kept_shape_;
+    // whole space is searched first, for a shape that fits the devices better still. A search
+    // of the running shape is followed by the whole one whatever moved since: an idle device
+    // probed each window read a new speed each time, and every search was of the running
+    // shape, which could not take the device back.
+    d.shape_only = (speeds_moved && !last_search_->shape_only) || kept_shape_;
     kept_shape_ = false;
     CONVEYOR_ASSIGN_OR_RETURN(d.candidate, make_plan(bounded, cluster_, d.shape_only ? same_shape(near, running_) : near));
     last_search_ = Search{running_key, applied_, smoothed_, d.candidate, d.shape_only};

@@ -5,6 +5,7 @@
 // measurements (hysteresis: noise never makes plans flip back and forth). Torch-free.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <optional>
 #include <set>
@@ -226,6 +227,8 @@ class Replanner {
   std::vector<double> unpriced_;
   /// unpriced_ from the census's own errors (`measured`, per operator) against applied_'s.
   void note_unpriced(const std::vector<double>& measured);
+  /// `stage`'s operators' profiled time (forward and backward), each weighted by `weight(id)`.
+  double weighted_time(const StagePlan& stage, const std::function<double(int)>& weight) const;
   /// `measured` with unpriced_ taken out of each stage's compute.
   std::vector<StageMeasurement> as_priced(std::vector<StageMeasurement> measured) const;
   /// `seen`'s speeds of the devices the running plan leaves idle, from their probes

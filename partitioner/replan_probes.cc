@@ -145,15 +145,11 @@ Status Replanner::price_probed_alike(const std::vector<double>& per_rated) {
 
 void Replanner::note_unpriced(const std::vector<double>& measured) {
   unpriced_.clear();
+  const auto priced = [this](int id) { return applied_.op_factor(id); };
+  const auto ran = [&measured](int id) { return id < static_cast<int>(measured.size()) ? measured[id] : 1.0; };
   for (const StagePlan& stage : running_.stages) {
-    double priced = 0, ran = 0;
-    for (int id : stage.ops) {
-      if (id < 0 || id >= static_cast<int>(base_costs_.ops.size())) continue;
-      const double t = base_costs_.ops[id].forward_s + base_costs_.ops[id].backward_s;
-      priced += t * applied_.op_factor(id);
-      ran += t * (id < static_cast<int>(measured.size()) ? measured[id] : 1.0);
-    }
-    unpriced_.push_back(priced > 0 && ran > 0 ? ran / priced : 1.0);
+    const double p = weighted_time(stage, priced), r = weighted_time(stage, ran);
+    unpriced_.push_back(p > 0 && r > 0 ? r / p : 1.0);
   }
 }
 

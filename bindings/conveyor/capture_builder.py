@@ -168,9 +168,10 @@ def build_capture(model, optimizer, options: Options, job: Job, args: tuple, kwa
         else:
             state = _planned(model, optimizer, graph, options, job, args, kwargs, batch, least, whole, packed,
                              holders)
-    warn_of_a_loss_split_changes(state.pipeline, state.layout.microbatches, state.layout.replicas,
-                                state.graph.document)
-    warn_of_statistics_per_share(state.graph.document, state.layout.microbatches, state.layout.replicas)
+    if job.rank == 0:  # the job's shape, the same in every process: said once, as the phases are
+        warn_of_a_loss_split_changes(state.pipeline, state.layout.microbatches, state.layout.replicas,
+                                    state.graph.document)
+        warn_of_statistics_per_share(state.graph.document, state.layout.microbatches, state.layout.replicas)
     return state
 
 

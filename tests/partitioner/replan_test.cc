@@ -166,6 +166,40 @@ TEST(Replan, ASpeedThatMovedSearchesTheRunningShapeFirstAndTheWholeSpaceAtTheNex
   EXPECT_FALSE(confirmed.searched) << confirmed.reason;
 }
 
+// A straggler whose speed moves every window (a probe of a time-shared core reads it anew
+// each time) does not keep the search to the running shape: a search of that shape alone is
+// followed by the whole one whatever moved since. It did: an idle device probed each window
+// read a new speed each time, every search was of the running shape, and the plan never took
+// the device back.
+TEST(Replan, ASpeedThatMovesEveryWindowStillGetsTheWholeSpaceSearched) {
+  const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e5, 1e6);
+  const Cluster cluster = devices(2);
+  PlanOptions o = options();
+  o.max_replicas = 2;
+  o.even_shares = true;
+  const Plan plan = testing::one_stage_on_each_device(g, cluster, o);
+  ReplanPolicy policy;
+  policy.moves_bytes = false;
+  Replanner r(g, cluster, plan, o, policy);
+  std::mt19937 rng(5);
+  for (int window = 0; window < 3; ++window) {
+    auto [m, step] = run(g, r.running(), {1, 1}, 0.05, rng);
+    ASSERT_FALSE(r.evaluate(m, step)->switch_plan);
+  }
+  ReplanDecision d;
+  int windows = 0, whole = 0;
+  while (!d.switch_plan && windows < 8) {
+    const std::vector<double> truth{1, windows % 2 == 0 ? 0.25 : 0.5};
+    auto [m, step] = run(g, r.running(), truth, 0.05, rng);
+    d = *r.evaluate(m, step);
+    ++windows;
+    whole += d.searched && !d.shape_only;
+  }
+  EXPECT_GE(whole, 1) << d.reason;
+  ASSERT_TRUE(d.switch_plan) << d.reason;
+  EXPECT_NE(Replanner::shape_key(d.candidate), Replanner::shape_key(r.running())) << d.candidate.table();
+}
+
 // What each device's probe runs at, in products per second, on devices of speed `truth`:
 // every device at a census (the first window of a running plan), else only those `plan`
 // leaves idle; 0 elsewhere.
@@ -229,6 +263,46 @@ TEST(Replan, AStragglerThePlanLeftIdleIsSeenToGoByItsProbe) {
   auto bad = r.evaluate(m, step, true, {0, -1, 0});
   ASSERT_FALSE(bad.is_ok());
   EXPECT_NE(bad.status().to_string().find("device 1's probe"), std::string::npos) << bad.status().to_string();
+}
+
+// A device its cluster rates at a tenth of another's (a straggler the job's file knew of),
+// left idle by the plan; the census finds it as rated, and its straggler goes after it: its
+// probes run ten times faster from then on. Its speed was kept in the census's scale while
+// each window rescaled the other speeds (the fastest at 1): the idle device's stale figure
+// set the scale, and each window read the running device slower than the last (test_straggler:
+// x0.77 to x0.02 in eight windows, every window a speed that moved, the plan never taking the
+// device back), or, from a census whose scale lay elsewhere, the idle device 70 times too slow.
+// Now the two read as fast as each other window after window, and the plan takes it back.
+TEST(Replan, AnIdleDevicesSpeedKeepsTheScaleOfTheRunningDevicesAcrossWindows) {
+  const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
+  Cluster cluster = devices(2);
+  cluster.devices[0].speed = 0.1;
+  const Plan plan = *make_plan(g, cluster, options());
+  ASSERT_TRUE(Replanner::idle(plan, 0)) << plan.table();
+  ReplanPolicy policy;
+  policy.moves_bytes = false;
+  const double asked = policy.min_gain;
+  policy.min_gain = 100;  // no switch at first: the windows read the speeds alone
+  Replanner r(g, cluster, plan, options(), policy);
+  std::mt19937 rng(31);
+  const std::vector<double> hogged{0.13, 1}, gone{1, 1};
+  auto [m, step] = run(g, r.running(), hogged, 0.05, rng);
+  ReplanDecision d = *r.evaluate(m, step, true, probes(r.running(), hogged, true));
+  for (int window = 0; window < 12; ++window) {
+    std::tie(m, step) = run(g, r.running(), gone, 0.05, rng);
+    d = *r.evaluate(m, step, true, probes(r.running(), gone, false));
+    ASSERT_FALSE(d.switch_plan) << d.reason;
+    const std::vector<double>& speed = d.calibration.factors.speed;
+    EXPECT_NEAR(speed[0] * cluster.devices[0].speed / (speed[1] * cluster.devices[1].speed), 1.0, 0.2)
+        << "window " << window << ": " << d.arithmetic(r.policy());
+  }
+  r.policy().min_gain = asked;
+  for (int window = 0; window < 4 && !d.switch_plan; ++window) {
+    std::tie(m, step) = run(g, r.running(), gone, 0.05, rng);
+    d = *r.evaluate(m, step, true, probes(r.running(), gone, false));
+  }
+  ASSERT_TRUE(d.switch_plan) << d.reason;
+  EXPECT_FALSE(Replanner::idle(d.candidate, 0)) << d.candidate.table();
 }
 
 // Operators the profile priced at a third of their cost, all in the first stage, on devices
