@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <memory>
 #include <random>
 
 #include "random_graphs.h"
@@ -130,25 +131,32 @@ TEST(Replan, AStragglerThatAppearsMidRunIsActedOnOnceConfirmed) {
   }
 }
 
+// One stage with a replica on each of two devices, its shares even (a straggler among them is
+// served only by another shape), after three windows at full speed.
+std::unique_ptr<Replanner> even_replicas_settled(const CostGraph& g, const ReplanPolicy& policy, std::mt19937& rng) {
+  const Cluster cluster = devices(2);
+  PlanOptions o = options();
+  o.max_replicas = 2;
+  o.even_shares = true;
+  auto r = std::make_unique<Replanner>(g, cluster, testing::one_stage_on_each_device(g, cluster, o), o, policy);
+  for (int window = 0; window < 3; ++window) {
+    auto [m, step] = run(g, r->running(), {1, 1}, 0.05, rng);
+    EXPECT_FALSE(r->evaluate(m, step)->switch_plan);
+  }
+  return r;
+}
+
 // The window that sees a device's speed move searches the running shape alone (a fraction of
 // the whole search); when no plan of that shape pays (here: replicas that must split evenly,
 // a straggler among them), the next window searches the whole space, and the window after it
 // confirms that plan, of another shape, without a search.
 TEST(Replan, ASpeedThatMovedSearchesTheRunningShapeFirstAndTheWholeSpaceAtTheNextWindow) {
   const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e5, 1e6);
-  const Cluster cluster = devices(2);
-  PlanOptions o = options();
-  o.max_replicas = 2;
-  o.even_shares = true;
-  const Plan plan = testing::one_stage_on_each_device(g, cluster, o);
   ReplanPolicy policy;
   policy.moves_bytes = false;
-  Replanner r(g, cluster, plan, o, policy);
   std::mt19937 rng(5);
-  for (int window = 0; window < 3; ++window) {
-    auto [m, step] = run(g, r.running(), {1, 1}, 0.05, rng);
-    ASSERT_FALSE(r.evaluate(m, step)->switch_plan);
-  }
+  const std::unique_ptr<Replanner> settled = even_replicas_settled(g, policy, rng);
+  Replanner& r = *settled;
   const std::vector<double> truth{1, 0.25};
   auto [m, step] = run(g, r.running(), truth, 0.05, rng);
   const ReplanDecision seen = *r.evaluate(m, step);
@@ -173,19 +181,11 @@ TEST(Replan, ASpeedThatMovedSearchesTheRunningShapeFirstAndTheWholeSpaceAtTheNex
 // the device back.
 TEST(Replan, ASpeedThatMovesEveryWindowStillGetsTheWholeSpaceSearched) {
   const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e5, 1e6);
-  const Cluster cluster = devices(2);
-  PlanOptions o = options();
-  o.max_replicas = 2;
-  o.even_shares = true;
-  const Plan plan = testing::one_stage_on_each_device(g, cluster, o);
   ReplanPolicy policy;
   policy.moves_bytes = false;
-  Replanner r(g, cluster, plan, o, policy);
   std::mt19937 rng(5);
-  for (int window = 0; window < 3; ++window) {
-    auto [m, step] = run(g, r.running(), {1, 1}, 0.05, rng);
-    ASSERT_FALSE(r.evaluate(m, step)->switch_plan);
-  }
+  const std::unique_ptr<Replanner> settled = even_replicas_settled(g, policy, rng);
+  Replanner& r = *settled;
   ReplanDecision d;
   int windows = 0, whole = 0;
   while (!d.switch_plan && windows < 8) {
