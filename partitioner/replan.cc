@@ -296,7 +296,7 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   // under different plans agree.
   // An idle device's speed at its reference probe (idle_speeds) takes the same scale: kept in
   // an earlier one, it set each window's scale anew, and the running devices read slower
-  // each window than the last (x0.77 to x0.02 in eight windows).
+  // each window than the last (x0.10 read as x0.02 by the end of a test_straggler run).
   const double fastest = *std::max_element(seen.speed.begin(), seen.speed.end());
   if (fastest > 0) {
     for (double& x : seen.speed) x /= fastest;
