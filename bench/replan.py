@@ -29,7 +29,7 @@ measured cost of moving (seconds per GB of optimizer state and parameters handed
 
     ./run bench replan [--rounds 2] [--steps 400] [--slow-process 1] [--first-plan pipelined]
                        [--appear-at 0] [--vanish-at 0] [--hogs 1]
-                       [--model mlp|gpt2|resnet] [--layers 16] [--hidden 512] [--batch 64]
+                       [--model mlp|gpt2|resnet] [--layers 16] [--hidden 512] [--batch 64] [--windows]
     ./run bench replan --scenario none [--rounds 5] [--first-plan pipelined]   (no straggler: what evaluating costs)
     ./run bench replan --device cuda --model gpt2 --steps 400   (both processes on one GPU: the hog slows the
                                                                  straggler's host, which launches its kernels;
@@ -95,6 +95,9 @@ def worker(args) -> None:
         x, y = torch.randn(args.batch, args.hidden, device=args.device), torch.randn(args.batch, args.hidden,
                                                                                    device=args.device)
         step_args, loss_fn = dict(target=y), torch.nn.MSELoss()
+    if args.windows:  # every window's decision on process 0's stderr, at DEBUG (replanning_trace.window_line)
+        import logging
+        logging.getLogger("conveyor").setLevel(logging.DEBUG)
     net.to(args.device)
     opt = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
     cluster = None
@@ -146,9 +149,14 @@ def run_contender(mode: str, args, straggler_speed: float) -> dict:
            "--vanish-at", args.vanish_at, "--hogs", args.hogs,
            "--layers", args.layers, "--model", args.model, "--device", args.device,
            "--hidden", args.hidden, "--batch", args.batch, "--straggler-speed", f"{straggler_speed:.3f}"]
+    if args.windows and mode == "replanned":
+        cmd.append("--windows")
     outs = run_job(cmd, 600, mode, OMP_NUM_THREADS="1", CONVEYOR_TIMEOUT="120")
     line = next(l for l in outs[0].splitlines() if l.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    result = json.loads(line[len("RESULT "):])
+    if args.windows and mode == "replanned":
+        print("\n".join("  " + l for l in outs[0].splitlines() if l.startswith("conveyor: re-planning:")), flush=True)
+    return result
 
 
 def straggler_share(core: int, n: int) -> float:
@@ -241,6 +249,8 @@ def main() -> None:
     ap.add_argument("--appear-at", type=int, default=0, help="the step before which the hog starts")
     ap.add_argument("--vanish-at", type=int, default=0, help="the step before which the hog stops (0: never)")
     ap.add_argument("--hogs", type=int, default=1, help="hog processes beside the straggler")
+    ap.add_argument("--windows", action="store_true",
+                    help="print each re-planned run's window decisions (process 0's, the conveyor logger at DEBUG)")
     ap.add_argument("--mode", default="static")
     ap.add_argument("--straggler-speed", type=float, default=0.5)
     ap.add_argument("--scenario", choices=["straggler", "none"], default="straggler",

@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-__all__ = ["ReplanningTimeline", "timeline_path"]
+__all__ = ["ReplanningTimeline", "timeline_path", "window_line"]
 
 KEPT = 4000
 STEPS, PLANNER = 1, 2  # the tracks (Chrome trace "threads" of process 0)
@@ -72,3 +72,18 @@ class ReplanningTimeline:
         aside = self.path.with_name(self.path.name + ".partial")
         aside.write_text(json.dumps({"traceEvents": meta + events, "displayTimeUnit": "ms"}))
         os.replace(aside, self.path)
+
+
+def window_line(decision: dict) -> str:
+    """One evaluation's decision on a line, for the `conveyor` logger at DEBUG (process 0,
+    every window): its reason, the devices' speeds and ceilings, and what the planner did."""
+    f = decision["factors"]
+    search = ("searched the running plan's shape" if decision["shape_only"] else "searched every shape") \
+        if decision["searched"] else "priced the last search's plan again" + (
+            " (a search was due but spaced out)" if decision["search_deferred"] else "")
+    ceilings = [c for c in decision.get("speed_ceiling", []) if c > 0]
+    return (f"{decision['reason']}; speeds x[" + ", ".join(f"{x:.2f}" for x in f["speed"]) + "]"
+            + (" (ceilings x[" + ", ".join(f"{x:.2f}" for x in decision["speed_ceiling"]) + "])" if ceilings else "")
+            + f"; {search}; gain {decision['gain_s'] * 1e3:.2f} ms of {decision['measured_step_s'] * 1e3:.2f}, asked "
+            f"{decision['gain_asked'] * 100:.1f}%; confirmations {decision['confirmations']}"
+            + ("; a census owed" if decision.get("census_owed") else ""))
