@@ -210,6 +210,7 @@ class Replanning:
         # sent with its decision (every process ends each window at the same step).
         self.steps, self.walls, self.optimizer_times, self.next_boundary = 0, [], [], 1 + WINDOW
         self.census_owed = False  # the first window's is the census
+        self.census_figures = None  # process 0: a census's, not evaluated yet (the planner was busy)
         self.clock.forget()
 
     def ran_step(self) -> None:
@@ -272,8 +273,9 @@ class Replanning:
         owed = self.census_owed and self.steps != 1 + WINDOW
         census, self.census_owed = self.steps == 1 + WINDOW or owed, False
         if owed and self.decides:
-            self.say("a census owed (a device held to a speed ceiling measured faster, or its probe lifted the "
-                     "ceiling: its straggler may have gone): every process probes its device at this window")
+            self.say("a census owed (a running device's speed moved with no probe to say so, or a device held to a "
+                     "speed ceiling measured faster, or its probe lifted the ceiling): every process probes its "
+                     "device at this window")
         ceiling = self.last.get("speed_ceiling", []) if self.last is not None else []
         again = self.group is not None and window % REPROBE_EVERY == 0 and \
             self.group.rank < len(ceiling) and ceiling[self.group.rank] > 0
@@ -302,8 +304,10 @@ class Replanning:
         decision = None if under_way and self.passed < 1 else self._decided(while_given=under_way)
         busy = self.thinking is not None  # still under way: heard at a later boundary
         self.passed = self.passed + 1 if busy else 0
+        if census and busy:  # evaluated once the planner is free, in place of a later window: an owed census
+            self.census_figures = figures  # skipped left ResNet-18's straggler unconfirmed for good
         if not busy and (decision is None or not decision["switch"]):  # a switch measures anew under its plan
-            self._think(figures)
+            self._think(self.census_figures or figures)
             if self.judging:  # the first window after a switch it decided: heard at once, so a
                 decision = self._decided()  # switch that measures slower is undone a window sooner
             elif decision is not None and decision["confirmations"] > 0 and not is_census(decision):
@@ -387,7 +391,9 @@ class Replanning:
 
     def _think(self, mine: WindowFigures) -> None:
         """Starts the evaluation of one window on a thread of its own, which first reads the
-        other processes' figures of it (and of any window before it left unread)."""
+        other processes' figures of it (and of any window before it left unread; those of
+        later windows are read by the next evaluation)."""
+        self.census_figures = None
         box: dict = {}
         unread = self.messages.unread(mine.window) if self.messages is not None else range(0)
         peers = range(1, self.group.world_size) if self.group is not None else range(0)
