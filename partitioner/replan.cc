@@ -344,6 +344,12 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
     census_asked_ = true;
     awaiting_census_ = true;
   }
+  // A census owed and not evaluated three windows later (its figures lost) is owed again.
+  windows_awaiting_ = awaiting_census_ && !census ? windows_awaiting_ + 1 : 0;
+  if (windows_awaiting_ > 3) {
+    d.census_owed = true;
+    windows_awaiting_ = 0;
+  }
   if (census) awaiting_census_ = false;
   // The operators' own errors do not change while training: a census's figure is taken at
   // once, and kept until the next census (the first window of the next plan) refines it;
@@ -564,6 +570,7 @@ Status Replanner::switched_to(const Plan& plan) {
   unpriced_.clear();
   census_asked_ = false;  // its first window is a census
   awaiting_census_ = false;
+  windows_awaiting_ = 0;
   confirmations_ = 0;
   last_search_.reset();
   return Status::ok();

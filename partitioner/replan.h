@@ -212,6 +212,7 @@ class Replanner {
   /// A running device's speed moved sharply with no probe to say so: no switch until the
   /// census it owes is evaluated (evaluate).
   bool awaiting_census_ = false;
+  int windows_awaiting_ = 0;  // evaluated while awaiting it
   /// At a census: every running device its probe shows as fast as the fastest is priced at the
   /// fastest such device's speed before its stages are measured (`per_rated`: every device's
   /// rate per unit of its rated speed). A speed estimated before (under a straggler since gone,
