@@ -25,6 +25,14 @@ inline PlanOptions options() {
   return o;
 }
 
+// The default policy, with moves that cost no bytes (parameters stay where they are, as in one
+// process): what a switch pays is rebuilding alone.
+inline ReplanPolicy moving_no_bytes() {
+  ReplanPolicy p;
+  p.moves_bytes = false;
+  return p;
+}
+
 // The data-parallel layout a straggler among equal devices moves from: one stage with a
 // replica on each of the cluster's devices, planned under `o` otherwise.
 inline Plan one_stage_on_each_device(const CostGraph& g, const Cluster& cluster, PlanOptions o) {

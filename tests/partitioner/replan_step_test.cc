@@ -320,8 +320,7 @@ TEST(Replan, ASpeedMovedWithNoProbeOwesACensusAndNoSwitchIsMadeBeforeIt) {
   const Cluster cluster = devices(2);
   const Plan plan = *make_plan(g, cluster, options());
   ASSERT_EQ(plan.stages.size(), 2u);
-  ReplanPolicy policy;
-  policy.moves_bytes = false;
+  ReplanPolicy policy = testing::moving_no_bytes();
   Replanner r(g, cluster, plan, options(), policy);
   std::mt19937 rng(41);
   auto [m, step] = run(g, r.running(), {1, 1}, 0.02, rng);

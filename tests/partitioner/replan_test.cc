@@ -94,8 +94,7 @@ TEST(Replan, AStragglerThatAppearsMidRunIsActedOnOnceConfirmed) {
   const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
   const Cluster cluster = devices(3);
   const Plan plan = *make_plan(g, cluster, options());
-  ReplanPolicy policy;
-  policy.moves_bytes = false;
+  ReplanPolicy policy = testing::moving_no_bytes();
   Replanner r(g, cluster, plan, options(), policy);
   std::mt19937 rng(17);
   for (int window = 0; window < 10; ++window) {
@@ -135,11 +134,7 @@ TEST(Replan, AStragglerThatAppearsMidRunIsActedOnOnceConfirmed) {
 // served only by another shape), after three windows at full speed.
 struct EvenReplicas {
   CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e5, 1e6);
-  ReplanPolicy policy = [] {
-    ReplanPolicy p;
-    p.moves_bytes = false;
-    return p;
-  }();
+  ReplanPolicy policy = testing::moving_no_bytes();
   std::mt19937 rng{5};
   std::unique_ptr<Replanner> settled = settle();
 
@@ -226,8 +221,7 @@ TEST(Replan, AStragglerThePlanLeftIdleIsSeenToGoByItsProbe) {
   const Cluster cluster = devices(3);
   const Plan plan = *make_plan(g, cluster, options());
   ASSERT_EQ(plan.stages.size(), 3u);
-  ReplanPolicy policy;
-  policy.moves_bytes = false;
+  ReplanPolicy policy = testing::moving_no_bytes();
   for (const bool probed : {false, true}) {
     Replanner r(g, cluster, plan, options(), policy);
     std::mt19937 rng(19);
@@ -284,8 +278,7 @@ TEST(Replan, AnIdleDevicesSpeedKeepsTheScaleOfTheRunningDevicesAcrossWindows) {
   cluster.devices[0].speed = 0.1;
   const Plan plan = *make_plan(g, cluster, options());
   ASSERT_TRUE(Replanner::idle(plan, 0)) << plan.table();
-  ReplanPolicy policy;
-  policy.moves_bytes = false;
+  ReplanPolicy policy = testing::moving_no_bytes();
   const double asked = policy.min_gain;
   policy.min_gain = 100;  // no switch at first: the windows read the speeds alone
   Replanner r(g, cluster, plan, options(), policy);
@@ -372,8 +365,7 @@ TEST(Replan, SearchesTheCallerSpacesOutStillRunWhenADevicesSpeedMoves) {
   const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
   const Cluster cluster = devices(3);
   const Plan plan = *make_plan(g, cluster, options());
-  ReplanPolicy policy;
-  policy.moves_bytes = false;
+  ReplanPolicy policy = testing::moving_no_bytes();
   Replanner r(g, cluster, plan, options(), policy);
   std::mt19937 rng(17);
   int deferred = 0;

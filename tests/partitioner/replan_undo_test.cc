@@ -28,8 +28,7 @@ TEST(Replan, AShapeLeftForAStragglerIsReturnedToForTheUsualGainOnceItGoes) {
   PlanOptions o = options();
   o.max_replicas = 2;
   const Plan plan = testing::one_stage_on_each_device(g, cluster, o);
-  ReplanPolicy policy;
-  policy.moves_bytes = false;
+  ReplanPolicy policy = testing::moving_no_bytes();
   Replanner r(g, cluster, plan, o, policy);
   std::mt19937 rng(11);
   auto until_switch = [&](Replanner& replanner, const std::vector<double>& truth) {
