@@ -342,15 +342,15 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   if (moved_unprobed && probed_) {
     d.census_owed = d.census_owed || !census_asked_;
     census_asked_ = true;
-    awaiting_census_ = true;
+  }
+  if (census) {
+    windows_awaiting_census_ = 0;
+  } else if (windows_awaiting_census_ > 0 || (moved_unprobed && probed_)) {
+    ++windows_awaiting_census_;
   }
   // A census owed and not evaluated three windows later (its figures lost) is owed again.
-  windows_awaiting_ = awaiting_census_ && !census ? windows_awaiting_ + 1 : 0;
-  if (windows_awaiting_ > 3) {
-    d.census_owed = true;
-    windows_awaiting_ = 0;
-  }
-  if (census) awaiting_census_ = false;
+  if (windows_awaiting_census_ > 0 && windows_awaiting_census_ % 4 == 0) d.census_owed = true;
+  const bool awaiting_census = windows_awaiting_census_ > 0;
   // The operators' own errors do not change while training: a census's figure is taken at
   // once, and kept until the next census (the first window of the next plan) refines it;
   // the devices' speeds it told them from are taken with it (averaged with speeds read
@@ -535,10 +535,10 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
     // Consecutive windows that each find a move that pays (the best plan may differ between
     // them by a cut that hardly matters): the last one's plan is taken.
     d.confirmations = ++confirmations_;
-    d.switch_plan = confirmations_ >= policy_.confirmations && !awaiting_census_;
-    if (awaiting_census_) confirmations_ = d.confirmations = std::min(confirmations_, policy_.confirmations - 1);
-    d.reason = d.switch_plan      ? "switching: the saving over the horizon pays for moving"
-               : awaiting_census_ ? "a better plan, waiting for the census a device's speed moved owes to confirm it"
+    d.switch_plan = confirmations_ >= policy_.confirmations && !awaiting_census;
+    if (awaiting_census) confirmations_ = d.confirmations = std::min(confirmations_, policy_.confirmations - 1);
+    d.reason = d.switch_plan     ? "switching: the saving over the horizon pays for moving"
+               : awaiting_census ? "a better plan, waiting for the census a device's speed moved owes to confirm it"
                                   : "a better plan, waiting for it to be confirmed";
     if (d.shape_only) d.reason += " (" + shape_search + ")";
     if (d.switch_plan) decided_ = Decided{key, d.measured_step_s, smoothed_.speed};
@@ -569,8 +569,7 @@ Status Replanner::switched_to(const Plan& plan) {
   uncapped_.clear();
   unpriced_.clear();
   census_asked_ = false;  // its first window is a census
-  awaiting_census_ = false;
-  windows_awaiting_ = 0;
+  windows_awaiting_census_ = 0;
   confirmations_ = 0;
   last_search_.reset();
   return Status::ok();

@@ -209,10 +209,9 @@ class Replanner {
   std::vector<double> uncapped_;
   bool census_asked_ = false;  // a decision owed a census that has not been evaluated yet
   bool probed_ = false;        // the caller probes its devices (a census was evaluated)
-  /// A running device's speed moved sharply with no probe to say so: no switch until the
-  /// census it owes is evaluated (evaluate).
-  bool awaiting_census_ = false;
-  int windows_awaiting_ = 0;  // evaluated while awaiting it
+  /// Windows evaluated since a running device's speed moved sharply with no probe to say so
+  /// (0: none awaited): no switch until the census it owes is evaluated (evaluate).
+  int windows_awaiting_census_ = 0;
   /// At a census: every running device its probe shows as fast as the fastest is priced at the
   /// fastest such device's speed before its stages are measured (`per_rated`: every device's
   /// rate per unit of its rated speed). A speed estimated before (under a straggler since gone,
