@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "common/shares.h"
+#include "partitioner/speed_groups.h"
 
 namespace conveyor::partitioner {
 
@@ -67,16 +68,6 @@ bool within_speeds(const Factors& a, const Factors& b, double tolerance) {
   return within_speeds(a.speed, b.speed, tolerance);
 }
 
-// Of `speeds`, those of the devices `plan` runs a stage on, over the fastest of them.
-std::vector<double> running_speeds(const Plan& plan, const std::vector<double>& speeds) {
-  std::vector<double> kept;
-  for (std::size_t d = 0; d < speeds.size(); ++d) {
-    if (!Replanner::idle(plan, static_cast<int>(d))) kept.push_back(speeds[d]);
-  }
-  const double fastest = kept.empty() ? 1.0 : *std::max_element(kept.begin(), kept.end());
-  for (double& x : kept) x /= fastest > 0 ? fastest : 1.0;
-  return kept;
-}
 
 // Whether every factor of `a` is within `tolerance` of `b`'s (relative).
 bool within(const Factors& a, const Factors& b, double tolerance) {
@@ -328,16 +319,19 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
     const double old = before.speed[dev];
     if (old > 0 && std::abs(seen.speed[dev] / old - 1) > 3 * policy_.tolerance) smoothed_.speed[dev] = seen.speed[dev];
   }
-  // The same for a device that runs a stage, against the others that do, with no probe of it.
+  // The same for the devices that run a stage, against the others that do, with no probe of
+  // them, where no stage joins them: such a move is read from the stages' times alone, where
+  // a stage's own pricing error can move too (GPT-NeoX under zb-v, never slowed: device 0
+  // read x1.00 at the census, then x0.61 and x0.39, and about one run in three switched to a
+  // plan that left it idle). So a caller that probes owes a census, which tells a device's
+  // speed from its operators', and no switch is made before it is evaluated (a straggler that
+  // came is switched from a short window later: the census confirms it). The replicas of one
+  // stage run the same operators, and their times tell their devices apart whatever the
+  // operators' pricing: a move among them owes nothing (under GPT-2's data-parallel plan, a
+  // hog from step 20 owed a census, and the switch came after the bench's 40 steps).
   const bool moved_unprobed = measured_once_ && !census && before.speed.size() == seen.speed.size() &&
-                              !within_speeds(running_speeds(running_, before.speed),
-                                             running_speeds(running_, seen.speed), 3 * policy_.tolerance);
-  // Such a move is read from the stages' times alone, where a stage's own pricing error can
-  // move too (GPT-NeoX under zb-v, never slowed: device 0 read x1.00 at the census, then
-  // x0.61 and x0.39, and about one run in three switched to a plan that left it idle). So a
-  // caller that probes owes a census, which tells a device's speed from its operators', and no
-  // switch is made before it is evaluated (a straggler that came is switched from a short
-  // window later: the census confirms it).
+                              !within_speeds(group_speeds(running_, before.speed),
+                                             group_speeds(running_, seen.speed), 3 * policy_.tolerance);
   probed_ = probed_ || census;
   if (moved_unprobed && probed_) {
     d.census_owed = d.census_owed || !census_asked_;

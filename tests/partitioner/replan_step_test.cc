@@ -364,5 +364,35 @@ TEST(Replan, ASpeedMovedWithNoProbeOwesACensusAndNoSwitchIsMadeBeforeIt) {
   EXPECT_NEAR(d.calibration.factors.speed[1], 1.0 / 3, 0.07);
 }
 
+
+// The replicas of one stage run the same operators: their devices' speeds are told apart by
+// their times alone, and a straggler among them owes no census (a hog from step 20 under
+// GPT-2's data-parallel plan waited for one, past the bench's 40 steps).
+TEST(Replan, AStragglerAmongOneStagesReplicasOwesNoCensus) {
+  const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
+  const Cluster cluster = devices(2);
+  PlanOptions o = options();
+  o.max_replicas = 2;
+  o.even_shares = false;
+  const Plan plan = testing::one_stage_on_each_device(g, cluster, o);
+  ASSERT_EQ(plan.stages.size(), 1u) << plan.table();
+  Replanner r(g, cluster, plan, o, testing::moving_no_bytes());
+  std::mt19937 rng(43);
+  auto [m, step] = run(g, r.running(), {1, 1}, 0.02, rng);
+  auto census = r.evaluate(m, step, true, {1000, 1000});
+  ASSERT_TRUE(census.is_ok()) << census.status().to_string();
+  ReplanDecision d = *census;
+  ASSERT_FALSE(d.switch_plan) << d.reason;
+  const std::vector<double> straggler{1.0 / 3, 1};
+  for (int window = 0; window < 2; ++window) {
+    std::tie(m, step) = run(g, r.running(), straggler, 0.02, rng);
+    d = *r.evaluate(m, step);
+    EXPECT_FALSE(d.census_owed) << "window " << window << ": " << d.reason;
+    EXPECT_EQ(d.reason.find("waiting for the census"), std::string::npos) << d.reason;
+  }
+  ASSERT_TRUE(d.switch_plan) << "confirmed by the window after the one that saw it: " << d.reason;
+  EXPECT_NEAR(d.calibration.factors.speed[0], 1.0 / 3, 0.07);
+}
+
 }  // namespace
 }  // namespace conveyor::partitioner
