@@ -472,7 +472,16 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   };
   auto needed = [&](const Plan& plan) { return left_before(plan) ? 2 * asked : asked; };
 
-  if (confirming || (!owed && (!may_search || within(last_search_->factors, applied_, policy_.tolerance / 2)))) {
+  // A plan of the running shape, searched alone, is confirmed by the whole search where every
+  // running device now runs as fast as the fastest (a straggler went): the shape cut around
+  // it is what the whole space may change, and that search is quick on every process (a
+  // ResNet-18's pipeline was re-cut 29 steps after its hog stopped, and data parallelism, the
+  // whole search's, came 29 steps later still).
+  const std::vector<double> running_now = running_speeds(running_, smoothed_.speed);
+  const bool confirm_whole = confirming && may_search && last_search_->shape_only && !running_now.empty() &&
+                             *std::min_element(running_now.begin(), running_now.end()) >= 1 - policy_.tolerance;
+  if ((confirming && !confirm_whole) ||
+      (!owed && (!may_search || within(last_search_->factors, applied_, policy_.tolerance / 2)))) {
     CONVEYOR_ASSIGN_OR_RETURN(d.candidate, reprice(costs_, cluster_, options_, last_search_->best));
     d.searched = false;
     d.search_deferred = !within(last_search_->factors, applied_, policy_.tolerance / 2);
