@@ -29,7 +29,8 @@ class LiveProfile:
     without re-planning); `replan_cost`: what re-planning took of the steps, a move left out
     (Replanning.cost: the training thread's time at window boundaries, the planner thread's
     CPU, and the steps' wall time; None without re-planning). After a window the prediction
-    is the running plan priced on the corrected inputs, and the steps counted are those since."""
+    is the running plan priced on the corrected inputs, and the steps counted are those since;
+    until they outnumber the last whole window's, the report is that window's."""
 
     def __init__(self, report: dict):
         self.replan = report.get("replan")
@@ -51,12 +52,22 @@ def live_profile(state, optimizer, switches: list) -> LiveProfile:
     """The live profile of a capture (a CaptureState, its pipeline built) trained by
     `optimizer`; `switches`: the Module's switches of plan so far."""
     report = state.pipeline.profile_report()
+    # Each window's evaluation prices the running plan anew and starts the count again: a
+    # report taken a step or two later is of those steps alone, and the last whole window's
+    # says more (a user's BERT read "the last 1 step measured").
+    whole = state.replanning.window_report if state.replanning is not None else None
+    in_window = report["steps"]
+    kept = whole is not None and whole["steps"] > in_window
+    if kept:
+        report = dict(whole)
     report["memory"] = memory_rows(state, optimizer)
     report["table"] += memory_table(report["memory"])
     if state.replanning is not None:
         first, _, rest = report["table"].partition("\n")
-        report["table"] = (first + f"\n(re-planning starts the count again at each window's end: {state.trained_steps} "
-                           "steps trained in all)\n" + rest + state.replanning.report(switches))
+        since = f"; these are the last whole window's, {in_window} run since" if kept else ""
+        report["table"] = (first + f"\n(re-planning starts the count again at each window's end: "
+                           f"{state.trained_steps} steps trained in all{since})\n" + rest +
+                           state.replanning.report(switches))
         report["replan"] = state.replanning.last
         report["replan_cost"] = state.replanning.cost()
     return LiveProfile(report)

@@ -211,6 +211,7 @@ class Replanning:
         self.steps, self.walls, self.optimizer_times, self.next_boundary = 0, [], [], 1 + WINDOW
         self.census_owed = False  # the first window's is the census
         self.census_figures = None  # process 0: a census's, not evaluated yet (the planner was busy)
+        self.window_report = None  # the last whole window's live profile, as it ended (live_profile.py)
         self.clock.forget()
 
     def ran_step(self) -> None:
@@ -287,8 +288,9 @@ class Replanning:
         walls, optimizers, self.walls, self.optimizer_times = self.walls, self.optimizer_times, [], []
         wall_s = sum(walls) / len(walls) if walls else 0.0
         optimizer_s = sum(optimizers) / len(optimizers) if optimizers else 0.0
-        figures = window_figures(step.profile_report(), window, probe_rate, 1.0 - taken if self.on_cpu else 1.0,
-                                 wall_s, optimizer_s)
+        report = step.profile_report()
+        self.window_report = report
+        figures = window_figures(report, window, probe_rate, 1.0 - taken if self.on_cpu else 1.0, wall_s, optimizer_s)
         self._measure_switch(switches, wall_s or figures.step_s)
         self.last_wall_s = wall_s or figures.step_s
         if not self.decides:
