@@ -415,6 +415,7 @@ void bind_graph(py::module_& m) {
         out["host_s"] = d.host_s;
         out["speed_ceiling"] = d.speed_ceiling;
         out["census_owed"] = d.census_owed;
+        out["census_why"] = d.census_why;
         out["factors"] = py::dict(py::arg("forward") = f.forward, py::arg("backward") = f.backward,
                                   py::arg("weight") = f.weight, py::arg("speed") = f.speed, py::arg("link") = f.link,
                                   py::arg("stage_pricing") = stage_pricing,

@@ -290,7 +290,12 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   const bool lifted = update_ceilings(probe_rate, per_rated);
   // Owed once: a census is heard a window after the decision that owes it, and the window
   // between would owe another (a BERT's took two censuses in a row).
-  d.census_owed = (cap_at_ceilings(seen) || lifted) && !census_asked_;
+  const bool jumped = cap_at_ceilings(seen);
+  d.census_owed = (jumped || lifted) && !census_asked_;
+  if (d.census_owed) {
+    d.census_why = lifted ? "a device's probe lifted its speed ceiling (its straggler may have gone)"
+                          : "a device held to a speed ceiling measured much faster than under it";
+  }
   census_asked_ = (census_asked_ && !census) || d.census_owed;
   d.speed_ceiling = ceiling_;
   // Kinds and speeds are known up to a common scale (a stage's time is cost x kind / speed):
@@ -334,7 +339,10 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
                                              group_speeds(running_, seen.speed), 3 * policy_.tolerance);
   probed_ = probed_ || census;
   if (moved_unprobed && probed_) {
-    d.census_owed = d.census_owed || !census_asked_;
+    if (!census_asked_) {
+      d.census_owed = true;
+      d.census_why = "a running device's speed moved beyond three times the noise, read from its stages' times alone";
+    }
     census_asked_ = true;
   }
   if (census) {
@@ -343,7 +351,10 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
     ++windows_awaiting_census_;
   }
   // A census owed and not evaluated three windows later (its figures lost) is owed again.
-  if (windows_awaiting_census_ > 0 && windows_awaiting_census_ % 4 == 0) d.census_owed = true;
+  if (windows_awaiting_census_ > 0 && windows_awaiting_census_ % 4 == 0) {
+    d.census_owed = true;
+    d.census_why = "the census owed three windows ago was not evaluated";
+  }
   const bool awaiting_census = windows_awaiting_census_ > 0;
   // The operators' own errors do not change while training: a census's figure is taken at
   // once, and kept until the next census (the first window of the next plan) refines it;

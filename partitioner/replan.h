@@ -99,7 +99,11 @@ struct ReplanDecision {
   /// measured its slowness and their operators' pricing error as one, so the next window's
   /// probes of every device are owed as a census, which tells them apart (and sets the
   /// ceilings anew).
+  /// A running device's speed moved beyond three times the noise in a window with no census
+  /// (read from its stages' times alone) owes one too, as does one owed and not evaluated
+  /// three windows later. census_why: which, when owed.
   bool census_owed = false;
+  std::string census_why;
   std::string reason;              ///< why it switches or not
   /// The decision's arithmetic on one line: gain, horizon, moving cost in bytes and seconds.
   std::string arithmetic(const ReplanPolicy& policy) const;

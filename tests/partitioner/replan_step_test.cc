@@ -198,6 +198,7 @@ TEST(Replan, ACensusAfterAStragglerWentReadsItsDeviceAsFastAsTheFastest) {
   std::tie(m, step) = run(truth, r.running(), {1, 1, 0.72}, 0.0, rng);
   d = *r.evaluate(m, step);
   EXPECT_TRUE(d.census_owed) << "its stage measures it 1.44 times as fast as at its ceiling's census";
+  EXPECT_NE(d.census_why.find("measured much faster"), std::string::npos) << d.census_why;
   EXPECT_LE(d.calibration.factors.speed[2], 0.5 + 1e-9) << "held to its ceiling until a probe says";
   std::tie(m, step) = run(truth, r.running(), {1, 1, 0.72}, 0.0, rng);
   d = *r.evaluate(m, step);
@@ -210,6 +211,7 @@ TEST(Replan, ACensusAfterAStragglerWentReadsItsDeviceAsFastAsTheFastest) {
   d = *r.evaluate(m, step, true, {0, 0, 1000});
   EXPECT_EQ(d.speed_ceiling.at(2), 0) << "its probe lifts the ceiling";
   EXPECT_TRUE(d.census_owed) << "its stage's times still hold its operators' error";
+  EXPECT_NE(d.census_why.find("lifted its speed ceiling"), std::string::npos) << d.census_why;
   std::tie(m, step) = run(truth, r.running(), {1, 1, 1}, 0.02, rng);
   d = *r.evaluate(m, step, true, {1000, 1000, 1000});
   for (int dev = 0; dev < 3; ++dev) EXPECT_NEAR(d.calibration.factors.speed[dev], 1.0, 0.1) << "device " << dev;
@@ -333,6 +335,8 @@ TEST(Replan, ASpeedMovedWithNoProbeOwesACensusAndNoSwitchIsMadeBeforeIt) {
     d = *r.evaluate(m, step);
     EXPECT_EQ(d.census_owed, window == 0 || window == 3) << "window " << window << ": owed, and again three "
                                                             "windows later if not evaluated by then";
+    if (window == 0) EXPECT_NE(d.census_why.find("stages' times alone"), std::string::npos) << d.census_why;
+    if (window == 3) EXPECT_NE(d.census_why.find("not evaluated"), std::string::npos) << d.census_why;
     EXPECT_LT(d.calibration.factors.speed[0], 0.6) << "window " << window << ": what the stages' times alone say";
     EXPECT_FALSE(d.switch_plan) << "window " << window << ": " << d.reason;
   }

@@ -210,6 +210,7 @@ class Replanning:
         # sent with its decision (every process ends each window at the same step).
         self.steps, self.walls, self.optimizer_times, self.next_boundary = 0, [], [], 1 + WINDOW
         self.census_owed = False  # the first window's is the census
+        self.census_why = ""  # the Replanner's reason for the census owed
         self.census_figures = None  # process 0: a census's, not evaluated yet (the planner was busy)
         self.window_report = None  # the last whole window's live profile, as it ended (live_profile.py)
         self.clock.forget()
@@ -274,9 +275,7 @@ class Replanning:
         owed = self.census_owed and self.steps != 1 + WINDOW
         census, self.census_owed = self.steps == 1 + WINDOW or owed, False
         if owed and self.decides:
-            self.say("a census owed (a running device's speed moved with no probe to say so, or a device held to a "
-                     "speed ceiling measured faster, or its probe lifted the ceiling): every process probes its "
-                     "device at this window")
+            self.say(f"every process probes its device at this window (a census, owed: {self.census_why})")
         ceiling = self.last.get("speed_ceiling", []) if self.last is not None else []
         again = self.group is not None and window % REPROBE_EVERY == 0 and \
             self.group.rank < len(ceiling) and ceiling[self.group.rank] > 0
@@ -340,6 +339,7 @@ class Replanning:
             step.set_prediction(decision["running"])
             self.last = decision
             self.census_owed = self.census_owed or decision.get("census_owed", False)  # every process alike
+            self.census_why = decision.get("census_why") or self.census_why
             if self.decides and is_census(decision):
                 f = decision["factors"]
                 self.say(("every device probed" if self.probe is not None else "every device given one probe rate "
