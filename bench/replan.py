@@ -1,7 +1,8 @@
 """Re-planning against a real straggler, in one run: two processes pinned to one core each,
 CPU-bound hogs pinned to one process's core (one: that process runs at about half speed), a
 deep MLP (float32; or `--model gpt2`: transformers' GPT-2, 8 blocks of 256, 16 sequences of
-64 tokens; or `--model resnet`: torchvision's ResNet-18 on 128 images of 32x32) trained by
+64 tokens; `--model bert`: transformers' BertForMaskedLM, 4 layers of 256, 15% of 16 x 64
+tokens masked; or `--model resnet`: torchvision's ResNet-18 on 128 images of 32x32) trained by
 conveyor.Module three ways, in alternating rounds:
 
 - static: the plan made for two equal devices, replan="off";
@@ -29,7 +30,7 @@ measured cost of moving (seconds per GB of optimizer state and parameters handed
 
     ./run bench replan [--rounds 2] [--steps 400] [--slow-process 1] [--first-plan pipelined]
                        [--appear-at 0] [--vanish-at 0] [--hogs 1]
-                       [--model mlp|gpt2|resnet] [--layers 16] [--hidden 512] [--batch 64] [--windows]
+                       [--model mlp|gpt2|bert|resnet] [--layers 16] [--hidden 512] [--batch 64] [--windows]
     ./run bench replan --scenario none [--rounds 5] [--first-plan pipelined]   (no straggler: what evaluating costs)
     ./run bench replan --device cuda --model gpt2 --steps 400   (both processes on one GPU: the hog slows the
                                                                  straggler's host, which launches its kernels;
@@ -84,6 +85,16 @@ def worker(args) -> None:
         net = transformers.GPT2LMHeadModel(config)
         x = torch.randint(0, 1000, (args.batch, 64), device=args.device)
         step_args, loss_fn = dict(labels=x), None
+    elif args.model == "bert":  # transformers' BERT, masked LM: 15% of the tokens masked, the rest ignored (-100)
+        import transformers
+        config = transformers.BertConfig(vocab_size=8000, hidden_size=args.hidden, num_hidden_layers=args.layers,
+                                         num_attention_heads=4, intermediate_size=4 * args.hidden,
+                                         max_position_embeddings=64)
+        net = transformers.BertForMaskedLM(config)
+        tokens = torch.randint(5, 8000, (args.batch, 64), device=args.device)
+        masked = torch.rand(args.batch, 64, device=args.device) < 0.15
+        x = tokens.masked_fill(masked, 4)
+        step_args, loss_fn = dict(labels=tokens.masked_fill(~masked, -100)), None
     elif args.model == "resnet":  # torchvision's ResNet-18 (its BatchNorm's statistics are per replica and microbatch)
         import torchvision
         net = torchvision.models.resnet18(num_classes=10)
@@ -230,12 +241,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None,
                     help="default: 40 (gpt2, steps of 0.5-0.8 s), 400 (mlp, steps of 30-50 ms): re-planning's "
                          "windows after the first are at least 2 s of steps, and a switch takes three")
-    ap.add_argument("--model", choices=["mlp", "gpt2", "resnet"], default="mlp",
+    ap.add_argument("--model", choices=["mlp", "gpt2", "bert", "resnet"], default="mlp",
                     help="gpt2: transformers' GPT-2 of --layers blocks of --hidden, --batch sequences of 64 tokens; "
+                         "bert: transformers' BertForMaskedLM so, 15%% of the tokens masked; "
                          "resnet: torchvision's ResNet-18 on --batch images of --hidden x --hidden, 10 classes")
-    ap.add_argument("--layers", type=int, default=None, help="default: 16 (mlp), 8 (gpt2); resnet: unused")
-    ap.add_argument("--hidden", type=int, default=None, help="default: 512 (mlp), 256 (gpt2), 32 (resnet)")
-    ap.add_argument("--batch", type=int, default=None, help="default: 64 (mlp), 16 (gpt2), 128 (resnet)")
+    ap.add_argument("--layers", type=int, default=None, help="default: 16 (mlp), 8 (gpt2), 4 (bert); resnet: unused")
+    ap.add_argument("--hidden", type=int, default=None, help="default: 512 (mlp), 256 (gpt2, bert), 32 (resnet)")
+    ap.add_argument("--batch", type=int, default=None, help="default: 64 (mlp), 16 (gpt2, bert), 128 (resnet)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="cuda: both processes train on the one GPU (over UCX), the hog slowing the straggler's host, "
                          "which launches its kernels")
@@ -257,6 +269,7 @@ def main() -> None:
                     help="none: no hog, replan=auto against off, the mean step (what evaluating costs)")
     args = ap.parse_args()
     defaults = {"gpt2": dict(layers=8, hidden=256, batch=16, steps=40),
+                "bert": dict(layers=4, hidden=256, batch=16, steps=80),
                 "resnet": dict(layers=18, hidden=32, batch=128, steps=100),
                 "mlp": dict(layers=16, hidden=512, batch=64, steps=400)}[args.model]
     for name, value in defaults.items():
