@@ -68,7 +68,6 @@ bool within_speeds(const Factors& a, const Factors& b, double tolerance) {
   return within_speeds(a.speed, b.speed, tolerance);
 }
 
-
 // Whether every factor of `a` is within `tolerance` of `b`'s (relative).
 bool within(const Factors& a, const Factors& b, double tolerance) {
   return within_speeds(a, b, tolerance) && close(a.forward, b.forward, tolerance) &&
