@@ -2,19 +2,29 @@
 
 #include <algorithm>
 #include <map>
+#include <utility>
 
 #include "partitioner/replan.h"
 
 namespace conveyor::partitioner {
+
+namespace {
+
+// `speeds`, each over the fastest of them.
+std::vector<double> over_fastest(std::vector<double> speeds) {
+  const double fastest = speeds.empty() ? 1.0 : *std::max_element(speeds.begin(), speeds.end());
+  for (double& x : speeds) x /= fastest > 0 ? fastest : 1.0;
+  return speeds;
+}
+
+}  // namespace
 
 std::vector<double> running_speeds(const Plan& plan, const std::vector<double>& speeds) {
   std::vector<double> kept;
   for (std::size_t d = 0; d < speeds.size(); ++d) {
     if (!Replanner::idle(plan, static_cast<int>(d))) kept.push_back(speeds[d]);
   }
-  const double fastest = kept.empty() ? 1.0 : *std::max_element(kept.begin(), kept.end());
-  for (double& x : kept) x /= fastest > 0 ? fastest : 1.0;
-  return kept;
+  return over_fastest(std::move(kept));
 }
 
 std::vector<double> group_speeds(const Plan& plan, const std::vector<double>& speeds) {
@@ -37,9 +47,7 @@ std::vector<double> group_speeds(const Plan& plan, const std::vector<double>& sp
   }
   std::vector<double> kept;
   for (const auto& [g, x] : fastest_of) kept.push_back(x);
-  const double fastest = kept.empty() ? 1.0 : *std::max_element(kept.begin(), kept.end());
-  for (double& x : kept) x /= fastest > 0 ? fastest : 1.0;
-  return kept;
+  return over_fastest(std::move(kept));
 }
 
 }  // namespace conveyor::partitioner
