@@ -68,6 +68,8 @@ class UcxMember final : public UcxEndpoint, private WorkerRounds {
     return with_identity(this_process(), with_region(region_ ? std::optional(region_->name()) : std::nullopt, address_));
   }
   bool on_progress_thread() const { return progress_.on_progress_thread(); }
+  /// Stops the progress thread, whose last act closes the member (at process exit: ucx.cc).
+  void stop_progress() { progress_.stop(); }
   Status connect(int peer, const std::vector<std::uint8_t>& given) override;
   void send(int peer, Tag tag, std::vector<at::Tensor> tensors, Done done) override;
   void send_copied(int peer, Tag tag, std::vector<at::Tensor> tensors, Done done) override;
