@@ -44,9 +44,10 @@ def main(out: str) -> None:
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     model = conveyor.Module(net, opt, loss_fn=torch.nn.MSELoss(), cluster=wrong_speeds_cluster(6.0), stages=1,
                             replicas=2, microbatches=2, replan="auto")
-    losses = []
+    losses, windows = [], []  # windows: the windows ended by each call's end
     while not model.replans and len(losses) < MOST_STEPS:
         losses.append(model.train_step(x, target=y).item())
+        windows.append(model.capture.replanning.windows)
     replanning = model.capture.replanning
     while replanning.on_its_way is None and len(losses) < 2 * MOST_STEPS:  # a window's decision on its way
         losses.append(model.train_step(x, target=y).item())
@@ -56,7 +57,8 @@ def main(out: str) -> None:
     for _ in range(2 * WINDOW + 2):
         losses.append(model.train_step(x, target=y).item())
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}  # every process takes part
-    torch.save({"losses": losses, "replans": model.replans, "forced_while_on_its_way": forced_while_on_its_way,
+    torch.save({"losses": losses, "windows": windows, "replans": model.replans,
+                "forced_while_on_its_way": forced_while_on_its_way,
                 "state": state if model.rank == 0 else None}, f"{out}.rank{model.rank}")
 
 

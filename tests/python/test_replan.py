@@ -17,7 +17,8 @@ import conveyor
 import zoo
 from conveyor import _C
 from conveyor.planning.device_probe import DeviceProbe
-from conveyor.planning.replanning import WINDOW, window_seconds, window_steps
+from conveyor.planning.replanning import (CLEAR_CONFIRMING, CLEAR_GAIN, WINDOW, confirming_steps, window_seconds,
+                                         window_steps)
 from conveyor.planning.window_figures import step_terms
 from conveyor.planning.replanning_messages import FIGURES, WindowFigures, figures_problem
 from conveyor.planning.step_clock import StepClock
@@ -200,7 +201,11 @@ def test_a_switch_the_replanner_decides_across_two_processes_is_applied_by_both_
     decided, forced = results[0]["replans"][:2]
     assert decided["factors"]["speed"][1] < 0.5 * decided["factors"]["speed"][0], decided  # measured, not rated
     assert decided["old"] != decided["new"], decided
-    assert (decided["step"] - 1) % WINDOW == 1, decided  # a boundary after steps 6, 11, 16...; applied a step later
+    # Applied a step after a window's boundary, which both processes passed at the same step
+    # (windows[k]: the windows ended by the end of call k; the switch came in call `step`).
+    windows = results[0]["windows"]
+    assert windows == results[1]["windows"] and windows[decided["step"] - 1] > windows[decided["step"] - 2], (
+        decided["step"], results[0]["windows"], results[1]["windows"])
     assert forced["reason"] == "switch_plan" and all(r["forced_while_on_its_way"] for r in results), forced
     assert results[0]["losses"] == results[1]["losses"]
     net, x, y = w.data()
@@ -246,6 +251,19 @@ def test_a_window_is_enough_steps_for_its_seconds_and_at_least_window_steps(monk
         monkeypatch.setenv("CONVEYOR_REPLAN_WINDOW_S", bad)
         with pytest.raises(conveyor.ConveyorValueError, match="CONVEYOR_REPLAN_WINDOW_S"):
             window_seconds()
+
+
+def test_a_switch_found_clear_of_the_noise_is_confirmed_over_fewer_steps():
+    """The window after one that found a switch confirms it: over CLEAR_CONFIRMING steps where
+    the saving found is at least CLEAR_GAIN times the gain asked, else over WINDOW steps, as a
+    census owed is."""
+    def found(gain_s, **more):
+        return dict(confirmations=1, switch=False, gain_s=gain_s, gain_asked=0.1, measured_step_s=1.0) | more
+    assert CLEAR_CONFIRMING < WINDOW
+    assert confirming_steps(found(0.1 * CLEAR_GAIN)) == CLEAR_CONFIRMING  # a straggler's 30% is
+    assert confirming_steps(found(0.1 * CLEAR_GAIN - 0.01)) == WINDOW  # near the gain asked: the noise
+    assert confirming_steps(found(0.5, census_owed=True)) == WINDOW  # a census probes over WINDOW steps
+    assert confirming_steps(found(0.5, confirmations=0)) == WINDOW  # nothing to confirm
 
 
 def mlp(layers: int, width: int) -> torch.nn.Module:
@@ -353,8 +371,9 @@ def test_the_planner_thread_is_traced_beside_the_steps_it_runs_beside(tmp_path):
         events = json.loads(timeline.read_text())["traceEvents"] if timeline.exists() else []
         return sum(1 for e in events if e["ph"] == "i")
 
-    # Windows end after steps 6, 11, 16... (a switch starts counting again); a decision is
-    # heard one window after its own, or two where the planner, yielding the core, is late.
+    # Windows end after steps 6, 11, 16... (a switch starts counting again; a window that
+    # confirms a switch is shorter); a decision is heard one window after its own, or two
+    # where the planner, yielding the core, is late.
     steps = 0
     while steps < 2 + 8 * WINDOW and (steps < 2 + 3 * WINDOW or decisions_written() < 2):
         model.train_step(x, target=y)
@@ -367,8 +386,9 @@ def test_the_planner_thread_is_traced_beside_the_steps_it_runs_beside(tmp_path):
     step_spans = [e for e in events if e["ph"] == "X" and e["tid"] == steps_track]
     evaluations = [e for e in events if e["ph"] == "X" and e["tid"] == planner_track]
     decisions = [e for e in events if e["ph"] == "i" and e["tid"] == planner_track]
-    # The file is written at each boundary: the last step's span comes after the last one.
-    assert [e["name"] for e in step_spans] == [f"step {k}" for k in range(1, steps)], step_spans
+    # The file is written at each boundary: every step's span before the last boundary's.
+    assert [e["name"] for e in step_spans] == [f"step {k}" for k in range(1, len(step_spans) + 1)], step_spans
+    assert len(step_spans) >= steps - 1 - WINDOW, (len(step_spans), steps)
     assert len(evaluations) >= 2, evaluations
     windows = [int(e["name"].removeprefix("evaluating window ")) for e in evaluations]
     assert windows == sorted(set(windows)) and windows[0] == 1, evaluations  # one a window ended beside skipped

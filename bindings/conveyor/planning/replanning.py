@@ -92,6 +92,29 @@ SEARCH_SHARE = 0.003
 # evaluation that confirms a switch (no search: a few ms of CPU, at a tenth of a core).
 CONFIRMING_WAIT = 0.5
 
+# A window that confirms a switch saving at least CLEAR_GAIN times the gain asked is
+# CLEAR_CONFIRMING steps: the further a saving stands above the noise, the fewer steps show
+# that it lasts. At five, GPT-2's hog at step 20 (a 30% saving) was switched from at step 32,
+# and a run that ended at step 40 spent its steady half still waiting; a saving near the
+# gain asked is still confirmed over WINDOW steps.
+CLEAR_GAIN = 2.0
+CLEAR_CONFIRMING = 3
+
+# A window whose mean step moved by more than this from the last one's (a straggler came or
+# went: twice the noise a plan is held to) is heard at its own boundary where its evaluation
+# ends within CONFIRMING_WAIT of a step, as a confirmation is, rather than a window later: its
+# switch is then confirmed by the next window, not the one after.
+STEP_MOVED = 0.2
+
+
+def confirming_steps(decision: dict) -> int:
+    """The steps of the window after `decision`, which takes a census it owes or confirms the
+    switch it found: CLEAR_CONFIRMING where it found one clear of the noise, else WINDOW."""
+    clear = decision["confirmations"] > 0 and not decision["switch"] and not decision.get("census_owed") and \
+        decision["gain_s"] >= CLEAR_GAIN * decision["gain_asked"] * decision["measured_step_s"]
+    return CLEAR_CONFIRMING if clear else WINDOW
+
+
 def run_on_spare_time() -> None:
     """The calling thread yields the CPU to the training (Linux: niceness 10, so beside a
     busy training thread it gets about a tenth of the core). Planning at the training's
@@ -212,6 +235,7 @@ class Replanning:
         self.census_owed = False  # the first window's is the census
         self.census_why = ""  # the Replanner's reason for the census owed
         self.census_figures = None  # process 0: a census's, not evaluated yet (the planner was busy)
+        self.confirming = False  # process 0: the next window confirms a switch found, heard at its own boundary
         self.window_report = None  # the last whole window's live profile, as it ended (live_profile.py)
         self.clock.forget()
 
@@ -291,6 +315,7 @@ class Replanning:
         self.window_report = report
         figures = window_figures(report, window, probe_rate, 1.0 - taken if self.on_cpu else 1.0, wall_s, optimizer_s)
         self._measure_switch(switches, wall_s or figures.step_s)
+        step_moved = self.last_wall_s > 0 and abs((wall_s or figures.step_s) / self.last_wall_s - 1) > STEP_MOVED
         self.last_wall_s = wall_s or figures.step_s
         if not self.decides:
             self.next_boundary = self.steps + WINDOW  # until process 0's is heard (_hear), a step from now
@@ -311,20 +336,25 @@ class Replanning:
             self._think(self.census_figures or figures)
             if self.judging:  # the first window after a switch it decided: heard at once, so a
                 decision = self._decided()  # switch that measures slower is undone a window sooner
-            elif decision is not None and decision["confirmations"] > 0 and not is_census(decision):
+            elif not (decision is not None and is_census(decision)) and (
+                    self.confirming or step_moved or (decision is not None and decision["confirmations"] > 0)):
                 # This window confirms the switch just heard, or not: the plan found is priced
                 # again on it, with no search unless a device's speed moved, so it is heard
                 # here if it ends within CONFIRMING_WAIT of a step (else at the next boundary,
                 # as any evaluation). Heard a window later, every switch came 5 steps later.
                 # A census is heard itself (what it read of each device, said and reported),
                 # and its confirmation at the next boundary, 5 steps later: taken in its place,
-                # a GPT-NeoX's first census went unheard in 1 run of 3.
+                # a GPT-NeoX's first census went unheard in 1 run of 3. A window whose step
+                # moved (STEP_MOVED) is waited for likewise: its switch is confirmed by the next.
                 decision = self._decided(within_s=CONFIRMING_WAIT * figures.step_s) or decision
             self.judging = False
+        self.confirming = decision is not None and not decision["switch"] and decision["confirmations"] > 0 and \
+            self.thinking is None and not is_census(decision)
         # A window that takes an owed census or confirms a switch is the shortest: a ViT's plan
         # came back 46-59 steps after its straggler went, through four windows of 2 s.
         short = decision is not None and (decision.get("census_owed") or decision["confirmations"] > 0)
-        self.next_boundary = self.steps + (WINDOW if short else window_steps(wall_s or figures.step_s, self.window_s))
+        self.next_boundary = self.steps + (confirming_steps(decision) if short else
+                                           window_steps(wall_s or figures.step_s, self.window_s))
         if self.messages is not None:
             self.messages.send_decision(decision, window, self.next_boundary)
         self.on_its_way = (window, self.steps + (DECIDED_AFTER if self.messages is not None else 0), decision)
