@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <future>
 #include <thread>
 
@@ -58,6 +59,20 @@ TEST(Ucx, ALostPeerFailsTheReceiveWaitingOnIt) {
   EXPECT_NE(got.status().message().find("member 1 was lost"), std::string::npos) << got.status().message();
 }
 
+// In a child process: `scenario` on a world of two members, then std::exit(0), which must
+// exit cleanly having said `said` on stderr (the world outlives the scenario).
+void expect_exit_saying(const std::function<void(std::vector<std::shared_ptr<Endpoint>>&)>& scenario,
+                        const std::string& said) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        auto world = make_ucx_world_in_process(2);
+        scenario(*world);
+        std::exit(0);
+      },
+      ::testing::ExitedWithCode(0), said);
+}
+
 // A member whose last reference goes in a callback on its own progress thread is closed by
 // a thread of its own, and the process's exit waits for that close to end. It once exited
 // under it: a close that reached torch's operators after their teardown aborted the
@@ -67,26 +82,21 @@ TEST(Ucx, ExitWaitsForAMemberClosingOnAThreadOfItsOwn) {
   if (auto probe = make_ucx_world_in_process(2); !probe.is_ok()) {
     GTEST_SKIP() << "UCX cannot run here: " << probe.status().to_string();
   }
-  GTEST_FLAG_SET(death_test_style, "threadsafe");
-  EXPECT_EXIT(
-      {
-        auto world = make_ucx_world_in_process(2);
-        std::shared_ptr<Endpoint> zero = (*world)[0];
-        std::shared_ptr<Endpoint> one = (*world)[1];
-        world->clear();
-        std::promise<void> closing;
-        zero->recv(1, 2, [&closing](Result<std::vector<at::Tensor>>) {  // failed by the close
-          closing.set_value();
+  expect_exit_saying(
+      [](std::vector<std::shared_ptr<Endpoint>>& world) {
+        std::shared_ptr<Endpoint> zero = std::move(world[0]);
+        auto closing = std::make_shared<std::promise<void>>();
+        zero->recv(1, 2, [closing](Result<std::vector<at::Tensor>>) {  // failed by the close
+          closing->set_value();
           std::this_thread::sleep_for(std::chrono::milliseconds(300));
           std::fprintf(stderr, "the close ran to its end\n");
         });
         Endpoint* member = zero.get();
         member->recv(1, 1, [last = std::move(zero)](Result<std::vector<at::Tensor>>) {});
-        one->send(0, 1, {at::ones({1})}, [](Status) {});
-        closing.get_future().wait();
-        std::exit(0);
+        world[1]->send(0, 1, {at::ones({1})}, [](Status) {});
+        closing->get_future().wait();
       },
-      ::testing::ExitedWithCode(0), "the close ran to its end");
+      "the close ran to its end");
 }
 
 // A member that only its own pending receive holds (a cycle, as a group's pending operation
@@ -96,19 +106,15 @@ TEST(Ucx, ExitClosesAMemberThatOnlyItsOwnPendingReceiveHolds) {
   if (auto probe = make_ucx_world_in_process(2); !probe.is_ok()) {
     GTEST_SKIP() << "UCX cannot run here: " << probe.status().to_string();
   }
-  GTEST_FLAG_SET(death_test_style, "threadsafe");
-  EXPECT_EXIT(
-      {
-        auto world = make_ucx_world_in_process(2);
-        std::shared_ptr<Endpoint> zero = (*world)[0];
-        world->erase(world->begin());  // member 1 stays, held by `world`
+  expect_exit_saying(
+      [](std::vector<std::shared_ptr<Endpoint>>& world) {
+        std::shared_ptr<Endpoint> zero = std::move(world[0]);
         Endpoint* member = zero.get();
         member->recv(1, 5, [self = std::move(zero)](Result<std::vector<at::Tensor>> r) {
           std::fprintf(stderr, "failed at exit: %s\n", r.status().message().c_str());
         });
-        std::exit(0);
       },
-      ::testing::ExitedWithCode(0), "failed at exit: the UCX endpoint was closed");
+      "failed at exit: the UCX endpoint was closed");
 }
 
 // A member that leaves (its script ended) sends nothing more but the job group's
