@@ -366,7 +366,7 @@ void bind_graph(py::module_& m) {
            "tolerance.")
       .def("evaluate", [](partitioner::Replanner& r, const py::list& stages, double measured_step_s, double rebuild_s,
                           double bytes_per_s, bool may_search, const std::vector<double>& probe_rate,
-                          const std::vector<double>& optimizer_s, double host_s) {
+                          const std::vector<double>& optimizer_s, double host_s, double caller_step_s) {
         std::vector<partitioner::StageMeasurement> measured;
         for (auto item : stages) {
           auto d = item.cast<py::dict>();
@@ -385,7 +385,7 @@ void bind_graph(py::module_& m) {
         {
           py::gil_scoped_release nogil;
           d = unwrap(r.evaluate(measured, measured_step_s, may_search, probe_rate,
-                                partitioner::BeyondPipeline{optimizer_s, host_s}));
+                                partitioner::BeyondPipeline{optimizer_s, host_s, caller_step_s}));
         }
         const auto& f = d.calibration.factors;
         const std::vector<double> stage_pricing = r.stage_pricing(d.calibration.running);
@@ -423,18 +423,23 @@ void bind_graph(py::module_& m) {
         return out;
       }, py::arg("stages"), py::arg("measured_step_s"), py::arg("rebuild_s") = 0.0, py::arg("bytes_per_s") = 0.0,
          py::arg("may_search") = true, py::arg("probe_rate") = std::vector<double>{},
-         py::arg("optimizer_s") = std::vector<double>{}, py::arg("host_s") = 0.0,
+         py::arg("optimizer_s") = std::vector<double>{}, py::arg("host_s") = 0.0, py::arg("caller_step_s") = 0.0,
          "One window of the running plan (the live profile's stages, merged across processes, and its mean step "
          "with the optimizer's: what plans price): corrects the inputs, plans again and decides; optimizer_s: per "
          "device its process's optimizer step per step (empty: not measured); host_s: per step what no plan "
-         "changes, added to the measured and predicted steps alike (partitioner/replan.h, BeyondPipeline); rebuild_s and bytes_per_s: what building a pipeline and "
+         "changes, added to the measured and predicted steps alike; caller_step_s: the window's mean step as the "
+         "caller measured it, which judges a switch (0: not measured) (partitioner/replan.h, BeyondPipeline); rebuild_s and bytes_per_s: what building a pipeline and "
          "moving bytes measured (0: unknown / the cluster's links); may_search False: only a search owed runs; "
          "probe_rate: per device, its probe's matrix products per second at the window's end (0: not probed; every "
          "device probed: a census) (partitioner/replan.h). Returns a dict: switch, reason, arithmetic, "
          "candidate (a Plan) and candidate_table, running (a Plan: the running plan priced on the corrected inputs), "
          "the step times, the gain, the moving cost and the factors.")
-      .def("switched_to", [](partitioner::Replanner& r, const PlanHandle& plan) { check(r.switched_to(plan.plan())); },
-           py::arg("plan"), "The Plan that runs from now on.");
+      .def("switched_to", [](partitioner::Replanner& r, const PlanHandle& plan, double step_before_s) {
+             check(r.switched_to(plan.plan(), step_before_s));
+           },
+           py::arg("plan"), py::arg("step_before_s") = 0.0,
+           "The Plan that runs from now on; step_before_s: the last window's mean step before it, as the caller "
+           "measured it, which judges a switch the Replanner decided (0: its deciding window's).");
   m.def("matrix_product_rate", [](const std::string& device, double seconds, std::int64_t side) {
           if (!(seconds > 0 && seconds <= 10) || side < 1) {
             throw py::value_error("matrix_product_rate: seconds must be in (0, 10] and side positive");

@@ -260,9 +260,10 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
     return Status(ErrorCode::kInvalidArgument,
                   "a measured step of " + std::to_string(measured_step_s) + " s (steps take a positive, finite time)");
   }
-  if (!std::isfinite(beyond.host_s) || beyond.host_s < 0) {
-    return Status(ErrorCode::kInvalidArgument, "a step's host time of " + std::to_string(beyond.host_s) +
-                                                   " s (a finite time, not negative)");
+  for (const auto& [what, s] : {std::pair{"a step's host time", beyond.host_s}, {"a caller's step", beyond.caller_step_s}}) {
+    if (!std::isfinite(s) || s < 0) {
+      return Status(ErrorCode::kInvalidArgument, what + (" of " + std::to_string(s) + " s (a finite time, not negative)"));
+    }
   }
   const double host_s = beyond.host_s;
   ReplanDecision d;
@@ -400,7 +401,8 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   const bool judging = undo_.has_value();
   if (judging) {
     Plan previous = std::move(undo_->previous);
-    const double before = undo_->decided.step_s;
+    const double before = undo_->step_before_s;
+    const double after = beyond.caller_step_s > 0 ? beyond.caller_step_s : d.measured_step_s;
     // Decided on speeds that have since moved (a straggler went while the switch was being
     // confirmed), it measured what the devices do now, not how the model prices operators:
     // it asks no more of later switches. Counted, a ResNet-18's switch decided as its
@@ -408,15 +410,15 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
     // short of the 20% asked: 1.2x the step for the rest of the run.
     const bool same_devices = within_speeds(smoothed_.speed, undo_->decided.speeds, policy_.tolerance);
     undo_.reset();
-    if (d.measured_step_s > before * (1 + policy_.tolerance / 2)) {
+    if (after > before * (1 + policy_.tolerance / 2)) {
       undone_ += same_devices ? 1 : 0;
       CONVEYOR_ASSIGN_OR_RETURN(d.candidate, reprice(costs_, cluster_, options_, previous));
       d.predicted_step_s = before;
-      d.gain_s = d.measured_step_s - before;
+      d.gain_s = after - before;
       d.move = move_cost(costs_, links_as_measured(), running_, d.candidate, options_, policy_);
       d.switch_plan = d.undo = true;
       d.searched = false;
-      d.reason = "the last switch measured slower than the plan before it (" + human_seconds(d.measured_step_s) +
+      d.reason = "the last switch measured slower than the plan before it (" + human_seconds(after) +
                  " against " + human_seconds(before) + "): back to that plan" +
                  (same_devices ? "" : " (the devices' speeds moved since it was decided: no more gain asked of later switches)");
       return d;
@@ -428,7 +430,7 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
     d.candidate = running_;
     d.predicted_step_s = d.measured_step_s;
     d.searched = false;
-    d.reason = "the last switch measured " + human_seconds(d.measured_step_s) + " against " + human_seconds(before) +
+    d.reason = "the last switch measured " + human_seconds(after) + " against " + human_seconds(before) +
                " before it: kept (the new plan is searched from the next window)";
     return d;
   }
@@ -569,10 +571,16 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   return d;
 }
 
-Status Replanner::switched_to(const Plan& plan) {
+Status Replanner::switched_to(const Plan& plan, double step_before_s) {
+  if (!std::isfinite(step_before_s) || step_before_s < 0) {
+    return Status(ErrorCode::kInvalidArgument, "a step before the switch of " + std::to_string(step_before_s) +
+                                                   " s (a finite time, not negative; 0: the deciding window's)");
+  }
   const std::string key = layout_key(plan);
   // A switch this decided is judged by the next window; an undo or a forced switch is not.
-  if (decided_ && decided_->key == key) undo_ = Undo{running_, *decided_};
+  if (decided_ && decided_->key == key) {
+    undo_ = Undo{running_, *decided_, step_before_s > 0 ? step_before_s : decided_->step_s};
+  }
   decided_.reset();
   kept_shape_ = shape_key(plan) == shape_key(running_);
   left_[shape_key(running_)] = smoothed_.speed;

@@ -57,8 +57,12 @@ struct BeyondPipeline {
   /// Per step, what no plan changes: the caller's loop, its data, its logging (and, in one
   /// process, the optimizer's step, which updates the whole model under any plan). Added
   /// to the measured and the predicted step alike: a switch is asked its gain of the step as
-  /// the caller sees it, and judged on it.
+  /// the caller sees it.
   double host_s = 0;
+  /// The mean step as the caller measured it over the window (0: not measured; then the
+  /// measured step with host_s). A switch is judged on it, against the same figure of the
+  /// last window before it (switched_to): the one comparison the switch's log also prints.
+  double caller_step_s = 0;
 };
 
 /// One evaluation: the corrected model's view and what it decided.
@@ -137,8 +141,12 @@ class Replanner {
                                   bool may_search = true, const std::vector<double>& probe_rate = {},
                                   const BeyondPipeline& beyond = {});
   /// `plan` runs from now on (the decision's candidate, or one the user forced), priced on
-  /// the corrected inputs. Errors: a plan that does not fit the cost graph or the cluster.
-  Status switched_to(const Plan& plan);
+  /// the corrected inputs. `step_before_s`: the mean step of the last window the plan before
+  /// it ran, as the caller measured it (BeyondPipeline::caller_step_s), which the next
+  /// window judges a switch this decided against (0: the step of the window that decided
+  /// it; confirmed over later windows, that one can be many steps older). Errors: a plan
+  /// that does not fit the cost graph or the cluster; a step_before_s negative or not finite.
+  Status switched_to(const Plan& plan, double step_before_s = 0);
   /// Whether no stage of `plan` runs on `device`.
   static bool idle(const Plan& plan, int device);
 
@@ -254,6 +262,7 @@ class Replanner {
   struct Undo {
     Plan previous;
     Decided decided;
+    double step_before_s = 0;  ///< what the next window is judged against
   };
   std::optional<Undo> undo_;
   // The last search: under which running layout, on which corrections (as applied, and the

@@ -86,7 +86,7 @@ class StepRunner:
         self.history.steps_run += 1
         state.trained_steps += 1
         if pipeline is state.pipeline and state.replanning is not None:
-            state.replanning.ran_step()
+            state.replanning.ran_step(self.history.steps_run)
             self._on_timeline(state.replanning, started)
         if self.trace is not None and (self.history.steps_run <= 2 or self.history.marker is not None):
             # The second step (past warm-up), or the first after a switch of plan, marked.

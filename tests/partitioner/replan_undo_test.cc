@@ -122,5 +122,39 @@ TEST(Replan, ASwitchUndoneAfterItsStragglerWentAsksNoMoreOfLaterSwitches) {
   }
 }
 
+// A switch is judged against the last window the plan before it ran, as the caller measured
+// it (switched_to's step_before_s), and on the caller's step after it: the figures its log
+// prints. Judged against the window that decided it (a noisy start read 648 ms there, the
+// window before the switch 503 ms), a timm ViT's switch that measured 578 ms was kept.
+TEST(Replan, ASwitchIsJudgedAgainstTheLastWindowBeforeItAsTheCallerMeasuredIt) {
+  const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
+  const Cluster cluster = devices(3);
+  const Plan plan = *make_plan(g, cluster, options());
+  for (const bool given : {false, true}) {
+    Replanner r(g, cluster, plan, options(), ReplanPolicy{});
+    std::mt19937 rng(5);
+    ReplanDecision d;
+    for (int window = 0; window < 2; ++window) {
+      auto [m, step] = run(g, r.running(), {1, 0.5, 1}, 0, rng);
+      d = *r.evaluate(m, step);
+    }
+    ASSERT_TRUE(d.switch_plan) << d.reason;
+    const double deciding = d.measured_step_s, last_before = 0.75 * deciding;
+    ASSERT_TRUE(r.switched_to(d.candidate, given ? last_before : 0).is_ok());
+    // After it, 0.9 of the deciding window's step by the stages, the caller's step 1.16 of the
+    // last window before: slower than that by more than half the tolerance.
+    auto [m, step] = run(g, r.running(), {1, 0.5, 1}, 0, rng);
+    const ReplanDecision judged = *r.evaluate(m, 0.9 * deciding, true, {}, {{}, 0, 1.16 * last_before});
+    EXPECT_EQ(judged.undo, given) << judged.reason;
+    EXPECT_NE(judged.reason.find(human_seconds(1.16 * last_before)), std::string::npos) << judged.reason;
+  }
+  Replanner r(g, cluster, plan, options(), ReplanPolicy{});
+  EXPECT_FALSE(r.switched_to(plan, -1).is_ok());
+  EXPECT_FALSE(r.switched_to(plan, std::nan("")).is_ok());
+  std::mt19937 rng(1);
+  auto [m, step] = run(g, plan, {1, 1, 1}, 0, rng);
+  EXPECT_FALSE(r.evaluate(m, step, true, {}, {{}, 0, -0.5}).is_ok());
+}
+
 }  // namespace
 }  // namespace conveyor::partitioner

@@ -3,8 +3,10 @@ training exactly like eager, in one process and in two (parameters, buffers and 
 state moved); a plan made for the wrong device speeds is replaced when replan="auto" and
 kept when "off"; a process that dies during a move stops the job with an error naming it."""
 import json
+import logging
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -285,7 +287,7 @@ def token_mlp():
 
 
 @pytest.mark.parametrize("replan", ["auto", "off"])
-def test_a_plan_made_for_wrong_device_speeds_is_replaced_when_auto_and_kept_when_off(replan):
+def test_a_plan_made_for_wrong_device_speeds_is_replaced_when_auto_and_kept_when_off(replan, caplog):
     net, x, y = wide_mlp()
     ref = [p.detach().clone() for p in net.parameters()]
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
@@ -299,8 +301,9 @@ def test_a_plan_made_for_wrong_device_speeds_is_replaced_when_auto_and_kept_when
     model = conveyor.Module(net, opt, loss_fn=torch.nn.MSELoss(), cluster=wrong_speeds_cluster(5.0), stages=2,
                             replicas=1, microbatches=4, replan=replan)
     steps = 41  # windows end after steps 6, 11, ..., 41: a switch needs two in a row that pay
-    for _ in range(steps):
-        model.train_step(x, target=y)
+    with caplog.at_level(logging.DEBUG, logger="conveyor"):
+        for _ in range(steps):
+            model.train_step(x, target=y)
     report = model.profile_report()
     if replan == "off":
         assert model.replans == [] and report.replan is None
@@ -319,6 +322,12 @@ def test_a_plan_made_for_wrong_device_speeds_is_replaced_when_auto_and_kept_when
     assert first["predicted_gain_s"] > 0 and first["old"] != first["new"], first
     speed = first["factors"]["speed"]
     assert 0.1 * speed[0] < speed[1] < 0.3 * speed[0], first
+    # The log counts steps as the switch's entry does, from the job's start, and names each
+    # evaluation by the window it read and that window's last step.
+    heard = [tuple(int(g) for g in m.groups())
+             for m in re.finditer(r"window (\d+) \(its last step (\d+)\) heard after step (\d+)", caplog.text)]
+    assert heard and all(ended <= after <= steps for _, ended, after in heard), caplog.text
+    assert first["step"] in [after for _, _, after in heard], (first["step"], heard)
 
 
 def test_the_report_names_devices_the_running_plan_leaves_idle():

@@ -201,6 +201,7 @@ class Replanning:
         self.clock = StepClock(optimizer)
         self.restart_windows()
         self.last_wall_s = 0.0
+        self.trained = 0  # the job's training steps so far (Module's count: the switch log's)
         # What building the current pipeline took (the first: as the Module built it), the
         # part of a move's price that is not bytes (a first move priced without it was
         # predicted at 3.3 ms and took 115 ms, 16 of them rebuilding).
@@ -234,14 +235,15 @@ class Replanning:
         self.steps, self.walls, self.optimizer_times, self.next_boundary = 0, [], [], 1 + WINDOW
         self.census_owed = False  # the first window's is the census
         self.census_why = ""  # the Replanner's reason for the census owed
-        self.census_figures = None  # process 0: a census's, not evaluated yet (the planner was busy)
+        self.census_figures = None  # process 0: a census (figures, last step) not evaluated yet: the planner was busy
         self.confirming = False  # process 0: the next window confirms a switch found, heard at its own boundary
         self.window_report = None  # the last whole window's live profile, as it ended (live_profile.py)
         self.clock.forget()
 
-    def ran_step(self) -> None:
-        """A step of the running pipeline ran (measured from its call's start to the next's)."""
-        self.steps += 1
+    def ran_step(self, trained: int) -> None:
+        """A step of the running pipeline ran (measured from its call's start to the next's), the
+        `trained`th of the job's: what the log's step numbers count."""
+        self.steps, self.trained = self.steps + 1, trained
         if self.steps == 1 and self.sharing is not None:  # the first window starts
             self.sharing.mark(self._planner_cpu_so_far(), self._planner_thread())
         if self.steps > 1:  # the first, warm-up, measures nothing
@@ -331,9 +333,9 @@ class Replanning:
         busy = self.thinking is not None  # still under way: heard at a later boundary
         self.passed = self.passed + 1 if busy else 0
         if census and busy:  # evaluated once the planner is free, in place of a later window: an owed census
-            self.census_figures = figures  # skipped left ResNet-18's straggler unconfirmed for good
+            self.census_figures = (figures, self.trained)  # skipped left ResNet-18's straggler unconfirmed for good
         if not busy and (decision is None or not decision["switch"]):  # a switch measures anew under its plan
-            self._think(self.census_figures or figures)
+            self._think(*(self.census_figures or (figures, self.trained)))
             if self.judging:  # the first window after a switch it decided: heard at once, so a
                 decision = self._decided()  # switch that measures slower is undone a window sooner
             elif not (decision is not None and is_census(decision)) and (
@@ -346,7 +348,12 @@ class Replanning:
                 # and its confirmation at the next boundary, 5 steps later: taken in its place,
                 # a GPT-NeoX's first census went unheard in 1 run of 3. A window whose step
                 # moved (STEP_MOVED) is waited for likewise: its switch is confirmed by the next.
-                decision = self._decided(within_s=CONFIRMING_WAIT * figures.step_s) or decision
+                own = self._decided(within_s=CONFIRMING_WAIT * figures.step_s)
+                if own is not None and decision is not None:
+                    LOGGER.debug("re-planning: window %d (its last step %d), evaluated: %s; superseded by window "
+                                 "%d's, heard at its own boundary", decision["window"], decision["window_ended"],
+                                 window_line(decision), window)
+                decision = own or decision
             self.judging = False
         self.confirming = decision is not None and not decision["switch"] and decision["confirmations"] > 0 and \
             self.thinking is None and not is_census(decision)
@@ -380,7 +387,8 @@ class Replanning:
                              + ", ".join(f"{x:.2f}" for x in f["unpriced"]) + "]"
                              if any(abs(x - 1) > 0.005 for x in f.get("unpriced", [])) else ""))
         if decision is not None and self.decides and LOGGER.isEnabledFor(logging.DEBUG):
-            LOGGER.debug("re-planning: window %d heard before step %d: %s", window, self.steps, window_line(decision))
+            LOGGER.debug("re-planning: window %d (its last step %d) heard after step %d: %s", decision["window"],
+                         decision["window_ended"], self.trained, window_line(decision))
         if self.timeline is not None:
             if decision is not None:
                 self.timeline.instant(PLANNER, "decided: " + decision["reason"],
@@ -409,7 +417,7 @@ class Replanning:
         """After a switch to `plan` (`entry`: its log entry; `decision`: the Replanner's, or
         None when forced): its windows start over."""
         if self.replanner is not None:
-            self.replanner.switched_to(plan.handle)
+            self.replanner.switched_to(plan.handle, self.last_wall_s)
             self.judging = decision is not None and not decision["undo"]
         self.restart_windows()
         self.rebuild_s = entry["rebuild_s"]
@@ -421,8 +429,8 @@ class Replanning:
                  f"optimizer state received here in {entry['transfer_s'] * 1e3:.1f} ms, rebuilding "
                  f"{entry['rebuild_s'] * 1e3:.1f} ms)")
 
-    def _think(self, mine: WindowFigures) -> None:
-        """Starts the evaluation of one window on a thread of its own, which first reads the
+    def _think(self, mine: WindowFigures, ended: int) -> None:
+        """Starts the evaluation of one window (its last step the job's `ended`th) on a thread of its own, which first reads the
         other processes' figures of it (and of any window before it left unread; those of
         later windows are read by the next evaluation)."""
         self.census_figures = None
@@ -456,8 +464,10 @@ class Replanning:
                 step_s, optimizer_s, host_s = step_terms(every, per_device=self.probe is not None)
                 box["decision"] = self.replanner.evaluate(measured, step_s, rebuild_s=self.rebuild_s,
                                                           bytes_per_s=self.bytes_per_s, may_search=may_search,
-                                                          probe_rate=probed, optimizer_s=optimizer_s, host_s=host_s)
-                box["decision"].update(waiting=waiting, across_s=[s["across_s"] for s in stages], probe_rate=probed)
+                                                          probe_rate=probed, optimizer_s=optimizer_s, host_s=host_s,
+                                                          caller_step_s=mine.wall_s or mine.step_s)
+                box["decision"].update(waiting=waiting, across_s=[s["across_s"] for s in stages], probe_rate=probed,
+                                       window=mine.window, window_ended=ended)
             except BaseException as e:  # raised where the decision is heard, on the caller's thread
                 box["error"] = e
             t1 = time.perf_counter()

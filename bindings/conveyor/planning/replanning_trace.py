@@ -83,7 +83,8 @@ def window_line(decision: dict) -> str:
             " (a search was due but spaced out)" if decision["search_deferred"] else "")
     ceilings = [c for c in decision.get("speed_ceiling", []) if c > 0]
     return (f"{decision['reason']}; speeds x[" + ", ".join(f"{x:.2f}" for x in f["speed"]) + "]"
-            + (" (ceilings x[" + ", ".join(f"{x:.2f}" for x in decision["speed_ceiling"]) + "])" if ceilings else "")
+            + (" (ceilings x[" + ", ".join(f"{x:.2f}" if x > 0 else "none" for x in decision["speed_ceiling"])
+               + "])" if ceilings else "")
             + f"; {search}; gain {decision['gain_s'] * 1e3:.2f} ms of {decision['measured_step_s'] * 1e3:.2f}, asked "
             f"{decision['gain_asked'] * 100:.1f}%; confirmations {decision['confirmations']}"
             + ("; a census owed" if decision.get("census_owed") else ""))
