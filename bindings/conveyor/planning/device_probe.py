@@ -30,12 +30,16 @@ def side_for(device: torch.device) -> int:
     return 2048 if device.type == "cuda" else 128
 
 
-# A census's probes, of which the fastest counts: its figure stands for the whole plan, and
-# one probe on this machine's shared cores dipped to half its rate now and then (back-to-back
-# probes of an idle core spread 15-37%). Other work on the core only slows a probe, so the
-# fastest is the nearest to the device's share of it: a device reads slow only where all
-# three dipped (the median needed two), and a straggler's steady share reads alike.
-CENSUS_PROBES = 3
+# The probes of one reading, of which the fastest counts: a census's figure stands for the whole
+# plan, and one probe on this machine's shared cores dipped to half its rate now and then
+# (back-to-back probes of an idle core spread 15-37%). Other work on the core only slows a
+# probe, so the fastest is the nearest to the device's share of it: a device reads slow only
+# where all three dipped (the median needed two), and a straggler's steady share reads alike.
+# A later reading (a device under a speed ceiling, or left idle) is scaled by the census's, so
+# it is read alike: one probe against the census's fastest of three read a timm ViT's
+# straggler at x0.29 where its censuses read x0.44-0.51, and the switch taken on it measured
+# slower and was undone.
+PROBES = 3
 
 
 class DeviceProbe:
@@ -44,8 +48,7 @@ class DeviceProbe:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
 
-    def rate(self, census: bool = False) -> float:
-        """Matrix products per second on the device, over PROBE_S of wall time (a census:
-        the fastest of CENSUS_PROBES such probes)."""
-        return max(_C.matrix_product_rate(str(self.device), PROBE_S, side_for(self.device))
-                   for _ in range(CENSUS_PROBES if census else 1))
+    def rate(self) -> float:
+        """Matrix products per second on the device: the fastest of PROBES probes of PROBE_S
+        of wall time each."""
+        return max(_C.matrix_product_rate(str(self.device), PROBE_S, side_for(self.device)) for _ in range(PROBES))

@@ -72,9 +72,9 @@ def window_steps(step_s: float, window_s: float) -> int:
 
 
 # Windows between probes of a device whose census probe set a ceiling on its speed (it runs
-# stages, so a light one measures full speed on a core it shares: partitioner/replan.h): one
-# probe of 50 ms every fifth window of at least 2 s, so that the ceiling lifts once its
-# straggler goes, at 0.5% of that process's time.
+# stages, so a light one measures full speed on a core it shares: partitioner/replan.h): a
+# reading as the census's (three probes of 50 ms) every fifth window of at least 2 s, so that
+# the ceiling lifts once its straggler goes, at 1.5% of that process's time.
 REPROBE_EVERY = 5
 
 PLANNER_NICENESS = 10  # the planner thread's: a tenth of a core the training wants too
@@ -307,7 +307,7 @@ class Replanning:
             self.group.rank < len(ceiling) and ceiling[self.group.rank] > 0
         if self.probe is not None and running is not None and (
                 census or again or self.group.rank in idle_devices(running.document)):
-            probe_rate = self.probe.rate(census)
+            probe_rate = self.probe.rate()
         elif self.group is None and running is not None and census:
             probe_rate, self.devices = 1.0, len(running.document["devices"])
         walls, optimizers, self.walls, self.optimizer_times = self.walls, self.optimizer_times, [], []
