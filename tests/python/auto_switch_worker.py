@@ -14,7 +14,7 @@ import sys
 import torch
 
 import conveyor
-from conveyor.planning.replanning import WINDOW
+from conveyor.planning.window_decisions import WINDOW
 from replan_worker import plan_with
 from switch_back_worker import data as mlp_data
 

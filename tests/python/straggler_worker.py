@@ -28,7 +28,7 @@ import torch
 
 import conveyor
 from auto_switch_worker import two_node_cluster
-from conveyor.planning.replanning import WINDOW, idle_devices
+from conveyor.planning.window_decisions import WINDOW, idle_devices
 
 WIDTH = 768  # steps of about 0.1 s here: a window spans many of the scheduler's time slices
 HOGS = 3

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from conftest import busy_cores
-from conveyor.planning.core_sharing import CoreSharing, thread_cpu_s, threads_run_s, wait_while_given
+from conveyor.planning.core_sharing import (CoreSharing, NeighbourWaits, run_since, thread_cpu_s, threads_run_s,
+                                           wait_while_given)
 from conveyor.planning.replanning import run_on_spare_time
 from conveyor.planning.window_figures import window_figures
 from conveyor.planning.replanning_messages import FIGURES
@@ -65,9 +66,12 @@ def test_a_planner_beside_a_training_that_waits_takes_nothing_from_it():
 
 
 def test_the_threads_of_this_process_are_read():
+    before = threads_run_s(set())
     busy(0.05)
-    cpu, _ = threads_run_s(set())
-    assert cpu > 0.05
+    now = threads_run_s(set())
+    assert now[threading.get_native_id()][0] > 0.05
+    assert run_since(before, now)[0] >= 0.05
+    assert run_since({}, now)[0] == pytest.approx(sum(cpu for cpu, _ in now.values()))  # threads started since: whole
     assert thread_cpu_s(threading.get_native_id()) > 0.05
     assert thread_cpu_s(2 ** 30) is None  # no such thread
 
@@ -131,3 +135,37 @@ def test_a_wait_that_gives_the_planner_the_core_lasts_until_its_evaluation_ends(
     planner, native_id = planner_thread(0.2, niceness=False)
     wait_while_given(planner, native_id)
     assert not planner.is_alive()
+
+
+def test_a_busy_neighbour_on_the_core_is_read_from_the_waits_and_its_leaving_too():
+    """NeighbourWaits (what lets a straggler's process probe again as soon as its neighbour
+    leaves): busy beside a busy process pinned to the same core, about half of this thread's
+    runnable time is spent waiting for the CPU; with the neighbour gone, little is, however
+    much else the machine runs on its other cores."""
+    load = busy_cores(most=1.0)
+    if load > 1.0:
+        pytest.skip(f"needs a core nothing else wants: other work keeps {load:.1f} of the machine's cores busy")
+    core = min(os.sched_getaffinity(0))
+    before = os.sched_getaffinity(0)
+    waits = NeighbourWaits()
+    os.sched_setaffinity(0, {core})
+    neighbour = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{core}}})\n"
+                                  "while True: pass"])
+    try:
+        time.sleep(0.2)  # the neighbour pinned and busy
+        waits.share(set())
+        busy(0.3)
+        beside = waits.share(set())
+        neighbour.kill()
+        neighbour.wait()
+        time.sleep(0.05)
+        waits.share(set())
+        busy(0.3)
+        alone = waits.share(set())
+    finally:
+        neighbour.kill()
+        neighbour.wait()
+        os.sched_setaffinity(0, before)
+    assert beside > 0.3, beside
+    assert alone < beside / 2, (alone, beside)
+    assert NeighbourWaits().share(set()) == 0.0  # the first mark measures nothing

@@ -19,8 +19,8 @@ import conveyor
 import zoo
 from conveyor import _C
 from conveyor.planning.device_probe import DeviceProbe
-from conveyor.planning.replanning import (CLEAR_CONFIRMING, CLEAR_GAIN, WINDOW, confirming_steps, window_seconds,
-                                         window_steps)
+from conveyor.planning.replanning import window_seconds, window_steps
+from conveyor.planning.window_decisions import CLEAR_CONFIRMING, CLEAR_GAIN, WINDOW, confirming_steps, superseding
 from conveyor.planning.window_figures import step_terms
 from conveyor.planning.replanning_messages import FIGURES, WindowFigures, figures_problem
 from conveyor.planning.step_clock import StepClock
@@ -266,6 +266,19 @@ def test_a_switch_found_clear_of_the_noise_is_confirmed_over_fewer_steps():
     assert confirming_steps(found(0.1 * CLEAR_GAIN - 0.01)) == WINDOW  # near the gain asked: the noise
     assert confirming_steps(found(0.5, census_owed=True)) == WINDOW  # a census probes over WINDOW steps
     assert confirming_steps(found(0.5, confirmations=0)) == WINDOW  # nothing to confirm
+
+
+def test_a_census_owed_by_a_window_superseded_by_the_next_is_still_owed():
+    """A window heard at its own boundary supersedes the window before's evaluation, which is
+    never heard: a census that one owed is owed by the decision heard (the Replanner owes it
+    once), so every process probes at the next boundary."""
+    owing = dict(census_owed=True, census_why="a running device's speed moved", switch=False)
+    own = dict(census_owed=False, census_why="", switch=False, reason="a better plan")
+    heard = superseding(owing, own)
+    assert heard["census_owed"] and heard["census_why"] == owing["census_why"] and heard["reason"] == own["reason"]
+    assert not own["census_owed"]  # the evaluation as it came is left alone
+    assert superseding(dict(census_owed=False), own) == own
+    assert superseding(owing, dict(own, census_owed=True, census_why="its own"))["census_why"] == "its own"
 
 
 def mlp(layers: int, width: int) -> torch.nn.Module:

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import busy_cores, free_port
 from conveyor import _C
-from conveyor.planning.replanning import WINDOW
+from conveyor.planning.window_decisions import WINDOW
 
 WORKER = Path(__file__).with_name("straggler_worker.py")
 

@@ -29,24 +29,35 @@ TASKS = "/proc/self/task"
 MOST_TAKEN = 0.5  # the largest share a window's compute is corrected by (the planner runs at a tenth)
 
 
-def threads_run_s(leave_out: set) -> tuple[float, float]:
-    """This process's threads but `leave_out` (native ids): their CPU time and their waits
-    for a CPU while runnable, in seconds (0, 0 where Linux does not say)."""
-    cpu = wait = 0
+def threads_run_s(leave_out: set) -> dict[int, tuple[float, float]]:
+    """This process's threads but `leave_out` (native ids): per thread, its CPU time and its
+    waits for a CPU while runnable so far, in seconds (none where Linux does not say)."""
+    threads = {}
     try:
         tasks = os.listdir(TASKS)
     except OSError:
-        return 0.0, 0.0
+        return threads
     for tid in tasks:
         if not tid.isdigit() or int(tid) in leave_out:
             continue
         try:
             with open(f"{TASKS}/{tid}/schedstat") as f:
                 ran, waited = f.read().split()[:2]
-            cpu, wait = cpu + int(ran), wait + int(waited)
+            threads[int(tid)] = (int(ran) / 1e9, int(waited) / 1e9)
         except (OSError, ValueError):
             continue  # the thread ended since the listing
-    return cpu / 1e9, wait / 1e9
+    return threads
+
+
+def run_since(before: dict, now: dict) -> tuple[float, float]:
+    """The CPU time and the waits for a CPU of the threads of `now` since `before` (both
+    threads_run_s's): a thread started since counts whole, one ended since not at all (summed
+    over the threads instead, a switch's new pipeline threads read as time run backwards)."""
+    ran = waited = 0.0
+    for tid, (cpu, wait) in now.items():
+        cpu0, wait0 = before.get(tid, (0.0, 0.0))
+        ran, waited = ran + max(0.0, cpu - cpu0), waited + max(0.0, wait - wait0)
+    return ran, waited
 
 
 def thread_cpu_s(native_id: int) -> float | None:
@@ -65,11 +76,11 @@ class CoreSharing:
     still running."""
 
     def __init__(self):
-        self.marked: tuple | None = None  # (planner CPU, others' CPU, others' waits) at the last mark
+        self.marked: tuple | None = None  # (planner CPU, the others' threads_run_s) at the last mark
         self.taken_s = 0.0  # over every window so far: what the planner took of the others
 
     def mark(self, planner_cpu_s: float, planners: set) -> None:
-        self.marked = (planner_cpu_s, *threads_run_s(planners))
+        self.marked = (planner_cpu_s, threads_run_s(planners))
 
     def share_taken(self, planner_cpu_s: float, planners: set) -> float:
         """Since the last mark: the share of the other threads' runnable time the planner
@@ -77,14 +88,31 @@ class CoreSharing:
         if self.marked is None:
             self.mark(planner_cpu_s, planners)
             return 0.0
-        planner0, cpu0, wait0 = self.marked
+        planner0, threads0 = self.marked
         self.mark(planner_cpu_s, planners)
-        _, cpu, wait = self.marked
-        ran, waited = max(0.0, cpu - cpu0), max(0.0, wait - wait0)
+        ran, waited = run_since(threads0, self.marked[1])
         taken = max(0.0, min(planner_cpu_s - planner0, waited))
         self.taken_s += taken
         return min(MOST_TAKEN, taken / (ran + waited)) if ran + waited > 0 else 0.0
 
+
+class NeighbourWaits:
+    """From one mark to the next (a window's boundaries), the share of this process's threads'
+    runnable time (their CPU and their waits for a CPU) spent waiting, the threads in
+    `leave_out` (the planner's) left out: how much of its core other processes took (0 where
+    Linux does not say). Unlike a probe it costs nothing, and unlike the stages' times it does
+    not move with the work the plan gives the process."""
+
+    def __init__(self):
+        self.marked: dict | None = None  # threads_run_s at the last mark
+
+    def share(self, leave_out: set) -> float:
+        now = threads_run_s(leave_out)
+        before, self.marked = self.marked, now
+        if before is None:
+            return 0.0
+        ran, waited = run_since(before, now)
+        return waited / (ran + waited) if ran + waited > 0 else 0.0
 
 # Process 0's training waits for an evaluation still under way at its second boundary; the
 # wait gives the planner the training's core only where nothing else wants it. Beside a busy

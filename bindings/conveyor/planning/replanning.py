@@ -30,14 +30,13 @@ import weakref
 from .. import environment
 from ..errors import ConveyorValueError, ExecutionError
 from ..progress import LOGGER
-from .core_sharing import CoreSharing, thread_cpu_s, wait_while_given
+from .core_sharing import CoreSharing, NeighbourWaits, thread_cpu_s, wait_while_given
 from .device_probe import DeviceProbe
 from .replanning_messages import DECIDED_AFTER, FIGURES, WindowFigures, WindowMessages
 from .replanning_trace import PLANNER, window_line
 from .step_clock import StepClock
+from .window_decisions import WINDOW, confirming_steps, idle_devices, is_census, superseding
 from .window_figures import merge_processes, step_terms, window_figures
-
-WINDOW = 5  # steps of a running plan's first window (its census), and the fewest of any window
 
 # The least wall time of a window after a running plan's first, so that what a boundary costs
 # (its figures, messages, and an evaluation the training waits for) is a small part of it.
@@ -76,6 +75,11 @@ def window_steps(step_s: float, window_s: float) -> int:
 # reading as the census's (three probes of 50 ms) every fifth window of at least 2 s, so that
 # the ceiling lifts once its straggler goes, at 1.5% of that process's time.
 REPROBE_EVERY = 5
+# ... and at once where its threads waited for a CPU at least NEIGHBOURS_TOOK of their runnable
+# time in its census window and less than half that share since (core_sharing.NeighbourWaits:
+# the busy neighbour that slowed it left). Probed every fifth window alone, a timm ViT's
+# straggler gone at step 70 had its plan back at steps 83-97.
+NEIGHBOURS_TOOK = 0.2
 
 PLANNER_NICENESS = 10  # the planner thread's: a tenth of a core the training wants too
 # The most of one core the planner's searches take, over the time from one search's start to
@@ -92,27 +96,11 @@ SEARCH_SHARE = 0.003
 # evaluation that confirms a switch (no search: a few ms of CPU, at a tenth of a core).
 CONFIRMING_WAIT = 0.5
 
-# A window that confirms a switch saving at least CLEAR_GAIN times the gain asked is
-# CLEAR_CONFIRMING steps: the further a saving stands above the noise, the fewer steps show
-# that it lasts. At five, GPT-2's hog at step 20 (a 30% saving) was switched from at step 32,
-# and a run that ended at step 40 spent its steady half still waiting; a saving near the
-# gain asked is still confirmed over WINDOW steps.
-CLEAR_GAIN = 2.0
-CLEAR_CONFIRMING = 3
-
 # A window whose mean step moved by more than this from the last one's (a straggler came or
 # went: twice the noise a plan is held to) is heard at its own boundary where its evaluation
 # ends within CONFIRMING_WAIT of a step, as a confirmation is, rather than a window later: its
 # switch is then confirmed by the next window, not the one after.
 STEP_MOVED = 0.2
-
-
-def confirming_steps(decision: dict) -> int:
-    """The steps of the window after `decision`, which takes a census it owes or confirms the
-    switch it found: CLEAR_CONFIRMING where it found one clear of the noise, else WINDOW."""
-    clear = decision["confirmations"] > 0 and not decision["switch"] and not decision.get("census_owed") and \
-        decision["gain_s"] >= CLEAR_GAIN * decision["gain_asked"] * decision["measured_step_s"]
-    return CLEAR_CONFIRMING if clear else WINDOW
 
 
 def run_on_spare_time() -> None:
@@ -128,12 +116,6 @@ def run_on_spare_time() -> None:
         pass  # elsewhere: it runs at the training's priority
 
 
-def idle_devices(document: dict) -> list[int]:
-    """The devices of a plan document that none of its stages' replicas runs on."""
-    used = {s["first_device"] + i for s in document["stages"] for i in range(int(s["replicas"]))}
-    return [d for d in range(len(document["devices"])) if d not in used]
-
-
 _ACROSS_PROCESSES: "weakref.WeakSet[Replanning]" = weakref.WeakSet()  # settled at exit
 
 
@@ -147,12 +129,6 @@ def _settle_at_exit() -> None:
             replanning.settle()
         except Exception:  # noqa: BLE001
             pass
-
-
-def is_census(decision: dict) -> bool:
-    """Whether `decision` evaluated a census: every device probed (device_probe.py)."""
-    rates = decision.get("probe_rate") or []
-    return len(rates) > 1 and min(rates) > 0
 
 
 class Replanning:
@@ -189,6 +165,9 @@ class Replanning:
         # Process 0: what its planner thread takes of the training's threads, per window; read
         # out of the compute where that runs on the CPU (core_sharing.py).
         self.sharing = CoreSharing() if replanner is not None else None
+        # Per window, the share of its threads' runnable time this process waited for a CPU,
+        # and that share in the running plan's census window (REPROBE_EVERY).
+        self.neighbours, self.waited_at_census = NeighbourWaits(), 0.0
         self.on_cpu = getattr(device, "type", "cpu") == "cpu"
         self.messages = WindowMessages(group) if group is not None else None
         if group is not None:
@@ -303,7 +282,10 @@ class Replanning:
         if owed and self.decides:
             self.say(f"every process probes its device at this window (a census, owed: {self.census_why})")
         ceiling = self.last.get("speed_ceiling", []) if self.last is not None else []
-        again = self.group is not None and window % REPROBE_EVERY == 0 and \
+        waited = self.neighbours.share(self._planner_thread())
+        self.waited_at_census = waited if census else self.waited_at_census
+        left = self.waited_at_census >= NEIGHBOURS_TOOK and waited < self.waited_at_census / 2
+        again = self.group is not None and (window % REPROBE_EVERY == 0 or left) and \
             self.group.rank < len(ceiling) and ceiling[self.group.rank] > 0
         if self.probe is not None and running is not None and (
                 census or again or self.group.rank in idle_devices(running.document)):
@@ -353,6 +335,7 @@ class Replanning:
                     LOGGER.debug("re-planning: window %d (its last step %d), evaluated: %s; superseded by window "
                                  "%d's, heard at its own boundary", decision["window"], decision["window_ended"],
                                  window_line(decision), window)
+                    own = superseding(decision, own)
                 decision = own or decision
             self.judging = False
         self.confirming = decision is not None and not decision["switch"] and decision["confirmations"] > 0 and \
