@@ -9,9 +9,8 @@ import time
 import pytest
 
 from conftest import busy_cores
-from conveyor.planning.core_sharing import (CoreSharing, NeighbourWaits, run_since, thread_cpu_s, threads_run_s,
-                                           wait_while_given)
-from conveyor.planning.replanning import run_on_spare_time
+from conveyor.planning.core_sharing import (CoreSharing, NeighbourWaits, lower_priority, machine_cores,
+                                           run_on_spare_time, run_since, thread_cpu_s, threads_run_s, wait_while_given)
 from conveyor.planning.window_figures import window_figures
 from conveyor.planning.replanning_messages import FIGURES
 
@@ -37,7 +36,7 @@ def planner_beside(training_busy: bool) -> tuple:
     sharing, done = CoreSharing(), {}
     try:
         def planner():
-            run_on_spare_time()
+            lower_priority()  # as the planner, kept on the training's core (one core to the process)
             planners.add(threading.get_native_id())
             busy(0.3)
             done["cpu"] = thread_cpu_s(threading.get_native_id())
@@ -100,7 +99,7 @@ def planner_thread(cpu_s: float, niceness: bool) -> tuple:
 
     def planner():
         if niceness:
-            run_on_spare_time()
+            lower_priority()  # as the planner, kept on the training's core
         ids.append(threading.get_native_id())
         busy(cpu_s)
 
@@ -172,3 +171,27 @@ def test_a_busy_neighbour_on_the_core_is_read_from_the_waits_and_its_leaving_too
     assert beside > 0.3, beside
     assert alone < beside / 2, (alone, beside)
     assert NeighbourWaits().share(set()) == 0.0  # the first mark measures nothing
+
+
+def test_the_planner_runs_on_any_core_the_process_may_use_though_its_training_is_pinned():
+    """run_on_spare_time: a user's process pinned to one core (a straggler's, shared with a
+    busy neighbour) does not confine its planner thread there, which then waited for a few
+    per cent of it while the other cores idled."""
+    cores = machine_cores()
+    assert cores and all(isinstance(c, int) and c >= 0 for c in cores)
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(before)})
+    seen = {}
+    try:
+        def planner():
+            run_on_spare_time()
+            seen["cores"] = os.sched_getaffinity(0)
+            seen["niceness"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        t = threading.Thread(target=planner)
+        t.start()
+        t.join()
+        assert os.sched_getaffinity(0) == {min(before)}  # the training's thread stays pinned
+    finally:
+        os.sched_setaffinity(0, before)
+    assert seen["cores"] == cores & set(range(os.cpu_count() or 1)), seen
+    assert seen["niceness"] >= 10, seen

@@ -338,7 +338,7 @@ def test_a_plan_made_for_wrong_device_speeds_is_replaced_when_auto_and_kept_when
     # The log counts steps as the switch's entry does, from the job's start, and names each
     # evaluation by the window it read and that window's last step.
     heard = [tuple(int(g) for g in m.groups())
-             for m in re.finditer(r"window (\d+) \(its last step (\d+)\) heard after step (\d+)", caplog.text)]
+             for m in re.finditer(r"window (\d+) \(ended after (\d+) steps\) heard after (\d+) steps", caplog.text)]
     assert heard and all(ended <= after <= steps for _, ended, after in heard), caplog.text
     assert first["step"] in [after for _, _, after in heard], (first["step"], heard)
 

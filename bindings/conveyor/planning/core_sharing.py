@@ -1,9 +1,9 @@
 """What the planner thread took from the training where they share a core (docs/design.md,
 "Re-planning"), so that a window's compute is read without it.
 
-Process 0's planner searches beside the training at a lower priority (replanning.py,
-run_on_spare_time), yet where both share one core (a process pinned to one, as beside a
-straggler) a search still takes about a tenth of it, and that window's compute on process 0
+Process 0's planner searches beside the training at a lower priority and on any core the
+process may use (run_on_spare_time), yet where both share one core (a process allowed one,
+or every core busy) a search still takes about a tenth of it, and that window's compute on process 0
 runs slower by what the search took. Read as process 0's device being slower, it made a
 straggler elsewhere read faster (the kinds are read from the fastest replica): a user's
 Llama read its straggler at x0.62, x0.83 and x0.51 in three windows, the windows that
@@ -28,6 +28,55 @@ import time
 TASKS = "/proc/self/task"
 MOST_TAKEN = 0.5  # the largest share a window's compute is corrected by (the planner runs at a tenth)
 
+
+PLANNER_NICENESS = 10  # the planner thread's: a tenth of a core the training wants too
+# Where the cores this process may use are listed (cgroup v2, then v1's cpuset); else every core.
+CGROUP_CPUS = ("/sys/fs/cgroup/cpuset.cpus.effective", "/sys/fs/cgroup/cpuset/cpuset.effective_cpus")
+
+
+def lower_priority() -> None:
+    """The calling thread yields the CPU to the training (Linux: niceness 10, so beside a
+    busy training thread it gets about a tenth of the core). Planning at the training's
+    priority beside a process pinned to one core took half that core while it searched: the
+    steps at the window boundaries ran 0.7-1.0 s against 0.45 s, that process then measured
+    slower, and the plan moved work off it. Not Linux's SCHED_IDLE: beside any busy process
+    (a straggler's neighbour) that never runs, and only a privileged process may undo it."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PLANNER_NICENESS)  # this thread alone (Linux)
+    except (AttributeError, OSError):
+        pass  # elsewhere: it runs at the training's priority
+
+
+def machine_cores() -> set[int]:
+    """The cores this process may use whatever its threads are pinned to: its cgroup's
+    cpuset, else every core of the machine."""
+    for path in CGROUP_CPUS:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        cores = set()
+        for part in filter(None, text.split(",")):
+            first, _, last = part.partition("-")
+            cores.update(range(int(first), int(last or first) + 1))
+        if cores:
+            return cores
+    return set(range(os.cpu_count() or 1))
+
+
+def run_on_spare_time() -> None:
+    """The calling thread (the planner's) yields to the training (lower_priority) and runs on
+    any core the process may use, not only those its training is pinned to: the training's
+    pinning is for the training. Confined to a straggler's core, which it shared with the
+    training and a busy neighbour, process 0's planner got about 5% of it, a search took
+    some 6 s, and a Llama's first switch came 11-35 steps after its straggler did, while the
+    other process's core idled, waiting for the straggler (13-15 steps once free of it)."""
+    lower_priority()
+    try:
+        os.sched_setaffinity(0, machine_cores())  # this thread alone (Linux)
+    except (AttributeError, OSError, ValueError):
+        pass  # elsewhere, or cores the process may not use: where the training runs
 
 def threads_run_s(leave_out: set) -> dict[int, tuple[float, float]]:
     """This process's threads but `leave_out` (native ids): per thread, its CPU time and its

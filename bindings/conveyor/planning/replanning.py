@@ -30,7 +30,7 @@ import weakref
 from .. import environment
 from ..errors import ConveyorValueError, ExecutionError
 from ..progress import LOGGER
-from .core_sharing import CoreSharing, NeighbourWaits, thread_cpu_s, wait_while_given
+from .core_sharing import CoreSharing, NeighbourWaits, run_on_spare_time, thread_cpu_s, wait_while_given
 from .device_probe import DeviceProbe
 from .replanning_messages import DECIDED_AFTER, FIGURES, WindowFigures, WindowMessages
 from .replanning_trace import PLANNER, window_line
@@ -81,7 +81,6 @@ REPROBE_EVERY = 5
 # straggler gone at step 70 had its plan back at steps 83-97.
 NEIGHBOURS_TOOK = 0.2
 
-PLANNER_NICENESS = 10  # the planner thread's: a tenth of a core the training wants too
 # The most of one core the planner's searches take, over the time from one search's start to
 # the next's: a search of 0.45 s of CPU (GPT-2 of 8 blocks) waits 2.5 min for the next.
 # Searching every window, as noise in the corrections asked, took 9% of the core of a process
@@ -101,19 +100,6 @@ CONFIRMING_WAIT = 0.5
 # ends within CONFIRMING_WAIT of a step, as a confirmation is, rather than a window later: its
 # switch is then confirmed by the next window, not the one after.
 STEP_MOVED = 0.2
-
-
-def run_on_spare_time() -> None:
-    """The calling thread yields the CPU to the training (Linux: niceness 10, so beside a
-    busy training thread it gets about a tenth of the core). Planning at the training's
-    priority beside a process pinned to one core took half that core while it searched: the
-    steps at the window boundaries ran 0.7-1.0 s against 0.45 s, that process then measured
-    slower, and the plan moved work off it. Not Linux's SCHED_IDLE: beside any busy process
-    (a straggler's neighbour) that never runs, and only a privileged process may undo it."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PLANNER_NICENESS)  # this thread alone (Linux)
-    except (AttributeError, OSError):
-        pass  # elsewhere: it runs at the training's priority
 
 
 _ACROSS_PROCESSES: "weakref.WeakSet[Replanning]" = weakref.WeakSet()  # settled at exit
@@ -332,7 +318,7 @@ class Replanning:
                 # moved (STEP_MOVED) is waited for likewise: its switch is confirmed by the next.
                 own = self._decided(within_s=CONFIRMING_WAIT * figures.step_s)
                 if own is not None and decision is not None:
-                    LOGGER.debug("re-planning: window %d (its last step %d), evaluated: %s; superseded by window "
+                    LOGGER.debug("re-planning: window %d (ended after %d steps), evaluated: %s; superseded by window "
                                  "%d's, heard at its own boundary", decision["window"], decision["window_ended"],
                                  window_line(decision), window)
                     own = superseding(decision, own)
@@ -370,7 +356,7 @@ class Replanning:
                              + ", ".join(f"{x:.2f}" for x in f["unpriced"]) + "]"
                              if any(abs(x - 1) > 0.005 for x in f.get("unpriced", [])) else ""))
         if decision is not None and self.decides and LOGGER.isEnabledFor(logging.DEBUG):
-            LOGGER.debug("re-planning: window %d (its last step %d) heard after step %d: %s", decision["window"],
+            LOGGER.debug("re-planning: window %d (ended after %d steps) heard after %d steps: %s", decision["window"],
                          decision["window_ended"], self.trained, window_line(decision))
         if self.timeline is not None:
             if decision is not None:
