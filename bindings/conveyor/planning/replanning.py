@@ -77,8 +77,8 @@ def window_steps(step_s: float, window_s: float) -> int:
 REPROBE_EVERY = 5
 # ... and at once where its threads waited for a CPU at least NEIGHBOURS_TOOK of their runnable
 # time in its census window and less than half that share since (core_sharing.NeighbourWaits:
-# the busy neighbour that slowed it left). Probed every fifth window alone, a timm ViT's
-# straggler gone at step 70 had its plan back at steps 83-97.
+# the busy neighbour that slowed it left): a timm ViT's hog gone at step 55 was probed at step
+# 61, not at the fifth window (step 76).
 NEIGHBOURS_TOOK = 0.2
 
 # The most of one core the planner's searches take, over the time from one search's start to
