@@ -78,6 +78,7 @@ def run_on_spare_time() -> None:
     except (AttributeError, OSError, ValueError):
         pass  # elsewhere, or cores the process may not use: where the training runs
 
+
 def threads_run_s(leave_out: set) -> dict[int, tuple[float, float]]:
     """This process's threads but `leave_out` (native ids): per thread, its CPU time and its
     waits for a CPU while runnable so far, in seconds (none where Linux does not say)."""
