@@ -399,9 +399,9 @@ class Replanning:
                  f"{entry['rebuild_s'] * 1e3:.1f} ms)")
 
     def _think(self, mine: WindowFigures, ended: int) -> None:
-        """Starts the evaluation of one window (its last step the job's `ended`th) on a thread of its own, which first reads the
-        other processes' figures of it (and of any window before it left unread; those of
-        later windows are read by the next evaluation)."""
+        """Starts the evaluation of one window (ended after the job's `ended` steps) on a thread
+        of its own, which first reads the other processes' figures of it (and of any window
+        before it left unread; those of later windows are read by the next evaluation)."""
         self.census_figures = None
         box: dict = {}
         unread = self.messages.unread(mine.window) if self.messages is not None else range(0)
