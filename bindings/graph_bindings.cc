@@ -339,7 +339,7 @@ void bind_graph(py::module_& m) {
                        const std::vector<std::string>& schedules, double optimizer_state, int max_replicas,
                        int max_microbatches, int ranks, const std::vector<int>& replicas, int chunks,
                        const std::optional<std::string>& recompute, int horizon_steps, bool moves_bytes, double min_gain, double margin, int confirmations,
-                       double tolerance) {
+                       double tolerance, bool probes_each_device) {
              partitioner::ReplanPolicy policy;
              policy.horizon_steps = horizon_steps;
              policy.moves_bytes = moves_bytes;
@@ -347,6 +347,7 @@ void bind_graph(py::module_& m) {
              policy.margin = margin;
              policy.confirmations = confirmations;
              policy.tolerance = tolerance;
+             policy.probes_each_device = probes_each_device;
              return partitioner::Replanner(
                  cost_graph_of(g, profile_json), unwrap(partitioner::Cluster::from_toml(cluster_toml, "cluster")),
                  running.plan(),
@@ -360,10 +361,11 @@ void bind_graph(py::module_& m) {
            py::arg("ranks") = 0, py::arg("replicas") = std::vector<int>{}, py::arg("chunks") = 0,
            py::arg("recompute") = py::none(), py::arg("horizon_steps") = 100, py::arg("moves_bytes") = true, py::arg("min_gain") = 0.1,
            py::arg("margin") = 0.5, py::arg("confirmations") = 2, py::arg("tolerance") = 0.1,
+           py::arg("probes_each_device") = true,
            "The planning inputs of `plan` (made from graph, profile and cluster with the same options, its fixed "
            "parts included; replicas share microbatches by their devices' speeds, in whole samples) and the policy: the horizon in steps, whether stages moving moves bytes between "
-           "processes, the least relative gain, the margin over the moving cost, the confirmations and the noise "
-           "tolerance.")
+           "processes, the least relative gain, the margin over the moving cost, the confirmations, the noise "
+           "tolerance, and whether each device is probed on its own (a process per device).")
       .def("evaluate", [](partitioner::Replanner& r, const py::list& stages, double measured_step_s, double rebuild_s,
                           double bytes_per_s, bool may_search, const std::vector<double>& probe_rate,
                           const std::vector<double>& optimizer_s, double host_s, double caller_step_s) {
@@ -416,6 +418,7 @@ void bind_graph(py::module_& m) {
         out["speed_ceiling"] = d.speed_ceiling;
         out["census_owed"] = d.census_owed;
         out["census_why"] = d.census_why;
+        out["reprobe_owed"] = d.reprobe_owed;
         out["factors"] = py::dict(py::arg("forward") = f.forward, py::arg("backward") = f.backward,
                                   py::arg("weight") = f.weight, py::arg("speed") = f.speed, py::arg("link") = f.link,
                                   py::arg("stage_pricing") = stage_pricing,

@@ -514,11 +514,18 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
     // Consecutive windows that each find a move that pays (the best plan may differ between
     // them by a cut that hardly matters): the last one's plan is taken.
     d.confirmations = ++confirmations_;
-    d.switch_plan = confirmations_ >= policy_.confirmations && !awaiting_census;
-    if (awaiting_census) confirmations_ = d.confirmations = std::min(confirmations_, policy_.confirmations - 1);
+    const int disputed = confirmations_ >= policy_.confirmations && policy_.probes_each_device
+                             ? unprobed_dispute(probe_rate) : -1;
+    d.reprobe_owed = disputed >= 0 && !awaiting_census;
+    d.switch_plan = confirmations_ >= policy_.confirmations && !awaiting_census && !d.reprobe_owed;
+    if (awaiting_census || d.reprobe_owed) {
+      confirmations_ = d.confirmations = std::min(confirmations_, policy_.confirmations - 1);
+    }
     d.reason = d.switch_plan     ? "switching: the saving over the horizon pays for moving"
                : awaiting_census ? "a better plan, waiting for the census a device's speed moved owes to confirm it"
-                                  : "a better plan, waiting for it to be confirmed";
+               : d.reprobe_owed  ? "a better plan, waiting for a probe of device " + std::to_string(disputed) +
+                                      " to confirm it (its stages measure it faster than its speed ceiling)"
+                                 : "a better plan, waiting for it to be confirmed";
     if (d.shape_only) d.reason += " (" + shape_search + ")";
     if (d.switch_plan) decided_ = Decided{key, d.measured_step_s, smoothed_.speed};
     return d;

@@ -30,6 +30,10 @@ struct ReplanPolicy {
   /// Whether parameters and optimizer state cross links when stages move (several
   /// processes); in one process they stay in place and only the pipeline is rebuilt.
   bool moves_bytes = true;
+  /// Whether the caller can probe a device again on its own (a process per device); in one
+  /// process its devices are one device shared, read alike at each census and never apart,
+  /// so a ceiling its stages dispute owes no second reading (ReplanDecision::reprobe_owed).
+  bool probes_each_device = true;
   double rebuild_s = 0;         ///< what building a pipeline took (measured)
   double bytes_per_s = 0;       ///< measured moving speed; 0: the cluster's link bandwidth
 };
@@ -108,6 +112,13 @@ struct ReplanDecision {
   /// three windows later. census_why: which, when owed.
   bool census_owed = false;
   std::string census_why;
+  /// A switch found on a device's speed ceiling that its stages measure well above (one
+  /// reading of its probe, slower than its work ran: other work passed through its core while
+  /// it probed, or a straggler that its light stage outruns) is confirmed only by a window in
+  /// which that device was probed again: the processes of such devices probe at the end of
+  /// the next window. A census that read a device at x0.59 with no straggler was confirmed
+  /// by its ceiling alone, and the switch, measured slower, undone.
+  bool reprobe_owed = false;
   std::string reason;              ///< why it switches or not
   /// The decision's arithmetic on one line: gain, horizon, moving cost in bytes and seconds.
   std::string arithmetic(const ReplanPolicy& policy) const;
@@ -216,6 +227,12 @@ class Replanner {
   /// a capped device's stages measured it faster than in its first window under its ceiling
   /// by more than three times the tolerance (its straggler may have gone: a census is owed).
   bool cap_at_ceilings(Factors& seen);
+  /// Per device, whether this window's stages measured it faster than its ceiling beyond a
+  /// probe's noise (cap_at_ceilings).
+  std::vector<bool> disputed_;
+  /// The first device with a ceiling its stages dispute and no probe in this window
+  /// (`probe_rate`), which a switch waits for (ReplanDecision::reprobe_owed); -1: none.
+  int unprobed_dispute(const std::vector<double>& probe_rate) const;
   // Per device with a ceiling, its speed as its stages measured it in its first window under
   // the ceiling and the running plan, over the fastest device without one (0: none).
   std::vector<double> uncapped_;

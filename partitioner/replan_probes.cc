@@ -105,6 +105,7 @@ bool Replanner::cap_at_ceilings(Factors& seen) {
     if (ceiling_[d] <= 0) unbounded = std::max(unbounded, seen.speed[d]);
   }
   uncapped_.resize(devices, 0.0);
+  disputed_.assign(devices, false);
   bool jumped = false;
   for (std::size_t d = 0; d < devices; ++d) {
     if (ceiling_[d] <= 0 || unbounded <= 0) {
@@ -112,11 +113,21 @@ bool Replanner::cap_at_ceilings(Factors& seen) {
       continue;
     }
     const double relative = seen.speed[d] / unbounded;
+    disputed_[d] = relative > ceiling_[d] * (1 + 2 * policy_.tolerance);  // beyond a probe's noise
     if (uncapped_[d] <= 0) uncapped_[d] = relative;  // its first window under the ceiling
     jumped = jumped || relative > uncapped_[d] * (1 + 3 * policy_.tolerance);
     seen.speed[d] = std::min(seen.speed[d], ceiling_[d] * unbounded);
   }
   return jumped;
+}
+
+int Replanner::unprobed_dispute(const std::vector<double>& probe_rate) const {
+  for (std::size_t d = 0; d < disputed_.size(); ++d) {
+    if (disputed_[d] && !idle(running_, static_cast<int>(d)) && (d >= probe_rate.size() || probe_rate[d] <= 0)) {
+      return static_cast<int>(d);
+    }
+  }
+  return -1;
 }
 
 // A census tells a device that probes as fast as the fastest from its operators: it runs as

@@ -3,7 +3,8 @@
 // asked of the whole step), and a device that probes slow is priced no faster than its probe
 // and, once it probes as fast as the fastest again, as fast as it; an operator's own error
 // beyond what a census prices is not read as its device's speed later, nor the input halves
-// a first stage runs in its weight-gradient action as weight gradients.
+// a first stage runs in its weight-gradient action as weight gradients; and a switch found on a
+// probe's ceiling that the device's stages dispute waits for a second probe.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -432,6 +433,53 @@ TEST(Replan, AStragglerGoneFromAPipelineCutAroundItIsSearchedWholeWhenConfirmed)
   }
   ASSERT_TRUE(d.switch_plan) << d.reason;
   EXPECT_EQ(d.candidate.stages.size(), 1u) << d.candidate.table();
+}
+
+// One reading of a device's probe slower than its work then ran (other work passed through its
+// core while it probed: a census read x0.59 with no straggler) sets a ceiling its stages
+// dispute. A switch found on it is not confirmed by that ceiling alone: it waits for a second
+// reading, which lifts the ceiling where the first misread (nothing moves), and confirms it
+// where the device is slow indeed (a straggler its light stage outruns). Where the stages
+// measure the device as slow as its probe, the switch waits for no second reading; nor in one
+// process, whose devices are one device shared, never probed apart.
+TEST(Replan, ASwitchOnACeilingItsDevicesStagesDisputeWaitsForASecondProbe) {
+  const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
+  const Cluster cluster = devices(2);
+  PlanOptions o = options();
+  o.max_replicas = 2;
+  o.even_shares = false;
+  const Plan plan = testing::one_stage_on_each_device(g, cluster, o);
+  ASSERT_EQ(plan.stages.size(), 1u) << plan.table();
+  struct Case {
+    const char* what;
+    std::vector<double> stages;  // device 1's speed as its stages run
+    double second_reading;       // its probe's rate at the second reading (0: none taken)
+    bool apart = true;           // ReplanPolicy::probes_each_device
+  };
+  for (const Case& c : {Case{"misread", {1, 1}, 1000}, Case{"outrun", {1, 1}, 500}, Case{"agreed", {1, 0.5}, 0},
+                        Case{"one process", {1, 1}, 0, false}}) {
+    SCOPED_TRACE(c.what);
+    ReplanPolicy policy = testing::moving_no_bytes();
+    policy.probes_each_device = c.apart;
+    Replanner r(g, cluster, plan, o, policy);
+    std::mt19937 rng(53);
+    auto [m, step] = run(g, r.running(), c.stages, 0.02, rng);
+    ReplanDecision d = *r.evaluate(m, step, true, {1000, 500});  // the census reads device 1 at half
+    ASSERT_EQ(d.confirmations, 1) << d.reason;
+    EXPECT_FALSE(d.reprobe_owed) << d.reason;
+    std::tie(m, step) = run(g, r.running(), c.stages, 0.02, rng);
+    d = *r.evaluate(m, step);  // no probe
+    EXPECT_EQ(d.reprobe_owed, c.second_reading > 0) << d.reason;
+    EXPECT_EQ(d.switch_plan, c.second_reading == 0) << d.reason;
+    if (c.second_reading == 0) continue;
+    std::tie(m, step) = run(g, r.running(), c.stages, 0.02, rng);
+    d = *r.evaluate(m, step, true, {0, c.second_reading});
+    const bool misread = c.second_reading == 1000;
+    EXPECT_EQ(d.switch_plan, !misread) << d.reason;
+    EXPECT_FALSE(d.reprobe_owed) << d.reason;
+    EXPECT_EQ(d.speed_ceiling.at(1) == 0, misread) << "lifted where the first reading misread";
+    EXPECT_EQ(d.census_owed, misread) << d.reason;
+  }
 }
 
 }  // namespace

@@ -2,7 +2,8 @@
 run a replica of the only stage, one shares its core with CPU hogs. The slow process's
 device gets the lower speed whichever process it is (process 0 plans; it used to read its
 own slowness as every device's), and the time the fast process waits for it inside the
-gradient sum is reported as waiting, not booked as link time."""
+gradient sum is reported as waiting, not booked as link time. A probe that misread a device
+moves no plan."""
 import json
 import os
 import subprocess
@@ -16,6 +17,7 @@ from conveyor import _C
 from conveyor.planning.window_decisions import WINDOW
 
 WORKER = Path(__file__).with_name("straggler_worker.py")
+MISREAD_WORKER = WORKER.with_name("misread_probe_worker.py")
 
 pytestmark = [
     pytest.mark.skipif(bool(_C.ucx_status()), reason=f"UCX cannot start here: {_C.ucx_status()}"),
@@ -32,7 +34,7 @@ def two_idle_cores() -> None:
                     "must make the straggler)")
 
 
-def run_pair(straggler: int, tmp_path, replan: str = "auto", leaves: bool = False) -> list:
+def run_pair(straggler: int, tmp_path, replan: str = "auto", leaves: bool = False, worker: Path = WORKER) -> list:
     """Both processes' output."""
     port = free_port()
     procs = []
@@ -40,7 +42,7 @@ def run_pair(straggler: int, tmp_path, replan: str = "auto", leaves: bool = Fals
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    UCX_NET_DEVICES="lo", OMP_NUM_THREADS="1", STRAGGLER=str(straggler), CONVEYOR_TIMEOUT="120",
                    CONVEYOR_CACHE_DIR=str(tmp_path / "cache"), REPLAN=replan, LEAVES="1" if leaves else "0")
-        procs.append(subprocess.Popen([sys.executable, str(WORKER)], env=env, stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen([sys.executable, str(worker)], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     outs = []
     for p in procs:
@@ -128,3 +130,19 @@ def test_with_no_straggler_the_census_reads_no_pipelined_device_as_slow_and_leav
     for w in even["windows"]:
         assert all(0.25 <= x <= 4 for x in w["factors"]["stage_pricing"]), even["report"]
     assert even["idle_at"] == [], (even["switches"], even["report"])
+
+
+def test_a_census_probe_that_misread_its_device_moves_no_plan(tmp_path):
+    """No straggler, and process 1's census probe reads its device at half its rate, as where
+    other work passed through its core while it probed (a bench's census read x0.59 so, and the
+    switch its ceiling alone confirmed was undone). Its replica runs as fast as process 0's,
+    which disputes that ceiling: the switch found on it waits for a second reading, which lifts
+    it, and no plan moves (partitioner/replan.h, reprobe_owed)."""
+    two_idle_cores()
+    run = printed(run_pair(-1, tmp_path, worker=MISREAD_WORKER)[0], "MISREAD")
+    census, *later = run["decisions"]
+    assert census["ceiling"][1] > 0 and census["speed"][1] < 0.7, run["report"]  # the misread took
+    assert run["switches"] == [], (run["decisions"], run["switches"])
+    waited = [d for d in later if "waiting for a probe of device 1" in d["reason"]]
+    assert waited, run["decisions"]
+    assert any(d["ceiling"][1] == 0 for d in later[later.index(waited[0]):]), run["decisions"]

@@ -40,6 +40,7 @@ def side_for(device: torch.device) -> int:
 # straggler at x0.29 where its censuses read x0.44-0.51, and the switch taken on it measured
 # slower and was undone.
 PROBES = 3
+READING_S = PROBE_S * PROBES  # a reading's wall time
 
 
 class DeviceProbe:

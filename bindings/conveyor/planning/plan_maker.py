@@ -99,6 +99,7 @@ class PlanMaker:
                             batch=self.batch, microbatches=self.microbatches, schedules=self.fixed.schedules,
                             max_microbatches=self.most_microbatches,
                             horizon_steps=self.horizon_steps, moves_bytes=self.group is not None,
+                            probes_each_device=self.group is not None,
                             optimizer_state=optimizer_state_per_param_byte(self.optimizer), **self.fixed.options())
 
 

@@ -31,7 +31,7 @@ from .. import environment
 from ..errors import ConveyorValueError, ExecutionError
 from ..progress import LOGGER
 from .core_sharing import CoreSharing, NeighbourWaits, run_on_spare_time, thread_cpu_s, wait_while_given
-from .device_probe import DeviceProbe
+from .device_probe import READING_S, DeviceProbe
 from .replanning_messages import DECIDED_AFTER, FIGURES, WindowFigures, WindowMessages
 from .replanning_trace import PLANNER, window_line
 from .step_clock import StepClock
@@ -78,7 +78,9 @@ REPROBE_EVERY = 5
 # ... and at once where its threads waited for a CPU at least NEIGHBOURS_TOOK of their runnable
 # time in its census window and less than half that share since (core_sharing.NeighbourWaits:
 # the busy neighbour that slowed it left): a timm ViT's hog gone at step 55 was probed at step
-# 61, not at the fifth window (step 76).
+# 61, not at the fifth window (step 76). And where the decision heard owes it (a switch found
+# on a ceiling its device's stages dispute waits for a second reading: partitioner/replan.h,
+# reprobe_owed); process 0 then waits a reading longer for the window's confirmation.
 NEIGHBOURS_TOOK = 0.2
 
 # The most of one core the planner's searches take, over the time from one search's start to
@@ -268,10 +270,11 @@ class Replanning:
         if owed and self.decides:
             self.say(f"every process probes its device at this window (a census, owed: {self.census_why})")
         ceiling = self.last.get("speed_ceiling", []) if self.last is not None else []
+        reprobe_owed = self.last is not None and self.last.get("reprobe_owed", False)
         waited = self.neighbours.share(self._planner_thread())
         self.waited_at_census = waited if census else self.waited_at_census
         left = self.waited_at_census >= NEIGHBOURS_TOOK and waited < self.waited_at_census / 2
-        again = self.group is not None and (window % REPROBE_EVERY == 0 or left) and \
+        again = self.group is not None and (window % REPROBE_EVERY == 0 or left or reprobe_owed) and \
             self.group.rank < len(ceiling) and ceiling[self.group.rank] > 0
         if self.probe is not None and running is not None and (
                 census or again or self.group.rank in idle_devices(running.document)):
@@ -316,7 +319,7 @@ class Replanning:
                 # and its confirmation at the next boundary, 5 steps later: taken in its place,
                 # a GPT-NeoX's first census went unheard in 1 run of 3. A window whose step
                 # moved (STEP_MOVED) is waited for likewise: its switch is confirmed by the next.
-                own = self._decided(within_s=CONFIRMING_WAIT * figures.step_s)
+                own = self._decided(within_s=CONFIRMING_WAIT * figures.step_s + (READING_S if reprobe_owed else 0.0))
                 if own is not None and decision is not None:
                     LOGGER.debug("re-planning: window %d (ended after %d steps), evaluated: %s; superseded by window "
                                  "%d's, heard at its own boundary", decision["window"], decision["window_ended"],
