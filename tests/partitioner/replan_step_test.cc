@@ -33,11 +33,23 @@ Cluster slow_second() {
   c.devices[1].speed = 0.5;
   return c;
 }
-PlanOptions free_layout() {
+// Up to two replicas a stage, whose shares follow their devices' speeds.
+PlanOptions uneven_shares() {
   PlanOptions o = options();
   o.max_replicas = 2;
-  o.microbatches = 0;
   o.even_shares = false;
+  return o;
+}
+// A chain of 12 operators as one stage replicated on two equal devices, its shares free.
+struct ReplicatedStage {
+  CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
+  Cluster cluster = devices(2);
+  PlanOptions o = uneven_shares();
+  Plan plan = testing::one_stage_on_each_device(g, cluster, o);
+};
+PlanOptions free_layout() {
+  PlanOptions o = uneven_shares();
+  o.microbatches = 0;
   o.schedules = {ScheduleKind::kGPipe, ScheduleKind::kOneFOneB};
   return o;
 }
@@ -374,12 +386,8 @@ TEST(Replan, ASpeedMovedWithNoProbeOwesACensusAndNoSwitchIsMadeBeforeIt) {
 // their times alone, and a straggler among them owes no census (a hog from step 20 under
 // GPT-2's data-parallel plan waited for one, past the bench's 40 steps).
 TEST(Replan, AStragglerAmongOneStagesReplicasOwesNoCensus) {
-  const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
-  const Cluster cluster = devices(2);
-  PlanOptions o = options();
-  o.max_replicas = 2;
-  o.even_shares = false;
-  const Plan plan = testing::one_stage_on_each_device(g, cluster, o);
+  const ReplicatedStage replicated;
+  const auto& [g, cluster, o, plan] = replicated;
   ASSERT_EQ(plan.stages.size(), 1u) << plan.table();
   Replanner r(g, cluster, plan, o, testing::moving_no_bytes());
   std::mt19937 rng(43);
@@ -443,12 +451,8 @@ TEST(Replan, AStragglerGoneFromAPipelineCutAroundItIsSearchedWholeWhenConfirmed)
 // measure the device as slow as its probe, the switch waits for no second reading; nor in one
 // process, whose devices are one device shared, never probed apart.
 TEST(Replan, ASwitchOnACeilingItsDevicesStagesDisputeWaitsForASecondProbe) {
-  const CostGraph g = testing::uniform_chain(12, 1e-3, 2e-3, 1e6, 1e6);
-  const Cluster cluster = devices(2);
-  PlanOptions o = options();
-  o.max_replicas = 2;
-  o.even_shares = false;
-  const Plan plan = testing::one_stage_on_each_device(g, cluster, o);
+  const ReplicatedStage replicated;
+  const auto& [g, cluster, o, plan] = replicated;
   ASSERT_EQ(plan.stages.size(), 1u) << plan.table();
   struct Case {
     const char* what;
