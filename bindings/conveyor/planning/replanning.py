@@ -202,6 +202,7 @@ class Replanning:
         self.steps, self.walls, self.optimizer_times, self.next_boundary = 0, [], [], 1 + WINDOW
         self.census_owed = False  # the first window's is the census
         self.census_why = ""  # the Replanner's reason for the census owed
+        self.reprobe_owed = False  # the decision heard owes a second reading of a device under a ceiling
         self.census_figures = None  # process 0: a census (figures, last step) not evaluated yet: the planner was busy
         self.confirming = False  # process 0: the next window confirms a switch found, heard at its own boundary
         self.window_report = None  # the last whole window's live profile, as it ended (live_profile.py)
@@ -270,7 +271,7 @@ class Replanning:
         if owed and self.decides:
             self.say(f"every process probes its device at this window (a census, owed: {self.census_why})")
         ceiling = self.last.get("speed_ceiling", []) if self.last is not None else []
-        reprobe_owed = self.last is not None and self.last.get("reprobe_owed", False)
+        reprobe_owed, self.reprobe_owed = self.reprobe_owed, False
         waited = self.neighbours.share(self._planner_thread())
         self.waited_at_census = waited if census else self.waited_at_census
         left = self.waited_at_census >= NEIGHBOURS_TOOK and waited < self.waited_at_census / 2
@@ -349,6 +350,7 @@ class Replanning:
             self.last = decision
             self.census_owed = self.census_owed or decision.get("census_owed", False)  # every process alike
             self.census_why = decision.get("census_why") or self.census_why
+            self.reprobe_owed = decision.get("reprobe_owed", False)
             if self.decides and is_census(decision):
                 f = decision["factors"]
                 self.say(("every device probed" if self.probe is not None else "every device given one probe rate "
