@@ -86,7 +86,8 @@ struct ReplanDecision {
   int confirmations = 0;           ///< consecutive evaluations that picked this candidate
   /// The least saving asked of the candidate, relative to the measured step: the policy's
   /// min_gain, doubled by each undone switch (up to 8x) and again to return to a shape left
-  /// under the devices' present speeds.
+  /// under the devices' present speeds; halved for a plan of the running shape while the
+  /// running shares no longer match the devices' speeds (shares_outlived: a straggler went).
   double gain_asked = 0;
   /// Whether the planner searched: false when the corrected inputs moved less than half the
   /// tolerance since its last search under the same running plan, or the caller asked for no

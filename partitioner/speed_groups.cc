@@ -4,6 +4,7 @@
 #include <map>
 #include <utility>
 
+#include "common/shares.h"
 #include "partitioner/replan.h"
 
 namespace conveyor::partitioner {
@@ -48,6 +49,30 @@ std::vector<double> group_speeds(const Plan& plan, const std::vector<double>& sp
   std::vector<double> kept;
   for (const auto& [g, x] : fastest_of) kept.push_back(x);
   return over_fastest(std::move(kept));
+}
+
+bool shares_outlived(const Plan& plan, const Cluster& cluster, double tolerance) {
+  const std::int64_t samples = plan.batch / std::max(plan.microbatches, 1);
+  // The slowest replica's time per unit of work, its samples `lengths` over its device's speed.
+  auto slowest = [&](const StagePlan& stage, const std::vector<std::int64_t>& lengths) {
+    double out = 0;
+    for (int i = 0; i < stage.replicas; ++i) {
+      out = std::max(out, lengths[i] / std::max(cluster.devices[stage.first_device + i].speed, 1e-12));
+    }
+    return out;
+  };
+  for (const StagePlan& stage : plan.stages) {
+    if (stage.replicas < 2 || samples < stage.replicas || static_cast<int>(stage.shares.size()) != stage.replicas ||
+        stage.first_device < 0 || stage.first_device + stage.replicas > static_cast<int>(cluster.devices.size())) {
+      continue;
+    }
+    std::vector<double> speeds;
+    for (int i = 0; i < stage.replicas; ++i) speeds.push_back(cluster.devices[stage.first_device + i].speed);
+    const double running = slowest(stage, share_lengths(samples, stage.shares, stage.replicas));
+    const double best = slowest(stage, share_lengths(samples, speeds, stage.replicas));
+    if (running > best * (1 + tolerance)) return true;
+  }
+  return false;
 }
 
 }  // namespace conveyor::partitioner

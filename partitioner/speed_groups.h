@@ -1,6 +1,6 @@
 // The running devices' speeds as the Replanner compares them between windows: each over the
-// fastest running device's, and per group of devices that one stage's replicas join.
-// Torch-free.
+// fastest running device's, and per group of devices that one stage's replicas join; and
+// shares that no longer match them. Torch-free.
 #pragma once
 
 #include <vector>
@@ -17,5 +17,11 @@ std::vector<double> running_speeds(const Plan& plan, const std::vector<double>& 
 // replicas compute the same operators, so their devices' speeds are told apart by their
 // times alone): the group's fastest, over the fastest group. A data-parallel plan has one.
 std::vector<double> group_speeds(const Plan& plan, const std::vector<double>& speeds);
+
+// Whether a stage of `plan` splits its microbatches among its replicas so that its slowest
+// replica, at `cluster`'s speeds, ends more than `tolerance` later than under the whole-sample
+// split those speeds call for (common/shares.h): shares made for speeds that have moved since
+// (a straggler that went).
+bool shares_outlived(const Plan& plan, const Cluster& cluster, double tolerance);
 
 }  // namespace conveyor::partitioner

@@ -64,13 +64,17 @@ inline std::pair<std::vector<StageMeasurement>, double> run(const CostGraph& g, 
   for (auto& s : as_run.stages) {
     s.forward_s *= jitter(rng);
     s.backward_s *= jitter(rng);
-    // A replicated stage's time is its slowest replica's; each replica's (even shares) is
-    // that scaled by how much faster its device runs.
+    // A replicated stage's time is its slowest replica's; each replica's is that scaled by
+    // its share over its device's speed, against the slowest replica's.
     std::vector<double> replicas;
     if (s.replicas > 1) {
-      const auto first = speed.begin() + s.first_device;
-      const double slowest = *std::min_element(first, first + s.replicas);
-      for (int i = 0; i < s.replicas; ++i) replicas.push_back((s.forward_s + s.backward_s) * slowest / first[i]);
+      auto per_speed = [&](int i) {
+        const double share = static_cast<int>(s.shares.size()) == s.replicas ? s.shares[i] : 1.0 / s.replicas;
+        return share / speed[s.first_device + i];
+      };
+      double slowest = 0;
+      for (int i = 0; i < s.replicas; ++i) slowest = std::max(slowest, per_speed(i));
+      for (int i = 0; i < s.replicas; ++i) replicas.push_back((s.forward_s + s.backward_s) * per_speed(i) / slowest);
     }
     out.push_back({s.forward_s, s.backward_s, 0, replicas});
   }
