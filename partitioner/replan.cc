@@ -257,8 +257,9 @@ Result<ReplanDecision> Replanner::evaluate(const std::vector<StageMeasurement>& 
   const bool jumped = cap_at_ceilings(seen);
   d.census_owed = (jumped || lifted) && !census_asked_;
   if (d.census_owed) {
-    d.census_why = lifted ? "a device's probe lifted its speed ceiling (its straggler may have gone)"
-                          : "a device held to a speed ceiling measured much faster than under it";
+    d.census_why = lifted
+                       ? "a device's probe lifted its speed ceiling (its straggler went, or the reading that set it misread)"
+                       : "a device held to a speed ceiling measured much faster than under it";
   }
   census_asked_ = (census_asked_ && !census) || d.census_owed;
   d.speed_ceiling = ceiling_;
