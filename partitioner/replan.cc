@@ -98,6 +98,12 @@ std::string ReplanDecision::arithmetic(const ReplanPolicy& policy) const {
            human_seconds(calibration.running.predicted_step_s + host_s) +
            " on the corrected inputs: the running plan stays (no other plan found faster)";
   }
+  if (!undo && gain_s <= 0) {  // a slower plan is no saving: it said "-59 ms saved per step"
+    return "measured step " + human_seconds(measured_step_s) + host + ", predicted " +
+           human_seconds(predicted_step_s) + " with the best other plan found: " + human_seconds(-gain_s) +
+           " (" + percent(measured_step_s > 0 ? -gain_s / measured_step_s : 0) +
+           ") more per step, so the running plan stays";
+  }
   char b[640];
   std::snprintf(b, sizeof b,
                 "measured step %s%s, predicted %s with the new plan: %s saved per step (%s; %s), %s over the "

@@ -147,6 +147,15 @@ TEST(Replan, TheGainIsAskedOfTheStepAsTheCallerSeesIt) {
     EXPECT_NEAR(h->gain_s, d->gain_s, 0.02 * d->gain_s) << "the same saving, of a longer step";
     EXPECT_NE(h->arithmetic(hosted.policy()).find("outside the plan's pipeline and optimizer step"), std::string::npos);
   }
+  // The best other plan, priced slower than the running one measures, is said to be slower:
+  // it was "predicted ... with the new plan: -59 ms saved per step".
+  ReplanDecision slower = *d;
+  slower.measured_step_s = 0.9 * slower.predicted_step_s;
+  slower.gain_s = slower.measured_step_s - slower.predicted_step_s;
+  ASSERT_NE(Replanner::layout_key(slower.candidate), Replanner::layout_key(slower.calibration.running));
+  const std::string said = slower.arithmetic(bare.policy());
+  EXPECT_EQ(said.find("saved"), std::string::npos) << said;
+  EXPECT_NE(said.find("more per step, so the running plan stays"), std::string::npos) << said;
   EXPECT_FALSE(bare.evaluate(m, step, true, {}, BeyondPipeline{{}, -1}).is_ok());
   EXPECT_FALSE(bare.evaluate(m, step, true, {}, BeyondPipeline{{0, -1e-3}, 0}).is_ok());
   EXPECT_FALSE(bare.evaluate(m, step, true, {}, BeyondPipeline{{0, 0, 0, 0}, 0}).is_ok());

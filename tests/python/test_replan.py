@@ -19,7 +19,7 @@ import conveyor
 import zoo
 from conveyor import _C
 from conveyor.planning.device_probe import DeviceProbe
-from conveyor.planning.replanning import window_seconds, window_steps
+from conveyor.planning.replanning import moved_here, window_seconds, window_steps
 from conveyor.planning.window_decisions import CLEAR_CONFIRMING, CLEAR_GAIN, WINDOW, confirming_steps, superseding
 from conveyor.planning.window_figures import step_terms
 from conveyor.planning.replanning_messages import FIGURES, WindowFigures, figures_problem
@@ -579,3 +579,11 @@ def test_a_reading_counts_its_fastest_probe_so_one_dip_does_not_make_a_device_sl
     monkeypatch.setattr(_C, "matrix_product_rate", two_of_three_dipped)
     rate = DeviceProbe(torch.device("cpu")).rate()
     assert len(probes) == 3 and rate == max(probes), probes
+
+
+def test_a_switch_says_what_it_moved_here_and_a_process_that_received_nothing_no_receive_time():
+    entry = dict(received_bytes=0, transfer_s=0.0123)
+    assert moved_here(entry, True) == "nothing received here; exchanging with the other processes took 12.3 ms"
+    assert moved_here(entry, False) == "one process: nothing moves"
+    entry["received_bytes"] = 4096
+    assert moved_here(entry, True).startswith("4096 bytes of parameters, buffers and optimizer state received here in 12.3")

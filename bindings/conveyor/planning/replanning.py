@@ -107,6 +107,18 @@ STEP_MOVED = 0.2
 _ACROSS_PROCESSES: "weakref.WeakSet[Replanning]" = weakref.WeakSet()  # settled at exit
 
 
+def moved_here(entry: dict, across_processes: bool) -> str:
+    """What a switch (`entry`: its log entry) moved to this process, and in what time: a
+    process that received nothing spent it exchanging (it said "0 bytes ... received here in
+    12 ms"), and one process moves nothing."""
+    taken = f"{entry['transfer_s'] * 1e3:.1f} ms"
+    if not across_processes:
+        return "one process: nothing moves"
+    if not entry["received_bytes"]:
+        return f"nothing received here; exchanging with the other processes took {taken}"
+    return f"{entry['received_bytes']} bytes of parameters, buffers and optimizer state received here in {taken}"
+
+
 def _settle_at_exit() -> None:
     """Before the job's group closes (an exit handler registered after its own, so run
     before it): what re-planning sent and nobody read yet is read, so that no process leaves
@@ -399,8 +411,7 @@ class Replanning:
         if entry["received_bytes"] and entry["transfer_s"] > 0:
             self.bytes_per_s = entry["received_bytes"] / entry["transfer_s"]
         self.say(f"step {entry['step']}: {entry['old']} -> {entry['new']}; {entry['arithmetic'] or entry['reason']}; "
-                 f"moved in {entry['move_s'] * 1e3:.1f} ms ({entry['received_bytes']} bytes of parameters, buffers and "
-                 f"optimizer state received here in {entry['transfer_s'] * 1e3:.1f} ms, rebuilding "
+                 f"moved in {entry['move_s'] * 1e3:.1f} ms ({moved_here(entry, self.group is not None)}, rebuilding "
                  f"{entry['rebuild_s'] * 1e3:.1f} ms)")
 
     def _think(self, mine: WindowFigures, ended: int) -> None:
