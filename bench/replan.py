@@ -352,13 +352,13 @@ def main() -> None:
         ratio = statistics.median(after["replanned"]) / statistics.median(after["static"])
         print(f"re-planned vs static after it left: {ratio:.2f}x the static plan's mean step (the plan comes back: "
               "switch back below)")
+    from conveyor.planning.replanning import moved_here  # here: a hog's process imports no torch
     for r, switches in enumerate(replans):
         for s in switches:
             gb = s["received_bytes"] / 1e9
-            per_gb = f"{s['transfer_s'] / gb:.2f} s/GB" if gb > 0 else "no bytes"
+            per_gb = f", {s['transfer_s'] / gb:.2f} s/GB" if gb > 0 else ""
             print(f"round {r + 1} switch at step {s['step']}: {s['old']} -> {s['new']}\n  {s['arithmetic']}\n"
-                  f"  measured: moved in {s['move_s'] * 1e3:.1f} ms ({s['received_bytes']} bytes of parameters, "
-                  f"buffers and optimizer state received by process 0 in {s['transfer_s'] * 1e3:.1f} ms, {per_gb}, "
+                  f"  measured on process 0: moved in {s['move_s'] * 1e3:.1f} ms ({moved_here(s, True)}{per_gb}, "
                   f"rebuilding {s['rebuild_s'] * 1e3:.1f} ms); measured gain "
                   + (f"{s['measured_gain_s'] * 1e3:.2f} ms/step" if s["measured_gain_s"] is not None else "not measured"))
         if not switches:
